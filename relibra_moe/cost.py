@@ -1,0 +1,164 @@
+"""The ReLibra cost model of one MoE layer (RELIBRA.md §4), exact and LSE-smoothed, vectorized.
+
+Notation: G GPUs in the EP group, E experts. ``x[j, e]`` counts the tokens whose attention runs on GPU j
+and that are routed to expert e (one count per (token, expert) pair). A plan decides which GPU serves
+each of those pairs: without replicas the expert's home GPU, with replicas a share ``y[j, e, g]`` of
+them on GPU g. Everything below follows from the flow matrix
+
+    F[j, g] = sum_e x[j, e] * y[j, e, g]          tokens sent from source j to target g
+
+- compute: ``L_g = sum_j F[j, g]``; ``comp_g = 6 h h' L_g / F_flops`` seconds (forward GEMMs).
+- dispatch traffic by link class of (j, g) (``specs.ClusterSpec.link_classes``):
+  NVLink carries {nv, cr}, RDMA carries {sr, cr} (a cross-rail token is counted on both, at its
+  source and at its target, literally as the paper's formulas do):
+  ``nvlink_tx[j] = sum_{g: nv|cr} F[j, g]``, ``nvlink_rx[g] = sum_{j: nv|cr} F[j, g]``, and the
+  same for RDMA with {sr, cr}. A token moves ``h x dtype_bytes`` bytes.
+- ``dispatch_g = max(nvlink_tx/B_nv, nvlink_rx/B_nv, rdma_tx/B_rdma, rdma_rx/B_rdma)``. The combine
+  mirrors the dispatch (tx and rx swapped), so it costs the same: ``comm_g = 2 dispatch_g``.
+- ``T_MoE = max_g comp_g + max_g comm_g``.
+
+The smoothed objective replaces every max by ``LSE_beta(z) = (s / beta) log sum exp(beta z / s)``
+where ``s`` is the layer's mean per-GPU compute time (no plan changes it: the token count is fixed), so
+``beta`` is dimensionless (beta = 20: a GPU 5% of the mean below the maximum still weighs e^-1).
+LSE is an upper bound of max and exceeds it by at most ``s log(n) / beta``.
+
+All functions broadcast over leading dimensions (layers, micro-batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import PlanError
+from .specs import CR, NV, SR, ClusterSpec, ModelSpec
+
+DEFAULT_BETA = 20.0
+
+
+@dataclass(frozen=True)
+class MoECost:
+    """Per-GPU cost of MoE layers. Leading dims ``[...]`` are those of the input (e.g. ``[M, L]``).
+
+    Attributes:
+        load: ``[..., G]`` tokens computed on each GPU (L_g).
+        comp: ``[..., G]`` seconds of expert compute (forward).
+        comm: ``[..., G]`` seconds of dispatch + combine.
+        nvlink_tx, nvlink_rx, rdma_tx, rdma_rx: ``[..., G]`` dispatch bytes per GPU and direction.
+        t_moe: ``[...]`` seconds, ``max_g comp + max_g comm``.
+        t_moe_smooth: ``[...]`` seconds, the LSE-smoothed T_MoE (>= t_moe).
+    """
+
+    load: np.ndarray
+    comp: np.ndarray
+    comm: np.ndarray
+    nvlink_tx: np.ndarray
+    nvlink_rx: np.ndarray
+    rdma_tx: np.ndarray
+    rdma_rx: np.ndarray
+    t_moe: np.ndarray
+    t_moe_smooth: np.ndarray
+
+    @property
+    def rank_skew(self) -> np.ndarray:
+        """``[...]`` max GPU load / mean GPU load (1 when the layer has no tokens)."""
+        mean = self.load.mean(axis=-1)
+        return np.where(mean > 0, self.load.max(axis=-1) / np.where(mean > 0, mean, 1), 1.0)
+
+
+def smooth_max(z: np.ndarray, beta: float, scale: np.ndarray | float, axis: int = -1) -> np.ndarray:
+    """``(scale / beta) log sum exp(beta z / scale)`` along ``axis``, computed stably.
+
+    ``scale`` broadcasts against ``z`` with ``axis`` removed; it must be > 0.
+    """
+    z = np.asarray(z, dtype=np.float64)
+    scale = np.asarray(scale, dtype=np.float64)
+    m = z.max(axis=axis)
+    zz = np.moveaxis(z, axis, -1)
+    t = np.exp(beta * (zz - m[..., None]) / scale[..., None])
+    return m + scale / beta * np.log(t.sum(axis=-1))
+
+
+def expert_onehot(expert_gpu: np.ndarray, num_gpus: int) -> np.ndarray:
+    """float64 ``[..., E, G]`` one-hot of the home GPU of every expert (``expert_gpu`` is ``[..., E]``)."""
+    expert_gpu = np.asarray(expert_gpu)
+    if expert_gpu.size and (expert_gpu.min() < 0 or expert_gpu.max() >= num_gpus):
+        bad = expert_gpu[(expert_gpu < 0) | (expert_gpu >= num_gpus)].flat[0]
+        raise PlanError(f"expert_gpu holds GPU {int(bad)}, outside [0, {num_gpus})")
+    return (expert_gpu[..., None] == np.arange(num_gpus)).astype(np.float64)
+
+
+def flow_matrix(x: np.ndarray, expert_gpu: np.ndarray | None = None,
+                shares: np.ndarray | None = None) -> np.ndarray:
+    """Tokens sent from source GPU j to target GPU g, ``F[..., j, g]``.
+
+    Args:
+        x: ``[..., G, E]`` tokens per (source GPU, expert).
+        expert_gpu: ``[..., E]`` home GPU of each expert (broadcast against x's leading dims);
+            used when ``shares`` is None.
+        shares: ``[..., G, E, G]`` share of x[j, e] served on each GPU (rows sum to 1); replaces
+            ``expert_gpu`` when given.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    num_gpus = x.shape[-2]
+    if shares is not None:
+        shares = np.asarray(shares, dtype=np.float64)
+        if shares.shape[-3:] != x.shape[-2:] + (num_gpus,):
+            raise PlanError(f"shares has shape {shares.shape}, expected [..., {num_gpus}, "
+                            f"{x.shape[-1]}, {num_gpus}] to match x {x.shape}")
+        return np.einsum("...je,...jeg->...jg", x, shares)
+    if expert_gpu is None:
+        raise ValueError("flow_matrix needs expert_gpu or shares")
+    return x @ expert_onehot(expert_gpu, num_gpus)
+
+
+def cost_from_flow(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                   beta: float = DEFAULT_BETA) -> MoECost:
+    """The cost model of RELIBRA.md §4 from a flow matrix ``[..., G, G]`` (tokens j -> g)."""
+    flow = np.asarray(flow, dtype=np.float64)
+    num_gpus = cluster.num_gpus
+    if flow.shape[-2:] != (num_gpus, num_gpus):
+        raise PlanError(f"flow has shape {flow.shape}, expected [..., {num_gpus}, {num_gpus}] for "
+                        f"{cluster.nodes} x {cluster.gpus_per_node} GPUs")
+    cls = cluster.link_classes
+    nv_mask = ((cls == NV) | (cls == CR)).astype(np.float64)
+    rdma_mask = ((cls == SR) | (cls == CR)).astype(np.float64)
+    tb = float(model.token_bytes)
+    load = flow.sum(axis=-2)
+    nvlink_tx = (flow * nv_mask).sum(axis=-1) * tb
+    nvlink_rx = (flow * nv_mask).sum(axis=-2) * tb
+    rdma_tx = (flow * rdma_mask).sum(axis=-1) * tb
+    rdma_rx = (flow * rdma_mask).sum(axis=-2) * tb
+    comp = load * (model.flops_per_token_expert / cluster.flops)
+    terms = np.stack([nvlink_tx / cluster.nvlink_bw, nvlink_rx / cluster.nvlink_bw,
+                      rdma_tx / cluster.rdma_bw, rdma_rx / cluster.rdma_bw], axis=-1)
+    comm = 2.0 * terms.max(axis=-1)
+    t_moe = comp.max(axis=-1) + comm.max(axis=-1)
+
+    mean_comp = comp.mean(axis=-1)
+    scale = np.where(mean_comp > 0, mean_comp, 1.0)
+    comm_smooth = 2.0 * smooth_max(terms, beta, scale[..., None], axis=-1)
+    t_smooth = smooth_max(comp, beta, scale) + smooth_max(comm_smooth, beta, scale)
+    return MoECost(load=load, comp=comp, comm=comm, nvlink_tx=nvlink_tx, nvlink_rx=nvlink_rx,
+                   rdma_tx=rdma_tx, rdma_rx=rdma_rx, t_moe=t_moe, t_moe_smooth=t_smooth)
+
+
+def moe_cost(x: np.ndarray, expert_gpu: np.ndarray | None, model: ModelSpec, cluster: ClusterSpec,
+             shares: np.ndarray | None = None, beta: float = DEFAULT_BETA) -> MoECost:
+    """Cost of MoE layers for loads ``x [..., G, E]`` under a placement (and optional replica shares).
+
+    Args:
+        x: tokens per (source GPU, expert), e.g. ``[G, E]``, ``[L, G, E]`` or ``[M, L, G, E]``.
+        expert_gpu: home GPU of each expert, ``[E]`` or ``[L, E]`` (broadcast over leading dims).
+        model, cluster: the specs; ``G`` must equal ``cluster.num_gpus`` and ``E`` the model's experts.
+        shares: optional ``[..., G, E, G]`` fraction of x[j, e] served on GPU g (see ``plan``).
+        beta: LSE sharpness for ``t_moe_smooth`` (dimensionless, see the module docstring).
+    """
+    x = np.asarray(x)
+    if x.ndim < 2 or x.shape[-2] != cluster.num_gpus:
+        raise PlanError(f"x has shape {x.shape}, expected [..., {cluster.num_gpus} GPUs, "
+                        f"{model.num_experts} experts]")
+    if x.shape[-1] != model.num_experts:
+        raise PlanError(f"x has {x.shape[-1]} experts, model {model.name} has {model.num_experts}")
+    return cost_from_flow(flow_matrix(x, expert_gpu, shares), model, cluster, beta)

@@ -1,0 +1,1 @@
+"""integrations of relibra_moe."""

@@ -1,0 +1,1 @@
+"""layers of relibra_moe."""

@@ -1,0 +1,361 @@
+"""Plans are data: frozen dataclasses of numpy arrays, validated, with a versioned ``.npz`` format.
+
+A ``BatchPlan`` for one global batch holds
+
+- ``Placement``: the home GPU of every expert in every MoE layer (``expert_gpu [L, E]``); every GPU
+  homes exactly E / G experts of each layer.
+- ``SamplePlacement``: for every sample of the batch, its micro-batch and the GPU whose attention runs
+  it (that GPU is the token's *source* in the cost model).
+- ``ReplicaPlan``: per micro-batch and layer, which expert sits in each of the r replica slots of each
+  GPU (``replica_expert [M, L, G, r]``, -1 empty) and how the tokens of a replicated expert are split
+  between its home and its replicas (``split_index [Z, 5]`` rows ``(m, l, j, e, g)`` with
+  ``split_share [Z]``: the share of the tokens from source GPU j for expert e served on GPU g).
+  Shares of one ``(m, l, j, e)`` sum to 1. A replicated expert with no rows for some source j sends
+  all of j's tokens home; experts without replicas have no rows.
+- ``stats``: a JSON-serializable dict (strategy, seed, solve seconds, objective values, fallbacks).
+
+File format (``np.savez``, ``allow_pickle=False``), version 1: ``version``, ``num_gpus``,
+``gpus_per_node``, ``num_experts``, ``num_layers``, ``replica_slots``, ``num_micro_batches``,
+``replica_scope``, ``expert_gpu``, ``sample_micro_batch``, ``sample_gpu``, ``replica_expert``,
+``split_index``, ``split_share``, ``stats_json``.
+
+``replica_scope`` is ``"node"`` (replicas live in the home's node: ReLibra, LPLB) or ``"global"``
+(anywhere in the EP group: EPLB's redundant experts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError
+from .specs import ClusterSpec, ModelSpec
+
+PLAN_VERSION = 1
+SHARE_TOL = 1e-5
+_SCOPES = ("node", "global")
+
+
+def _readonly(a: np.ndarray, dtype) -> np.ndarray:
+    a = np.array(a, dtype=dtype, copy=True)
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Home GPU of every expert: ``expert_gpu`` int32 ``[L, E]``."""
+
+    expert_gpu: np.ndarray
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "expert_gpu", _readonly(self.expert_gpu, np.int32))
+        if self.expert_gpu.ndim != 2:
+            raise PlanError(f"expert_gpu must be [L, E], got shape {self.expert_gpu.shape}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.expert_gpu.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_gpu.shape[1]
+
+    @classmethod
+    def static(cls, num_layers: int, num_experts: int, num_gpus: int) -> Placement:
+        """Megatron-LM's placement: expert e on GPU e // (E / G) in every layer."""
+        if num_experts % num_gpus:
+            raise PlanError(f"num_experts={num_experts} is not divisible by num_gpus={num_gpus}")
+        row = np.arange(num_experts) // (num_experts // num_gpus)
+        return cls(np.tile(row, (num_layers, 1)))
+
+    def experts_of(self, layer: int, gpu: int) -> np.ndarray:
+        """Expert ids homed on ``gpu`` in ``layer``, ascending."""
+        return np.flatnonzero(self.expert_gpu[layer] == gpu)
+
+    def validate(self, model: ModelSpec, cluster: ClusterSpec) -> None:
+        L, E, G = model.num_layers, model.num_experts, cluster.num_gpus
+        if self.expert_gpu.shape != (L, E):
+            raise PlanError(f"expert_gpu has shape {self.expert_gpu.shape}, expected [L={L}, E={E}]")
+        if E % G:
+            raise PlanError(f"num_experts={E} is not divisible by num_gpus={G}")
+        bad = (self.expert_gpu < 0) | (self.expert_gpu >= G)
+        if bad.any():
+            l, e = np.argwhere(bad)[0]
+            raise PlanError(f"expert_gpu[{l}, {e}] = {self.expert_gpu[l, e]} is outside [0, {G})")
+        counts = np.stack([np.bincount(row, minlength=G) for row in self.expert_gpu])
+        wrong = np.argwhere(counts != E // G)
+        if len(wrong):
+            l, g = wrong[0]
+            raise PlanError(f"expert_gpu: GPU {g} homes {counts[l, g]} experts in layer {l}; every GPU "
+                            f"must home exactly E/G = {E // G}")
+
+
+@dataclass(frozen=True)
+class SamplePlacement:
+    """Where each sample runs: ``micro_batch`` int32 ``[N]`` and ``gpu`` int32 ``[N]``."""
+
+    micro_batch: np.ndarray
+    gpu: np.ndarray
+    num_micro_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "micro_batch", _readonly(self.micro_batch, np.int32))
+        object.__setattr__(self, "gpu", _readonly(self.gpu, np.int32))
+        if self.micro_batch.ndim != 1 or self.micro_batch.shape != self.gpu.shape:
+            raise PlanError(f"sample_micro_batch {self.micro_batch.shape} and sample_gpu {self.gpu.shape}"
+                            " must both be [N]")
+        if self.num_micro_batches is None:
+            m = int(self.micro_batch.max()) + 1 if self.micro_batch.size else 0
+            object.__setattr__(self, "num_micro_batches", m)
+
+    @property
+    def num_samples(self) -> int:
+        return self.micro_batch.shape[0]
+
+    def validate(self, cluster: ClusterSpec, num_samples: int | None = None) -> None:
+        G, M = cluster.num_gpus, self.num_micro_batches
+        if num_samples is not None and self.num_samples != num_samples:
+            raise PlanError(f"sample placement covers {self.num_samples} samples, the batch has {num_samples}")
+        for name, arr, hi in (("sample_micro_batch", self.micro_batch, M), ("sample_gpu", self.gpu, G)):
+            bad = np.flatnonzero((arr < 0) | (arr >= hi))
+            if len(bad):
+                i = bad[0]
+                raise PlanError(f"{name}[{i}] = {arr[i]} is outside [0, {hi}): every sample must run "
+                                "somewhere")
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """Replica slots and token splits per micro-batch and layer (see the module docstring)."""
+
+    replica_expert: np.ndarray
+    split_index: np.ndarray
+    split_share: np.ndarray
+    scope: str = "node"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "replica_expert", _readonly(self.replica_expert, np.int32))
+        idx = np.asarray(self.split_index, dtype=np.int32).reshape(-1, 5)
+        object.__setattr__(self, "split_index", _readonly(idx, np.int32))
+        object.__setattr__(self, "split_share", _readonly(np.asarray(self.split_share).reshape(-1),
+                                                          np.float32))
+        if self.replica_expert.ndim != 4:
+            raise PlanError(f"replica_expert must be [M, L, G, r], got shape {self.replica_expert.shape}")
+        if self.split_share.shape[0] != self.split_index.shape[0]:
+            raise PlanError(f"split_share has {self.split_share.shape[0]} rows, split_index has "
+                            f"{self.split_index.shape[0]}")
+        if self.scope not in _SCOPES:
+            raise PlanError(f"replica scope {self.scope!r} is not one of {_SCOPES}")
+
+    @classmethod
+    def empty(cls, num_micro_batches: int, num_layers: int, num_gpus: int, slots: int = 0) -> ReplicaPlan:
+        """No replicas: every slot empty, no split rows."""
+        return cls(np.full((num_micro_batches, num_layers, num_gpus, slots), -1, np.int32),
+                   np.zeros((0, 5), np.int32), np.zeros(0, np.float32))
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.replica_expert.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self.replica_expert.shape[3]
+
+    def rows_of(self, micro_batch: int, layer: int | None = None) -> np.ndarray:
+        """Indices into split_index/split_share of one micro-batch (and layer)."""
+        sel = self.split_index[:, 0] == micro_batch
+        if layer is not None:
+            sel &= self.split_index[:, 1] == layer
+        return np.flatnonzero(sel)
+
+    def shares(self, placement: Placement, micro_batch: int) -> np.ndarray:
+        """Dense float64 ``[L, G, E, G]`` shares of one micro-batch (one-hot home where not split)."""
+        L, E = placement.expert_gpu.shape
+        G = self.replica_expert.shape[2]
+        out = np.zeros((L, G, E, G))
+        l_idx, e_idx = np.meshgrid(np.arange(L), np.arange(E), indexing="ij")
+        out[l_idx[:, None, :], np.arange(G)[None, :, None], e_idx[:, None, :],
+            placement.expert_gpu[:, None, :]] = 1.0
+        rows = self.rows_of(micro_batch)
+        if len(rows):
+            _, l, j, e, g = self.split_index[rows].T
+            out[l, j, e, :] = 0.0
+            np.add.at(out, (l, j, e, g), self.split_share[rows].astype(np.float64))
+        return out
+
+    def validate(self, placement: Placement, model: ModelSpec, cluster: ClusterSpec,
+                 num_micro_batches: int | None = None) -> None:
+        M, L, G, r = self.replica_expert.shape
+        E = model.num_experts
+        if (L, G) != (model.num_layers, cluster.num_gpus):
+            raise PlanError(f"replica_expert has shape {self.replica_expert.shape}, expected "
+                            f"[M, L={model.num_layers}, G={cluster.num_gpus}, r]")
+        if num_micro_batches is not None and M != num_micro_batches:
+            raise PlanError(f"replica_expert covers {M} micro-batches, the plan has {num_micro_batches}")
+        rep = self.replica_expert
+        bad = np.argwhere((rep < -1) | (rep >= E))
+        if len(bad):
+            m, l, g, s = bad[0]
+            raise PlanError(f"replica_expert[{m}, {l}, {g}, {s}] = {rep[m, l, g, s]} is outside [-1, {E})")
+        home = placement.expert_gpu
+        node = np.arange(G) // cluster.gpus_per_node
+        filled = np.argwhere(rep >= 0)
+        for m, l, g, s in filled:
+            e = rep[m, l, g, s]
+            if home[l, e] == g:
+                raise PlanError(f"replica_expert[{m}, {l}, {g}, {s}] = expert {e}, which is homed on GPU {g}"
+                                " already (a replica must live on another GPU)")
+            if self.scope == "node" and node[home[l, e]] != node[g]:
+                raise PlanError(f"replica_expert[{m}, {l}, {g}, {s}] = expert {e}: GPU {g} is on node "
+                                f"{node[g]}, the home GPU {home[l, e]} on node {node[home[l, e]]}; "
+                                "replicas stay inside the home's node")
+            if np.count_nonzero(rep[m, l, g] == e) > 1:
+                raise PlanError(f"replica_expert[{m}, {l}, {g}] holds expert {e} twice")
+        idx, share = self.split_index, self.split_share
+        if len(idx) == 0:
+            return
+        hi = np.array([M, L, G, E, G])
+        bad = np.argwhere((idx < 0) | (idx >= hi))
+        if len(bad):
+            z, c = bad[0]
+            name = "mljeg"[c]
+            raise PlanError(f"split_index[{z}] = {tuple(idx[z])}: {name}={idx[z, c]} is outside [0, {hi[c]})")
+        if not np.all(np.isfinite(share)) or (share < 0).any() or (share > 1 + SHARE_TOL).any():
+            z = np.flatnonzero(~np.isfinite(share) | (share < 0) | (share > 1 + SHARE_TOL))[0]
+            raise PlanError(f"split_share[{z}] = {share[z]} is not a fraction in [0, 1]")
+        m, l, j, e, g = idx.T
+        on_home = home[l, e] == g
+        has_rep = (rep[m, l, g] == e[:, None]).any(axis=1)
+        wrong = np.flatnonzero(~on_home & ~has_rep & (share > 0))
+        if len(wrong):
+            z = wrong[0]
+            raise PlanError(f"split_index[{z}] = {tuple(idx[z])} sends tokens of expert {e[z]} to GPU {g[z]}, "
+                            "which is neither its home nor holds a replica of it")
+        key = (((m.astype(np.int64) * L + l) * G + j) * E + e) * G + g
+        uniq, counts = np.unique(key, return_counts=True)
+        if (counts > 1).any():
+            z = np.flatnonzero(key == uniq[counts > 1][0])[0]
+            raise PlanError(f"split_index[{z}] = {tuple(idx[z])} appears more than once")
+        group = key // G
+        ug, inv = np.unique(group, return_inverse=True)
+        sums = np.bincount(inv, weights=share.astype(np.float64), minlength=len(ug))
+        off = np.flatnonzero(np.abs(sums - 1.0) > SHARE_TOL)
+        if len(off):
+            z = np.flatnonzero(inv == off[0])[0]
+            raise PlanError(f"split_share of (m, l, j, e) = {tuple(idx[z, :4])} sums to {sums[off[0]]:.6g}, "
+                            "not 1: every token must be served exactly once")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Everything a training step needs to follow for one global batch."""
+
+    placement: Placement
+    samples: SamplePlacement
+    replicas: ReplicaPlan
+    num_gpus: int
+    gpus_per_node: int
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return self.placement.num_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.placement.num_experts
+
+    @property
+    def num_micro_batches(self) -> int:
+        return int(self.samples.num_micro_batches)
+
+    @property
+    def replica_slots(self) -> int:
+        return self.replicas.slots
+
+    def validate(self, model: ModelSpec, cluster: ClusterSpec, num_samples: int | None = None) -> None:
+        """Raise PlanError naming the field and the rule if the plan does not fit model and cluster."""
+        if (self.num_gpus, self.gpus_per_node) != (cluster.num_gpus, cluster.gpus_per_node):
+            raise PlanError(f"plan is for {self.num_gpus} GPUs ({self.gpus_per_node} per node), the cluster "
+                            f"has {cluster.num_gpus} ({cluster.gpus_per_node} per node)")
+        self.placement.validate(model, cluster)
+        self.samples.validate(cluster, num_samples)
+        self.replicas.validate(self.placement, model, cluster, self.num_micro_batches)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as a version-1 ``.npz`` (deterministic bytes for equal plans)."""
+        arrays = {
+            "version": np.array(PLAN_VERSION, np.int32),
+            "num_gpus": np.array(self.num_gpus, np.int32),
+            "gpus_per_node": np.array(self.gpus_per_node, np.int32),
+            "num_experts": np.array(self.num_experts, np.int32),
+            "num_layers": np.array(self.num_layers, np.int32),
+            "replica_slots": np.array(self.replica_slots, np.int32),
+            "num_micro_batches": np.array(self.num_micro_batches, np.int32),
+            "replica_scope": np.array(self.replicas.scope),
+            "expert_gpu": self.placement.expert_gpu,
+            "sample_micro_batch": self.samples.micro_batch,
+            "sample_gpu": self.samples.gpu,
+            "replica_expert": self.replicas.replica_expert,
+            "split_index": self.replicas.split_index,
+            "split_share": self.replicas.split_share,
+            "stats_json": np.array(json.dumps(self.stats, sort_keys=True, default=_json_default)),
+        }
+        _save_npz_deterministic(path, arrays)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> BatchPlan:
+        """Read a plan file; PlanError names the path and the reason when it cannot."""
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                data = {k: f[k] for k in f.files}
+        except FileNotFoundError:
+            raise PlanError(f"plan file {path}: no such file") from None
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+            raise PlanError(f"plan file {path}: not a readable .npz ({exc})") from None
+        version = int(data["version"]) if "version" in data else None
+        if version != PLAN_VERSION:
+            raise PlanError(f"plan file {path}: version {version} is not supported (expected {PLAN_VERSION})")
+        need = ("num_gpus", "gpus_per_node", "expert_gpu", "sample_micro_batch", "sample_gpu",
+                "replica_expert", "split_index", "split_share")
+        for k in need:
+            if k not in data:
+                raise PlanError(f"plan file {path}: missing key {k!r}")
+        stats = json.loads(str(data["stats_json"])) if "stats_json" in data else {}
+        m = int(data["num_micro_batches"]) if "num_micro_batches" in data else None
+        scope = str(data["replica_scope"]) if "replica_scope" in data else "node"
+        return cls(
+            placement=Placement(data["expert_gpu"]),
+            samples=SamplePlacement(data["sample_micro_batch"], data["sample_gpu"], m),
+            replicas=ReplicaPlan(data["replica_expert"], data["split_index"], data["split_share"], scope),
+            num_gpus=int(data["num_gpus"]), gpus_per_node=int(data["gpus_per_node"]), stats=stats)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"stats value of type {type(o).__name__} is not JSON-serializable")
+
+
+def _save_npz_deterministic(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
+    """Like ``np.savez`` but with fixed zip timestamps, so equal plans give equal bytes."""
+    import io
+
+    from numpy.lib import format as npformat
+
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, arr in arrays.items():
+            buf = io.BytesIO()
+            npformat.write_array(buf, np.asarray(arr), allow_pickle=False)
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            zf.writestr(info, buf.getvalue())

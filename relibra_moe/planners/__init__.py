@@ -1,0 +1,1 @@
+"""planners of relibra_moe."""
