@@ -1,0 +1,43 @@
+"""The ``relibra`` command: ``relibra {demo,trace,plan,score,simulate} ...`` (``relibra -h`` lists them)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .commands import COMMAND_MODULES
+from .errors import RelibraError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="relibra",
+        description="Routing-replay load balancing for MoE training in RL: traces, plans, simulation, demo.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # command group not part of this build
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except RelibraError as exc:
+        print(f"relibra {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
