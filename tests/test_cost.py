@@ -1,0 +1,131 @@
+"""The cost model of RELIBRA.md §4 on hand-computed 2-node x 2-GPU cases, one per link class."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relibra_moe.cost import flow_matrix, moe_cost, smooth_max
+from relibra_moe.errors import PlanError
+from relibra_moe.specs import ClusterSpec, ModelSpec
+
+# h = 4, h' = 2, bf16: a token is 8 bytes, a (token, expert) pair costs 6*4*2 = 48 FLOPs.
+MODEL = ModelSpec("tiny", hidden=4, ffn=2, num_experts=4, topk=2, num_layers=1, dtype_bytes=2)
+# GPUs 0, 1 on node 0 and 2, 3 on node 1; rails: 0 and 2 share rail 0, 1 and 3 share rail 1.
+CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2, nvlink_bw=4.0, rdma_bw=2.0, flops=12.0)
+STATIC = np.array([0, 1, 2, 3])  # expert e homed on GPU e
+
+
+def one_token(src: int, expert: int, count: float = 1.0) -> np.ndarray:
+    x = np.zeros((4, 4))
+    x[src, expert] = count
+    return x
+
+
+def test_local_token_costs_compute_only():
+    c = moe_cost(one_token(0, 0, 3), STATIC, MODEL, CLUSTER)
+    assert c.comp[0] == pytest.approx(3 * 48 / 12.0)
+    assert np.all(c.comm == 0)
+    assert c.t_moe == pytest.approx(12.0)
+
+
+def test_nvlink_token():
+    # 0 -> 1 is nv: 8 bytes on NVLink tx of GPU 0 and rx of GPU 1; comm = dispatch + combine = 2 * 8 / 4
+    c = moe_cost(one_token(0, 1), STATIC, MODEL, CLUSTER)
+    assert c.nvlink_tx.tolist() == [8, 0, 0, 0]
+    assert c.nvlink_rx.tolist() == [0, 8, 0, 0]
+    assert np.all(c.rdma_tx == 0) and np.all(c.rdma_rx == 0)
+    assert c.comm.tolist() == [4.0, 4.0, 0.0, 0.0]
+    assert c.comp.tolist() == [0.0, 4.0, 0.0, 0.0]
+    assert c.t_moe == pytest.approx(4.0 + 4.0)
+
+
+def test_same_rail_token_uses_rdma_only():
+    # 1 -> 3: other node, same rail (rail 1): RDMA only, 2 * 8 / 2 = 8 s
+    c = moe_cost(one_token(1, 3), STATIC, MODEL, CLUSTER)
+    assert np.all(c.nvlink_tx == 0) and np.all(c.nvlink_rx == 0)
+    assert c.rdma_tx.tolist() == [0, 8, 0, 0]
+    assert c.rdma_rx.tolist() == [0, 0, 0, 8]
+    assert c.comm.tolist() == [0.0, 8.0, 0.0, 8.0]
+    assert c.t_moe == pytest.approx(4.0 + 8.0)
+
+
+def test_cross_rail_token_counts_on_nvlink_and_rdma_at_both_ends():
+    # 0 -> 3: other node, other rail; the paper's formulas count it on both link types, source and target
+    c = moe_cost(one_token(0, 3), STATIC, MODEL, CLUSTER)
+    assert c.nvlink_tx.tolist() == [8, 0, 0, 0]
+    assert c.rdma_tx.tolist() == [8, 0, 0, 0]
+    assert c.nvlink_rx.tolist() == [0, 0, 0, 8]
+    assert c.rdma_rx.tolist() == [0, 0, 0, 8]
+    # max(8/4, 8/2) = 4, doubled for the combine
+    assert c.comm.tolist() == [8.0, 0.0, 0.0, 8.0]
+
+
+def test_mixed_case_takes_max_over_gpus_of_each_term():
+    x = one_token(0, 1, 2) + one_token(2, 2, 5) + one_token(3, 0, 1)
+    c = moe_cost(x, STATIC, MODEL, CLUSTER)
+    # loads: GPU0 1 (from 3), GPU1 2, GPU2 5 -> max comp 5*4 = 20
+    assert c.load.tolist() == [1, 2, 5, 0]
+    # GPU0: nv tx 16 B (4 s), rdma rx 8 B from 3 (cr: also nv rx 8 B) -> max(16/4, 8/4, 8/2)=4 -> comm 8
+    # GPU3: cr tx 8 B: nv 2 s, rdma 4 s -> comm 8
+    assert c.comm.tolist() == [8.0, 8.0, 0.0, 8.0]
+    assert c.t_moe == pytest.approx(20.0 + 8.0)
+
+
+def test_replica_shares_split_tokens():
+    x = one_token(0, 3, 4)
+    shares = np.zeros((4, 4, 4))
+    shares[:, np.arange(4), STATIC] = 1.0
+    shares[0, 3] = [0.0, 0.0, 0.5, 0.5]  # half to the replica on GPU 2 (same rail as GPU 0)
+    c = moe_cost(x, None, MODEL, CLUSTER, shares=shares)
+    assert c.load.tolist() == [0, 0, 2, 2]
+    # GPU 0: rdma tx = 4 tokens * 8 B = 32 B -> 16 s; nv tx = 2 tokens (cr) = 16 B -> 4 s; comm 32
+    assert c.rdma_tx[0] == 32 and c.nvlink_tx[0] == 16
+    assert c.t_moe == pytest.approx(2 * 4.0 + 32.0)
+
+
+def test_vectorized_over_layers_and_micro_batches_matches_per_cell():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, size=(3, 2, 4, 4))
+    homes = np.array([[3, 2, 1, 0], [0, 2, 1, 3]])
+    batched = moe_cost(x, homes, MODEL.with_(num_layers=2), CLUSTER)
+    for m in range(3):
+        for l in range(2):
+            cell = moe_cost(x[m, l], homes[l], MODEL, CLUSTER)
+            assert batched.t_moe[m, l] == pytest.approx(cell.t_moe)
+            np.testing.assert_allclose(batched.comm[m, l], cell.comm)
+
+
+@given(st.lists(st.floats(0, 100), min_size=1, max_size=16), st.floats(1, 100))
+def test_smooth_max_bounds(values, beta):
+    z = np.array(values)
+    s = smooth_max(z, beta, 1.0)
+    assert z.max() - 1e-9 <= s <= z.max() + np.log(len(z)) / beta + 1e-9
+
+
+def test_smoothed_objective_upper_bounds_exact():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 100, size=(5, 4, 4))
+    c = moe_cost(x, STATIC, MODEL.with_(num_layers=5), CLUSTER)
+    assert np.all(c.t_moe_smooth >= c.t_moe - 1e-12)
+
+
+def test_flow_matrix_conserves_tokens():
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 10, size=(4, 4))
+    f = flow_matrix(x, STATIC)
+    assert f.sum() == x.sum()
+    assert f.sum(axis=1).tolist() == x.sum(axis=1).tolist()
+
+
+def test_bad_shapes_raise_plan_error():
+    with pytest.raises(PlanError, match="expected"):
+        moe_cost(np.zeros((3, 4)), STATIC, MODEL, CLUSTER)
+    with pytest.raises(PlanError, match="experts"):
+        moe_cost(np.zeros((4, 5)), STATIC, MODEL, CLUSTER)
+    with pytest.raises(PlanError, match="GPU 7"):
+        moe_cost(np.zeros((4, 4)), np.array([0, 1, 2, 7]), MODEL, CLUSTER)
+    with pytest.raises(PlanError, match="shares has shape"):
+        moe_cost(np.zeros((4, 4)), None, MODEL, CLUSTER, shares=np.zeros((4, 4, 3)))

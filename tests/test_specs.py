@@ -1,0 +1,74 @@
+"""Specs: presets match the public model configs, link classes on a rail-optimized fabric."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from relibra_moe.specs import (
+    CR,
+    LOC,
+    NV,
+    SR,
+    ClusterSpec,
+    ModelSpec,
+    cluster_preset,
+    model_preset,
+    replica_buffer_bytes,
+)
+
+
+@pytest.mark.parametrize(
+    "name, hidden, ffn, experts, topk, layers",
+    [
+        ("qwen3-30b-a3b", 2048, 768, 128, 8, 48),
+        ("glm4.5-106b-a12b", 4096, 1408, 128, 8, 45),
+        ("qwen3-235b-a22b", 4096, 1536, 128, 8, 94),
+        ("gpt-oss-20b", 2880, 2880, 32, 4, 24),
+        ("olmoe-1b-7b", 2048, 1024, 64, 8, 16),
+    ],
+)
+def test_model_presets(name, hidden, ffn, experts, topk, layers):
+    m = model_preset(name)
+    assert (m.hidden, m.ffn, m.num_experts, m.topk, m.num_layers) == (hidden, ffn, experts, topk, layers)
+    assert m.token_bytes == hidden * 2
+
+
+def test_replica_buffer_matches_paper_figures():
+    # RELIBRA.md §7: r = 2, bf16: 18 MiB (Qwen3-30B-A3B), 72 MiB (Qwen3-235B-A22B)
+    assert replica_buffer_bytes(model_preset("qwen3-30b-a3b"), 2) / 2**20 == pytest.approx(18.0)
+    assert replica_buffer_bytes(model_preset("qwen3-235b-a22b"), 2) / 2**20 == pytest.approx(72.0)
+
+
+def test_link_classes_2x2():
+    c = ClusterSpec(nodes=2, gpus_per_node=2)
+    expected = np.array([[LOC, NV, SR, CR], [NV, LOC, CR, SR], [SR, CR, LOC, NV], [CR, SR, NV, LOC]])
+    np.testing.assert_array_equal(c.link_classes, expected)
+    assert c.link_class(0, 3) == "cr" and c.link_class(1, 3) == "sr"
+
+
+def test_link_classes_are_symmetric_and_counted():
+    c = cluster_preset(nodes=4, gpus_per_node=8)
+    lc = c.link_classes
+    assert (lc == lc.T).all()
+    # per source: 7 nv peers, 3 same-rail remote, 3 x 7 = 21 cross-rail remote
+    for cls, n in ((NV, 7), (SR, 3), (CR, 21), (LOC, 1)):
+        assert ((lc == cls).sum(axis=1) == n).all()
+
+
+def test_hopper_rail_defaults():
+    c = cluster_preset("hopper-rail", nodes=2, gpus_per_node=8)
+    assert (c.num_gpus, c.nvlink_bw, c.rdma_bw, c.flops) == (16, 450e9, 50e9, 700e12)
+
+
+def test_bad_specs_raise():
+    with pytest.raises(ValueError, match="unknown model preset"):
+        model_preset("nope")
+    with pytest.raises(ValueError, match="unknown cluster preset"):
+        cluster_preset("nope")
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        ClusterSpec(nodes=1, gpus_per_node=0)
+    with pytest.raises(ValueError, match="topk"):
+        ModelSpec("x", 4, 4, 2, 3, 1)
+    with pytest.raises(ValueError, match="rdma_bw"):
+        ClusterSpec(nodes=1, gpus_per_node=2, rdma_bw=0)
