@@ -1,0 +1,828 @@
+"""Routing traces: the recorded top-k expert ids of every token, and the loads planners consume.
+
+``RoutingTrace`` is one sequence: ``experts`` ``[S, L, k]`` (``-1`` = no route) for its S tokens at
+its L MoE layers. ``TraceBatch`` is a global batch of sequences with an optional micro-batch
+assignment; it turns the ids into the load tensors of RELIBRA.md §4 (``x[j, e]`` per micro-batch and
+layer) without any Python loop over tokens.
+
+A batch may also be built from per-sample expert counts alone (``TraceBatch.from_counts``), with the
+per-token ids produced on demand by a callback: synthetic batches at the paper's scale plan from the
+counts and never hold billions of ids in memory.
+
+File format (``.npz``, ``allow_pickle=False``), version 1:
+
+=============== ======== ============ =================================================
+key             dtype    shape        meaning
+=============== ======== ============ =================================================
+``version``     int64    ``[]``       1
+``num_experts`` int64    ``[]``       E
+``topk``        int64    ``[]``       k
+``layer_ids``   int32    ``[L]``      global decoder layer index of each MoE layer
+``experts``     int16/32 ``[T, L, k]`` all sequences concatenated (int32 when E > 32767)
+``offsets``     int64    ``[N+1]``    sequence i is rows ``offsets[i]:offsets[i+1]``
+``starts``      int64    ``[N]``      absolute token position of each sequence's row 0
+``micro_batch`` int32    ``[N]``      micro-batch of each sequence, -1 = not assigned
+``source``      str      ``[]``       free text (where the routing came from)
+``info_<name>`` any      ``[N]``      optional per-sample metadata (e.g. ``info_domain``)
+=============== ======== ============ =================================================
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import TraceError
+
+FORMAT_VERSION = 1
+REQUIRED_KEYS = ("version", "num_experts", "topk", "layer_ids", "experts", "offsets", "starts", "micro_batch",
+                 "source")
+_INFO_PREFIX = "info_"
+
+__all__ = [
+    "FORMAT_VERSION", "RoutingTrace", "TraceBatch", "ids_dtype", "from_sglang", "from_vllm", "from_megatron",
+]
+
+
+def ids_dtype(num_experts: int) -> np.dtype:
+    """The storage dtype of expert ids: int16, or int32 when ``num_experts`` > 32767."""
+    return np.dtype(np.int16) if num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise TraceError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str]) -> None:
+    """Raise TraceError at the first out-of-range or duplicated id of ``experts`` ``[T, L, k]``.
+
+    ``where(t)`` describes row ``t`` (e.g. ``"sample 3, row 17"``). ``-1`` entries are padding: any
+    number of them may appear in a row, and they are not duplicates of each other.
+    """
+    if experts.size == 0:
+        return
+    lo, hi = int(experts.min()), int(experts.max())
+    if lo < -1 or hi >= num_experts:
+        bad = (experts < -1) | (experts >= num_experts)
+        t, l, s = np.unravel_index(int(np.flatnonzero(bad.ravel())[0]), experts.shape)
+        v = int(experts[t, l, s])
+        raise TraceError(f"{where(int(t))}, layer {int(l)}, slot {int(s)}: expert id {v} out of range "
+                         f"(valid: 0..{num_experts - 1}, or -1 for no route)")
+    if experts.shape[2] > 1:
+        srt = np.sort(experts, axis=2)
+        dup = (srt[:, :, 1:] == srt[:, :, :-1]) & (srt[:, :, 1:] >= 0)
+        if dup.any():
+            t, l, j = np.unravel_index(int(np.flatnonzero(dup.ravel())[0]), dup.shape)
+            v = int(srt[t, l, j + 1])
+            raise TraceError(f"{where(int(t))}, layer {int(l)}: duplicate expert id {v} in row "
+                             f"{experts[t, l].tolist()} (a row holds k distinct ids)")
+
+
+def _as_int_array(name: str, value: Any) -> np.ndarray:
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch tensor, without importing torch
+        value = value.detach().cpu().numpy()
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu":
+        raise TraceError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr
+
+
+def _normalize(experts: Any, layer_ids: Any, num_experts: Any, topk: Any,
+               where: Callable[[int], str]) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Validate one sequence's fields; returns (experts in ``ids_dtype``, layer_ids int32, E, k)."""
+    num_experts = _positive_int("num_experts", num_experts)
+    topk = _positive_int("topk", topk)
+    if topk > num_experts:
+        raise TraceError(f"topk={topk} exceeds num_experts={num_experts}")
+    experts = _as_int_array("experts", experts)
+    if experts.ndim != 3:
+        raise TraceError(f"experts must have rank 3 [S, L, k], got rank {experts.ndim} with shape {experts.shape}")
+    if experts.shape[2] != topk:
+        raise TraceError(f"experts has k={experts.shape[2]} ids per row (shape {experts.shape}), topk={topk}")
+    if experts.shape[1] == 0:
+        raise TraceError(f"experts has no MoE layers (shape {experts.shape})")
+    layer_ids = _as_int_array("layer_ids", layer_ids)
+    if layer_ids.ndim != 1 or layer_ids.shape[0] != experts.shape[1]:
+        raise TraceError(f"layer count mismatch: layer_ids has shape {layer_ids.shape}, experts has "
+                         f"{experts.shape[1]} layers (shape {experts.shape})")
+    if layer_ids.size and int(layer_ids.min()) < 0:
+        raise TraceError(f"layer_ids must be >= 0, got {layer_ids.tolist()}")
+    if np.unique(layer_ids).size != layer_ids.size:
+        raise TraceError(f"layer_ids must be distinct, got {layer_ids.tolist()}")
+    _check_ids(experts, num_experts, where)
+    experts = experts.astype(ids_dtype(num_experts), copy=False)
+    return experts, layer_ids.astype(np.int32, copy=False), num_experts, topk
+
+
+@dataclass(frozen=True, eq=False)
+class RoutingTrace:
+    """The routing of one sequence.
+
+    Attributes:
+        experts: int16 (int32 when E > 32767) ``[S, L, k]``: the k expert ids of each of the S tokens
+            at each of the L MoE layers, in the engine's order; ``-1`` = no route (padding; a row may
+            be partly padded). Any integer input dtype is accepted and converted.
+        layer_ids: int32 ``[L]``: global decoder-layer index of each MoE layer.
+        num_experts: routed experts per layer E.
+        topk: ids per row k.
+        start: absolute token position of row 0 (e.g. the prompt length when only the response is
+            recorded).
+        source: free text saying where the routing came from.
+
+    Raises:
+        TraceError: wrong dtype or rank, layer count mismatch, out-of-range or duplicate id (naming
+            the row, layer and value).
+    """
+
+    experts: np.ndarray
+    layer_ids: np.ndarray
+    num_experts: int
+    topk: int
+    start: int = 0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        experts, layer_ids, e, k = _normalize(self.experts, self.layer_ids, self.num_experts, self.topk,
+                                              lambda t: f"row {t}")
+        if isinstance(self.start, (bool, np.bool_)) or not isinstance(self.start, (int, np.integer)) \
+                or self.start < 0:
+            raise TraceError(f"start must be an int >= 0, got {self.start!r}")
+        object.__setattr__(self, "experts", experts)
+        object.__setattr__(self, "layer_ids", layer_ids)
+        object.__setattr__(self, "num_experts", e)
+        object.__setattr__(self, "topk", k)
+        object.__setattr__(self, "start", int(self.start))
+        object.__setattr__(self, "source", str(self.source))
+
+    @classmethod
+    def _trusted(cls, experts: np.ndarray, layer_ids: np.ndarray, num_experts: int, topk: int, start: int,
+                 source: str) -> RoutingTrace:
+        """Build without validation (the caller validated the arrays already)."""
+        obj = object.__new__(cls)
+        for name, value in (("experts", experts), ("layer_ids", layer_ids), ("num_experts", int(num_experts)),
+                            ("topk", int(topk)), ("start", int(start)), ("source", str(source))):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows S."""
+        return int(self.experts.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        """MoE layers L."""
+        return int(self.experts.shape[1])
+
+    def expert_counts(self) -> np.ndarray:
+        """int64 ``[L, E]``: tokens routed to expert e at MoE layer l (``-1`` entries not counted)."""
+        return _counts_of(self.experts, self.num_experts)
+
+    # adapters (also available as module-level functions)
+    @classmethod
+    def from_sglang(cls, meta_info: dict, num_moe_layers: int | None = None, dense_layers: Sequence[int] = (),
+                    **kwargs: Any) -> RoutingTrace:
+        """See :func:`from_sglang`."""
+        return from_sglang(meta_info, num_moe_layers, dense_layers, **kwargs)
+
+    @classmethod
+    def from_vllm(cls, routed_experts: Any, prompt_start: int = 0, **kwargs: Any) -> RoutingTrace:
+        """See :func:`from_vllm`."""
+        return from_vllm(routed_experts, prompt_start, **kwargs)
+
+    @classmethod
+    def from_megatron(cls, routing_indices: Any, **kwargs: Any) -> RoutingTrace:
+        """See :func:`from_megatron`."""
+        return from_megatron(routing_indices, **kwargs)
+
+
+def _counts_of(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """int64 ``[L, E]`` expert counts of ids ``[S, L, k]`` (vectorized bincount, -1 skipped)."""
+    s, num_layers, k = experts.shape
+    ids = experts.astype(np.int64, copy=False)
+    flat = ids + (np.arange(num_layers, dtype=np.int64) * num_experts)[None, :, None]
+    flat = flat[ids >= 0]
+    return np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
+
+
+def _check_micro_batch(micro_batch: Any, n: int, name: str = "micro_batch") -> np.ndarray | None:
+    if micro_batch is None:
+        return None
+    mb = _as_int_array(name, micro_batch)
+    if mb.shape != (n,):
+        raise TraceError(f"{name} must have shape [{n}] (one entry per sequence), got {mb.shape}")
+    if mb.size and int(mb.min()) < -1:
+        i = int(np.argmin(mb))
+        raise TraceError(f"{name}[{i}] = {int(mb[i])}: micro-batch ids are >= 0, or -1 for not assigned")
+    out = mb.astype(np.int32)
+    out.setflags(write=False)
+    return out
+
+
+def _check_info(info: dict[str, Any] | None, n: int) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for key, value in (info or {}).items():
+        arr = np.asarray(value)
+        if arr.ndim < 1 or arr.shape[0] != n:
+            raise TraceError(f"sample_info[{key!r}] must have one entry per sequence ({n}), got shape {arr.shape}")
+        if arr.dtype.kind == "O":
+            raise TraceError(f"sample_info[{key!r}] has dtype object; use numbers or strings")
+        out[str(key)] = arr
+    return out
+
+
+class TraceBatch:
+    """A global batch of N sequences with the same MoE layers, E and k.
+
+    Args:
+        traces: the sequences (at least one), in sample order.
+        micro_batch: optional int32 ``[N]``: micro-batch of each sequence, ``-1`` = not assigned.
+        source: free text; defaults to the traces' distinct sources joined by ``"; "``.
+        sample_info: optional per-sample metadata, each value ``[N]`` (e.g. ``{"domain": [...]}``).
+
+    Raises:
+        TraceError: empty batch, a sequence whose E, k, layer count or layer ids differ from sample 0
+            (naming the sample), a bad micro-batch array.
+    """
+
+    def __init__(self, traces: Sequence[RoutingTrace], micro_batch: Any = None, *, source: str | None = None,
+                 sample_info: dict[str, Any] | None = None) -> None:
+        traces = list(traces)
+        if not traces:
+            raise TraceError("empty batch: a TraceBatch needs at least one sequence")
+        for i, tr in enumerate(traces):
+            if not isinstance(tr, RoutingTrace):
+                raise TraceError(f"sample {i}: expected a RoutingTrace, got {type(tr).__name__}")
+        t0 = traces[0]
+        for i, tr in enumerate(traces[1:], start=1):
+            if tr.num_layers != t0.num_layers:
+                raise TraceError(f"layer count mismatch: sample {i} has {tr.num_layers} MoE layers, sample 0 has "
+                                 f"{t0.num_layers}")
+            if not np.array_equal(tr.layer_ids, t0.layer_ids):
+                raise TraceError(f"sample {i}: layer_ids {tr.layer_ids.tolist()} differ from sample 0's "
+                                 f"{t0.layer_ids.tolist()}")
+            if tr.num_experts != t0.num_experts:
+                raise TraceError(f"sample {i}: num_experts={tr.num_experts}, sample 0 has {t0.num_experts}")
+            if tr.topk != t0.topk:
+                raise TraceError(f"sample {i}: topk={tr.topk}, sample 0 has {t0.topk}")
+        if source is None:
+            source = "; ".join(dict.fromkeys(tr.source for tr in traces if tr.source))
+        self._setup(
+            n=len(traces), layer_ids=t0.layer_ids, num_experts=t0.num_experts, topk=t0.topk,
+            lengths=np.array([tr.num_tokens for tr in traces], dtype=np.int64),
+            starts=np.array([tr.start for tr in traces], dtype=np.int64),
+            source=source, traces=traces, factory=None, counts=None,
+            micro_batch=micro_batch, sample_info=sample_info)
+
+    # ----------------------------------------------------------------------------------- building
+    def _setup(self, *, n: int, layer_ids: np.ndarray, num_experts: int, topk: int, lengths: np.ndarray,
+               starts: np.ndarray, source: str, traces: list[RoutingTrace] | None,
+               factory: Callable[[int], np.ndarray] | None, counts: np.ndarray | None, micro_batch: Any,
+               sample_info: dict[str, Any] | None) -> None:
+        self._n = int(n)
+        self._layer_ids = np.asarray(layer_ids, dtype=np.int32)
+        self._layer_ids.setflags(write=False)
+        self._num_experts = int(num_experts)
+        self._topk = int(topk)
+        self._lengths = lengths
+        self._lengths.setflags(write=False)
+        self._starts = starts
+        self._starts.setflags(write=False)
+        self.source = str(source)
+        self._traces = traces
+        self._factory = factory
+        self._counts = counts
+        self.micro_batch = _check_micro_batch(micro_batch, self._n)
+        self.sample_info = _check_info(sample_info, self._n)
+
+    def _derive(self, *, micro_batch: Any, index: np.ndarray | None = None) -> TraceBatch:
+        """A batch sharing this one's data (all samples, or the samples ``index`` in that order)."""
+        new = object.__new__(TraceBatch)
+        if index is None:
+            new._setup(n=self._n, layer_ids=self._layer_ids, num_experts=self._num_experts, topk=self._topk,
+                       lengths=self._lengths, starts=self._starts, source=self.source, traces=self._traces,
+                       factory=self._factory, counts=self._counts, micro_batch=micro_batch,
+                       sample_info=self.sample_info)
+            return new
+        traces = [self._traces[i] for i in index] if self._traces is not None else None
+        factory = None
+        if self._factory is not None:
+            parent, idx = self._factory, index.copy()
+
+            def factory(i: int) -> np.ndarray:
+                return parent(int(idx[i]))
+        counts = self._counts[index] if self._counts is not None else None
+        if counts is not None:
+            counts.setflags(write=False)
+        new._setup(n=index.size, layer_ids=self._layer_ids, num_experts=self._num_experts, topk=self._topk,
+                   lengths=self._lengths[index].copy(), starts=self._starts[index].copy(), source=self.source,
+                   traces=traces, factory=factory, counts=counts, micro_batch=micro_batch,
+                   sample_info={k: v[index] for k, v in self.sample_info.items()})
+        return new
+
+    @classmethod
+    def from_counts(cls, counts: Any, topk: int, layer_ids: Any = None, *,
+                    materialize: Callable[[int], np.ndarray] | None = None, starts: Any = None,
+                    micro_batch: Any = None, source: str = "", sample_info: dict[str, Any] | None = None) -> TraceBatch:
+        """A batch known by its per-sample expert counts; per-token ids come from ``materialize``.
+
+        Args:
+            counts: int ``[N, L, E]``: tokens of sample n routed to expert e at layer l. Every token
+                is routed to exactly k experts, so ``counts[n, l].sum() == k * S_n`` for every layer,
+                and ``counts[n, l, e] <= S_n``.
+            topk: k.
+            layer_ids: ``[L]`` global layer indices (default ``0..L-1``).
+            materialize: ``i -> experts [S_i, L, k]`` consistent with ``counts[i]`` (checked when
+                called). Without it the batch plans and scores but cannot be saved or iterated.
+            starts, micro_batch, source, sample_info: as for the constructor.
+        """
+        c = _as_int_array("counts", counts)
+        if c.ndim != 3:
+            raise TraceError(f"counts must have rank 3 [N, L, E], got shape {c.shape}")
+        n, num_layers, num_experts = c.shape
+        if n == 0:
+            raise TraceError("empty batch: counts has no samples")
+        topk = _positive_int("topk", topk)
+        if topk > num_experts:
+            raise TraceError(f"topk={topk} exceeds num_experts={num_experts}")
+        if c.size and int(c.min()) < 0:
+            i, l, e = np.unravel_index(int(np.argmin(c)), c.shape)
+            raise TraceError(f"sample {i}, layer {l}: negative count {int(c[i, l, e])} for expert {e}")
+        sums = c.sum(axis=2, dtype=np.int64)
+        if np.any(sums % topk) or np.any(sums != sums[:, :1]):
+            bad = np.argwhere((sums % topk != 0) | (sums != sums[:, :1]))[0]
+            i, l = int(bad[0]), int(bad[1])
+            raise TraceError(f"sample {i}, layer {l}: counts sum to {int(sums[i, l])}; every layer of a sample "
+                             f"must sum to k x tokens (k={topk}, layer 0 sums to {int(sums[i, 0])})")
+        lengths = (sums[:, 0] // topk).astype(np.int64)
+        over = c > lengths[:, None, None]
+        if over.any():
+            i, l, e = np.argwhere(over)[0]
+            raise TraceError(f"sample {i}, layer {l}: expert {e} has count {int(c[i, l, e])} > the sample's "
+                             f"{int(lengths[i])} tokens (a token picks an expert at most once)")
+        if layer_ids is None:
+            layer_ids = np.arange(num_layers, dtype=np.int32)
+        layer_ids = _as_int_array("layer_ids", layer_ids)
+        if layer_ids.shape != (num_layers,):
+            raise TraceError(f"layer count mismatch: layer_ids has shape {layer_ids.shape}, counts has "
+                             f"{num_layers} layers")
+        starts = np.zeros(n, np.int64) if starts is None else _as_int_array("starts", starts).astype(np.int64)
+        if starts.shape != (n,):
+            raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
+        counts64 = np.ascontiguousarray(c, dtype=np.int64)
+        counts64.setflags(write=False)
+        new = object.__new__(cls)
+        new._setup(n=n, layer_ids=layer_ids, num_experts=num_experts, topk=topk, lengths=lengths, starts=starts,
+                   source=source, traces=None, factory=materialize, counts=counts64, micro_batch=micro_batch,
+                   sample_info=sample_info)
+        return new
+
+    # --------------------------------------------------------------------------------- properties
+    @property
+    def num_sequences(self) -> int:
+        """N."""
+        return self._n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def num_layers(self) -> int:
+        """MoE layers L."""
+        return int(self._layer_ids.size)
+
+    @property
+    def num_experts(self) -> int:
+        """E."""
+        return self._num_experts
+
+    @property
+    def topk(self) -> int:
+        """k."""
+        return self._topk
+
+    @property
+    def layer_ids(self) -> np.ndarray:
+        """int32 ``[L]``: global decoder-layer index of each MoE layer."""
+        return self._layer_ids
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """int64 ``[N]``: tokens (rows) per sequence."""
+        return self._lengths
+
+    @property
+    def starts(self) -> np.ndarray:
+        """int64 ``[N]``: absolute token position of each sequence's row 0."""
+        return self._starts
+
+    @property
+    def num_tokens(self) -> int:
+        """Total rows over all sequences."""
+        return int(self._lengths.sum())
+
+    @property
+    def has_ids(self) -> bool:
+        """Whether per-token ids are available (held, or producible by the batch's callback)."""
+        return self._traces is not None or self._factory is not None
+
+    # ------------------------------------------------------------------------------------ traces
+    def trace(self, i: int) -> RoutingTrace:
+        """Sequence ``i`` (materialized on demand for count-built batches; not cached)."""
+        if not -self._n <= i < self._n:
+            raise IndexError(f"sample {i} out of range for a batch of {self._n}")
+        i %= self._n
+        if self._traces is not None:
+            return self._traces[i]
+        if self._factory is None:
+            raise TraceError("this batch holds expert counts only (no per-token ids): it can be planned and "
+                             "scored, but not saved or iterated")
+        experts = self._factory(i)
+        experts, layer_ids, _, _ = _normalize(experts, self._layer_ids, self._num_experts, self._topk,
+                                              lambda t: f"sample {i}, row {t}")
+        if experts.shape[0] != self._lengths[i]:
+            raise TraceError(f"sample {i}: materialized {experts.shape[0]} rows, counts say {int(self._lengths[i])}")
+        if self._counts is not None and not np.array_equal(_counts_of(experts, self._num_experts), self._counts[i]):
+            raise TraceError(f"sample {i}: materialized ids disagree with the batch's expert counts")
+        return RoutingTrace._trusted(experts, layer_ids, self._num_experts, self._topk, int(self._starts[i]),
+                                     self.source)
+
+    def iter_traces(self) -> Iterator[RoutingTrace]:
+        """The sequences in order, materializing one at a time for count-built batches."""
+        for i in range(self._n):
+            yield self.trace(i)
+
+    @property
+    def traces(self) -> list[RoutingTrace]:
+        """All sequences as a list (count-built batches materialize every one and keep them)."""
+        if self._traces is None:
+            self._traces = [self.trace(i) for i in range(self._n)]
+        return self._traces
+
+    # ------------------------------------------------------------------------------- micro-batches
+    def with_micro_batch(self, micro_batch: Any) -> TraceBatch:
+        """The same batch with micro-batch assignment ``micro_batch`` int ``[N]`` (or None); shares data."""
+        return self._derive(micro_batch=micro_batch)
+
+    def with_micro_batch_size(self, size: int) -> TraceBatch:
+        """The same batch with sample i in micro-batch ``i // size`` (the last one may be smaller)."""
+        size = _positive_int("micro_batch_size", size)
+        return self._derive(micro_batch=np.arange(self._n, dtype=np.int32) // size)
+
+    def subset(self, index: Any, micro_batch: Any = None) -> TraceBatch:
+        """The samples ``index`` (int ``[n]``, in that order; or a bool mask ``[N]``) as a new batch.
+
+        The micro-batch assignment is not carried over (pass ``micro_batch`` for the new batch).
+        """
+        idx = np.asarray(index)
+        if idx.size == 0:
+            raise TraceError("empty batch: subset selects no samples")
+        if idx.dtype == bool:
+            if idx.shape != (self._n,):
+                raise TraceError(f"subset mask must have shape [{self._n}], got {idx.shape}")
+            idx = np.flatnonzero(idx)
+        idx = _as_int_array("subset index", idx).astype(np.int64).ravel()
+        if idx.size == 0:
+            raise TraceError("empty batch: subset selects no samples")
+        if int(idx.min()) < 0 or int(idx.max()) >= self._n:
+            raise TraceError(f"subset index out of range [0, {self._n}): {idx[(idx < 0) | (idx >= self._n)][:5]}")
+        return self._derive(micro_batch=micro_batch, index=idx)
+
+    def resolve_micro_batch(self, micro_batch: Any = None) -> np.ndarray:
+        """int64 ``[N]``: ``micro_batch`` if given, else the batch's assignment; every entry must be >= 0."""
+        if micro_batch is None:
+            if self.micro_batch is None:
+                raise TraceError("no micro-batch assignment: pass micro_batch=... or use with_micro_batch_size(B)")
+            mb, name = self.micro_batch, "TraceBatch.micro_batch"
+        else:
+            mb, name = _check_micro_batch(micro_batch, self._n), "micro_batch"
+        if int(mb.min()) < 0:
+            i = int(np.flatnonzero(mb < 0)[0])
+            raise TraceError(f"{name}[{i}] = -1: sample {i} is not assigned to a micro-batch "
+                             "(pass an explicit micro_batch)")
+        return mb.astype(np.int64)
+
+    # --------------------------------------------------------------------------------------- loads
+    def sample_expert_counts(self) -> np.ndarray:
+        """int64 ``[N, L, E]`` (read-only, cached): tokens of sample n routed to expert e at layer l."""
+        if self._counts is None:
+            counts = np.empty((self._n, self.num_layers, self._num_experts), dtype=np.int64)
+            for i in range(self._n):
+                tr = self.trace(i)
+                counts[i] = _counts_of(tr.experts, self._num_experts)
+            counts.setflags(write=False)
+            self._counts = counts
+        return self._counts
+
+    def micro_batch_expert_counts(self, micro_batch: Any = None) -> np.ndarray:
+        """int64 ``[M, L, E]``: tokens of micro-batch m routed to expert e at layer l."""
+        mb = self.resolve_micro_batch(micro_batch)
+        counts = self.sample_expert_counts()
+        m = int(mb.max()) + 1
+        return _segment_sum(counts.reshape(self._n, -1), mb, m).reshape(m, self.num_layers, self._num_experts)
+
+    def loads(self, sample_gpu: Any, num_gpus: int, micro_batch: Any = None) -> np.ndarray:
+        """Token loads ``x`` of RELIBRA.md §4 for every micro-batch and layer.
+
+        Args:
+            sample_gpu: int ``[N]``: GPU in ``[0, num_gpus)`` running sample n's attention.
+            num_gpus: G.
+            micro_batch: int ``[N]`` micro-batch of each sample (>= 0); default the batch's own
+                assignment, which must then have no ``-1``.
+
+        Returns:
+            int64 ``[M, L, G, E]``: tokens whose attention runs on GPU j and that are routed to expert
+            e, per micro-batch m (M = max micro-batch id + 1) and MoE layer l.
+        """
+        num_gpus = _positive_int("num_gpus", num_gpus)
+        mb = self.resolve_micro_batch(micro_batch)
+        gpu = _as_int_array("sample_gpu", sample_gpu)
+        if gpu.shape != (self._n,):
+            raise TraceError(f"sample_gpu must have shape [{self._n}] (one GPU per sequence), got {gpu.shape}")
+        if int(gpu.min()) < 0 or int(gpu.max()) >= num_gpus:
+            i = int(np.flatnonzero((gpu < 0) | (gpu >= num_gpus))[0])
+            raise TraceError(f"sample_gpu[{i}] = {int(gpu[i])} out of range [0, {num_gpus})")
+        num_layers, e = self.num_layers, self._num_experts
+        m = int(mb.max()) + 1
+        counts = self.sample_expert_counts().reshape(self._n * num_layers, e)
+        seg = ((mb[:, None] * num_layers + np.arange(num_layers)[None, :]) * num_gpus
+               + gpu.astype(np.int64)[:, None]).ravel()
+        return _segment_sum(counts, seg, m * num_layers * num_gpus).reshape(m, num_layers, num_gpus, e)
+
+    # ------------------------------------------------------------------------------------------- io
+    def save(self, path: str | Path, compress: bool = False) -> None:
+        """Write the batch to ``path`` in the version-1 ``.npz`` format (see the module docstring).
+
+        Count-built batches materialize their ids one sequence at a time into the output array.
+        """
+        if not self.has_ids:
+            self.trace(0)  # raises the counts-only TraceError
+        offsets = np.zeros(self._n + 1, dtype=np.int64)
+        np.cumsum(self._lengths, out=offsets[1:])
+        experts = np.empty((int(offsets[-1]), self.num_layers, self._topk), dtype=ids_dtype(self._num_experts))
+        for i, tr in enumerate(self.iter_traces()):
+            experts[offsets[i]:offsets[i + 1]] = tr.experts
+        mb = self.micro_batch if self.micro_batch is not None else np.full(self._n, -1, np.int32)
+        arrays: dict[str, np.ndarray] = dict(
+            version=np.int64(FORMAT_VERSION), num_experts=np.int64(self._num_experts), topk=np.int64(self._topk),
+            layer_ids=self._layer_ids.astype(np.int32), experts=experts, offsets=offsets,
+            starts=self._starts.astype(np.int64), micro_batch=mb.astype(np.int32), source=np.str_(self.source))
+        for key, value in self.sample_info.items():
+            arrays[_INFO_PREFIX + key] = value
+        with open(path, "wb") as f:
+            (np.savez_compressed if compress else np.savez)(f, **arrays)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TraceBatch:
+        """Read a batch written by :meth:`save`.
+
+        Raises:
+            TraceError: missing file, not an ``.npz`` archive, truncated file, missing key, unknown
+                version, or any validation failure; the message names the path and the reason.
+        """
+        path = Path(path)
+        try:
+            data = np.load(path, allow_pickle=False)
+        except FileNotFoundError:
+            raise TraceError(f"{path}: no such trace file") from None
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            raise TraceError(f"{path}: not a readable .npz trace file ({type(exc).__name__}: {exc})") from None
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise TraceError(f"{path}: not an .npz archive (found a single .npy array)")
+        with data:
+            missing = [k for k in REQUIRED_KEYS if k not in data.files]
+            if missing:
+                raise TraceError(f"{path}: missing key(s) {missing} (not a relibra trace file, or a damaged one)")
+            try:
+                arrays = {k: data[k] for k in data.files}
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+                raise TraceError(f"{path}: truncated or corrupt .npz ({type(exc).__name__}: {exc})") from None
+        try:
+            return cls._from_arrays(arrays)
+        except TraceError as exc:
+            raise TraceError(f"{path}: {exc}") from None
+
+    @classmethod
+    def _from_arrays(cls, a: dict[str, np.ndarray]) -> TraceBatch:
+        def scalar_int(key: str) -> int:
+            v = a[key]
+            if v.ndim != 0 or v.dtype.kind not in "iu":
+                raise TraceError(f"key {key!r} must be an integer scalar, got dtype {v.dtype} shape {v.shape}")
+            return int(v)
+
+        version = scalar_int("version")
+        if version != FORMAT_VERSION:
+            raise TraceError(f"unknown trace format version {version} (this library reads version {FORMAT_VERSION})")
+        num_experts, topk = scalar_int("num_experts"), scalar_int("topk")
+        experts = a["experts"]
+        offsets = _as_int_array("offsets", a["offsets"]).astype(np.int64)
+        if offsets.ndim != 1 or offsets.size < 2:
+            raise TraceError(f"empty batch: offsets must be [N+1] with N >= 1, got shape {offsets.shape}")
+        n = offsets.size - 1
+        if experts.ndim != 3:
+            raise TraceError(f"experts must have rank 3 [T, L, k], got shape {experts.shape}")
+        if offsets[0] != 0 or np.any(np.diff(offsets) < 0) or offsets[-1] != experts.shape[0]:
+            raise TraceError(f"offsets must rise from 0 to the {experts.shape[0]} rows of experts, got "
+                             f"first {int(offsets[0])}, last {int(offsets[-1])}")
+
+        def where(t: int) -> str:
+            i = int(np.searchsorted(offsets, t, side="right")) - 1
+            return f"sample {i}, row {t - int(offsets[i])}"
+
+        experts, layer_ids, num_experts, topk = _normalize(experts, a["layer_ids"], num_experts, topk, where)
+        starts = _as_int_array("starts", a["starts"]).astype(np.int64)
+        if starts.shape != (n,):
+            raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
+        if n and int(starts.min()) < 0:
+            raise TraceError(f"starts must be >= 0, got {int(starts.min())}")
+        source_arr = a["source"]
+        if source_arr.dtype.kind not in "US" or source_arr.ndim != 0:
+            raise TraceError(f"key 'source' must be a string scalar, got dtype {source_arr.dtype}")
+        source = str(source_arr)
+        info = {k[len(_INFO_PREFIX):]: v for k, v in a.items() if k.startswith(_INFO_PREFIX)}
+        traces = [RoutingTrace._trusted(experts[offsets[i]:offsets[i + 1]], layer_ids, num_experts, topk,
+                                        int(starts[i]), source) for i in range(n)]
+        return cls(traces, micro_batch=a["micro_batch"], source=source, sample_info=info)
+
+    def __repr__(self) -> str:
+        mb = "none" if self.micro_batch is None else f"{int(self.micro_batch.max()) + 1} micro-batches"
+        return (f"TraceBatch(N={self._n}, tokens={self.num_tokens}, L={self.num_layers}, E={self._num_experts}, "
+                f"k={self._topk}, {mb}, source={self.source!r})")
+
+
+def _segment_sum(rows: np.ndarray, seg: np.ndarray, num_segments: int) -> np.ndarray:
+    """Sum the rows ``[R, C]`` by segment id ``seg`` ``[R]`` into ``[num_segments, C]`` (sort + reduceat)."""
+    out = np.zeros((num_segments, rows.shape[1]), dtype=np.int64)
+    if rows.shape[0] == 0:
+        return out
+    order = np.argsort(seg, kind="stable")
+    sorted_seg = seg[order]
+    first = np.flatnonzero(np.r_[True, sorted_seg[1:] != sorted_seg[:-1]])
+    out[sorted_seg[first]] = np.add.reduceat(rows[order], first, axis=0)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- adapters
+_SGLANG_DTYPES = {"int32": np.int32, "int16": np.int16, "uint8": np.uint8, "uint16": np.uint16}
+
+
+def _b64(payload: str | bytes, what: str) -> bytes:
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError, TypeError) as exc:
+        raise TraceError(f"{what} is not valid base64 ({exc})") from None
+
+
+def _infer_num_experts(experts: np.ndarray, topk: int, num_experts: int | None) -> int:
+    if num_experts is not None:
+        return _positive_int("num_experts", num_experts)
+    hi = int(experts.max()) + 1 if experts.size else 0
+    return max(hi, topk)
+
+
+def from_sglang(meta_info: dict, num_moe_layers: int | None = None, dense_layers: Sequence[int] = (), *,
+                topk: int | None = None, num_experts: int | None = None, source: str = "sglang") -> RoutingTrace:
+    """A RoutingTrace from an SGLang response's ``meta_info`` (``--enable-return-routed-experts``).
+
+    ``meta_info["routed_experts"]`` is the base64 of a flat array (int32, or the dtype named by
+    ``meta_info["routed_experts_dtype"]``: uint8 / uint16 / int16) ordered by token, decoder layer and
+    top-k slot, logical shape ``[S - 1 - start, layers, k]`` where ``layers`` counts every decoder
+    layer (dense ones hold placeholders) and ``start = meta_info.get("routed_experts_start", 0)``.
+    S is ``prompt_tokens + completion_tokens`` when meta_info has them. For unsigned dtypes the
+    all-ones value (255 / 65535) means no route (-1). An already-decoded array is accepted too.
+
+    Args:
+        meta_info: the response's meta_info dict.
+        num_moe_layers: MoE layers; with ``dense_layers`` it gives the decoder layer count.
+        dense_layers: global indices of dense decoder layers: dropped from the trace.
+        topk: k (needed when the token count or the layer count is not known).
+        num_experts: E (default: largest id + 1; pass it when batching traces).
+        source: free text for the trace.
+
+    The two unknowns among rows, layers and k are solved from the array length; a length that fits no
+    solution raises TraceError.
+    """
+    if not isinstance(meta_info, dict):
+        raise TraceError(f"meta_info must be a dict, got {type(meta_info).__name__}")
+    if "routed_experts" not in meta_info or meta_info["routed_experts"] is None:
+        raise TraceError("meta_info has no 'routed_experts' (launch SGLang with --enable-return-routed-experts "
+                         "and send return_routed_experts=True)")
+    payload = meta_info["routed_experts"]
+    dtype_name = str(meta_info.get("routed_experts_dtype", "int32"))
+    if dtype_name not in _SGLANG_DTYPES:
+        raise TraceError(f"routed_experts_dtype {dtype_name!r} not supported (known: {sorted(_SGLANG_DTYPES)})")
+    dtype = np.dtype(_SGLANG_DTYPES[dtype_name])
+    if isinstance(payload, (str, bytes)):
+        raw = _b64(payload, "meta_info['routed_experts']")
+        if len(raw) % dtype.itemsize:
+            raise TraceError(f"routed_experts holds {len(raw)} bytes, not a multiple of {dtype_name}'s "
+                             f"{dtype.itemsize}")
+        flat = np.frombuffer(raw, dtype=dtype)
+    else:
+        flat = _as_int_array("routed_experts", payload).ravel()
+        dtype = flat.dtype
+    ids = flat.astype(np.int64)
+    if dtype.kind == "u":
+        ids[flat == np.iinfo(dtype).max] = -1
+    start = meta_info.get("routed_experts_start", 0)
+    if not isinstance(start, (int, np.integer)) or start < 0:
+        raise TraceError(f"routed_experts_start must be an int >= 0, got {start!r}")
+    dense = sorted({int(d) for d in dense_layers})
+    rows = None
+    if "prompt_tokens" in meta_info and "completion_tokens" in meta_info:
+        rows = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"]) - 1 - int(start)
+        if rows < 0:
+            raise TraceError(f"prompt_tokens + completion_tokens - 1 - start = {rows} < 0")
+    layers = None if num_moe_layers is None else _positive_int("num_moe_layers", num_moe_layers) + len(dense)
+    k = None if topk is None else _positive_int("topk", topk)
+    size = ids.size
+    known = [v for v in (rows, layers, k) if v is not None]
+    if len(known) < 2:
+        raise TraceError("from_sglang needs two of: the token count (meta_info prompt_tokens + completion_tokens), "
+                         "num_moe_layers, topk")
+    prod = int(np.prod(known))
+    if prod == 0 or size % prod:
+        raise TraceError(f"routed_experts holds {size} ids, which does not fit rows={rows}, layers={layers}, k={k}")
+    missing = size // prod
+    rows = missing if rows is None else rows
+    layers = missing if layers is None else layers
+    k = missing if k is None else k
+    if rows * layers * k != size:
+        raise TraceError(f"routed_experts holds {size} ids, expected rows x layers x k = {rows} x {layers} x {k}")
+    if dense and (dense[0] < 0 or dense[-1] >= layers):
+        raise TraceError(f"dense_layers {dense} out of range for {layers} decoder layers")
+    keep = np.array([i for i in range(layers) if i not in set(dense)], dtype=np.int32)
+    if keep.size == 0:
+        raise TraceError(f"dense_layers {dense} leaves no MoE layer of {layers}")
+    experts = ids.reshape(rows, layers, k)[:, keep]
+    return RoutingTrace(experts, keep, _infer_num_experts(experts, k, num_experts), k, start=int(start),
+                        source=source)
+
+
+def from_vllm(routed_experts: Any, prompt_start: int = 0, *, num_experts: int | None = None,
+              layer_ids: Any = None, source: str = "vllm") -> RoutingTrace:
+    """A RoutingTrace from vLLM's ``routed_experts`` output.
+
+    Args:
+        routed_experts: ``[S, L, k]`` ids as an ndarray / tensor, nested lists, or the base64 text of a
+            ``.npy`` file (str or bytes).
+        prompt_start: absolute token position of row 0.
+        num_experts: E (default: largest id + 1; pass it when batching traces).
+        layer_ids: ``[L]`` global layer indices (default ``0..L-1``).
+        source: free text for the trace.
+    """
+    arr = routed_experts
+    if isinstance(arr, (str, bytes)):
+        raw = _b64(arr, "routed_experts")
+        try:
+            arr = np.load(io.BytesIO(raw), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise TraceError(f"routed_experts base64 payload is not a .npy array ({exc})") from None
+    elif isinstance(arr, (list, tuple)):
+        try:
+            arr = np.array(arr)
+        except ValueError as exc:
+            raise TraceError(f"routed_experts nested lists are ragged ({exc})") from None
+    arr = _as_int_array("routed_experts", arr)
+    if arr.ndim != 3:
+        raise TraceError(f"routed_experts must have rank 3 [S, L, k], got shape {arr.shape}")
+    if layer_ids is None:
+        layer_ids = np.arange(arr.shape[1], dtype=np.int32)
+    return RoutingTrace(arr, layer_ids, _infer_num_experts(arr, arr.shape[2], num_experts), arr.shape[2],
+                        start=prompt_start, source=source)
+
+
+def from_megatron(routing_indices: Any, *, num_experts: int | None = None, layer_ids: Any = None, start: int = 0,
+                  source: str = "megatron") -> RoutingTrace:
+    """A RoutingTrace from Megatron-core router-replay indices.
+
+    Args:
+        routing_indices: ``[T, L, k]`` ndarray / tensor, or a list of L per-layer ``[T, k]`` arrays
+            (what ``RouterReplay`` records per layer).
+        num_experts, layer_ids, start, source: as for :func:`from_vllm`.
+    """
+    arr = routing_indices
+    if isinstance(arr, (list, tuple)) and arr and hasattr(arr[0], "shape") and len(arr[0].shape) == 2:
+        parts = [_as_int_array(f"routing_indices[{i}]", p) for i, p in enumerate(arr)]
+        shapes = {p.shape for p in parts}
+        if len(shapes) != 1:
+            raise TraceError(f"routing_indices: per-layer arrays differ in shape: {sorted(shapes)}")
+        arr = np.stack(parts, axis=1)
+    arr = _as_int_array("routing_indices", arr)
+    if arr.ndim != 3:
+        raise TraceError(f"routing_indices must have rank 3 [T, L, k], got shape {arr.shape}")
+    if layer_ids is None:
+        layer_ids = np.arange(arr.shape[1], dtype=np.int32)
+    return RoutingTrace(arr, layer_ids, _infer_num_experts(arr, arr.shape[2], num_experts), arr.shape[2],
+                        start=start, source=source)

@@ -1,0 +1,326 @@
+"""RoutingTrace / TraceBatch: validation, counts and loads against loops, the .npz format and its errors."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relibra_moe.errors import TraceError
+from relibra_moe.trace import FORMAT_VERSION, REQUIRED_KEYS, RoutingTrace, TraceBatch
+
+
+def random_ids(rng: np.random.Generator, s: int, num_layers: int, e: int, k: int, pad: float = 0.0) -> np.ndarray:
+    """[S, L, k] rows of k distinct ids; a fraction ``pad`` of the slots set to -1."""
+    out = np.argsort(rng.random((s, num_layers, e)), axis=2)[:, :, :k]
+    if pad:
+        out[rng.random(out.shape) < pad] = -1
+    return out.astype(np.int64)
+
+
+def make_batch(rng: np.random.Generator, lengths: list[int], num_layers: int = 3, e: int = 8, k: int = 2,
+               pad: float = 0.0) -> TraceBatch:
+    return TraceBatch([RoutingTrace(random_ids(rng, s, num_layers, e, k, pad), np.arange(num_layers) + 1, e, k,
+                                    start=i, source="unit") for i, s in enumerate(lengths)])
+
+
+# ------------------------------------------------------------------------------------- RoutingTrace
+def test_routing_trace_normalizes_dtype_and_keeps_order():
+    ids = np.array([[[3, 1], [0, 2]], [[1, -1], [-1, -1]]], dtype=np.int64)
+    tr = RoutingTrace(ids, [0, 5], num_experts=4, topk=2, start=7, source="x")
+    assert tr.experts.dtype == np.int16
+    assert tr.layer_ids.dtype == np.int32
+    np.testing.assert_array_equal(tr.experts, ids)  # row order kept, -1 padding allowed
+    assert (tr.num_tokens, tr.num_layers, tr.start) == (2, 2, 7)
+    np.testing.assert_array_equal(tr.expert_counts(), [[0, 2, 0, 1], [1, 0, 1, 0]])
+
+
+def test_routing_trace_int32_for_large_expert_count():
+    tr = RoutingTrace(np.array([[[40000]]]), [0], num_experts=40001, topk=1)
+    assert tr.experts.dtype == np.int32
+
+
+@pytest.mark.parametrize("ids, match", [
+    (np.array([[[0, 8]]]), r"row 0, layer 0, slot 1: expert id 8 out of range"),
+    (np.array([[[0, 1]], [[-2, 1]]]), r"row 1, layer 0, slot 0: expert id -2 out of range"),
+    (np.array([[[0, 1]], [[3, 3]]]), r"row 1, layer 0: duplicate expert id 3"),
+    (np.array([[[0, 1], [5, -1]], [[2, 1], [-1, -1]], [[4, 6], [6, 4]], [[4, 6], [7, 7]]]),
+     r"row 3, layer 1: duplicate expert id 7"),
+    (np.zeros((2, 1, 2), np.float32), r"experts must hold integers, got dtype float32"),
+    (np.zeros((2, 1, 2), bool), r"experts must hold integers, got dtype bool"),
+    (np.zeros((2, 2), np.int64), r"experts must have rank 3 .* got rank 2"),
+    (np.zeros((2, 1, 3), np.int64), r"k=3 ids per row"),
+])
+def test_routing_trace_rejects(ids, match):
+    num_layers = ids.shape[1] if ids.ndim == 3 else 1
+    with pytest.raises(TraceError, match=match):
+        RoutingTrace(ids, np.arange(num_layers), num_experts=8, topk=2)
+
+
+def test_routing_trace_layer_count_mismatch():
+    with pytest.raises(TraceError, match=r"layer count mismatch: layer_ids has shape \(3,\), experts has 2 layers"):
+        RoutingTrace(np.zeros((1, 2, 1), np.int64), [0, 1, 2], 4, 1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_experts=0, topk=1), r"num_experts must be a positive int, got 0"),
+    (dict(num_experts=2, topk=3), r"topk=3 exceeds num_experts=2"),
+    (dict(num_experts=4, topk=1, start=-1), r"start must be an int >= 0, got -1"),
+])
+def test_routing_trace_bad_scalars(kwargs, match):
+    with pytest.raises(TraceError, match=match):
+        RoutingTrace(np.zeros((1, 1, 1), np.int64), [0], **kwargs)
+
+
+def test_duplicate_padding_is_not_a_duplicate():
+    RoutingTrace(np.array([[[-1, -1, -1]]]), [0], 4, 3)  # an all-padding row is fine
+
+
+# --------------------------------------------------------------------------------------- TraceBatch
+def test_batch_rejects_empty_and_inconsistent():
+    rng = np.random.default_rng(0)
+    a = RoutingTrace(random_ids(rng, 4, 3, 8, 2), [0, 1, 2], 8, 2)
+    with pytest.raises(TraceError, match="empty batch"):
+        TraceBatch([])
+    with pytest.raises(TraceError, match=r"layer count mismatch: sample 1 has 2 MoE layers, sample 0 has 3"):
+        TraceBatch([a, RoutingTrace(random_ids(rng, 4, 2, 8, 2), [0, 1], 8, 2)])
+    with pytest.raises(TraceError, match=r"sample 2: num_experts=9, sample 0 has 8"):
+        TraceBatch([a, a, RoutingTrace(random_ids(rng, 4, 3, 8, 2), [0, 1, 2], 9, 2)])
+    with pytest.raises(TraceError, match=r"sample 1: topk=3"):
+        TraceBatch([a, RoutingTrace(random_ids(rng, 4, 3, 8, 3), [0, 1, 2], 8, 3)])
+    with pytest.raises(TraceError, match=r"sample 1: layer_ids \[0, 1, 3\] differ"):
+        TraceBatch([a, RoutingTrace(random_ids(rng, 4, 3, 8, 2), [0, 1, 3], 8, 2)])
+    with pytest.raises(TraceError, match=r"micro_batch must have shape \[2\]"):
+        TraceBatch([a, a], micro_batch=[0, 0, 0])
+    with pytest.raises(TraceError, match=r"micro_batch\[1\] = -3"):
+        TraceBatch([a, a], micro_batch=[0, -3])
+
+
+def test_sample_expert_counts_match_loop():
+    rng = np.random.default_rng(1)
+    b = make_batch(rng, [5, 0, 7, 3], num_layers=3, e=6, k=3, pad=0.2)
+    ref = np.zeros((4, 3, 6), np.int64)
+    for n, tr in enumerate(b.traces):
+        for t in range(tr.num_tokens):
+            for l in range(3):
+                for e in tr.experts[t, l]:
+                    if e >= 0:
+                        ref[n, l, e] += 1
+    counts = b.sample_expert_counts()
+    np.testing.assert_array_equal(counts, ref)
+    assert counts is b.sample_expert_counts()  # cached
+    assert not counts.flags.writeable
+    np.testing.assert_array_equal(b.lengths, [5, 0, 7, 3])
+    assert b.num_tokens == 15
+    np.testing.assert_array_equal(b.layer_ids, [1, 2, 3])
+
+
+def loads_reference(b: TraceBatch, gpu: np.ndarray, num_gpus: int, mb: np.ndarray) -> np.ndarray:
+    x = np.zeros((int(mb.max()) + 1, b.num_layers, num_gpus, b.num_experts), np.int64)
+    for n, tr in enumerate(b.traces):
+        for t in range(tr.num_tokens):
+            for l in range(b.num_layers):
+                for e in tr.experts[t, l]:
+                    if e >= 0:
+                        x[mb[n], l, gpu[n], e] += 1
+    return x
+
+
+@given(st.data())
+def test_loads_match_loop(data):
+    seed = data.draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    n = data.draw(st.integers(1, 6))
+    lengths = data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    e = data.draw(st.integers(2, 7))
+    k = data.draw(st.integers(1, e))
+    b = make_batch(rng, lengths, num_layers=2, e=e, k=k, pad=0.1)
+    num_gpus = data.draw(st.integers(1, 4))
+    gpu = rng.integers(0, num_gpus, n)
+    mb = rng.integers(0, 3, n)
+    x = b.loads(gpu, num_gpus, micro_batch=mb)
+    np.testing.assert_array_equal(x, loads_reference(b, gpu, num_gpus, mb))
+    np.testing.assert_array_equal(x.sum(axis=2), b.micro_batch_expert_counts(mb))
+
+
+def test_loads_micro_batch_rules():
+    rng = np.random.default_rng(2)
+    b = make_batch(rng, [3, 4, 5, 2, 1])
+    with pytest.raises(TraceError, match="no micro-batch assignment"):
+        b.loads(np.zeros(5, int), 2)
+    b3 = b.with_micro_batch_size(2)
+    np.testing.assert_array_equal(b3.micro_batch, [0, 0, 1, 1, 2])
+    x = b3.loads([0, 1, 1, 0, 1], 2)
+    assert x.shape == (3, 3, 2, 8)
+    np.testing.assert_array_equal(x, loads_reference(b, np.array([0, 1, 1, 0, 1]), 2, np.array([0, 0, 1, 1, 2])))
+    partial = b.with_micro_batch([0, 0, -1, 1, 1])
+    with pytest.raises(TraceError, match=r"TraceBatch.micro_batch\[2\] = -1: sample 2 is not assigned"):
+        partial.loads(np.zeros(5, int), 1)
+    np.testing.assert_array_equal(partial.loads(np.zeros(5, int), 1, micro_batch=[0, 0, 0, 0, 0])[0, :, 0],
+                                  b.sample_expert_counts().sum(0))
+    with pytest.raises(TraceError, match=r"micro_batch\[0\] = -1"):
+        b.loads(np.zeros(5, int), 1, micro_batch=[-1, 0, 0, 0, 0])
+    with pytest.raises(TraceError, match=r"sample_gpu\[3\] = 2 out of range \[0, 2\)"):
+        b3.loads([0, 1, 1, 2, 0], 2)
+    with pytest.raises(TraceError, match=r"sample_gpu must have shape \[5\]"):
+        b3.loads([0, 1], 2)
+    with pytest.raises(TraceError, match="micro_batch_size must be a positive int, got 0"):
+        b.with_micro_batch_size(0)
+
+
+def test_subset_keeps_order_and_info():
+    rng = np.random.default_rng(3)
+    b = make_batch(rng, [3, 4, 5, 2])
+    b.sample_info["tag"] = np.array(["a", "b", "c", "d"])
+    s = b.subset([2, 0])
+    np.testing.assert_array_equal(s.lengths, [5, 3])
+    np.testing.assert_array_equal(s.sample_info["tag"], ["c", "a"])
+    np.testing.assert_array_equal(s.sample_expert_counts(), b.sample_expert_counts()[[2, 0]])
+    assert s.trace(0) is b.trace(2)
+    with pytest.raises(TraceError, match="empty batch"):
+        b.subset([])
+
+
+# ------------------------------------------------------------------------------------ from_counts
+def test_from_counts_lazy_materialization():
+    rng = np.random.default_rng(4)
+    ref = make_batch(rng, [4, 6, 3], num_layers=2, e=5, k=2)
+    calls = []
+
+    def materialize(i: int) -> np.ndarray:
+        calls.append(i)
+        return ref.trace(i).experts
+
+    b = TraceBatch.from_counts(ref.sample_expert_counts(), 2, ref.layer_ids, materialize=materialize,
+                               source="synthetic test")
+    np.testing.assert_array_equal(b.lengths, [4, 6, 3])
+    x = b.loads([0, 1, 0], 2, micro_batch=[0, 0, 1])
+    assert calls == []  # loads come from the counts alone
+    np.testing.assert_array_equal(x, ref.loads([0, 1, 0], 2, micro_batch=[0, 0, 1]))
+    np.testing.assert_array_equal(b.trace(1).experts, ref.trace(1).experts)
+    assert calls == [1]
+    s = b.subset([2, 1])
+    np.testing.assert_array_equal(s.trace(0).experts, ref.trace(2).experts)
+
+
+def test_from_counts_rejects_bad_counts():
+    with pytest.raises(TraceError, match=r"sample 0, layer 1: counts sum to 3"):
+        TraceBatch.from_counts(np.array([[[1, 1, 0], [1, 1, 1]]]), 2)
+    with pytest.raises(TraceError, match=r"sample 0, layer 0: expert 0 has count 3 > the sample's 2 tokens"):
+        TraceBatch.from_counts(np.array([[[3, 1, 0]]]), 2)
+    with pytest.raises(TraceError, match="holds expert counts only"):
+        TraceBatch.from_counts(np.array([[[1, 1, 0]]]), 2).trace(0)
+    b = TraceBatch.from_counts(np.array([[[1, 1, 0]]]), 2, materialize=lambda i: np.array([[[0, 2]]]))
+    with pytest.raises(TraceError, match="disagree with the batch's expert counts"):
+        b.trace(0)
+
+
+# --------------------------------------------------------------------------------------------- io
+def test_save_load_roundtrip(tmp_path):
+    rng = np.random.default_rng(5)
+    b = make_batch(rng, [3, 0, 5], num_layers=2, e=40000, k=2, pad=0.1).with_micro_batch([1, -1, 0])
+    b.sample_info["domain"] = np.array(["math", "code", "chat"])
+    path = tmp_path / "t.npz"
+    b.save(path)
+    with np.load(path, allow_pickle=False) as f:
+        assert set(REQUIRED_KEYS) <= set(f.files)
+        assert int(f["version"]) == FORMAT_VERSION
+        assert f["experts"].shape == (8, 2, 2) and f["experts"].dtype == np.int32
+        np.testing.assert_array_equal(f["offsets"], [0, 3, 3, 8])
+    c = TraceBatch.load(path)
+    assert (c.num_sequences, c.num_experts, c.topk, c.source) == (3, 40000, 2, "unit")
+    np.testing.assert_array_equal(c.micro_batch, [1, -1, 0])
+    np.testing.assert_array_equal(c.starts, [0, 1, 2])
+    np.testing.assert_array_equal(c.layer_ids, [1, 2])
+    np.testing.assert_array_equal(c.sample_info["domain"], ["math", "code", "chat"])
+    for a, z in zip(b.traces, c.traces):
+        np.testing.assert_array_equal(a.experts, z.experts)
+    b.with_micro_batch(None).save(tmp_path / "c.npz", compress=True)
+    assert TraceBatch.load(tmp_path / "c.npz").micro_batch.tolist() == [-1, -1, -1]
+
+
+def _write(path, **arrays):
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def _good_arrays() -> dict:
+    return dict(version=np.int64(1), num_experts=np.int64(4), topk=np.int64(2), layer_ids=np.array([0], np.int32),
+                experts=np.array([[[0, 1]], [[2, 3]]], np.int16), offsets=np.array([0, 1, 2]),
+                starts=np.array([0, 0]), micro_batch=np.array([-1, -1], np.int32), source=np.str_("t"))
+
+
+def test_load_errors(tmp_path):
+    p = tmp_path / "x.npz"
+    with pytest.raises(TraceError, match=r"x.npz: no such trace file"):
+        TraceBatch.load(p)
+
+    _write(p, **_good_arrays())
+    assert TraceBatch.load(p).num_sequences == 2
+
+    bad = _good_arrays() | {"version": np.int64(2)}
+    _write(p, **bad)
+    with pytest.raises(TraceError, match=r"x.npz: unknown trace format version 2"):
+        TraceBatch.load(p)
+
+    bad = _good_arrays()
+    del bad["offsets"]
+    _write(p, **bad)
+    with pytest.raises(TraceError, match=r"x.npz: missing key\(s\) \['offsets'\]"):
+        TraceBatch.load(p)
+
+    _write(p, **_good_arrays())
+    raw = p.read_bytes()
+    p.write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(TraceError, match=r"x.npz: not a readable .npz trace file"):
+        TraceBatch.load(p)
+
+    p.write_text("hello, not an archive")
+    with pytest.raises(TraceError, match=r"x.npz: not a readable .npz trace file"):
+        TraceBatch.load(p)
+
+    np.save(tmp_path / "y.npy", np.zeros(3))
+    with pytest.raises(TraceError, match=r"y.npy: not an .npz archive"):
+        TraceBatch.load(tmp_path / "y.npy")
+
+    bad = _good_arrays() | {"experts": np.array([[[0, 1]], [[2, 2]]], np.int16)}
+    _write(p, **bad)
+    with pytest.raises(TraceError, match=r"x.npz: sample 1, row 0, layer 0: duplicate expert id 2"):
+        TraceBatch.load(p)
+
+    bad = _good_arrays() | {"experts": np.array([[[0, 1]], [[2, 9]]], np.int16)}
+    _write(p, **bad)
+    with pytest.raises(TraceError, match=r"x.npz: sample 1, row 0, layer 0, slot 1: expert id 9 out of range"):
+        TraceBatch.load(p)
+
+    bad = _good_arrays() | {"offsets": np.array([0, 1, 3])}
+    _write(p, **bad)
+    with pytest.raises(TraceError, match=r"x.npz: offsets must rise from 0 to the 2 rows"):
+        TraceBatch.load(p)
+
+    bad = _good_arrays() | {"experts": np.zeros((2, 1, 2), np.float32)}
+    _write(p, **bad)
+    with pytest.raises(TraceError, match=r"x.npz: experts must hold integers, got dtype float32"):
+        TraceBatch.load(p)
+
+    bad = _good_arrays() | {"offsets": np.array([0])}
+    _write(p, **bad)
+    with pytest.raises(TraceError, match=r"x.npz: empty batch"):
+        TraceBatch.load(p)
+
+
+def test_load_truncated_member(tmp_path):
+    """A zip whose central directory survives but a member is cut short."""
+    p = tmp_path / "z.npz"
+    with zipfile.ZipFile(p, "w") as z:
+        for key, value in _good_arrays().items():
+            buf = io.BytesIO()
+            np.save(buf, value)
+            data = buf.getvalue()
+            z.writestr(key + ".npy", data[:20] if key == "experts" else data)
+    with pytest.raises(TraceError, match=r"z.npz: (truncated or corrupt|not a readable)"):
+        TraceBatch.load(p)
