@@ -1,0 +1,96 @@
+"""``relibra simulate TRACE PLAN --model PRESET [--json]``: simulated step time of a batch under a plan.
+
+The plan file comes from ``relibra plan`` (or ``BatchPlan.save``); its GPU count and GPUs per node
+size the cluster (``--cluster`` names the fabric). The formulas are those of ``relibra_moe.sim``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..errors import PlanError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="simulated training-step time of a trace under a plan",
+        description="Simulate one training step (attention + MoE forward/backward per micro-batch and layer, "
+                    "replica transfers, reorder traffic) of the batch in TRACE under the plan in PLAN.")
+    p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
+    p.add_argument("plan", help="plan file (.npz from `relibra plan`)")
+    p.add_argument("--model", required=True, help="model preset, e.g. qwen3-30b-a3b, gpt-oss-20b")
+    p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
+    p.add_argument("--previous", default=None,
+                   help="plan file whose placement precedes this one (default: the static placement)")
+    p.add_argument("--optimizer-bytes", type=float, default=None,
+                   help="optimizer-state bytes per parameter that move with a re-laid-out expert (default 12)")
+    p.add_argument("--replica-mode", choices=("auto", "per-layer", "persistent"), default="auto",
+                   help="how replica weights travel (see relibra_moe.sim; default auto)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def simulate_files(trace_path: str, plan_path: str, model_name: str, cluster_name: str = "hopper-rail",
+                   previous_path: str | None = None, optimizer_bytes: float | None = None,
+                   replica_mode: str = "auto") -> dict[str, Any]:
+    """Load the files, simulate, return the JSON-ready result (what ``--json`` prints)."""
+    from ..plan import BatchPlan
+    from ..sim import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, simulate_step
+    from ..specs import cluster_preset, model_preset
+    from ..trace import TraceBatch
+
+    try:
+        model = model_preset(model_name)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    batch = TraceBatch.load(trace_path)
+    plan = BatchPlan.load(plan_path)
+    if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
+        raise PlanError(f"trace {trace_path} has {batch.num_layers} MoE layers and {batch.num_experts} experts; "
+                        f"model {model.name} has {model.num_layers} and {model.num_experts}")
+    if plan.num_gpus % plan.gpus_per_node:
+        raise PlanError(f"plan {plan_path}: num_gpus={plan.num_gpus} is not a multiple of "
+                        f"gpus_per_node={plan.gpus_per_node}")
+    try:
+        cluster = cluster_preset(cluster_name, nodes=plan.num_gpus // plan.gpus_per_node,
+                                 gpus_per_node=plan.gpus_per_node)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    previous = BatchPlan.load(previous_path).placement if previous_path else None
+    opt = DEFAULT_OPTIMIZER_BYTES_PER_PARAM if optimizer_bytes is None else optimizer_bytes
+    step = simulate_step(plan, batch, model, cluster, previous=previous, optimizer_bytes_per_param=opt,
+                         replica_mode=replica_mode)
+    out = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
+           "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
+           "strategy": plan.stats.get("strategy"), "num_micro_batches": plan.num_micro_batches,
+           "replica_slots": plan.replica_slots}
+    out.update(step.to_dict())
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    res = simulate_files(args.trace, args.plan, args.model, args.cluster, args.previous, args.optimizer_bytes,
+                         args.replica_mode)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    c = res["cluster"]
+    table = Table(title=f"simulated step: {res['model']} on {c['nodes']} x {c['gpus_per_node']} GPUs "
+                        f"({res['num_micro_batches']} micro-batches, strategy {res['strategy'] or '?'})")
+    table.add_column("component")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    for name, sec in res["breakdown"].items():
+        table.add_row(name, f"{sec:.4f}", f"{100 * sec / res['step_s']:.1f}%" if res["step_s"] else "-")
+    table.add_row("step", f"{res['step_s']:.4f}", "100%", style="bold")
+    console = Console()
+    console.print(table)
+    console.print(f"tokens {res['tokens']:,}  throughput {res['tokens_per_s']:,.0f} tokens/s  "
+                  f"rank skew {res['rank_skew_mean']:.3f}  experts moved {res['experts_moved']}  "
+                  f"replica mode {res['replica_mode']}")
+    return 0

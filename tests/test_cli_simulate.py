@@ -1,0 +1,76 @@
+"""`relibra simulate TRACE PLAN --model PRESET --json` agrees with relibra_moe.sim on the same files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from relibra_moe.cli import main
+from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+from relibra_moe.sim import simulate_loads
+from relibra_moe.specs import cluster_preset, model_preset
+from relibra_moe.trace import RoutingTrace, TraceBatch
+
+
+@pytest.fixture
+def files(tmp_path):
+    model = model_preset("gpt-oss-20b")
+    rng = np.random.default_rng(0)
+    traces = []
+    for _ in range(6):
+        s = int(rng.integers(5, 30))
+        ids = np.stack([np.stack([rng.choice(32, 4, replace=False) for _ in range(model.num_layers)])
+                        for _ in range(s)])
+        traces.append(RoutingTrace(ids, np.arange(model.num_layers), 32, 4, source="test"))
+    batch = TraceBatch(traces)
+    trace_path = tmp_path / "t.npz"
+    batch.save(trace_path)
+    G, L, E = 8, model.num_layers, model.num_experts
+    expert_gpu = np.stack([rng.permutation(np.repeat(np.arange(G), E // G)) for _ in range(L)])
+    rep = np.full((2, L, G, 1), -1)
+    rep[1, 3, 1, 0] = int(np.flatnonzero(expert_gpu[3] == 0)[0])  # a replica inside node 0
+    samples = SamplePlacement(np.array([0, 0, 0, 1, 1, 1]), np.array([0, 5, 2, 7, 1, 4]), 2)
+    plan = BatchPlan(Placement(expert_gpu), samples, ReplicaPlan(rep, np.zeros((0, 5)), np.zeros(0)), G, 4,
+                     {"strategy": "handmade"})
+    plan_path = tmp_path / "p.npz"
+    plan.save(plan_path)
+    return batch, plan, trace_path, plan_path, model
+
+
+def test_simulate_json_matches_library(files, capsys):
+    batch, plan, trace_path, plan_path, model = files
+    assert main(["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=4)
+    x = batch.loads(plan.samples.gpu, 8, plan.samples.micro_batch)
+    ref = simulate_loads(plan, batch.lengths, x, model, cluster)
+    assert out["step_s"] == pytest.approx(ref.step_s)
+    assert out["tokens"] == batch.num_tokens
+    assert out["tokens_per_s"] == pytest.approx(batch.num_tokens / ref.step_s)
+    assert out["cluster"] == {"name": "hopper-rail", "nodes": 2, "gpus_per_node": 4}
+    assert out["strategy"] == "handmade" and out["replica_mode"] == "per-layer"
+    assert out["experts_moved"] == ref.experts_moved > 0
+    assert sum(out["breakdown"].values()) == pytest.approx(out["step_s"])
+    assert len(out["micro_batch_s"]) == 2
+
+
+def test_simulate_table_and_previous(files, capsys, tmp_path):
+    _, plan, trace_path, plan_path, _ = files
+    # With the plan itself as the previous placement nothing moves.
+    assert main(["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b", "--previous",
+                 str(plan_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["experts_moved"] == 0
+    assert main(["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b"]) == 0
+    text = capsys.readouterr().out
+    assert "moe_fwd_comm" in text and "tokens/s" in text
+
+
+def test_simulate_model_mismatch_is_an_error(files, capsys):
+    _, _, trace_path, plan_path, _ = files
+    assert main(["simulate", str(trace_path), str(plan_path), "--model", "qwen3-30b-a3b"]) == 1
+    err = capsys.readouterr().err
+    assert "PlanError" in err and "24 MoE layers and 32 experts" in err
+    assert main(["simulate", str(trace_path), str(plan_path), "--model", "nope"]) == 1
+    assert "unknown model preset 'nope'" in capsys.readouterr().err
