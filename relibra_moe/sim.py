@@ -110,6 +110,20 @@ def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
     return flow
 
 
+def uniform_loads(x: np.ndarray) -> np.ndarray:
+    """float64 ``[M, L, G, E]``: the Balanced ideal of the same batch (RELIBRA.md §8).
+
+    Every (micro-batch, layer) keeps its total of (token, expert) pairs, spread evenly over the G
+    sources and the E experts, as if every token's k experts were drawn uniformly and every GPU ran
+    the same number of tokens: ``x'[m, l, j, e] = sum_{j, e} x[m, l, j, e] / (G E)``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 4:
+        raise PlanError(f"loads x must be [M, L, G, E], got shape {x.shape}")
+    G, E = x.shape[2:]
+    return np.broadcast_to(x.sum(axis=(2, 3), keepdims=True) / (G * E), x.shape).copy()
+
+
 def transfer_seconds(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | float, group: np.ndarray | None,
                      num_groups: int, cluster: ClusterSpec) -> np.ndarray:
     """float64 ``[num_groups]``: time of point-to-point transfers that run concurrently within a group.
@@ -175,6 +189,7 @@ class StepTime:
         replica_mode: "per-layer" or "persistent".
         micro_batch_s: ``[M]`` seconds of each micro-batch (forward + backward, all layers).
         t_moe: ``[M, L]`` forward T_MoE; rank_skew: ``[M, L]`` max GPU load / mean GPU load.
+        gpu_load: ``[M, L, G]`` (token, expert) pairs computed on each GPU (L_g of the cost model).
         attention_fwd: ``[M]`` A_fwd per layer.
     """
 
@@ -198,6 +213,7 @@ class StepTime:
     t_moe: np.ndarray = field(repr=False)
     rank_skew: np.ndarray = field(repr=False)
     attention_fwd: np.ndarray = field(repr=False)
+    gpu_load: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0, 0)))
 
     @property
     def breakdown(self) -> dict[str, float]:
@@ -316,7 +332,8 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
         replica_push_s=float(push.sum()), replica_pull_s=float(pull.sum()),
         replica_exposed_s=float(exposed_fwd.sum() + exposed_bwd.sum()) + persistent_s,
         reorder_s=reorder_s, experts_moved=moved, reorder_bytes=moved_bytes, replica_mode=mode,
-        micro_batch_s=per_mb, t_moe=cost.t_moe, rank_skew=cost.rank_skew, attention_fwd=a_fwd)
+        micro_batch_s=per_mb, t_moe=cost.t_moe, rank_skew=cost.rank_skew, attention_fwd=a_fwd,
+        gpu_load=cost.load)
 
 
 def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: ClusterSpec, **kwargs: Any) -> StepTime:

@@ -10,7 +10,14 @@ from hypothesis import strategies as st
 from relibra_moe.cost import flow_matrix
 from relibra_moe.errors import PlanError
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
-from relibra_moe.sim import attention_flops, plan_flow, reorder_traffic, simulate_loads, transfer_seconds
+from relibra_moe.sim import (
+    attention_flops,
+    plan_flow,
+    reorder_traffic,
+    simulate_loads,
+    transfer_seconds,
+    uniform_loads,
+)
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
 # Round numbers: one (token, expert) pair costs 6*4*8 = 192 FLOPs = 1 s at 192 FLOP/s; a token is
@@ -215,3 +222,20 @@ def test_bad_inputs_raise_plan_error():
     with pytest.raises(PlanError, match="previous placement has shape"):
         simulate_loads(plan, np.array([3]), np.zeros((1, 1, 4, 4)), MODEL, CLUSTER,
                        previous=Placement.static(2, 4, 4))
+
+
+def test_uniform_loads_balanced_ideal():
+    # 12 pairs in (m=0, l=0) over G=4 sources and E=4 experts: 0.75 each; static placement then gives
+    # loads of 3 per GPU (rank skew 1) and each GPU sends 0.75 tokens to each of its 3 peers.
+    x = np.zeros((1, 1, 4, 4))
+    x[0, 0, 0, :2] = 6
+    u = uniform_loads(x)
+    np.testing.assert_allclose(u, 0.75)
+    st_ = simulate_loads(_plan([0], [0]), np.array([6]), u, MODEL, CLUSTER)
+    assert st_.rank_skew[0, 0] == pytest.approx(1.0)
+    np.testing.assert_allclose(st_.gpu_load[0, 0], 3.0)
+    # comp 3 s; GPU 0 sends 0.75 to GPU 1 (nv), 0.75 to GPU 2 (sr), 0.75 to GPU 3 (cr):
+    # NVLink 1.5 tokens = 1.5 s, RDMA 1.5 tokens * 2 s = 3 s; comm = 2 * 3 = 6 s.
+    assert st_.moe_fwd_comm_s == pytest.approx(6.0)
+    with pytest.raises(PlanError, match="must be \\[M, L, G, E\\]"):
+        uniform_loads(np.zeros((4, 4)))
