@@ -1,0 +1,101 @@
+"""`relibra demo --quick`: the report's fields, every strategy, the plots; and the scenario helpers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from relibra_moe.cli import main
+from relibra_moe.commands.demo import STRATEGY_ORDER, ablation, check_targets, default_scenarios, select_scenarios
+from relibra_moe.errors import RelibraError
+
+SCENARIO_FIELDS = {"name", "model", "nodes", "gpus_per_node", "num_gpus", "data", "num_sequences", "num_tokens",
+                   "num_micro_batches", "layers_simulated", "layers_total", "reduced", "replica_slots",
+                   "expert_skew_mean", "intersection_mean", "strategies"}
+RESULT_FIELDS = {"step_s", "tokens_per_s", "speedup_vs_static", "pct_of_balanced", "rank_skew_mean", "solve_s",
+                 "t_moe_fwd_s", "breakdown", "rank_skew_per_micro_batch", "experts_moved"}
+
+
+def _expected_strategies() -> list[str]:
+    if importlib.util.find_spec("relibra_moe.planners.strategies") is None:
+        return ["static"]
+    return list(STRATEGY_ORDER)
+
+
+@pytest.mark.timeout(300)
+def test_demo_quick_report(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--out", str(out), "--no-progress", "--workers", "1"]) == 0
+    text = capsys.readouterr().out
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["version"] == 1 and rep["quick"] is True
+    assert rep["strategies"] == _expected_strategies()
+    ran = {s["name"] for s in rep["scenarios"]}
+    skipped = {s["scenario"] for s in rep["skipped"]}
+    assert ran | skipped == {s.name for s in default_scenarios(quick=True)} and not ran & skipped
+    assert rep["scenarios"], "the quick demo ran no scenario"
+    for sc in rep["scenarios"]:
+        assert SCENARIO_FIELDS <= set(sc), SCENARIO_FIELDS - set(sc)
+        assert sc["name"] in text
+        assert set(rep["strategies"]) <= set(sc["strategies"])
+        for name, r in sc["strategies"].items():
+            assert RESULT_FIELDS <= set(r), (name, RESULT_FIELDS - set(r))
+            assert r["step_s"] > 0 and r["tokens_per_s"] == pytest.approx(sc["num_tokens"] / r["step_s"])
+            assert sum(r["breakdown"].values()) == pytest.approx(r["step_s"])
+            assert len(r["rank_skew_per_micro_batch"]) == sc["num_micro_batches"]
+        assert sc["strategies"]["static"]["speedup_vs_static"] == pytest.approx(1.0)
+        if "balanced" in sc["strategies"]:
+            assert sc["strategies"]["balanced"]["pct_of_balanced"] == pytest.approx(100.0)
+        if sc["data"].startswith("synthetic"):
+            assert "synthetic" in text.lower()
+    for p in rep["plots"]:
+        assert (out / p).stat().st_size > 1000 and p.endswith(".png")
+    assert "throughput.png" in rep["plots"]
+    assert sum(p.startswith("gpu_load_") for p in rep["plots"]) == len(rep["scenarios"])
+    assert sum(p.startswith("rank_skew_") for p in rep["plots"]) == len(rep["scenarios"])
+
+
+def test_demo_skips_real_trace_when_absent(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RELIBRA_TRACES", str(tmp_path / "nowhere"))
+    out = tmp_path / "demo"
+    assert main(["demo", "--quick", "--scenario", "gpt-oss-ep8", "--out", str(out), "--no-progress"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["scenarios"] == []
+    assert [s["scenario"] for s in rep["skipped"]] == ["gpt-oss-ep8"]
+    assert "not found" in rep["skipped"][0]["reason"]
+    assert "skipping gpt-oss-ep8" in capsys.readouterr().out
+
+
+def test_scenario_selection_and_list(capsys):
+    full = default_scenarios()
+    names = [s.name for s in full]
+    assert {"gpt-oss-ep8", "gpt-oss-ep16"} <= set(names)
+    for model in ("qwen3-30b-a3b", "glm4.5-106b-a12b", "qwen3-235b-a22b"):
+        assert {f"{model}/{d}" for d in ("math", "code", "instruction", "mixed")} <= set(names)
+    assert [s.name for s in select_scenarios(full, ["qwen3-235b-a22b/mixed"])] == ["qwen3-235b-a22b/mixed"]
+    assert len(select_scenarios(full, ["qwen3-30b-a3b"])) == 4
+    assert len(select_scenarios(full, ["*/mixed"])) == 3
+    with pytest.raises(RelibraError, match="matches none"):
+        select_scenarios(full, ["nope"])
+    assert main(["demo", "--list"]) == 0
+    assert "qwen3-235b-a22b/mixed" in capsys.readouterr().out
+    assert main(["demo", "--scenario", "nope", "--out", "/nonexistent-never-written"]) == 1
+
+
+def test_ablation_and_targets_from_results():
+    def sc(name, rel):
+        return {"name": name, "strategies": {k: {"speedup_vs_static": v, "tokens_per_s": 100 * v,
+                                                 "pct_of_balanced": 100 * v / rel["balanced"]}
+                                             for k, v in rel.items()}}
+    res = [sc("qwen3-235b-a22b/mixed", {"static": 1.0, "eplb": 1.1, "relibra-inter": 1.15, "relibra": 1.3,
+                                        "balanced": 1.4}),
+           sc("gpt-oss-ep8", {"static": 1.0, "relibra": 1.2, "balanced": 1.25})]
+    abl = ablation(res)
+    assert abl["rows"] == [{"scenario": "qwen3-235b-a22b/mixed", "speedup": [1.0, 1.15, 1.3]}]
+    t = {x["target"]: x for x in check_targets(res)}
+    assert t["qwen3-235b-a22b/mixed: relibra vs static"]["met"]
+    assert t["qwen3-235b-a22b/mixed: relibra vs eplb"]["value"] == pytest.approx(1.3 / 1.1)
+    assert t["qwen3-235b-a22b/mixed: relibra % of balanced"]["value"] == pytest.approx(100 * 1.3 / 1.4)
+    assert t["gpt-oss-ep8 (r=2): relibra % of balanced"]["met"]
