@@ -97,7 +97,7 @@ def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
     M, L, G, E = x.shape
     home = plan.placement.expert_gpu  # [L, E]
     onehot = (home[:, :, None] == np.arange(G)).astype(np.float64)  # [L, E, G]
-    flow = np.einsum("mlje,leg->mljg", x, onehot)
+    flow = np.matmul(x, onehot[None])  # [M, L, G, E] @ [1, L, E, G]
     idx = plan.replicas.split_index
     if len(idx):
         share = plan.replicas.split_share.astype(np.float64)
