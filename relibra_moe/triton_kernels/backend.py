@@ -1,0 +1,78 @@
+"""Backend selection for the kernel ops: Triton (CUDA, or the CPU interpreter) or the torch reference.
+
+Every op in this package is a device-agnostic function. It asks :func:`use_triton` whether to launch
+its Triton kernel or to run the torch reference next to it:
+
+* CUDA tensors run Triton;
+* CPU tensors run the torch reference, unless ``TRITON_INTERPRET=1`` was set in the environment
+  before Triton (and this package) was imported, in which case the Triton kernels run in Triton's
+  CPU interpreter (the test suite does this, see ``tests/conftest.py``);
+* :func:`force_backend` overrides the choice for the current thread (benchmarks and tests compare the
+  two paths with it).
+
+``INTERPRET`` is read once at import, as Triton itself decides at ``@triton.jit`` decoration time
+whether a kernel is interpreted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["INTERPRET", "dot_upcast", "force_backend", "forced_backend", "use_triton"]
+
+#: True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` at import time).
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+_BACKENDS = ("torch", "triton")
+_local = threading.local()
+
+
+def forced_backend() -> str | None:
+    """The backend forced for this thread by :func:`force_backend` (``None``: automatic)."""
+    return getattr(_local, "backend", None)
+
+
+@contextlib.contextmanager
+def force_backend(backend: str | None) -> Iterator[None]:
+    """Force ``"torch"`` (reference) or ``"triton"`` for the ops run by this thread inside the block.
+
+    ``None`` restores the automatic choice. Nested blocks restore the outer choice on exit.
+    Forcing ``"triton"`` on CPU tensors without ``TRITON_INTERPRET=1`` makes the ops raise.
+    """
+    if backend is not None and backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS} or None, got {backend!r}")
+    previous = forced_backend()
+    _local.backend = backend
+    try:
+        yield
+    finally:
+        _local.backend = previous
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op on tensor ``t`` runs its Triton kernel (True) or its torch reference (False)."""
+    backend = forced_backend()
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not (t.is_cuda or INTERPRET):
+            raise RuntimeError(
+                f"force_backend('triton') on a {t.device} tensor needs CUDA or TRITON_INTERPRET=1 "
+                "set before importing triton"
+            )
+        return True
+    return bool(t.is_cuda or INTERPRET)
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """The constexpr flag that makes kernels upcast ``tl.dot`` operands to fp32.
+
+    Only set in the interpreter, and only for bf16: the interpreter's ``tl.dot`` on bf16 operands is
+    wrong (measured), while fp16 and fp32 are exact. Compiled kernels keep bf16 tensor-core dots.
+    """
+    return INTERPRET and dtype == torch.bfloat16
