@@ -1,0 +1,84 @@
+"""LPLB+ baseline (RELIBRA.md §8-9): a fixed intra-node replica topology, copies chosen from the batch's
+loads, and a per-micro-batch LP token split.
+
+DeepSeek's LPLB keeps at most one redundant copy per expert on a fixed topology and redistributes
+tokens per batch with an LP. The paper's LPLB+ gives it the true loads of the batch. Here:
+
+- topology: a ring inside each node, GPU g's ``r`` replica slots mirror experts of its predecessor
+  ``p(g) = node * P + (g - 1) mod P`` (so every expert has at most one copy, always in its home's node);
+- copies: per layer, the ``r`` experts of ``p(g)`` with the most tokens in the whole batch (the same
+  copies for every micro-batch: the topology and its contents are fixed for the batch);
+- split: per micro-batch and layer, the exact LP with the replicas fixed (``split.solve_split_lp``),
+  or the water-filling heuristic (``split="fast"``) when the cells are too many for an LP each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import PlanError
+from ..plan import Placement, ReplicaPlan, SamplePlacement
+from ..specs import ClusterSpec, ModelSpec
+from .replicate import CellResult, assemble
+from .split import fast_split, solve_split_lp
+
+__all__ = ["lplb_copies", "lplb_replicas"]
+
+
+def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, gpus_per_node: int,
+                slots: int) -> np.ndarray:
+    """int32 ``[G, r]`` the ring topology's copies for one layer.
+
+    Args:
+        expert_gpu: ``[E]`` homes; expert_load: ``[E]`` tokens of each expert in the batch.
+        num_gpus: G; gpus_per_node: P (with P = 1 there is nowhere to copy: every slot stays empty).
+        slots: r copies per GPU (fewer when the predecessor homes fewer experts).
+    """
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    expert_load = np.asarray(expert_load, dtype=np.float64)
+    if expert_load.shape != expert_gpu.shape:
+        raise PlanError(f"expert_load has shape {expert_load.shape}, expected {expert_gpu.shape}")
+    G = int(num_gpus)
+    if G % gpus_per_node or (expert_gpu.size and (expert_gpu.min() < 0 or expert_gpu.max() >= G)):
+        raise PlanError(f"expert_gpu must hold GPUs in [0, {G}) with G a multiple of gpus_per_node={gpus_per_node}")
+    out = np.full((G, slots), -1, np.int32)
+    if gpus_per_node < 2 or slots <= 0:
+        return out
+    for g in range(G):
+        node, rail = divmod(g, gpus_per_node)
+        pred = node * gpus_per_node + (rail - 1) % gpus_per_node
+        mine = np.flatnonzero(expert_gpu == pred)
+        mine = mine[np.argsort(-expert_load[mine], kind="stable")][:slots]
+        mine = mine[expert_load[mine] > 0]
+        out[g, :len(mine)] = mine
+    return out
+
+
+def lplb_replicas(placement: Placement, samples: SamplePlacement, batch, model: ModelSpec, cluster: ClusterSpec,
+                  replica_slots: int = 1, split: str = "lp") -> ReplicaPlan:
+    """LPLB+ replicas and per-micro-batch token splits for a batch.
+
+    Args:
+        placement: homes ``[L, E]``; samples: micro-batch and GPU of every sample.
+        batch: the ``TraceBatch`` (its ``loads`` give ``x [M, L, G, E]``).
+        replica_slots: r copies per GPU (the baseline's extra memory; one copy per expert at most).
+        split: "lp" (exact LP per cell) or "fast" (water-filling heuristic).
+    """
+    if split not in ("lp", "fast"):
+        raise PlanError(f"split={split!r} is not 'lp' or 'fast'")
+    G = cluster.num_gpus
+    M, L = int(samples.num_micro_batches), placement.num_layers
+    loads = np.asarray(batch.loads(samples.gpu, G, samples.micro_batch), dtype=np.float64)
+    if loads.shape[0] < M:
+        loads = np.concatenate([loads, np.zeros((M - loads.shape[0],) + loads.shape[1:])])
+    if replica_slots <= 0:
+        return ReplicaPlan.empty(M, L, G, 0)
+    solve = solve_split_lp if split == "lp" else fast_split
+    results = {}
+    for l in range(L):
+        eg = placement.expert_gpu[l]
+        rep = lplb_copies(eg, loads[:, l].sum(axis=(0, 1)), G, cluster.gpus_per_node, replica_slots)
+        for m in range(M):
+            sol = solve(loads[m, l], eg, rep, model, cluster)
+            results[(m, l)] = CellResult(rep, sol.rows, sol.share, sol.t_moe)
+    return assemble(results, M, L, G, replica_slots)

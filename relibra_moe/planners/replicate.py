@@ -1,0 +1,446 @@
+"""Greedy intra-node replication with token splitting (RELIBRA.md §6, Algorithm 2), per micro-batch x layer.
+
+For one cell (loads ``x [G, E]``, homes ``expert_gpu [E]``, ``r`` slots per GPU):
+
+1. start with no replicas (every token served at home);
+2. while some GPU has a free slot: take the compute-bottleneck GPU under the current split and its
+   heaviest expert (the one it serves most tokens of); open a replica of it on the least-loaded GPU of
+   the home's node that has a free slot and does not hold it; re-split the tokens with z fixed;
+3. stop when no move lowers T_MoE.
+
+Improvements over the paper's loop, all only *adding* candidates, so the result is never worse than
+the paper's move sequence at each step: every move evaluates the paper's candidate plus (a) the next
+heaviest experts of the compute bottleneck, (b) for the communication bottleneck, the experts whose
+tokens load its binding link, with the replica that turns their NVLink / cross-rail hop into a local
+or same-rail one; the best candidate by exact T_MoE (LSE-smoothed T_MoE breaks ties, so a tie at the
+maximum does not stop the loop) is taken. The split inside the loop is the water-filling heuristic of
+``split.py``; the cell's final split is polished with the exact LP (``polish=True``) and the better of
+the two is kept.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import numba as nb
+import numpy as np
+
+from ..errors import PlanError
+from ..plan import Placement, ReplicaPlan, SamplePlacement
+from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from .split import aggregates, cell_weights, shares_from_flows, smooth_units, solve_split_lp, t_units, waterfill_expert
+
+__all__ = ["CellResult", "replicate_cell", "replicate_batch", "DEFAULT_CANDIDATES"]
+
+DEFAULT_CANDIDATES = 4
+_BETA = 20.0
+_EPS = 1e-12
+
+
+@nb.njit(cache=True)
+def _nholders(hold, e):
+    n = 0
+    for k in range(hold.shape[1]):
+        if hold[e, k] < 0:
+            break
+        n += 1
+    return n
+
+
+@nb.njit(cache=True)
+def _holds(hold, e, g):
+    for k in range(hold.shape[1]):
+        if hold[e, k] < 0:
+            return False
+        if hold[e, k] == g:
+            return True
+    return False
+
+
+@nb.njit(cache=True)
+def _best_target(hold, used, agg, P, slots, e):
+    """Least-loaded GPU of e's home node with a free slot that does not hold e; -1 if none."""
+    node = hold[e, 0] // P
+    best = -1
+    for g in range(node * P, node * P + P):
+        if used[g] >= slots or _holds(hold, e, g):
+            continue
+        if best < 0 or agg[0, g] < agg[0, best]:
+            best = g
+    return best
+
+
+@nb.njit(cache=True)
+def _try(x, hold, flows, agg, cls, P, e, t, w_nv, w_rdma, buf):
+    """T and smoothed T after adding a replica of e on t and water-filling e; state restored after."""
+    G = x.shape[0]
+    n = _nholders(hold, e)
+    for j in range(G):
+        for k in range(P):
+            buf[j, k] = flows[j, e, k]
+    aggs = agg.copy()
+    hold[e, n] = t
+    waterfill_expert(x, hold, flows, agg, cls, P, e)
+    tt = t_units(agg, w_nv, w_rdma)
+    ss = smooth_units(agg, w_nv, w_rdma, _BETA)
+    hold[e, n] = -1
+    for j in range(G):
+        for k in range(P):
+            flows[j, e, k] = buf[j, k]
+    agg[:, :] = aggs
+    return tt, ss
+
+
+@nb.njit(cache=True)
+def _cands_comp(x, hold, flows, agg, used, P, slots, ncand, out_e, out_t, nout):
+    """The compute bottleneck's heaviest experts (paper's candidate first)."""
+    G, E = x.shape
+    gs = 0
+    for g in range(G):
+        if agg[0, g] > agg[0, gs]:
+            gs = g
+    served = np.zeros(E)
+    for e in range(E):
+        for k in range(P):
+            g = hold[e, k]
+            if g < 0:
+                break
+            if g == gs:
+                s = 0.0
+                for j in range(G):
+                    s += flows[j, e, k]
+                served[e] = s
+    order = np.argsort(-served)
+    taken = 0
+    for i in range(E):
+        e = order[i]
+        if served[e] <= 0 or taken >= ncand:
+            break
+        t = _best_target(hold, used, agg, P, slots, e)
+        if t < 0:
+            continue
+        out_e[nout] = e
+        out_t[nout] = t
+        nout += 1
+        taken += 1
+    return nout
+
+
+@nb.njit(cache=True)
+def _cands_comm(x, hold, flows, agg, cls, used, P, slots, ncand, w_nv, w_rdma, out_e, out_t, nout):
+    """Experts loading the binding communication term, with a replica that shortens their hop."""
+    G, E = x.shape
+    bg = 0
+    bt = 1
+    bv = -1.0
+    for g in range(G):
+        for t in range(1, 5):
+            w = w_nv if t <= 2 else w_rdma
+            if w * agg[t, g] > bv:
+                bv = w * agg[t, g]
+                bg = g
+                bt = t
+    # score[e]: tokens of e on the binding link; tgt[e]: replica GPU that removes (part of) it
+    score = np.zeros(E)
+    tgt = np.full(E, -1)
+    for e in range(E):
+        node = hold[e, 0] // P
+        for k in range(P):
+            g = hold[e, k]
+            if g < 0:
+                break
+            for j in range(G):
+                a = flows[j, e, k]
+                if a <= 0:
+                    continue
+                c = cls[j, g]
+                on = False
+                if bt == 1 and j == bg and (c == NV or c == CR):
+                    on = True
+                elif bt == 2 and g == bg and (c == NV or c == CR):
+                    on = True
+                elif bt == 3 and j == bg and (c == SR or c == CR):
+                    on = True
+                elif bt == 4 and g == bg and (c == SR or c == CR):
+                    on = True
+                if not on:
+                    continue
+                # where would j's tokens of e ideally go: j itself (same node) or j's rail in e's node
+                ideal = j if j // P == node else node * P + j % P
+                if ideal != g and used[ideal] < slots and not _holds(hold, e, ideal):
+                    score[e] += a
+                    tgt[e] = ideal
+                elif bt == 2 or bt == 4:
+                    # receive-bound target: any other GPU of the node helps
+                    score[e] += a
+    order = np.argsort(-score)
+    taken = 0
+    for i in range(E):
+        e = order[i]
+        if score[e] <= 0 or taken >= ncand:
+            break
+        t = tgt[e]
+        if t < 0:
+            t = _best_target(hold, used, agg, P, slots, e)
+        if t < 0:
+            continue
+        dup = False
+        for q in range(nout):
+            if out_e[q] == e and out_t[q] == t:
+                dup = True
+        if dup:
+            continue
+        out_e[nout] = e
+        out_t[nout] = t
+        nout += 1
+        taken += 1
+    return nout
+
+
+@nb.njit(cache=True)
+def greedy_cell(x, home, P, slots, cls, w_nv, w_rdma, ncand, comm_cands, passes):
+    """Algorithm 2 on one cell in token units. Returns (hold [E, P], rep [G, slots], flows [G, E, P], T)."""
+    G, E = x.shape
+    hold = np.full((E, P), -1, np.int64)
+    for e in range(E):
+        hold[e, 0] = home[e]
+    rep = np.full((G, slots), -1, np.int64)
+    used = np.zeros(G, np.int64)
+    flows = np.zeros((G, E, P))
+    for j in range(G):
+        for e in range(E):
+            flows[j, e, 0] = x[j, e]
+    agg = aggregates(x, hold, flows, cls)
+    T = t_units(agg, w_nv, w_rdma)
+    S = smooth_units(agg, w_nv, w_rdma, _BETA)
+    buf = np.zeros((G, P))
+    ce = np.zeros(4 * ncand + 4, np.int64)
+    ct = np.zeros(4 * ncand + 4, np.int64)
+    snap = np.zeros((E, G, P))
+    touched = np.zeros(E, np.int64)
+    if slots <= 0:
+        return hold, rep, flows, T
+    while True:
+        nout = _cands_comp(x, hold, flows, agg, used, P, slots, max(ncand, 1), ce, ct, 0)
+        if comm_cands:
+            nout = _cands_comm(x, hold, flows, agg, cls, used, P, slots, ncand, w_nv, w_rdma, ce, ct, nout)
+        if nout == 0:
+            break
+        bi = -1
+        bT = T
+        bS = S
+        for i in range(nout):
+            tt, ss = _try(x, hold, flows, agg, cls, P, ce[i], ct[i], w_nv, w_rdma, buf)
+            if tt < bT * (1 - _EPS) or (tt <= bT * (1 + _EPS) and ss < bS * (1 - _EPS)):
+                bi = i
+                bT = tt
+                bS = ss
+        if bi < 0:
+            break
+        e = ce[bi]
+        t = ct[bi]
+        n = _nholders(hold, e)
+        hold[e, n] = t
+        rep[t, used[t]] = e
+        used[t] += 1
+        waterfill_expert(x, hold, flows, agg, cls, P, e)
+        T = t_units(agg, w_nv, w_rdma)
+        S = smooth_units(agg, w_nv, w_rdma, _BETA)
+        # re-level the other replicated experts of the node (kept only if it does not hurt)
+        node = home[e] // P
+        nt = 0
+        for f in range(E):
+            if f != e and home[f] // P == node and _nholders(hold, f) > 1:
+                touched[nt] = f
+                for j in range(G):
+                    for k in range(P):
+                        snap[nt, j, k] = flows[j, f, k]
+                nt += 1
+        if nt > 0 and passes > 0:
+            aggs = agg.copy()
+            for _ in range(passes):
+                for i in range(nt):
+                    waterfill_expert(x, hold, flows, agg, cls, P, touched[i])
+                waterfill_expert(x, hold, flows, agg, cls, P, e)
+            T2 = t_units(agg, w_nv, w_rdma)
+            S2 = smooth_units(agg, w_nv, w_rdma, _BETA)
+            if T2 < T * (1 - _EPS) or (T2 <= T * (1 + _EPS) and S2 < S):
+                T = T2
+                S = S2
+            else:
+                agg[:, :] = aggs
+                for i in range(nt):
+                    f = touched[i]
+                    for j in range(G):
+                        for k in range(P):
+                            flows[j, f, k] = snap[i, j, k]
+                waterfill_expert(x, hold, flows, agg, cls, P, e)
+                T = t_units(agg, w_nv, w_rdma)
+                S = smooth_units(agg, w_nv, w_rdma, _BETA)
+    return hold, rep, flows, T
+
+
+class CellResult(tuple):
+    """``(replica_expert int32 [G, r], rows int32 [Z, 3] (j, e, g), share float64 [Z], t_moe seconds)``."""
+
+    __slots__ = ()
+
+    def __new__(cls, replica_expert, rows, share, t_moe):
+        return super().__new__(cls, (replica_expert, rows, share, t_moe))
+
+    @property
+    def replica_expert(self) -> np.ndarray:
+        return self[0]
+
+    @property
+    def rows(self) -> np.ndarray:
+        return self[1]
+
+    @property
+    def share(self) -> np.ndarray:
+        return self[2]
+
+    @property
+    def t_moe(self) -> float:
+        return self[3]
+
+
+def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
+                   *, candidates: int = DEFAULT_CANDIDATES, comm_candidates: bool = True, passes: int = 1,
+                   polish: bool | None = None) -> CellResult:
+    """Greedy replication + token split of one cell (Algorithm 2).
+
+    Args:
+        x: ``[G, E]`` tokens per (source GPU, expert) of one micro-batch and layer.
+        expert_gpu: ``[E]`` home GPU of every expert.
+        model, cluster: specs of the cost model.
+        slots: r, replica slots per GPU.
+        candidates: experts tried per move on each bottleneck (1 and ``comm_candidates=False`` is the
+            paper's loop: only the compute bottleneck's heaviest expert).
+        comm_candidates: also try replicas that relieve the communication bottleneck.
+        passes: water-filling passes over the node's other replicated experts after a move.
+        polish: re-solve the final split with the exact LP (keeps the better). None: only when the
+            cell is small (G <= 16), where the LP takes milliseconds.
+
+    Returns:
+        ``CellResult(replica_expert [G, r], rows [Z, 3] (j, e, g), share [Z], t_moe seconds)``.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    expert_gpu = np.ascontiguousarray(expert_gpu, dtype=np.int64)
+    G = cluster.num_gpus
+    if x.ndim != 2 or x.shape[0] != G:
+        raise PlanError(f"x has shape {x.shape}, expected [G={G}, E]")
+    E = x.shape[1]
+    if expert_gpu.shape != (E,) or (E and (expert_gpu.min() < 0 or expert_gpu.max() >= G)):
+        raise PlanError(f"expert_gpu must be [E={E}] GPUs in [0, {G}), got shape {expert_gpu.shape}")
+    if not np.all(np.isfinite(x)) or (x < 0).any():
+        raise PlanError("x must hold finite, non-negative token counts")
+    if not isinstance(slots, (int, np.integer)) or slots < 0:
+        raise PlanError(f"replica_slots={slots!r} must be an int >= 0")
+    P = cluster.gpus_per_node
+    w = cell_weights(model, cluster)
+    cls = cluster.link_classes.astype(np.int64)
+    scale = max(x.sum() / G, 1e-12)
+    xs = x / scale
+    if polish is None:
+        polish = G <= 16
+    # the paper's loop, then the widened candidate sets; the best final split wins
+    configs = [(1, False)]
+    if candidates > 1 or comm_candidates:
+        configs.append((int(candidates), bool(comm_candidates)))
+    best = None
+    seen = set()
+    for ncand, comm in configs:
+        hold, rep, flows, T = greedy_cell(xs, expert_gpu, P, int(slots), cls, w.w_nv, w.w_rdma, ncand, comm,
+                                          int(passes))
+        key = rep.tobytes()
+        if key in seen:
+            continue
+        seen.add(key)
+        rows, share = shares_from_flows(xs, hold, flows)
+        t = T * scale * w.sec_per_token
+        if polish and len(rows):
+            lp = solve_split_lp(x, expert_gpu, rep, model, cluster)
+            if lp.t_moe < t:
+                rows, share, t = lp.rows, lp.share, lp.t_moe
+        if best is None or t < best[3]:
+            best = (rep, rows, share, t)
+    rep, rows, share, t = best
+    return CellResult(rep.astype(np.int32), rows, share, float(t))
+
+
+def _cells_task(args) -> list[CellResult]:
+    loads, eg, model, cluster, slots, kw = args
+    return [replicate_cell(loads[i], eg[i], model, cluster, slots, **kw) for i in range(len(loads))]
+
+
+def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int, num_layers: int,
+             num_gpus: int, slots: int) -> ReplicaPlan:
+    """Build a ReplicaPlan from per-(m, l) cell results (missing cells: no replicas)."""
+    rep = np.full((num_micro_batches, num_layers, num_gpus, slots), -1, np.int32)
+    idx, sh = [], []
+    for (m, l), res in sorted(results.items()):
+        rep[m, l] = res.replica_expert
+        if len(res.rows):
+            idx.append(np.concatenate([np.full((len(res.rows), 2), (m, l), np.int32), res.rows], axis=1))
+            sh.append(res.share)
+    split_index = np.concatenate(idx) if idx else np.zeros((0, 5), np.int32)
+    split_share = np.concatenate(sh) if sh else np.zeros(0)
+    return ReplicaPlan(rep, split_index, split_share, scope="node")
+
+
+def replicate_batch(placement: Placement, samples: SamplePlacement, batch, model: ModelSpec,
+                    cluster: ClusterSpec, replica_slots: int, workers: int = 1, seed: int = 0,
+                    **cell_kw) -> ReplicaPlan:
+    """Algorithm 2 for every micro-batch x layer of a batch.
+
+    Args:
+        placement: homes ``[L, E]``; samples: where each sample runs (its GPU is the tokens' source).
+        batch: a ``TraceBatch`` (``loads(sample_gpu, G, micro_batch) -> [M, L, G, E]``).
+        replica_slots: r per GPU (0: an empty ReplicaPlan).
+        workers: processes for the cells (1: in this process).
+        seed: unused by the deterministic greedy; kept for the strategy signature.
+        cell_kw: forwarded to :func:`replicate_cell`.
+    """
+    del seed
+    G = cluster.num_gpus
+    if placement.expert_gpu.shape != (model.num_layers, model.num_experts):
+        raise PlanError(f"placement expert_gpu has shape {placement.expert_gpu.shape}, expected "
+                        f"[{model.num_layers}, {model.num_experts}]")
+    M = int(samples.num_micro_batches)
+    loads = np.asarray(batch.loads(samples.gpu, G, samples.micro_batch), dtype=np.float64)
+    if loads.shape[0] < M:
+        loads = np.concatenate([loads, np.zeros((M - loads.shape[0],) + loads.shape[1:])])
+    L = placement.num_layers
+    if replica_slots == 0:
+        return ReplicaPlan.empty(M, L, G, 0)
+    cells = [(m, l) for m in range(M) for l in range(L)]
+    workers = max(1, int(workers or 1))
+    if workers == 1 or len(cells) < 2 * workers:
+        results = {(m, l): replicate_cell(loads[m, l], placement.expert_gpu[l], model, cluster, replica_slots,
+                                          **cell_kw) for m, l in cells}
+    else:
+        chunks = np.array_split(np.arange(len(cells)), workers * 4)
+        jobs = []
+        for ch in chunks:
+            ms = np.array([cells[i][0] for i in ch])
+            ls = np.array([cells[i][1] for i in ch])
+            jobs.append((loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw))
+        with ProcessPoolExecutor(max_workers=workers) as ex:
+            outs = list(ex.map(_cells_task, jobs))
+        results = {}
+        for ch, out in zip(chunks, outs):
+            for i, res in zip(ch, out):
+                results[cells[i]] = res
+    return assemble(results, M, L, G, replica_slots)
+
+
+def default_workers() -> int:
+    """Worker processes to use by default (the CPUs this process may run on)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return os.cpu_count() or 1
+
+
