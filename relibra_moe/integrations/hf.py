@@ -1,0 +1,541 @@
+"""Hugging Face integration: record routing during ``generate()``, swap in replay-balanced MoE blocks,
+and replay recorded routing (with a replica plan) in the training step.
+
+Three calls (see ``docs/hf.md``)::
+
+    with RoutingRecorder(model) as rec:                       # rollout
+        out = model.generate(prompts, attention_mask=mask, max_new_tokens=N)
+    batch = rec.trace_batch()                                 # one RoutingTrace per sequence
+
+    swap_moe_blocks(model)                                    # once, before training
+    with replay(model, batch, plan, micro_batch=m):           # per micro-batch
+        loss = model(input_ids, attention_mask=...).loss
+
+Supported block families (transformers 5.x): Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GPT-OSS
+and Qwen3-Next; their differences live in :mod:`relibra_moe.integrations.hf_families`.
+
+Recorded trace rows are the tokens the engine *fed* to the model, in order, with padding removed: the
+prompt and every generated token but the last one (which is returned, never fed). That is exactly the
+input of the usual shifted causal-LM training forward (``input_ids = seq[:-1]``, ``labels = seq[1:]``),
+which is what ``replay`` feeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import ReplayError
+from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
+
+__all__ = ["RoutingRecorder", "swap_moe_blocks", "replay", "ReplayMoEBlock", "moe_blocks", "moe_layer_ids",
+           "SUPPORTED_BLOCKS"]
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+# ----------------------------------------------------------------------------------------- discovery
+def moe_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
+    """Every MoE block of ``model`` (HF or swapped) as ``(decoder layer index, module name, module)``,
+    ordered by layer index.
+
+    Raises ``ValueError`` listing the supported block classes when the model has none.
+    """
+    found = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, ReplayMoEBlock) or family_of(mod) is not None:
+            m = _LAYER_RE.search(name + ".")
+            if m is None:
+                raise ValueError(f"MoE block {name!r} is not under a 'layers.<i>' module: cannot tell its layer id")
+            found.append((int(m.group(1)), name, mod))
+    if not found:
+        kinds = sorted({type(m).__name__ for m in model.modules() if "moe" in type(m).__name__.lower()
+                        or "mlp" in type(m).__name__.lower()})
+        raise ValueError(f"{type(model).__name__} has no supported MoE block (found {kinds}); supported block "
+                         f"classes: {', '.join(SUPPORTED_BLOCKS)} (families: "
+                         f"{', '.join(f.name for f in FAMILIES.values())})")
+    found.sort(key=lambda t: t[0])
+    return found
+
+
+def moe_layer_ids(model: nn.Module) -> np.ndarray:
+    """int32 ``[L]``: the decoder layer index of every MoE layer of ``model``."""
+    return np.array([i for i, _, _ in moe_blocks(model)], dtype=np.int32)
+
+
+def _num_experts_topk(block: nn.Module) -> tuple[int, int]:
+    fam = block.family if isinstance(block, ReplayMoEBlock) else family_of(block)
+    router = getattr(block, fam.router_attr)
+    return int(router.num_experts), int(router.top_k)
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+# ------------------------------------------------------------------------------------------ recorder
+class RoutingRecorder:
+    """Record every token's top-k expert ids at every MoE layer while the model runs (``generate()``).
+
+    Use as a context manager (or ``attach()`` / ``detach()``)::
+
+        with RoutingRecorder(model) as rec:
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=16)
+        traces = rec.traces()          # list[RoutingTrace], one per sequence
+        batch = rec.trace_batch()      # TraceBatch of the same
+
+    Each forward call of the decoder is a *step* with input ``[B, S]``; a step whose attention mask
+    covers only its own tokens (no past) starts new sequences (a prefill), later steps append to them
+    (decode). Positions where the 2-D ``attention_mask`` is 0 (left or right padding) are dropped. The
+    ids are kept on the model's device during recording and copied to the host once, at export.
+
+    Trace rows are therefore the fed tokens (prompt + generated tokens but the last), logical expert ids
+    in the engine's order, ``layer_ids`` = decoder indices of the MoE layers only, ``start`` = 0.
+    """
+
+    def __init__(self, model: nn.Module, *, source: str = "") -> None:
+        self.model = model
+        self.source = source or f"hf:{type(model).__name__}"
+        blocks = moe_blocks(model)
+        self.layer_ids = np.array([i for i, _, _ in blocks], dtype=np.int32)
+        self._blocks = [b for _, _, b in blocks]
+        self.num_experts, self.topk = _num_experts_topk(self._blocks[0])
+        self._handles: list[Any] = []
+        self._sessions: list[list[dict[str, Any]]] = []  # per prefill: list of steps
+        self._step: dict[str, Any] | None = None
+
+    # -- hooks
+    def _decoder(self) -> nn.Module:
+        base = getattr(self.model, "model", None)
+        return base if isinstance(base, nn.Module) and hasattr(base, "layers") else self.model
+
+    def attach(self) -> RoutingRecorder:
+        """Install the hooks (idempotent)."""
+        if self._handles:
+            return self
+        self._handles.append(self._decoder().register_forward_pre_hook(self._on_step, with_kwargs=True))
+        for li, block in enumerate(self._blocks):
+            self._handles.append(block.register_forward_pre_hook(self._block_pre(li)))
+            if isinstance(block, ReplayMoEBlock):
+                self._handles.append(block.add_routing_observer(self._on_ids(li)))
+            else:
+                router = getattr(block, family_of(block).router_attr)
+                self._handles.append(router.register_forward_hook(self._router_hook(li)))
+        return self
+
+    def detach(self) -> None:
+        """Remove the hooks; the recorded data stays."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._step = None
+
+    def __enter__(self) -> RoutingRecorder:
+        return self.attach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def clear(self) -> None:
+        """Forget everything recorded so far."""
+        self._sessions = []
+        self._step = None
+
+    def _on_step(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        emb = kwargs.get("inputs_embeds")
+        ref = ids if ids is not None else emb
+        if ref is None:
+            raise ReplayError("RoutingRecorder: a decoder call without input_ids or inputs_embeds")
+        B, S = int(ref.shape[0]), int(ref.shape[1])
+        mask = kwargs.get("attention_mask")
+        if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
+            raise ReplayError(f"RoutingRecorder needs a 2-D attention_mask [B, S_total] (or none), got "
+                              f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}")
+        if mask is None:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
+            keep = torch.ones(B, S, dtype=torch.bool, device=ref.device)
+        else:
+            past = int(mask.shape[1]) - S
+            keep = mask[:, -S:].bool()
+        if past < 0:
+            raise ReplayError(f"RoutingRecorder: attention_mask covers {int(mask.shape[1])} positions, fewer "
+                              f"than the {S} input tokens")
+        if past == 0 or not self._sessions:
+            self._sessions.append([])
+        elif int(self._sessions[-1][0]["keep"].shape[0]) != B:
+            raise ReplayError(f"RoutingRecorder: a decode step with batch {B} follows a prefill with batch "
+                              f"{int(self._sessions[-1][0]['keep'].shape[0])}")
+        self._step = {"B": B, "S": S, "keep": keep, "ids": [None] * len(self._blocks)}
+        self._sessions[-1].append(self._step)
+
+    def _block_pre(self, li: int):
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._step is None:  # a block run outside a decoder call (e.g. unit tests): own step
+                x = args[0]
+                B, S = (int(x.shape[0]), int(x.shape[1])) if x.dim() == 3 else (1, int(x.shape[0]))
+                self._sessions.append([])
+                self._step = {"B": B, "S": S, "keep": torch.ones(B, S, dtype=torch.bool, device=x.device),
+                              "ids": [None] * len(self._blocks), "standalone": True}
+                self._sessions[-1].append(self._step)
+        return hook
+
+    def _on_ids(self, li: int):
+        def observe(ids: torch.Tensor) -> None:
+            step = self._step
+            if step is None:
+                return
+            if ids.shape[0] != step["B"] * step["S"]:
+                raise ReplayError(f"RoutingRecorder: layer {int(self.layer_ids[li])} routed {ids.shape[0]} tokens, "
+                                  f"the step has B*S = {step['B']}*{step['S']}")
+            step["ids"][li] = ids.detach().reshape(step["B"], step["S"], -1)
+            if step.get("standalone"):
+                self._step = None
+        return observe
+
+    def _router_hook(self, li: int):
+        observe = self._on_ids(li)
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            observe(output[2])
+        return hook
+
+    # -- export
+    def sequences(self) -> list[np.ndarray]:
+        """The recorded ids of every sequence: one int ``[S_n, L, k]`` array each (padding removed)."""
+        out: list[np.ndarray] = []
+        dtype = np.int16 if self.num_experts <= np.iinfo(np.int16).max else np.int32
+        for session in self._sessions:
+            steps = [s for s in session if all(x is not None for x in s["ids"])]
+            missing = [s for s in session if any(x is None for x in s["ids"])]
+            if missing:
+                li = [i for i, x in enumerate(missing[0]["ids"]) if x is None]
+                raise ReplayError(f"RoutingRecorder: MoE layers {self.layer_ids[li].tolist()} recorded nothing in "
+                                  "a step (did the forward fail part-way?)")
+            if not steps:
+                continue
+            ids = torch.cat([torch.stack(s["ids"], dim=2) for s in steps], dim=1).cpu()  # [B, S_tot, L, k]
+            keep = torch.cat([s["keep"] for s in steps], dim=1).cpu()                     # [B, S_tot]
+            for b in range(ids.shape[0]):
+                out.append(ids[b][keep[b]].numpy().astype(dtype))
+        return out
+
+    def traces(self) -> list:
+        """One :class:`relibra_moe.trace.RoutingTrace` per recorded sequence, in recording order."""
+        from ..trace import RoutingTrace
+
+        return [RoutingTrace(seq, self.layer_ids, self.num_experts, self.topk, 0, self.source)
+                for seq in self.sequences()]
+
+    def trace_batch(self, micro_batch: Any = None):
+        """All recorded sequences as a :class:`relibra_moe.trace.TraceBatch`."""
+        from ..trace import TraceBatch
+
+        return TraceBatch(self.traces(), micro_batch, source=self.source)
+
+
+# ------------------------------------------------------------------------------------- swapped block
+class ReplayMoEBlock(nn.Module):
+    """An HF MoE block that follows replayed routing (and, with an engine, a replica plan).
+
+    It keeps HF's own submodules under their HF names (the router instance, so ``output_router_logits``
+    hooks and the aux loss keep working; the fused ``experts`` parameters; shared experts and their
+    gate), so ``state_dict()`` keys and values are those of the original block.
+
+    ``forward(hidden [B, S, H])`` returns what the HF block returns (GPT-OSS: ``(hidden, router_scores)``).
+    Without replay it routes live and is numerically the HF block. Under :func:`replay` the ids come
+    from the trace and the gate values are recomputed from the live logits with the family's gate
+    function (so the router gets gradients); ``-1`` ids (padding) are served by no expert.
+
+    Expert compute goes through ``self.engine`` when set (a :class:`ReplayBalancedMoE`-backed engine for
+    expert parallelism and replica plans), else through a local loop over the experts that have tokens.
+
+    Attributes:
+        family: the :class:`~relibra_moe.integrations.hf_families.Family`.
+        layer_id: decoder layer index.
+        last_expert_counts: int64 ``[E]`` tokens per expert in the last forward (valid ids only).
+    """
+
+    def __init__(self, block: nn.Module, layer_id: int) -> None:
+        super().__init__()
+        fam = family_of(block)
+        if fam is None:
+            raise ValueError(f"{type(block).__name__} is not a supported MoE block; supported: "
+                             f"{', '.join(SUPPORTED_BLOCKS)}")
+        self.family: Family = fam
+        self.layer_id = int(layer_id)
+        self.hf_class = type(block).__name__
+        for name, child in block.named_children():
+            self.add_module(name, child)
+        for name, buf in block.named_buffers(recurse=False):
+            self.register_buffer(name, buf)
+        for name, p in block.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        if fam.jitter:
+            self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
+        router = getattr(self, fam.router_attr)
+        self.num_experts, self.top_k = int(router.num_experts), int(router.top_k)
+        self.engine: nn.Module | None = None
+        self._replay_ids: torch.Tensor | None = None
+        self._replay_ctx: dict[str, Any] | None = None
+        self._observers: dict[int, Any] = {}
+        self._next_observer = 0
+        self.last_expert_counts: torch.Tensor | None = None
+
+    def extra_repr(self) -> str:
+        return f"family={self.family.name}, layer_id={self.layer_id}, E={self.num_experts}, k={self.top_k}"
+
+    # -- routing observers (the recorder uses them)
+    def add_routing_observer(self, fn) -> Any:
+        """Call ``fn(ids [T, k])`` with the ids every forward uses; returns a handle with ``remove()``."""
+        key = self._next_observer
+        self._next_observer += 1
+        self._observers[key] = fn
+        block = self
+
+        class _Handle:
+            def remove(self) -> None:
+                block._observers.pop(key, None)
+
+        return _Handle()
+
+    # -- forward
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits [T, E], gates [T, k], ids [T, k] int64)`` for ``hidden [B, S, H]``."""
+        fam = self.family
+        router = getattr(self, fam.router_attr)
+        H = hidden.shape[-1]
+        x = hidden if fam.router_input_3d else hidden.reshape(-1, H)
+        logits, gates, ids = router(x)
+        if self._replay_ids is not None:
+            rids = self._replay_ids
+            T = logits.shape[0]
+            if rids.shape[0] != T:
+                ctx = self._replay_ctx or {}
+                raise ReplayError(f"layer {self.layer_id}: replayed routing covers {rids.shape[0]} tokens "
+                                  f"({ctx.get('desc', '')}), the forward has {T} tokens "
+                                  f"(hidden {tuple(hidden.shape)})")
+            ids = rids.to(logits.device)
+            gates = fam.gates(router, logits, ids)
+        return logits, gates, ids.long()
+
+    def forward(self, hidden_states: torch.Tensor):
+        fam = self.family
+        if fam.jitter and self.training and self.jitter_noise > 0:
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits, gates, ids = self.route(hidden_states)
+        for fn in list(self._observers.values()):
+            fn(ids)
+        valid = ids >= 0
+        with torch.no_grad():
+            self.last_expert_counts = torch.bincount(ids[valid], minlength=self.num_experts)
+        if self.engine is not None:
+            out = self.engine(self, x, ids, gates, self._replay_ctx)
+        else:
+            out = self.local_experts(x, ids, gates)
+        if fam.shared is not None:
+            shared_name, gate_name = fam.shared
+            sh = getattr(self, shared_name)(x)
+            if gate_name is not None:
+                sh = torch.sigmoid(getattr(self, gate_name)(x)) * sh
+            out = out + sh
+        out = out.reshape(shape)
+        return (out, gates) if fam.returns_scores else out
+
+    def local_experts(self, x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Routed experts on this process, all experts local: ``x [T, H]`` -> ``[T, H]``.
+
+        Experts run in ascending id order and their outputs are added per token in that order (as HF's
+        eager path does), so without replay the block is numerically the HF block.
+        """
+        out = torch.zeros_like(x)
+        E = self.num_experts
+        with torch.no_grad():
+            flat = ids.reshape(-1)
+            hit = torch.unique(flat[flat >= 0]).tolist()
+        experts = self.experts
+        for e in hit:
+            token_idx, pos = torch.where(ids == e)
+            y = self.family.expert(experts, e, x[token_idx]) * gates[token_idx, pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        del E
+        return out
+
+
+# ------------------------------------------------------------------------------------------- swap
+def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: int = 0,
+                    gpus_per_node: int | None = None, engine_factory: Any = None) -> nn.Module:
+    """Replace every supported MoE block of ``model`` with a :class:`ReplayMoEBlock`, in place.
+
+    The new blocks hold the same parameter objects under the same names, so ``state_dict()``,
+    ``save_pretrained()`` and reloading (into the plain HF class, or into a swapped model) round-trip
+    unchanged, and ``output_router_logits`` / the aux loss keep working (HF's router instance is kept).
+
+    Args:
+        model: an HF ``*ForCausalLM`` (or its base model) of a supported family.
+        ep_group: a ``torch.distributed`` process group for expert parallelism; with it (or with
+            ``replica_slots > 0``) each block gets an engine built by ``engine_factory`` (default:
+            :func:`relibra_moe.integrations.hf_engine.make_engine`) that dispatches tokens to the experts'
+            home ranks and replica slots following the plan given to :func:`replay`.
+        replica_slots: replica slots per rank r (shared by all layers).
+        gpus_per_node: ranks per node of the EP group (replicas stay inside a node).
+        engine_factory: ``(blocks: list[ReplayMoEBlock], ep_group, replica_slots, gpus_per_node) -> list``
+            of per-block engines; for custom execution back ends.
+
+    Returns:
+        ``model`` (modified in place). Already swapped blocks are left as they are.
+
+    Raises:
+        ValueError: the model has no supported MoE block (the message lists the supported classes).
+    """
+    blocks = moe_blocks(model)
+    swapped = []
+    for layer_id, name, block in blocks:
+        if not isinstance(block, ReplayMoEBlock):
+            new = ReplayMoEBlock(block, layer_id)
+            new.train(block.training)
+            _set_submodule(model, name, new)
+            block = new
+        swapped.append(block)
+    if ep_group is not None or replica_slots > 0 or engine_factory is not None:
+        if engine_factory is None:
+            from .hf_engine import make_engine as engine_factory
+        engines = engine_factory(swapped, ep_group, replica_slots, gpus_per_node)
+        for b, eng in zip(swapped, engines):
+            b.engine = eng
+    return model
+
+
+# ----------------------------------------------------------------------------------------- replay
+def _as_traces(routing: Any) -> tuple[list, np.ndarray | None]:
+    from ..trace import RoutingTrace, TraceBatch
+
+    if isinstance(routing, TraceBatch):
+        return list(routing.traces), routing.micro_batch
+    if isinstance(routing, RoutingTrace):
+        return [routing], None
+    if isinstance(routing, Sequence) and all(isinstance(t, RoutingTrace) for t in routing):
+        if not routing:
+            raise ReplayError("replay: no traces given")
+        return list(routing), None
+    raise ReplayError(f"replay: expected a TraceBatch, a RoutingTrace or a list of RoutingTrace, got "
+                      f"{type(routing).__name__}")
+
+
+def _select(n: int, batch_mb: np.ndarray | None, plan: Any, micro_batch: int | None,
+            rank: int | None) -> np.ndarray:
+    """Sample indices (in batch order) that this forward processes."""
+    idx = np.arange(n)
+    if plan is not None:
+        if plan.samples.num_samples != n:
+            raise ReplayError(f"replay: the plan covers {plan.samples.num_samples} samples, the routing has {n}")
+        if micro_batch is None:
+            raise ReplayError("replay: a plan needs micro_batch=<m>")
+        sel = plan.samples.micro_batch == micro_batch
+        if rank is not None:
+            sel &= plan.samples.gpu == rank
+        return idx[sel]
+    if micro_batch is None:
+        return idx
+    if batch_mb is None:
+        raise ReplayError(f"replay: micro_batch={micro_batch} given, but the routing has no micro-batch "
+                          "assignment (use TraceBatch.with_micro_batch_size or pass a plan)")
+    return idx[np.asarray(batch_mb) == micro_batch]
+
+
+def layout_ids(traces: Sequence, layer_index: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``[B*S, k]`` int64 ids of one MoE layer for a batch of sequences (row b = ``traces[b]``).
+
+    With ``attention_mask [B, S]`` the rows of sequence b fill its positions where the mask is 1, in
+    order (left or right padding); without it sequences are right-padded to the longest. Padding rows
+    are ``-1`` (served by no expert).
+    """
+    k = traces[0].topk
+    lengths = [t.num_tokens for t in traces]
+    if attention_mask is None:
+        S = max(lengths)
+        out = np.full((len(traces), S, k), -1, dtype=np.int64)
+        for b, t in enumerate(traces):
+            out[b, : lengths[b]] = t.experts[:, layer_index]
+    else:
+        mask = attention_mask.detach().cpu().bool().numpy()
+        if mask.ndim != 2 or mask.shape[0] != len(traces):
+            raise ReplayError(f"replay: attention_mask has shape {mask.shape}, expected [B={len(traces)}, S]")
+        out = np.full(mask.shape + (k,), -1, dtype=np.int64)
+        for b, t in enumerate(traces):
+            if int(mask[b].sum()) != lengths[b]:
+                raise ReplayError(f"replay: sequence {b} of the micro-batch has {lengths[b]} routed tokens, "
+                                  f"its attention_mask row has {int(mask[b].sum())} ones")
+            out[b, mask[b]] = t.experts[:, layer_index]
+    return torch.from_numpy(out.reshape(-1, k))
+
+
+@contextlib.contextmanager
+def replay(model: nn.Module, routing: Any, plan: Any = None, micro_batch: int | None = None, *,
+           attention_mask: torch.Tensor | None = None, rank: int | None = None) -> Iterator[list[int]]:
+    """Feed every swapped MoE layer its recorded routing (and replica plan) for one forward.
+
+    Args:
+        model: a model prepared by :func:`swap_moe_blocks`.
+        routing: a ``TraceBatch``, a ``RoutingTrace`` or a list of them (the whole global batch, or
+            just the sequences of this forward).
+        plan: optional ``BatchPlan``; selects the samples of ``micro_batch`` (and, with ``rank``, those
+            whose attention runs on that rank) and hands each layer its placement and replicas.
+        micro_batch: the micro-batch to run (needed with a plan; otherwise selects by the batch's own
+            micro-batch assignment; ``None`` = every given sequence).
+        attention_mask: ``[B, S]`` of the forward's input when its padding is not right padding to the
+            longest sequence.
+        rank: the rank whose samples this process runs (with a plan); default: the EP group rank of the
+            engines when they have one, else every sample of the micro-batch.
+
+    Yields:
+        The sample indices (into ``routing``), in the order the forward's batch rows must follow.
+
+    Raises:
+        ReplayError: the model is not swapped, the routing's layer ids / E / k differ from the model's,
+            the plan does not cover the routing, or (at forward time) a layer sees a different token count.
+
+    The previous replay state of every layer is restored on exit (contexts nest).
+    """
+    blocks = [b for _, _, b in moe_blocks(model)]
+    if not all(isinstance(b, ReplayMoEBlock) for b in blocks):
+        raise ReplayError("replay: the model has unswapped MoE blocks; call swap_moe_blocks(model) first")
+    traces, batch_mb = _as_traces(routing)
+    t0 = traces[0]
+    layer_ids = np.array([b.layer_id for b in blocks], dtype=np.int32)
+    if not np.array_equal(t0.layer_ids, layer_ids):
+        raise ReplayError(f"replay: routing has layer_ids {t0.layer_ids.tolist()}, the model's MoE layers are "
+                          f"{layer_ids.tolist()}")
+    if t0.num_experts != blocks[0].num_experts or t0.topk != blocks[0].top_k:
+        raise ReplayError(f"replay: routing has E={t0.num_experts}, k={t0.topk}; the model has "
+                          f"E={blocks[0].num_experts}, k={blocks[0].top_k}")
+    if plan is not None and rank is None:
+        eng = blocks[0].engine
+        rank = getattr(eng, "rank", None) if eng is not None else None
+    sel = _select(len(traces), batch_mb, plan, micro_batch, rank)
+    chosen = [traces[i] for i in sel]
+    if not chosen:
+        raise ReplayError(f"replay: no sample selected (micro_batch={micro_batch}, rank={rank})")
+    desc = f"{len(chosen)} sequences, lengths {[t.num_tokens for t in chosen]}"
+    saved = [(b._replay_ids, b._replay_ctx) for b in blocks]
+    try:
+        for li, b in enumerate(blocks):
+            b._replay_ids = layout_ids(chosen, li, attention_mask)
+            b._replay_ctx = {"desc": desc, "plan": plan, "micro_batch": micro_batch, "layer_index": li,
+                             "samples": sel, "rank": rank}
+        yield sel.tolist()
+    finally:
+        for b, (ids, ctx) in zip(blocks, saved):
+            b._replay_ids, b._replay_ctx = ids, ctx

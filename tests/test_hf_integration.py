@@ -1,0 +1,261 @@
+"""Hugging Face integration on tiny random models of every supported family (no downloads).
+
+Per family: the swapped model is the HF model (logits <= 1e-5, identical greedy ``generate()``, identical
+``state_dict``); the recorder's ids from ``generate()`` (prefill + decode, left padding, batch 3) equal the
+ids of one teacher-forced forward over the generated sequences (0 mismatches, fp32); replaying them gives
+the live logits and gradients; the aux loss survives the swap; ``save_pretrained`` round-trips.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from relibra_moe.errors import ReplayError  # noqa: E402
+from relibra_moe.integrations.hf import (  # noqa: E402
+    ReplayMoEBlock,
+    RoutingRecorder,
+    moe_layer_ids,
+    replay,
+    swap_moe_blocks,
+)
+from relibra_moe.integrations.hf_tiny import FAMILIES, tiny_model  # noqa: E402
+from relibra_moe.trace import RoutingTrace, TraceBatch  # noqa: E402
+
+PROMPTS = torch.tensor([[0, 0, 5, 6, 7, 9], [3, 4, 5, 6, 7, 8], [0, 0, 0, 11, 12, 13]])
+MASK = (PROMPTS != 0).long()
+NEW = 5
+# decoder indices of the MoE layers of the tiny configs (qwen3_moe: layer 1 is dense via mlp_only_layers;
+# deepseek_v3: first_k_dense_replace = 1)
+EXPECTED_LAYERS = {"qwen3_moe": [0, 2], "deepseek_v3": [1, 2]}
+HAS_AUX = [f for f in FAMILIES if f != "deepseek_v3"]  # DeepSeek-V3 in transformers has no aux loss
+
+
+def _teacher_inputs(gen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shifted causal-LM inputs of the generated batch: ids [B, S-1], mask, position ids."""
+    full = gen[:, :-1]
+    mask = torch.cat([MASK, torch.ones(len(gen), full.shape[1] - MASK.shape[1], dtype=MASK.dtype)], dim=1)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    return full, mask, pos
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def rollout(request):
+    """(family, HF model, generated ids, recorder) with the recorder on during generate()."""
+    fam = request.param
+    model = tiny_model(fam)
+    with RoutingRecorder(model) as rec, torch.no_grad():
+        gen = model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False)
+    return fam, model, gen, rec
+
+
+def test_recorder_equals_teacher_forced_forward(rollout):
+    fam, model, gen, rec = rollout
+    traces = rec.traces()
+    assert len(traces) == len(PROMPTS)
+    want_layers = EXPECTED_LAYERS.get(fam, [0, 1, 2])
+    for b, tr in enumerate(traces):
+        assert isinstance(tr, RoutingTrace)
+        # fed tokens: the unpadded prompt and every generated token but the last
+        assert tr.num_tokens == int(MASK[b].sum()) + NEW - 1
+        assert tr.layer_ids.tolist() == want_layers
+        assert tr.topk == 2 and tr.num_experts == 8 and tr.start == 0
+    full, mask, pos = _teacher_inputs(gen)
+    with RoutingRecorder(model) as tf, torch.no_grad():
+        model(full, attention_mask=mask, position_ids=pos)
+    # an independent teacher-forced reading: the routers' own top-k on that forward, via HF's own hooks
+    mismatches = sum(int((a.experts != b.experts).sum()) for a, b in zip(traces, tf.traces()))
+    assert mismatches == 0
+    # and via output_router_logits, which needs no recorder at all (the router's logits -> top-k)
+    if fam not in ("deepseek_v3", "gpt_oss"):
+        with torch.no_grad():
+            out = model(full, attention_mask=mask, position_ids=pos, output_router_logits=True)
+        for li, logits in enumerate(out.router_logits):
+            ids = torch.topk(torch.softmax(logits.float(), -1), 2, dim=-1).indices.reshape(len(gen), -1, 2)
+            for b, tr in enumerate(traces):
+                np.testing.assert_array_equal(ids[b][mask[b].bool()].numpy(), tr.experts[:, li])
+    batch = rec.trace_batch()
+    assert isinstance(batch, TraceBatch) and batch.num_sequences == len(PROMPTS)
+
+
+def test_swap_is_the_hf_model(rollout):
+    fam, model, gen, _ = rollout
+    swapped = tiny_model(fam)
+    ref_sd = {k: v.clone() for k, v in swapped.state_dict().items()}
+    with torch.no_grad():
+        ref = swapped(PROMPTS, attention_mask=MASK).logits
+    swap_moe_blocks(swapped)
+    blocks = [m for m in swapped.modules() if isinstance(m, ReplayMoEBlock)]
+    assert [b.layer_id for b in blocks] == EXPECTED_LAYERS.get(fam, [0, 1, 2])
+    sd = swapped.state_dict()
+    assert list(sd) == list(ref_sd)
+    for k in sd:
+        assert torch.equal(sd[k], ref_sd[k]), k
+    with torch.no_grad():
+        out = swapped(PROMPTS, attention_mask=MASK).logits
+        g = swapped.generate(PROMPTS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False)
+    assert (out - ref).abs().max().item() <= 1e-5
+    assert torch.equal(g, gen)
+    # swapping twice is a no-op
+    assert swap_moe_blocks(swapped) is swapped
+    assert sum(isinstance(m, ReplayMoEBlock) for m in swapped.modules()) == len(blocks)
+
+
+def _loss_and_grads(model, full, mask, pos, labels, aux: bool):
+    model.zero_grad(set_to_none=True)
+    kw = dict(attention_mask=mask, position_ids=pos, labels=labels)
+    if aux:
+        kw["output_router_logits"] = True
+    out = model(full, **kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def test_replay_gives_live_logits_and_gradients(rollout):
+    fam, _, gen, rec = rollout
+    model = swap_moe_blocks(tiny_model(fam)).train()
+    full, mask, pos = _teacher_inputs(gen)
+    # HF shifts labels inside: the logit at t is scored against labels[t + 1]; padding positions t must not
+    # count (their hidden states differ: replay sends padding rows to no expert)
+    labels = full.masked_fill(mask == 0, -100)
+    labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+    aux = fam in HAS_AUX
+    live, g_live = _loss_and_grads(model, full, mask, pos, labels, aux)
+    with replay(model, rec.trace_batch(), attention_mask=mask) as rows:
+        assert rows == [0, 1, 2]
+        rep, g_rep = _loss_and_grads(model, full, mask, pos, labels, aux)
+    keep = mask.bool()
+    assert (live.logits[keep] - rep.logits[keep]).abs().max().item() <= 1e-5
+    assert abs(live.loss.item() - rep.loss.item()) <= 1e-6
+    assert set(g_live) == set(g_rep)
+    routers = [n for n in g_live if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
+    assert routers, "the router must get gradients under replay"
+    for n in g_live:
+        torch.testing.assert_close(g_rep[n], g_live[n], rtol=1e-4, atol=1e-6, msg=n)
+    # the replay state is gone after the context
+    assert all(b._replay_ids is None for b in model.modules() if isinstance(b, ReplayMoEBlock))
+
+
+@pytest.mark.parametrize("fam", HAS_AUX)
+def test_aux_loss_after_swap(fam):
+    model = tiny_model(fam, router_aux_loss_coef=0.1)
+    labels = PROMPTS.masked_fill(MASK == 0, -100)
+    ref = model(PROMPTS, attention_mask=MASK, labels=labels, output_router_logits=True)
+    assert ref.aux_loss is not None
+    swap_moe_blocks(model)
+    out = model(PROMPTS, attention_mask=MASK, labels=labels, output_router_logits=True)
+    assert len(out.router_logits) == len(moe_layer_ids(model))
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-7)
+    # the aux loss alone still trains the router
+    model.zero_grad()
+    out.aux_loss.backward()
+    router = model.model.layers[0].mlp.get_submodule("router" if fam == "gpt_oss" else "gate")
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_save_pretrained_round_trip(fam, tmp_path):
+    import transformers as tr
+
+    model = swap_moe_blocks(tiny_model(fam, seed=3))
+    model.save_pretrained(tmp_path)
+    plain = tr.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert not any(isinstance(m, ReplayMoEBlock) for m in plain.modules())
+    sd, psd = model.state_dict(), plain.state_dict()
+    assert set(sd) == set(psd)
+    for k in sd:
+        assert torch.equal(sd[k], psd[k]), k
+    with torch.no_grad():
+        a = model(PROMPTS, attention_mask=MASK).logits
+        b = plain(PROMPTS, attention_mask=MASK).logits
+    assert (a - b).abs().max().item() <= 1e-5
+    # a swapped model loads an HF state dict strictly
+    other = swap_moe_blocks(tiny_model(fam, seed=4))
+    other.load_state_dict(psd, strict=True)
+    with torch.no_grad():
+        c = other(PROMPTS, attention_mask=MASK).logits
+    assert (a - c).abs().max().item() <= 1e-5
+
+
+def test_unsupported_family_lists_supported():
+    import transformers as tr
+
+    cfg = tr.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2)
+    llama = tr.LlamaForCausalLM(cfg)
+    with pytest.raises(ValueError, match="Qwen3MoeSparseMoeBlock") as err:
+        swap_moe_blocks(llama)
+    for cls in ("MixtralSparseMoeBlock", "DeepseekV3MoE", "GptOssMLP", "Qwen3NextSparseMoeBlock"):
+        assert cls in str(err.value)
+
+
+def test_replay_errors_and_nesting():
+    model = tiny_model("qwen3_moe")
+    tr0 = RoutingTrace(np.zeros((4, 2, 2), np.int16) + np.array([0, 1], np.int16), [0, 2], 8, 2)
+    with pytest.raises(ReplayError, match="swap_moe_blocks"):
+        with replay(model, [tr0]):
+            pass
+    swap_moe_blocks(model)
+    bad_layers = RoutingTrace(tr0.experts, [0, 1], 8, 2)
+    with pytest.raises(ReplayError, match=r"layer_ids \[0, 1\].*\[0, 2\]"):
+        with replay(model, [bad_layers]):
+            pass
+    bad_e = RoutingTrace(tr0.experts, [0, 2], 16, 2)
+    with pytest.raises(ReplayError, match="E=16"):
+        with replay(model, bad_e):
+            pass
+    with pytest.raises(ReplayError, match="micro-batch assignment"):
+        with replay(model, [tr0], micro_batch=0):
+            pass
+    with pytest.raises(ReplayError, match="covers 4 tokens.*forward has 5 tokens"):
+        with replay(model, tr0), torch.no_grad():
+            model(torch.tensor([[3, 4, 5, 6, 7]]))
+    with pytest.raises(ReplayError, match="attention_mask row has 3 ones"):
+        with replay(model, tr0, attention_mask=torch.tensor([[0, 1, 1, 1]])):
+            pass
+    # nested contexts restore the outer routing
+    tr1 = RoutingTrace(np.tile(np.array([5, 6], np.int16), (4, 2, 1)), [0, 2], 8, 2)
+    block = model.model.layers[0].mlp
+    with replay(model, tr0):
+        with replay(model, tr1):
+            assert block._replay_ids[:, 0].tolist() == [5] * 4
+        assert block._replay_ids[:, 0].tolist() == [0] * 4
+    assert block._replay_ids is None
+
+
+def test_replayed_routing_is_followed():
+    """Arbitrary replayed ids (with -1 padding) give HF's expert math on those ids, in float64."""
+    model = swap_moe_blocks(tiny_model("qwen2_moe").double())
+    block = model.model.layers[1].mlp
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 6, 32, generator=g, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(6)])
+    ids[2, 1] = -1
+    ids[4] = -1
+    tr = RoutingTrace(np.stack([ids.numpy()] * 3, axis=1), [0, 1, 2], 8, 2)
+    with replay(model, tr), torch.no_grad():
+        y = block(x)
+    # independent reference: softmax probs of the live logits at the replayed ids (no renormalization for
+    # this config), each expert's SwiGLU, plus the sigmoid-gated shared expert
+    xf = x[0]
+    probs = torch.softmax(xf @ block.gate.weight.T, dim=-1)
+    ref = torch.zeros_like(xf)
+    for t in range(6):
+        for j in range(2):
+            e = int(ids[t, j])
+            if e < 0:
+                continue
+            w1 = block.experts.gate_up_proj[e]
+            gate, up = (xf[t] @ w1.T).chunk(2)
+            h = torch.nn.functional.silu(gate) * up
+            ref[t] += probs[t, e] * (h @ block.experts.down_proj[e].T)
+    sh = block.shared_expert
+    shared = sh.down_proj(torch.nn.functional.silu(sh.gate_proj(xf)) * sh.up_proj(xf))
+    ref += torch.sigmoid(block.shared_expert_gate(xf)) * shared
+    torch.testing.assert_close(y[0], ref, rtol=1e-9, atol=1e-9)
+    assert block.last_expert_counts.tolist() == np.bincount(ids[ids >= 0].numpy(), minlength=8).tolist()
