@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from relibra_moe.triton_kernels.backend import use_triton
+from relibra_moe.triton_kernels.backend import INTERPRET, dot_upcast, use_triton
 from relibra_moe.triton_kernels.replica_copy import add_slot_grads
 from relibra_moe.triton_kernels.routing import RoutingMeta
-
-_TRITON_READY = False  # flipped when the Triton kernels land
 
 __all__ = [
     "ExpertWeights",
@@ -176,6 +176,245 @@ def grouped_mm_dw_torch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
 
 
 # --------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    x_ptr,  # [R, K] slot-sorted rows (row stride stride_xm, unit column stride)
+    w_ptr,  # slot weights: slot s's [K, N] matrix starts at w_ptr + base(s), strides (stride_wk, stride_wn)
+    w_off_ptr,  # [S] int64 element offset base(s) of each slot's matrix from w_ptr (read if INDIRECT)
+    offsets_ptr,  # [S + 1] int32 row offsets of the slots
+    tile_slot_ptr,  # [B] int32 slot of each tile (-1: zero tile / unused)
+    tile_row_ptr,  # [B] int32 first row of each tile (-1: unused)
+    out_ptr,  # [R, N] output rows (row stride stride_om, unit column stride)
+    R,
+    N,
+    K,
+    num_tiles,
+    stride_xm,
+    stride_ws,
+    stride_wk,
+    stride_wn,
+    stride_om,
+    INDIRECT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Grouped GEMM over the tile schedule: program -> (tile b, N-block n), grouped for L2 reuse.
+
+    A real tile (slot >= 0) computes out[rows, n-block] = x[rows, :] @ W_slot[:, n-block] with
+    rows = [tile_row, min(tile_row + BLOCK_M, offsets[slot + 1])), accumulating in fp32 over K.
+    A zero tile (slot == -1, row >= 0) writes zeros to the padding rows it covers; unused tiles
+    return at once. GROUP_M consecutive tiles (usually of the same slot) sweep the N-blocks together
+    so W_slot's column blocks stay in L2.
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_b = (pid // group) * GROUP_M
+    group_size = min(num_tiles - first_b, GROUP_M)
+    b = first_b + (pid % group) % group_size
+    pid_n = (pid % group) // group_size
+
+    slot = tl.load(tile_slot_ptr + b)
+    row0 = tl.load(tile_row_ptr + b)
+    if row0 < 0:
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    if slot < 0:
+        tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                 mask=(rows < R)[:, None] & cmask[None, :])  # fmt: skip
+        return
+    end = tl.load(offsets_ptr + slot + 1)
+    rmask = rows < end
+    if INDIRECT:
+        w_base = tl.load(w_off_ptr + slot)
+    else:
+        w_base = slot.to(tl.int64) * stride_ws
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + w_base + ks.to(tl.int64)[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=cmask[None, :], other=0.0)
+        else:
+            kmask = (k0 + ks) < K
+            a = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _grouped_mm_dw_kernel(
+    x_ptr,  # [R, K] slot-sorted rows (row stride stride_xm, unit column stride)
+    dy_ptr,  # [R, N] output gradients in slot order (row stride stride_dm, unit column stride)
+    offsets_ptr,  # [S + 1] int32 row offsets of the slots
+    dw_ptr,  # [S, K, N] weight gradients, strides (stride_gs, stride_gk, stride_gn)
+    N,
+    K,
+    stride_xm,
+    stride_dm,
+    stride_gs,
+    stride_gk,
+    stride_gn,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dW_s[k-block, n-block] = sum over the slot's rows of x[rows, k-block]^T @ dy[rows, n-block].
+
+    One program per (slot, K-block, N-block), grid axis 0 = slot; the program walks the slot's rows
+    in order, BLOCK_M at a time, accumulating in fp32: deterministic, no atomics. Empty slots store
+    zeros.
+    """
+    slot = tl.program_id(0)
+    pid = tl.program_id(1)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_k = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    start = tl.load(offsets_ptr + slot)
+    end = tl.load(offsets_ptr + slot + 1)
+    ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kmask = ks < K
+    nmask = ns < N
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rmask = rows < end
+        rows64 = rows.to(tl.int64)
+        xt = tl.load(x_ptr + rows64[None, :] * stride_xm + ks[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
+        g = tl.load(dy_ptr + rows64[:, None] * stride_dm + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            g = g.to(tl.float32)
+        acc = tl.dot(xt, g, acc, input_precision=PRECISION)
+    dw_ptrs = dw_ptr + slot.to(tl.int64) * stride_gs + ks.to(tl.int64)[:, None] * stride_gk + ns[None, :] * stride_gn
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=kmask[:, None] & nmask[None, :])
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision: fp32 follows torch's TF32 switch for matmuls, other dtypes are exact."""
+    if dtype == torch.float32 and not INTERPRET and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def _clamp_pow2(n: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
+
+
+def _fwd_config(N: int, K: int, dtype: torch.dtype) -> dict:
+    """Heuristic (no autotune) tile config of the forward kernel for this N, K and dtype."""
+    if INTERPRET:  # few, large programs: the interpreter's cost grows with the program count
+        return dict(BLOCK_N=_clamp_pow2(N, 16, 128), BLOCK_K=_clamp_pow2(K, 16, 128), GROUP_M=8, num_warps=4)
+    wide = dtype in (torch.float16, torch.bfloat16)
+    return dict(
+        BLOCK_N=_clamp_pow2(N, 16, 128),
+        BLOCK_K=_clamp_pow2(K, 16, 64 if wide else 32),
+        GROUP_M=8,
+        num_warps=8 if N >= 128 else 4,
+        num_stages=4 if wide else 3,
+    )
+
+
+def _source_offsets(sources: list[torch.Tensor], slot_source: torch.Tensor, slot_index: torch.Tensor) -> torch.Tensor:
+    """int64 [S]: element offset of each slot's matrix from sources[0]'s data pointer.
+
+    The kernel addresses every source through one base pointer: the sources may be separate
+    allocations (a parameter and a replica buffer), as device pointers share one address space.
+    """
+    base = sources[0]
+    isz = base.element_size()
+    deltas = []
+    for i, src in enumerate(sources):
+        d = src.data_ptr() - base.data_ptr()
+        if d % isz:
+            raise ValueError(f"ExpertWeights.sources[{i}] is not {isz}-byte aligned relative to sources[0]")
+        deltas.append(d // isz)
+    dev = base.device
+    delta = torch.tensor(deltas, dtype=torch.int64, device=dev)
+    stride0 = torch.tensor([s.stride(0) for s in sources], dtype=torch.int64, device=dev)
+    src = slot_source.to(device=dev, dtype=torch.int64)
+    return delta[src] + slot_index.to(device=dev, dtype=torch.int64) * stride0[src]
+
+
+def grouped_mm_triton(
+    x: torch.Tensor,
+    sources: list[torch.Tensor],
+    slot_source: torch.Tensor | None,
+    slot_index: torch.Tensor | None,
+    offsets: torch.Tensor,
+    tile_slot: torch.Tensor,
+    tile_row: torch.Tensor,
+    block_m: int,
+) -> torch.Tensor:
+    """Triton :func:`grouped_mm`: x [R, K] (unit column stride) -> [R, N] over the tile schedule."""
+    R, K = x.shape
+    w0 = sources[0]
+    N = w0.shape[2]
+    out = x.new_empty(R, N)
+    B = tile_slot.shape[0]
+    if R == 0 or N == 0 or B == 0:
+        return out
+    if block_m < 16:
+        raise ValueError(f"the Triton grouped GEMM needs meta.block_m >= 16, got {block_m}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    indirect = slot_source is not None
+    w_off = _source_offsets(sources, slot_source, slot_index) if indirect else offsets
+    cfg = _fwd_config(N, K, x.dtype)
+    grid = (B * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _grouped_mm_kernel[grid](
+        x, w0, w_off, offsets, tile_slot, tile_row, out,
+        R, N, K, B, x.stride(0), w0.stride(0), w0.stride(1), w0.stride(2), out.stride(0),
+        INDIRECT=indirect, UPCAST=dot_upcast(x.dtype), PRECISION=_precision(x.dtype),
+        EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
+    )  # fmt: skip
+    return out
+
+
+def grouped_mm_dw_triton(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Triton :func:`grouped_mm_dw`: x [R, K], dy [R, N] -> [S, K, N] (N-major storage if transposed)."""
+    S = offsets.shape[0] - 1
+    K, N = x.shape[1], dy.shape[1]
+    dw = _dw_empty(S, K, N, x, transposed)
+    if S == 0 or K == 0 or N == 0:
+        return dw
+    if INTERPRET:
+        bm, bk, bn, warps = 64, _clamp_pow2(K, 16, 128), _clamp_pow2(N, 16, 128), 4
+    else:
+        bm, bk, bn, warps = (64 if x.dtype != torch.float32 else 32), _clamp_pow2(K, 16, 128), _clamp_pow2(N, 16, 128), 8
+    grid = (S, triton.cdiv(K, bk) * triton.cdiv(N, bn))
+    _grouped_mm_dw_kernel[grid](
+        x, dy, offsets, dw, N, K, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
+        UPCAST=dot_upcast(x.dtype), PRECISION=_precision(x.dtype), BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
+        num_warps=warps,
+    )  # fmt: skip
+    return dw
+
+
+# --------------------------------------------------------------------------------------------------
 # custom ops
 # --------------------------------------------------------------------------------------------------
 
@@ -191,10 +430,8 @@ def _grouped_mm_op(
     tile_row: torch.Tensor,
     block_m: int,
 ) -> torch.Tensor:
-    if _TRITON_READY and use_triton(x):
-        from relibra_moe.triton_kernels import _gemm_kernels as kern
-
-        return kern.grouped_mm_triton(x, sources, slot_source, slot_index, offsets, tile_slot, tile_row, block_m)
+    if use_triton(x):
+        return grouped_mm_triton(x, sources, slot_source, slot_index, offsets, tile_slot, tile_row, block_m)
     return grouped_mm_torch(x, sources, slot_source, slot_index, offsets)
 
 
@@ -211,10 +448,8 @@ def _dw_empty(S: int, K: int, N: int, like: torch.Tensor, transposed: bool) -> t
 
 @torch.library.custom_op("relibra::grouped_mm_dw", mutates_args=())
 def _grouped_mm_dw_op(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
-    if _TRITON_READY and use_triton(x):
-        from relibra_moe.triton_kernels import _gemm_kernels as kern
-
-        return kern.grouped_mm_dw_triton(x, dy, offsets, transposed)
+    if use_triton(x):
+        return grouped_mm_dw_triton(x, dy, offsets, transposed)
     out = grouped_mm_dw_torch(x, dy, offsets)
     res = _dw_empty(out.shape[0], out.shape[1], out.shape[2], out, transposed)
     res.copy_(out)
