@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ProcessPoolExecutor
+from typing import NamedTuple
 
 import numba as nb
 import numpy as np
@@ -217,8 +218,8 @@ def greedy_cell(x, home, P, slots, cls, w_nv, w_rdma, ncand, comm_cands, passes)
     buf = np.zeros((G, P))
     ce = np.zeros(4 * ncand + 4, np.int64)
     ct = np.zeros(4 * ncand + 4, np.int64)
-    snap = np.zeros((E, G, P))
-    touched = np.zeros(E, np.int64)
+    snap = np.zeros((E + 1, G, P))
+    touched = np.zeros(E + 1, np.int64)
     if slots <= 0:
         return hold, rep, flows, T
     while True:
@@ -253,16 +254,17 @@ def greedy_cell(x, home, P, slots, cls, w_nv, w_rdma, ncand, comm_cands, passes)
         for f in range(E):
             if f != e and home[f] // P == node and _nholders(hold, f) > 1:
                 touched[nt] = f
-                for j in range(G):
-                    for k in range(P):
-                        snap[nt, j, k] = flows[j, f, k]
                 nt += 1
         if nt > 0 and passes > 0:
+            touched[nt] = e  # e is re-levelled last in each pass, so it is snapshotted too
+            for i in range(nt + 1):
+                for j in range(G):
+                    for k in range(P):
+                        snap[i, j, k] = flows[j, touched[i], k]
             aggs = agg.copy()
             for _ in range(passes):
-                for i in range(nt):
+                for i in range(nt + 1):
                     waterfill_expert(x, hold, flows, agg, cls, P, touched[i])
-                waterfill_expert(x, hold, flows, agg, cls, P, e)
             T2 = t_units(agg, w_nv, w_rdma)
             S2 = smooth_units(agg, w_nv, w_rdma, _BETA)
             if T2 < T * (1 - _EPS) or (T2 <= T * (1 + _EPS) and S2 < S):
@@ -270,40 +272,28 @@ def greedy_cell(x, home, P, slots, cls, w_nv, w_rdma, ncand, comm_cands, passes)
                 S = S2
             else:
                 agg[:, :] = aggs
-                for i in range(nt):
+                for i in range(nt + 1):
                     f = touched[i]
                     for j in range(G):
                         for k in range(P):
                             flows[j, f, k] = snap[i, j, k]
-                waterfill_expert(x, hold, flows, agg, cls, P, e)
-                T = t_units(agg, w_nv, w_rdma)
-                S = smooth_units(agg, w_nv, w_rdma, _BETA)
     return hold, rep, flows, T
 
 
-class CellResult(tuple):
-    """``(replica_expert int32 [G, r], rows int32 [Z, 3] (j, e, g), share float64 [Z], t_moe seconds)``."""
+class CellResult(NamedTuple):
+    """One cell's replicas and split.
 
-    __slots__ = ()
+    Attributes:
+        replica_expert: int32 ``[G, r]`` expert in each replica slot (-1 empty).
+        rows: int32 ``[Z, 3]`` split rows ``(j, e, g)`` of the replicated experts.
+        share: float64 ``[Z]`` share of ``x[j, e]`` served on g (each (j, e) sums to 1).
+        t_moe: seconds, the cell's exact T_MoE under this plan.
+    """
 
-    def __new__(cls, replica_expert, rows, share, t_moe):
-        return super().__new__(cls, (replica_expert, rows, share, t_moe))
-
-    @property
-    def replica_expert(self) -> np.ndarray:
-        return self[0]
-
-    @property
-    def rows(self) -> np.ndarray:
-        return self[1]
-
-    @property
-    def share(self) -> np.ndarray:
-        return self[2]
-
-    @property
-    def t_moe(self) -> float:
-        return self[3]
+    replica_expert: np.ndarray
+    rows: np.ndarray
+    share: np.ndarray
+    t_moe: float
 
 
 def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,

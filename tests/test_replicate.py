@@ -1,0 +1,120 @@
+"""Greedy replication (Algorithm 2): hand cases, invariants, batch assembly, parallel = serial, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relibra_moe.cost import moe_cost
+from relibra_moe.errors import PlanError
+from relibra_moe.plan import Placement, SamplePlacement
+from relibra_moe.planners.replicate import replicate_batch, replicate_cell
+from relibra_moe.planners.split import cell_weights, split_cost
+from relibra_moe.specs import ClusterSpec, ModelSpec
+from relibra_moe.trace import RoutingTrace, TraceBatch
+
+MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=8, topk=2, num_layers=3)
+CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)
+
+
+def make_batch(rng, n=8, L=3, E=8, k=2, hot=(0, 1)):
+    traces = []
+    for _ in range(n):
+        S = int(rng.integers(5, 40))
+        pr = np.ones(E)
+        pr[list(hot)] = 12.0
+        keys = rng.random((S, L, E)) ** (1.0 / pr)  # weighted sampling without replacement
+        ids = np.argsort(-keys, axis=2)[:, :, :k]
+        traces.append(RoutingTrace(ids.astype(np.int16), np.arange(L, dtype=np.int32), E, k))
+    return TraceBatch(traces)
+
+
+def test_hand_case_one_hot_expert():
+    cluster = ClusterSpec(nodes=1, gpus_per_node=2)
+    model = MODEL.with_(num_experts=2)
+    x = np.array([[100.0, 0.0], [100.0, 0.0]])
+    res = replicate_cell(x, np.array([0, 1]), model, cluster, 1)
+    assert res.replica_expert.tolist() == [[-1], [0]]
+    assert res.t_moe == pytest.approx(100 * cell_weights(model, cluster).sec_per_token)
+
+
+def test_no_slots_no_replicas():
+    x = np.arange(32, dtype=float).reshape(4, 8)
+    eg = np.repeat(np.arange(4), 2)
+    res = replicate_cell(x, eg, MODEL, CLUSTER, 0)
+    assert res.replica_expert.shape == (4, 0) and len(res.rows) == 0
+    assert res.t_moe == pytest.approx(float(moe_cost(x, eg, MODEL, CLUSTER).t_moe))
+
+
+@given(seed=st.integers(0, 10_000), r=st.integers(1, 3), polish=st.booleans())
+def test_cell_invariants(seed, r, polish):
+    rng = np.random.default_rng(seed)
+    cluster = ClusterSpec(nodes=2, gpus_per_node=4)
+    model = MODEL.with_(num_experts=16)
+    pop = rng.dirichlet(np.full(16, 0.3))
+    x = rng.multinomial(800, pop, size=8).astype(float)
+    eg = rng.permutation(np.repeat(np.arange(8), 2))
+    res = replicate_cell(x, eg, model, cluster, r, polish=polish)
+    base = float(moe_cost(x, eg, model, cluster).t_moe)
+    assert res.t_moe <= base * (1 + 1e-12)
+    assert split_cost(x, eg, res.rows, res.share, model, cluster) == pytest.approx(res.t_moe, rel=1e-9)
+    rep = res.replica_expert
+    for g in range(8):
+        es = rep[g][rep[g] >= 0]
+        assert len(set(es.tolist())) == len(es)
+        for e in es:
+            assert eg[e] != g and eg[e] // 4 == g // 4
+    paper = replicate_cell(x, eg, model, cluster, r, candidates=1, comm_candidates=False, polish=polish)
+    assert res.t_moe <= paper.t_moe * (1 + 1e-12)  # the paper's loop is one of the variants tried
+
+
+def test_batch_plan_validates_and_parallel_matches_serial():
+    rng = np.random.default_rng(0)
+    batch = make_batch(rng)
+    G, L, E = CLUSTER.num_gpus, MODEL.num_layers, MODEL.num_experts
+    placement = Placement(np.tile(np.repeat(np.arange(G), E // G), (L, 1)))
+    samples = SamplePlacement(np.arange(8) // 4, np.arange(8) % G)
+    plan = replicate_batch(placement, samples, batch, MODEL, CLUSTER, 2)
+    plan.validate(placement, MODEL, CLUSTER, 2)
+    assert plan.replica_expert.shape == (2, L, G, 2)
+    assert (plan.replica_expert >= 0).any()
+    # total cost below the no-replica plan
+    x = batch.loads(samples.gpu, G, samples.micro_batch).astype(float)
+    base = moe_cost(x, placement.expert_gpu, MODEL, CLUSTER).t_moe.sum()
+    got = sum(moe_cost(x[m], placement.expert_gpu, MODEL, CLUSTER, shares=plan.shares(placement, m)).t_moe.sum()
+              for m in range(2))
+    assert got < base
+    empty = replicate_batch(placement, samples, batch, MODEL, CLUSTER, 0)
+    assert empty.replica_expert.shape == (2, L, G, 0)
+
+
+@pytest.mark.timeout(180)
+def test_process_pool_matches_serial():
+    rng = np.random.default_rng(1)
+    batch = make_batch(rng, n=16)
+    G, L, E = CLUSTER.num_gpus, MODEL.num_layers, MODEL.num_experts
+    placement = Placement(np.tile(np.repeat(np.arange(G), E // G), (L, 1)))
+    samples = SamplePlacement(np.arange(16) // 4, np.arange(16) % G)
+    a = replicate_batch(placement, samples, batch, MODEL, CLUSTER, 1, workers=1)
+    b = replicate_batch(placement, samples, batch, MODEL, CLUSTER, 1, workers=2)
+    np.testing.assert_array_equal(a.replica_expert, b.replica_expert)
+    np.testing.assert_array_equal(a.split_index, b.split_index)
+    np.testing.assert_array_equal(a.split_share, b.split_share)
+
+
+def test_errors():
+    eg = np.repeat(np.arange(4), 2)
+    with pytest.raises(PlanError, match="replica_slots"):
+        replicate_cell(np.ones((4, 8)), eg, MODEL, CLUSTER, -1)
+    with pytest.raises(PlanError, match="x has shape"):
+        replicate_cell(np.ones((5, 8)), eg, MODEL, CLUSTER, 1)
+    with pytest.raises(PlanError, match="expert_gpu"):
+        replicate_cell(np.ones((4, 8)), np.arange(8), MODEL, CLUSTER, 1)
+    with pytest.raises(PlanError, match="non-negative"):
+        replicate_cell(-np.ones((4, 8)), eg, MODEL, CLUSTER, 1)
+    batch = make_batch(np.random.default_rng(0))
+    with pytest.raises(PlanError, match="placement"):
+        replicate_batch(Placement(np.zeros((2, 8))), SamplePlacement(np.zeros(8), np.zeros(8)), batch, MODEL,
+                        CLUSTER, 1)
