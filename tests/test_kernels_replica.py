@@ -8,7 +8,7 @@ import torch
 from relibra_moe.triton_kernels.backend import force_backend
 from relibra_moe.triton_kernels.replica_copy import add_slot_grads, copy_into_slots
 
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "triton"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

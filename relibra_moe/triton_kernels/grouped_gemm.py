@@ -404,7 +404,12 @@ def grouped_mm_dw_triton(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tenso
     if INTERPRET:
         bm, bk, bn, warps = 64, _clamp_pow2(K, 16, 128), _clamp_pow2(N, 16, 128), 4
     else:
-        bm, bk, bn, warps = (64 if x.dtype != torch.float32 else 32), _clamp_pow2(K, 16, 128), _clamp_pow2(N, 16, 128), 8
+        bm, bk, bn, warps = (
+            (64 if x.dtype != torch.float32 else 32),
+            _clamp_pow2(K, 16, 128),
+            _clamp_pow2(N, 16, 128),
+            8,
+        )
     grid = (S, triton.cdiv(K, bk) * triton.cdiv(N, bn))
     _grouped_mm_dw_kernel[grid](
         x, dy, offsets, dw, N, K, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),

@@ -32,10 +32,10 @@ run the torch reference (or the kernel in the interpreter with ``TRITON_INTERPRE
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from relibra_moe.triton_kernels.backend import use_triton
-
-_TRITON_READY = False  # flipped when the Triton kernels land
+from relibra_moe.triton_kernels.backend import INTERPRET, use_triton
 
 __all__ = ["add_slot_grads", "add_slot_grads_torch", "copy_into_slots", "copy_into_slots_torch"]
 
@@ -86,6 +86,163 @@ def add_slot_grads_torch(
             home_grads[hi[i]] += slot_grads[si[i]]
 
 
+# --------------------------------------------------------------------------------------------------
+# Triton kernels (persistent: NUM_PROGRAMS programs loop over the work items)
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _copy_rows_kernel(
+    src_ptr,  # [E, D] source rows (row stride stride_src; each row a dense block of D elements)
+    src_idx_ptr,  # [n] int source row of pair i (-1: skip)
+    dst_ptr,  # [S, D] destination rows (row stride stride_dst; same in-row memory order as src)
+    dst_idx_ptr,  # [n] int destination row of pair i (-1: skip)
+    D,
+    stride_src,
+    stride_dst,
+    num_items,
+    chunks_per_row,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Persistent row copy: program p handles work items p, p + P, ... of (pair i, chunk c).
+
+    dst[dst_idx[i]][c*BLOCK : (c+1)*BLOCK] = src[src_idx[i]][same range]. The memory order inside a
+    row is the tensors' own (rows are dense blocks), so a transposed HF parameter copies as is.
+    """
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    for item in range(pid, num_items, NUM_PROGRAMS):
+        i = item // chunks_per_row
+        c = item % chunks_per_row
+        si = tl.load(src_idx_ptr + i).to(tl.int64)
+        di = tl.load(dst_idx_ptr + i).to(tl.int64)
+        if (si >= 0) & (di >= 0):
+            e = c * BLOCK + offs
+            m = e < D
+            v = tl.load(src_ptr + si * stride_src + e, mask=m)
+            tl.store(dst_ptr + di * stride_dst + e, v, mask=m)
+
+
+@triton.jit
+def _add_rows_kernel(
+    slot_ptr,  # [S, D] slot gradients (row stride stride_slot)
+    slot_idx_ptr,  # [n] int32 slot row of the i-th pair after sorting by home row
+    home_ptr,  # [E, D] home gradients, accumulated into (row stride stride_home)
+    home_idx_ptr,  # [n] int32 home row of the i-th sorted pair (-1: skip)
+    seg_end_ptr,  # [n] int32 end of the run of equal home rows starting at i (i itself if i is not a run head)
+    D,
+    stride_slot,
+    stride_home,
+    num_items,
+    chunks_per_row,
+    NUM_PROGRAMS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Persistent deterministic add-back: home[h] += sum of the slot rows of the run of pairs with home h.
+
+    Pairs are sorted (stably) by home row on the host side of the launch; only the head of each run
+    does work, so no two programs write the same home row and the sum order is fixed (the existing
+    home value, then the pairs in increasing original index), in fp32.
+    """
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    for item in range(pid, num_items, NUM_PROGRAMS):
+        i = item // chunks_per_row
+        c = item % chunks_per_row
+        h = tl.load(home_idx_ptr + i).to(tl.int64)
+        stop = tl.load(seg_end_ptr + i)
+        if (h >= 0) & (stop > i):
+            e = c * BLOCK + offs
+            m = e < D
+            hp = home_ptr + h * stride_home + e
+            acc = tl.load(hp, mask=m, other=0.0).to(tl.float32)
+            for j in range(i, stop):
+                s = tl.load(slot_idx_ptr + j).to(tl.int64)
+                acc += tl.load(slot_ptr + s * stride_slot + e, mask=m, other=0.0).to(tl.float32)
+            tl.store(hp, acc.to(home_ptr.dtype.element_ty), mask=m)
+
+
+def _dense_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the rows of a and b are dense blocks with the same in-row memory order."""
+    if a.stride()[1:] != b.stride()[1:]:
+        return False
+    dims = sorted((st, sz) for st, sz in zip(a.stride()[1:], a.shape[1:], strict=True) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return False
+        expect *= sz
+    return True
+
+
+def _blocks(D: int) -> tuple[int, int]:
+    """(BLOCK elements per work item, num_warps): wide chunks keep many loads in flight per program."""
+    if INTERPRET:
+        return min(triton.next_power_of_2(max(D, 1)), 1 << 14), 4
+    return min(triton.next_power_of_2(max(D, 1)), 8192), 8
+
+
+def copy_into_slots_triton(
+    src_weights: torch.Tensor,
+    src_index: torch.Tensor,
+    slot_buffer: torch.Tensor,
+    slot_index: torch.Tensor,
+    num_programs: int,
+) -> None:
+    """Triton :func:`copy_into_slots` (rows of other layouts use the reference)."""
+    n = src_index.shape[0]
+    D = slot_buffer[0].numel() if slot_buffer.shape[0] else 0
+    if n == 0 or D == 0:
+        return
+    if not _dense_rows(src_weights, slot_buffer):
+        copy_into_slots_torch(src_weights, src_index, slot_buffer, slot_index)
+        return
+    block, warps = _blocks(D)
+    chunks = triton.cdiv(D, block)
+    _copy_rows_kernel[(num_programs,)](
+        src_weights, src_index, slot_buffer, slot_index, D, src_weights.stride(0), slot_buffer.stride(0),
+        n * chunks, chunks, NUM_PROGRAMS=num_programs, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+
+
+def add_slot_grads_triton(
+    slot_grads: torch.Tensor,
+    slot_index: torch.Tensor,
+    home_grads: torch.Tensor,
+    home_index: torch.Tensor,
+    num_programs: int,
+) -> None:
+    """Triton :func:`add_slot_grads` (rows of other layouts use the reference)."""
+    n = home_index.shape[0]
+    D = home_grads[0].numel() if home_grads.shape[0] else 0
+    if n == 0 or D == 0:
+        return
+    if not _dense_rows(slot_grads, home_grads):
+        add_slot_grads_torch(slot_grads, slot_index, home_grads, home_index)
+        return
+    # Stable sort of the pairs by home row (skipped pairs last), then the end of each run of equal
+    # home rows; non-heads get seg_end = i so they do nothing. Torch ops only: no host sync.
+    h = home_index.to(torch.int64)
+    skip = (h < 0) | (slot_index < 0)
+    key = torch.where(skip, torch.full_like(h, home_grads.shape[0]), h)
+    key_sorted, order = torch.sort(key, stable=True)
+    home_sorted = torch.where(key_sorted < home_grads.shape[0], key_sorted, torch.full_like(key_sorted, -1))
+    slot_sorted = slot_index.to(torch.int64)[order]
+    pos = torch.arange(n, device=h.device, dtype=torch.int64)
+    head = torch.ones(n, dtype=torch.bool, device=h.device)
+    head[1:] = key_sorted[1:] != key_sorted[:-1]
+    run_end = torch.searchsorted(key_sorted, key_sorted, right=True)
+    seg_end = torch.where(head, run_end, pos)
+    block, warps = _blocks(D)
+    chunks = triton.cdiv(D, block)
+    _add_rows_kernel[(num_programs,)](
+        slot_grads, slot_sorted.to(torch.int32), home_grads, home_sorted.to(torch.int32), seg_end.to(torch.int32),
+        D, slot_grads.stride(0), home_grads.stride(0), n * chunks, chunks,
+        NUM_PROGRAMS=num_programs, BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("relibra::copy_into_slots", mutates_args=("slot_buffer",))
 def _copy_op(
     src_weights: torch.Tensor,
@@ -94,10 +251,8 @@ def _copy_op(
     slot_index: torch.Tensor,
     num_programs: int,
 ) -> None:
-    if _TRITON_READY and use_triton(slot_buffer):
-        from relibra_moe.triton_kernels import _replica_kernels as kern
-
-        kern.copy_into_slots_triton(src_weights, src_index, slot_buffer, slot_index, num_programs)
+    if use_triton(slot_buffer):
+        copy_into_slots_triton(src_weights, src_index, slot_buffer, slot_index, num_programs)
     else:
         copy_into_slots_torch(src_weights, src_index, slot_buffer, slot_index)
 
@@ -110,10 +265,8 @@ def _add_op(
     home_index: torch.Tensor,
     num_programs: int,
 ) -> None:
-    if _TRITON_READY and use_triton(home_grads):
-        from relibra_moe.triton_kernels import _replica_kernels as kern
-
-        kern.add_slot_grads_triton(slot_grads, slot_index, home_grads, home_index, num_programs)
+    if use_triton(home_grads):
+        add_slot_grads_triton(slot_grads, slot_index, home_grads, home_index, num_programs)
     else:
         add_slot_grads_torch(slot_grads, slot_index, home_grads, home_index)
 
