@@ -19,7 +19,8 @@ remainder: ``counts[n, l, e] <= S_n`` and ``sum_e counts[n, l, e] = k S_n`` exac
 needs these counts (``TraceBatch.sample_expert_counts``), so a Qwen3-235B batch of 1024 samples
 builds in seconds. Per-token ids are produced on demand by an exact construction consistent with the
 counts (expert e repeated ``counts[e]`` times, token t takes entries ``t, t+S, ..., t+(k-1)S``, which
-are distinct because every count is <= S; then rows and in-row order are shuffled with the seed).
+are distinct because every count is <= S; the experts' layout order, the rows and each row's rotation
+are drawn from the seed).
 
 Domain ``mixed`` interleaves math, code and instruction: consecutive blocks of ``micro_batch_size``
 samples (32 by default) come from different domains, in a seeded order.
@@ -184,19 +185,26 @@ def _round_counts(tokens: np.ndarray, q: np.ndarray, k: int, rng: np.random.Gene
 
 
 def _ids_from_counts(counts: np.ndarray, tokens: int, k: int, rng: np.random.Generator, dtype: np.dtype) -> np.ndarray:
-    """Per-token ids ``[S, L, k]`` whose expert counts are exactly ``counts`` ``[L, E]`` (shuffled)."""
+    """Per-token ids ``[S, L, k]`` whose expert counts are exactly ``counts`` ``[L, E]`` (shuffled).
+
+    At layer l, the experts (in a random order) are laid out ``counts[l, e]`` times each in a run of
+    ``S k`` entries; token t takes entries ``t, t + S, ..., t + (k-1) S``, which are distinct experts
+    because no expert's run is longer than S. Tokens are then permuted per layer and each row rotated
+    by a random offset. One gather does it all.
+    """
     num_layers, e = counts.shape
-    out = np.empty((tokens, num_layers, k), dtype=dtype)
     if tokens == 0:
-        return out
-    experts = np.arange(e, dtype=dtype)
-    for l in range(num_layers):
-        flat = np.repeat(experts, counts[l])                     # [S * k], each expert's run <= S long
-        rows = flat.reshape(k, tokens).T                          # token t: entries t, t+S, ...: distinct
-        rows = rows[rng.permutation(tokens)]
-        rows = np.take_along_axis(rows, np.argsort(rng.random((tokens, k)), axis=1), axis=1)
-        out[:, l] = rows
-    return out
+        return np.empty((0, num_layers, k), dtype=dtype)
+    order = rng.permuted(np.tile(np.arange(e, dtype=dtype), (num_layers, 1)), axis=1)          # [L, E]
+    flat = np.repeat(order.ravel(), np.take_along_axis(counts, order.astype(np.int64), axis=1).ravel())
+    it = np.int32 if flat.size < 2**31 else np.int64
+    perm = rng.permuted(np.tile(np.arange(tokens, dtype=it), (num_layers, 1)), axis=1)          # [L, S]
+    rot = rng.integers(0, k, size=(tokens, num_layers), dtype=it)                                # [S, L]
+    slot = (np.arange(k, dtype=it)[None, None, :] + rot[:, :, None]) % it(k)                    # [S, L, k]
+    idx = slot * it(tokens)
+    idx += perm.T[:, :, None]
+    idx += (np.arange(num_layers, dtype=it) * it(k * tokens))[None, :, None]
+    return flat[idx]
 
 
 def domain_sequence(num_blocks: int, seed: int) -> list[str]:

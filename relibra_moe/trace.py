@@ -47,6 +47,7 @@ FORMAT_VERSION = 1
 REQUIRED_KEYS = ("version", "num_experts", "topk", "layer_ids", "experts", "offsets", "starts", "micro_batch",
                  "source")
 _INFO_PREFIX = "info_"
+_CHECK_CHUNK = 1 << 23  # ids validated per chunk (keeps the duplicate check's temporaries small)
 
 __all__ = [
     "FORMAT_VERSION", "RoutingTrace", "TraceBatch", "ids_dtype", "from_sglang", "from_vllm", "from_megatron",
@@ -80,13 +81,16 @@ def _check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str
         raise TraceError(f"{where(int(t))}, layer {int(l)}, slot {int(s)}: expert id {v} out of range "
                          f"(valid: 0..{num_experts - 1}, or -1 for no route)")
     if experts.shape[2] > 1:
-        srt = np.sort(experts, axis=2)
-        dup = (srt[:, :, 1:] == srt[:, :, :-1]) & (srt[:, :, 1:] >= 0)
-        if dup.any():
-            t, l, j = np.unravel_index(int(np.flatnonzero(dup.ravel())[0]), dup.shape)
-            v = int(srt[t, l, j + 1])
-            raise TraceError(f"{where(int(t))}, layer {int(l)}: duplicate expert id {v} in row "
-                             f"{experts[t, l].tolist()} (a row holds k distinct ids)")
+        step = max(1, _CHECK_CHUNK // max(1, experts.shape[1] * experts.shape[2]))  # bounded temporaries
+        for lo in range(0, experts.shape[0], step):
+            part = experts[lo:lo + step]
+            srt = np.sort(part, axis=2)
+            dup = (srt[:, :, 1:] == srt[:, :, :-1]) & (srt[:, :, 1:] >= 0)
+            if dup.any():
+                t, l, j = np.unravel_index(int(np.flatnonzero(dup.ravel())[0]), dup.shape)
+                v = int(srt[t, l, j + 1])
+                raise TraceError(f"{where(lo + int(t))}, layer {int(l)}: duplicate expert id {v} in row "
+                                 f"{part[t, l].tolist()} (a row holds k distinct ids)")
 
 
 def _as_int_array(name: str, value: Any) -> np.ndarray:

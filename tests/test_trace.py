@@ -324,3 +324,12 @@ def test_load_truncated_member(tmp_path):
             z.writestr(key + ".npy", data[:20] if key == "experts" else data)
     with pytest.raises(TraceError, match=r"z.npz: (truncated or corrupt|not a readable)"):
         TraceBatch.load(p)
+
+
+def test_duplicate_found_in_a_later_chunk(monkeypatch):
+    import relibra_moe.trace as trace_mod
+    monkeypatch.setattr(trace_mod, "_CHECK_CHUNK", 8)  # 8 ids per chunk: rows are checked 1 at a time
+    ids = random_ids(np.random.default_rng(9), 50, 2, 6, 3)
+    ids[37, 1, 2] = ids[37, 1, 0]
+    with pytest.raises(TraceError, match=rf"row 37, layer 1: duplicate expert id {ids[37, 1, 0]}"):
+        RoutingTrace(ids, [0, 1], 6, 3)
