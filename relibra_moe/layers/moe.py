@@ -1,0 +1,413 @@
+"""ReplayBalancedMoE: a drop-in expert-parallel MoE layer that follows a ReLibra plan.
+
+Minimal training loop (one process; with ``torch.distributed`` initialized, pass ``ep_group`` and
+every rank holds ``num_experts / G`` home experts)::
+
+    import torch
+    from relibra_moe import ReplayBalancedMoE
+    from relibra_moe.layers.replay import replay_model
+
+    moe = ReplayBalancedMoE(hidden=64, ffn=128, num_experts=8, top_k=2)
+    opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
+    x = torch.randn(32, 64)
+    with torch.no_grad():                  # "rollout": record the routing
+        moe(x)
+    recorded = moe.last_routing.clone()    # [T, k] expert ids
+    for step in range(3):                  # "training": replay it
+        with replay_model(moe, [recorded]):
+            loss = moe(x).pow(2).mean()
+        loss.backward()                    # backward may run outside the replay block
+        opt.step()
+        opt.zero_grad()
+
+With a plan (``relibra_moe.plan.BatchPlan``) each micro-batch runs inside
+``replay_model(model, per_layer_ids, plan=plan, micro_batch=m)`` after
+``relibra_moe.relayout(model, plan.placement, optimizer)`` has moved the experts to the plan's homes.
+
+What one forward does on rank ``j`` of the EP group (``G`` ranks, ``E_loc = E / G`` home experts):
+
+1. route: live top-k, or the replayed ids with gates from the live logits (``TopKRouter``);
+2. check the plan slice of this layer and micro-batch (``PlanError``) and the replayed ids
+   (``ReplayError``); every rank reports its status in the split exchange, so a bad plan or bad replay
+   data on any rank raises on every rank before any token moves (nothing hangs);
+3. destination of every routed (token, k) pair: its expert's home, or for a split expert the home or
+   one of its replicas, with integer counts per destination materialized from this rank's actual
+   count of pairs per expert and the plan's shares ``y[j, e, :]`` by largest remainder
+   (:func:`materialize_counts`); pairs of one expert go to the destinations in ascending rank order,
+   in pair order;
+4. dispatch (all-to-all), fill the layer-shared replica slots, grouped SwiGLU over home experts and
+   replica slots, combine (all-to-all back), weighted sum with the gates in fp32.
+
+Without a plan it is a plain EP MoE layer. No token is ever dropped. A plan never changes the math:
+outputs and gradients equal the plain layer's with the same routing (up to fp32 summation order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import PlanError, ReplayError
+from ..plan import BatchPlan, Placement, ReplicaPlan
+from ..specs import ClusterSpec, ModelSpec
+from ..triton_kernels.permute import combine, permute
+from ..triton_kernels.routing import routing_metadata
+from .dispatch import Dispatcher, get_dispatcher
+from .experts import GroupedSwiGLUExperts, experts_forward
+from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
+from .router import TopKRouter
+
+__all__ = ["ReplayBalancedMoE", "materialize_counts"]
+
+_OK, _REPLAY_BAD, _PLAN_BAD = 0, 1, 2
+
+
+def materialize_counts(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
+    """Integer split of ``counts [E]`` over destinations by ``shares [E, G]``, by largest remainder.
+
+    Each row of ``shares`` is normalized to sum to 1 (rows of zeros are invalid). Returns int64
+    ``[E, G]`` with row sums equal to ``counts``; a destination with share 0 gets nothing; ties in the
+    remainders go to the lower destination index. Deterministic.
+    """
+    n = np.asarray(counts, dtype=np.int64)
+    s = np.asarray(shares, dtype=np.float64)
+    tot = s.sum(axis=1, keepdims=True)
+    if (tot <= 0).any():
+        raise PlanError(f"shares of expert {int(np.flatnonzero(tot[:, 0] <= 0)[0])} sum to 0")
+    s = s / tot
+    q = n[:, None] * s
+    base = np.floor(q).astype(np.int64)
+    base = np.minimum(base, n[:, None])
+    rem = n - base.sum(axis=1)
+    frac = np.where(s > 0, q - base, -np.inf)
+    order = np.argsort(-frac, axis=1, kind="stable")  # largest remainder first, ties -> lower index
+    support = (s > 0).sum(axis=1)
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(s.shape[1])[None, :].repeat(s.shape[0], 0), axis=1)
+    # rem < support in exact arithmetic; the modulo keeps float rounding from leaking to share-0 GPUs
+    extra = rem[:, None] // np.maximum(support, 1)[:, None] + (rank < (rem % np.maximum(support, 1))[:, None])
+    return base + np.where(s > 0, extra, 0)
+
+
+@dataclass
+class _Replay:
+    """What a replay context gives one layer for its next forward calls."""
+
+    ids: torch.Tensor | None
+    replicas: ReplicaPlan | None
+    placement: np.ndarray | None  # the plan's expert_gpu row of this layer [E]
+    micro_batch: int
+
+
+@dataclass
+class _PlanState:
+    """The validated plan slice of one forward: destinations tables and the replica transfer."""
+
+    slot_table: np.ndarray  # int64 [E, G]: local slot on GPU g serving expert e (-1: not allowed)
+    shares: np.ndarray | None  # float64 [E, G] of this source rank, None = all home
+    transfer: ReplicaTransfer | None
+
+
+class ReplayBalancedMoE(nn.Module):
+    """An expert-parallel top-k MoE layer with routing replay and ReLibra replica plans.
+
+    Args:
+        hidden: H, model hidden size.
+        ffn: F, expert FFN width (SwiGLU).
+        num_experts: E routed experts (divisible by the EP group size G).
+        top_k: k experts per token.
+        ep_group: the ``torch.distributed`` process group of expert parallelism; ``None`` uses the
+            world when ``torch.distributed`` is initialized, else a single rank.
+        gpus_per_node: ranks per node in the EP group (replicas of node-scoped plans stay in a node);
+            default: the whole group is one node.
+        replica_buffer: the model's :class:`LayerSharedReplicaBuffer` (shared by all its MoE layers);
+            needed only when a plan puts replicas into slots.
+        router: a :class:`TopKRouter`, a dict of its keyword arguments, or a scoring name
+            (``"softmax"``, ``"sigmoid"``).
+        shared_expert: optional module applied to every token and added to the output.
+        layer_index: this layer's index among the model's MoE layers (the plan's ``l``);
+            :func:`relibra_moe.layers.replay.replay_model` assigns it in module order when unset.
+        dispatcher: ``"auto"``, ``"alltoall"``, ``"deepep"``, or a :class:`Dispatcher`.
+        dtype, device: of the expert weights (the router weight too).
+
+    ``forward(x [..., H]) -> [..., H]``. After each forward, ``last_routing`` holds the ids used
+    (``[T, k]``), ``last_send_counts`` (int64 ``[G]``) the pairs this rank sent to each rank,
+    ``last_load`` the pairs this rank's experts computed (home and replica slots), and
+    ``last_slot_counts`` (int64 ``[E_loc + r]``) those pairs per local slot.
+    """
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, ep_group=None,
+                 gpus_per_node: int | None = None, replica_buffer: LayerSharedReplicaBuffer | None = None,
+                 router: TopKRouter | dict | str = "softmax", shared_expert: nn.Module | None = None,
+                 layer_index: int | None = None, dispatcher: str | Dispatcher = "auto",
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 block_m: int = 64) -> None:
+        super().__init__()
+        self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
+        self.ep_group = ep_group
+        self.dispatcher: Dispatcher = dispatcher if not isinstance(dispatcher, str) else \
+            get_dispatcher(ep_group, gpus_per_node, dispatcher)
+        self.rank, self.world_size = self.dispatcher.rank, self.dispatcher.world_size
+        G = self.world_size
+        self.gpus_per_node = G if gpus_per_node is None else int(gpus_per_node)
+        if G % self.gpus_per_node:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} does not divide the EP group size {G}")
+        if num_experts % G:
+            raise ValueError(f"num_experts={num_experts} is not divisible by the EP group size {G}")
+        self.num_local = num_experts // G
+        self.layer_index = layer_index
+        if isinstance(router, str):
+            router = TopKRouter(hidden, num_experts, top_k, scoring=router, dtype=dtype, device=device)
+        elif isinstance(router, dict):
+            router = TopKRouter(hidden, num_experts, top_k, dtype=dtype, device=device, **router)
+        if getattr(router, "num_experts", num_experts) != num_experts or getattr(router, "top_k", top_k) != top_k:
+            raise ValueError(f"router routes to {router.num_experts} experts top-{router.top_k}, the layer has "
+                             f"{num_experts} top-{top_k}")
+        self.router = router
+        self.experts = GroupedSwiGLUExperts(hidden, ffn, self.num_local, dtype=dtype, device=device,
+                                            block_m=block_m)
+        if replica_buffer is not None:
+            replica_buffer.check_compatible(hidden, ffn, self.experts.w_gate_up.dtype, self.experts.w_gate_up.device)
+        self.replica_buffer = replica_buffer
+        self.shared_expert = shared_expert
+        self.register_buffer("expert_gpu", torch.arange(num_experts, dtype=torch.int64) // self.num_local)
+        self._replay: _Replay | None = None
+        self._calls = itertools.count()
+        self.last_routing: torch.Tensor | None = None
+        self.last_send_counts = np.zeros(G, np.int64)
+        self.last_load = 0
+        self.last_slot_counts = np.zeros(self.num_local, np.int64)
+
+    # ------------------------------------------------------------------ placement
+
+    @property
+    def name(self) -> str:
+        return f"moe[{self.layer_index}]" if self.layer_index is not None else "moe"
+
+    @property
+    def home_gpu(self) -> np.ndarray:
+        """int64 ``[E]``: the rank homing each expert (this layer's row of the placement)."""
+        return self.expert_gpu.detach().cpu().numpy().astype(np.int64)
+
+    @property
+    def home_experts(self) -> np.ndarray:
+        """Logical ids of this rank's home experts, ascending (row i of the expert parameters)."""
+        return np.flatnonzero(self.home_gpu == self.rank)
+
+    def local_index(self) -> np.ndarray:
+        """int64 ``[E]``: row of each expert in its home rank's stacked parameters."""
+        home = self.home_gpu
+        out = np.zeros(self.num_experts, np.int64)
+        for g in range(self.world_size):
+            mine = np.flatnonzero(home == g)
+            out[mine] = np.arange(len(mine))
+        return out
+
+    def set_placement_row(self, expert_gpu: np.ndarray) -> None:
+        """Record new homes (no data moves; :func:`relibra_moe.layers.relayout.relayout` moves the data)."""
+        row = np.asarray(expert_gpu, dtype=np.int64)
+        counts = np.bincount(row, minlength=self.world_size) if row.size else np.zeros(self.world_size)
+        if row.shape != (self.num_experts,) or (row < 0).any() or (row >= self.world_size).any() \
+                or (counts != self.num_local).any():
+            raise PlanError(f"layer {self.name}: expert_gpu row {row.tolist()} is not a placement of "
+                            f"{self.num_experts} experts on {self.world_size} ranks ({self.num_local} each)")
+        self.expert_gpu.copy_(torch.as_tensor(row))
+
+    # ------------------------------------------------------------------ replay
+
+    @contextlib.contextmanager
+    def replay(self, ids: torch.Tensor | None = None, plan: BatchPlan | ReplicaPlan | None = None,
+               micro_batch: int | None = None) -> Iterator[ReplayBalancedMoE]:
+        """Forward calls inside the block use the replayed ``ids [T, k]`` (or live routing when ``None``)
+        and the plan's replica slots and splits of ``micro_batch`` for this layer (``layer_index``).
+
+        ``plan``: a :class:`BatchPlan` (its placement must equal this layer's current homes) or a
+        :class:`ReplicaPlan` (read against the current homes). The backward may run after the block.
+        """
+        replicas, placement = None, None
+        if plan is not None:
+            if self.layer_index is None:
+                raise PlanError("a plan needs the layer's layer_index (set it, or use replay_model)")
+            if isinstance(plan, BatchPlan):
+                replicas = plan.replicas
+                if not 0 <= self.layer_index < plan.num_layers:
+                    raise PlanError(f"layer {self.name}: the plan covers {plan.num_layers} MoE layers")
+                placement = plan.placement.expert_gpu[self.layer_index]
+            elif isinstance(plan, ReplicaPlan):
+                replicas = plan
+            else:
+                raise PlanError(f"plan must be a BatchPlan or ReplicaPlan, got {type(plan).__name__}")
+            M = replicas.num_micro_batches
+            if micro_batch is None:
+                if M > 1:
+                    raise PlanError(f"the plan has {M} micro-batches: pass micro_batch")
+                micro_batch = 0
+            if not 0 <= micro_batch < max(M, 1):
+                raise PlanError(f"micro_batch={micro_batch} is outside [0, {M})")
+        prev = self._replay
+        self._replay = _Replay(ids=ids, replicas=replicas, placement=placement,
+                               micro_batch=0 if micro_batch is None else int(micro_batch))
+        try:
+            yield self
+        finally:
+            self._replay = prev
+
+    def _plan_state(self, rp: _Replay | None) -> _PlanState:
+        """Validate this layer's plan slice and build the destination tables (raises PlanError)."""
+        G, E, E_loc = self.world_size, self.num_experts, self.num_local
+        home = self.home_gpu
+        local = self.local_index()
+        slot_table = np.full((E, G), -1, np.int64)
+        slot_table[np.arange(E), home] = local
+        if rp is None or rp.replicas is None:
+            return _PlanState(slot_table, None, None)
+        l, m, name = self.layer_index, rp.micro_batch, self.name
+        if rp.placement is not None and not np.array_equal(rp.placement, home):
+            raise PlanError(f"layer {name}: the plan's placement {np.asarray(rp.placement).tolist()} differs from the "
+                            f"layer's current homes {home.tolist()}; apply relayout(model, plan.placement) first")
+        plan = rp.replicas
+        _, L, Gp, r = plan.replica_expert.shape
+        if Gp != G or l >= L:
+            raise PlanError(f"layer {name}: replica_expert has shape {plan.replica_expert.shape}, expected "
+                            f"[M, L > {l}, G={G}, r]")
+        rep = plan.replica_expert[m, l]
+        rows = plan.rows_of(m, l)
+        idx = plan.split_index[rows].copy()
+        idx[:, :2] = 0
+        sub = ReplicaPlan(rep[None, None], idx, plan.split_share[rows], plan.scope)
+        spec = ModelSpec("layer", self.hidden, self.ffn, E, self.top_k, 1)
+        try:
+            sub.validate(Placement(home[None]), spec, ClusterSpec(nodes=G // self.gpus_per_node,
+                                                                  gpus_per_node=self.gpus_per_node))
+        except PlanError as exc:
+            raise PlanError(f"layer {name}, micro-batch {m}: {exc}") from None
+        filled = rep >= 0
+        if filled.any():
+            buf = self.replica_buffer
+            if buf is None:
+                raise PlanError(f"layer {name}, micro-batch {m}: the plan fills replica slots but the layer has "
+                                "no replica_buffer")
+            if buf.slots != r:
+                raise PlanError(f"layer {name}, micro-batch {m}: the plan has r={r} replica slots per rank, the "
+                                f"layer's buffer {buf.slots}")
+            g_idx, s_idx = np.nonzero(filled)
+            slot_table[rep[g_idx, s_idx], g_idx] = E_loc + s_idx
+        transfer = ReplicaTransfer.build(rep, home, self.rank, self.gpus_per_node, plan.scope) \
+            if filled.any() else None
+        mine = idx[:, 2] == self.rank
+        shares = None
+        if mine.any():
+            shares = np.zeros((E, G))
+            shares[np.arange(E), home] = 1.0
+            e_rows = idx[mine, 3]
+            shares[e_rows] = 0.0
+            np.add.at(shares, (e_rows, idx[mine, 4]), plan.split_share[rows][mine].astype(np.float64))
+            shares[slot_table < 0] = 0.0  # share-0 rows to non-holders passed validation; drop them
+        return _PlanState(slot_table, shares, transfer)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]`` (see the module docstring)."""
+        if x.shape[-1] != self.hidden:
+            raise ValueError(f"layer {self.name}: x has hidden size {x.shape[-1]}, expected {self.hidden}")
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden)
+        G = self.world_size
+        rp = self._replay
+        if hasattr(self.router, "name"):
+            self.router.name = self.name
+        status, error = _OK, None
+        route = state = None
+        try:
+            route = self.router(x2, replay_ids=rp.ids if rp is not None else None)
+        except ReplayError as exc:
+            status, error = _REPLAY_BAD, exc
+        if status == _OK:
+            try:
+                state = self._plan_state(rp)
+            except PlanError as exc:
+                status, error = _PLAN_BAD, exc
+        dest = None
+        if status == _OK:
+            ids = route.ids
+            dest, dest_slot = self._destinations(ids, state)
+            send = torch.bincount(dest.view(-1)[dest.view(-1) >= 0], minlength=G)
+        else:
+            send = torch.zeros(G, dtype=torch.int64, device=x.device)
+        meta = torch.stack([send.to(torch.int64), torch.full_like(send, status, dtype=torch.int64)], dim=1)
+        recv_meta = self.dispatcher.exchange(meta.to(x.device)).cpu()
+        if error is not None:
+            raise error
+        bad = np.flatnonzero(recv_meta[:, 1].numpy())
+        if len(bad):
+            other = int(bad[0])
+            cls = ReplayError if int(recv_meta[other, 1]) == _REPLAY_BAD else PlanError
+            raise cls(f"layer {self.name}: rank {other} of the EP group rejected its "
+                      f"{'replay data' if cls is ReplayError else 'plan'} (see that rank's error)")
+        send_splits = send.cpu().tolist()
+        recv_splits = recv_meta[:, 0].tolist()
+        P = sum(send_splits)
+
+        # source side: pairs sorted by destination rank (stable in pair order)
+        meta_send = routing_metadata(dest, G, num_rows=P)
+        x_send = permute(x2, meta_send)
+        slot_send = dest_slot.view(-1).index_select(0, meta_send.gather_idx.long())
+        x_recv = self.dispatcher.dispatch(x_send, send_splits, recv_splits)
+        slot_recv = self.dispatcher.dispatch_ids(slot_send, send_splits, recv_splits)
+
+        # expert side: home experts + replica slots
+        transfer = state.transfer
+        key = (id(self), next(self._calls))
+        y_recv = experts_forward(self.experts, x_recv, slot_recv, self.replica_buffer if transfer else None,
+                                 transfer, self.dispatcher, key)
+
+        # back to the source, weighted sum over the k choices (fp32)
+        y_send = self.dispatcher.combine(y_recv, send_splits, recv_splits)
+        out = combine(y_send, meta_send, route.gates)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x2)
+
+        r = 0 if self.replica_buffer is None else self.replica_buffer.slots
+        self.last_routing = route.ids.detach()
+        self.last_send_counts = np.asarray(send_splits, np.int64)
+        self.last_load = int(sum(recv_splits))
+        self.last_slot_counts = torch.bincount(slot_recv.cpu(), minlength=self.num_local + r).numpy()
+        return out.to(x.dtype).reshape(shape)
+
+    def _destinations(self, ids: torch.Tensor, state: _PlanState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Destination rank and local slot of every pair: two int64 ``[T, k]`` (-1 for unrouted pairs)."""
+        dev = ids.device
+        flat = ids.reshape(-1)
+        valid = flat >= 0
+        e = flat.clamp_min(0)
+        home = torch.as_tensor(self.home_gpu, device=dev)
+        table = torch.as_tensor(state.slot_table, device=dev)
+        if state.shares is None:
+            dest = home[e]
+        else:
+            counts = torch.bincount(flat[valid], minlength=self.num_experts).cpu().numpy()
+            cum = torch.as_tensor(np.cumsum(materialize_counts(counts, state.shares), axis=1), device=dev)
+            key = torch.where(valid, flat, torch.full_like(flat, self.num_experts))
+            order = torch.sort(key, stable=True).indices
+            start = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=dev)
+            start[1:] = torch.cumsum(torch.bincount(key, minlength=self.num_experts + 1)[:-1], 0)
+            pos = torch.empty_like(flat)
+            pos[order] = torch.arange(flat.numel(), device=dev) - start[key[order]]
+            dest = (pos[:, None] >= cum[e]).sum(dim=1)
+        slot = table[e, dest.clamp_max(self.world_size - 1)]
+        dest = torch.where(valid, dest, torch.full_like(dest, -1))
+        slot = torch.where(valid, slot, torch.full_like(slot, -1))
+        return dest.view(ids.shape), slot.view(ids.shape)
+
+
+def moe_layers(model: nn.Module) -> list[ReplayBalancedMoE]:
+    """The model's ReplayBalancedMoE modules in module order (the plan's MoE layer order)."""
+    return [m for m in model.modules() if isinstance(m, ReplayBalancedMoE)]
+

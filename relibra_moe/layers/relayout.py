@@ -1,0 +1,106 @@
+"""Apply a new expert placement across the EP group (the inter-batch reordering of RELIBRA.md §3, §5).
+
+``relayout(model, placement, optimizer=None)`` moves, for every ``ReplayBalancedMoE`` layer ``l`` of
+the model (module order = the plan's layer order) whose homes change, each expert's rows of
+
+- the expert parameters (``w_gate_up``, ``w_down``),
+- their gradients, when present,
+- the optimizer state of those parameters that is per expert: every state tensor shaped like the
+  parameter (Adam/AdamW ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; SGD momentum),
+
+from the old home rank to the new one, and writes them in place (``copy_``), so the optimizer's
+references to the parameters stay valid. Scalar state such as Adam's ``step`` belongs to the whole
+stacked parameter, is the same on every rank and every expert, and stays where it is.
+
+Only data moves: relayout followed by the inverse relayout is a bitwise identity, and the layer
+computes the same function before and after. Every call is a collective over each layer's EP group;
+a placement that breaks a rule raises ``PlanError`` on every rank before any communication.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import PlanError
+from ..plan import Placement
+from .moe import ReplayBalancedMoE, moe_layers
+
+__all__ = ["relayout", "moe_layers"]
+
+
+def _state_tensors(p: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    out = [p.data]
+    if p.grad is not None:
+        out.append(p.grad)
+    if optimizer is not None and p in optimizer.state:
+        for name in sorted(optimizer.state[p]):
+            v = optimizer.state[p][name]
+            if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
+                out.append(v)
+    return out
+
+
+@torch.no_grad()
+def _move_layer(layer: ReplayBalancedMoE, new: np.ndarray, optimizer: torch.optim.Optimizer | None) -> int:
+    """Move one layer's expert rows from its current homes to ``new [E]``; returns experts moved."""
+    old = layer.home_gpu
+    rank, G = layer.rank, layer.world_size
+    mine_old = np.flatnonzero(old == rank)  # row i of the stacked tensors = expert mine_old[i]
+    mine_new = np.flatnonzero(new == rank)
+    send_e = sorted(mine_old, key=lambda e: (new[e], e))  # destinations ascending, experts ascending
+    send_rows = torch.as_tensor([int(np.searchsorted(mine_old, e)) for e in send_e], dtype=torch.int64)
+    send_splits = np.bincount(new[send_e], minlength=G) if send_e else np.zeros(G, np.int64)
+    recv_e = sorted(mine_new, key=lambda e: (old[e], e))  # sources ascending, experts ascending
+    recv_rows = torch.as_tensor([int(np.searchsorted(mine_new, e)) for e in recv_e], dtype=torch.int64)
+    recv_splits = np.bincount(old[recv_e], minlength=G) if recv_e else np.zeros(G, np.int64)
+    for p in (layer.experts.w_gate_up, layer.experts.w_down):
+        for t in _state_tensors(p, optimizer):
+            rows = send_rows.to(t.device)
+            send = t.index_select(0, rows).reshape(len(rows), t[0].numel())
+            recv = layer.dispatcher.replica_exchange(send, send_splits.tolist(), recv_splits.tolist(), False)
+            t.index_copy_(0, recv_rows.to(t.device), recv.reshape((len(recv_rows),) + tuple(t.shape[1:])))
+    layer.set_placement_row(new)
+    return int((old != new).sum())
+
+
+def relayout(model: nn.Module, placement: Placement | np.ndarray,
+             optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Move every MoE layer's experts (and grads, optimizer state) to ``placement.expert_gpu [L, E]``.
+
+    ``model``: any module containing ``ReplayBalancedMoE`` layers (or one such layer); row ``l`` of the
+    placement belongs to the ``l``-th of them in module order (their ``layer_index`` when set).
+    Returns ``{"layers_changed": ..., "experts_moved": ...}``. A collective: every rank of the EP
+    group calls it with the same placement.
+    """
+    layers = moe_layers(model)
+    grid = placement.expert_gpu if isinstance(placement, Placement) else np.asarray(placement)
+    grid = np.asarray(grid, dtype=np.int64)
+    if grid.ndim != 2 or grid.shape[0] != len(layers):
+        raise PlanError(f"placement expert_gpu has shape {grid.shape}, the model has {len(layers)} MoE layers")
+    order = []
+    for i, layer in enumerate(layers):
+        l = i if layer.layer_index is None else layer.layer_index
+        if not 0 <= l < grid.shape[0]:
+            raise PlanError(f"layer {layer.name}: layer_index {l} is outside the placement's {grid.shape[0]} rows")
+        row = grid[l]
+        G, E = layer.world_size, layer.num_experts
+        if row.shape != (E,):
+            raise PlanError(f"placement row {l} has {row.shape[0]} experts, layer {layer.name} has {E}")
+        bad = np.flatnonzero((row < 0) | (row >= G))
+        if len(bad):
+            raise PlanError(f"expert_gpu[{l}, {bad[0]}] = {row[bad[0]]} is outside [0, {G})")
+        counts = np.bincount(row, minlength=G)
+        if (counts != E // G).any():
+            g = int(np.flatnonzero(counts != E // G)[0])
+            raise PlanError(f"expert_gpu: GPU {g} homes {counts[g]} experts in layer {l}; every GPU must home "
+                            f"exactly E/G = {E // G}")
+        order.append((layer, row))
+    changed = moved = 0
+    for layer, row in order:
+        if np.array_equal(layer.home_gpu, row):
+            continue
+        moved += _move_layer(layer, row, optimizer)
+        changed += 1
+    return {"layers_changed": changed, "experts_moved": moved}

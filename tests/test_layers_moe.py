@@ -1,0 +1,312 @@
+"""ReplayBalancedMoE against an independently written dense reference, on 1, 2, 4 and 8 gloo ranks.
+
+Every case runs a two-layer model (``h = x + moe0(x); out = h + moe1(h)``) whose MoE layers share one
+replica buffer, so layer 0's backward has to refill the slots that layer 1 overwrote. Outputs and the
+gradients of the input, of every expert and of the router (summed over ranks, as data parallelism
+would) must equal a float64 dense loop over experts (rtol 1e-5). Plans are drawn by a seeded generator
+written here (validated by ``ReplicaPlan.validate``), including all tokens on one expert, a rank with
+no tokens, every slot filled, replicas of one expert on several ranks, and a plan from the real
+planner when it is available.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from relibra_moe.errors import PlanError, ReplayError
+from relibra_moe.layers.moe import ReplayBalancedMoE
+from relibra_moe.layers.replay import replay_model
+from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
+from relibra_moe.layers.testing import run_group
+from relibra_moe.plan import Placement, ReplicaPlan
+from relibra_moe.specs import ClusterSpec, ModelSpec
+from relibra_moe.triton_kernels.backend import force_backend
+
+H, FF, K, L = 8, 12, 2, 2
+RTOL, ATOL = 1e-5, 2e-6
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def reference_moe(x, w_router, w1, w2, ids):
+    """Dense float64 loop over experts: softmax gates of the given ids, renormalized; SwiGLU experts."""
+    probs = torch.softmax(x @ w_router.T, dim=-1)
+    valid = ids >= 0
+    gates = probs.gather(1, ids.clamp_min(0)) * valid
+    gates = gates / gates.sum(-1, keepdim=True).clamp_min(1e-300)
+    out = torch.zeros_like(x)
+    ffn = w2.shape[1]
+    for e in range(w1.shape[0]):
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        if len(t) == 0:
+            continue
+        h = x[t] @ w1[e]
+        a = F.silu(h[:, :ffn]) * h[:, ffn:]
+        out = out.index_add(0, t, gates[t, j, None] * (a @ w2[e]))
+    return out
+
+
+def reference_model(x, params, ids):
+    h = x
+    for l in range(L):
+        wr, w1, w2 = params[l]
+        h = h + reference_moe(h, wr, w1, w2, ids[l])
+    return h
+
+
+# ----------------------------------------------------------------------------- case generation
+
+
+def make_case(seed: int, G: int, E: int, tokens: list[int], hot: bool = False):
+    """Global data of one case: inputs per rank, replayed ids per layer, full weights (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    N = sum(tokens)
+    x = torch.randn(N, H, generator=g, dtype=torch.float64)
+    params = []
+    for _ in range(L):
+        params.append((torch.randn(E, H, generator=g, dtype=torch.float64) * 0.5,
+                       torch.randn(E, H, 2 * FF, generator=g, dtype=torch.float64) * H ** -0.5,
+                       torch.randn(E, FF, H, generator=g, dtype=torch.float64) * FF ** -0.5))
+    ids = []
+    for _ in range(L):
+        row = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]) if N else torch.zeros(0, K)
+        row = row.long()
+        if hot:  # every token goes to expert 0 (first choice)
+            other = torch.randint(1, E, (N,), generator=g)
+            row = torch.stack([torch.zeros(N, dtype=torch.long), other], dim=1)
+        ids.append(row)
+    cot = torch.randn(N, H, generator=g, dtype=torch.float64)
+    return x, params, ids, cot
+
+
+def random_replicas(rng: np.random.Generator, home: np.ndarray, G: int, P: int, r: int, *, fill: float = 0.6,
+                    full: bool = False, hot: int | None = None) -> ReplicaPlan:
+    """A valid node-scoped ReplicaPlan (M = 1) for placement ``home [L, E]``."""
+    E = home.shape[1]
+    rep = np.full((1, L, G, r), -1, np.int32)
+    idx, share = [], []
+    for l in range(L):
+        for g in range(G):
+            node = g // P
+            cand = [e for e in range(E) if home[l, e] // P == node and home[l, e] != g]
+            if hot is not None and hot in cand:
+                chosen = [hot] + list(rng.permutation([e for e in cand if e != hot]))
+            else:
+                chosen = list(rng.permutation(cand))
+            n = r if full else int(sum(rng.random(r) < fill))
+            chosen = chosen[:min(n, len(chosen))]
+            rep[0, l, g, :len(chosen)] = chosen
+        for e in np.unique(rep[0, l][rep[0, l] >= 0]):
+            holders = [int(home[l, e])] + [int(g) for g in range(G) if e in rep[0, l, g]]
+            for j in range(G):
+                if rng.random() < 0.2 and hot is None:
+                    continue  # this source sends everything home
+                s = rng.dirichlet(np.ones(len(holders)))
+                if rng.random() < 0.3:
+                    s[rng.integers(len(holders))] = 0.0
+                    s = s / s.sum() if s.sum() > 0 else np.eye(len(holders))[0]
+                for h, v in zip(holders, s):
+                    idx.append((0, l, j, int(e), h))
+                    share.append(v)
+    plan = ReplicaPlan(rep, np.array(idx, np.int32).reshape(-1, 5), np.array(share, np.float32))
+    # the shares were drawn in float64 and stored as float32: renormalize rows so they pass the 1e-5 check
+    plan.validate(Placement(home), ModelSpec("t", H, FF, E, K, L), ClusterSpec(nodes=G // P, gpus_per_node=P))
+    return plan
+
+
+def largest_remainder(n: int, shares: np.ndarray) -> np.ndarray:
+    """Independent loop version of largest-remainder rounding (ties to the lower index)."""
+    s = shares / shares.sum()
+    q = n * s
+    out = np.floor(q).astype(int)
+    left = n - out.sum()
+    fr = [(-(q[i] - out[i]), i) for i in range(len(s)) if s[i] > 0]
+    for _, i in sorted(fr)[:left]:
+        out[i] += 1
+    return out
+
+
+def expected_loads(ids_l: list[torch.Tensor], home: np.ndarray, plan: ReplicaPlan | None, l: int, G: int) -> np.ndarray:
+    """Pairs each rank computes in layer l: ``[G]`` from per-source counts and the plan's shares."""
+    E = home.shape[0]
+    loads = np.zeros(G, np.int64)
+    for j in range(G):
+        cnt = np.bincount(ids_l[j][ids_l[j] >= 0].numpy().ravel(), minlength=E)
+        for e in range(E):
+            s = np.zeros(G)
+            s[home[e]] = 1.0
+            if plan is not None:
+                rows = [z for z in plan.rows_of(0, l) if plan.split_index[z, 2] == j and plan.split_index[z, 3] == e]
+                if rows:
+                    s[:] = 0.0
+                    for z in rows:
+                        s[plan.split_index[z, 4]] += plan.split_share[z]
+            loads += largest_remainder(int(cnt[e]), s)
+    return loads
+
+
+# ----------------------------------------------------------------------------- distributed runner
+
+
+def build_model(G: int, P: int, E: int, r: int, params, rank: int):
+    buf = LayerSharedReplicaBuffer(H, FF, r) if r else None
+    layers = torch.nn.ModuleList(
+        [ReplayBalancedMoE(H, FF, E, K, gpus_per_node=P, replica_buffer=buf) for _ in range(L)])
+    with torch.no_grad():
+        for l, layer in enumerate(layers):
+            wr, w1, w2 = params[l]
+            mine = layer.home_experts
+            layer.router.weight.copy_(wr.float())
+            layer.experts.w_gate_up.copy_(w1[mine].float())
+            layer.experts.w_down.copy_(w2[mine].float())
+    return layers, buf
+
+
+def forward_model(layers, x):
+    h = x
+    for layer in layers:
+        h = h + layer(h)
+    return h
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    b = b.to(a.dtype)
+    scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL * scale, msg=lambda m: f"{what}: {m}")
+
+
+def check_case(rank: int, G: int, P: int, E: int, r: int, seed: int, tokens: list[int], plan_kind: str,
+               hot: bool = False) -> None:
+    x_all, params, ids_all, cot_all = make_case(seed, G, E, tokens, hot)
+    starts = np.concatenate([[0], np.cumsum(tokens)])
+    sl = slice(int(starts[rank]), int(starts[rank + 1]))
+    home = np.tile(np.arange(E) // (E // G), (L, 1))
+    rng = np.random.default_rng(seed)
+    plan = None
+    if plan_kind == "random":
+        plan = random_replicas(rng, home, G, P, r)
+    elif plan_kind == "full":
+        plan = random_replicas(rng, home, G, P, r, full=True)
+    elif plan_kind == "hot":
+        plan = random_replicas(rng, home, G, P, r, full=True, hot=0)
+    layers, buf = build_model(G, P, E, r, params, rank)
+
+    # reference (float64, all tokens)
+    xr = x_all.clone().requires_grad_()
+    ref_params = [tuple(t.clone().requires_grad_() for t in p) for p in params]
+    ref_out = reference_model(xr, ref_params, ids_all)
+    (ref_out * cot_all).sum().backward()
+
+    x = x_all[sl].float().requires_grad_()
+    with replay_model(layers, [ids_all[l][sl] for l in range(L)], plan=plan, micro_batch=0):
+        out = forward_model(layers, x)
+    (out * cot_all[sl].float()).sum().backward()  # backward outside the replay block
+
+    what = f"G={G} case={plan_kind} seed={seed} rank={rank}"
+    close(out.detach(), ref_out[sl].detach(), f"{what} output")
+    close(x.grad, xr.grad[sl], f"{what} input grad")
+    for l, layer in enumerate(layers):
+        mine = layer.home_experts
+        close(layer.experts.w_gate_up.grad, ref_params[l][1].grad[mine], f"{what} layer {l} w_gate_up grad")
+        close(layer.experts.w_down.grad, ref_params[l][2].grad[mine], f"{what} layer {l} w_down grad")
+        gr = layer.router.weight.grad.clone()
+        if G > 1:
+            dist.all_reduce(gr)
+        close(gr, ref_params[l][0].grad, f"{what} layer {l} router grad (sum over ranks)")
+    # the loads the layers saw are the plan's materialized loads (layer 0: replayed ids of every rank)
+    ids0 = [ids_all[0][int(starts[j]):int(starts[j + 1])] for j in range(G)]
+    exp = expected_loads(ids0, home[0], plan, 0, G)
+    assert layers[0].last_load == exp[rank], (what, layers[0].last_load, exp)
+    if buf is not None and plan is not None and (plan.replica_expert >= 0).any():
+        assert buf.fills >= 2 * L - 1  # forward fills per layer, plus at least the refill for layer 0
+
+
+CASES = [  # (seed, tokens per rank as a function of G, plan kind, hot)
+    (1, "even", "none", False),
+    (2, "even", "random", False),
+    (3, "even", "hot", True),
+    (4, "empty", "random", False),
+    (5, "even", "full", False),
+    (6, "uneven", "full", False),
+]
+
+
+def _tokens(kind: str, G: int, seed: int) -> list[int]:
+    if kind == "even":
+        return [6] * G
+    if kind == "empty":
+        return [5 if g != min(1, G - 1) else 0 for g in range(G)]
+    return [int(v) for v in np.random.default_rng(seed).integers(1, 9, G)]
+
+
+def _worker_cases(rank: int, world: int, P: int, E: int, r: int) -> None:
+    with force_backend("torch"):
+        for seed, tok, kind, hot in CASES:
+            if world == 1 and kind != "none":
+                continue
+            check_case(rank, world, P, E, r, seed, _tokens(tok, world, seed), kind, hot)
+        if world > 1:
+            _error_cases(rank, world, P, E, r)
+
+
+def _error_cases(rank: int, G: int, P: int, E: int, r: int) -> None:
+    """Bad replay data on one rank and bad plans raise the named errors on every rank; no hang."""
+    x_all, params, ids_all, _ = make_case(11, G, E, [4] * G)
+    layers, _ = build_model(G, P, E, r, params, rank)
+    x = x_all[4 * rank:4 * rank + 4].float()
+    bad_ids = [ids_all[l][4 * rank:4 * rank + 4].clone() for l in range(L)]
+    if rank == G - 1:
+        bad_ids[0][0, 1] = bad_ids[0][0, 0]  # duplicate expert in a row, on one rank only
+    with pytest.raises(ReplayError, match="moe\\[0\\]"):
+        with replay_model(layers, bad_ids):
+            forward_model(layers, x)
+    short = [ids_all[l][:3] for l in range(L)]  # 3 ids for 4 tokens, on every rank
+    with pytest.raises(ReplayError, match="3 tokens"):
+        with replay_model(layers, short):
+            forward_model(layers, x)
+    # a replica on its own home GPU
+    rep = np.full((1, L, G, r), -1, np.int32)
+    rep[0, 0, 0, 0] = 0
+    plan = ReplicaPlan(rep, np.zeros((0, 5), np.int32), np.zeros(0, np.float32))
+    good = [ids_all[l][4 * rank:4 * rank + 4] for l in range(L)]
+    with pytest.raises(PlanError, match="homed on GPU 0"):
+        with replay_model(layers, good, plan=plan, micro_batch=0):
+            forward_model(layers, x)
+    # shares that do not sum to 1
+    rep = np.full((1, L, G, r), -1, np.int32)
+    rep[0, 0, 1, 0] = 0
+    plan = ReplicaPlan(rep, np.array([[0, 0, 0, 0, 0], [0, 0, 0, 0, 1]], np.int32), np.array([0.5, 0.4], np.float32))
+    with pytest.raises(PlanError, match="sums to"):
+        with replay_model(layers, good, plan=plan, micro_batch=0):
+            forward_model(layers, x)
+    if G // P > 1:  # a replica on another node
+        rep = np.full((1, L, G, r), -1, np.int32)
+        rep[0, 0, P, 0] = 0
+        plan = ReplicaPlan(rep, np.zeros((0, 5), np.int32), np.zeros(0, np.float32))
+        with pytest.raises(PlanError, match="inside the home's node"):
+            with replay_model(layers, good, plan=plan, micro_batch=0):
+                forward_model(layers, x)
+    # the group still works after the errors
+    with replay_model(layers, good):
+        forward_model(layers, x).sum().backward()
+
+
+@pytest.mark.timeout(60)
+def test_world_1_matches_reference():
+    _worker_cases(0, 1, 1, 6, 0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world,P,E,r", [(2, 2, 4, 1), (4, 2, 8, 2)])
+def test_world_matches_reference(world, P, E, r):
+    run_group(_worker_cases, world, P, E, r, timeout_s=60)
+
+
+@pytest.mark.timeout(180)
+def test_world_8_two_nodes_matches_reference():
+    run_group(_worker_cases, 8, 4, 16, 2, timeout_s=90)
