@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from relibra_moe.triton_kernels.backend import INTERPRET, dot_upcast, use_triton
-from relibra_moe.triton_kernels.replica_copy import add_slot_grads
+from relibra_moe.triton_kernels.replica_copy import _add_op
 from relibra_moe.triton_kernels.routing import RoutingMeta
 
 __all__ = [
@@ -85,7 +85,7 @@ class ExpertWeights:
                 f"slot_source {tuple(self.slot_source.shape)} and slot_index {tuple(self.slot_index.shape)} "
                 "must be 1-D of equal length"
             )
-        if not self.slot_source.is_cuda and self.slot_source.numel():
+        if not self.slot_source.is_cuda and self.slot_source.numel() and not torch.compiler.is_compiling():
             src = self.slot_source.long()
             if int(src.min()) < 0 or int(src.max()) >= len(self.sources):
                 raise ValueError(f"slot_source must lie in [0, {len(self.sources)}), got {self.slot_source.tolist()}")
@@ -313,9 +313,12 @@ def _grouped_mm_dw_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=kmask[:, None] & nmask[None, :])
 
 
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot input precision: fp32 follows torch's TF32 switch for matmuls, other dtypes are exact."""
-    if dtype == torch.float32 and not INTERPRET and torch.backends.cuda.matmul.allow_tf32:
+def _precision(dtype: torch.dtype) -> str | None:
+    """tl.dot input precision: fp32 follows torch's TF32 switch for matmuls; None (Triton's default,
+    tensor cores) for fp16 / bf16, whose products are exact in the fp32 accumulator."""
+    if dtype != torch.float32:
+        return None
+    if not INTERPRET and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
 
@@ -510,7 +513,7 @@ def _gmm_backward(ctx, grad):
                     continue
                 g = torch.zeros_like(src)
                 home = torch.where(slot_source == i, slot_index.long(), torch.full_like(slots, -1))
-                add_slot_grads(dw, slots, g, home)
+                _add_op(dw, slots, g, home, 16)
                 dsrc[i] = g
     return dx, dsrc, None, None, None, None, None, None
 

@@ -59,7 +59,7 @@ def _check_index(i: torch.Tensor, j: torch.Tensor, name_i: str, name_j: str) -> 
 
 def _check_range(index: torch.Tensor, size: int, name: str) -> None:
     """Range check on CPU indices (on CUDA it would need a host sync; out-of-range rows are skipped)."""
-    if index.is_cuda or index.numel() == 0:
+    if index.is_cuda or index.numel() == 0 or torch.compiler.is_compiling():
         return
     lo, hi = int(index.min()), int(index.max())
     if lo < -1 or hi >= size:

@@ -118,7 +118,7 @@ def routing_metadata(
         raise ReplayError(f"num_rows must lie in [0, T*k={n_pairs}], got {num_rows}")
     device = slot_ids.device
     flat = slot_ids.reshape(-1)
-    if not flat.is_cuda and n_pairs:
+    if not flat.is_cuda and n_pairs and not torch.compiler.is_compiling():
         lo, hi = int(flat.min()), int(flat.max())
         if lo < -1 or hi >= num_slots:
             raise ReplayError(f"slot_ids must lie in [-1, num_slots={num_slots}), got range [{lo}, {hi}]")
