@@ -37,6 +37,8 @@ from .errors import PlanError
 from .specs import ClusterSpec, ModelSpec
 
 PLAN_VERSION = 1
+# stats keys holding wall-clock values: left out of saved files unless asked (byte-deterministic plans)
+TIMING_KEYS = ("solve_seconds", "timing")
 SHARE_TOL = 1e-5
 _SCOPES = ("node", "global")
 
@@ -288,8 +290,12 @@ class BatchPlan:
         self.samples.validate(cluster, num_samples)
         self.replicas.validate(self.placement, model, cluster, self.num_micro_batches)
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the plan as a version-1 ``.npz`` (deterministic bytes for equal plans)."""
+    def save(self, path: str | os.PathLike, *, include_timing: bool = False) -> None:
+        """Write the plan as a version-1 ``.npz`` (deterministic bytes for equal plans).
+
+        The stats keys in ``TIMING_KEYS`` (wall-clock values) are written only with ``include_timing``.
+        """
+        stats = self.stats if include_timing else {k: v for k, v in self.stats.items() if k not in TIMING_KEYS}
         arrays = {
             "version": np.array(PLAN_VERSION, np.int32),
             "num_gpus": np.array(self.num_gpus, np.int32),
@@ -305,7 +311,7 @@ class BatchPlan:
             "replica_expert": self.replicas.replica_expert,
             "split_index": self.replicas.split_index,
             "split_share": self.replicas.split_share,
-            "stats_json": np.array(json.dumps(self.stats, sort_keys=True, default=_json_default)),
+            "stats_json": np.array(json.dumps(stats, sort_keys=True, default=_json_default)),
         }
         _save_npz_deterministic(path, arrays)
 

@@ -1,0 +1,149 @@
+"""Where samples run, with experts frozen (RELIBRA.md §5, data-locality round; RoutePack-style repacking).
+
+Data-parallel attention lets any sample run its attention on any GPU of the EP group; that GPU is the
+source of the sample's tokens in the cost model. With the expert homes fixed, this module anneals
+
+(a) within each micro-batch, which GPU runs each sample (swap two samples' GPUs, or move one sample to
+    another GPU), and
+(b) with ``repack=True``, also which micro-batch holds each sample (swap two samples of different
+    micro-batches; with ``token_cap`` also move a sample to a micro-batch whose tokens stay within it).
+    Every micro-batch keeps its number of samples unless ``token_cap`` is given.
+
+Attention work constraint: no (micro-batch, GPU) cell may end above the cap in either measure,
+sum of tokens or sum of squared tokens of its samples (linear and quadratic attention cost), unless the
+move lowers that cell's work. The cap is ``(1 + tol)`` times the mean over cells, or the largest single
+sample when that is larger (a sample cannot be split).
+
+The objective is the sum over micro-batches and layers of T_MoE (exact by default, or LSE-smoothed as
+``cost.py`` defines it), and the result is kept only if its exact sum of T_MoE is lower than the start's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..cost import DEFAULT_BETA, moe_cost
+from ..errors import PlanError
+from ..specs import ClusterSpec, ModelSpec
+from . import _kernels
+from .reorder import cluster_constants
+
+
+def loads_from_counts(counts: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
+                      num_micro_batches: int, num_gpus: int) -> np.ndarray:
+    """int64 ``[M, L, G, E]`` tokens per micro-batch, layer, source GPU and expert.
+
+    Args:
+        counts: ``[N, L, E]`` tokens of sample n routed to expert e in layer l.
+        micro_batch, sample_gpu: ``[N]`` where each sample runs.
+    """
+    counts = np.asarray(counts)
+    N, L, E = counts.shape
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    sg = np.asarray(sample_gpu, dtype=np.int64)
+    if mb.shape != (N,) or sg.shape != (N,):
+        raise PlanError(f"micro_batch {mb.shape} and sample_gpu {sg.shape} must be [N={N}]")
+    if N and (mb.min() < 0 or mb.max() >= num_micro_batches):
+        raise PlanError(f"micro_batch holds {int(mb.max())}, outside [0, {num_micro_batches})")
+    if N and (sg.min() < 0 or sg.max() >= num_gpus):
+        raise PlanError(f"sample_gpu holds {int(sg.max())}, outside [0, {num_gpus})")
+    out = np.zeros((num_micro_batches * num_gpus, L, E), np.int64)
+    np.add.at(out, mb * num_gpus + sg, counts)
+    return out.reshape(num_micro_batches, num_gpus, L, E).transpose(0, 2, 1, 3).copy()
+
+
+def sample_flows(counts: np.ndarray, expert_gpu: np.ndarray, num_gpus: int) -> np.ndarray:
+    """float64 ``[N, L, G]``: tokens of sample n in layer l routed to experts homed on GPU g."""
+    counts = np.asarray(counts, dtype=np.float64)
+    N, L, E = counts.shape
+    eg = np.asarray(expert_gpu)
+    if eg.shape != (L, E):
+        raise PlanError(f"expert_gpu has shape {eg.shape}, expected [L={L}, E={E}]")
+    onehot = (eg[..., None] == np.arange(num_gpus)).astype(np.float64)  # [L, E, G]
+    return np.ascontiguousarray(np.einsum("nle,leg->nlg", counts, onehot))
+
+
+def round_robin_gpus(micro_batch: np.ndarray, num_gpus: int) -> np.ndarray:
+    """int64 ``[N]``: the k-th sample of a micro-batch (in sample order) runs on GPU ``k mod G``, or, when
+    the micro-batch has fewer samples B than GPUs, on GPU ``floor(k G / B)`` (spread over all nodes)."""
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    out = np.empty(mb.shape[0], np.int64)
+    for m in np.unique(mb):
+        idx = np.flatnonzero(mb == m)
+        k = np.arange(len(idx))
+        out[idx] = k % num_gpus if len(idx) >= num_gpus else (k * num_gpus) // len(idx)
+    return out
+
+
+def attention_caps(lengths: np.ndarray, num_cells: int, tol: float) -> tuple[float, float]:
+    """``(cap on sum tokens, cap on sum tokens^2)`` per (micro-batch, GPU) cell (see the module docstring)."""
+    t = np.asarray(lengths, dtype=np.float64)
+    cap1 = max((1.0 + tol) * t.sum() / num_cells, float(t.max(initial=0.0)))
+    cap2 = max((1.0 + tol) * (t * t).sum() / num_cells, float((t * t).max(initial=0.0)))
+    return cap1, cap2
+
+
+def default_locality_iters(num_samples: int, num_layers: int, num_gpus: int, repack: bool,
+                           budget: float = 4.5e7) -> int:
+    """Default proposals: 60 per sample (120 with repack), at most ``budget / (L G)`` (a proposal costs
+    O(L G)), at least 200."""
+    want = (120 if repack else 60) * num_samples
+    return int(max(min(want, budget / max(1, num_layers * num_gpus)), 200))
+
+
+def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
+                    expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, num_micro_batches: int | None
+                    = None, repack: bool = False, token_cap: int | None = None, tol: float = 0.05, seed: int = 0,
+                    iters: int | None = None, beta: float = DEFAULT_BETA, t0_frac: float = 0.002,
+                    eps_frac: float = 1e-6, smooth: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Anneal sample -> GPU (and with ``repack`` sample -> micro-batch) for frozen expert homes.
+
+    Args:
+        counts: ``[N, L, E]`` tokens of each sample per layer and expert.
+        lengths: ``[N]`` tokens per sample (attention work).
+        micro_batch, sample_gpu: ``[N]`` starting placement.
+        expert_gpu: ``[L, E]`` frozen homes.
+        token_cap: with repack, lets micro-batches change their sample counts while their tokens stay
+            at most ``token_cap``.
+        tol: attention-work tolerance over the mean (see the module docstring).
+        smooth: anneal on the LSE-smoothed objective (True) or the exact one (default: the sum over
+            M x L cells has no plateaus, and the exact evaluation is ~2.5x cheaper at the same result).
+
+    Returns:
+        (micro_batch int64 [N], sample_gpu int64 [N], info) with info ``objective_start`` / ``objective``
+        = exact sum of T_MoE (seconds) before / after.
+    """
+    counts = np.asarray(counts)
+    if counts.ndim != 3 or counts.shape[1:] != (model.num_layers, model.num_experts):
+        raise PlanError(f"counts has shape {counts.shape}, expected [N, L={model.num_layers}, "
+                        f"E={model.num_experts}]")
+    N = counts.shape[0]
+    G = cluster.num_gpus
+    lengths = np.asarray(lengths, dtype=np.float64)
+    if lengths.shape != (N,):
+        raise PlanError(f"lengths has shape {lengths.shape}, expected [N={N}]")
+    if tol < 0:
+        raise PlanError(f"tol={tol} must be >= 0")
+    if token_cap is not None and token_cap < lengths.max(initial=0):
+        raise PlanError(f"token_cap={token_cap} is below the longest sample ({int(lengths.max())} tokens)")
+    mb0 = np.asarray(micro_batch, dtype=np.int64)
+    sg0 = np.asarray(sample_gpu, dtype=np.int64)
+    M = int(num_micro_batches if num_micro_batches is not None else (mb0.max() + 1 if N else 0))
+    x0 = loads_from_counts(counts, mb0, sg0, M, G)
+    start = float(moe_cost(x0, expert_gpu, model, cluster).t_moe.sum())
+    info = {"objective_start": start, "objective": start, "repack": bool(repack)}
+    if N < 2:
+        return mb0.copy(), sg0.copy(), info
+    if iters is None:
+        iters = default_locality_iters(N, model.num_layers, G, repack)
+    cf = sample_flows(counts, expert_gpu, G)
+    cap1, cap2 = attention_caps(lengths, M * G, tol)
+    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
+    mb, sg, _, _ = _kernels.anneal_samples(
+        cf, lengths, lengths * lengths, mb0, sg0, M, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth), bool(repack),
+        cap1, cap2, float(token_cap or 0), float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF)
+    obj = float(moe_cost(loads_from_counts(counts, mb, sg, M, G), expert_gpu, model, cluster).t_moe.sum())
+    if obj < start:
+        info["objective"] = obj
+        return mb, sg, info
+    return mb0.copy(), sg0.copy(), info

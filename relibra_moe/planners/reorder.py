@@ -1,0 +1,213 @@
+"""Inter-batch expert reordering (RELIBRA.md §5, Algorithm 1): greedy LPT start + swap annealing.
+
+Pure functions of arrays. The unit of work is one layer and one seed (``anneal_layer``): picklable
+arguments in, ``(expert_gpu [E], exact objective)`` out, so a process pool (or the Planner service)
+can farm out layer x seed tasks and fall back per cell. ``reorder`` runs all of them and keeps, per
+layer, the candidate (LPT start included) with the lowest exact objective.
+
+Two objectives to anneal on:
+
+- ``"batch"`` (default): the true batch cost, the sum over the M micro-batches of the layer's T_MoE
+  (LSE-smoothed while annealing). A swap is evaluated in O(M G).
+- ``"aggregate"``: the paper's, T_MoE of the batch-aggregated loads ``x.sum(0)``: O(G) per swap.
+
+The winner of a layer is always chosen by the exact batch cost (sum over micro-batches of the exact
+T_MoE, ``cost.moe_cost``). Measured on the bench scenarios (bench/planners.py), "batch" gives the lower
+sum of T_MoE at the same number of proposals, hence the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+from ..cost import DEFAULT_BETA, moe_cost
+from ..errors import PlanError
+from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from . import _kernels
+
+OBJECTIVES = ("batch", "aggregate")
+
+
+def cluster_constants(model: ModelSpec, cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, float, float, float]:
+    """``(nvm [G, G], rdm [G, G], cc, tnv, trd)`` for the numba kernels.
+
+    nvm / rdm: float64 masks of source -> target pairs carried by NVLink ({nv, cr}) / RDMA ({sr, cr});
+    cc: seconds of expert compute per (token, expert) pair; tnv / trd: seconds per token on NVLink / RDMA.
+    """
+    cls = cluster.link_classes
+    nvm = ((cls == NV) | (cls == CR)).astype(np.float64)
+    rdm = ((cls == SR) | (cls == CR)).astype(np.float64)
+    cc = model.flops_per_token_expert / cluster.flops
+    tnv = model.token_bytes / cluster.nvlink_bw
+    trd = model.token_bytes / cluster.rdma_bw
+    return nvm, rdm, float(cc), float(tnv), float(trd)
+
+
+def lpt_placement(expert_load: np.ndarray, num_gpus: int) -> np.ndarray:
+    """Greedy LPT: experts by descending load onto the least-loaded GPU with a free slot.
+
+    Args:
+        expert_load: ``[E]`` total tokens of each expert (ties broken by expert id).
+        num_gpus: G; every GPU gets exactly E / G experts (ties go to the lowest GPU id).
+
+    Returns:
+        int64 ``[E]`` home GPU of each expert.
+    """
+    w = np.asarray(expert_load, dtype=np.float64)
+    if w.ndim != 1:
+        raise PlanError(f"expert_load must be [E], got shape {w.shape}")
+    E = w.shape[0]
+    if num_gpus <= 0 or E % num_gpus:
+        raise PlanError(f"num_experts={E} is not divisible by num_gpus={num_gpus}")
+    cap = E // num_gpus
+    order = np.lexsort((np.arange(E), -w))
+    gpu_load = np.zeros(num_gpus)
+    gpu_count = np.zeros(num_gpus, np.int64)
+    out = np.empty(E, np.int64)
+    for e in order:
+        free = np.flatnonzero(gpu_count < cap)
+        g = free[np.argmin(gpu_load[free])]
+        out[e] = g
+        gpu_load[g] += w[e]
+        gpu_count[g] += 1
+    return out
+
+
+def _as_layer_loads(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    x = np.asarray(x_layer, dtype=np.float64)
+    if x.ndim == 2:
+        x = x[None]
+    if x.ndim != 3 or x.shape[1:] != (cluster.num_gpus, model.num_experts):
+        raise PlanError(f"x_layer has shape {np.shape(x_layer)}, expected [M, G={cluster.num_gpus}, "
+                        f"E={model.num_experts}]")
+    if (x < 0).any():
+        raise PlanError("x_layer holds negative token counts")
+    return np.ascontiguousarray(x)
+
+
+def batch_cost(x_layer: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> float:
+    """Exact batch cost of one layer: sum over micro-batches of T_MoE (seconds) for ``x_layer [M, G, E]``."""
+    return float(moe_cost(x_layer, expert_gpu, model, cluster).t_moe.sum())
+
+
+def default_iters(num_experts: int, num_gpus: int, num_micro_batches: int = 1, num_layers: int = 1,
+                  budget: float = 5e7) -> int:
+    """Default annealing proposals per layer and seed.
+
+    40 per expert pair on different GPUs, but at most ``budget / (L M G)`` (a proposal costs O(M G); the
+    budget bounds the whole reorder at a few seconds per seed), and at least 1000.
+    """
+    pairs = num_experts * (num_experts - num_experts // num_gpus) // 2
+    cap = budget / max(1, num_layers * num_micro_batches * num_gpus)
+    return int(max(min(40 * pairs, cap), 1000))
+
+
+def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
+                 init: np.ndarray | None = None, objective: str = "batch", beta: float = DEFAULT_BETA,
+                 iters: int | None = None, t0_frac: float = 0.005, eps_frac: float = 1e-5,
+                 smooth: bool | None = None) -> tuple[np.ndarray, float]:
+    """Anneal the expert homes of one layer from ``init`` (default: LPT on the layer's expert loads).
+
+    Args:
+        x_layer: ``[M, G, E]`` (or ``[G, E]``) tokens per micro-batch, source GPU and expert.
+        seed: RNG seed of this run (same inputs and seed -> same result).
+        objective: "batch" (sum over micro-batches of T_MoE) or "aggregate" (T_MoE of ``x.sum(0)``).
+        beta: LSE sharpness of the smoothed objective.
+        smooth: anneal on the LSE-smoothed T_MoE (True) or the exact one (False). Default: smoothed for
+            "aggregate" (one max, plateaus), exact for "batch": the sum over micro-batches already has no
+            plateaus, and the exact evaluation is ~4x cheaper at the same final cost (measured).
+        iters: proposals (default ``default_iters``); t0_frac / eps_frac: start / end temperature as
+            fractions of the starting objective (geometric cooling in between).
+
+    Returns:
+        (int64 ``[E]`` home GPU of each expert, exact batch cost in seconds = sum over micro-batches of
+        the exact T_MoE).
+    """
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective={objective!r} is not one of {OBJECTIVES}")
+    x = _as_layer_loads(x_layer, model, cluster)
+    G, E = cluster.num_gpus, model.num_experts
+    if init is None:
+        init = lpt_placement(x.sum(axis=(0, 1)), G)
+    init = np.asarray(init, dtype=np.int64)
+    if init.shape != (E,):
+        raise PlanError(f"init has shape {init.shape}, expected [E={E}]")
+    if iters is None:
+        iters = default_iters(E, G, x.shape[0])
+    if smooth is None:
+        smooth = objective == "aggregate"
+    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
+    xa = x if objective == "batch" else np.ascontiguousarray(x.sum(axis=0)[None])
+    best, _, _ = _kernels.anneal_experts(xa, init, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth),
+                                         float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF)
+    return best, batch_cost(x, best, model, cluster)
+
+
+def _layer_task(args: tuple) -> tuple[int, int, np.ndarray, float]:
+    l, s, x_layer, model, cluster, init, kw = args
+    eg, obj = anneal_layer(x_layer, model, cluster, s, init=init, **kw)
+    return l, s, eg, obj
+
+
+def layer_seeds(seed: int, num_seeds: int, layer: int) -> list[int]:
+    """The annealing seeds of one layer: distinct, derived deterministically from the plan seed."""
+    ss = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(layer)])
+    return [int(v) for v in ss.generate_state(num_seeds, dtype=np.uint32) & 0x7FFFFFFF]
+
+
+def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int = 0, num_seeds: int | None = None,
+            workers: int = 1, init: np.ndarray | None = None, objective: str = "batch",
+            beta: float = DEFAULT_BETA, iters: int | None = None, t0_frac: float = 0.005,
+            eps_frac: float = 1e-5, smooth: bool | None = None,
+            layers: Sequence[int] | None = None) -> tuple[np.ndarray, dict]:
+    """Algorithm 1 on every layer: LPT start, ``num_seeds`` annealing runs, best by exact batch cost.
+
+    Args:
+        x: ``[M, L, G, E]`` tokens per micro-batch, layer, source GPU and expert.
+        seed: plan seed (per-layer seeds derive from it).
+        num_seeds: annealing runs per layer (default: one per worker).
+        workers: processes (1 = in this process).
+        iters: proposals per run (default ``default_iters`` with the whole-reorder budget).
+        init: optional ``[L, E]`` starting homes (default: LPT per layer); it is always a candidate.
+        layers: restrict to these layers (others keep ``init``/LPT).
+
+    Returns:
+        (int64 ``[L, E]`` homes, info dict with ``objective_start`` / ``objective`` = exact sum of
+        T_MoE over layers and micro-batches before / after, and ``objective_name``).
+    """
+    x = np.asarray(x)
+    if x.ndim != 4 or x.shape[2:] != (cluster.num_gpus, model.num_experts):
+        raise PlanError(f"x has shape {x.shape}, expected [M, L, G={cluster.num_gpus}, E={model.num_experts}]")
+    M, L, G, E = x.shape
+    xl = np.ascontiguousarray(np.moveaxis(x, 1, 0), dtype=np.float64)  # [L, M, G, E]
+    if init is None:
+        start = np.stack([lpt_placement(xl[l].sum(axis=(0, 1)), G) for l in range(L)])
+    else:
+        start = np.asarray(init, dtype=np.int64)
+        if start.shape != (L, E):
+            raise PlanError(f"init has shape {start.shape}, expected [L={L}, E={E}]")
+    if num_seeds is None:
+        num_seeds = max(1, workers)
+    if iters is None:
+        iters = default_iters(E, G, M if objective == "batch" else 1, L)
+    kw = dict(objective=objective, beta=beta, iters=iters, t0_frac=t0_frac, eps_frac=eps_frac, smooth=smooth)
+    todo = list(range(L)) if layers is None else [int(l) for l in layers]
+    best = start.copy()
+    best_obj = np.array([batch_cost(xl[l], start[l], model, cluster) for l in range(L)])
+    obj_start = float(best_obj.sum())
+    tasks = [(l, s, xl[l], model, cluster, start[l], kw) for l in todo for s in layer_seeds(seed, num_seeds, l)]
+    if workers > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            results = list(pool.map(_layer_task, tasks, chunksize=max(1, len(tasks) // (4 * workers))))
+    else:
+        results = [_layer_task(t) for t in tasks]
+    for l, _, eg, obj in results:  # task order is deterministic: ties keep the earlier candidate
+        if obj < best_obj[l]:
+            best_obj[l] = obj
+            best[l] = eg
+    info = {"objective_name": objective, "objective_start": obj_start, "objective": float(best_obj.sum()),
+            "num_seeds": num_seeds, "iters": int(iters)}
+    return best, info

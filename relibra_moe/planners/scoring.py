@@ -1,0 +1,99 @@
+"""Score a BatchPlan on a batch with the exact cost model (RELIBRA.md §4).
+
+``score_plan`` rebuilds the loads ``x [M, L, G, E]`` from the batch and the plan's sample placement,
+routes them with the plan (homes, plus the replica split rows where present, as
+``ReplicaPlan.shares`` defines them) and evaluates ``cost.cost_from_flow``. A plan whose
+``stats["strategy"]`` is ``"balanced"`` is scored on the Balanced ideal's loads instead (uniform random
+routing, each source GPU keeping its tokens, or an even split when ``stats["balanced_sources"]`` is
+"even"; seeded by ``stats["seed"]``), so that it scores as the ideal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..cost import DEFAULT_BETA, cost_from_flow
+from ..errors import PlanError
+from ..plan import BatchPlan
+from ..specs import ClusterSpec, ModelSpec
+from .baselines import balanced_loads, balanced_sources
+
+
+def plan_loads(plan: BatchPlan, batch, num_gpus: int) -> np.ndarray:
+    """int64 ``[M, L, G, E]`` loads of ``batch`` under the plan's sample placement (M = the plan's)."""
+    M = plan.num_micro_batches
+    x = np.asarray(batch.loads(plan.samples.gpu, num_gpus, plan.samples.micro_batch))
+    if x.shape[0] < M:
+        x = np.concatenate([x, np.zeros((M - x.shape[0],) + x.shape[1:], x.dtype)])
+    return x
+
+
+def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
+    """float64 ``[M, L, G, G]`` tokens from source j to serving GPU g: homes, overridden by split rows."""
+    x = np.asarray(x, dtype=np.float64)
+    M, L, G, E = x.shape
+    home = plan.placement.expert_gpu.astype(np.int64)
+    onehot = (home[:, :, None] == np.arange(G)).astype(np.float64)  # [L, E, G]
+    flow = np.einsum("mlje,leg->mljg", x, onehot)
+    idx = plan.replicas.split_index.astype(np.int64)
+    if len(idx):
+        m, l, j, e, g = idx.T
+        share = plan.replicas.split_share.astype(np.float64)
+        key = ((m * L + l) * G + j) * E + e
+        _, first = np.unique(key, return_index=True)
+        um, ul, uj, ue = m[first], l[first], j[first], e[first]
+        np.subtract.at(flow, (um, ul, uj, home[ul, ue]), x[um, ul, uj, ue])
+        np.add.at(flow, (m, l, j, g), x[m, l, j, e] * share)
+    return flow
+
+
+def score_plan(plan: BatchPlan, batch, model: ModelSpec, cluster: ClusterSpec, *,
+               balanced_total_s: float | None = None, beta: float = DEFAULT_BETA) -> dict[str, Any]:
+    """Exact cost of a plan on a batch.
+
+    Args:
+        plan: a BatchPlan for ``model`` and ``cluster`` (validated here).
+        batch: the TraceBatch the plan was made for (same samples).
+        balanced_total_s: the Balanced ideal's total (``baselines.balanced_t_moe``); when given, the
+            result has ``percent_of_balanced = 100 * balanced / t_moe_total_s``.
+
+    Returns:
+        dict with ``strategy``, ``t_moe_total_s`` (sum over micro-batches and layers of the exact T_MoE,
+        seconds), ``t_moe`` float64 ``[M, L]`` seconds, ``t_moe_smooth_total_s``, ``comp_total_s`` /
+        ``comm_total_s`` (sums of the max-GPU compute / communication terms), ``rank_skew_mean`` /
+        ``rank_skew_max`` (max GPU load / mean GPU load over cells), ``num_micro_batches``, and
+        ``percent_of_balanced`` when asked.
+    """
+    if plan.num_layers != model.num_layers or plan.num_experts != model.num_experts:
+        raise PlanError(f"plan has L={plan.num_layers}, E={plan.num_experts}; model {model.name} has "
+                        f"L={model.num_layers}, E={model.num_experts}")
+    plan.validate(model, cluster, num_samples=batch.num_sequences)
+    G = cluster.num_gpus
+    if plan.stats.get("strategy") == "balanced":
+        src = balanced_sources(batch.lengths, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches, G,
+                               plan.stats.get("balanced_sources", "batch"))
+        x = balanced_loads(src, model, int(plan.stats.get("seed", 0)))
+    else:
+        x = plan_loads(plan, batch, G)
+    cost = cost_from_flow(plan_flow(plan, x), model, cluster, beta)
+    out: dict[str, Any] = {
+        "strategy": plan.stats.get("strategy", "unknown"),
+        "t_moe_total_s": float(cost.t_moe.sum()),
+        "t_moe": cost.t_moe,
+        "t_moe_smooth_total_s": float(cost.t_moe_smooth.sum()),
+        "comp_total_s": float(cost.comp.max(axis=-1).sum()),
+        "comm_total_s": float(cost.comm.max(axis=-1).sum()),
+        "rank_skew_mean": float(cost.rank_skew.mean()),
+        "rank_skew_max": float(cost.rank_skew.max()),
+        "num_micro_batches": plan.num_micro_batches,
+    }
+    if balanced_total_s is not None:
+        out["percent_of_balanced"] = 100.0 * float(balanced_total_s) / out["t_moe_total_s"]
+    return out
+
+
+def json_summary(score: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-serializable part of a ``score_plan`` result (arrays dropped)."""
+    return {k: v for k, v in score.items() if not isinstance(v, np.ndarray)}

@@ -1,0 +1,247 @@
+"""The planning strategies by name, and ``plan_batch``: a TraceBatch in, a validated BatchPlan out.
+
+========================  ======================================================================
+name                      plan
+========================  ======================================================================
+``static``                Megatron-LM: expert e on GPU e // (E/G), samples round-robin
+``lpt``                   greedy LPT reorder on the batch's true loads (Algorithm 1's start)
+``eplb``                  DeepSeek EPLB on the true loads (EPLB+), r redundant experts per GPU
+``balanced``              the ideal: uniform random routing, same tokens per source (scored as such)
+``relibra-inter``         reorder (LPT + swap annealing) + sample locality (+ repacking)
+``lplb``                  LPLB+: EPLB+ reorder, per-micro-batch LP split over <= 1 copy per expert
+``relibra``               relibra-inter + intra-node replication and token split (Algorithm 2)
+========================  ======================================================================
+
+Every strategy takes ``(ctx: PlanContext) -> BatchPlan``. ``repack=True`` lets the non-ReLibra
+strategies repack samples too (routing-aware packing alone, experts as the strategy placed them), so
+the effect of packing can be measured on its own. ``stats`` hold strategy, seed, objective values and
+fallbacks; wall-clock values go under ``stats["timing"]`` / ``stats["solve_seconds"]``, which
+``BatchPlan.save`` leaves out of the file unless asked, so same inputs and seed give the same bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..cost import DEFAULT_BETA
+from ..errors import PlanError
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+from ..specs import ClusterSpec, ModelSpec
+from . import baselines
+from .locality import anneal_locality, loads_from_counts, round_robin_gpus
+from .reorder import lpt_placement, reorder
+
+
+@dataclass
+class PlanContext:
+    """Inputs of one planning call (arrays derived once from the batch).
+
+    Attributes:
+        batch: the TraceBatch, with its micro-batch assignment.
+        counts: int64 ``[N, L, E]`` tokens per sample, layer and expert.
+        lengths: int64 ``[N]`` tokens per sample.
+        micro_batch: int64 ``[N]``; num_micro_batches: M.
+        sample_gpu: int64 ``[N]`` round-robin start.
+        options: strategy-specific keyword options (e.g. ``iters``, ``num_seeds``, ``objective``).
+    """
+
+    batch: Any
+    model: ModelSpec
+    cluster: ClusterSpec
+    counts: np.ndarray
+    lengths: np.ndarray
+    micro_batch: np.ndarray
+    num_micro_batches: int
+    sample_gpu: np.ndarray
+    replica_slots: int = 0
+    seed: int = 0
+    workers: int = 1
+    repack: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def loads(self, micro_batch: np.ndarray, sample_gpu: np.ndarray) -> np.ndarray:
+        """int64 ``[M, L, G, E]`` for a sample placement."""
+        return loads_from_counts(self.counts, micro_batch, sample_gpu, self.num_micro_batches,
+                                 self.cluster.num_gpus)
+
+    def batch_for(self, micro_batch: np.ndarray) -> Any:
+        """The batch with micro-batch assignment ``micro_batch`` (for replicate / lplb)."""
+        return self.batch.with_micro_batch(np.asarray(micro_batch, dtype=np.int32))
+
+
+def _plan(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
+          replicas: ReplicaPlan | None = None) -> BatchPlan:
+    G, L = ctx.cluster.num_gpus, ctx.model.num_layers
+    if replicas is None:
+        replicas = ReplicaPlan.empty(ctx.num_micro_batches, L, G, 0)
+    return BatchPlan(placement=Placement(expert_gpu),
+                     samples=SamplePlacement(micro_batch, sample_gpu, ctx.num_micro_batches),
+                     replicas=replicas, num_gpus=G, gpus_per_node=ctx.cluster.gpus_per_node, stats=ctx.stats)
+
+
+def _maybe_repack(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Samples for a baseline: round-robin, or annealed with repacking when ``ctx.repack``."""
+    if not ctx.repack:
+        return ctx.micro_batch, ctx.sample_gpu
+    mb, sg, info = anneal_locality(ctx.counts, ctx.lengths, ctx.micro_batch, ctx.sample_gpu, expert_gpu, ctx.model,
+                                   ctx.cluster, num_micro_batches=ctx.num_micro_batches, repack=True,
+                                   token_cap=ctx.options.get("token_cap"), tol=ctx.options.get("tol", 0.05),
+                                   seed=ctx.seed, iters=ctx.options.get("locality_iters"))
+    ctx.stats["locality"] = info
+    return mb, sg
+
+
+def strategy_static(ctx: PlanContext) -> BatchPlan:
+    eg = baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
+    return _plan(ctx, eg, *_maybe_repack(ctx, eg))
+
+
+def strategy_lpt(ctx: PlanContext) -> BatchPlan:
+    x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
+    eg = np.stack([lpt_placement(x[:, l].sum(axis=(0, 1)), ctx.cluster.num_gpus) for l in range(x.shape[1])])
+    return _plan(ctx, eg, *_maybe_repack(ctx, eg))
+
+
+def strategy_eplb(ctx: PlanContext) -> BatchPlan:
+    x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
+    eg, slots = baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node,
+                               ctx.replica_slots, ctx.options.get("num_groups"))
+    mb, sg = _maybe_repack(ctx, eg)
+    replicas = None
+    if ctx.replica_slots > 0:
+        xx = ctx.loads(mb, sg)
+        replicas = baselines.even_split_replicas(eg, slots, xx)
+        ctx.stats["eplb_replicas_dropped"] = int(ctx.replica_slots * ctx.cluster.num_gpus * ctx.model.num_layers
+                                                 - (slots >= 0).sum())
+    return _plan(ctx, eg, mb, sg, replicas)
+
+
+def strategy_balanced(ctx: PlanContext) -> BatchPlan:
+    ctx.stats["balanced_sources"] = ctx.options.get("balanced_sources", "batch")
+    eg = baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
+    return _plan(ctx, eg, ctx.micro_batch, ctx.sample_gpu)
+
+
+def relibra_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reorder + locality (+ repacking), ``rounds`` times: returns (homes [L, E], micro_batch [N], gpu [N])."""
+    o = ctx.options
+    mb, sg = ctx.micro_batch, ctx.sample_gpu
+    eg = None
+    objectives: list[dict[str, Any]] = []
+    timing = ctx.stats.setdefault("timing", {})
+    for rnd in range(int(o.get("rounds", 1))):
+        t0 = time.perf_counter()
+        x = ctx.loads(mb, sg)
+        eg, rinfo = reorder(x, ctx.model, ctx.cluster, seed=ctx.seed + rnd, num_seeds=o.get("num_seeds"),
+                            workers=ctx.workers, init=eg, objective=o.get("objective", "batch"),
+                            beta=o.get("beta", DEFAULT_BETA), iters=o.get("iters"), smooth=o.get("smooth"))
+        t1 = time.perf_counter()
+        mb, sg, linfo = anneal_locality(ctx.counts, ctx.lengths, mb, sg, eg, ctx.model, ctx.cluster,
+                                        num_micro_batches=ctx.num_micro_batches, repack=ctx.repack,
+                                        token_cap=o.get("token_cap"), tol=o.get("tol", 0.05), seed=ctx.seed + rnd,
+                                        iters=o.get("locality_iters"), beta=o.get("beta", DEFAULT_BETA),
+                                        smooth=bool(o.get("locality_smooth", False)))
+        t2 = time.perf_counter()
+        timing[f"reorder_s_{rnd}"] = t1 - t0
+        timing[f"locality_s_{rnd}"] = t2 - t1
+        objectives.append({"reorder": rinfo, "locality": linfo})
+    ctx.stats["rounds"] = objectives
+    ctx.stats["objective"] = objectives[-1]["locality"]["objective"]
+    return eg, mb, sg
+
+
+def strategy_relibra_inter(ctx: PlanContext) -> BatchPlan:
+    return _plan(ctx, *relibra_inter(ctx))
+
+
+def strategy_relibra(ctx: PlanContext) -> BatchPlan:
+    from .replicate import replicate_batch
+
+    eg, mb, sg = relibra_inter(ctx)
+    placement = Placement(eg)
+    samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
+    t0 = time.perf_counter()
+    replicas = replicate_batch(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster, ctx.replica_slots,
+                               workers=ctx.workers, seed=ctx.seed)
+    ctx.stats.setdefault("timing", {})["replicate_s"] = time.perf_counter() - t0
+    return _plan(ctx, eg, mb, sg, replicas)
+
+
+def strategy_lplb(ctx: PlanContext) -> BatchPlan:
+    from .lplb import lplb_replicas
+
+    x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
+    eg, _ = baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node, 0,
+                           ctx.options.get("num_groups"))
+    mb, sg = _maybe_repack(ctx, eg)
+    placement = Placement(eg)
+    samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
+    replicas = lplb_replicas(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster,
+                             replica_slots=ctx.replica_slots)
+    return _plan(ctx, eg, mb, sg, replicas)
+
+
+STRATEGIES: dict[str, Callable[[PlanContext], BatchPlan]] = {
+    "static": strategy_static,
+    "lpt": strategy_lpt,
+    "eplb": strategy_eplb,
+    "balanced": strategy_balanced,
+    "relibra-inter": strategy_relibra_inter,
+    "lplb": strategy_lplb,
+    "relibra": strategy_relibra,
+}
+
+
+def plan_batch(batch, model: ModelSpec, cluster: ClusterSpec, strategy: str, *, replica_slots: int = 0,
+               seed: int = 0, workers: int = 1, repack: bool = False, micro_batch_size: int | None = None,
+               **options: Any) -> BatchPlan:
+    """Plan one global batch with a named strategy.
+
+    Args:
+        batch: a TraceBatch (with a micro-batch assignment unless ``micro_batch_size`` is given).
+        strategy: a key of ``STRATEGIES``.
+        replica_slots: r replica slots per GPU (eplb, lplb, relibra).
+        seed: plan seed (same inputs and seed -> same plan).
+        workers: processes for the parallel parts.
+        repack: let samples change micro-batch (equal sample counts per micro-batch unless
+            ``token_cap`` is in options).
+        micro_batch_size: re-assign micro-batches as sample i -> i // B first.
+        options: strategy options: ``iters``, ``num_seeds``, ``objective`` ("batch" | "aggregate"),
+            ``smooth``, ``locality_iters``, ``locality_smooth``, ``rounds``, ``tol``, ``token_cap``,
+            ``num_groups`` (EPLB), ``beta``, ``balanced_sources`` ("batch" | "even").
+
+    Returns:
+        A validated BatchPlan; ``stats`` has ``strategy``, ``seed``, ``replica_slots``, ``repack``,
+        objective values, ``fallbacks`` and (kept out of saved files) ``solve_seconds`` and ``timing``.
+    """
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}; known: {sorted(STRATEGIES)}")
+    if replica_slots < 0:
+        raise PlanError(f"replica_slots={replica_slots} must be >= 0")
+    if batch.num_experts != model.num_experts or batch.num_layers != model.num_layers:
+        raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
+                        f"L={model.num_layers}, E={model.num_experts}")
+    if model.num_experts % cluster.num_gpus:
+        raise PlanError(f"num_experts={model.num_experts} is not divisible by num_gpus={cluster.num_gpus}")
+    t0 = time.perf_counter()
+    if micro_batch_size is not None:
+        batch = batch.with_micro_batch_size(int(micro_batch_size))
+    mb = batch.resolve_micro_batch()
+    M = int(mb.max()) + 1
+    ctx = PlanContext(batch=batch, model=model, cluster=cluster, counts=batch.sample_expert_counts(),
+                      lengths=np.asarray(batch.lengths, dtype=np.int64), micro_batch=mb, num_micro_batches=M,
+                      sample_gpu=round_robin_gpus(mb, cluster.num_gpus), replica_slots=int(replica_slots),
+                      seed=int(seed), workers=max(1, int(workers)), repack=bool(repack), options=dict(options))
+    ctx.stats.update({"strategy": strategy, "seed": int(seed), "replica_slots": int(replica_slots),
+                      "repack": bool(repack), "fallbacks": 0,
+                      "options": {k: v for k, v in sorted(options.items())}})
+    plan = STRATEGIES[strategy](ctx)
+    plan.stats["solve_seconds"] = time.perf_counter() - t0
+    plan.validate(model, cluster, num_samples=batch.num_sequences)
+    return plan
