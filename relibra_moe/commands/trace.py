@@ -1,0 +1,177 @@
+"""``relibra trace import|synth|stats``: make trace files from real or synthetic routing, and summarize them.
+
+- ``relibra trace import gpt-oss [--requests N --seed S --micro-batch-size B] --out FILE``: the real
+  GPT-OSS-20B routing of ``../shared/traces``; N requests drawn with seed S, kept in the drawn order;
+  with B, micro-batch i holds samples ``i*B .. i*B+B-1``.
+- ``relibra trace synth --model PRESET --domain D --prompts N --seed S [--micro-batch-size B] --out FILE``:
+  a SYNTHETIC RL batch (``relibra_moe.synthetic``); B defaults to 32, the paper's micro-batch size.
+- ``relibra trace stats FILE [--micro-batch-size B] [--json]``: sizes, expert skew per micro-batch and
+  the hot-set intersection between consecutive micro-batches (top-8, or top-E/4 when E < 32).
+  Micro-batches: ``--micro-batch-size`` if given, else the file's assignment, else one sequence each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import TraceError
+
+SYNTH_DEFAULT_MICRO_BATCH = 32
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("trace", help="routing traces: import real ones, synthesize RL batches, statistics",
+                              description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
+
+    imp = sub.add_parser("import", help="import a real routing trace into a trace file",
+                         description="Import real routing into a relibra trace file (.npz, version 1).")
+    imp.add_argument("dataset", choices=["gpt-oss"], help="gpt-oss: GPT-OSS-20B decode routing of ../shared/traces")
+    imp.add_argument("--requests", type=_positive, default=None, help="draw N requests (default: all 703)")
+    imp.add_argument("--seed", type=int, default=0, help="seed of the draw (default 0)")
+    imp.add_argument("--micro-batch-size", type=_positive, default=None,
+                     help="assign sample i to micro-batch i // B (default: no assignment)")
+    imp.add_argument("--domains", nargs="+", default=None, help="keep only these request domains")
+    imp.add_argument("--drop-repetition", action="store_true", help="drop requests stuck in a repetition loop")
+    imp.add_argument("--out", required=True, help="output .npz file")
+    imp.set_defaults(func=run_import)
+
+    syn = sub.add_parser("synth", help="write a synthetic RL batch (labelled synthetic)",
+                         description="Write a SYNTHETIC RL global batch (GRPO groups, domain hot sets, long-tailed "
+                                     "lengths) as a trace file. Not real routing.")
+    syn.add_argument("--model", required=True, help="model preset, e.g. qwen3-30b-a3b")
+    syn.add_argument("--domain", required=True, choices=["math", "code", "instruction", "mixed"])
+    syn.add_argument("--prompts", type=_positive, required=True, help="prompts N (samples = N x responses)")
+    syn.add_argument("--responses", type=_positive, default=4, help="responses per prompt (default 4)")
+    syn.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    syn.add_argument("--micro-batch-size", type=_positive, default=SYNTH_DEFAULT_MICRO_BATCH,
+                     help=f"samples per micro-batch (default {SYNTH_DEFAULT_MICRO_BATCH})")
+    syn.add_argument("--compress", action="store_true", help="zip-compress the file (smaller, slower)")
+    syn.add_argument("--out", required=True, help="output .npz file")
+    syn.set_defaults(func=run_synth)
+
+    st = sub.add_parser("stats", help="statistics of a trace file",
+                        description="Sizes, per-micro-batch expert skew and consecutive hot-set intersection.")
+    st.add_argument("file", help="trace file (.npz)")
+    st.add_argument("--micro-batch-size", type=_positive, default=None,
+                    help="B samples per micro-batch (default: the file's assignment, else one sequence each)")
+    st.add_argument("--hot-k", type=_positive, default=None, help="hot-set size (default 8, or E/4 when E < 32)")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.set_defaults(func=run_stats)
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from ..datasets import gpt_oss_batch
+
+    batch = gpt_oss_batch(num_requests=args.requests, seed=args.seed, domains=args.domains,
+                          drop_repetition=args.drop_repetition)
+    if args.micro_batch_size:
+        batch = batch.with_micro_batch_size(args.micro_batch_size)
+    batch.save(args.out)
+    print(f"wrote {args.out}: {batch.num_sequences} sequences, {batch.num_tokens} tokens ({batch.source})")
+    return 0
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    from ..synthetic import rl_batch
+
+    t0 = time.perf_counter()
+    batch = rl_batch(args.model, args.domain, args.prompts, responses_per_prompt=args.responses, seed=args.seed,
+                     micro_batch_size=args.micro_batch_size)
+    batch.save(args.out, compress=args.compress)
+    print(f"wrote {args.out}: SYNTHETIC, {batch.num_sequences} sequences, {batch.num_tokens} tokens, "
+          f"{time.perf_counter() - t0:.1f} s ({batch.source})")
+    return 0
+
+
+def trace_stats(batch: Any, micro_batch_size: int | None = None, hot_k: int | None = None) -> dict[str, Any]:
+    """The statistics ``relibra trace stats --json`` prints, for a TraceBatch.
+
+    Micro-batches: ``micro_batch_size`` if given; else the batch's assignment (which must then cover
+    every sample); else one sequence per micro-batch.
+    """
+    from ..metrics import default_hot_k, hot_set_intersection, micro_batch_skew
+
+    if micro_batch_size is not None:
+        mb, rule = np.arange(batch.num_sequences) // int(micro_batch_size), f"{int(micro_batch_size)} per micro-batch"
+    elif batch.micro_batch is not None and (batch.micro_batch >= 0).any():
+        if (batch.micro_batch < 0).any():
+            i = int(np.flatnonzero(batch.micro_batch < 0)[0])
+            raise TraceError(f"the file assigns some samples to micro-batches but not sample {i} (micro_batch -1); "
+                             "pass --micro-batch-size")
+        mb, rule = batch.micro_batch.astype(np.int64), "file's assignment"
+    else:
+        mb, rule = np.arange(batch.num_sequences), "one sequence per micro-batch"
+    counts = batch.micro_batch_expert_counts(mb)
+    k = default_hot_k(batch.num_experts) if hot_k is None else int(hot_k)
+    if k > batch.num_experts:
+        raise TraceError(f"--hot-k {k} exceeds num_experts={batch.num_experts}")
+    _, skew = micro_batch_skew(counts)
+    inter = hot_set_intersection(counts, k) if counts.shape[0] >= 2 else None
+    lengths = batch.lengths
+    return {
+        "num_sequences": batch.num_sequences,
+        "num_tokens": batch.num_tokens,
+        "num_layers": batch.num_layers,
+        "num_experts": batch.num_experts,
+        "topk": batch.topk,
+        "num_micro_batches": int(counts.shape[0]),
+        "micro_batch_rule": rule,
+        "tokens_per_sequence": {"min": int(lengths.min()), "mean": float(lengths.mean()),
+                                "max": int(lengths.max())},
+        "skew_mean": float(np.nanmean(skew)),
+        "skew_min": float(np.nanmin(skew)),
+        "skew_max": float(np.nanmax(skew)),
+        "hot_k": k,
+        "intersection_mean": float(inter.mean()) if inter is not None else None,
+        "synthetic": "synthetic" in batch.source.lower(),
+        "source": batch.source,
+    }
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from ..trace import TraceBatch
+
+    stats = trace_stats(TraceBatch.load(args.file), args.micro_batch_size, args.hot_k)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{args.file}" + (" (SYNTHETIC)" if stats["synthetic"] else ""))
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    lens = stats["tokens_per_sequence"]
+    rows = [
+        ("sequences", f"{stats['num_sequences']}"),
+        ("tokens", f"{stats['num_tokens']}"),
+        ("tokens / sequence (min / mean / max)", f"{lens['min']} / {lens['mean']:.0f} / {lens['max']}"),
+        ("MoE layers / experts / top-k", f"{stats['num_layers']} / {stats['num_experts']} / {stats['topk']}"),
+        ("micro-batches", f"{stats['num_micro_batches']} ({stats['micro_batch_rule']})"),
+        ("expert skew per micro-batch (mean)", f"{stats['skew_mean']:.3f}"),
+        ("expert skew (min / max)", f"{stats['skew_min']:.3f} / {stats['skew_max']:.3f}"),
+        (f"top-{stats['hot_k']} intersection, consecutive (mean)",
+         "n/a (one micro-batch)" if stats["intersection_mean"] is None else f"{stats['intersection_mean']:.3f}"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console()
+    console.print(table)
+    console.print(f"source: {stats['source']}", soft_wrap=True)
+    return 0
