@@ -1,0 +1,159 @@
+"""The Planner service: inline / process / Ray paths agree, deadlines and dead workers fall back per cell."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from relibra_moe.errors import PlanError
+from relibra_moe.planners.service import Planner
+from relibra_moe.specs import ClusterSpec, ModelSpec
+from relibra_moe.trace import RoutingTrace, TraceBatch
+
+MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=8, topk=2, num_layers=3)
+CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)
+FAST = dict(iters=300, locality_iters=200, num_seeds=2)
+
+
+def make_batch(seed=0, n=16, M=2):
+    rng = np.random.default_rng(seed)
+    traces = []
+    for i in range(n):
+        S = int(rng.integers(5, 40))
+        pr = np.ones(8)
+        pr[[i % 3, 4 + i % 2]] = 10.0
+        keys = rng.random((S, 3, 8)) ** (1.0 / pr)
+        ids = np.argsort(-keys, axis=2)[:, :, :2]
+        traces.append(RoutingTrace(ids.astype(np.int16), np.arange(3, dtype=np.int32), 8, 2))
+    return TraceBatch(traces, micro_batch=np.arange(n) * M // n)
+
+
+def same_plan(a, b):
+    np.testing.assert_array_equal(a.placement.expert_gpu, b.placement.expert_gpu)
+    np.testing.assert_array_equal(a.samples.gpu, b.samples.gpu)
+    np.testing.assert_array_equal(a.samples.micro_batch, b.samples.micro_batch)
+    np.testing.assert_array_equal(a.replicas.replica_expert, b.replicas.replica_expert)
+    np.testing.assert_array_equal(a.replicas.split_index, b.replicas.split_index)
+    np.testing.assert_array_equal(a.replicas.split_share, b.replicas.split_share)
+
+
+def kill_once(kind, key, marker):
+    """Task hook: the first replication task to run kills its worker process."""
+    if kind == "replicate" and not os.path.exists(marker):
+        Path(marker).write_text("killed")
+        os._exit(3)
+
+
+@pytest.fixture(scope="module")
+def inline_plan():
+    with Planner(MODEL, CLUSTER, replica_slots=1, executor="inline", **FAST) as p:
+        return p.plan(make_batch())
+
+
+def test_inline_plan_is_valid_and_uses_replicas(inline_plan):
+    inline_plan.validate(MODEL, CLUSTER, 16)
+    assert inline_plan.stats["fallbacks"] == 0
+    assert (inline_plan.replicas.replica_expert >= 0).any()
+
+
+@pytest.mark.timeout(240)
+def test_process_pool_and_submit_match_inline(inline_plan):
+    with Planner(MODEL, CLUSTER, replica_slots=1, workers=2, executor="process", **FAST) as p:
+        plan = p.plan(make_batch())
+        fut = p.submit(make_batch())
+        again = fut.result(timeout=200)
+    assert plan.stats["fallbacks"] == 0
+    same_plan(plan, inline_plan)
+    same_plan(again, inline_plan)
+
+
+def test_tiny_deadline_falls_back_everywhere(caplog):
+    batch = make_batch()
+    with caplog.at_level(logging.WARNING, logger="relibra_moe.planners.service"):
+        with Planner(MODEL, CLUSTER, replica_slots=1, executor="inline", deadline_s=1e-9, **FAST) as p:
+            plan = p.plan(batch)
+    plan.validate(MODEL, CLUSTER, 16)
+    M, L = 2, 3
+    assert plan.stats["fallbacks"] == L + 1 + M * L  # every reorder layer, locality, every cell
+    assert (plan.replicas.replica_expert == -1).all() and len(plan.replicas.split_index) == 0
+    # reorder fell back to the LPT start (no previous placement), samples stayed round-robin
+    from relibra_moe.planners.locality import round_robin_gpus
+    np.testing.assert_array_equal(plan.samples.gpu, round_robin_gpus(batch.resolve_micro_batch(), 4))
+    assert any("falling back" in r.message for r in caplog.records)
+
+
+@pytest.mark.timeout(240)
+def test_deadline_keeps_previous_placement_process():
+    batch = make_batch()
+    with Planner(MODEL, CLUSTER, replica_slots=1, workers=2, executor="process", **FAST) as p:
+        first = p.plan(batch)
+        p.deadline_s = 1e-9
+        second = p.plan(make_batch(seed=1))
+    assert first.stats["fallbacks"] == 0
+    assert second.stats["fallbacks"] >= 1
+    second.validate(MODEL, CLUSTER, 16)
+    for l in second.stats["fallback_cells"]["reorder"]:
+        np.testing.assert_array_equal(second.placement.expert_gpu[l], first.placement.expert_gpu[l])
+
+
+@pytest.mark.timeout(240)
+def test_dead_worker_falls_back_and_pool_recovers(tmp_path, caplog):
+    hook = functools.partial(kill_once, marker=str(tmp_path / "killed"))
+    with caplog.at_level(logging.WARNING, logger="relibra_moe.planners.service"):
+        with Planner(MODEL, CLUSTER, replica_slots=1, workers=2, executor="process", task_hook=hook,
+                     cell_chunk=1, **FAST) as p:
+            plan = p.plan(make_batch())
+            again = p.plan(make_batch())
+    assert (tmp_path / "killed").exists()
+    plan.validate(MODEL, CLUSTER, 16)
+    cells = plan.stats["fallback_cells"]["replicate"]
+    assert plan.stats["fallbacks"] == len(cells) >= 1
+    for m, l in cells:
+        assert (plan.replicas.replica_expert[m, l] == -1).all()
+    assert any("lost its worker" in r.message for r in caplog.records)
+    assert again.stats["fallbacks"] == 0  # a fresh pool after the broken one
+
+
+@pytest.mark.timeout(300)
+def test_ray_matches_inline(inline_plan):
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with Planner(MODEL, CLUSTER, replica_slots=1, workers=2, executor="ray", **FAST) as p:
+            plan = p.plan(make_batch())
+        assert plan.stats["fallbacks"] == 0, plan.stats["fallback_cells"]
+        same_plan(plan, inline_plan)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def test_other_strategies_delegate():
+    with Planner(MODEL, CLUSTER, strategy="lpt", replica_slots=0, executor="inline") as p:
+        plan = p.plan(make_batch())
+    plan.validate(MODEL, CLUSTER, 16)
+    assert plan.stats["strategy"] == "lpt"
+
+
+def test_invalid_inputs():
+    with pytest.raises(PlanError, match="strategy"):
+        Planner(MODEL, CLUSTER, strategy="nope")
+    with pytest.raises(PlanError, match="executor"):
+        Planner(MODEL, CLUSTER, executor="threads")
+    with pytest.raises(PlanError, match="replica_slots"):
+        Planner(MODEL, CLUSTER, replica_slots=-1)
+    with pytest.raises(PlanError, match="deadline_s"):
+        Planner(MODEL, CLUSTER, deadline_s=0)
+    with pytest.raises(PlanError, match="workers"):
+        Planner(MODEL, CLUSTER, workers=0)
+    with pytest.raises(PlanError, match="divisible"):
+        Planner(MODEL, ClusterSpec(nodes=1, gpus_per_node=3))
+    with pytest.raises(PlanError, match="model tiny"):
+        Planner(MODEL.with_(num_layers=2), CLUSTER, executor="inline").plan(make_batch())
