@@ -336,15 +336,43 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
         gpu_load=cost.load)
 
 
-def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: ClusterSpec, **kwargs: Any) -> StepTime:
-    """Simulate one step of ``batch`` (a ``TraceBatch``) under ``plan``; keyword args as ``simulate_loads``.
+def balanced_ideal_loads(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    """int64 ``[M, L, G, E]``: the Balanced ideal of ``batch`` (RELIBRA.md §8), as ``relibra score`` defines it.
 
-    The loads follow the plan's sample placement: ``batch.loads(plan.samples.gpu, G, plan.samples.micro_batch)``.
+    Every token draws its k experts uniformly at random (seeded by ``plan.stats["seed"]``); each
+    source GPU keeps the tokens the plan's sample placement gives it, or, when
+    ``plan.stats["balanced_sources"] == "even"``, every micro-batch's tokens are split evenly over
+    the G sources (``planners.baselines.balanced_sources`` / ``balanced_loads``).
     """
+    from .planners.baselines import balanced_loads, balanced_sources
+
+    src = balanced_sources(batch.lengths, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches,
+                           cluster.num_gpus, plan.stats.get("balanced_sources", "batch"))
+    return balanced_loads(src, model, int(plan.stats.get("seed", 0)))
+
+
+def plan_loads(plan: BatchPlan, batch: Any, cluster: ClusterSpec) -> np.ndarray:
+    """int64 ``[M, L, G, E]``: the batch's loads under the plan's sample placement (M = the plan's)."""
     if batch.num_sequences != plan.samples.num_samples:
         raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
     x = batch.loads(plan.samples.gpu, cluster.num_gpus, micro_batch=plan.samples.micro_batch)
-    if x.shape[0] != plan.num_micro_batches:  # trailing empty micro-batches
+    if x.shape[0] < plan.num_micro_batches:  # trailing empty micro-batches
         pad = np.zeros((plan.num_micro_batches - x.shape[0],) + x.shape[1:], dtype=x.dtype)
-        x = np.concatenate([x, pad]) if pad.shape[0] > 0 else x[: plan.num_micro_batches]
+        x = np.concatenate([x, pad])
+    return x
+
+
+def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: ClusterSpec, *,
+                  balanced: bool | None = None, **kwargs: Any) -> StepTime:
+    """Simulate one step of ``batch`` (a ``TraceBatch``) under ``plan``; keyword args as ``simulate_loads``.
+
+    The loads follow the plan's sample placement (``plan_loads``). ``balanced`` (default: whether
+    ``plan.stats["strategy"] == "balanced"``) replaces them by the Balanced ideal's
+    (``balanced_ideal_loads``), as ``relibra score`` does; attention still runs the real sequences.
+    """
+    if balanced is None:
+        balanced = plan.stats.get("strategy") == "balanced"
+    x = plan_loads(plan, batch, cluster)
+    if balanced:
+        x = balanced_ideal_loads(plan, batch, model, cluster)
     return simulate_loads(plan, batch.lengths, x, model, cluster, **kwargs)

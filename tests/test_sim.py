@@ -239,3 +239,26 @@ def test_uniform_loads_balanced_ideal():
     assert st_.moe_fwd_comm_s == pytest.approx(6.0)
     with pytest.raises(PlanError, match="must be \\[M, L, G, E\\]"):
         uniform_loads(np.zeros((4, 4)))
+
+
+def test_simulate_step_matches_score_plan_including_balanced():
+    # The simulator's forward T_MoE is the planners' exact score, for a real plan and for Balanced.
+    from relibra_moe.planners.scoring import score_plan
+    from relibra_moe.planners.strategies import plan_batch
+    from relibra_moe.sim import simulate_step
+    from relibra_moe.trace import TraceBatch
+
+    rng = np.random.default_rng(3)
+    model = MODEL.with_(num_experts=8, num_layers=2)
+    counts = np.zeros((6, 2, 8), np.int64)
+    for n in range(6):
+        s = int(rng.integers(3, 20))
+        for l in range(2):
+            for _ in range(s):
+                counts[n, l, rng.choice(8, 2, replace=False)] += 1
+    batch = TraceBatch.from_counts(counts, 2, micro_batch=np.array([0, 0, 0, 1, 1, 1]))
+    for strategy in ("static", "balanced", "relibra"):
+        plan = plan_batch(batch, model, CLUSTER, strategy, replica_slots=1, seed=5)
+        st_ = simulate_step(plan, batch, model, CLUSTER)
+        assert st_.t_moe.sum() == pytest.approx(score_plan(plan, batch, model, CLUSTER)["t_moe_total_s"])
+        assert st_.tokens == int(counts[:, 0].sum() // 2)

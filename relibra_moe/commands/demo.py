@@ -6,7 +6,8 @@ domains math, code, instruction and mixed (clearly labelled synthetic: ``relibra
 the real GPT-OSS-20B routing trace (``../shared/traces``) on EP8 = 2 x 4 and EP16 = 2 x 8. Every plan
 is timed by the step simulator (``relibra_moe.sim``): attention + MoE forward/backward per micro-batch
 and layer, replica transfers, reorder traffic. ``balanced`` is the paper's ideal: the same batch with
-every layer's (token, expert) pairs spread evenly over GPUs and experts (``sim.uniform_loads``).
+every token's k experts drawn uniformly at random and the same tokens per source GPU
+(``sim.balanced_ideal_loads``, as ``relibra score`` defines it).
 
 To stay within about 3 minutes on a 2-core machine the default run simulates fewer MoE layers and
 micro-batches than the paper for the large synthetic scenarios; the output and the JSON say so
@@ -170,7 +171,7 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
                  advance: Any = None) -> dict[str, Any]:
     """Plan the scenario's batch with every strategy and simulate each step; the JSON-ready result."""
     from ..metrics import load_summary
-    from ..sim import simulate_loads, uniform_loads
+    from ..sim import simulate_step
     from ..specs import cluster_preset, model_preset
 
     t0 = time.perf_counter()
@@ -201,12 +202,7 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
             plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers,
                               repack=repack)
         solve_s = time.perf_counter() - t1
-        x = batch.loads(plan.samples.gpu, cluster.num_gpus, micro_batch=plan.samples.micro_batch)
-        if x.shape[0] < plan.num_micro_batches:
-            x = np.concatenate([x, np.zeros((plan.num_micro_batches - x.shape[0],) + x.shape[1:], x.dtype)])
-        if strategy == "balanced":
-            x = uniform_loads(x)
-        step = simulate_loads(plan, batch.lengths, x, model, cluster)
+        step = simulate_step(plan, batch, model, cluster, balanced=strategy == "balanced")
         results[label] = {
             "strategy": strategy, "repack": repack, "replica_slots": plan.replica_slots,
             "step_s": step.step_s, "tokens_per_s": step.tokens_per_s, "t_moe_fwd_s": float(step.t_moe.sum()),
