@@ -214,10 +214,11 @@ class RoutingTrace:
 def _counts_of(experts: np.ndarray, num_experts: int) -> np.ndarray:
     """int64 ``[L, E]`` expert counts of ids ``[S, L, k]`` (vectorized bincount, -1 skipped)."""
     s, num_layers, k = experts.shape
-    ids = experts.astype(np.int64, copy=False)
-    flat = ids + (np.arange(num_layers, dtype=np.int64) * num_experts)[None, :, None]
-    flat = flat[ids >= 0]
-    return np.bincount(flat, minlength=num_layers * num_experts).reshape(num_layers, num_experts)
+    it = np.int32 if num_layers * num_experts < 2**31 else np.int64
+    flat = experts.astype(it) + (np.arange(num_layers, dtype=it) * it(num_experts))[None, :, None]
+    if s and int(experts.min()) < 0:
+        flat = flat[experts >= 0]
+    return np.bincount(flat.ravel(), minlength=num_layers * num_experts).reshape(num_layers, num_experts)
 
 
 def _check_micro_batch(micro_batch: Any, n: int, name: str = "micro_batch") -> np.ndarray | None:
