@@ -110,3 +110,11 @@ def test_import_gpt_oss(traces_dir, tmp_path, capsys, monkeypatch):
     assert s["num_sequences"] == 703 and s["micro_batch_rule"] == "one sequence per micro-batch"
     assert 4.0 <= s["skew_mean"] <= 5.5  # issue 2 target (README: about 4.6)
     assert s["synthetic"] is False
+
+
+def test_import_without_data_says_where_it_looked(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RELIBRA_TRACES", str(tmp_path / "absent"))
+    assert main(["trace", "import", "gpt-oss", "--out", str(tmp_path / "g.npz")]) == 1
+    err = capsys.readouterr().err
+    assert "TracesNotFoundError" in err and "absent" in err and "RELIBRA_TRACES" in err
+    assert not (tmp_path / "g.npz").exists()
