@@ -1,0 +1,144 @@
+"""Sample placement (locality) and repacking: loads, incremental state, caps, brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from relibra_moe.cost import moe_cost
+from relibra_moe.errors import PlanError
+from relibra_moe.planners import _kernels
+from relibra_moe.planners.locality import (
+    anneal_locality,
+    attention_caps,
+    loads_from_counts,
+    round_robin_gpus,
+    sample_flows,
+)
+from relibra_moe.planners.reorder import cluster_constants
+from relibra_moe.specs import ClusterSpec, ModelSpec
+
+
+def _case(seed: int, N: int = 12, L: int = 2, E: int = 8, nodes: int = 2, P: int = 2, M: int = 3):
+    rng = np.random.default_rng(seed)
+    model = ModelSpec("t", hidden=256, ffn=128, num_experts=E, topk=2, num_layers=L)
+    cluster = ClusterSpec(nodes=nodes, gpus_per_node=P)
+    lengths = rng.integers(5, 60, N)
+    pop = rng.dirichlet(np.full(E, 0.4), size=(N, L))
+    counts = np.stack([[rng.multinomial(2 * lengths[n], pop[n, l]) for l in range(L)] for n in range(N)])
+    mb = np.arange(N) % M
+    eg = np.stack([rng.permutation(np.repeat(np.arange(nodes * P), E // (nodes * P))) for _ in range(L)])
+    return model, cluster, counts, lengths, mb, eg
+
+
+def test_loads_from_counts_matches_loop():
+    model, cluster, counts, lengths, mb, eg = _case(0)
+    sg = round_robin_gpus(mb, cluster.num_gpus)
+    x = loads_from_counts(counts, mb, sg, 3, cluster.num_gpus)
+    ref = np.zeros_like(x)
+    for n in range(len(mb)):
+        ref[mb[n], :, sg[n], :] += counts[n]
+    np.testing.assert_array_equal(x, ref)
+    with pytest.raises(PlanError, match="sample_gpu holds 9"):
+        loads_from_counts(counts, mb, np.full(len(mb), 9), 3, cluster.num_gpus)
+
+
+def test_round_robin_spreads_small_micro_batches():
+    np.testing.assert_array_equal(round_robin_gpus(np.zeros(6, np.int64), 4), [0, 1, 2, 3, 0, 1])
+    np.testing.assert_array_equal(round_robin_gpus(np.zeros(2, np.int64), 4), [0, 2])  # both nodes of 2 x 2
+
+
+@given(seed=st.integers(0, 10**6), moves=st.integers(1, 10))
+def test_incremental_sample_moves_match_recomputation(seed, moves):
+    """Moving samples with _add_sample keeps the state equal to a from-scratch build; objective = cost.py."""
+    model, cluster, counts, lengths, mb, eg = _case(seed % 1000)
+    G, M = cluster.num_gpus, 3
+    rng = np.random.default_rng(seed)
+    sg = rng.integers(0, G, len(mb))
+    mb = mb.copy()
+    cf = sample_flows(counts, eg, G)
+    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
+    stt = _kernels.sample_states(cf, mb, sg, M, nvm, rdm)
+    for _ in range(moves):
+        n = rng.integers(len(mb))
+        m2, j2 = rng.integers(M), rng.integers(G)
+        _kernels._add_sample(cf, n, sg[n], nvm, rdm, stt[mb[n]], -1.0)
+        _kernels._add_sample(cf, n, j2, nvm, rdm, stt[m2], 1.0)
+        mb[n], sg[n] = m2, j2
+    np.testing.assert_allclose(stt, _kernels.sample_states(cf, mb, sg, M, nvm, rdm), atol=1e-9)
+    ref = moe_cost(loads_from_counts(counts, mb, sg, M, G), eg, model, cluster)
+    buf = np.zeros(G)
+    for m in range(M):
+        for smooth, key in ((True, "t_moe_smooth"), (False, "t_moe")):
+            got = _kernels.mb_objective(stt[m], cc, tnv, trd, 20.0, smooth, buf)
+            assert got == pytest.approx(float(getattr(ref, key)[m].sum()), rel=1e-9)
+
+
+def test_within_micro_batch_brute_force():
+    """One micro-batch, 5 samples, 2 GPUs, caps off: annealing reaches the best of the 32 assignments."""
+    model, cluster, counts, lengths, mb, eg = _case(4, N=5, nodes=2, P=1, M=1, E=4)
+    mb = np.zeros(5, np.int64)
+    best = np.inf
+    for sg in itertools.product(range(2), repeat=5):
+        x = loads_from_counts(counts, mb, np.array(sg), 1, 2)
+        best = min(best, float(moe_cost(x, eg, model, cluster).t_moe.sum()))
+    mb2, sg2, info = anneal_locality(counts, lengths, mb, round_robin_gpus(mb, 2), eg, model, cluster, tol=100.0,
+                                     iters=3000, seed=1, t0_frac=0.05)
+    assert info["objective"] == pytest.approx(best, rel=1e-12)
+    np.testing.assert_array_equal(mb2, mb)
+
+
+@pytest.mark.parametrize("repack", [False, True])
+def test_locality_improves_and_keeps_rules(repack):
+    model, cluster, counts, lengths, mb, eg = _case(7, N=24, M=4)
+    G = cluster.num_gpus
+    sg = round_robin_gpus(mb, G)
+    mb2, sg2, info = anneal_locality(counts, lengths, mb, sg, eg, model, cluster, repack=repack, seed=3, iters=3000)
+    x0 = loads_from_counts(counts, mb, sg, 4, G)
+    x1 = loads_from_counts(counts, mb2, sg2, 4, G)
+    assert info["objective_start"] == pytest.approx(float(moe_cost(x0, eg, model, cluster).t_moe.sum()))
+    assert info["objective"] == pytest.approx(float(moe_cost(x1, eg, model, cluster).t_moe.sum()))
+    assert info["objective"] < info["objective_start"]
+    np.testing.assert_array_equal(np.bincount(mb2, minlength=4), np.bincount(mb, minlength=4))
+    if not repack:
+        np.testing.assert_array_equal(mb2, mb)
+    # attention caps: every (micro-batch, GPU) cell ends within the cap or at most its starting work
+    cap1, cap2 = attention_caps(lengths, 4 * G, 0.05)
+    for w, cap in ((lengths, cap1), (lengths.astype(float) ** 2, cap2)):
+        start = np.zeros((4, G))
+        end = np.zeros((4, G))
+        np.add.at(start, (mb, sg), w)
+        np.add.at(end, (mb2, sg2), w)
+        assert (end <= np.maximum(cap, start) + 1e-9).all()
+
+
+def test_token_cap_lets_counts_change_within_cap():
+    model, cluster, counts, lengths, mb, eg = _case(9, N=24, M=4)
+    G = cluster.num_gpus
+    sg = round_robin_gpus(mb, G)
+    cap = int(np.bincount(mb, weights=lengths).max() * 1.3)
+    mb2, sg2, info = anneal_locality(counts, lengths, mb, sg, eg, model, cluster, repack=True, token_cap=cap,
+                                     seed=1, iters=4000)
+    assert np.bincount(mb2, weights=lengths, minlength=4).max() <= cap
+    assert info["objective"] <= info["objective_start"]
+    with pytest.raises(PlanError, match="token_cap"):
+        anneal_locality(counts, lengths, mb, sg, eg, model, cluster, repack=True, token_cap=1)
+
+
+def test_locality_errors_and_determinism():
+    model, cluster, counts, lengths, mb, eg = _case(11)
+    sg = round_robin_gpus(mb, cluster.num_gpus)
+    a = anneal_locality(counts, lengths, mb, sg, eg, model, cluster, repack=True, seed=4, iters=500)
+    b = anneal_locality(counts, lengths, mb, sg, eg, model, cluster, repack=True, seed=4, iters=500)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    with pytest.raises(PlanError, match="counts has shape"):
+        anneal_locality(counts[:, :1], lengths, mb, sg, eg, model, cluster)
+    with pytest.raises(PlanError, match="lengths has shape"):
+        anneal_locality(counts, lengths[:3], mb, sg, eg, model, cluster)
+    with pytest.raises(PlanError, match="tol"):
+        anneal_locality(counts, lengths, mb, sg, eg, model, cluster, tol=-1)
