@@ -1,0 +1,193 @@
+"""Plan data (relibra_moe.plan): every validation rule raises PlanError, .npz round trip, load errors,
+byte-deterministic files."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import numpy as np
+import pytest
+
+from relibra_moe.errors import PlanError
+from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+from relibra_moe.specs import ClusterSpec, ModelSpec
+
+MODEL = ModelSpec("t", hidden=64, ffn=32, num_experts=8, topk=2, num_layers=2)
+CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)  # G = 4, 2 experts per GPU
+
+
+def _replicas(**over) -> ReplicaPlan:
+    """M = 2, L = 2, G = 4, r = 1: expert 0 (home GPU 0) replicated on GPU 1 in (m=0, l=0)."""
+    rep = np.full((2, 2, 4, 1), -1, np.int32)
+    rep[0, 0, 1, 0] = 0
+    idx = np.array([[0, 0, 2, 0, 0], [0, 0, 2, 0, 1]], np.int32)
+    share = np.array([0.25, 0.75], np.float32)
+    args = dict(replica_expert=rep, split_index=idx, split_share=share, scope="node")
+    args.update(over)
+    return ReplicaPlan(**args)
+
+
+def _plan(**over) -> BatchPlan:
+    args = dict(placement=Placement.static(2, 8, 4),
+                samples=SamplePlacement(np.array([0, 0, 1, 1, 1]), np.array([0, 3, 1, 2, 0]), 2),
+                replicas=_replicas(), num_gpus=4, gpus_per_node=2, stats={"strategy": "t", "seed": 1})
+    args.update(over)
+    return BatchPlan(**args)
+
+
+def test_valid_plan_passes():
+    _plan().validate(MODEL, CLUSTER, num_samples=5)
+
+
+def _placement_with(l, e, g):
+    eg = Placement.static(2, 8, 4).expert_gpu.copy()
+    eg[l, e] = g
+    return Placement(eg)
+
+
+@pytest.mark.parametrize("placement, match", [
+    (Placement(np.zeros((2, 4), np.int32)), r"expert_gpu has shape \(2, 4\), expected \[L=2, E=8\]"),
+    (_placement_with(1, 3, 4), r"expert_gpu\[1, 3\] = 4 is outside \[0, 4\)"),
+    (_placement_with(0, 0, 1), r"GPU 0 homes 1 experts in layer 0; every GPU must home exactly E/G = 2"),
+])
+def test_placement_rules(placement, match):
+    with pytest.raises(PlanError, match=match):
+        _plan(placement=placement).validate(MODEL, CLUSTER)
+
+
+def test_placement_shape_and_divisibility():
+    with pytest.raises(PlanError, match=r"expert_gpu must be \[L, E\]"):
+        Placement(np.zeros(8))
+    with pytest.raises(PlanError, match="not divisible"):
+        Placement.static(1, 6, 4)
+    with pytest.raises(PlanError, match="num_experts=6 is not divisible by num_gpus=4"):
+        Placement(np.zeros((2, 6), np.int32)).validate(MODEL.with_(num_experts=6), CLUSTER)
+
+
+def test_sample_rules():
+    with pytest.raises(PlanError, match="must both be"):
+        SamplePlacement(np.zeros(3), np.zeros(4))
+    with pytest.raises(PlanError, match=r"sample_gpu\[1\] = 7 is outside \[0, 4\)"):
+        _plan(samples=SamplePlacement(np.array([0, 0]), np.array([0, 7]), 2)).validate(MODEL, CLUSTER)
+    with pytest.raises(PlanError, match=r"sample_micro_batch\[0\] = -1 is outside"):
+        _plan(samples=SamplePlacement(np.array([-1, 0]), np.array([0, 1]), 2)).validate(MODEL, CLUSTER)
+    with pytest.raises(PlanError, match="covers 5 samples, the batch has 6"):
+        _plan().validate(MODEL, CLUSTER, num_samples=6)
+
+
+def test_cluster_mismatch():
+    with pytest.raises(PlanError, match="plan is for 4 GPUs"):
+        _plan().validate(MODEL, ClusterSpec(nodes=1, gpus_per_node=4))
+
+
+def test_replica_construction_rules():
+    with pytest.raises(PlanError, match=r"replica_expert must be \[M, L, G, r\]"):
+        _replicas(replica_expert=np.zeros((2, 2, 4)))
+    with pytest.raises(PlanError, match="split_share has 1 rows, split_index has 2"):
+        _replicas(split_share=np.array([1.0]))
+    with pytest.raises(PlanError, match="replica scope 'rack'"):
+        _replicas(scope="rack")
+
+
+def _rep_with(m, l, g, s, e):
+    rep = _replicas().replica_expert.copy()
+    rep[m, l, g, s] = e
+    return rep
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(replica_expert=np.full((2, 3, 4, 1), -1)), r"expected \[M, L=2, G=4, r\]"),
+    (dict(replica_expert=_rep_with(1, 1, 3, 0, 8)), r"replica_expert\[1, 1, 3, 0\] = 8 is outside \[-1, 8\)"),
+    (dict(replica_expert=_rep_with(1, 0, 0, 0, 0)), "homed on GPU 0 already"),
+    (dict(replica_expert=_rep_with(1, 0, 2, 0, 0)), "replicas stay inside the home's node"),
+    (dict(split_index=np.array([[0, 0, 2, 0, 0], [0, 0, 9, 0, 1]])), r"j=9 is outside \[0, 4\)"),
+    (dict(split_share=np.array([0.25, 1.5])), r"split_share\[1\] = 1.5 is not a fraction"),
+    (dict(split_share=np.array([0.25, np.nan])), "is not a fraction"),
+    (dict(split_index=np.array([[0, 0, 2, 0, 0], [0, 0, 2, 0, 3]])), "neither its home nor holds a replica"),
+    (dict(split_index=np.array([[0, 0, 2, 0, 1], [0, 0, 2, 0, 1]]), split_share=np.array([0.5, 0.5])),
+     "appears more than once"),
+    (dict(split_share=np.array([0.25, 0.5])), r"sums to 0.75, not 1"),
+])
+def test_replica_rules(over, match):
+    with pytest.raises(PlanError, match=match):
+        _plan(replicas=_replicas(**over)).validate(MODEL, CLUSTER)
+
+
+def test_replica_twice_in_one_gpu_and_micro_batch_count():
+    rep = np.full((2, 2, 4, 2), -1, np.int32)
+    rep[0, 0, 1] = [0, 0]
+    with pytest.raises(PlanError, match=r"replica_expert\[0, 0, 1\] holds expert 0 twice"):
+        _plan(replicas=ReplicaPlan(rep, np.zeros((0, 5)), np.zeros(0))).validate(MODEL, CLUSTER)
+    with pytest.raises(PlanError, match="covers 3 micro-batches, the plan has 2"):
+        _plan(replicas=ReplicaPlan.empty(3, 2, 4, 1)).validate(MODEL, CLUSTER)
+
+
+def test_global_scope_allows_cross_node_replicas():
+    rep = _rep_with(1, 0, 2, 0, 0)
+    _plan(replicas=_replicas(replica_expert=rep, scope="global")).validate(MODEL, CLUSTER)
+
+
+def test_shares_dense():
+    sh = _replicas().shares(Placement.static(2, 8, 4), 0)
+    assert sh.shape == (2, 4, 8, 4)
+    np.testing.assert_allclose(sh.sum(axis=-1), 1.0)
+    np.testing.assert_allclose(sh[0, 2, 0], [0.25, 0.75, 0, 0])
+    np.testing.assert_allclose(sh[0, 1, 0], [1, 0, 0, 0])
+
+
+def test_round_trip(tmp_path):
+    p = _plan(stats={"strategy": "t", "seed": 1, "objective": np.float64(0.5), "arr": np.arange(2)})
+    path = tmp_path / "p.npz"
+    p.save(path)
+    q = BatchPlan.load(path)
+    q.validate(MODEL, CLUSTER, num_samples=5)
+    np.testing.assert_array_equal(q.placement.expert_gpu, p.placement.expert_gpu)
+    np.testing.assert_array_equal(q.samples.micro_batch, p.samples.micro_batch)
+    np.testing.assert_array_equal(q.samples.gpu, p.samples.gpu)
+    np.testing.assert_array_equal(q.replicas.replica_expert, p.replicas.replica_expert)
+    np.testing.assert_array_equal(q.replicas.split_index, p.replicas.split_index)
+    np.testing.assert_array_equal(q.replicas.split_share, p.replicas.split_share)
+    assert q.replicas.scope == "node" and q.num_micro_batches == 2
+    assert q.stats == {"strategy": "t", "seed": 1, "objective": 0.5, "arr": [0, 1]}
+    with np.load(path, allow_pickle=False) as f:
+        assert f["expert_gpu"].dtype == np.int32 and f["split_share"].dtype == np.float32
+        assert f["split_index"].shape == (2, 5) and int(f["version"]) == 1
+
+
+def test_save_is_byte_deterministic_and_timing_is_optional(tmp_path):
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    _plan(stats={"seed": 1, "solve_seconds": 1.5, "timing": {"x": 1}}).save(a)
+    _plan(stats={"seed": 1, "solve_seconds": 9.0, "timing": {"x": 2}}).save(b)
+    assert a.read_bytes() == b.read_bytes()
+    assert BatchPlan.load(a).stats == {"seed": 1}
+    _plan(stats={"seed": 1, "solve_seconds": 1.5}).save(b, include_timing=True)
+    assert BatchPlan.load(b).stats == {"seed": 1, "solve_seconds": 1.5}
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(PlanError, match="no such file"):
+        BatchPlan.load(tmp_path / "missing.npz")
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    with pytest.raises(PlanError, match="not a readable .npz"):
+        BatchPlan.load(bad)
+    p = tmp_path / "p.npz"
+    _plan().save(p)
+
+    def rewrite(drop: str | None = None, **put):
+        out = tmp_path / "x.npz"
+        with np.load(p, allow_pickle=False) as f:
+            data = {k: f[k] for k in f.files if k != drop}
+        data.update(put)
+        np.savez(out, **data)
+        return out
+
+    with pytest.raises(PlanError, match="version 2 is not supported"):
+        BatchPlan.load(rewrite(version=np.array(2)))
+    with pytest.raises(PlanError, match="version None"):
+        BatchPlan.load(rewrite(drop="version"))
+    with pytest.raises(PlanError, match="missing key 'split_share'"):
+        BatchPlan.load(rewrite(drop="split_share"))
+    assert zipfile.is_zipfile(p)
+    assert json.loads(str(np.load(p)["stats_json"])) == {"seed": 1, "strategy": "t"}
