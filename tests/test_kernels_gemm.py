@@ -17,7 +17,7 @@ from relibra_moe.triton_kernels.grouped_gemm import (
 from relibra_moe.triton_kernels.routing import routing_metadata
 
 BACKENDS = ["torch", "triton"]
-TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
 
 
 def rel_err(a: torch.Tensor, ref: np.ndarray) -> float:

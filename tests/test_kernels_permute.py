@@ -11,7 +11,7 @@ from relibra_moe.triton_kernels.permute import combine, permute, rowdot
 from relibra_moe.triton_kernels.routing import routing_metadata
 
 BACKENDS = ["torch", "triton"]
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-12}
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3, torch.float64: 1e-12}
 
 
 def rel_err(a: torch.Tensor, ref: np.ndarray) -> float:

@@ -22,8 +22,10 @@ import threading
 from collections.abc import Iterator
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["INTERPRET", "dot_upcast", "force_backend", "forced_backend", "use_triton"]
+__all__ = ["INTERPRET", "bf16_rne", "cast_out", "dot_upcast", "force_backend", "forced_backend", "use_triton"]
 
 #: True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` at import time).
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
@@ -76,3 +78,24 @@ def dot_upcast(dtype: torch.dtype) -> bool:
     wrong (measured), while fp16 and fp32 are exact. Compiled kernels keep bf16 tensor-core dots.
     """
     return INTERPRET and dtype == torch.bfloat16
+
+
+def bf16_rne(dtype: torch.dtype) -> bool:
+    """The constexpr flag of :func:`cast_out`: round fp32 -> bf16 to nearest-even by hand.
+
+    Only set in the interpreter, whose fp32 -> bf16 cast truncates (measured: about half of random
+    values differ from ``torch``'s round-to-nearest by one ulp); compiled kernels round correctly.
+    """
+    return INTERPRET and dtype == torch.bfloat16
+
+
+@triton.jit
+def cast_out(v, dtype: tl.constexpr, RNE: tl.constexpr):
+    """Cast fp32 ``v`` to the output ``dtype``; with ``RNE`` (interpreter, bf16) round to nearest-even
+    first (ties to even: add 0x7FFF plus the lowest kept bit, clear the 16 dropped bits), so the
+    interpreter's truncating cast lands on the correctly rounded value. NaNs are not preserved."""
+    if RNE:
+        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from relibra_moe.triton_kernels.backend import INTERPRET, dot_upcast, use_triton
+from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, cast_out, dot_upcast, use_triton
 from relibra_moe.triton_kernels.replica_copy import _add_op
 from relibra_moe.triton_kernels.routing import RoutingMeta
 
@@ -155,10 +155,11 @@ def grouped_mm_torch(
     off = offsets.tolist()
     mats = _slot_matrices(sources, slot_source, slot_index, len(off) - 1)
     out = x.new_zeros(x.shape[0], sources[0].shape[2])
+    upcast = x.dtype in (torch.float16, torch.bfloat16)  # fp32 accumulation, one rounding (as the kernel)
     for s, w in enumerate(mats):
         a, b = off[s], off[s + 1]
         if b > a:
-            out[a:b] = x[a:b] @ w
+            out[a:b] = (x[a:b].float() @ w.float()).to(x.dtype) if upcast else x[a:b] @ w
     return out
 
 
@@ -200,6 +201,7 @@ def _grouped_mm_kernel(
     stride_om,
     INDIRECT: tl.constexpr,
     UPCAST: tl.constexpr,
+    RNE: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -259,7 +261,7 @@ def _grouped_mm_kernel(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(out_ptrs, cast_out(acc, out_ptr.dtype.element_ty, RNE), mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -276,6 +278,7 @@ def _grouped_mm_dw_kernel(
     stride_gk,
     stride_gn,
     UPCAST: tl.constexpr,
+    RNE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -310,7 +313,7 @@ def _grouped_mm_dw_kernel(
             g = g.to(tl.float32)
         acc = tl.dot(xt, g, acc, input_precision=PRECISION)
     dw_ptrs = dw_ptr + slot.to(tl.int64) * stride_gs + ks.to(tl.int64)[:, None] * stride_gk + ns[None, :] * stride_gn
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=kmask[:, None] & nmask[None, :])
+    tl.store(dw_ptrs, cast_out(acc, dw_ptr.dtype.element_ty, RNE), mask=kmask[:, None] & nmask[None, :])
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -391,7 +394,7 @@ def grouped_mm_triton(
     _grouped_mm_kernel[grid](
         x, w0, w_off, offsets, tile_slot, tile_row, out,
         R, N, K, B, x.stride(0), w0.stride(0), w0.stride(1), w0.stride(2), out.stride(0),
-        INDIRECT=indirect, UPCAST=dot_upcast(x.dtype), PRECISION=_precision(x.dtype),
+        INDIRECT=indirect, UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype), PRECISION=_precision(x.dtype),
         EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
     )  # fmt: skip
     return out
@@ -416,7 +419,7 @@ def grouped_mm_dw_triton(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tenso
     grid = (S, triton.cdiv(K, bk) * triton.cdiv(N, bn))
     _grouped_mm_dw_kernel[grid](
         x, dy, offsets, dw, N, K, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
-        UPCAST=dot_upcast(x.dtype), PRECISION=_precision(x.dtype), BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
+        UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype), PRECISION=_precision(x.dtype), BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
         num_warps=warps,
     )  # fmt: skip
     return dw

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from relibra_moe.triton_kernels.backend import INTERPRET, use_triton
+from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, cast_out, use_triton
 from relibra_moe.triton_kernels.routing import RoutingMeta
 
 __all__ = ["combine", "combine_torch", "permute", "permute_torch", "rowdot", "rowdot_torch"]
@@ -93,6 +93,7 @@ def _permute_kernel(
     stride_o,
     TOPK: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    RNE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -113,7 +114,7 @@ def _permute_kernel(
         sc = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         v = v.to(tl.float32) * sc[:, None]
     out_offs = rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
-    tl.store(out_ptr + out_offs, v.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(out_ptr + out_offs, cast_out(v, out_ptr.dtype.element_ty, RNE), mask=rmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -127,6 +128,7 @@ def _combine_kernel(
     stride_y,
     stride_o,
     TOPK: tl.constexpr,
+    RNE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -147,7 +149,7 @@ def _combine_kernel(
         v = tl.load(y_ptr + offs, mask=valid[:, None] & cmask[None, :], other=0.0)
         acc += v.to(tl.float32) * w[:, None]
     out_offs = toks.to(tl.int64)[:, None] * stride_o + cols[None, :]
-    tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+    tl.store(out_ptr + out_offs, cast_out(acc, out_ptr.dtype.element_ty, RNE), mask=tmask[:, None] & cmask[None, :])
 
 
 @triton.jit
@@ -211,7 +213,7 @@ def permute_triton(x: torch.Tensor, gather_idx: torch.Tensor, topk: int, scale: 
     grid = (triton.cdiv(R, br), triton.cdiv(H, bh))
     _permute_kernel[grid](
         x, gather_idx, scale if scale is not None else x, out, R, H, x.stride(0), out.stride(0),
-        TOPK=topk, HAS_SCALE=scale is not None, BLOCK_R=br, BLOCK_H=bh, num_warps=4,
+        TOPK=topk, HAS_SCALE=scale is not None, RNE=bf16_rne(x.dtype), BLOCK_R=br, BLOCK_H=bh, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -229,7 +231,7 @@ def combine_triton(y: torch.Tensor, scatter_idx: torch.Tensor, weights: torch.Te
     grid = (triton.cdiv(T, bt), triton.cdiv(H, bh))
     _combine_kernel[grid](
         y, scatter_idx, weights, out, T, H, y.stride(0), out.stride(0),
-        TOPK=k, BLOCK_T=bt, BLOCK_H=bh, num_warps=4,
+        TOPK=k, RNE=bf16_rne(y.dtype), BLOCK_T=bt, BLOCK_H=bh, num_warps=4,
     )  # fmt: skip
     return out
 

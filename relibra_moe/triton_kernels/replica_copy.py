@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from relibra_moe.triton_kernels.backend import INTERPRET, use_triton
+from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, cast_out, use_triton
 
 __all__ = ["add_slot_grads", "add_slot_grads_torch", "copy_into_slots", "copy_into_slots_torch"]
 
@@ -78,12 +78,18 @@ def copy_into_slots_torch(
 def add_slot_grads_torch(
     slot_grads: torch.Tensor, slot_index: torch.Tensor, home_grads: torch.Tensor, home_index: torch.Tensor
 ) -> None:
-    """Reference of :func:`add_slot_grads` (in place on ``home_grads``; sums in increasing i)."""
+    """Reference of :func:`add_slot_grads` (in place on ``home_grads``; fp32 sums in increasing i)."""
     keep = ((slot_index >= 0) & (home_index >= 0)).tolist()
     si, hi = slot_index.tolist(), home_index.tolist()
+    acc: dict[int, torch.Tensor] = {}
     for i, k in enumerate(keep):
         if k:
-            home_grads[hi[i]] += slot_grads[si[i]]
+            h = hi[i]
+            if h not in acc:
+                acc[h] = home_grads[h].to(torch.float64 if home_grads.dtype == torch.float64 else torch.float32)
+            acc[h] = acc[h] + slot_grads[si[i]]
+    for h, v in acc.items():
+        home_grads[h] = v.to(home_grads.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -137,6 +143,7 @@ def _add_rows_kernel(
     num_items,
     chunks_per_row,
     NUM_PROGRAMS: tl.constexpr,
+    RNE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Persistent deterministic add-back: home[h] += sum of the slot rows of the run of pairs with home h.
@@ -160,7 +167,7 @@ def _add_rows_kernel(
             for j in range(i, stop):
                 s = tl.load(slot_idx_ptr + j).to(tl.int64)
                 acc += tl.load(slot_ptr + s * stride_slot + e, mask=m, other=0.0).to(tl.float32)
-            tl.store(hp, acc.to(home_ptr.dtype.element_ty), mask=m)
+            tl.store(hp, cast_out(acc, home_ptr.dtype.element_ty, RNE), mask=m)
 
 
 def _dense_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -239,7 +246,7 @@ def add_slot_grads_triton(
     _add_rows_kernel[(num_programs,)](
         slot_grads, slot_sorted.to(torch.int32), home_grads, home_sorted.to(torch.int32), seg_end.to(torch.int32),
         D, slot_grads.stride(0), home_grads.stride(0), n * chunks, chunks,
-        NUM_PROGRAMS=num_programs, BLOCK=block, num_warps=warps,
+        NUM_PROGRAMS=num_programs, RNE=bf16_rne(home_grads.dtype), BLOCK=block, num_warps=warps,
     )  # fmt: skip
 
 
