@@ -145,26 +145,26 @@ def _cands_comm(x, hold, flows, agg, cls, used, P, slots, ncand, w_nv, w_rdma, o
     # score[e]: tokens of e on the binding link; tgt[e]: replica GPU that removes (part of) it
     score = np.zeros(E)
     tgt = np.full(E, -1)
+    src_term = bt == 1 or bt == 3
     for e in range(E):
         node = hold[e, 0] // P
         for k in range(P):
             g = hold[e, k]
             if g < 0:
                 break
-            for j in range(G):
+            if not src_term and g != bg:
+                continue
+            j0 = bg if src_term else 0
+            j1 = bg + 1 if src_term else G
+            for j in range(j0, j1):
                 a = flows[j, e, k]
                 if a <= 0:
                     continue
                 c = cls[j, g]
-                on = False
-                if bt == 1 and j == bg and (c == NV or c == CR):
-                    on = True
-                elif bt == 2 and g == bg and (c == NV or c == CR):
-                    on = True
-                elif bt == 3 and j == bg and (c == SR or c == CR):
-                    on = True
-                elif bt == 4 and g == bg and (c == SR or c == CR):
-                    on = True
+                if bt == 1 or bt == 2:
+                    on = c == NV or c == CR
+                else:
+                    on = c == SR or c == CR
                 if not on:
                     continue
                 # where would j's tokens of e ideally go: j itself (same node) or j's rail in e's node
@@ -172,7 +172,7 @@ def _cands_comm(x, hold, flows, agg, cls, used, P, slots, ncand, w_nv, w_rdma, o
                 if ideal != g and used[ideal] < slots and not _holds(hold, e, ideal):
                     score[e] += a
                     tgt[e] = ideal
-                elif bt == 2 or bt == 4:
+                elif not src_term:
                     # receive-bound target: any other GPU of the node helps
                     score[e] += a
     order = np.argsort(-score)
@@ -339,17 +339,18 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     configs = [(1, False)]
     if candidates > 1 or comm_candidates:
         configs.append((int(candidates), bool(comm_candidates)))
-    best = None
+    runs = []
     seen = set()
     for ncand, comm in configs:
         hold, rep, flows, T = greedy_cell(xs, expert_gpu, P, int(slots), cls, w.w_nv, w.w_rdma, ncand, comm,
                                           int(passes))
         key = rep.tobytes()
-        if key in seen:
-            continue
-        seen.add(key)
+        if key not in seen:
+            seen.add(key)
+            runs.append((T * scale * w.sec_per_token, hold, rep, flows))
+    best = None
+    for t, hold, rep, flows in sorted(runs, key=lambda r: r[0]) if polish else [min(runs, key=lambda r: r[0])]:
         rows, share = shares_from_flows(xs, hold, flows)
-        t = T * scale * w.sec_per_token
         if polish and len(rows):
             lp = solve_split_lp(x, expert_gpu, rep, model, cluster)
             if lp.t_moe < t:

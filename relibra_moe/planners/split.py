@@ -326,24 +326,20 @@ def shares_from_flows(x: np.ndarray, hold: np.ndarray, flows: np.ndarray) -> tup
     Only sources with tokens get rows; zero shares are dropped and each (j, e) renormalized to 1.
     """
     nh = (hold >= 0).sum(axis=1)
-    rep = np.flatnonzero(nh > 1)
-    rows, shares = [], []
-    for e in rep:
-        js = np.flatnonzero(x[:, e] > 0)
-        if not len(js):
-            continue
-        f = np.clip(flows[js, e, :nh[e]], 0.0, None)
-        tot = f.sum(axis=1, keepdims=True)
-        f = np.where(tot > 0, f / np.where(tot > 0, tot, 1), np.eye(1, nh[e])[0])
-        jj, kk = np.nonzero(f > 1e-9)
-        sh = f[jj, kk]
-        sums = np.bincount(jj, weights=sh, minlength=len(js))
-        sh = sh / sums[jj]
-        rows.append(np.stack([js[jj], np.full(len(jj), e), hold[e, kk]], axis=1))
-        shares.append(sh)
-    if not rows:
+    js, es = np.nonzero((x > 0) & (nh > 1)[None, :])
+    if not len(js):
         return np.zeros((0, 3), np.int32), np.zeros(0)
-    return np.concatenate(rows).astype(np.int32), np.concatenate(shares)
+    P = hold.shape[1]
+    valid = np.arange(P)[None, :] < nh[es][:, None]
+    f = np.where(valid, np.clip(flows[js, es, :], 0.0, None), 0.0)
+    tot = f.sum(axis=1, keepdims=True)
+    f = np.where(tot > 0, f / np.where(tot > 0, tot, 1.0), (np.arange(P) == 0)[None, :])
+    f = np.where(f > 1e-9, f, 0.0)
+    f /= f.sum(axis=1, keepdims=True)
+    ii, kk = np.nonzero(f)
+    rows = np.stack([js[ii], es[ii], hold[es[ii], kk]], axis=1).astype(np.int32)
+    order = np.lexsort((rows[:, 2], rows[:, 0], rows[:, 1]))
+    return rows[order], f[ii, kk][order]
 
 
 def split_cost(x: np.ndarray, expert_gpu: np.ndarray, rows: np.ndarray, share: np.ndarray,
