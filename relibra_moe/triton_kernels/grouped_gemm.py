@@ -200,6 +200,7 @@ def _grouped_mm_kernel(
     stride_wn,
     stride_om,
     INDIRECT: tl.constexpr,
+    W_ALIGNED: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -241,6 +242,8 @@ def _grouped_mm_kernel(
     rmask = rows < end
     if INDIRECT:
         w_base = tl.load(w_off_ptr + slot)
+        if W_ALIGNED:  # every slot offset is a multiple of 16 elements: lets the loads pipeline (cp.async)
+            w_base = tl.multiple_of(w_base, 16)
     else:
         w_base = slot.to(tl.int64) * stride_ws
     ks = tl.arange(0, BLOCK_K)
@@ -344,11 +347,14 @@ def _fwd_config(N: int, K: int, dtype: torch.dtype) -> dict:
     )
 
 
-def _source_offsets(sources: list[torch.Tensor], slot_source: torch.Tensor, slot_index: torch.Tensor) -> torch.Tensor:
-    """int64 [S]: element offset of each slot's matrix from sources[0]'s data pointer.
+def _source_offsets(
+    sources: list[torch.Tensor], slot_source: torch.Tensor, slot_index: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
+    """(int64 [S] element offset of each slot's matrix from sources[0]'s data pointer, aligned).
 
     The kernel addresses every source through one base pointer: the sources may be separate
-    allocations (a parameter and a replica buffer), as device pointers share one address space.
+    allocations (a parameter and a replica buffer), as device pointers share one address space
+    (on CUDA also across peer-mapped GPUs). ``aligned``: every offset is a multiple of 16 elements.
     """
     base = sources[0]
     isz = base.element_size()
@@ -362,7 +368,8 @@ def _source_offsets(sources: list[torch.Tensor], slot_source: torch.Tensor, slot
     delta = torch.tensor(deltas, dtype=torch.int64, device=dev)
     stride0 = torch.tensor([s.stride(0) for s in sources], dtype=torch.int64, device=dev)
     src = slot_source.to(device=dev, dtype=torch.int64)
-    return delta[src] + slot_index.to(device=dev, dtype=torch.int64) * stride0[src]
+    aligned = all(d % 16 == 0 for d in deltas) and all(s.stride(0) % 16 == 0 for s in sources)
+    return delta[src] + slot_index.to(device=dev, dtype=torch.int64) * stride0[src], aligned
 
 
 def grouped_mm_triton(
@@ -388,13 +395,13 @@ def grouped_mm_triton(
     if x.stride(1) != 1:
         x = x.contiguous()
     indirect = slot_source is not None
-    w_off = _source_offsets(sources, slot_source, slot_index) if indirect else offsets
+    w_off, aligned = _source_offsets(sources, slot_source, slot_index) if indirect else (offsets, False)
     cfg = _fwd_config(N, K, x.dtype)
     grid = (B * triton.cdiv(N, cfg["BLOCK_N"]),)
     _grouped_mm_kernel[grid](
         x, w0, w_off, offsets, tile_slot, tile_row, out,
         R, N, K, B, x.stride(0), w0.stride(0), w0.stride(1), w0.stride(2), out.stride(0),
-        INDIRECT=indirect, UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype), PRECISION=_precision(x.dtype),
+        INDIRECT=indirect, W_ALIGNED=aligned, UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype), PRECISION=_precision(x.dtype),
         EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
     )  # fmt: skip
     return out
