@@ -54,11 +54,15 @@ def test_incremental_swaps_match_full_recomputation(nodes, P, per_gpu, seed, nsw
     nvm, rdm, *_ = cluster_constants(model, cluster)
     stt, _ = _state_objective(x, eg, model, cluster, True)
     out = np.zeros_like(stt)
+    _, cc, tnv, trd = cluster_constants(model, cluster)[1:]
     for _ in range(nswaps):
         a, b = rng.choice(E, 2, replace=False)
         if eg[a] == eg[b]:
             continue
+        direct = _kernels.swap_objective_exact(x, a, eg[a], b, eg[b], nvm, rdm, stt, cc, tnv, trd, np.zeros(G))
         _kernels.swap_state(x, a, eg[a], b, eg[b], nvm, rdm, stt, out)
+        assert direct == _kernels.layer_objective(out[0], out[1], out[2], out[3], out[4], cc, tnv, trd, BETA, False,
+                                                  np.zeros(G))
         eg[a], eg[b] = eg[b], eg[a]
         stt = out.copy()
     full, obj_s = _state_objective(x, eg, model, cluster, True)

@@ -140,6 +140,50 @@ def swap_state(x, a, ga, b, gb, nvm, rdm, st, out):
 
 
 @njit(cache=True)
+def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj):
+    """Exact T_MoE of one layer after swapping experts a (on ga) and b (on gb), without building the new
+    state (two O(G) passes, no copy); ``dj`` is a float64 scratch ``[G]``. Equals
+    ``layer_objective(swap_state(...), smooth=False)``."""
+    G = x.shape[0]
+    sd = 0.0
+    nva = 0.0
+    nvb = 0.0
+    rda = 0.0
+    rdb = 0.0
+    for j in range(G):
+        d = x[j, b] - x[j, a]
+        dj[j] = d
+        sd += d
+        nva += d * nvm[j, ga]
+        nvb += d * nvm[j, gb]
+        rda += d * rdm[j, ga]
+        rdb += d * rdm[j, gb]
+    cmax = -1e300
+    mm = -1e300
+    for g in range(G):
+        ld = st[0, g]
+        nrx = st[2, g]
+        rrx = st[4, g]
+        if g == ga:
+            ld += sd
+            nrx += nva
+            rrx += rda
+        elif g == gb:
+            ld -= sd
+            nrx -= nvb
+            rrx -= rdb
+        d = dj[g]
+        ntx = st[1, g] + d * (nvm[g, ga] - nvm[g, gb])
+        rtx = st[3, g] + d * (rdm[g, ga] - rdm[g, gb])
+        if ld > cmax:
+            cmax = ld
+        t = max(max(ntx * tnv, nrx * tnv), max(rtx * trd, rrx * trd))
+        if t > mm:
+            mm = t
+    return cc * cmax + 2.0 * mm
+
+
+@njit(cache=True)
 def anneal_experts(x, expert_gpu0, nvm, rdm, cc, tnv, trd, beta, smooth, t0_frac, eps_frac, iters, seed):
     """Swap simulated annealing of expert homes for one layer (Algorithm 1's inner loop).
 
@@ -186,15 +230,23 @@ def anneal_experts(x, expert_gpu0, nvm, rdm, cc, tnv, trd, beta, smooth, t0_frac
         gb = eg[b]
         new = 0.0
         for m in range(M):
-            swap_state(x[m], a, ga, b, gb, nvm, rdm, st[m], tmp[m])
-            tobj[m] = layer_objective(tmp[m, 0], tmp[m, 1], tmp[m, 2], tmp[m, 3], tmp[m, 4], cc, tnv, trd, beta,
-                                      smooth, buf)
+            if smooth:
+                swap_state(x[m], a, ga, b, gb, nvm, rdm, st[m], tmp[m])
+                tobj[m] = layer_objective(tmp[m, 0], tmp[m, 1], tmp[m, 2], tmp[m, 3], tmp[m, 4], cc, tnv, trd,
+                                          beta, smooth, buf)
+            else:
+                tobj[m] = swap_objective_exact(x[m], a, ga, b, gb, nvm, rdm, st[m], cc, tnv, trd, buf)
             new += tobj[m]
         delta = new - cur
         if delta <= 0.0 or np.random.random() < math.exp(-delta / temp):
             eg[a] = gb
             eg[b] = ga
-            st[:, :, :] = tmp[:, :, :]
+            if smooth:
+                st[:, :, :] = tmp[:, :, :]
+            else:
+                for m in range(M):
+                    swap_state(x[m], a, ga, b, gb, nvm, rdm, st[m], tmp[m])
+                    st[m, :, :] = tmp[m]
             objm[:] = tobj[:]
             cur = new
             if cur < best:

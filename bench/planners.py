@@ -1,0 +1,145 @@
+"""Planner benchmark: strategies x scenarios, exact cost model (RELIBRA.md §4).
+
+For each scenario, one table: strategy, sum over micro-batches and layers of the exact T_MoE, speedup
+over static (Megatron-LM), percent of the Balanced ideal (uniform routing, each source GPU keeping its
+tokens; the "even" column spreads tokens evenly over sources as well), mean rank skew, solve seconds.
+
+Scenarios (issue 3):
+- gptoss-ep8 / gptoss-ep16: GPT-OSS-20B real routing (../shared/traces), 256 requests, 32 micro-batches
+  of 8, EP8 = 2 x 4 and EP16 = 2 x 8;
+- qwen3-30b-mixed-ep16: synthetic mixed-domain RL batch (labelled synthetic), qwen3-30b-a3b, EP16 = 2 x 8,
+  32 micro-batches of 32 (256 prompts x 4 responses);
+- qwen3-235b-mixed-ep32: the same on qwen3-235b-a22b (94 layers), EP32 = 4 x 8.
+
+Usage::
+
+    python bench/planners.py                # all scenarios, writes bench/results/planners.json
+    python bench/planners.py --quick        # GPT-OSS EP8 only, fewer rows (bench/results/planners_quick.json)
+    python bench/planners.py --scenarios qwen3-235b-mixed-ep32 --replicas 2 --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from relibra_moe.planners.baselines import balanced_t_moe
+from relibra_moe.planners.scoring import score_plan
+from relibra_moe.planners.strategies import plan_batch
+from relibra_moe.specs import cluster_preset, model_preset
+
+SCENARIOS = {
+    "gptoss-ep8": dict(model="gpt-oss-20b", nodes=2, gpus_per_node=4, data="gpt-oss", requests=256, mb=8),
+    "gptoss-ep16": dict(model="gpt-oss-20b", nodes=2, gpus_per_node=8, data="gpt-oss", requests=256, mb=8),
+    "qwen3-30b-mixed-ep16": dict(model="qwen3-30b-a3b", nodes=2, gpus_per_node=8, data="synthetic", prompts=256,
+                                 mb=32),
+    "qwen3-235b-mixed-ep32": dict(model="qwen3-235b-a22b", nodes=4, gpus_per_node=8, data="synthetic",
+                                  prompts=256, mb=32),
+}
+
+# (row label, strategy, plan_batch keyword arguments)
+ROWS = [
+    ("static (Megatron)", "static", {}),
+    ("LPT reorder", "lpt", {}),
+    ("EPLB+ reorder only", "eplb", {}),
+    ("relibra-inter, aggregate objective", "relibra-inter", {"objective": "aggregate"}),
+    ("relibra-inter", "relibra-inter", {}),
+    ("static + repack", "static", {"repack": True}),
+    ("relibra-inter + repack", "relibra-inter", {"repack": True}),
+]
+QUICK_ROWS = ["static (Megatron)", "LPT reorder", "EPLB+ reorder only", "relibra-inter", "relibra-inter + repack"]
+
+
+def load_scenario(name: str):
+    sc = SCENARIOS[name]
+    if sc["data"] == "gpt-oss":
+        from relibra_moe.datasets import gpt_oss_batch
+
+        batch = gpt_oss_batch(sc["requests"], seed=0).with_micro_batch_size(sc["mb"])
+    else:
+        from relibra_moe.synthetic import rl_batch
+
+        batch = rl_batch(sc["model"], "mixed", sc["prompts"], 4, seed=0, micro_batch_size=sc["mb"])
+    model = model_preset(sc["model"])
+    cluster = cluster_preset(nodes=sc["nodes"], gpus_per_node=sc["gpus_per_node"])
+    return batch, model, cluster
+
+
+def run_scenario(name: str, rows, workers: int, seed: int, replicas: int) -> dict:
+    t0 = time.perf_counter()
+    batch, model, cluster = load_scenario(name)
+    load_s = time.perf_counter() - t0
+    bal = balanced_t_moe(batch, model, cluster, seed=seed)
+    bal_even = balanced_t_moe(batch, model, cluster, seed=seed, mode="even")
+    rows = list(rows)
+    if replicas:
+        rows += [(f"EPLB+ r={replicas}", "eplb", {"replica_slots": replicas}),
+                 (f"LPLB+ r={replicas}", "lplb", {"replica_slots": replicas}),
+                 (f"relibra r={replicas}", "relibra", {"replica_slots": replicas})]
+    results = []
+    static_total = None
+    for label, strategy, kw in rows:
+        plan = plan_batch(batch, model, cluster, strategy, seed=seed, workers=workers, **kw)
+        s = score_plan(plan, batch, model, cluster, balanced_total_s=bal)
+        if strategy == "static" and not kw:
+            static_total = s["t_moe_total_s"]
+        results.append({
+            "row": label, "strategy": strategy, "options": kw, "t_moe_total_ms": 1e3 * s["t_moe_total_s"],
+            "percent_of_balanced": s["percent_of_balanced"],
+            "percent_of_balanced_even": 100.0 * bal_even / s["t_moe_total_s"],
+            "rank_skew_mean": s["rank_skew_mean"], "solve_seconds": plan.stats["solve_seconds"],
+            "timing": plan.stats.get("timing", {}),
+        })
+        print(f"  {name}: {label:38s} {1e3 * s['t_moe_total_s']:9.2f} ms  {plan.stats['solve_seconds']:7.2f} s",
+              flush=True)
+    for r in results:
+        r["speedup_vs_static"] = static_total / (r["t_moe_total_ms"] / 1e3) if static_total else None
+    return {"scenario": name, **SCENARIOS[name], "num_samples": batch.num_sequences, "num_tokens": batch.num_tokens,
+            "balanced_ms": 1e3 * bal, "balanced_even_ms": 1e3 * bal_even, "load_seconds": load_s, "rows": results}
+
+
+def print_table(res: dict) -> None:
+    print(f"\n## {res['scenario']}: {res['model']}, EP{res['nodes'] * res['gpus_per_node']} = {res['nodes']} x "
+          f"{res['gpus_per_node']}, {res['num_samples']} samples, {res['num_tokens']} tokens; balanced "
+          f"{res['balanced_ms']:.1f} ms (even sources {res['balanced_even_ms']:.1f} ms)")
+    hdr = f"| {'strategy':38s} | sum T_MoE ms | vs static | % balanced | % bal. even | rank skew | solve s |"
+    print(hdr)
+    print("|" + "|".join("-" * (len(c)) for c in hdr.split("|")[1:-1]) + "|")
+    for r in res["rows"]:
+        print(f"| {r['row']:38s} | {r['t_moe_total_ms']:12.2f} | {r['speedup_vs_static']:8.3f}x | "
+              f"{r['percent_of_balanced']:9.1f}% | {r['percent_of_balanced_even']:10.1f}% | {r['rank_skew_mean']:9.3f} "
+              f"| {r['solve_seconds']:7.2f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="GPT-OSS EP8 only, fewer rows")
+    ap.add_argument("--scenarios", nargs="*", choices=sorted(SCENARIOS), default=None)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--replicas", type=int, default=0, help="also run EPLB+, LPLB+, relibra with r slots")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/planners[_quick].json)")
+    args = ap.parse_args(argv)
+    names = args.scenarios or (["gptoss-ep8"] if args.quick else list(SCENARIOS))
+    rows = [r for r in ROWS if r[0] in QUICK_ROWS] if args.quick else ROWS
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        "planners_quick.json" if args.quick else "planners.json")
+    all_res = []
+    for name in names:
+        res = run_scenario(name, rows, args.workers, args.seed, args.replicas)
+        print_table(res)
+        all_res.append(res)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "numpy": np.__version__, "workers": args.workers, "seed": args.seed, "quick": args.quick}
+    out.write_text(json.dumps({"meta": meta, "scenarios": all_res}, indent=2, sort_keys=True))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
