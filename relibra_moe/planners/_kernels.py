@@ -300,6 +300,63 @@ def sample_states(cf, mb, gpu, M, nvm, rdm):
 
 
 @njit(cache=True)
+def rows_objective_exact(st, cf, n_plus, n_minus, j1, j2, nvm, rdm, cc, tnv, trd, dbuf):
+    """Exact sum over layers of T_MoE of one micro-batch after a row change, without copying the state.
+
+    The change: source row j1 of the flow gains ``D = cf[n_plus] - cf[n_minus]`` (a missing sample is -1),
+    and, if ``j2 >= 0``, row j2 loses D (a move inside the micro-batch: GPU loads unchanged).
+    st: ``[L, 5, G]`` state of the micro-batch; dbuf: float64 scratch ``[G]``. O(L G), two passes per layer.
+    """
+    L = st.shape[0]
+    G = st.shape[2]
+    tot = 0.0
+    for l in range(L):
+        t1n = 0.0
+        t1r = 0.0
+        t2n = 0.0
+        t2r = 0.0
+        for g in range(G):
+            d = 0.0
+            if n_plus >= 0:
+                d += cf[n_plus, l, g]
+            if n_minus >= 0:
+                d -= cf[n_minus, l, g]
+            dbuf[g] = d
+            t1n += d * nvm[j1, g]
+            t1r += d * rdm[j1, g]
+            if j2 >= 0:
+                t2n += d * nvm[j2, g]
+                t2r += d * rdm[j2, g]
+        cmax = -1e300
+        mm = -1e300
+        for g in range(G):
+            d = dbuf[g]
+            ld = st[l, 0, g]
+            nrx = st[l, 2, g] + d * nvm[j1, g]
+            rrx = st[l, 4, g] + d * rdm[j1, g]
+            if j2 >= 0:
+                nrx -= d * nvm[j2, g]
+                rrx -= d * rdm[j2, g]
+            else:
+                ld += d
+            ntx = st[l, 1, g]
+            rtx = st[l, 3, g]
+            if g == j1:
+                ntx += t1n
+                rtx += t1r
+            if g == j2:
+                ntx -= t2n
+                rtx -= t2r
+            if ld > cmax:
+                cmax = ld
+            t = max(max(ntx * tnv, nrx * tnv), max(rtx * trd, rrx * trd))
+            if t > mm:
+                mm = t
+        tot += cc * cmax + 2.0 * mm
+    return tot
+
+
+@njit(cache=True)
 def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, smooth, repack, cap1, cap2,
                    token_cap, t0_frac, eps_frac, iters, seed):
     """Simulated annealing of where samples run, experts frozen.
@@ -407,32 +464,50 @@ def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, s
             continue
         if (b1 > cap1 and b1 > w1[m2, j2]) or (b2 > cap2 and b2 > w2[m2, j2]):
             continue
-        ta[:, :, :] = st[m1]
-        _add_sample(cf, n1, j1, nvm, rdm, ta, -1.0)
-        if n2 >= 0:
-            _add_sample(cf, n2, j1, nvm, rdm, ta, 1.0)
-        if m2 == m1:
-            _add_sample(cf, n1, j2, nvm, rdm, ta, 1.0)
+        if smooth:
+            ta[:, :, :] = st[m1]
+            _add_sample(cf, n1, j1, nvm, rdm, ta, -1.0)
             if n2 >= 0:
-                _add_sample(cf, n2, j2, nvm, rdm, ta, -1.0)
-            o1 = mb_objective(ta, cc, tnv, trd, beta, smooth, buf)
-            new = cur - objm[m1] + o1
+                _add_sample(cf, n2, j1, nvm, rdm, ta, 1.0)
+            if m2 == m1:
+                _add_sample(cf, n1, j2, nvm, rdm, ta, 1.0)
+                if n2 >= 0:
+                    _add_sample(cf, n2, j2, nvm, rdm, ta, -1.0)
+                o1 = mb_objective(ta, cc, tnv, trd, beta, smooth, buf)
+                o2 = 0.0
+            else:
+                tb[:, :, :] = st[m2]
+                _add_sample(cf, n1, j2, nvm, rdm, tb, 1.0)
+                if n2 >= 0:
+                    _add_sample(cf, n2, j2, nvm, rdm, tb, -1.0)
+                o1 = mb_objective(ta, cc, tnv, trd, beta, smooth, buf)
+                o2 = mb_objective(tb, cc, tnv, trd, beta, smooth, buf)
+        elif m2 == m1:
+            # row j1: + cf[n2] - cf[n1], row j2: the opposite
+            o1 = rows_objective_exact(st[m1], cf, n2, n1, j1, j2, nvm, rdm, cc, tnv, trd, buf)
             o2 = 0.0
         else:
-            tb[:, :, :] = st[m2]
-            _add_sample(cf, n1, j2, nvm, rdm, tb, 1.0)
-            if n2 >= 0:
-                _add_sample(cf, n2, j2, nvm, rdm, tb, -1.0)
-            o1 = mb_objective(ta, cc, tnv, trd, beta, smooth, buf)
-            o2 = mb_objective(tb, cc, tnv, trd, beta, smooth, buf)
+            o1 = rows_objective_exact(st[m1], cf, n2, n1, j1, -1, nvm, rdm, cc, tnv, trd, buf)
+            o2 = rows_objective_exact(st[m2], cf, n1, n2, j2, -1, nvm, rdm, cc, tnv, trd, buf)
+        if m2 == m1:
+            new = cur - objm[m1] + o1
+        else:
             new = cur - objm[m1] - objm[m2] + o1 + o2
         delta = new - cur
         if not (delta <= 0.0 or np.random.random() < math.exp(-delta / temp)):
             continue
-        st[m1, :, :, :] = ta
+        if smooth:
+            st[m1, :, :, :] = ta
+            if m2 != m1:
+                st[m2, :, :, :] = tb
+        else:
+            _add_sample(cf, n1, j1, nvm, rdm, st[m1], -1.0)
+            _add_sample(cf, n1, j2, nvm, rdm, st[m2], 1.0)
+            if n2 >= 0:
+                _add_sample(cf, n2, j2, nvm, rdm, st[m2], -1.0)
+                _add_sample(cf, n2, j1, nvm, rdm, st[m1], 1.0)
         objm[m1] = o1
         if m2 != m1:
-            st[m2, :, :, :] = tb
             objm[m2] = o2
         w1[m1, j1] = a1
         w2[m1, j1] = a2
