@@ -122,19 +122,24 @@ def scenario_table(scenario: Mapping[str, Any]):
     t.add_column("% of balanced", justify="right")
     t.add_column("rank skew", justify="right")
     t.add_column("step s", justify="right")
-    t.add_column("ΣT_MoE fwd s", justify="right")
-    t.add_column("a2a s", justify="right")
+    t.add_column("ΣT_MoE s", justify="right")
+    t.add_column("ΣT_MoE % bal", justify="right")
+    t.add_column("reorder", justify="right")
+    t.add_column("replica", justify="right")
     t.add_column("solve s", justify="right")
     for name, r in scenario["strategies"].items():
         bd = r["breakdown"]
         style = "bold" if name.startswith("relibra") and "inter" not in name else None
-        pct = r["pct_of_balanced"]
+        pct, pct_moe = r["pct_of_balanced"], r.get("pct_of_balanced_moe", float("nan"))
         t.add_row(name, f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_static']:.3f}x",
                   f"{pct:.1f}%" if np.isfinite(pct) else "-", f"{r['rank_skew_mean']:.3f}", f"{r['step_s']:.3f}",
-                  f"{r['t_moe_fwd_s']:.3f}", f"{bd['moe_fwd_comm'] + bd['moe_bwd_comm']:.3f}", f"{r['solve_s']:.2f}",
-                  style=style)
+                  f"{r['t_moe_fwd_s']:.3f}", f"{pct_moe:.1f}%" if np.isfinite(pct_moe) else "-",
+                  f"{100 * bd['reorder'] / r['step_s']:.1f}%", f"{100 * bd['replica_exposed'] / r['step_s']:.1f}%",
+                  f"{r['solve_s']:.2f}", style=style)
     t.caption = (f"batch: {sc['num_tokens']:,} tokens; expert skew {sc['expert_skew_mean']:.2f} (max/mean per "
-                 f"micro-batch), top-{sc['hot_k']} hot-set intersection {sc['intersection_mean']:.2f}")
+                 f"micro-batch), top-{sc['hot_k']} hot-set intersection {sc['intersection_mean']:.2f}. "
+                 "tokens/s and step: simulated step incl. reorder and exposed replica traffic (their shares of "
+                 "the step in 'reorder' / 'replica'); ΣT_MoE: forward cost model only.")
     t.caption_justify = "left"
     return t
 

@@ -15,7 +15,8 @@ SCENARIO_FIELDS = {"name", "model", "nodes", "gpus_per_node", "num_gpus", "data"
                    "num_micro_batches", "layers_simulated", "layers_total", "reduced", "replica_slots",
                    "expert_skew_mean", "intersection_mean", "strategies"}
 RESULT_FIELDS = {"step_s", "tokens_per_s", "speedup_vs_static", "pct_of_balanced", "rank_skew_mean", "solve_s",
-                 "t_moe_fwd_s", "breakdown", "rank_skew_per_micro_batch", "experts_moved"}
+                 "t_moe_fwd_s", "breakdown", "rank_skew_per_micro_batch", "experts_moved", "pct_of_balanced_moe",
+                 "reorder_share", "replica_share"}
 
 
 def _expected_strategies() -> list[str]:

@@ -31,6 +31,7 @@ from ..errors import RelibraError
 
 STRATEGY_ORDER = ("static", "eplb", "lplb", "relibra-inter", "relibra", "balanced")
 REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
+REPACK_STRATEGIES = ("static", "relibra-inter", "relibra")
 DOMAINS = ("math", "code", "instruction", "mixed")
 PAPER_CLUSTERS = {"qwen3-30b-a3b": (2, 8), "glm4.5-106b-a12b": (4, 8), "qwen3-235b-a22b": (4, 8)}
 REPORT_VERSION = 1
@@ -46,7 +47,8 @@ class Scenario:
         nodes, gpus_per_node: the EP group (G = nodes x gpus_per_node).
         data: "synthetic" or "real".
         domain: synthetic domain, or "all" for the real trace.
-        num_samples: sequences in the batch (synthetic: prompts x 4 responses; real: requests).
+        num_samples: sequences in the batch (synthetic: prompts x 4 responses; real: requests drawn
+            with the seed, 0 = the whole trace in file order).
         micro_batch_size: samples per micro-batch.
         layers: MoE layers simulated (None: all of the model's).
         replica_slots: r replica slots per GPU (relibra, lplb; eplb gets r redundant experts per GPU).
@@ -71,23 +73,28 @@ class Scenario:
 
 
 def default_scenarios(quick: bool = False) -> list[Scenario]:
-    """The demo's scenarios. ``quick``: one real and one small synthetic scenario (for tests)."""
+    """The demo's scenarios. ``quick``: one real and one small synthetic scenario (for tests).
+
+    Default: the whole GPT-OSS-20B trace (703 requests, 215k decode tokens) in 32 micro-batches of 22;
+    the synthetic batches keep the paper's shape (32 micro-batches x 32 samples = 256 prompts x 4
+    responses, up to 8K tokens) on 2 of the model's MoE layers (4 for the headline
+    qwen3-235b-a22b/mixed), which keeps the default run within about 3 minutes on 2 cores. Per-layer
+    figures do not depend on the layer count; throughput relative to static changes little with it
+    (every simulated term, reorder traffic included, scales with the layers).
+    """
     if quick:
         return [
-            Scenario("gpt-oss-ep8", "gpt-oss-20b", 2, 4, "real", "all", 32, 8, layers=6),
+            Scenario("gpt-oss-ep8", "gpt-oss-20b", 2, 4, "real", "all", 64, 16, layers=4),
             Scenario("qwen3-30b-a3b/mixed", "qwen3-30b-a3b", 2, 8, "synthetic", "mixed", 64, 16, layers=2),
         ]
     out = [
-        Scenario("gpt-oss-ep8", "gpt-oss-20b", 2, 4, "real", "all", 256, 8, repack=True),
-        Scenario("gpt-oss-ep16", "gpt-oss-20b", 2, 8, "real", "all", 256, 8),
+        Scenario("gpt-oss-ep8", "gpt-oss-20b", 2, 4, "real", "all", 0, 22, repack=True),
+        Scenario("gpt-oss-ep16", "gpt-oss-20b", 2, 8, "real", "all", 0, 22),
     ]
-    # Paper: 32 micro-batches x 32 samples. Reduced here to fit the 3-minute budget (said in the output).
-    sizes = {"qwen3-30b-a3b": (8, 256, 32), "glm4.5-106b-a12b": (6, 256, 32), "qwen3-235b-a22b": (6, 256, 32)}
     for model, (nodes, gpn) in PAPER_CLUSTERS.items():
-        layers, samples, mbs = sizes[model]
         for domain in DOMAINS:
-            out.append(Scenario(f"{model}/{domain}", model, nodes, gpn, "synthetic", domain, samples, mbs,
-                                layers=layers))
+            layers = 4 if (model, domain) == ("qwen3-235b-a22b", "mixed") else 2
+            out.append(Scenario(f"{model}/{domain}", model, nodes, gpn, "synthetic", domain, 1024, 32, layers=layers))
     return out
 
 
@@ -123,7 +130,7 @@ def build_batch(sc: Scenario, seed: int) -> Any:
     if sc.data == "real":
         from ..datasets import gpt_oss_batch
 
-        batch = gpt_oss_batch(num_requests=sc.num_samples, seed=seed)
+        batch = gpt_oss_batch(num_requests=sc.num_samples or None, seed=seed)
     else:
         from ..synthetic import rl_batch
 
@@ -163,7 +170,7 @@ def strategy_runs(sc: Scenario, strategies: list[str]) -> list[tuple[str, str, b
     """``(label, strategy, repack)`` of every plan the scenario needs."""
     runs = [(s, s, False) for s in strategies]
     if sc.repack and len(strategies) > 1:
-        runs += [(f"{s}+repack", s, True) for s in ("static", "relibra") if s in strategies]
+        runs += [(f"{s}+repack", s, True) for s in REPACK_STRATEGIES if s in strategies]
     return runs
 
 
@@ -216,9 +223,14 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
             advance()
     base = results["static"]["tokens_per_s"]
     bal = results.get("balanced", {}).get("tokens_per_s")
+    bal_moe = results.get("balanced", {}).get("t_moe_fwd_s")
     for r in results.values():
         r["speedup_vs_static"] = r["tokens_per_s"] / base
         r["pct_of_balanced"] = 100.0 * r["tokens_per_s"] / bal if bal else float("nan")
+        # The cost-model view (what `relibra score` reports): sum of the forward T_MoE only.
+        r["pct_of_balanced_moe"] = 100.0 * bal_moe / r["t_moe_fwd_s"] if bal_moe else float("nan")
+        r["reorder_share"] = r["breakdown"]["reorder"] / r["step_s"]
+        r["replica_share"] = r["breakdown"]["replica_exposed"] / r["step_s"]
     res["strategies"] = results
     res["wall_s"] = time.perf_counter() - t0
     res["_details"] = details  # StepTime objects for the plots; dropped from the JSON
@@ -257,6 +269,9 @@ def check_targets(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ep8 = by.get("gpt-oss-ep8", {})
     if "relibra" in ep8 and "balanced" in ep8:
         add("gpt-oss-ep8 (r=2): relibra % of balanced", ep8["relibra"]["pct_of_balanced"], 90.0, "%")
+        # For reference, the same on the cost model alone (sum of T_MoE, no reorder or replica traffic).
+        add("gpt-oss-ep8 (r=2): relibra % of balanced, sum T_MoE only", ep8["relibra"]["pct_of_balanced_moe"],
+            90.0, "%")
     return out
 
 
