@@ -18,11 +18,14 @@ from relibra_moe.errors import ReplayError  # noqa: E402
 from relibra_moe.integrations.hf import (  # noqa: E402
     ReplayMoEBlock,
     RoutingRecorder,
+    moe_blocks,
     moe_layer_ids,
     replay,
     swap_moe_blocks,
 )
+from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE  # noqa: E402
 from relibra_moe.integrations.hf_tiny import FAMILIES, tiny_model  # noqa: E402
+from relibra_moe.layers.moe import ReplayBalancedMoE  # noqa: E402
 from relibra_moe.trace import RoutingTrace, TraceBatch  # noqa: E402
 
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7, 9], [3, 4, 5, 6, 7, 8], [0, 0, 0, 11, 12, 13]])
@@ -32,6 +35,24 @@ NEW = 5
 # deepseek_v3: first_k_dense_replace = 1)
 EXPECTED_LAYERS = {"qwen3_moe": [0, 2], "deepseek_v3": [1, 2]}
 HAS_AUX = [f for f in FAMILIES if f != "deepseek_v3"]  # DeepSeek-V3 in transformers has no aux loss
+SWAPPED = (ReplayMoEBlock, HFReplayBalancedMoE)
+
+
+@pytest.fixture(autouse=True)
+def _torch_kernels(request):
+    """The layer's ops through their torch references (the Triton interpreter is slow; the kernels have
+    their own tests); ``test_swap_through_triton_kernels`` runs the interpreter once end to end."""
+    from relibra_moe.triton_kernels.backend import force_backend
+
+    if "triton" in request.node.name:
+        yield
+        return
+    with force_backend("torch"):
+        yield
+
+
+def _replay_state(block):
+    return block._replay_ids if isinstance(block, ReplayMoEBlock) else block._replay
 
 
 def _teacher_inputs(gen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,8 +109,10 @@ def test_swap_is_the_hf_model(rollout):
     with torch.no_grad():
         ref = swapped(PROMPTS, attention_mask=MASK).logits
     swap_moe_blocks(swapped)
-    blocks = [m for m in swapped.modules() if isinstance(m, ReplayMoEBlock)]
+    blocks = [m for m in swapped.modules() if isinstance(m, SWAPPED)]
     assert [b.layer_id for b in blocks] == EXPECTED_LAYERS.get(fam, [0, 1, 2])
+    # every family but GPT-OSS runs as the library's ReplayBalancedMoE layer
+    assert all(isinstance(b, ReplayBalancedMoE) == (fam != "gpt_oss") for b in blocks)
     sd = swapped.state_dict()
     assert list(sd) == list(ref_sd)
     for k in sd:
@@ -99,9 +122,11 @@ def test_swap_is_the_hf_model(rollout):
         g = swapped.generate(PROMPTS, attention_mask=MASK, max_new_tokens=NEW, do_sample=False)
     assert (out - ref).abs().max().item() <= 1e-5
     assert torch.equal(g, gen)
+    if fam in ("qwen2_moe", "qwen3_next"):  # HF attribute access still works outside forward
+        assert swapped.model.layers[0].mlp.shared_expert is swapped.model.layers[0].mlp.get_submodule("shared_expert")
     # swapping twice is a no-op
     assert swap_moe_blocks(swapped) is swapped
-    assert sum(isinstance(m, ReplayMoEBlock) for m in swapped.modules()) == len(blocks)
+    assert sum(isinstance(m, SWAPPED) for m in swapped.modules()) == len(blocks)
 
 
 def _loss_and_grads(model, full, mask, pos, labels, aux: bool):
@@ -137,7 +162,7 @@ def test_replay_gives_live_logits_and_gradients(rollout):
     for n in g_live:
         torch.testing.assert_close(g_rep[n], g_live[n], rtol=1e-4, atol=1e-6, msg=n)
     # the replay state is gone after the context
-    assert all(b._replay_ids is None for b in model.modules() if isinstance(b, ReplayMoEBlock))
+    assert all(_replay_state(b) is None for _, _, b in moe_blocks(model))
 
 
 @pytest.mark.parametrize("fam", HAS_AUX)
@@ -165,7 +190,7 @@ def test_save_pretrained_round_trip(fam, tmp_path):
     model = swap_moe_blocks(tiny_model(fam, seed=3))
     model.save_pretrained(tmp_path)
     plain = tr.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
-    assert not any(isinstance(m, ReplayMoEBlock) for m in plain.modules())
+    assert not any(isinstance(m, SWAPPED) for m in plain.modules())
     sd, psd = model.state_dict(), plain.state_dict()
     assert set(sd) == set(psd)
     for k in sd:
@@ -212,7 +237,7 @@ def test_replay_errors_and_nesting():
     with pytest.raises(ReplayError, match="micro-batch assignment"):
         with replay(model, [tr0], micro_batch=0):
             pass
-    with pytest.raises(ReplayError, match="covers 4 tokens.*forward has 5 tokens"):
+    with pytest.raises(ReplayError, match="cover 4 tokens.*5"):
         with replay(model, tr0), torch.no_grad():
             model(torch.tensor([[3, 4, 5, 6, 7]]))
     with pytest.raises(ReplayError, match="attention_mask row has 3 ones"):
@@ -223,17 +248,18 @@ def test_replay_errors_and_nesting():
     block = model.model.layers[0].mlp
     with replay(model, tr0):
         with replay(model, tr1):
-            assert block._replay_ids[:, 0].tolist() == [5] * 4
-        assert block._replay_ids[:, 0].tolist() == [0] * 4
-    assert block._replay_ids is None
+            assert block._replay.ids[:, 0].tolist() == [5] * 4
+        assert block._replay.ids[:, 0].tolist() == [0] * 4
+    assert block._replay is None
 
 
-def test_replayed_routing_is_followed():
-    """Arbitrary replayed ids (with -1 padding) give HF's expert math on those ids, in float64."""
-    model = swap_moe_blocks(tiny_model("qwen2_moe").double())
+@pytest.mark.parametrize("backend", ["layer", "local"])
+def test_replayed_routing_is_followed(backend):
+    """Arbitrary replayed ids (with -1 padding) give HF's expert math on those ids (float64 reference)."""
+    model = swap_moe_blocks(tiny_model("qwen2_moe"), backend=backend)
     block = model.model.layers[1].mlp
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 6, 32, generator=g, dtype=torch.float64)
+    x = torch.randn(1, 6, 32, generator=g)
     ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(6)])
     ids[2, 1] = -1
     ids[4] = -1
@@ -242,7 +268,8 @@ def test_replayed_routing_is_followed():
         y = block(x)
     # independent reference: softmax probs of the live logits at the replayed ids (no renormalization for
     # this config), each expert's SwiGLU, plus the sigmoid-gated shared expert
-    xf = x[0]
+    xf = x[0].double()
+    block = block.double()  # the reference runs in float64 on the same weights
     probs = torch.softmax(xf @ block.gate.weight.T, dim=-1)
     ref = torch.zeros_like(xf)
     for t in range(6):
@@ -254,8 +281,47 @@ def test_replayed_routing_is_followed():
             gate, up = (xf[t] @ w1.T).chunk(2)
             h = torch.nn.functional.silu(gate) * up
             ref[t] += probs[t, e] * (h @ block.experts.down_proj[e].T)
-    sh = block.shared_expert
+    sh = block.get_submodule("shared_expert")
     shared = sh.down_proj(torch.nn.functional.silu(sh.gate_proj(xf)) * sh.up_proj(xf))
     ref += torch.sigmoid(block.shared_expert_gate(xf)) * shared
-    torch.testing.assert_close(y[0], ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(y[0].double(), ref, rtol=1e-5, atol=1e-6)
     assert block.last_expert_counts.tolist() == np.bincount(ids[ids >= 0].numpy(), minlength=8).tolist()
+
+
+def test_gpt_oss_runs_local_only():
+    model = tiny_model("gpt_oss")
+    with pytest.raises(ValueError, match="backend='local'"):
+        swap_moe_blocks(model, backend="layer")
+    with pytest.raises(ValueError, match="replica_slots=1"):
+        swap_moe_blocks(tiny_model("gpt_oss"), replica_slots=1)
+    with pytest.raises(ValueError, match="backend="):
+        swap_moe_blocks(model, backend="fast")
+
+
+def test_local_backend_is_the_hf_model():
+    model = tiny_model("deepseek_v3")
+    with torch.no_grad():
+        ref = model(PROMPTS, attention_mask=MASK).logits
+    swap_moe_blocks(model, backend="local")
+    assert all(isinstance(b, ReplayMoEBlock) for _, _, b in moe_blocks(model))
+    with torch.no_grad():
+        out = model(PROMPTS, attention_mask=MASK).logits
+    assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_swap_through_triton_kernels():
+    """The swapped Qwen3-MoE through the Triton kernels (interpreter on CPU): HF logits and generate()."""
+    from relibra_moe.triton_kernels.backend import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1 was not set before triton was imported")
+    model = tiny_model("qwen3_moe")
+    with torch.no_grad():
+        ref = model(PROMPTS, attention_mask=MASK).logits
+        gen = model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=2, do_sample=False)
+    swap_moe_blocks(model)
+    with torch.no_grad():
+        out = model(PROMPTS, attention_mask=MASK).logits
+        g = model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=2, do_sample=False)
+    assert (out - ref).abs().max().item() <= 1e-5
+    assert torch.equal(g, gen)

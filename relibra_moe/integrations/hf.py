@@ -49,7 +49,7 @@ def moe_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
     """
     found = []
     for name, mod in model.named_modules():
-        if isinstance(mod, ReplayMoEBlock) or family_of(mod) is not None:
+        if _is_swapped(mod) or family_of(mod) is not None:
             m = _LAYER_RE.search(name + ".")
             if m is None:
                 raise ValueError(f"MoE block {name!r} is not under a 'layers.<i>' module: cannot tell its layer id")
@@ -69,8 +69,16 @@ def moe_layer_ids(model: nn.Module) -> np.ndarray:
     return np.array([i for i, _, _ in moe_blocks(model)], dtype=np.int32)
 
 
+def _is_swapped(mod: nn.Module) -> bool:
+    if isinstance(mod, ReplayMoEBlock):
+        return True
+    from .hf_layer import HFReplayBalancedMoE
+
+    return isinstance(mod, HFReplayBalancedMoE)
+
+
 def _num_experts_topk(block: nn.Module) -> tuple[int, int]:
-    fam = block.family if isinstance(block, ReplayMoEBlock) else family_of(block)
+    fam = block.family if _is_swapped(block) else family_of(block)
     router = getattr(block, fam.router_attr)
     return int(router.num_experts), int(router.top_k)
 
@@ -126,8 +134,9 @@ class RoutingRecorder:
             self._handles.append(block.register_forward_pre_hook(self._block_pre(li)))
             if isinstance(block, ReplayMoEBlock):
                 self._handles.append(block.add_routing_observer(self._on_ids(li)))
-            else:
-                router = getattr(block, family_of(block).router_attr)
+            else:  # HF block, or HFReplayBalancedMoE (its router returns the ids it used)
+                fam = block.family if _is_swapped(block) else family_of(block)
+                router = getattr(block, fam.router_attr)
                 self._handles.append(router.register_forward_hook(self._router_hook(li)))
         return self
 
@@ -245,7 +254,10 @@ class RoutingRecorder:
 
 # ------------------------------------------------------------------------------------- swapped block
 class ReplayMoEBlock(nn.Module):
-    """An HF MoE block that follows replayed routing (and, with an engine, a replica plan).
+    """An HF MoE block that follows replayed routing, computed in this process (all experts local).
+
+    The single-process back end of :func:`swap_moe_blocks` (``backend="local"``), and the one GPT-OSS
+    uses (its per-expert biases and clamped activation are not in :class:`ReplayBalancedMoE`).
 
     It keeps HF's own submodules under their HF names (the router instance, so ``output_router_logits``
     hooks and the aux loss keep working; the fused ``experts`` parameters; shared experts and their
@@ -256,8 +268,7 @@ class ReplayMoEBlock(nn.Module):
     from the trace and the gate values are recomputed from the live logits with the family's gate
     function (so the router gets gradients); ``-1`` ids (padding) are served by no expert.
 
-    Expert compute goes through ``self.engine`` when set (a :class:`ReplayBalancedMoE`-backed engine for
-    expert parallelism and replica plans), else through a local loop over the experts that have tokens.
+    Experts run as a loop over the experts that have tokens, in ascending id order (HF's eager order).
 
     Attributes:
         family: the :class:`~relibra_moe.integrations.hf_families.Family`.
@@ -284,7 +295,6 @@ class ReplayMoEBlock(nn.Module):
             self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
         router = getattr(self, fam.router_attr)
         self.num_experts, self.top_k = int(router.num_experts), int(router.top_k)
-        self.engine: nn.Module | None = None
         self._replay_ids: torch.Tensor | None = None
         self._replay_ctx: dict[str, Any] | None = None
         self._observers: dict[int, Any] = {}
@@ -293,6 +303,20 @@ class ReplayMoEBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"family={self.family.name}, layer_id={self.layer_id}, E={self.num_experts}, k={self.top_k}"
+
+    @contextlib.contextmanager
+    def replaying(self, ids: torch.Tensor | None, desc: str = "") -> Iterator[ReplayMoEBlock]:
+        """Forward calls inside use the replayed ``ids [T, k]`` (``None``: live routing); nests."""
+        if ids is not None:
+            from ..layers.router import check_replay_ids
+
+            ids = check_replay_ids(ids, int(ids.shape[0]), self.top_k, self.num_experts, f"{self.layer_id}")
+        saved = (self._replay_ids, self._replay_ctx)
+        self._replay_ids, self._replay_ctx = ids, {"desc": desc}
+        try:
+            yield self
+        finally:
+            self._replay_ids, self._replay_ctx = saved
 
     # -- routing observers (the recorder uses them)
     def add_routing_observer(self, fn) -> Any:
@@ -341,10 +365,7 @@ class ReplayMoEBlock(nn.Module):
         valid = ids >= 0
         with torch.no_grad():
             self.last_expert_counts = torch.bincount(ids[valid], minlength=self.num_experts)
-        if self.engine is not None:
-            out = self.engine(self, x, ids, gates, self._replay_ctx)
-        else:
-            out = self.local_experts(x, ids, gates)
+        out = self.local_experts(x, ids, gates)
         if fam.shared is not None:
             shared_name, gate_name = fam.shared
             sh = getattr(self, shared_name)(x)
@@ -361,7 +382,6 @@ class ReplayMoEBlock(nn.Module):
         eager path does), so without replay the block is numerically the HF block.
         """
         out = torch.zeros_like(x)
-        E = self.num_experts
         with torch.no_grad():
             flat = ids.reshape(-1)
             hit = torch.unique(flat[flat >= 0]).tolist()
@@ -370,52 +390,86 @@ class ReplayMoEBlock(nn.Module):
             token_idx, pos = torch.where(ids == e)
             y = self.family.expert(experts, e, x[token_idx]) * gates[token_idx, pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
-        del E
         return out
 
 
 # ------------------------------------------------------------------------------------------- swap
-def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: int = 0,
-                    gpus_per_node: int | None = None, engine_factory: Any = None) -> nn.Module:
-    """Replace every supported MoE block of ``model`` with a :class:`ReplayMoEBlock`, in place.
+BACKENDS = ("auto", "layer", "local")
 
-    The new blocks hold the same parameter objects under the same names, so ``state_dict()``,
-    ``save_pretrained()`` and reloading (into the plain HF class, or into a swapped model) round-trip
-    unchanged, and ``output_router_logits`` / the aux loss keep working (HF's router instance is kept).
+
+def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: int = 0,
+                    gpus_per_node: int | None = None, backend: str = "auto", dispatcher: Any = "auto") -> nn.Module:
+    """Replace every supported MoE block of ``model`` by a replay-capable block, in place.
+
+    The new blocks adopt the HF block's submodules (same objects, same names, same order), so
+    ``state_dict()``, ``save_pretrained()`` and reloading (into the plain HF class, or into a swapped
+    model) round-trip unchanged on one rank, and ``output_router_logits`` / the aux loss keep working
+    (HF's router instance is kept, with its hooks).
 
     Args:
         model: an HF ``*ForCausalLM`` (or its base model) of a supported family.
-        ep_group: a ``torch.distributed`` process group for expert parallelism; with it (or with
-            ``replica_slots > 0``) each block gets an engine built by ``engine_factory`` (default:
-            :func:`relibra_moe.integrations.hf_engine.make_engine`) that dispatches tokens to the experts'
-            home ranks and replica slots following the plan given to :func:`replay`.
-        replica_slots: replica slots per rank r (shared by all layers).
+        ep_group: ``torch.distributed`` process group of expert parallelism (``None``: the world when
+            ``torch.distributed`` is initialized, else one rank). With G ranks every rank keeps only
+            its E/G home experts (static placement ``e // (E/G)``) under the HF parameter names.
+        replica_slots: r replica slots per rank, one :class:`~relibra_moe.integrations.hf_layer.HFReplicaBuffer`
+            shared by all MoE layers of the model.
         gpus_per_node: ranks per node of the EP group (replicas stay inside a node).
-        engine_factory: ``(blocks: list[ReplayMoEBlock], ep_group, replica_slots, gpus_per_node) -> list``
-            of per-block engines; for custom execution back ends.
+        backend: ``"layer"``: :class:`~relibra_moe.integrations.hf_layer.HFReplayBalancedMoE` (a
+            ``ReplayBalancedMoE``: expert parallelism, replica plans, relayout); ``"local"``:
+            :class:`ReplayMoEBlock` (one process, every family); ``"auto"``: ``"layer"`` except for
+            GPT-OSS, which only runs ``"local"``.
+        dispatcher: passed to ``ReplayBalancedMoE`` (``"auto"``, ``"alltoall"``, ``"deepep"`` or an object).
 
     Returns:
         ``model`` (modified in place). Already swapped blocks are left as they are.
 
     Raises:
-        ValueError: the model has no supported MoE block (the message lists the supported classes).
+        ValueError: the model has no supported MoE block (the message lists the supported classes), or
+            GPT-OSS with an EP group of more than one rank or replica slots.
     """
+    from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, HFReplicaBuffer
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if replica_slots < 0:
+        raise ValueError(f"replica_slots must be >= 0, got {replica_slots}")
     blocks = moe_blocks(model)
-    swapped = []
-    for layer_id, name, block in blocks:
-        if not isinstance(block, ReplayMoEBlock):
+    buffer = None
+    for index, (layer_id, name, block) in enumerate(blocks):
+        if _is_swapped(block):
+            continue
+        fam = family_of(block)
+        use_layer = backend == "layer" or (backend == "auto" and fam.name in LAYER_FAMILIES)
+        if use_layer and fam.name not in LAYER_FAMILIES:
+            raise ValueError(f"{fam.name} ({type(block).__name__}) cannot run as a ReplayBalancedMoE: its experts "
+                             "have per-expert biases and a clamped interleaved activation that the layer's relayout "
+                             f"and replica buffer do not carry; use backend='local'. Layer families: "
+                             f"{', '.join(LAYER_FAMILIES)}")
+        if use_layer:
+            if replica_slots and buffer is None:
+                w = block.experts.gate_up_proj
+                buffer = HFReplicaBuffer(int(w.shape[2]), int(w.shape[1]) // 2, replica_slots, dtype=w.dtype,
+                                         device=w.device)
+            new = HFReplayBalancedMoE(block, layer_id, index, ep_group=ep_group, gpus_per_node=gpus_per_node,
+                                      replica_buffer=buffer, dispatcher=dispatcher)
+        else:
+            world = _group_size(ep_group)
+            if world > 1 or replica_slots:
+                raise ValueError(f"{fam.name} ({type(block).__name__}) runs only on the single-process 'local' "
+                                 f"backend (EP group of {world} ranks and replica_slots={replica_slots} requested); "
+                                 f"expert parallelism and replicas need a layer family: {', '.join(LAYER_FAMILIES)}")
             new = ReplayMoEBlock(block, layer_id)
-            new.train(block.training)
-            _set_submodule(model, name, new)
-            block = new
-        swapped.append(block)
-    if ep_group is not None or replica_slots > 0 or engine_factory is not None:
-        if engine_factory is None:
-            from .hf_engine import make_engine as engine_factory
-        engines = engine_factory(swapped, ep_group, replica_slots, gpus_per_node)
-        for b, eng in zip(swapped, engines):
-            b.engine = eng
+        new.train(block.training)
+        _set_submodule(model, name, new)
     return model
+
+
+def _group_size(ep_group: Any) -> int:
+    import torch.distributed as dist
+
+    if ep_group is None and not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(ep_group)
 
 
 # ----------------------------------------------------------------------------------------- replay
@@ -510,7 +564,7 @@ def replay(model: nn.Module, routing: Any, plan: Any = None, micro_batch: int | 
     The previous replay state of every layer is restored on exit (contexts nest).
     """
     blocks = [b for _, _, b in moe_blocks(model)]
-    if not all(isinstance(b, ReplayMoEBlock) for b in blocks):
+    if not all(_is_swapped(b) for b in blocks):
         raise ReplayError("replay: the model has unswapped MoE blocks; call swap_moe_blocks(model) first")
     traces, batch_mb = _as_traces(routing)
     t0 = traces[0]
@@ -521,21 +575,22 @@ def replay(model: nn.Module, routing: Any, plan: Any = None, micro_batch: int | 
     if t0.num_experts != blocks[0].num_experts or t0.topk != blocks[0].top_k:
         raise ReplayError(f"replay: routing has E={t0.num_experts}, k={t0.topk}; the model has "
                           f"E={blocks[0].num_experts}, k={blocks[0].top_k}")
-    if plan is not None and rank is None:
-        eng = blocks[0].engine
-        rank = getattr(eng, "rank", None) if eng is not None else None
+    local = [b for b in blocks if isinstance(b, ReplayMoEBlock)]
+    if plan is not None and local and plan.num_gpus != 1:
+        raise ReplayError(f"replay: a plan for {plan.num_gpus} GPUs needs ReplayBalancedMoE layers; layers "
+                          f"{[b.layer_id for b in local]} run on the single-process 'local' backend")
+    if plan is not None and rank is None and not local:
+        rank = int(blocks[0].rank)
     sel = _select(len(traces), batch_mb, plan, micro_batch, rank)
     chosen = [traces[i] for i in sel]
     if not chosen:
         raise ReplayError(f"replay: no sample selected (micro_batch={micro_batch}, rank={rank})")
     desc = f"{len(chosen)} sequences, lengths {[t.num_tokens for t in chosen]}"
-    saved = [(b._replay_ids, b._replay_ctx) for b in blocks]
-    try:
+    with contextlib.ExitStack() as stack:
         for li, b in enumerate(blocks):
-            b._replay_ids = layout_ids(chosen, li, attention_mask)
-            b._replay_ctx = {"desc": desc, "plan": plan, "micro_batch": micro_batch, "layer_index": li,
-                             "samples": sel, "rank": rank}
+            ids = layout_ids(chosen, li, attention_mask)
+            if isinstance(b, ReplayMoEBlock):
+                stack.enter_context(b.replaying(ids, desc))
+            else:
+                stack.enter_context(b.replay(ids, plan=plan, micro_batch=micro_batch))
         yield sel.tolist()
-    finally:
-        for b, (ids, ctx) in zip(blocks, saved):
-            b._replay_ids, b._replay_ctx = ids, ctx

@@ -1,0 +1,242 @@
+"""HF MoE blocks as :class:`~relibra_moe.layers.moe.ReplayBalancedMoE` layers (expert parallelism, plans).
+
+:class:`HFReplayBalancedMoE` is a ``ReplayBalancedMoE`` whose submodules are the HF block's own, under
+the HF names, so ``state_dict()`` keys and values are the HF block's (on one rank; with an EP group of
+G ranks each rank holds the rows of its E/G home experts under the same names):
+
+- the router is HF's router *instance* with its class switched to a subclass of HF's router class
+  (parameters, buffers and the ``output_router_logits`` hooks stay; ``isinstance`` still holds). Its
+  ``forward(x, replay_ids=None)`` returns HF's ``(logits, gates, ids)`` tuple (what the aux-loss hooks
+  record) that also reads as the layer's ``RouterOutput`` (``.logits``, ``.gates``, ``.ids``); with
+  replayed ids the gates are recomputed from the live logits with the family's gate function;
+- the experts are HF's fused parameters (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), again
+  the same instance with a subclass that exposes them as the layer's ``w_gate_up`` / ``w_down`` (expert
+  dim first, so relayout moves rows of them and of their grads and optimizer state) and computes the
+  grouped SwiGLU on transposed views (no copy);
+- shared experts (and Qwen's sigmoid shared-expert gate) are applied by this block, as HF does.
+
+The replica buffer is :class:`HFReplicaBuffer`: the layer-shared buffer with slots in HF's layout.
+
+GPT-OSS (per-expert biases, interleaved clamped activation) is not supported here: the layer's relayout
+and replica buffer move exactly two weight tensors per expert; its blocks use the single-process
+:class:`~relibra_moe.integrations.hf.ReplayMoEBlock` instead.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layers.moe import ReplayBalancedMoE
+from ..layers.replica_buffer import LayerSharedReplicaBuffer
+from ..layers.router import check_replay_ids
+from ..triton_kernels.grouped_gemm import ExpertWeights, swiglu_experts
+from ..triton_kernels.permute import combine, permute
+from ..triton_kernels.routing import routing_metadata
+from .hf_families import Family, family_of
+
+__all__ = ["HFReplayBalancedMoE", "HFReplicaBuffer", "LAYER_FAMILIES"]
+
+LAYER_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "qwen3_next")
+
+
+class _RouterTuple(tuple):
+    """HF's router output ``(logits, gates, ids)`` that also reads as a ``RouterOutput``."""
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self[0]
+
+    @property
+    def gates(self) -> torch.Tensor:
+        return self[1]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self[2]
+
+
+class _ReplayRouterMixin:
+    """Adds ``replay_ids`` to an HF router's forward (see the module docstring)."""
+
+    _family: Family
+    name: str = "moe"
+
+    def forward(self, hidden_states: torch.Tensor, replay_ids: torch.Tensor | None = None) -> _RouterTuple:
+        logits, gates, ids = super().forward(hidden_states)
+        if replay_ids is not None:
+            ids = check_replay_ids(replay_ids.to(logits.device), logits.shape[0], self.top_k, self.num_experts,
+                                   self.name)
+            gates = self._family.gates(self, logits, ids)
+        return _RouterTuple((logits, gates, ids.long()))
+
+
+class _HFExpertsMixin:
+    """HF fused experts seen as the layer's ``GroupedSwiGLUExperts`` (HF layout, no copy)."""
+
+    block_m: int = 64
+
+    @property
+    def w_gate_up(self) -> nn.Parameter:  # [E_loc, 2I, H]
+        return self.gate_up_proj
+
+    @property
+    def w_down(self) -> nn.Parameter:  # [E_loc, H, I]
+        return self.down_proj
+
+    @property
+    def num_local(self) -> int:
+        return int(self.gate_up_proj.shape[0])
+
+    def compute(self, x: torch.Tensor, slot_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                slots: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Expert MLP of rows ``x [R, H]`` at local slots ``slot_ids [R]``; HF-layout weights
+        ``w_gate_up [E_loc, 2I, H]``, ``w_down [E_loc, H, I]`` and replica ``slots`` of the same layout."""
+        E_loc = w_gate_up.shape[0]
+        r = 0 if slots is None else slots[0].shape[0]
+        meta = routing_metadata(slot_ids.view(-1, 1), max(E_loc + r, 1), block_m=self.block_m)
+        w1, w2 = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)  # [S, H, 2I], [S, I, H] views
+        if r:
+            dev = slot_ids.device
+            src = torch.cat([torch.zeros(E_loc, dtype=torch.int64, device=dev),
+                             torch.ones(r, dtype=torch.int64, device=dev)])
+            idx = torch.cat([torch.arange(E_loc, device=dev), torch.arange(r, device=dev)])
+            w1 = ExpertWeights((w1, slots[0].transpose(1, 2)), src, idx)
+            w2 = ExpertWeights((w2, slots[1].transpose(1, 2)), src, idx)
+        act = self.act_fn
+
+        def activation(h: torch.Tensor) -> torch.Tensor:
+            gate, up = h.chunk(2, dim=-1)
+            return act(gate) * up
+
+        ys = swiglu_experts(permute(x, meta), meta, w1, w2, activation)
+        return combine(ys, meta, torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device))
+
+
+@cache
+def _subclass(mixin: type, base: type) -> type:
+    return type(f"Replay{base.__name__}", (mixin, base), {"__module__": __name__})
+
+
+class HFReplicaBuffer(LayerSharedReplicaBuffer):
+    """The layer-shared replica buffer with slots in HF's fused layout.
+
+    Attributes:
+        w_gate_up: ``[r, 2F, H]`` (gate rows first, then up). w_down: ``[r, H, F]``.
+    """
+
+    def __init__(self, hidden: int, ffn: int, slots: int, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(hidden, ffn, 0, dtype=dtype, device=device)
+        self.slots = slots
+        self.w_gate_up = torch.zeros(slots, 2 * ffn, hidden, dtype=dtype, device=device)
+        self.w_down = torch.zeros(slots, hidden, ffn, dtype=dtype, device=device)
+
+
+class HFReplayBalancedMoE(ReplayBalancedMoE):
+    """An HF MoE block running as a :class:`ReplayBalancedMoE` (see the module docstring).
+
+    Args:
+        block: the HF block (its submodules are adopted, not copied).
+        layer_id: decoder layer index (for traces).
+        layer_index: index among the model's MoE layers (the plan's ``l``).
+        ep_group, gpus_per_node: as for ``ReplayBalancedMoE``; with G ranks, rank j keeps the rows of
+            experts ``j*E/G .. (j+1)*E/G - 1`` (the static placement) and drops the rest.
+        replica_buffer: the model's :class:`HFReplicaBuffer` (or ``None`` without replica slots).
+
+    ``forward(hidden [B, S, H]) -> [B, S, H]``; routed experts through the layer, then the shared
+    experts as HF adds them.
+    """
+
+    def __init__(self, block: nn.Module, layer_id: int, layer_index: int, *, ep_group: Any = None,
+                 gpus_per_node: int | None = None, replica_buffer: HFReplicaBuffer | None = None,
+                 dispatcher: Any = "auto") -> None:
+        fam = family_of(block)
+        if fam is None or fam.name not in LAYER_FAMILIES:
+            raise ValueError(f"{type(block).__name__} cannot run as a ReplayBalancedMoE; supported families: "
+                             f"{', '.join(LAYER_FAMILIES)}")
+        router = getattr(block, fam.router_attr)
+        experts = block.experts
+        hidden = int(experts.gate_up_proj.shape[2])
+        ffn = int(experts.gate_up_proj.shape[1]) // 2
+        E, k = int(router.num_experts), int(router.top_k)
+        super().__init__(hidden, ffn, E, k, ep_group=ep_group, gpus_per_node=gpus_per_node, replica_buffer=None,
+                         router=router, shared_expert=None, layer_index=layer_index, dispatcher=dispatcher,
+                         dtype=experts.gate_up_proj.dtype, device="meta")
+        self.family = fam
+        self.layer_id = int(layer_id)
+        self.hf_class = type(block).__name__
+        self._router_attr = fam.router_attr
+        if fam.jitter:
+            self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
+        # adopt the HF submodules under their names and in their order; expert_gpu is not HF state
+        expert_gpu = self._buffers.pop("expert_gpu")
+        self._modules.clear()
+        for name, child in block.named_children():
+            self._modules[name] = child
+        self.register_buffer("expert_gpu", expert_gpu, persistent=False)
+        router.__class__ = _subclass(_ReplayRouterMixin, type(router))
+        router._family = fam
+        experts.__class__ = _subclass(_HFExpertsMixin, type(experts))
+        if self.world_size > 1:
+            home = torch.as_tensor(self.home_experts, device=experts.gate_up_proj.device)
+            for pname in ("gate_up_proj", "down_proj"):
+                p = getattr(experts, pname)
+                setattr(experts, pname, nn.Parameter(p.detach().index_select(0, home).clone(),
+                                                     requires_grad=p.requires_grad))
+        if replica_buffer is not None:
+            replica_buffer.check_compatible(hidden, ffn, experts.gate_up_proj.dtype, experts.gate_up_proj.device)
+        self.replica_buffer = replica_buffer
+        self.last_expert_counts: torch.Tensor | None = None
+        self._in_layer_forward = False
+
+    # the layer reads these two attributes; the HF submodules live under the HF names
+    @property
+    def router(self) -> nn.Module:
+        return self._modules[self._router_attr]
+
+    @router.setter
+    def router(self, value: nn.Module) -> None:  # ReplayBalancedMoE.__init__ assigns it once
+        self._modules["router"] = value
+
+    @property
+    def shared_expert(self) -> nn.Module | None:
+        """HF's shared expert (Qwen families) outside the layer's forward; ``None`` while the inherited
+        forward runs, since this block applies shared experts itself (gated, HF style)."""
+        if self.__dict__.get("_in_layer_forward", True):
+            return None
+        return self._modules.get("shared_expert")
+
+    @shared_expert.setter
+    def shared_expert(self, value: Any) -> None:
+        if value is not None:
+            raise ValueError("HFReplayBalancedMoE applies the HF block's own shared experts")
+
+    def extra_repr(self) -> str:
+        return (f"family={self.family.name}, layer_id={self.layer_id}, E={self.num_experts}, k={self.top_k}, "
+                f"rank={self.rank}/{self.world_size}")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        fam = self.family
+        if fam.jitter and self.training and self.jitter_noise > 0:
+            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
+                1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        self._in_layer_forward = True
+        try:
+            out = super().forward(hidden_states)
+        finally:
+            self._in_layer_forward = False
+        with torch.no_grad():
+            ids = self.last_routing
+            self.last_expert_counts = torch.bincount(ids[ids >= 0].reshape(-1), minlength=self.num_experts)
+        if fam.shared is not None:
+            x = hidden_states.reshape(-1, hidden_states.shape[-1])
+            shared_name, gate_name = fam.shared
+            sh = self._modules[shared_name](x)
+            if gate_name is not None:
+                sh = torch.sigmoid(self._modules[gate_name](x)) * sh
+            out = out + sh.reshape(out.shape)
+        return out
