@@ -51,6 +51,9 @@ SCRIPT = textwrap.dedent(
     gmm = gg._grouped_mm_kernel
     build("gemm_hf_layout", gmm, gemm_sig, dict(base, stride_wk=1), gemm_div, **opts)
     build("gemm_row_major", gmm, gemm_sig, dict(base, stride_wn=1), gemm_div, **opts)
+    cfg128 = gg._fwd_config(1536, 2048, __import__("torch").bfloat16, 128)
+    opts128 = dict(num_warps=cfg128.pop("num_warps"), num_stages=cfg128.pop("num_stages"))
+    build("gemm_bm128", gmm, gemm_sig, dict(base, stride_wk=1, BLOCK_M=128, **cfg128), gemm_div, **opts128)
     ew = dict(base, stride_wk=1, INDIRECT=True, W_ALIGNED=True)
     build("gemm_expert_weights", gmm, gemm_sig, ew, gemm_div, **opts)
     build("gemm_fp32", gg._grouped_mm_kernel, {**gemm_sig, "x_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*fp32"},
@@ -71,7 +74,8 @@ SCRIPT = textwrap.dedent(
           stride_a=I, stride_b=I), dict(TOPK=8, BLOCK_T=16, BLOCK_H=256), ["a_ptr", "b_ptr", "H"], num_warps=4)
     build("copy_rows", rc._copy_rows_kernel, dict(src_ptr="*bf16", src_idx_ptr="*i64", dst_ptr="*bf16",
           dst_idx_ptr="*i64", D=I, stride_src=I, stride_dst=I, num_items=I, chunks_per_row=I),
-          dict(NUM_PROGRAMS=16, BLOCK=8192), ["src_ptr", "dst_ptr", "D", "stride_src", "stride_dst"], num_warps=8)
+          dict(NUM_PROGRAMS=16, NUM_STAGES=3, BLOCK=16384), ["src_ptr", "dst_ptr", "D", "stride_src", "stride_dst"],
+          num_warps=16)
     build("add_rows", rc._add_rows_kernel, dict(slot_ptr="*bf16", slot_idx_ptr="*i32", home_ptr="*bf16",
           home_idx_ptr="*i32", seg_end_ptr="*i32", D=I, stride_slot=I, stride_home=I, num_items=I, chunks_per_row=I),
           dict(NUM_PROGRAMS=16, RNE=False, BLOCK=8192), ["slot_ptr", "home_ptr", "D"], num_warps=8)
@@ -102,10 +106,18 @@ def test_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
     res = json.loads(line.removeprefix("RESULT"))
-    assert len(res) == 11
+    assert len(res) == 12
     for tag, r in res.items():
         assert r["smem"] <= 227 * 1024, (tag, r)
-    for tag in ("gemm_hf_layout", "gemm_row_major", "gemm_expert_weights", "dw_row_major", "dw_hf_layout"):
+    for tag in (
+        "gemm_hf_layout",
+        "gemm_row_major",
+        "gemm_bm128",
+        "gemm_expert_weights",
+        "dw_row_major",
+        "dw_hf_layout",
+    ):
         assert res[tag]["wgmma"] >= 1, (tag, res[tag])  # Hopper tensor-core MMA
         assert res[tag]["cp_async"] >= 2, (tag, res[tag])  # both operands software-pipelined
         assert res[tag]["smem"] >= 2 * 24 * 1024, (tag, res[tag])  # at least two stages in flight
+    assert res["copy_rows"]["cp_async"] >= 1, res["copy_rows"]  # the persistent copy loop is pipelined

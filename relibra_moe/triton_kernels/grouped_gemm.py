@@ -333,18 +333,23 @@ def _clamp_pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
 
 
-def _fwd_config(N: int, K: int, dtype: torch.dtype) -> dict:
-    """Heuristic (no autotune) tile config of the forward kernel for this N, K and dtype."""
+def _fwd_config(N: int, K: int, dtype: torch.dtype, block_m: int = 64) -> dict:
+    """Heuristic (no autotune) tile config of the forward kernel for this N, K, dtype and BLOCK_M.
+
+    Hopper-oriented: a 64-row tile is one warpgroup (4 warps) on a 64 x 128 wgmma tile with a
+    4-stage pipeline; a 128-row tile uses two warpgroups, 256-wide N tiles when N allows, 3 stages.
+    """
     if INTERPRET:  # few, large programs: the interpreter's cost grows with the program count
         return dict(BLOCK_N=_clamp_pow2(N, 16, 128), BLOCK_K=_clamp_pow2(K, 16, 128), GROUP_M=8, num_warps=4)
     wide = dtype in (torch.float16, torch.bfloat16)
-    return dict(
-        BLOCK_N=_clamp_pow2(N, 16, 128),
-        BLOCK_K=_clamp_pow2(K, 16, 64 if wide else 32),
-        GROUP_M=8,
-        num_warps=8 if N >= 128 else 4,
-        num_stages=4 if wide else 3,
-    )
+    bk = _clamp_pow2(K, 16, 64 if wide else 32)
+    if block_m >= 128:
+        bn = _clamp_pow2(N, 16, 256 if wide and N % 256 == 0 else 128)
+        return dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=3)
+    return dict(BLOCK_N=_clamp_pow2(N, 16, 128), BLOCK_K=bk, GROUP_M=8, num_warps=4, num_stages=4 if wide else 3)
+
+
+_OFFSET_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
 
 
 def _source_offsets(
@@ -357,18 +362,30 @@ def _source_offsets(
     (on CUDA also across peer-mapped GPUs). ``aligned``: every offset is a multiple of 16 elements.
     """
     base = sources[0]
-    isz = base.element_size()
-    deltas = []
-    for i, src in enumerate(sources):
-        d = src.data_ptr() - base.data_ptr()
-        if d % isz:
-            raise ValueError(f"ExpertWeights.sources[{i}] is not {isz}-byte aligned relative to sources[0]")
-        deltas.append(d // isz)
     dev = base.device
-    delta = torch.tensor(deltas, dtype=torch.int64, device=dev)
-    stride0 = torch.tensor([s.stride(0) for s in sources], dtype=torch.int64, device=dev)
+    # The per-source (pointer delta, row stride) table depends only on pointers and strides: cache it
+    # so steady-state calls make no host-to-device copy (and can be captured in a CUDA graph).
+    key = (str(dev), base.element_size(), tuple((s.data_ptr(), s.stride(0)) for s in sources))
+    hit = _OFFSET_CACHE.get(key)
+    if hit is None:
+        isz = base.element_size()
+        deltas = []
+        for i, src in enumerate(sources):
+            d = src.data_ptr() - base.data_ptr()
+            if d % isz:
+                raise ValueError(f"ExpertWeights.sources[{i}] is not {isz}-byte aligned relative to sources[0]")
+            deltas.append(d // isz)
+        aligned = all(d % 16 == 0 for d in deltas) and all(s.stride(0) % 16 == 0 for s in sources)
+        hit = (
+            torch.tensor(deltas, dtype=torch.int64, device=dev),
+            torch.tensor([s.stride(0) for s in sources], dtype=torch.int64, device=dev),
+            aligned,
+        )
+        if len(_OFFSET_CACHE) >= 256:
+            _OFFSET_CACHE.clear()
+        _OFFSET_CACHE[key] = hit
+    delta, stride0, aligned = hit
     src = slot_source.to(device=dev, dtype=torch.int64)
-    aligned = all(d % 16 == 0 for d in deltas) and all(s.stride(0) % 16 == 0 for s in sources)
     return delta[src] + slot_index.to(device=dev, dtype=torch.int64) * stride0[src], aligned
 
 
@@ -396,7 +413,7 @@ def grouped_mm_triton(
         x = x.contiguous()
     indirect = slot_source is not None
     w_off, aligned = _source_offsets(sources, slot_source, slot_index) if indirect else (offsets, False)
-    cfg = _fwd_config(N, K, x.dtype)
+    cfg = _fwd_config(N, K, x.dtype, block_m)
     grid = (B * triton.cdiv(N, cfg["BLOCK_N"]),)
     _grouped_mm_kernel[grid](
         x, w0, w_off, offsets, tile_slot, tile_row, out,
