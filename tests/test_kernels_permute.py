@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from relibra_moe.triton_kernels.backend import force_backend
 from relibra_moe.triton_kernels.permute import combine, permute, rowdot
@@ -132,3 +134,26 @@ def test_shape_errors():
         permute(torch.zeros(2, 4), meta)
     with pytest.raises(ValueError, match="weights must be"):
         combine(torch.zeros(2, 4), meta, torch.zeros(1, 3))
+
+
+@settings(max_examples=12)
+@given(
+    T=st.integers(0, 50),
+    k=st.integers(1, 4),
+    S=st.integers(4, 9),
+    H=st.integers(1, 70),
+    drop=st.sampled_from([0.0, 0.5]),
+    seed=st.integers(0, 1000),
+)
+def test_round_trip_hypothesis(T, k, S, H, drop, seed):
+    """combine(permute(x)) = x[t] * (sum of the weights of t's routed pairs), on the Triton path."""
+    g = np.random.default_rng(seed)
+    ids = np.stack([g.permutation(S)[:k] for _ in range(T)]) if T else np.zeros((0, k), dtype=np.int64)
+    ids[g.random((T, k)) < drop] = -1
+    meta = routing_metadata(torch.from_numpy(ids), S, block_m=16)
+    x = torch.from_numpy(g.standard_normal((T, H))).float()
+    w = torch.from_numpy(g.random((T, k))).float()
+    with force_backend("triton"):
+        out = combine(permute(x, meta), meta, w)
+    factor = (w.double().numpy() * (ids >= 0)).sum(1, keepdims=True)
+    assert rel_err(out, x.double().numpy() * factor) <= 1e-6
