@@ -298,7 +298,7 @@ class CellResult(NamedTuple):
 
 
 def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
-                   *, candidates: int = DEFAULT_CANDIDATES, comm_candidates: bool = True, passes: int = 1,
+                   *, candidates: int | None = None, comm_candidates: bool = True, passes: int = 1,
                    polish: bool = False) -> CellResult:
     """Greedy replication + token split of one cell (Algorithm 2).
 
@@ -308,7 +308,8 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
         model, cluster: specs of the cost model.
         slots: r, replica slots per GPU.
         candidates: experts tried per move on each bottleneck (1 and ``comm_candidates=False`` is the
-            paper's loop: only the compute bottleneck's heaviest expert).
+            paper's loop: only the compute bottleneck's heaviest expert). None: ``DEFAULT_CANDIDATES``
+            (4) up to 16 GPUs, 2 beyond (same quality within 0.1% on the bench scenarios, half the time).
         comm_candidates: also try replicas that relieve the communication bottleneck.
         passes: water-filling passes over the node's other replicated experts after a move.
         polish: re-solve the final split of each variant with the exact LP and keep the better. Off
@@ -329,6 +330,8 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
         raise PlanError("x must hold finite, non-negative token counts")
     if not isinstance(slots, (int, np.integer)) or slots < 0:
         raise PlanError(f"replica_slots={slots!r} must be an int >= 0")
+    if candidates is None:
+        candidates = DEFAULT_CANDIDATES if G <= 16 else 2
     P = cluster.gpus_per_node
     w = cell_weights(model, cluster)
     cls = cluster.link_classes.astype(np.int64)
