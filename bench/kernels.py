@@ -156,8 +156,10 @@ def grouped_mm_torch_fn(x, w, offs_end):
         return None
 
 
-def bench_shape(name: str, T: int, k: int, E: int, H: int, inter: int, block_m: int, replicas: int) -> dict:
-    dev = "cuda"
+def bench_shape(
+    name: str, T: int, k: int, E: int, H: int, inter: int, block_m: int, replicas: int, dev: str = "cuda"
+) -> dict:
+    """Time every op at one model's expert shapes (bf16, uniform top-k routing) on ``dev``."""
     dt = torch.bfloat16
     ids = random_topk(T, k, E, dev)
     meta = routing_metadata(ids, E, block_m=block_m)
