@@ -88,7 +88,8 @@ def test_scenario_selection_and_list(capsys):
 def test_ablation_and_targets_from_results():
     def sc(name, rel):
         return {"name": name, "strategies": {k: {"speedup_vs_static": v, "tokens_per_s": 100 * v,
-                                                 "pct_of_balanced": 100 * v / rel["balanced"]}
+                                                 "pct_of_balanced": 100 * v / rel["balanced"],
+                                                 "pct_of_balanced_moe": 95.0}
                                              for k, v in rel.items()}}
     res = [sc("qwen3-235b-a22b/mixed", {"static": 1.0, "eplb": 1.1, "relibra-inter": 1.15, "relibra": 1.3,
                                         "balanced": 1.4}),
@@ -100,3 +101,4 @@ def test_ablation_and_targets_from_results():
     assert t["qwen3-235b-a22b/mixed: relibra vs eplb"]["value"] == pytest.approx(1.3 / 1.1)
     assert t["qwen3-235b-a22b/mixed: relibra % of balanced"]["value"] == pytest.approx(100 * 1.3 / 1.4)
     assert t["gpt-oss-ep8 (r=2): relibra % of balanced"]["met"]
+    assert t["gpt-oss-ep8 (r=2): relibra % of balanced, sum T_MoE only"]["value"] == 95.0

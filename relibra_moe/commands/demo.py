@@ -75,7 +75,8 @@ class Scenario:
 def default_scenarios(quick: bool = False) -> list[Scenario]:
     """The demo's scenarios. ``quick``: one real and one small synthetic scenario (for tests).
 
-    Default: the whole GPT-OSS-20B trace (703 requests, 215k decode tokens) in 32 micro-batches of 22;
+    Default: the whole GPT-OSS-20B trace (703 requests, 215k decode tokens) in 16 micro-batches of 44
+    (about 1.7k tokens per GPU per micro-batch at EP8, near the paper's one ~2k-token sample per GPU);
     the synthetic batches keep the paper's shape (32 micro-batches x 32 samples = 256 prompts x 4
     responses, up to 8K tokens) on 2 of the model's MoE layers (4 for the headline
     qwen3-235b-a22b/mixed), which keeps the default run within about 3 minutes on 2 cores. Per-layer
@@ -88,8 +89,8 @@ def default_scenarios(quick: bool = False) -> list[Scenario]:
             Scenario("qwen3-30b-a3b/mixed", "qwen3-30b-a3b", 2, 8, "synthetic", "mixed", 64, 16, layers=2),
         ]
     out = [
-        Scenario("gpt-oss-ep8", "gpt-oss-20b", 2, 4, "real", "all", 0, 22, repack=True),
-        Scenario("gpt-oss-ep16", "gpt-oss-20b", 2, 8, "real", "all", 0, 22),
+        Scenario("gpt-oss-ep8", "gpt-oss-20b", 2, 4, "real", "all", 0, 44, repack=True),
+        Scenario("gpt-oss-ep16", "gpt-oss-20b", 2, 8, "real", "all", 0, 44),
     ]
     for model, (nodes, gpn) in PAPER_CLUSTERS.items():
         for domain in DOMAINS:
