@@ -117,6 +117,30 @@ class _PlanState:
 class ReplayBalancedMoE(nn.Module):
     """An expert-parallel top-k MoE layer with routing replay and ReLibra replica plans.
 
+    Minimal training loop (single process shown; under ``torch.distributed`` every rank runs the same
+    code with ``ep_group=...`` and its own tokens, and holds ``num_experts / G`` home experts)::
+
+        import torch
+        from relibra_moe import ReplayBalancedMoE
+        from relibra_moe.layers.replay import replay_model
+
+        moe = ReplayBalancedMoE(hidden=64, ffn=128, num_experts=8, top_k=2)
+        opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
+        x = torch.randn(32, 64)
+        with torch.no_grad():
+            moe(x)                               # rollout: live routing
+        ids = moe.last_routing.clone()           # recorded [T, k] expert ids
+        for step in range(3):                    # training: replay the recorded routing
+            with replay_model(moe, [ids]):       # + plan=batch_plan, micro_batch=m with a plan
+                loss = moe(x).pow(2).mean()
+            loss.backward()                      # gates come from the live logits: the router learns
+            opt.step()
+            opt.zero_grad()
+
+    With a ``BatchPlan``: call ``relibra_moe.relayout(model, plan.placement, opt)`` once per global
+    batch, give every MoE layer the same ``LayerSharedReplicaBuffer``, and run each micro-batch ``m``
+    inside ``replay_model(model, ids_m, plan=plan, micro_batch=m)``.
+
     Args:
         hidden: H, model hidden size.
         ffn: F, expert FFN width (SwiGLU).
