@@ -511,6 +511,34 @@ def _gmm_setup(ctx, inputs, output):
     ctx.save_for_backward(x, offsets, tile_slot, tile_row, slot_source, slot_index, *sources)
 
 
+def _source_grads(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    offsets: torch.Tensor,
+    sources: list[torch.Tensor],
+    slot_source: torch.Tensor | None,
+    slot_index: torch.Tensor | None,
+    needs_grad: list[bool],
+) -> list[torch.Tensor | None]:
+    """Gradients of the weight sources: per-slot ``dW = X_s^T dY_s``, then added into the source rows
+    the slots point to (deterministic; several slots may share a row)."""
+    dsrc: list[torch.Tensor | None] = [None] * len(sources)
+    if not any(needs_grad):
+        return dsrc
+    dw = _grouped_mm_dw_op(x, dy, offsets, _n_major(sources[0]))  # [S, K, N], the sources' layout
+    if slot_source is None:
+        dsrc[0] = dw
+        return dsrc
+    slots = torch.arange(dw.shape[0], device=dw.device, dtype=torch.int64)
+    for i, src in enumerate(sources):
+        if needs_grad[i]:
+            g = torch.zeros_like(src)
+            home = torch.where(slot_source == i, slot_index.long(), torch.full_like(slots, -1))
+            _add_op(dw, slots, g, home, 16)
+            dsrc[i] = g
+    return dsrc
+
+
 def _gmm_backward(ctx, grad):
     x, offsets, tile_slot, tile_row, slot_source, slot_index, *sources = ctx.saved_tensors
     grad = grad.contiguous()
@@ -526,22 +554,7 @@ def _gmm_backward(ctx, grad):
             tile_row,
             ctx.block_m,
         )
-    dsrc: list[torch.Tensor | None] = [None] * ctx.num_sources
-    if any(ctx.src_needs_grad):
-        transposed = _n_major(sources[0])
-        dw = _grouped_mm_dw_op(x, grad, offsets, transposed)  # [S, K, N]
-        if not ctx.has_index:
-            dsrc[0] = dw
-        else:
-            S = dw.shape[0]
-            slots = torch.arange(S, device=dw.device, dtype=torch.int64)
-            for i, src in enumerate(sources):
-                if not ctx.src_needs_grad[i]:
-                    continue
-                g = torch.zeros_like(src)
-                home = torch.where(slot_source == i, slot_index.long(), torch.full_like(slots, -1))
-                _add_op(dw, slots, g, home, 16)
-                dsrc[i] = g
+    dsrc = _source_grads(x, grad, offsets, sources, slot_source, slot_index, ctx.src_needs_grad)
     return dx, dsrc, None, None, None, None, None, None
 
 
@@ -615,12 +628,61 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. h = [gate | up] of ``swiglu(h)`` given its output gradient ``da`` (fp32 math).
+
+    d/dgate = da * up * s * (1 + gate * (1 - s)) with s = sigmoid(gate); d/dup = da * silu(gate).
+    """
+    gate, up = h.float().chunk(2, dim=-1)
+    daf = da.float()
+    sig = torch.sigmoid(gate)
+    d_gate = daf * up * sig * (1 + gate * (1 - sig))
+    d_up = daf * gate * sig
+    return torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
+
+
+class _SwiGLUExperts(torch.autograd.Function):
+    """SwiGLU expert MLP over slot-sorted rows, saving only x and h = x W_gate_up for backward.
+
+    The activation a = swiglu(h) is recomputed in backward instead of being saved (an [R, I] tensor
+    per layer less than autograd of the composed ops keeps). Backward:
+    da = dY W_down^T, dW_down = a^T dY, dh = swiglu'(h) da, dX = dh W_gate_up^T, dW_gate_up = X^T dh,
+    all with the grouped kernels; slot gradients land in their source rows.
+    """
+
+    @staticmethod
+    def forward(ctx, x, offsets, tile_slot, tile_row, block_m, n1, ss1, si1, ss2, si2, *sources):
+        w1, w2 = list(sources[:n1]), list(sources[n1:])
+        h = _grouped_mm_op(x, w1, ss1, si1, offsets, tile_slot, tile_row, block_m)
+        y = _grouped_mm_op(swiglu(h), w2, ss2, si2, offsets, tile_slot, tile_row, block_m)
+        ctx.block_m, ctx.n1 = block_m, n1
+        ctx.save_for_backward(x, h, offsets, tile_slot, tile_row, ss1, si1, ss2, si2, *sources)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h, offsets, tile_slot, tile_row, ss1, si1, ss2, si2, *sources = ctx.saved_tensors
+        n1, bm = ctx.n1, ctx.block_m
+        w1, w2 = sources[:n1], sources[n1:]
+        need = ctx.needs_input_grad
+        need1, need2 = list(need[10 : 10 + n1]), list(need[10 + n1 :])
+        dy = dy.contiguous()
+        tiles = (offsets, tile_slot, tile_row, bm)
+        da = _grouped_mm_op(dy, [w.transpose(1, 2) for w in w2], ss2, si2, *tiles)
+        dw2 = _source_grads(swiglu(h), dy, offsets, list(w2), ss2, si2, need2)
+        dh = swiglu_backward(h, da)
+        dx = _grouped_mm_op(dh, [w.transpose(1, 2) for w in w1], ss1, si1, *tiles) if need[0] else None
+        dw1 = _source_grads(x, dh, offsets, list(w1), ss1, si1, need1)
+        return (dx, None, None, None, None, None, None, None, None, None, *dw1, *dw2)
+
+
 def swiglu_experts(
     x_sorted: torch.Tensor,
     meta: RoutingMeta,
     w_gate_up: torch.Tensor | ExpertWeights,
     w_down: torch.Tensor | ExpertWeights,
     activation: Callable[[torch.Tensor], torch.Tensor] = swiglu,
+    recompute: bool = True,
 ) -> torch.Tensor:
     """Expert MLP on slot-sorted rows: ``grouped_mm(activation(grouped_mm(x, W_gate_up)), W_down)``.
 
@@ -631,9 +693,27 @@ def swiglu_experts(
         w_down: [S, I, H] tensor or ExpertWeights.
         activation: maps [R, 2I] -> [R, I]; default SwiGLU ``silu(gate) * up``. Other variants (e.g.
             GPT-OSS's clamped, interleaved one) are any differentiable torch function here.
+        recompute: with the default activation, use the autograd Function that saves only x and h
+            and recomputes the activation in backward; otherwise (or for another activation) autograd
+            differentiates the composed ops.
 
     Returns:
-        [R, H]; autograd flows through the composed ops (padding rows stay zero).
+        [R, H]; padding rows stay zero. Differentiable w.r.t. x and every weight tensor.
     """
-    h = grouped_mm(x_sorted, w_gate_up, meta)
-    return grouped_mm(activation(h), w_down, meta)
+    if activation is not swiglu or not recompute:
+        h = grouped_mm(x_sorted, w_gate_up, meta)
+        return grouped_mm(activation(h), w_down, meta)
+    _check(x_sorted, w_gate_up, meta)
+    S, inter2, H = w_gate_up.shape[0], w_gate_up.shape[2], x_sorted.shape[1]
+    if inter2 % 2 or tuple(w_down.shape) != (S, inter2 // 2, H):
+        raise ValueError(
+            f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} must be [S, H, 2I] and [S, I, H]"
+        )
+    if w_down.dtype != x_sorted.dtype:
+        raise ValueError(f"x_sorted dtype {x_sorted.dtype} differs from w_down's dtype {w_down.dtype}")
+    src1, ss1, si1 = _as_sources(w_gate_up)
+    src2, ss2, si2 = _as_sources(w_down)
+    return _SwiGLUExperts.apply(
+        x_sorted.contiguous(), meta.offsets, meta.tile_slot, meta.tile_row, meta.block_m, len(src1),
+        ss1, si1, ss2, si2, *src1, *src2,
+    )  # fmt: skip
