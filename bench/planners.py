@@ -51,6 +51,7 @@ ROWS = [
     ("relibra-inter", "relibra-inter", {}),
     ("static + repack", "static", {"repack": True}),
     ("relibra-inter + repack", "relibra-inter", {"repack": True}),
+    ("relibra-inter + repack, 2 rounds", "relibra-inter", {"repack": True, "rounds": 2}),
 ]
 QUICK_ROWS = ["static (Megatron)", "LPT reorder", "EPLB+ reorder only", "relibra-inter", "relibra-inter + repack"]
 
