@@ -158,9 +158,17 @@ def bench_time(num_prompts: int, seed: int = 0, workers: int = 2, **options) -> 
     out = {"warmup_s": warm_s, "num_samples": batch.num_sequences, "micro_batches": batch.num_sequences // 32,
            "layers": model.num_layers,
            "ep": "4x8", "replica_slots": 2, "workers": workers, "options": options, "synthetic": True}
+    import resource
+
+    def cpu() -> float:
+        a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+    c0 = cpu()
     t0 = time.perf_counter()
     plan = plan_batch(batch, model, cluster, "relibra", replica_slots=2, seed=seed, workers=workers, **options)
     out["wall_s"] = time.perf_counter() - t0
+    out["cpu_s"] = cpu() - c0  # this process + its (finished) worker processes
     out["loadavg_after"] = os.getloadavg()
     out["timing"] = plan.stats.get("timing", {})
     sc = score_plan(plan, batch, model, cluster)
@@ -228,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         t = out["time"]
         print(f"\n== solve time, qwen3-235b-a22b, SYNTHETIC mixed, {t['num_samples']} samples = {t['micro_batches']} "
               f"micro-batches, {t['layers']} layers, EP32 4x8, r=2, workers={t['workers']}, options={t['options']}")
-        print(f"wall {t['wall_s']:.1f} s; breakdown {json.dumps({k: round(v, 2) for k, v in t['timing'].items()})}")
+        print(f"wall {t['wall_s']:.1f} s (CPU {t['cpu_s']:.1f} s, load avg after {t['loadavg_after'][0]:.1f})")
+        print("breakdown", json.dumps({k: round(v, 2) for k, v in t["timing"].items()}))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("replication_quick.json" if q else "replication.json")
     if args.only:
