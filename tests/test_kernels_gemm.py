@@ -231,8 +231,15 @@ def test_kernel_matches_float64_loops_hypothesis(T, k, S, K, N, mode, bm, seed):
     assert rel_err(dw, ref_dw) <= 2e-5
 
 
+def gpt_oss_act(h: torch.Tensor) -> torch.Tensor:
+    """GPT-OSS-style activation: interleaved gate/up, clamped, (up + 1) * gate * sigmoid(1.702 gate)."""
+    gate, up = h[..., ::2].clamp(max=0.5), h[..., 1::2].clamp(-0.5, 0.5)
+    return (up + 1) * gate * torch.sigmoid(1.702 * gate)
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("recompute", [True, False])
-def test_swiglu_experts_expert_weights_vs_dense_float64(recompute):
+def test_swiglu_experts_expert_weights_vs_dense_float64(recompute, act):
     """Fused (recomputing) and composed SwiGLU experts, weights from home + replica sources, against
     a dense float64 per-row computation differentiated by autograd."""
     T, k, S, H, inter = 9, 2, 5, 16, 16
@@ -249,7 +256,8 @@ def test_swiglu_experts_expert_weights_vs_dense_float64(recompute):
     with force_backend("triton"):
         w1 = ExpertWeights((leaves[1].transpose(1, 2), leaves[2].transpose(1, 2)), src, idx)
         w2 = ExpertWeights((leaves[3], leaves[4]), src, idx)
-        out = swiglu_experts(leaves[0], meta, w1, w2, recompute=recompute)
+        kw = {} if act == "swiglu" else {"activation": gpt_oss_act}
+        out = swiglu_experts(leaves[0], meta, w1, w2, recompute=recompute, **kw)
         out.backward(dy)
     ref_leaves = [t.double().clone().requires_grad_() for t in (x, hf_gu, rep_gu, home_dn, rep_dn)]
     xr, gu_h, gu_r, dn_h, dn_r = ref_leaves
@@ -261,7 +269,8 @@ def test_swiglu_experts_expert_weights_vs_dense_float64(recompute):
         gu = (gu_h if int(src[s]) == 0 else gu_r)[int(idx[s])].T  # [H, 2I]
         dn = (dn_h if int(src[s]) == 0 else dn_r)[int(idx[s])]  # [I, H]
         hh = xr[r] @ gu
-        rows.append((torch.nn.functional.silu(hh[:inter]) * hh[inter:]) @ dn)
+        a = torch.nn.functional.silu(hh[:inter]) * hh[inter:] if act == "swiglu" else gpt_oss_act(hh)
+        rows.append(a @ dn)
     ref = torch.stack(rows)
     ref.backward(dy.double())
     assert rel_err(out, ref.detach().numpy()) <= 2e-5

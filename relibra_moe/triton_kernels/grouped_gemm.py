@@ -641,21 +641,23 @@ def swiglu_backward(h: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
     return torch.cat([d_gate, d_up], dim=-1).to(h.dtype)
 
 
-class _SwiGLUExperts(torch.autograd.Function):
-    """SwiGLU expert MLP over slot-sorted rows, saving only x and h = x W_gate_up for backward.
+class _GatedExperts(torch.autograd.Function):
+    """Gated expert MLP over slot-sorted rows, saving only x and h = x W_gate_up for backward.
 
-    The activation a = swiglu(h) is recomputed in backward instead of being saved (an [R, I] tensor
-    per layer less than autograd of the composed ops keeps). Backward:
-    da = dY W_down^T, dW_down = a^T dY, dh = swiglu'(h) da, dX = dh W_gate_up^T, dW_gate_up = X^T dh,
-    all with the grouped kernels; slot gradients land in their source rows.
+    The activation a = act(h) is recomputed in backward instead of being saved (an [R, I] tensor per
+    layer less than autograd of the composed ops keeps, plus the activation's own saved inputs).
+    Backward: da = dY W_down^T, dW_down = a^T dY, dh = act'(h)^T da (closed form for SwiGLU, else
+    autograd on the recomputed activation), dX = dh W_gate_up^T, dW_gate_up = X^T dh, all with the
+    grouped kernels; slot gradients land in their source rows.
     """
 
     @staticmethod
-    def forward(ctx, x, offsets, tile_slot, tile_row, block_m, n1, ss1, si1, ss2, si2, *sources):
+    def forward(ctx, x, offsets, tile_slot, tile_row, block_m, n1, ss1, si1, ss2, si2, act, *sources):
         w1, w2 = list(sources[:n1]), list(sources[n1:])
         h = _grouped_mm_op(x, w1, ss1, si1, offsets, tile_slot, tile_row, block_m)
-        y = _grouped_mm_op(swiglu(h), w2, ss2, si2, offsets, tile_slot, tile_row, block_m)
-        ctx.block_m, ctx.n1 = block_m, n1
+        a = swiglu(h) if act is None else act(h)
+        y = _grouped_mm_op(a, w2, ss2, si2, offsets, tile_slot, tile_row, block_m)
+        ctx.block_m, ctx.n1, ctx.act = block_m, n1, act
         ctx.save_for_backward(x, h, offsets, tile_slot, tile_row, ss1, si1, ss2, si2, *sources)
         return y
 
@@ -665,15 +667,23 @@ class _SwiGLUExperts(torch.autograd.Function):
         n1, bm = ctx.n1, ctx.block_m
         w1, w2 = sources[:n1], sources[n1:]
         need = ctx.needs_input_grad
-        need1, need2 = list(need[10 : 10 + n1]), list(need[10 + n1 :])
+        need1, need2 = list(need[11 : 11 + n1]), list(need[11 + n1 :])
         dy = dy.contiguous()
         tiles = (offsets, tile_slot, tile_row, bm)
         da = _grouped_mm_op(dy, [w.transpose(1, 2) for w in w2], ss2, si2, *tiles)
-        dw2 = _source_grads(swiglu(h), dy, offsets, list(w2), ss2, si2, need2)
-        dh = swiglu_backward(h, da)
+        if ctx.act is None:
+            a = swiglu(h)
+            dh = swiglu_backward(h, da)
+        else:
+            with torch.enable_grad():
+                hh = h.detach().requires_grad_()
+                a = ctx.act(hh)
+                (dh,) = torch.autograd.grad(a, hh, da)
+            a = a.detach()
+        dw2 = _source_grads(a, dy, offsets, list(w2), ss2, si2, need2)
         dx = _grouped_mm_op(dh, [w.transpose(1, 2) for w in w1], ss1, si1, *tiles) if need[0] else None
         dw1 = _source_grads(x, dh, offsets, list(w1), ss1, si1, need1)
-        return (dx, None, None, None, None, None, None, None, None, None, *dw1, *dw2)
+        return (dx, None, None, None, None, None, None, None, None, None, None, *dw1, *dw2)
 
 
 def swiglu_experts(
@@ -692,15 +702,15 @@ def swiglu_experts(
         w_gate_up: [S, H, 2I] (gate half first) tensor or ExpertWeights.
         w_down: [S, I, H] tensor or ExpertWeights.
         activation: maps [R, 2I] -> [R, I]; default SwiGLU ``silu(gate) * up``. Other variants (e.g.
-            GPT-OSS's clamped, interleaved one) are any differentiable torch function here.
-        recompute: with the default activation, use the autograd Function that saves only x and h
-            and recomputes the activation in backward; otherwise (or for another activation) autograd
-            differentiates the composed ops.
+            GPT-OSS's clamped, interleaved one) are any differentiable, stateless torch function.
+        recompute: use the autograd Function that saves only x and h and recomputes the activation
+            in backward (closed-form backward for the default SwiGLU; autograd on the recomputed
+            activation otherwise). False: autograd differentiates the composed ops (saves more).
 
     Returns:
         [R, H]; padding rows stay zero. Differentiable w.r.t. x and every weight tensor.
     """
-    if activation is not swiglu or not recompute:
+    if not recompute:
         h = grouped_mm(x_sorted, w_gate_up, meta)
         return grouped_mm(activation(h), w_down, meta)
     _check(x_sorted, w_gate_up, meta)
@@ -713,7 +723,7 @@ def swiglu_experts(
         raise ValueError(f"x_sorted dtype {x_sorted.dtype} differs from w_down's dtype {w_down.dtype}")
     src1, ss1, si1 = _as_sources(w_gate_up)
     src2, ss2, si2 = _as_sources(w_down)
-    return _SwiGLUExperts.apply(
+    return _GatedExperts.apply(
         x_sorted.contiguous(), meta.offsets, meta.tile_slot, meta.tile_row, meta.block_m, len(src1),
-        ss1, si1, ss2, si2, *src1, *src2,
+        ss1, si1, ss2, si2, None if activation is swiglu else activation, *src1, *src2,
     )  # fmt: skip
