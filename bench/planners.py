@@ -81,7 +81,8 @@ def run_scenario(name: str, rows, workers: int, seed: int, replicas: int) -> dic
     if replicas:
         rows += [(f"EPLB+ r={replicas}", "eplb", {"replica_slots": replicas}),
                  (f"LPLB+ r={replicas}", "lplb", {"replica_slots": replicas}),
-                 (f"relibra r={replicas}", "relibra", {"replica_slots": replicas})]
+                 (f"relibra r={replicas}", "relibra", {"replica_slots": replicas}),
+                 (f"relibra r={replicas} + repack", "relibra", {"replica_slots": replicas, "repack": True})]
     results = []
     static_total = None
     for label, strategy, kw in rows:
