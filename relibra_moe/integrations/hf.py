@@ -555,7 +555,10 @@ def replay(model: nn.Module, routing: Any, plan: Any = None, micro_batch: int | 
             engines when they have one, else every sample of the micro-batch.
 
     Yields:
-        The sample indices (into ``routing``), in the order the forward's batch rows must follow.
+        The sample indices (into ``routing``), in the order the forward's batch rows must follow. When
+        it is empty (a rank with no sample in this micro-batch) the rank must still run the forward,
+        since the layers are collectives: feed a placeholder (one token, or ``attention_mask``'s shape);
+        every placeholder token is served by no expert.
 
     Raises:
         ReplayError: the model is not swapped, the routing's layer ids / E / k differ from the model's,
@@ -583,12 +586,14 @@ def replay(model: nn.Module, routing: Any, plan: Any = None, micro_batch: int | 
         rank = int(blocks[0].rank)
     sel = _select(len(traces), batch_mb, plan, micro_batch, rank)
     chosen = [traces[i] for i in sel]
-    if not chosen:
-        raise ReplayError(f"replay: no sample selected (micro_batch={micro_batch}, rank={rank})")
     desc = f"{len(chosen)} sequences, lengths {[t.num_tokens for t in chosen]}"
     with contextlib.ExitStack() as stack:
         for li, b in enumerate(blocks):
-            ids = layout_ids(chosen, li, attention_mask)
+            if chosen:
+                ids = layout_ids(chosen, li, attention_mask)
+            else:  # nothing to run here, but the layers are collectives: a placeholder forward, no expert
+                n = 1 if attention_mask is None else int(attention_mask.numel())
+                ids = torch.full((n, t0.topk), -1, dtype=torch.int64)
             if isinstance(b, ReplayMoEBlock):
                 stack.enter_context(b.replaying(ids, desc))
             else:
