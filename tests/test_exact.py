@@ -11,7 +11,7 @@ from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError
 from relibra_moe.planners.exact import solve_milp, split_lp_reference
 from relibra_moe.planners.replicate import replicate_cell
-from relibra_moe.planners.split import solve_split_lp
+from relibra_moe.planners.split import lower_bound, solve_split_lp
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
 MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=8, topk=2, num_layers=1)
@@ -58,6 +58,7 @@ def test_greedy_close_to_milp(seed):
     got = replicate_cell(x, eg, model, cluster, r)
     base = float(moe_cost(x, eg, model, cluster).t_moe)
     assert opt.t_moe <= got.t_moe * (1 + 1e-6)  # nothing beats the optimum
+    assert lower_bound(x, eg, model, cluster) <= opt.t_moe * (1 + 1e-6)
     assert got.t_moe <= base * (1 + 1e-12)
     assert got.t_moe <= opt.t_moe * 1.10
 

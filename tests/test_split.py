@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError
 from relibra_moe.planners.exact import split_lp_reference
-from relibra_moe.planners.split import cell_weights, fast_split, holders, solve_split_lp, split_cost
+from relibra_moe.planners.split import cell_weights, fast_split, holders, lower_bound, solve_split_lp, split_cost
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
 MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=16, topk=2, num_layers=1)
@@ -94,6 +94,7 @@ def test_fast_split_between_lp_and_no_replicas(seed, r):
     lp = solve_split_lp(x, eg, rep, model, cluster)
     fast = fast_split(x, eg, rep, model, cluster)
     assert lp.t_moe <= fast.t_moe * (1 + 1e-9)
+    assert lower_bound(x, eg, model, cluster) <= lp.t_moe * (1 + 1e-9)
     assert fast.t_moe <= base * (1 + 1e-12)
     assert lp.t_moe <= base * (1 + 1e-9)
     for sol in (lp, fast):

@@ -31,7 +31,16 @@ import numpy as np
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
-from .split import aggregates, cell_weights, shares_from_flows, smooth_units, solve_split_lp, t_units, waterfill_expert
+from .split import (
+    aggregates,
+    cell_weights,
+    lower_bound,
+    shares_from_flows,
+    smooth_units,
+    solve_split_lp,
+    t_units,
+    waterfill_expert,
+)
 
 __all__ = ["CellResult", "replicate_cell", "replicate_batch", "DEFAULT_CANDIDATES"]
 
@@ -310,7 +319,7 @@ class CellResult(NamedTuple):
 
 def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
                    *, candidates: int | None = None, comm_candidates: bool = True, passes: int = 0,
-                   polish: bool = False) -> CellResult:
+                   polish: bool | None = None, polish_tol: float = 0.005) -> CellResult:
     """Greedy replication + token split of one cell (Algorithm 2).
 
     Args:
@@ -325,8 +334,9 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
         passes: water-filling passes, after each move, over the replicated experts sharing a GPU with the
             moved expert's holders (kept only when they lower T_MoE). 0 by default: on the bench scenarios
             they change T_MoE by < 0.01% for 1.5x the time.
-        polish: re-solve the final split of each variant with the exact LP and keep the better. Off
-            by default: on the GPT-OSS scenario it gains about 0.03% of T_MoE for ~10x the time.
+        polish: re-solve the final split of each variant with the exact LP and keep the better. None:
+            only on cells of at most 16 GPUs (where the LP takes milliseconds) whose greedy T_MoE is more
+            than ``polish_tol`` above ``split.lower_bound`` (elsewhere nothing is left to gain).
 
     Returns:
         ``CellResult(replica_expert [G, r], rows [Z, 3] (j, e, g), share [Z], t_moe seconds)``.
@@ -356,6 +366,9 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
         configs.append((int(candidates), bool(comm_candidates)))
     runs = []
     seen = set()
+    auto = polish is None
+    if auto:
+        polish = G <= 16 and bool(slots)
     for ncand, comm in configs:
         hold, rep, flows, T = greedy_cell(xs, expert_gpu, P, int(slots), cls, w.w_nv, w.w_rdma, ncand, comm,
                                           int(passes))
@@ -363,6 +376,8 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
         if key not in seen:
             seen.add(key)
             runs.append((T * scale * w.sec_per_token, hold, rep, flows))
+    if auto and polish and min(r[0] for r in runs) <= lower_bound(x, expert_gpu, model, cluster) * (1 + polish_tol):
+        polish = False
     best = None
     for t, hold, rep, flows in sorted(runs, key=lambda r: r[0]) if polish else [min(runs, key=lambda r: r[0])]:
         rows, share = shares_from_flows(xs, hold, flows)

@@ -41,7 +41,7 @@ from ..specs import CR, LOC, NV, SR, ClusterSpec, ModelSpec
 
 __all__ = [
     "CellWeights", "SplitSolution", "cell_weights", "holders", "shares_from_flows", "solve_split_lp",
-    "split_cost", "fast_split",
+    "split_cost", "fast_split", "lower_bound",
 ]
 
 
@@ -379,6 +379,31 @@ def fast_split(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarray
         t1 = t0
     rows, share = shares_from_flows(x, hold, flows)
     return SplitSolution(rows, share, t1 * w.sec_per_token)
+
+
+def lower_bound(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> float:
+    """A lower bound (seconds) on T_MoE of a cell under *any* intra-node replication and split.
+
+    Replicas stay in the home's node, so per node n the tokens of the experts it homes are computed by
+    its P GPUs (``comp >= max_n load_n / P``), every source's cross-node tokens are fixed
+    (``rdma_tx_j``), and node n's incoming cross-node tokens land on its P GPUs
+    (``rdma_rx >= R_n / P``). ``LB = comp bound + w_rdma x max(tx bound, rx bound)`` in token units.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    G, P = cluster.num_gpus, cluster.gpus_per_node
+    w = cell_weights(model, cluster)
+    nodes = G // P
+    node_of_e = expert_gpu // P
+    xn = np.zeros((G, nodes))
+    np.add.at(xn.T, node_of_e, x.T)  # xn[j, n]: tokens of source j for experts homed in node n
+    comp = xn.sum(axis=0).max() / P
+    src_node = np.arange(G) // P
+    remote = xn.copy()
+    remote[np.arange(G), src_node] = 0.0
+    tx = remote.sum(axis=1).max()
+    rx = remote.sum(axis=0).max() / P
+    return float((comp + w.w_rdma * max(tx, rx)) * w.sec_per_token)
 
 
 # ----------------------------------------------------------------------------------------------
