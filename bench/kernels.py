@@ -37,6 +37,7 @@ if not torch.cuda.is_available():  # must precede the first triton import
 from relibra_moe.triton_kernels.backend import INTERPRET, force_backend  # noqa: E402
 from relibra_moe.triton_kernels.grouped_gemm import (  # noqa: E402
     ExpertWeights,
+    _fwd_config,
     grouped_mm,
     grouped_mm_dw,
     grouped_mm_dx,
@@ -187,6 +188,7 @@ def bench_shape(
         dense_w = torch.randn(K, N, device=dev, dtype=dt)
         t_dense = bench_ms(lambda a=a, dense_w=dense_w: torch.matmul(a, dense_w))
         g = {
+            "config": {k: v for k, v in _fwd_config(N, K, dt, block_m).items()},
             "flops": flops,
             "fwd_tflops": flops / t_fwd / 1e9,
             "dx_tflops": flops / t_dx / 1e9,
@@ -268,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help="override T (tokens per micro-batch)")
     ap.add_argument("--block-m", type=int, default=64, help="rows per tile of the grouped GEMM schedule")
     ap.add_argument("--replicas", type=int, default=16, help="experts copied by the replica-copy benchmark")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "kernels.json"))
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default bench/results/kernels.json, or kernels_interpreter.json on CPU)"
+    )
     args = ap.parse_args(argv)
     report: dict = {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -310,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         report["results"] = rows
         print_table(rows)
-    out = Path(args.out)
+    default = "kernels.json" if torch.cuda.is_available() else "kernels_interpreter.json"
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / default
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")
