@@ -276,3 +276,16 @@ def test_swiglu_experts_expert_weights_vs_dense_float64(recompute, act):
     assert rel_err(out, ref.detach().numpy()) <= 2e-5
     for a, b in zip(leaves, ref_leaves, strict=True):
         assert rel_err(a.grad, b.grad.numpy()) <= 2e-5
+
+
+def test_swiglu_experts_no_rows():
+    """R = 0: empty output, zero weight gradients (Triton path)."""
+    meta = routing_metadata(torch.zeros(0, 2, dtype=torch.long), 3, block_m=16)
+    x = torch.zeros(0, 16, requires_grad=True)
+    wg = torch.randn(3, 16, 32, requires_grad=True)
+    wd = torch.randn(3, 16, 16, requires_grad=True)
+    with force_backend("triton"):
+        out = swiglu_experts(x, meta, wg, wd)
+        out.sum().backward()
+    assert out.shape == (0, 16)
+    assert not wg.grad.any() and not wd.grad.any() and x.grad.shape == (0, 16)
