@@ -18,6 +18,15 @@ Backward: ``dX = grouped_mm(dY, W^T)`` (the same kernel on the transposed view) 
 ``dW_s = X_s^T dY_s`` (:func:`grouped_mm_dw`: one program per (slot, K-tile, N-tile) looping over
 the slot's rows in order; deterministic, no atomics).
 
+Expert MLP: :func:`swiglu_experts` is an autograd Function over these ops that saves only x and
+h = x W_gate_up and recomputes the activation in backward (closed-form SwiGLU backward, or autograd on
+any other activation, e.g. GPT-OSS's clamped interleaved one).
+
+Precision: fp32 accumulation; fp16 / bf16 use tensor cores, fp32 follows
+``torch.backends.cuda.matmul.allow_tf32``. Configs are heuristics per (BLOCK_M, N, K, dtype), no
+autotuning. ExpertWeights addresses every source from sources[0]'s pointer plus a per-slot element
+offset (cached per pointer set, so steady-state calls do no host-to-device copy).
+
 Each op is a ``torch.library.custom_op`` (namespace ``relibra``) with a fake implementation, so
 ``torch.compile`` graphs can contain it.
 """
@@ -43,6 +52,8 @@ __all__ = [
     "grouped_mm_dw_torch",
     "grouped_mm_dx",
     "grouped_mm_torch",
+    "swiglu",
+    "swiglu_backward",
     "swiglu_experts",
 ]
 
