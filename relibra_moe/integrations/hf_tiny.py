@@ -62,6 +62,7 @@ def tiny_config(family: str, *, num_layers: int = 3, num_experts: int = 8, top_k
         cls = tr.DeepseekV3Config
     elif family == "gpt_oss":
         cfg = dict(c, intermediate_size=16, num_local_experts=num_experts, head_dim=8, sliding_window=8,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
                    layer_types=[("sliding_attention" if i % 2 == 0 else "full_attention")
                                 for i in range(num_layers)])
         cls = tr.GptOssConfig
