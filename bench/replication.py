@@ -130,6 +130,8 @@ def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
 
 
 def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2, **options) -> dict:
+    from relibra_moe.plan import BatchPlan
+    from relibra_moe.planners.replicate import replicate_batch
     from relibra_moe.planners.scoring import score_plan
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.synthetic import rl_batch
@@ -146,6 +148,25 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
             sc = score_plan(plan, batch, model, cluster)
             row[name] = {"rank_skew_mean": float(sc["rank_skew_mean"]), "t_moe_total_s": float(sc["t_moe_total_s"]),
                          "solve_s": time.perf_counter() - t0}
+            if name == "static":
+                continue
+            # where the skew comes from: node-level imbalance of the homes (replicas cannot leave a node)
+            x = np.asarray(batch.with_micro_batch(plan.samples.micro_batch).loads(
+                plan.samples.gpu, cluster.num_gpus, plan.samples.micro_batch), dtype=np.float64)
+            onehot = (plan.placement.expert_gpu[:, :, None] == np.arange(cluster.num_gpus)).astype(np.float64)
+            gl = np.einsum("mlje,leg->mlg", x, onehot)
+            nl = gl.reshape(gl.shape[:2] + (cluster.nodes, cluster.gpus_per_node)).mean(axis=-1)
+            row[name]["node_skew_mean"] = float((nl.max(axis=-1) / gl.mean(axis=-1)).mean())
+        # replication on a node-balanced start: LPT homes + round-robin samples + Algorithm 2
+        t0 = time.perf_counter()
+        lpt = plan_batch(batch, model, cluster, "lpt", seed=seed, workers=workers)
+        reps = replicate_batch(lpt.placement, lpt.samples, batch.with_micro_batch(lpt.samples.micro_batch), model,
+                               cluster, 2, workers=workers)
+        plan = BatchPlan(lpt.placement, lpt.samples, reps, cluster.num_gpus, cluster.gpus_per_node,
+                         {"strategy": "lpt+replicate", "seed": seed})
+        sc = score_plan(plan, batch, model, cluster)
+        row["lpt+replicate"] = {"rank_skew_mean": float(sc["rank_skew_mean"]),
+                                "t_moe_total_s": float(sc["t_moe_total_s"]), "solve_s": time.perf_counter() - t0}
         out["ep"][str(ep)] = row
     return out
 
@@ -235,10 +256,15 @@ def main(argv: list[str] | None = None) -> int:
         eps = [8, 16] if q else [8, 16, 32, 64]
         out["skew"] = bench_skew(32 if q else 256, eps, seed=args.seed, workers=args.workers, **opts)
         print(f"\n== rank skew, qwen3-30b-a3b, SYNTHETIC mixed, {out['skew']['num_samples']} samples, mb 32")
-        print(f"{'EP':>4s} {'static':>8s} {'inter':>8s} {'relibra':>8s} {'solve s':>8s}")
+        print(f"{'EP':>4s} {'static':>8s} {'inter':>8s} {'relibra':>8s} {'node':>8s} {'lpt+rep':>8s} "
+              f"{'T rel':>8s} {'T lpt+rep':>10s} {'solve s':>8s}")
         for ep, row in out["skew"]["ep"].items():
             print(f"{ep:>4s} {row['static']['rank_skew_mean']:8.3f} {row['relibra-inter']['rank_skew_mean']:8.3f} "
-                  f"{row['relibra']['rank_skew_mean']:8.3f} {row['relibra']['solve_s']:8.1f}")
+                  f"{row['relibra']['rank_skew_mean']:8.3f} {row['relibra']['node_skew_mean']:8.3f} "
+                  f"{row['lpt+replicate']['rank_skew_mean']:8.3f} {row['relibra']['t_moe_total_s']:8.4f} "
+                  f"{row['lpt+replicate']['t_moe_total_s']:10.4f} {row['relibra']['solve_s']:8.1f}")
+        print("node: node-level skew of relibra's homes (max node mean load / GPU mean), a floor for intra-node "
+              "replication")
     if "time" in only:
         out["time"] = bench_time(32 if q else 256, seed=args.seed, workers=args.workers, **opts)
         t = out["time"]
