@@ -219,6 +219,8 @@ def compare(rank, G, P, E, r, x_all, params, ids_all, cot_all, tokens, plan, hom
 
     what = f"G={G} case={name} rank={rank}"
     close(out.detach(), ref_out[sl].detach(), f"{what} output")
+    with torch.no_grad(), replay_model(layers, [ids_all[l][sl] for l in range(L)], plan=plan, micro_batch=0):
+        close(forward_model(layers, x), out.detach(), f"{what} no-grad forward")
     close(x.grad, xr.grad[sl], f"{what} input grad")
     for l, layer in enumerate(layers):
         mine = layer.home_experts

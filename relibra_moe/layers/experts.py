@@ -129,5 +129,11 @@ def experts_forward(experts: GroupedSwiGLUExperts, x: torch.Tensor, slot_ids: to
     ``slot_ids [R]`` int64 local slots (``< E_loc`` home, ``>= E_loc`` replica slot). A collective
     when ``transfer.active`` (every rank of the group must call it for this layer, even with R = 0).
     """
+    if not torch.is_grad_enabled():  # inference / rollout: no graph to keep, no backward refill
+        active = buffer is not None and transfer is not None and transfer.active
+        if active:
+            buffer.fill(key, transfer, (experts.w_gate_up, experts.w_down), dispatcher)
+        slots = (buffer.w_gate_up, buffer.w_down) if active else None
+        return experts.compute(x, slot_ids, experts.w_gate_up, experts.w_down, slots)
     return _ExpertsWithReplicas.apply(x, experts.w_gate_up, experts.w_down, slot_ids, experts, buffer,
                                       transfer, dispatcher, key)
