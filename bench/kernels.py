@@ -205,6 +205,20 @@ def bench_shape(
         gemms[proj] = g
     row["gemm"] = gemms
 
+    # the whole expert MLP (SwiGLU, recomputing backward): 3 GEMMs forward, 6 backward
+    leaves = [t.detach().clone().requires_grad_() for t in (xs, w_gu, w_dn)]
+    dy_out = torch.randn(R, H, device=dev, dtype=dt)
+
+    def mlp_fwd_bwd():
+        for t in leaves:
+            t.grad = None
+        swiglu_experts(leaves[0], meta, leaves[1], leaves[2]).backward(dy_out)
+
+    mlp_flops = 18.0 * R * H * inter
+    t_mlp = bench_ms(mlp_fwd_bwd)
+    row["expert_mlp_fwd_bwd_ms"] = t_mlp
+    row["expert_mlp_fwd_bwd_tflops"] = mlp_flops / t_mlp / 1e9
+
     esz = 2
     copy_ref = copy_gbps(R * H * esz, dev)
     row["copy_gbps"] = copy_ref
@@ -251,6 +265,11 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['shape']:18} {proj:8} {g['fwd_tflops']:7.1f} {g['dx_tflops']:7.1f} {g['dw_tflops']:7.1f} "
                 f"{g['dense_matmul_tflops']:7.1f} {tg} {g['fwd_vs_dense']:9.2f}"
             )
+    for r in rows:
+        print(
+            f"{r['shape']:18} expert MLP fwd+bwd: {r['expert_mlp_fwd_bwd_ms']:.2f} ms, "
+            f"{r['expert_mlp_fwd_bwd_tflops']:.1f} TFLOP/s"
+        )
     print("\nmemory-bound ops, GB/s (ratio to device copy_)")
     print(
         f"{'shape':18} {'copy_':>8} {'permute':>14} {'combine':>14} {'replica(16 pr)':>16} "
