@@ -17,6 +17,7 @@ from relibra_moe.layers.dispatch import (
     get_dispatcher,
     has_deep_ep,
 )
+from relibra_moe.layers.moe import ReplayBalancedMoE
 from relibra_moe.layers.testing import run_group
 
 
@@ -77,7 +78,32 @@ def _worker(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match="another node"):
         far = [1 if g == (rank + 2) % world else 0 for g in range(world)]
         d.replica_exchange(torch.zeros(1, 2), far, far, intra_node=True)
+    _ep_subgroups(rank, world)
     dist.barrier()
+
+
+def _ep_subgroups(rank: int, world: int) -> None:
+    """Two EP groups of 2 ranks inside a world of 4 (one node per rank): a plain EP layer in each group
+    equals the same layer computed densely on one rank (the group's tokens, the group's experts)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep = groups[rank // 2]
+    torch.manual_seed(5)  # every rank draws the same full weights and tokens
+    w1, w2, wr = torch.randn(4, 6, 16) * 0.3, torch.randn(4, 8, 6) * 0.3, torch.randn(4, 6)
+    xs = torch.randn(4, 3, 6)  # 3 tokens per rank
+    layer = ReplayBalancedMoE(6, 8, 4, 2, ep_group=ep, gpus_per_node=1)
+    assert layer.world_size == 2 and layer.rank == rank % 2
+    with torch.no_grad():
+        mine = layer.home_experts
+        layer.experts.w_gate_up.copy_(w1[mine])
+        layer.experts.w_down.copy_(w2[mine])
+        layer.router.weight.copy_(wr)
+    out = layer(xs[rank])
+    dense = ReplayBalancedMoE(6, 8, 4, 2, dispatcher=LocalDispatcher())
+    with torch.no_grad():
+        dense.experts.w_gate_up.copy_(w1)
+        dense.experts.w_down.copy_(w2)
+        dense.router.weight.copy_(wr)
+    torch.testing.assert_close(out, dense(xs[rank]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(90)

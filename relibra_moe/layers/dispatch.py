@@ -138,8 +138,9 @@ def all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequenc
 class AllToAllDispatcher:
     """Dispatch over ``torch.distributed.all_to_all_single`` on ``group`` (default: the world).
 
-    Construction is a collective (it creates one sub-group per node of ``gpus_per_node`` consecutive
-    group ranks). ``gpus_per_node`` must divide the group size.
+    Construction is a collective over each node of the group: the ranks of a node (``gpus_per_node``
+    consecutive group ranks) create their sub-group together (``use_local_synchronization``, so other
+    EP groups of a larger world need not take part). ``gpus_per_node`` must divide the group size.
     """
 
     def __init__(self, group=None, gpus_per_node: int | None = None) -> None:
@@ -157,11 +158,9 @@ class AllToAllDispatcher:
         self.node_group = None
         if P == self.world_size:
             self.node_group = group
-        else:
-            for n in range(self.world_size // P):  # every rank creates every sub-group, in order
-                g = dist.new_group(global_ranks[n * P:(n + 1) * P])
-                if n == self.node:
-                    self.node_group = g
+        else:  # only the node's members create (and synchronize on) its sub-group
+            lo = self.node * P
+            self.node_group = dist.new_group(global_ranks[lo:lo + P], use_local_synchronization=True)
 
     def exchange(self, send: torch.Tensor) -> torch.Tensor:
         G = self.world_size
