@@ -19,7 +19,8 @@ Checks (the function returns them; ``--check`` exits non-zero when one fails):
 
 - the planned step's loss and gradients equal a reference step on the same data with the plain HF
   model, all experts local, live routing, no plan (fp32 tolerance), and so do the parameters after
-  the optimizer step;
+  the optimizer step, also as the gathered HF state dict (``full_state_dict``: expert shards of every
+  rank back in logical order, after the relayout);
 - the per-rank expert loads each layer saw in each micro-batch equal the plan's: the tokens x of the
   trace (``TraceBatch.loads`` with the plan's sample placement) times the plan's shares, materialized
   per source rank by largest remainder, and within rounding of the fractional expectation.
@@ -147,7 +148,7 @@ def _worker(rank: int, cfg: Config, init_file: str, out_dir: str) -> None:
 
 
 def _step(rank: int, cfg: Config) -> dict:
-    from relibra_moe.integrations.hf import RoutingRecorder, moe_blocks, replay, swap_moe_blocks
+    from relibra_moe.integrations.hf import RoutingRecorder, full_state_dict, moe_blocks, replay, swap_moe_blocks
     from relibra_moe.integrations.hf_tiny import tiny_model
     from relibra_moe.layers.moe import materialize_counts
     from relibra_moe.layers.relayout import relayout
@@ -249,6 +250,13 @@ def _step(rank: int, cfg: Config) -> dict:
         param_err = max(param_err, float((p - p_ref).abs().max()))
         ok &= torch.allclose(p, p_ref, rtol=cfg.rtol, atol=cfg.atol)
 
+    # the gathered HF state dict (expert shards back in logical order) is the reference model's
+    full = full_state_dict(model)
+    ref_sd = reference.state_dict()
+    state_ok = list(full) == list(ref_sd) and all(
+        torch.allclose(full[k], ref_sd[k], rtol=cfg.rtol, atol=cfg.atol) for k in ref_sd)
+    state_err = max(float((full[k] - ref_sd[k]).abs().max()) for k in ref_sd)
+
     # expected per-rank loads from the trace and the plan
     x = batch.loads(plan.samples.gpu, G, plan.samples.micro_batch)  # [M, L, G(source), E]
     exact = np.zeros((M, L, G), np.int64)
@@ -266,6 +274,7 @@ def _step(rank: int, cfg: Config) -> dict:
         "loss": float(loss_sum), "ref_loss": float(ref_loss.detach()),
         "ref_grad_norm": float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values()))),
         "grads_ok": bool(ok), "grad_rel_err": grad_err, "param_abs_err": param_err,
+        "state_ok": bool(state_ok), "state_abs_err": state_err,
         "loads_seen": seen.tolist(), "loads_exact": exact.tolist(), "loads_frac": frac.tolist(),
         "split_pairs": split_pairs.tolist(),
         "replicas": int((plan.replicas.replica_expert >= 0).sum()), "experts_moved": moved["experts_moved"],
@@ -288,6 +297,7 @@ def run(cfg: Config | None = None) -> dict:
     checks = {
         "loss_matches_reference": abs(r0["loss"] - r0["ref_loss"]) <= cfg.rtol * max(1.0, abs(r0["ref_loss"])),
         "grads_and_step_match_reference": all(r["grads_ok"] for r in results),
+        "gathered_state_dict_matches_reference": all(r["state_ok"] for r in results),
         "loads_equal_plan": bool((seen == exact).all()),
         "loads_within_rounding_of_plan": bool((np.abs(seen - frac) <= bound + 1e-9).all()),
         "loads_cover_every_token": bool((seen.sum(-1) == exact.sum(-1)).all()),

@@ -18,6 +18,7 @@ from relibra_moe.errors import ReplayError  # noqa: E402
 from relibra_moe.integrations.hf import (  # noqa: E402
     ReplayMoEBlock,
     RoutingRecorder,
+    full_state_dict,
     moe_blocks,
     moe_layer_ids,
     replay,
@@ -193,6 +194,8 @@ def test_save_pretrained_round_trip(fam, tmp_path):
     assert not any(isinstance(m, SWAPPED) for m in plain.modules())
     sd, psd = model.state_dict(), plain.state_dict()
     assert set(sd) == set(psd)
+    full = full_state_dict(model)  # one rank: the plain state dict
+    assert list(full) == list(sd) and all(torch.equal(full[k], sd[k]) for k in sd)
     for k in sd:
         assert torch.equal(sd[k], psd[k]), k
     with torch.no_grad():

@@ -34,8 +34,8 @@ from torch import nn
 from ..errors import ReplayError
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 
-__all__ = ["RoutingRecorder", "swap_moe_blocks", "replay", "ReplayMoEBlock", "moe_blocks", "moe_layer_ids",
-           "SUPPORTED_BLOCKS"]
+__all__ = ["RoutingRecorder", "swap_moe_blocks", "replay", "full_state_dict", "ReplayMoEBlock", "moe_blocks",
+           "moe_layer_ids", "SUPPORTED_BLOCKS"]
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -462,6 +462,34 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
         new.train(block.training)
         _set_submodule(model, name, new)
     return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict()`` with every expert parameter whole ``[E, ...]`` in logical expert order.
+
+    With an EP group of G ranks each rank holds only its home experts' rows (in its current placement,
+    after any ``relayout``); this all-gathers them over each layer's group and puts row e back at
+    position e, so the result is the plain HF state dict on every rank (``save_pretrained`` from one
+    rank, ``load_state_dict`` into the HF class). A collective when G > 1; a plain ``state_dict()``
+    copy otherwise.
+    """
+    import torch.distributed as dist
+
+    sd = dict(model.state_dict())
+    for _, name, block in moe_blocks(model):
+        if getattr(block, "world_size", 1) <= 1:
+            continue
+        home = torch.as_tensor(block.home_gpu)
+        for pname in ("gate_up_proj", "down_proj"):
+            key = f"{name}.experts.{pname}"
+            local = sd[key].contiguous()
+            parts = [torch.empty_like(local) for _ in range(block.world_size)]
+            dist.all_gather(parts, local, group=block.ep_group)
+            full = torch.empty((block.num_experts,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+            for g, part in enumerate(parts):
+                full[torch.nonzero(home == g).view(-1).to(local.device)] = part
+            sd[key] = full
+    return sd
 
 
 def _group_size(ep_group: Any) -> int:
