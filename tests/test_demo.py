@@ -102,3 +102,17 @@ def test_ablation_and_targets_from_results():
     assert t["qwen3-235b-a22b/mixed: relibra % of balanced"]["value"] == pytest.approx(100 * 1.3 / 1.4)
     assert t["gpt-oss-ep8 (r=2): relibra % of balanced"]["met"]
     assert t["gpt-oss-ep8 (r=2): relibra % of balanced, sum T_MoE only"]["value"] == 95.0
+
+
+def test_notes_flag_dominant_reorder_and_replica_traffic():
+    from relibra_moe.commands.demo import notes
+
+    sc = {"name": "x", "num_tokens": 1000, "expert_mib": 47.0,
+          "strategies": {"relibra": {"reorder_share": 0.2, "replica_share": 0.01}}}
+    out = notes([sc])
+    assert len(out) == 1 and "20% of relibra's step" in out[0] and "1,000 tokens" in out[0]
+    sc["strategies"]["relibra"].update(reorder_share=0.01, replica_share=0.3)
+    out = notes([sc])
+    assert len(out) == 1 and "30%" in out[0] and "47 MiB" in out[0]
+    sc["strategies"]["relibra"].update(replica_share=0.0)
+    assert notes([sc]) == []
