@@ -360,23 +360,28 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     cls = cluster.link_classes.astype(np.int64)
     scale = max(x.sum() / G, 1e-12)
     xs = x / scale
-    # the paper's loop, then the widened candidate sets; the best final split wins
-    configs = [(1, False)]
+    # the widened candidate sets, then the paper's loop unless the first already reached the lower
+    # bound (nothing can beat it); the best final split wins
+    configs = []
     if candidates > 1 or comm_candidates:
         configs.append((int(candidates), bool(comm_candidates)))
+    configs.append((1, False))
+    lb = lower_bound(x, expert_gpu, model, cluster)
     runs = []
     seen = set()
     auto = polish is None
     if auto:
         polish = G <= 16 and bool(slots)
     for ncand, comm in configs:
+        if runs and min(r[0] for r in runs) <= lb * (1 + 1e-9):
+            break
         hold, rep, flows, T = greedy_cell(xs, expert_gpu, P, int(slots), cls, w.w_nv, w.w_rdma, ncand, comm,
                                           int(passes))
         key = rep.tobytes()
         if key not in seen:
             seen.add(key)
             runs.append((T * scale * w.sec_per_token, hold, rep, flows))
-    if auto and polish and min(r[0] for r in runs) <= lower_bound(x, expert_gpu, model, cluster) * (1 + polish_tol):
+    if auto and polish and min(r[0] for r in runs) <= lb * (1 + polish_tol):
         polish = False
     best = None
     for t, hold, rep, flows in sorted(runs, key=lambda r: r[0]) if polish else [min(runs, key=lambda r: r[0])]:
