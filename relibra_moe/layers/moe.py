@@ -45,7 +45,6 @@ outputs and gradients equal the plain layer's with the same routing (up to fp32 
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -202,7 +201,7 @@ class ReplayBalancedMoE(nn.Module):
         self.shared_expert = shared_expert
         self.register_buffer("expert_gpu", torch.arange(num_experts, dtype=torch.int64) // self.num_local)
         self._replay: _Replay | None = None
-        self._calls = itertools.count()
+        self._calls = 0
         self.last_routing: torch.Tensor | None = None
         self.last_send_counts = np.zeros(G, np.int64)
         self.last_load = 0
@@ -388,7 +387,8 @@ class ReplayBalancedMoE(nn.Module):
 
         # expert side: home experts + replica slots
         transfer = state.transfer
-        key = (id(self), next(self._calls))
+        self._calls += 1
+        key = (id(self), self._calls)
         y_recv = experts_forward(self.experts, x_recv, slot_recv, self.replica_buffer if transfer else None,
                                  transfer, self.dispatcher, key)
 
