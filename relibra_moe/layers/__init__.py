@@ -1,1 +1,15 @@
-"""layers of relibra_moe."""
+"""The MoE layer and its parts (nn.Modules and autograd glue; see DESIGN.md "Package layout").
+
+- ``router``: ``TopKRouter`` (softmax / DeepSeek-V3 sigmoid with group-limited selection) with replay.
+- ``experts``: grouped SwiGLU experts over home experts + replica slots (the Triton grouped GEMM).
+- ``replica_buffer``: ``LayerSharedReplicaBuffer`` (r slots per rank shared by all layers),
+  ``replica_buffer_bytes``.
+- ``dispatch``: the ``Dispatcher`` protocol, ``LocalDispatcher``, ``AllToAllDispatcher``,
+  ``DeepEPDispatcher``.
+- ``moe``: ``ReplayBalancedMoE`` and ``materialize_counts`` (largest-remainder token splits).
+- ``replay``: ``replay_model`` (recorded ids and the plan of one micro-batch for every layer).
+- ``relayout``: ``relayout`` (move experts, grads and optimizer state to a new placement).
+- ``testing``: ``run_group`` (spawn a local process group; tests and benchmarks).
+
+Submodules are imported on use (``relibra_moe.layers.moe``, ...); the package itself stays light.
+"""
