@@ -70,11 +70,8 @@ def moe_layer_ids(model: nn.Module) -> np.ndarray:
 
 
 def _is_swapped(mod: nn.Module) -> bool:
-    if isinstance(mod, ReplayMoEBlock):
-        return True
-    from .hf_layer import HFReplayBalancedMoE
-
-    return isinstance(mod, HFReplayBalancedMoE)
+    """A block made by :func:`swap_moe_blocks` (checked without importing the layer and its kernels)."""
+    return bool(getattr(type(mod), "_relibra_swapped", False))
 
 
 def _num_experts_topk(block: nn.Module) -> tuple[int, int]:
@@ -275,6 +272,8 @@ class ReplayMoEBlock(nn.Module):
         layer_id: decoder layer index.
         last_expert_counts: int64 ``[E]`` tokens per expert in the last forward (valid ids only).
     """
+
+    _relibra_swapped = True
 
     def __init__(self, block: nn.Module, layer_id: int) -> None:
         super().__init__()

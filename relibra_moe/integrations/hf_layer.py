@@ -151,6 +151,8 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
     experts as HF adds them.
     """
 
+    _relibra_swapped = True
+
     def __init__(self, block: nn.Module, layer_id: int, layer_index: int, *, ep_group: Any = None,
                  gpus_per_node: int | None = None, replica_buffer: HFReplicaBuffer | None = None,
                  dispatcher: Any = "auto") -> None:
