@@ -14,7 +14,7 @@ runs first. On a machine without CUDA it runs a small correctness pass in Triton
 and says that timings need a GPU.
 
     python bench/kernels.py                      # both shapes, table + bench/results/kernels.json
-    python bench/kernels.py --shapes qwen3-30b-a3b --tokens 8192 --block-m 128
+    python bench/kernels.py --shapes qwen3-30b-a3b --tokens 8192 --block-m 128   # one tile height
 
 Prints a table and writes JSON (``--out``).
 """
@@ -255,19 +255,21 @@ def bench_shape(
 
 
 def print_table(rows: list[dict]) -> None:
-    hdr = f"{'shape':18} {'proj':8} {'fwd':>7} {'dX':>7} {'dW':>7} {'dense':>7} {'_grouped':>9} {'fwd/dense':>9}"
+    hdr = f"{'shape':18} {'bm':>4} {'proj':8} {'fwd':>7} {'dX':>7} {'dW':>7} {'dense':>7} "
+    hdr += f"{'_grouped':>9} {'fwd/dense':>9}"
     print("grouped GEMM, TFLOP/s (bf16)")
     print(hdr)
     for r in rows:
         for proj, g in r["gemm"].items():
             tg = f"{g['torch_grouped_mm_tflops']:9.1f}" if g["torch_grouped_mm_tflops"] else f"{'n/a':>9}"
             print(
-                f"{r['shape']:18} {proj:8} {g['fwd_tflops']:7.1f} {g['dx_tflops']:7.1f} {g['dw_tflops']:7.1f} "
+                f"{r['shape']:18} {r['block_m']:4d} {proj:8} {g['fwd_tflops']:7.1f} {g['dx_tflops']:7.1f} "
+                f"{g['dw_tflops']:7.1f} "
                 f"{g['dense_matmul_tflops']:7.1f} {tg} {g['fwd_vs_dense']:9.2f}"
             )
     for r in rows:
         print(
-            f"{r['shape']:18} expert MLP fwd+bwd: {r['expert_mlp_fwd_bwd_ms']:.2f} ms, "
+            f"{r['shape']:18} bm {r['block_m']:3d} expert MLP fwd+bwd: {r['expert_mlp_fwd_bwd_ms']:.2f} ms, "
             f"{r['expert_mlp_fwd_bwd_tflops']:.1f} TFLOP/s"
         )
     print("\nmemory-bound ops, GB/s (ratio to device copy_)")
@@ -287,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {list(SHAPES)}")
     ap.add_argument("--tokens", type=int, default=None, help="override T (tokens per micro-batch)")
-    ap.add_argument("--block-m", type=int, default=64, help="rows per tile of the grouped GEMM schedule")
+    ap.add_argument(
+        "--block-m", default="64,128", help="comma-separated rows per tile of the grouped GEMM schedule (each is run)"
+    )
     ap.add_argument("--replicas", type=int, default=16, help="experts copied by the replica-copy benchmark")
     ap.add_argument(
         "--out", default=None, help="JSON path (default bench/results/kernels.json, or kernels_interpreter.json on CPU)"
@@ -329,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for name in args.shapes.split(","):
             T, k, E, H, inter = SHAPES[name]
-            rows.append(bench_shape(name, args.tokens or T, k, E, H, inter, args.block_m, args.replicas))
-            torch.cuda.empty_cache()
+            for bm in (int(b) for b in args.block_m.split(",")):
+                rows.append(bench_shape(name, args.tokens or T, k, E, H, inter, bm, args.replicas))
+                torch.cuda.empty_cache()
         report["results"] = rows
         print_table(rows)
     default = "kernels.json" if torch.cuda.is_available() else "kernels_interpreter.json"
