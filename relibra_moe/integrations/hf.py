@@ -104,6 +104,9 @@ class RoutingRecorder:
 
     Trace rows are therefore the fed tokens (prompt + generated tokens but the last), logical expert ids
     in the engine's order, ``layer_ids`` = decoder indices of the MoE layers only, ``start`` = 0.
+
+    Greedy and sampled decoding (also ``num_return_sequences``) are supported; beam search reorders the
+    cache between steps, so its rows would not follow one sequence, and is not.
     """
 
     def __init__(self, model: nn.Module, *, source: str = "") -> None:
