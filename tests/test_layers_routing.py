@@ -110,3 +110,30 @@ def test_destinations_follow_the_plan(case):
                     s[plan.split_index[z, 4]] += plan.split_share[z]
             got = np.bincount(dest[ids == e], minlength=G)
             assert (got == _loop_round(n, s)).all(), (j, e, got, s)
+
+
+def test_plan_state_rejects_what_the_layer_cannot_follow():
+    import pytest
+
+    from relibra_moe.errors import PlanError
+
+    home = np.arange(4) // 2
+    rep = np.array([[-1], [0]])  # expert 0 (home 0) replicated on rank 1
+    plan = ReplicaPlan(rep[None, None], np.zeros((0, 5), np.int64), np.zeros(0))
+
+    def state(buf, placement=home, p=plan):
+        layer = ReplayBalancedMoE(4, 4, 4, 2, gpus_per_node=2, replica_buffer=buf, layer_index=0,
+                                  dispatcher=_View(1, 2, 2))
+        return layer._plan_state(_Replay(ids=None, replicas=p, placement=placement, micro_batch=0))
+
+    with pytest.raises(PlanError, match="no replica_buffer"):
+        state(None)
+    with pytest.raises(PlanError, match="r=1 replica slots per rank, the layer's buffer 2"):
+        state(LayerSharedReplicaBuffer(4, 4, 2))
+    with pytest.raises(PlanError, match="apply relayout"):
+        state(LayerSharedReplicaBuffer(4, 4, 1), placement=np.array([1, 1, 0, 0]))
+    bad = ReplicaPlan(np.array([[0], [-1]])[None, None], np.zeros((0, 5), np.int64), np.zeros(0))
+    with pytest.raises(PlanError, match=r"layer moe\[0\], micro-batch 0: .*homed on GPU 0"):
+        state(LayerSharedReplicaBuffer(4, 4, 1), p=bad)
+    st = state(LayerSharedReplicaBuffer(4, 4, 1))
+    assert st.transfer is not None and st.transfer.recv_slots.tolist() == [0] and st.slot_table[0, 1] == 2
