@@ -176,8 +176,11 @@ def strategy_runs(sc: Scenario, strategies: list[str]) -> list[tuple[str, str, b
 
 
 def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strategies: list[str],
-                 advance: Any = None) -> dict[str, Any]:
-    """Plan the scenario's batch with every strategy and simulate each step; the JSON-ready result."""
+                 advance: Any = None, starting: Any = None) -> dict[str, Any]:
+    """Plan the scenario's batch with every strategy and simulate each step; the JSON-ready result.
+
+    ``starting(label)`` is called before each plan and ``advance()`` after it (progress reporting).
+    """
     from ..metrics import load_summary
     from ..sim import simulate_step
     from ..specs import cluster_preset, model_preset
@@ -203,6 +206,8 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
     results: dict[str, Any] = {}
     details: dict[str, Any] = {}
     for label, strategy, repack in strategy_runs(sc, strategies):
+        if starting is not None:
+            starting(label)
         t1 = time.perf_counter()
         if plan_batch is None:
             plan = _static_plan(batch, model, cluster)
@@ -377,8 +382,9 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
         task = bar.add_task("planning", total=total)
         for sc in todo:
             bar.update(task, description=f"planning {sc.name}")
-            results.append(run_scenario(sc, seed, workers, plan_batch, strategies,
-                                        advance=lambda: bar.advance(task)))
+            results.append(run_scenario(
+                sc, seed, workers, plan_batch, strategies, advance=lambda: bar.advance(task),
+                starting=lambda label, name=sc.name: bar.update(task, description=f"planning {name}: {label}")))
     for sc in results:
         console.print(report.scenario_table(sc))
     abl = ablation(results)
