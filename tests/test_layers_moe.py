@@ -299,6 +299,22 @@ def _worker_cases(rank: int, world: int, P: int, E: int, r: int, real=None) -> N
             check_case(rank, world, P, E, r, seed, _tokens(tok, world, seed), kind, hot)
         if world > 1:
             _error_cases(rank, world, P, E, r)
+            _replay_identity(rank, world, P, E, r)
+
+
+def _replay_identity(rank: int, G: int, P: int, E: int, r: int) -> None:
+    """Recorded live routing replayed on every rank gives identical outputs; the routers get gradients."""
+    x_all, params, _, _ = make_case(12, G, E, [5] * G)
+    layers, _ = build_model(G, P, E, r, params, rank)
+    x = x_all[5 * rank:5 * rank + 5].float()
+    with torch.no_grad():
+        live = forward_model(layers, x)
+    recorded = [layer.last_routing.clone() for layer in layers]
+    with replay_model(layers, recorded):
+        out = forward_model(layers, x)
+    assert torch.equal(out.detach(), live)
+    out.square().sum().backward()
+    assert all(layer.router.weight.grad.abs().sum() > 0 for layer in layers)
 
 
 def _error_cases(rank: int, G: int, P: int, E: int, r: int) -> None:
