@@ -17,7 +17,7 @@ from relibra_moe.trace import RoutingTrace, TraceBatch
 
 MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=8, topk=2, num_layers=3)
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)
-FAST = dict(iters=300, locality_iters=200, num_seeds=2)
+FAST = dict(iters=300, locality_iters=200, num_seeds=2, rounds=1)
 
 
 def make_batch(seed=0, n=16, M=2):
@@ -157,3 +157,12 @@ def test_invalid_inputs():
         Planner(MODEL, ClusterSpec(nodes=1, gpus_per_node=3))
     with pytest.raises(PlanError, match="model tiny"):
         Planner(MODEL.with_(num_layers=2), CLUSTER, executor="inline").plan(make_batch())
+
+
+def test_inline_planner_matches_plan_batch(inline_plan):
+    from relibra_moe.planners.strategies import plan_batch
+
+    ref = plan_batch(make_batch(), MODEL, CLUSTER, "relibra", replica_slots=1, workers=1, **FAST)
+    np.testing.assert_array_equal(ref.placement.expert_gpu, inline_plan.placement.expert_gpu)
+    np.testing.assert_array_equal(ref.samples.gpu, inline_plan.samples.gpu)
+    np.testing.assert_array_equal(ref.replicas.replica_expert, inline_plan.replicas.replica_expert)

@@ -178,7 +178,6 @@ class Planner:
                                  "fallback_cells": {"reorder": [], "locality": 0, "replicate": []}}
         timing = stats.setdefault("timing", {})
         eg, mb, sg = self._inter(batch, deadline, stats)
-        timing["inter_s"] = time.perf_counter() - t0
         M = int(mb.max()) + 1
         placement = Placement(eg)
         samples = SamplePlacement(mb, sg, M)
@@ -196,23 +195,43 @@ class Planner:
         return plan
 
     def _inter(self, batch, deadline, stats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Reorder (layer x seed tasks) + locality (one task), ``rounds`` times."""
-        from .locality import loads_from_counts, round_robin_gpus
-        from .reorder import batch_cost, layer_seeds, lpt_placement
+        """Reorder (layer x seed tasks) + locality (one task), ``rounds`` times.
+
+        Mirrors ``strategies.relibra_inter`` (same defaults, seeds and kwargs), so that without fallbacks
+        the plan equals ``plan_batch``'s whatever the executor (tests/test_service.py checks it).
+        """
+        from .locality import default_locality_iters, loads_from_counts, round_robin_gpus
+        from .reorder import batch_cost, default_iters, layer_seeds, lpt_placement
+        from .strategies import DEFAULT_ROUNDS
 
         model, cluster, o = self.model, self.cluster, self.options
-        G, L = cluster.num_gpus, model.num_layers
+        G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
         counts = batch.sample_expert_counts()
         lengths = np.asarray(batch.lengths, dtype=np.int64)
         mb = np.asarray(batch.resolve_micro_batch(), dtype=np.int64)
         M = int(mb.max()) + 1
         sg = round_robin_gpus(mb, G)
+        repack = bool(o.get("repack", False))
         prev = self.previous.expert_gpu.astype(np.int64) if self.previous is not None and \
-            self.previous.expert_gpu.shape == (L, model.num_experts) else None
+            self.previous.expert_gpu.shape == (L, E) else None
+        rounds = int(DEFAULT_ROUNDS if o.get("rounds") is None else o["rounds"])
+        if rounds < 1:
+            raise PlanError(f"rounds={rounds} must be >= 1")
+        objective = o.get("objective", "batch")
+        iters = o.get("iters")
+        if iters is None:
+            iters = max(default_iters(E, G, M if objective == "batch" else 1, L) // rounds, 300)
+        loc_iters = o.get("locality_iters")
+        if loc_iters is None:
+            loc_iters = max(default_locality_iters(len(lengths), L, G, repack) // rounds, 100)
+        num_seeds = o.get("num_seeds")
+        num_seeds = max(1, self.workers) if num_seeds is None else int(num_seeds)
+        beta = o.get("beta", DEFAULT_BETA)
+        kw = dict(objective=objective, beta=beta, iters=iters, smooth=o.get("smooth"))
+        timing = stats["timing"]
         eg = None
-        num_seeds = int(o.get("num_seeds", max(2, self.workers)))
-        kw = {k: o[k] for k in ("objective", "beta", "iters") if k in o}
-        for rnd in range(int(o.get("rounds", 1))):
+        for rnd in range(rounds):
+            t0 = time.perf_counter()
             x = loads_from_counts(counts, mb, sg, M, G)
             xl = np.ascontiguousarray(np.moveaxis(x, 1, 0), dtype=np.float64)  # [L, M, G, E]
             if eg is None:
@@ -226,32 +245,34 @@ class Planner:
                     tasks.append((_reorder_task, (xl[l], model, cluster, s, start[l], kw)))
                     keys.append(("reorder", (l, s)))
             results = self._run(tasks, keys, deadline)
-            failed_layers = set()
-            done_layers = set()
+            failed_layers, done_layers = set(), set()
             for (_, (l, _s)), res in zip(keys, results):
                 if isinstance(res, _Failed):
                     failed_layers.add(l)
                     continue
                 done_layers.add(l)
                 cand, obj = res
-                if obj < best_obj[l]:
+                if obj < best_obj[l]:  # task order is deterministic: ties keep the earlier candidate
                     best_obj[l], best[l] = obj, cand
             for l in sorted(failed_layers - done_layers):  # no seed of the layer finished
                 best[l] = prev[l] if prev is not None else start[l]
                 stats["fallbacks"] += 1
                 stats["fallback_cells"]["reorder"].append(int(l))
             eg = best
-            lkw = dict(num_micro_batches=M, repack=bool(o.get("repack", False)), token_cap=o.get("token_cap"),
-                       tol=o.get("tol", 0.05), seed=self.seed + rnd, iters=o.get("locality_iters"),
-                       beta=o.get("beta", DEFAULT_BETA))
+            t1 = time.perf_counter()
+            lkw = dict(num_micro_batches=M, repack=repack, token_cap=o.get("token_cap"), tol=o.get("tol", 0.05),
+                       seed=self.seed + rnd, iters=loc_iters, beta=beta,
+                       smooth=bool(o.get("locality_smooth", False)))
             (res,) = self._run([(_locality_task, (counts, lengths, mb, sg, eg, model, cluster, lkw))],
                                [("locality", rnd)], deadline)
             if isinstance(res, _Failed):
                 stats["fallbacks"] += 1
                 stats["fallback_cells"]["locality"] += 1
             else:
-                mb, sg, _info = res
-                stats["objective"] = _info["objective"]
+                mb, sg, info = res
+                stats["objective"] = info["objective"]
+            timing[f"reorder_s_{rnd}"] = t1 - t0
+            timing[f"locality_s_{rnd}"] = time.perf_counter() - t1
         return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
 
     def _replicate(self, placement: Placement, samples: SamplePlacement, batch, deadline, stats) -> ReplicaPlan:
