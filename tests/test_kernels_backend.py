@@ -65,3 +65,29 @@ def test_cast_out_rounds_to_nearest_even_like_torch():
     if torch.equal(y, x.to(torch.bfloat16)):
         pytest.skip("this Triton's interpreter rounds fp32 -> bf16 correctly; RNE is no longer needed")
     assert bool((y.float().abs() <= x.abs()).all())
+
+
+def test_backward_keeps_the_forward_backend_on_other_threads(monkeypatch):
+    """CUDA autograd runs backward on device threads: the forced backend must follow the graph."""
+    from relibra_moe.triton_kernels import grouped_gemm, permute
+    from relibra_moe.triton_kernels.routing import routing_metadata
+
+    calls = []
+    for mod, name in ((permute, "combine_triton"), (permute, "permute_triton"), (grouped_gemm, "grouped_mm_triton")):
+        orig = getattr(mod, name)
+
+        def spy(*a, _orig=orig, _name=name, **k):
+            calls.append(_name)
+            return _orig(*a, **k)
+
+        monkeypatch.setattr(mod, name, spy)
+    meta = routing_metadata(torch.tensor([[0, 1], [1, 2]]), 3, block_m=16)
+    x = torch.randn(2, 16, requires_grad=True)
+    w = torch.randn(3, 16, 16, requires_grad=True)
+    with force_backend("torch"):
+        y = permute.combine(grouped_gemm.grouped_mm(permute.permute(x, meta), w, meta), meta, torch.ones(2, 2))
+    th = threading.Thread(target=lambda: y.sum().backward())
+    th.start()
+    th.join()
+    assert x.grad is not None and w.grad is not None
+    assert calls == []  # neither forward nor backward touched a Triton kernel

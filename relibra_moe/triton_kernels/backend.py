@@ -17,15 +17,26 @@ whether a kernel is interpreted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRET", "bf16_rne", "cast_out", "dot_upcast", "force_backend", "forced_backend", "use_triton"]
+__all__ = [
+    "INTERPRET",
+    "bf16_rne",
+    "cast_out",
+    "dot_upcast",
+    "force_backend",
+    "forced_backend",
+    "keep_backend",
+    "remember_backend",
+    "use_triton",
+]
 
 #: True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` at import time).
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
@@ -54,6 +65,26 @@ def force_backend(backend: str | None) -> Iterator[None]:
         yield
     finally:
         _local.backend = previous
+
+
+def remember_backend(ctx) -> None:
+    """Record this thread's forced backend on an autograd ``ctx`` (call it in forward / setup_context)."""
+    ctx.relibra_backend = forced_backend()
+
+
+def keep_backend(backward: Callable) -> Callable:
+    """Run an autograd ``backward(ctx, *grads)`` under the backend that was forced when its forward ran.
+
+    The autograd engine runs CUDA backward passes on its own device threads, where the thread-local
+    choice of :func:`force_backend` would otherwise be lost.
+    """
+
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        with force_backend(getattr(ctx, "relibra_backend", None)):
+            return backward(ctx, *grads)
+
+    return wrapped
 
 
 def use_triton(t: torch.Tensor) -> bool:

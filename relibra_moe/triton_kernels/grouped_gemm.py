@@ -41,7 +41,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, cast_out, dot_upcast, use_triton
+from relibra_moe.triton_kernels.backend import (
+    INTERPRET,
+    bf16_rne,
+    cast_out,
+    dot_upcast,
+    keep_backend,
+    remember_backend,
+    use_triton,
+)
 from relibra_moe.triton_kernels.replica_copy import _add_op
 from relibra_moe.triton_kernels.routing import RoutingMeta
 
@@ -513,6 +521,7 @@ def _n_major(t: torch.Tensor) -> bool:
 
 
 def _gmm_setup(ctx, inputs, output):
+    remember_backend(ctx)
     x, sources, slot_source, slot_index, offsets, tile_slot, tile_row, block_m = inputs
     ctx.block_m = block_m
     ctx.num_sources = len(sources)
@@ -550,6 +559,7 @@ def _source_grads(
     return dsrc
 
 
+@keep_backend
 def _gmm_backward(ctx, grad):
     x, offsets, tile_slot, tile_row, slot_source, slot_index, *sources = ctx.saved_tensors
     grad = grad.contiguous()
@@ -664,6 +674,7 @@ class _GatedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, offsets, tile_slot, tile_row, block_m, n1, ss1, si1, ss2, si2, act, *sources):
+        remember_backend(ctx)
         w1, w2 = list(sources[:n1]), list(sources[n1:])
         h = _grouped_mm_op(x, w1, ss1, si1, offsets, tile_slot, tile_row, block_m)
         a = swiglu(h) if act is None else act(h)
@@ -673,6 +684,7 @@ class _GatedExperts(torch.autograd.Function):
         return y
 
     @staticmethod
+    @keep_backend
     def backward(ctx, dy):
         x, h, offsets, tile_slot, tile_row, ss1, si1, ss2, si2, *sources = ctx.saved_tensors
         n1, bm = ctx.n1, ctx.block_m

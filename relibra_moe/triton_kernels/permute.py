@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, cast_out, use_triton
+from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, cast_out, keep_backend, remember_backend, use_triton
 from relibra_moe.triton_kernels.routing import RoutingMeta
 
 __all__ = ["combine", "combine_torch", "permute", "permute_torch", "rowdot", "rowdot_torch"]
@@ -295,6 +295,7 @@ def _(a, b, scatter_idx, topk):
 
 
 def _permute_setup(ctx, inputs, output):
+    remember_backend(ctx)
     x, gather_idx, topk, scale = inputs
     ctx.topk = topk
     ctx.num_tokens = x.shape[0]
@@ -313,6 +314,7 @@ def _inverse_index(gather_idx: torch.Tensor, num_pairs: int) -> torch.Tensor:
     return scatter[:num_pairs]
 
 
+@keep_backend
 def _permute_backward(ctx, grad):
     gather_idx, x, scale = ctx.saved_tensors
     T, k = ctx.num_tokens, ctx.topk
@@ -330,6 +332,7 @@ _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
 def _combine_setup(ctx, inputs, output):
+    remember_backend(ctx)
     y, scatter_idx, weights = inputs
     ctx.num_rows = y.shape[0]
     ctx.y_needs_grad = y.requires_grad
@@ -345,6 +348,7 @@ def _gather_from_scatter(scatter_idx: torch.Tensor, num_rows: int) -> torch.Tens
     return gather[:num_rows]
 
 
+@keep_backend
 def _combine_backward(ctx, grad):
     scatter_idx, weights, y = ctx.saved_tensors
     T, k = weights.shape
