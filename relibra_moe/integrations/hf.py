@@ -422,6 +422,8 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
             GPT-OSS, which only runs ``"local"``.
         dispatcher: passed to ``ReplayBalancedMoE`` (``"auto"``, ``"alltoall"``, ``"deepep"`` or an object).
 
+    Swap after moving the model to its final device and dtype: the replica buffer is allocated here.
+
     Returns:
         ``model`` (modified in place). Already swapped blocks are left as they are.
 
