@@ -42,7 +42,21 @@ def test_opcheck_all_ops():
             torch.ops.relibra.grouped_mm,
             (xs.clone().requires_grad_(), [home, rep], src, idx, meta.offsets, meta.tile_slot, meta.tile_row, 16),
         ),
+        (
+            torch.ops.relibra.grouped_mm,
+            (
+                xs,
+                [wg.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()],
+                None,
+                None,
+                meta.offsets,
+                meta.tile_slot,
+                meta.tile_row,
+                16,
+            ),
+        ),  # fmt: skip
         (torch.ops.relibra.grouped_mm_dw, (xs, xs, meta.offsets, True)),
+        (torch.ops.relibra.grouped_mm_dw, (xs, xs, meta.offsets, False)),
     ]
     with force_backend("torch"):
         for op, args in samples:
