@@ -54,7 +54,7 @@ def test_opcheck_all_ops():
                 meta.tile_row,
                 16,
             ),
-        ),  # fmt: skip
+        ),
         (torch.ops.relibra.grouped_mm_dw, (xs, xs, meta.offsets, True)),
         (torch.ops.relibra.grouped_mm_dw, (xs, xs, meta.offsets, False)),
     ]
