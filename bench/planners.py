@@ -51,7 +51,8 @@ ROWS = [
     ("relibra-inter", "relibra-inter", {}),
     ("static + repack", "static", {"repack": True}),
     ("relibra-inter + repack", "relibra-inter", {"repack": True}),
-    ("relibra-inter + repack, 2 rounds", "relibra-inter", {"repack": True, "rounds": 2}),
+    ("relibra-inter, 1 round", "relibra-inter", {"rounds": 1}),
+    ("relibra-inter + repack, 1 round", "relibra-inter", {"repack": True, "rounds": 1}),
 ]
 QUICK_ROWS = ["static (Megatron)", "LPT reorder", "EPLB+ reorder only", "relibra-inter", "relibra-inter + repack"]
 

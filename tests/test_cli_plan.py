@@ -134,5 +134,7 @@ def test_registry_and_plan_batch_errors():
         plan_batch(batch, MODEL, CLUSTER, "static", replica_slots=-1, micro_batch_size=4)
     with pytest.raises(PlanError, match="model qwen3-30b-a3b"):
         plan_batch(batch, model_preset("qwen3-30b-a3b"), CLUSTER, "static", micro_batch_size=4)
+    with pytest.raises(PlanError, match="rounds=0"):
+        plan_batch(batch, MODEL, CLUSTER, "relibra-inter", rounds=0, micro_batch_size=4)
     with pytest.raises(ValueError, match="micro-batch"):
         plan_batch(batch, MODEL, CLUSTER, "static")  # no assignment and no micro_batch_size

@@ -176,3 +176,22 @@ def test_copy_free_row_objective_matches_rebuilt_state(seed, same, relocate):
         o2 = _kernels.rows_objective_exact(stt[m2], cf, n1, n2, j2, -1, nvm, rdm, cc, tnv, trd, buf)
         assert o1 == pytest.approx(ref[m1], rel=1e-12)
         assert o2 == pytest.approx(ref[m2], rel=1e-12)
+
+
+def test_sample_flows_fast_path_matches_loop():
+    model, cluster, counts, lengths, mb, eg = _case(5)
+    G = cluster.num_gpus
+    ref = np.zeros((len(mb), 2, G))
+    for n in range(len(mb)):
+        for l in range(2):
+            for e in range(8):
+                ref[n, l, eg[l, e]] += counts[n, l, e]
+    np.testing.assert_array_equal(sample_flows(counts, eg, G), ref)
+    uneven = eg.copy()
+    uneven[0, :2] = 0  # not E/G per GPU: the generic path
+    ref2 = np.zeros_like(ref)
+    for n in range(len(mb)):
+        for l in range(2):
+            for e in range(8):
+                ref2[n, l, uneven[l, e]] += counts[n, l, e]
+    np.testing.assert_array_equal(sample_flows(counts, uneven, G), ref2)

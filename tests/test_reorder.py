@@ -116,10 +116,21 @@ def test_anneal_finds_brute_force_optimum():
     x = rng.integers(0, 100, size=(3, 3, 6)).astype(np.float64) * (rng.random((3, 3, 6)) < 0.7)
     best = np.inf
     for perm in set(itertools.permutations([0, 0, 1, 1, 2, 2])):
-        best = min(best, batch_cost(x, np.array(perm), model, cluster))
+        best = min(best, float(moe_cost(x, np.array(perm), model, cluster).t_moe.sum()))
     eg, obj = anneal_layer(x, model, cluster, seed=1, iters=4000, smooth=False, t0_frac=0.05)
     assert obj == pytest.approx(best, rel=1e-12)
-    assert obj == pytest.approx(batch_cost(x, eg, model, cluster))
+    assert obj == pytest.approx(batch_cost(x, eg, model, cluster), rel=1e-12)
+
+
+def test_batch_cost_matches_cost_model():
+    model, cluster = _specs(2, 2, 2)
+    rng = np.random.default_rng(9)
+    x = rng.integers(0, 30, size=(5, 4, 8))
+    eg = rng.permutation(np.repeat(np.arange(4), 2))
+    assert batch_cost(x, eg, model, cluster) == pytest.approx(float(moe_cost(x, eg, model, cluster).t_moe.sum()),
+                                                              rel=1e-12)
+    with pytest.raises(PlanError, match="expert_gpu must be"):
+        batch_cost(x, np.full(8, 4), model, cluster)
 
 
 def test_reorder_never_worse_than_lpt_and_deterministic():

@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="reorder objective: sum over micro-batches of T_MoE (default) or aggregated loads")
     p.add_argument("--iters", type=int, default=None, help="annealing proposals per layer and seed")
     p.add_argument("--locality-iters", type=int, default=None, help="sample-placement annealing proposals")
-    p.add_argument("--rounds", type=int, default=1, help="reorder + locality rounds (relibra*)")
+    p.add_argument("--rounds", type=int, default=None, help="reorder + locality rounds (relibra*; default 2)")
     p.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
     p.add_argument("--out", required=True, help="plan file to write (.npz)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -106,8 +106,8 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     cluster = _cluster(args.cluster, args.nodes, args.gpus_per_node)
     batch = TraceBatch.load(args.trace)
     _check_batch(batch, model, args.trace)
-    options: dict[str, Any] = {"objective": args.objective, "rounds": args.rounds}
-    for k in ("iters", "locality_iters", "token_cap"):
+    options: dict[str, Any] = {"objective": args.objective}
+    for k in ("iters", "locality_iters", "token_cap", "rounds"):
         v = getattr(args, k)
         if v is not None:
             options[k] = v

@@ -566,3 +566,31 @@ def balanced_counts(tokens, num_experts, topk, num_layers, seed):
                     perm[r] = t
                     out[i, l, perm[s]] += 1
     return out
+
+
+@njit(cache=True)
+def sample_flows(counts, expert_gpu, num_gpus):
+    """float64 ``[N, L, G]``: tokens of sample n in layer l routed to experts homed on GPU g.
+
+    counts: int64 ``[N, L, E]``; expert_gpu: int64 ``[L, E]`` (any placement).
+    """
+    N, L, E = counts.shape
+    out = np.zeros((N, L, num_gpus))
+    for n in range(N):
+        for l in range(L):
+            for e in range(E):
+                out[n, l, expert_gpu[l, e]] += counts[n, l, e]
+    return out
+
+
+@njit(cache=True)
+def batch_objective_exact(x, expert_gpu, nvm, rdm, cc, tnv, trd):
+    """Exact batch cost of one layer (sum over micro-batches of T_MoE, seconds); x ``[M, G, E]``."""
+    M, G, E = x.shape
+    st = np.zeros((5, G))
+    buf = np.zeros(G)
+    tot = 0.0
+    for m in range(M):
+        init_state(x[m], expert_gpu, nvm, rdm, st)
+        tot += layer_objective(st[0], st[1], st[2], st[3], st[4], cc, tnv, trd, 1.0, False, buf)
+    return tot

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cost import DEFAULT_BETA, moe_cost
+from ..cost import DEFAULT_BETA, cost_from_flow
 from ..errors import PlanError
 from ..specs import ClusterSpec, ModelSpec
 from . import _kernels
@@ -47,20 +47,36 @@ def loads_from_counts(counts: np.ndarray, micro_batch: np.ndarray, sample_gpu: n
         raise PlanError(f"micro_batch holds {int(mb.max())}, outside [0, {num_micro_batches})")
     if N and (sg.min() < 0 or sg.max() >= num_gpus):
         raise PlanError(f"sample_gpu holds {int(sg.max())}, outside [0, {num_gpus})")
-    out = np.zeros((num_micro_batches * num_gpus, L, E), np.int64)
-    np.add.at(out, mb * num_gpus + sg, counts)
-    return out.reshape(num_micro_batches, num_gpus, L, E).transpose(0, 2, 1, 3).copy()
+    out = np.zeros((num_micro_batches, L, num_gpus, E), np.int64)
+    for n in range(N):  # N row adds of [L, E]: faster than np.add.at's unbuffered scatter
+        out[mb[n], :, sg[n]] += counts[n]
+    return out
 
 
 def sample_flows(counts: np.ndarray, expert_gpu: np.ndarray, num_gpus: int) -> np.ndarray:
     """float64 ``[N, L, G]``: tokens of sample n in layer l routed to experts homed on GPU g."""
-    counts = np.asarray(counts, dtype=np.float64)
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
     N, L, E = counts.shape
-    eg = np.asarray(expert_gpu)
+    eg = np.ascontiguousarray(expert_gpu, dtype=np.int64)
     if eg.shape != (L, E):
         raise PlanError(f"expert_gpu has shape {eg.shape}, expected [L={L}, E={E}]")
-    onehot = (eg[..., None] == np.arange(num_gpus)).astype(np.float64)  # [L, E, G]
-    return np.ascontiguousarray(np.einsum("nle,leg->nlg", counts, onehot))
+    if eg.size and (eg.min() < 0 or eg.max() >= num_gpus):
+        raise PlanError(f"expert_gpu holds GPU {int(eg.max())}, outside [0, {num_gpus})")
+    return _kernels.sample_flows(counts, eg, int(num_gpus))
+
+
+def flows_from_samples(cf: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, num_micro_batches: int,
+                       num_gpus: int) -> np.ndarray:
+    """float64 ``[M, L, G, G]`` flow (tokens from source j to home GPU g) from per-sample flows ``cf [N, L, G]``."""
+    N, L, G = cf.shape
+    out = np.zeros((num_micro_batches, L, num_gpus, G))
+    for n in range(N):
+        out[micro_batch[n], :, sample_gpu[n]] += cf[n]
+    return out
+
+
+def _exact_total(cf, mb, sg, M, model, cluster) -> float:
+    return float(cost_from_flow(flows_from_samples(cf, mb, sg, M, cluster.num_gpus), model, cluster).t_moe.sum())
 
 
 def round_robin_gpus(micro_batch: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -129,20 +145,21 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
     mb0 = np.asarray(micro_batch, dtype=np.int64)
     sg0 = np.asarray(sample_gpu, dtype=np.int64)
     M = int(num_micro_batches if num_micro_batches is not None else (mb0.max() + 1 if N else 0))
-    x0 = loads_from_counts(counts, mb0, sg0, M, G)
-    start = float(moe_cost(x0, expert_gpu, model, cluster).t_moe.sum())
+    if N and (mb0.min() < 0 or mb0.max() >= M or sg0.min() < 0 or sg0.max() >= G):
+        raise PlanError(f"micro_batch / sample_gpu outside [0, {M}) / [0, {G})")
+    cf = sample_flows(counts, expert_gpu, G)
+    start = _exact_total(cf, mb0, sg0, M, model, cluster)
     info = {"objective_start": start, "objective": start, "repack": bool(repack)}
     if N < 2:
         return mb0.copy(), sg0.copy(), info
     if iters is None:
         iters = default_locality_iters(N, model.num_layers, G, repack)
-    cf = sample_flows(counts, expert_gpu, G)
     cap1, cap2 = attention_caps(lengths, M * G, tol)
     nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
     mb, sg, _, _ = _kernels.anneal_samples(
         cf, lengths, lengths * lengths, mb0, sg0, M, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth), bool(repack),
         cap1, cap2, float(token_cap or 0), float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF)
-    obj = float(moe_cost(loads_from_counts(counts, mb, sg, M, G), expert_gpu, model, cluster).t_moe.sum())
+    obj = _exact_total(cf, mb, sg, M, model, cluster)
     if obj < start:
         info["objective"] = obj
         return mb, sg, info

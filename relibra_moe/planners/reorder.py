@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from ..cost import DEFAULT_BETA, moe_cost
+from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
 from . import _kernels
@@ -89,8 +89,16 @@ def _as_layer_loads(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec)
 
 
 def batch_cost(x_layer: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> float:
-    """Exact batch cost of one layer: sum over micro-batches of T_MoE (seconds) for ``x_layer [M, G, E]``."""
-    return float(moe_cost(x_layer, expert_gpu, model, cluster).t_moe.sum())
+    """Exact batch cost of one layer: sum over micro-batches of T_MoE (seconds) for ``x_layer [M, G, E]``.
+
+    Computed by the numba evaluator (the same formulas as ``cost.moe_cost``; the tests check they agree).
+    """
+    x = _as_layer_loads(x_layer, model, cluster)
+    eg = np.asarray(expert_gpu, dtype=np.int64)
+    if eg.shape != (model.num_experts,) or eg.min() < 0 or eg.max() >= cluster.num_gpus:
+        raise PlanError(f"expert_gpu must be [E={model.num_experts}] GPUs in [0, {cluster.num_gpus}), got {eg}")
+    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
+    return float(_kernels.batch_objective_exact(x, eg, nvm, rdm, cc, tnv, trd))
 
 
 def default_iters(num_experts: int, num_gpus: int, num_micro_batches: int = 1, num_layers: int = 1,
