@@ -149,8 +149,10 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
         smooth = objective == "aggregate"
     nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
     xa = x if objective == "batch" else np.ascontiguousarray(x.sum(axis=0)[None])
-    best, _, _ = _kernels.anneal_experts(xa, init, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth),
-                                         float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF)
+    best, obj, _ = _kernels.anneal_experts(xa, init, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth),
+                                           float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF)
+    if objective == "batch" and not smooth:
+        return best, float(obj)  # the kernel's objective is already the exact batch cost
     return best, batch_cost(x, best, model, cluster)
 
 
