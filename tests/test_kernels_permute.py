@@ -157,3 +157,20 @@ def test_round_trip_hypothesis(T, k, S, H, drop, seed):
         out = combine(permute(x, meta), meta, w)
     factor = (w.double().numpy() * (ids >= 0)).sum(1, keepdims=True)
     assert rel_err(out, x.double().numpy() * factor) <= 1e-6
+
+
+def test_wide_rows_use_several_column_blocks():
+    """H above the interpreter's 4096-column block: two column blocks / two rowdot iterations."""
+    ids = torch.tensor([[0, 2], [1, -1], [2, 1]])
+    meta = routing_metadata(ids, 3, block_m=16)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4100, generator=g)
+    w = torch.rand(3, 2, generator=g)
+    with force_backend("triton"):
+        xs = permute(x, meta, w)
+        out = combine(xs, meta, w)
+        dots = rowdot(x, xs, meta)
+    with force_backend("torch"):
+        torch.testing.assert_close(xs, permute(x, meta, w), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out, combine(xs, meta, w), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dots, rowdot(x, xs, meta), rtol=1e-5, atol=1e-4)

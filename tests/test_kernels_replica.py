@@ -59,3 +59,18 @@ def test_errors():
         add_slot_grads(torch.zeros(2, 3), torch.tensor([0, 1]), torch.zeros(2, 3), torch.tensor([0]))
     with pytest.raises(ValueError, match=r"home_index must lie in \[-1, 2\)"):
         add_slot_grads(torch.zeros(2, 3), torch.tensor([0]), torch.zeros(2, 3), torch.tensor([2]))
+
+
+def test_rows_longer_than_one_chunk():
+    """Rows of 2 chunks (interpreter chunks hold 16384 elements): every (pair, chunk) item is served."""
+    g = torch.Generator().manual_seed(2)
+    D = 16384 + 5
+    src = torch.randn(4, D, generator=g)
+    buf = torch.zeros(3, D)
+    with force_backend("triton"):
+        copy_into_slots(src, torch.tensor([3, 1, 0]), buf, torch.tensor([0, 2, 1]), num_programs=2)
+        assert torch.equal(buf, src[[3, 0, 1]])
+        home = torch.zeros(2, D)
+        add_slot_grads(buf, torch.tensor([0, 1, 2]), home, torch.tensor([1, 1, 0]), num_programs=2)
+    expected = torch.stack([buf[2].double(), buf[0].double() + buf[1].double()])
+    torch.testing.assert_close(home.double(), expected, rtol=1e-6, atol=1e-6)
