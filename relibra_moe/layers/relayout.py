@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import PlanError
-from ..plan import Placement
+from ..plan import BatchPlan, Placement
 from .moe import ReplayBalancedMoE, moe_layers
 
 __all__ = ["relayout", "moe_layers"]
@@ -65,9 +65,10 @@ def _move_layer(layer: ReplayBalancedMoE, new: np.ndarray, optimizer: torch.opti
     return int((old != new).sum())
 
 
-def relayout(model: nn.Module, placement: Placement | np.ndarray,
+def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
              optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Move every MoE layer's experts (and grads, optimizer state) to ``placement.expert_gpu [L, E]``.
+    """Move every MoE layer's experts (and grads, optimizer state) to ``placement.expert_gpu [L, E]``
+    (a ``Placement``, a ``BatchPlan``'s placement, or the int array itself).
 
     ``model``: any module containing ``ReplayBalancedMoE`` layers (or one such layer); row ``l`` of the
     placement belongs to the ``l``-th of them in module order (their ``layer_index`` when set).
@@ -75,6 +76,8 @@ def relayout(model: nn.Module, placement: Placement | np.ndarray,
     group calls it with the same placement.
     """
     layers = moe_layers(model)
+    if isinstance(placement, BatchPlan):
+        placement = placement.placement
     grid = placement.expert_gpu if isinstance(placement, Placement) else np.asarray(placement)
     grid = np.asarray(grid, dtype=np.int64)
     if grid.ndim != 2 or grid.shape[0] != len(layers):
