@@ -328,3 +328,32 @@ def test_swap_through_triton_kernels():
         g = model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=2, do_sample=False)
     assert (out - ref).abs().max().item() <= 1e-5
     assert torch.equal(g, gen)
+
+
+def test_activation_checkpointing_under_replay():
+    """HF activation checkpointing recomputes the swapped blocks in backward: run inside replay, the
+    recomputation replays the same routing and the gradients are those without checkpointing."""
+
+    def grads(checkpointing: bool):
+        model = tiny_model("qwen2_moe")
+        with RoutingRecorder(model) as rec, torch.no_grad():
+            model(PROMPTS[1:])
+        swap_moe_blocks(model).train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        calls, block = [], model.model.layers[0].mlp
+        forward = block.forward
+
+        def counted(*args, **kwargs):  # (module hooks do not run in the recomputation)
+            calls.append(1)
+            return forward(*args, **kwargs)
+
+        block.forward = counted
+        with replay(model, rec.traces()):
+            model(PROMPTS[1:], labels=PROMPTS[1:]).loss.backward()
+        assert (len(calls) > 1) == checkpointing  # recomputed in backward
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    plain, ckpt = grads(False), grads(True)
+    for n in plain:
+        torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-6, atol=1e-8, msg=n)
