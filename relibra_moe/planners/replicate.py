@@ -42,7 +42,7 @@ from .split import (
     waterfill_expert,
 )
 
-__all__ = ["CellResult", "replicate_cell", "replicate_batch", "DEFAULT_CANDIDATES"]
+__all__ = ["CellResult", "replicate_cell", "replicate_cell_lp", "replicate_batch", "DEFAULT_CANDIDATES"]
 
 DEFAULT_CANDIDATES = 4
 _BETA = 20.0
@@ -394,6 +394,59 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
             best = (rep, rows, share, t)
     rep, rows, share, t = best
     return CellResult(rep.astype(np.int32), rows, share, float(t))
+
+
+def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
+                      *, candidates: int = 1) -> CellResult:
+    """Algorithm 2 literally, with the exact split LP re-solved after every move (slow: small cells only).
+
+    Each move: the compute-bottleneck GPU under the current (LP-optimal) split, its heaviest expert (most
+    tokens served there), a replica on the least-loaded GPU of the home's node with a free slot that does
+    not hold it, the LP re-solved with z fixed; the move is kept if T_MoE drops, else the loop stops.
+    ``candidates > 1`` tries that many of the bottleneck's heaviest experts per move and keeps the best.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    expert_gpu = np.ascontiguousarray(expert_gpu, dtype=np.int64)
+    G, P = cluster.num_gpus, cluster.gpus_per_node
+    if x.ndim != 2 or x.shape[0] != G or expert_gpu.shape != (x.shape[1],):
+        raise PlanError(f"x {x.shape} / expert_gpu {expert_gpu.shape} do not match G={G}")
+    if not isinstance(slots, (int, np.integer)) or slots < 0:
+        raise PlanError(f"replica_slots={slots!r} must be an int >= 0")
+    rep = np.full((G, slots), -1, np.int64)
+    used = np.zeros(G, np.int64)
+    sol = solve_split_lp(x, expert_gpu, rep, model, cluster)
+    while slots > 0:
+        served = x * 0.0  # [G(target), E]: tokens of e served on each GPU under the current split
+        np.add.at(served.T, (np.arange(x.shape[1]), expert_gpu), x.sum(axis=0))
+        if len(sol.rows):
+            j, e, g = sol.rows.T
+            pairs = np.unique(np.stack([j, e], 1), axis=0)
+            np.add.at(served, (expert_gpu[pairs[:, 1]], pairs[:, 1]), -x[pairs[:, 0], pairs[:, 1]])
+            np.add.at(served, (g, e), x[j, e] * sol.share)
+        load = served.sum(axis=1)
+        gs = int(np.argmax(load))
+        best = None
+        tried = 0
+        for e in np.argsort(-served[gs], kind="stable"):
+            if served[gs, e] <= 0 or tried >= candidates:
+                break
+            node = expert_gpu[e] // P
+            free = [g for g in range(node * P, node * P + P)
+                    if used[g] < slots and g != expert_gpu[e] and not (rep[g] == e).any()]
+            if not free:
+                continue
+            t = min(free, key=lambda g: (load[g], g))
+            tried += 1
+            trial = rep.copy()
+            trial[t, used[t]] = e
+            cand = solve_split_lp(x, expert_gpu, trial, model, cluster)
+            if best is None or cand.t_moe < best[0].t_moe:
+                best = (cand, trial, t)
+        if best is None or best[0].t_moe >= sol.t_moe * (1 - 1e-12):
+            break
+        sol, rep, t = best
+        used[t] += 1
+    return CellResult(rep.astype(np.int32), sol.rows, sol.share, float(sol.t_moe))
 
 
 def _cells_task(args) -> list[CellResult]:
