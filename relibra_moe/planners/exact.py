@@ -133,8 +133,10 @@ def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster:
     prob.solve(solver=cp.HIGHS, time_limit=float(time_limit), mip_rel_gap=float(mip_rel_gap))
     if Y.value is None:
         raise PlanError(f"MILP: no solution (cvxpy status {prob.status})")
-    shares = np.clip(Y.value.reshape(G, E, G), 0, None) * in_node[None, :, :]
-    shares /= shares.sum(axis=2, keepdims=True)
+    shares = np.nan_to_num(np.clip(Y.value.reshape(G, E, G), 0, None)) * in_node[None, :, :]
+    tot = shares.sum(axis=2, keepdims=True)
+    # a time-limited solve may hand back rows that serve nothing: send those tokens home
+    shares = np.where(tot > 1e-9, shares / np.where(tot > 1e-9, tot, 1.0), home[None, :, :])
     zr = np.round(Z.value) * (1.0 - home)
     rep = np.full((G, max(slots, 0)), -1, np.int32)
     for g in range(G):
@@ -142,10 +144,9 @@ def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster:
         rep[g, :len(es)] = es
     t = _shares_cost(x, shares, model, cluster)
     bound = t
-    try:
-        stats = prob.solver_stats.extra_stats
-        bound = float(stats.getInfo().mip_dual_bound) * scale * w.sec_per_token
-    except Exception:  # noqa: BLE001 - solver-specific stats; fall back to the incumbent
-        pass
+    info = getattr(prob.solver_stats, "extra_stats", None)  # highspy's HighsInfo
+    dual = getattr(info, "mip_dual_bound", None)
+    if dual is not None and np.isfinite(dual):
+        bound = float(dual) * scale * w.sec_per_token
     return MilpSolution(t_moe=t, bound=min(bound, t), optimal=prob.status == cp.OPTIMAL and bound >= t * (1 - 1e-3),
                         replica_expert=rep, shares=shares)
