@@ -32,6 +32,7 @@ def test_ring_copies_heaviest_of_predecessor():
         lplb_copies(eg, load[:3], 4, 2, 1)
 
 
+@pytest.mark.timeout(120)
 def test_lplb_plan_is_valid_and_optimal_per_cell():
     rng = np.random.default_rng(0)
     traces = []
@@ -53,6 +54,9 @@ def test_lplb_plan_is_valid_and_optimal_per_cell():
             assert t[l] <= moe_cost(x[m, l], placement.expert_gpu[l], MODEL, CLUSTER).t_moe * (1 + 1e-9)
     # copies are the same in every micro-batch (fixed for the batch)
     np.testing.assert_array_equal(plan.replica_expert[0], plan.replica_expert[1])
+    par = lplb_replicas(placement, samples, batch, MODEL, CLUSTER, replica_slots=1, workers=2)
+    np.testing.assert_array_equal(par.split_index, plan.split_index)
+    np.testing.assert_array_equal(par.split_share, plan.split_share)
     fast = lplb_replicas(placement, samples, batch, MODEL, CLUSTER, replica_slots=1, split="fast")
     fast.validate(placement, MODEL, CLUSTER, 2)
     with pytest.raises(PlanError, match="split"):

@@ -55,7 +55,7 @@ def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, 
 
 
 def lplb_replicas(placement: Placement, samples: SamplePlacement, batch, model: ModelSpec, cluster: ClusterSpec,
-                  replica_slots: int = 1, split: str = "lp") -> ReplicaPlan:
+                  replica_slots: int = 1, split: str = "lp", workers: int = 1) -> ReplicaPlan:
     """LPLB+ replicas and per-micro-batch token splits for a batch.
 
     Args:
@@ -63,6 +63,7 @@ def lplb_replicas(placement: Placement, samples: SamplePlacement, batch, model: 
         batch: the ``TraceBatch`` (its ``loads`` give ``x [M, L, G, E]``).
         replica_slots: r copies per GPU (the baseline's extra memory; one copy per expert at most).
         split: "lp" (exact LP per cell) or "fast" (water-filling heuristic).
+        workers: processes (one task per layer); 1 runs in this process.
     """
     if split not in ("lp", "fast"):
         raise PlanError(f"split={split!r} is not 'lp' or 'fast'")
@@ -73,12 +74,30 @@ def lplb_replicas(placement: Placement, samples: SamplePlacement, batch, model: 
         loads = np.concatenate([loads, np.zeros((M - loads.shape[0],) + loads.shape[1:])])
     if replica_slots <= 0:
         return ReplicaPlan.empty(M, L, G, 0)
-    solve = solve_split_lp if split == "lp" else fast_split
-    results = {}
+    jobs = []
     for l in range(L):
         eg = placement.expert_gpu[l]
         rep = lplb_copies(eg, loads[:, l].sum(axis=(0, 1)), G, cluster.gpus_per_node, replica_slots)
-        for m in range(M):
-            sol = solve(loads[m, l], eg, rep, model, cluster)
-            results[(m, l)] = CellResult(rep, sol.rows, sol.share, sol.t_moe)
+        jobs.append((l, loads[:, l], eg, rep, model, cluster, split))
+    if workers > 1 and L > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=int(workers)) as ex:
+            outs = list(ex.map(_layer_job, jobs))
+    else:
+        outs = [_layer_job(j) for j in jobs]
+    results = {}
+    for out in outs:
+        results.update(out)
     return assemble(results, M, L, G, replica_slots)
+
+
+def _layer_job(job) -> dict[tuple[int, int], CellResult]:
+    """All micro-batches of one layer: the fixed copies, a split per micro-batch."""
+    l, x_layer, eg, rep, model, cluster, split = job
+    solve = solve_split_lp if split == "lp" else fast_split
+    out = {}
+    for m in range(x_layer.shape[0]):
+        sol = solve(x_layer[m], eg, rep, model, cluster)
+        out[(m, l)] = CellResult(rep, sol.rows, sol.share, sol.t_moe)
+    return out
