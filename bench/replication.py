@@ -210,6 +210,20 @@ def bench_time(num_prompts: int, seed: int = 0, workers: int = 2, **options) -> 
     sc = score_plan(plan, batch, model, cluster)
     out["t_moe_total_s"] = float(sc["t_moe_total_s"])
     out["rank_skew_mean"] = float(sc["rank_skew_mean"])
+    # the same plan through the Planner service (one persistent process pool for every phase)
+    from relibra_moe.planners.service import Planner
+
+    with Planner(model, cluster, "relibra", replica_slots=2, workers=workers, executor="process", seed=seed,
+                 **options) as planner:
+        c0 = cpu()
+        t0 = time.perf_counter()
+        splan = planner.plan(batch)
+        out["service_wall_s"] = time.perf_counter() - t0
+    out["service_cpu_s"] = cpu() - c0
+    out["service_timing"] = splan.stats.get("timing", {})
+    out["service_same_plan"] = bool(np.array_equal(splan.placement.expert_gpu, plan.placement.expert_gpu)
+                                    and np.array_equal(splan.replicas.replica_expert, plan.replicas.replica_expert))
+    out["loadavg_after_service"] = os.getloadavg()
     return out
 
 
@@ -279,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
               f"micro-batches, {t['layers']} layers, EP32 4x8, r=2, workers={t['workers']}, options={t['options']}")
         print(f"wall {t['wall_s']:.1f} s (CPU {t['cpu_s']:.1f} s, load avg after {t['loadavg_after'][0]:.1f})")
         print("breakdown", json.dumps({k: round(v, 2) for k, v in t["timing"].items()}))
+        print(f"Planner service (process pool): wall {t['service_wall_s']:.1f} s (CPU {t['service_cpu_s']:.1f} s), "
+              f"same plan: {t['service_same_plan']}; breakdown",
+              json.dumps({k: round(v, 2) for k, v in t["service_timing"].items()}))
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("replication_quick.json" if q else "replication.json")
     if args.only:
