@@ -215,8 +215,18 @@ class ReplayBalancedMoE(nn.Module):
 
     @property
     def home_gpu(self) -> np.ndarray:
-        """int64 ``[E]``: the rank homing each expert (this layer's row of the placement)."""
-        return self.expert_gpu.detach().cpu().numpy().astype(np.int64)
+        """int64 ``[E]``: the rank homing each expert (this layer's row of the placement).
+
+        A host copy of the ``expert_gpu`` buffer, refreshed when the buffer changes (in-place writes,
+        ``load_state_dict``, ``.to(device)``), so a forward does not sync with the device for it."""
+        buf = self.expert_gpu
+        cache = self.__dict__.get("_home_cache")
+        if cache is None or cache[0] is not buf or cache[1] != buf._version:
+            arr = buf.detach().cpu().numpy().astype(np.int64)
+            arr.setflags(write=False)
+            cache = (buf, buf._version, arr)
+            self.__dict__["_home_cache"] = cache
+        return cache[2]
 
     @property
     def home_experts(self) -> np.ndarray:
@@ -240,7 +250,7 @@ class ReplayBalancedMoE(nn.Module):
                 or (counts != self.num_local).any():
             raise PlanError(f"layer {self.name}: expert_gpu row {row.tolist()} is not a placement of "
                             f"{self.num_experts} experts on {self.world_size} ranks ({self.num_local} each)")
-        self.expert_gpu.copy_(torch.as_tensor(row))
+        self.expert_gpu.copy_(torch.tensor(row))
 
     # ------------------------------------------------------------------ replay
 
@@ -380,7 +390,7 @@ class ReplayBalancedMoE(nn.Module):
 
         # source side: pairs sorted by destination rank (stable in pair order)
         meta_send = routing_metadata(dest, G, num_rows=P)
-        x_send = permute(x2, meta_send)
+        x_send = permute(x2.to(self.experts.w_gate_up.dtype), meta_send)  # rows in the experts' dtype
         slot_send = dest_slot.view(-1).index_select(0, meta_send.gather_idx.long())
         x_recv = self.dispatcher.dispatch(x_send, send_splits, recv_splits)
         slot_recv = self.dispatcher.dispatch_ids(slot_send, send_splits, recv_splits)
@@ -411,7 +421,7 @@ class ReplayBalancedMoE(nn.Module):
         flat = ids.reshape(-1)
         valid = flat >= 0
         e = flat.clamp_min(0)
-        home = torch.as_tensor(self.home_gpu, device=dev)
+        home = torch.tensor(self.home_gpu, device=dev)
         table = torch.as_tensor(state.slot_table, device=dev)
         if state.shares is None:
             dest = home[e]

@@ -81,7 +81,7 @@ class ReplicaTransfer:
         node = np.arange(G) // gpus_per_node
         filled = rep >= 0
         crosses = bool((node[home[np.where(filled, rep, 0)]] != node[:, None])[filled].any())
-        return cls(slot_expert=torch.as_tensor(rep[rank]), send_local=torch.as_tensor(send_local, dtype=torch.int64),
+        return cls(slot_expert=torch.tensor(rep[rank]), send_local=torch.as_tensor(send_local, dtype=torch.int64),
                    send_splits=tuple(send_splits), recv_slots=torch.as_tensor(recv_slots, dtype=torch.int64),
                    recv_splits=tuple(recv_splits), active=bool(filled.any()),
                    intra_node=scope == "node" and not crosses)
