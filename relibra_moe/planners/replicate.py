@@ -21,7 +21,6 @@ the better wins, so the result is never worse than the paper's loop with the sam
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ProcessPoolExecutor
 from typing import NamedTuple
 
@@ -513,13 +512,3 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch, model
             for i, res in zip(ch, out):
                 results[cells[i]] = res
     return assemble(results, M, L, G, replica_slots)
-
-
-def default_workers() -> int:
-    """Worker processes to use by default (the CPUs this process may run on)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        return os.cpu_count() or 1
-
-

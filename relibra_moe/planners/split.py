@@ -37,7 +37,7 @@ import numba as nb
 import numpy as np
 
 from ..errors import PlanError
-from ..specs import CR, LOC, NV, SR, ClusterSpec, ModelSpec
+from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
 
 __all__ = [
     "CellWeights", "SplitSolution", "cell_weights", "holders", "shares_from_flows", "solve_split_lp",
@@ -552,5 +552,3 @@ def _highs_lp(cost, row_idx, col_idx, vals, row_lo, row_hi, col_lo, col_hi, nrow
         raise PlanError(f"split LP: {res.message}")
     return res.x
 
-
-_ = LOC  # link class codes are part of the module's vocabulary (LOC: no traffic)
