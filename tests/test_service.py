@@ -49,6 +49,13 @@ def kill_once(kind, key, marker):
         os._exit(3)
 
 
+def sleepy(kind, key):
+    """Task hook: every task outlives the deadline."""
+    import time
+
+    time.sleep(20)
+
+
 @pytest.fixture(scope="module")
 def inline_plan():
     with Planner(MODEL, CLUSTER, replica_slots=1, executor="inline", **FAST) as p:
@@ -99,6 +106,20 @@ def test_deadline_keeps_previous_placement_process():
     second.validate(MODEL, CLUSTER, 16)
     for l in second.stats["fallback_cells"]["reorder"]:
         np.testing.assert_array_equal(second.placement.expert_gpu[l], first.placement.expert_gpu[l])
+
+
+@pytest.mark.timeout(120)
+def test_deadline_kills_running_tasks():
+    import time
+
+    with Planner(MODEL, CLUSTER, replica_slots=1, workers=2, executor="process", deadline_s=1.0, task_hook=sleepy,
+                 **FAST) as p:
+        t0 = time.monotonic()
+        plan = p.plan(make_batch())
+        elapsed = time.monotonic() - t0
+    plan.validate(MODEL, CLUSTER, 16)
+    assert plan.stats["fallbacks"] == 3 + 1 + 2 * 3  # every layer, locality, every cell
+    assert elapsed < 15  # the sleeping workers were stopped, not waited for
 
 
 @pytest.mark.timeout(240)

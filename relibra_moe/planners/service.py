@@ -306,7 +306,9 @@ class Planner:
         """Run tasks; a task past the deadline or on a dead worker yields ``_Failed`` (logged)."""
         if not tasks:
             return []
-        if self.executor == "inline":
+        if deadline is not None and time.monotonic() > deadline:  # nothing to start a worker for
+            res: list[Any] = [_Failed("missed the deadline") for _ in tasks]
+        elif self.executor == "inline":
             res = self._run_inline(tasks, keys, deadline)
         elif self.executor == "process":
             res = self._run_process(tasks, keys, deadline)
