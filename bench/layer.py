@@ -2,14 +2,16 @@
 the plain EP layer (static placement, no replicas) against the replay-balanced layer following a
 real ReLibra plan, on real GPT-OSS-20B routing.
 
-The routing of ``--requests`` real requests (first ``--tokens`` tokens of each, MoE layers
-``0, 24/L, ...``) is planned twice with ``relibra_moe.planners.strategies.plan_batch``: ``static``
-(Megatron placement, round-robin samples) and ``relibra`` (reorder + locality + r replica slots per
-rank). Each plan runs on ``--world`` spawned ranks (gloo on CPU; NCCL with one GPU per rank when
-CUDA has enough devices): ``relayout`` to the plan's placement, then every micro-batch is replayed
-(``replay_model``) and timed (barrier, forward, backward, barrier; the slowest rank counts).
-Reported per strategy: mean ms per micro-batch, the max/mean of the per-rank expert loads the
-layers actually saw, and the plan's exact T_MoE from the cost model for reference.
+The routing of ``--requests`` real requests (first ``--tokens`` tokens of each, ``--layers`` MoE
+layers spread over the model's 24) is planned three times with
+``relibra_moe.planners.strategies.plan_batch``: ``static`` (Megatron placement, round-robin
+samples: the plain EP layer), ``relibra-inter`` (reorder + locality, no replicas) and ``relibra``
+(reorder + locality + r replica slots per rank). Each plan runs on ``--world`` spawned ranks (gloo
+on CPU; NCCL with one GPU per rank when CUDA has enough devices): ``relayout`` to the plan's
+placement, then every micro-batch is replayed (``replay_model``) and timed (barrier, forward,
+backward, barrier; the slowest rank counts). Reported per strategy: mean ms per micro-batch, the
+max/mean of the per-rank expert loads the layers actually saw (next to the plan's own figure), and
+the plan's exact T_MoE per micro-batch from the cost model (hopper-rail constants) for reference.
 
     python bench/layer.py                                  # CPU/gloo, 4 ranks (2 nodes x 2)
     python bench/layer.py --world 8 --gpus-per-node 4 --hidden 512 --ffn 1024
@@ -130,6 +132,7 @@ def main() -> None:
                gpus_per_node=args.gpus_per_node, iters=args.iters, warmup=args.warmup, backend=backend)
     rows = []
     for name, strategy, slots, follow in (("plain EP", "static", 0, False),
+                                          ("reorder only", "relibra-inter", 0, True),
                                           ("replay-balanced", "relibra", args.replica_slots, True)):
         plan = plan_batch(batch, model, cluster, strategy, replica_slots=slots,
                           micro_batch_size=args.micro_batch_size, seed=args.seed)
