@@ -88,15 +88,17 @@ def make_case(seed: int, G: int, E: int, tokens: list[int], hot: bool = False):
 
 
 def random_replicas(rng: np.random.Generator, home: np.ndarray, G: int, P: int, r: int, *, fill: float = 0.6,
-                    full: bool = False, hot: int | None = None) -> ReplicaPlan:
-    """A valid node-scoped ReplicaPlan (M = 1) for placement ``home [L, E]``."""
+                    full: bool = False, hot: int | None = None, scope: str = "node") -> ReplicaPlan:
+    """A valid ReplicaPlan (M = 1) for placement ``home [L, E]``; ``scope="global"`` puts replicas on
+    other nodes only (EPLB-style redundant experts), ``"node"`` inside the home's node."""
     E = home.shape[1]
     rep = np.full((1, L, G, r), -1, np.int32)
     idx, share = [], []
     for l in range(L):
         for g in range(G):
             node = g // P
-            cand = [e for e in range(E) if home[l, e] // P == node and home[l, e] != g]
+            cand = [e for e in range(E) if (home[l, e] // P == node if scope == "node" else home[l, e] // P != node)
+                    and home[l, e] != g]
             if hot is not None and hot in cand:
                 chosen = [hot] + list(rng.permutation([e for e in cand if e != hot]))
             else:
@@ -116,7 +118,7 @@ def random_replicas(rng: np.random.Generator, home: np.ndarray, G: int, P: int, 
                 for h, v in zip(holders, s):
                     idx.append((0, l, j, int(e), h))
                     share.append(v)
-    plan = ReplicaPlan(rep, np.array(idx, np.int32).reshape(-1, 5), np.array(share, np.float32))
+    plan = ReplicaPlan(rep, np.array(idx, np.int32).reshape(-1, 5), np.array(share, np.float32), scope)
     # the shares were drawn in float64 and stored as float32: renormalize rows so they pass the 1e-5 check
     plan.validate(Placement(home), ModelSpec("t", H, FF, E, K, L), ClusterSpec(nodes=G // P, gpus_per_node=P))
     return plan
@@ -195,6 +197,8 @@ def check_case(rank: int, G: int, P: int, E: int, r: int, seed: int, tokens: lis
         plan = random_replicas(rng, home, G, P, r, full=True)
     elif plan_kind == "hot":
         plan = random_replicas(rng, home, G, P, r, full=True, hot=0)
+    elif plan_kind == "global":
+        plan = random_replicas(rng, home, G, P, r, full=True, scope="global")
     compare(rank, G, P, E, r, x_all, params, ids_all, cot_all, tokens, plan, home, f"{plan_kind} seed={seed}")
 
 
@@ -278,6 +282,7 @@ CASES = [  # (seed, tokens per rank as a function of G, plan kind, hot)
     (4, "empty", "random", False),
     (5, "even", "full", False),
     (6, "uneven", "full", False),
+    (7, "even", "global", False),  # replicas on the other node (multi-node worlds only)
 ]
 
 
@@ -294,7 +299,8 @@ def _worker_cases(rank: int, world: int, P: int, E: int, r: int, real=None) -> N
         if real is not None:
             check_real_plan(rank, world, P, real)
         for seed, tok, kind, hot in CASES:
-            if (world == 1 and kind != "none") or (world == 8 and seed not in (3, 4, 6)):
+            if (world == 1 and kind != "none") or (world == 8 and seed not in (3, 4, 6, 7)) \
+                    or (kind == "global" and world == P):
                 continue  # one rank has no replicas; 8 ranks on few cores: the hardest cases only
             check_case(rank, world, P, E, r, seed, _tokens(tok, world, seed), kind, hot)
         if world > 1:
