@@ -40,10 +40,15 @@ def _lse4(a, b, c, d, inv):
 
 
 @njit(cache=True)
-def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, buf):
+def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, buf, ns=1, cap=0.0, pen=0.0):
     """T_MoE (seconds) of one layer from its per-GPU state; ``buf`` is a float64 scratch ``[G]``.
 
     smooth: True for the LSE-smoothed value (cost.py's ``t_moe_smooth``), False for the exact one.
+    ns: compute model. 1: the cost model's ``cc max_g load[g]``. ``ns > 1`` (the GPUs per node): the
+    replication-aware proxy ``cc max_n mean_{g in node n} load[g]`` (nodes are the blocks of ``ns``
+    consecutive GPUs), what the compute term becomes once intra-node replicas level each node.
+    cap, pen: with ``pen > 0`` the compute term gains ``pen * max(0, cmax - (1 + cap) * mean)``, cmax being
+    the (per-GPU or per-node) maximum and mean the mean GPU compute: a soft cap on the compute skew.
     """
     G = load.shape[0]
     total = 0.0
@@ -54,23 +59,37 @@ def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, bu
         scale = 1.0
     inv = beta / scale
     cmax = -1e300
-    for g in range(G):
-        v = cc * load[g]
-        if v > cmax:
-            cmax = v
+    if ns > 1:
+        nn = G // ns
+        for n in range(nn):
+            v = 0.0
+            for g in range(n * ns, n * ns + ns):
+                v += load[g]
+            buf[n] = cc * v / ns
+            if buf[n] > cmax:
+                cmax = buf[n]
+    else:
+        nn = G
+        for g in range(G):
+            buf[g] = cc * load[g]
+            if buf[g] > cmax:
+                cmax = buf[g]
+    over = 0.0
+    if pen > 0.0:
+        over = pen * max(0.0, cmax - (1.0 + cap) * cc * total / G)
     if not smooth:
         mm = -1e300
         for g in range(G):
             t = max(max(nvtx[g] * tnv, nvrx[g] * tnv), max(rdtx[g] * trd, rdrx[g] * trd))
             if t > mm:
                 mm = t
-        return cmax + 2.0 * mm
+        return cmax + over + 2.0 * mm
     s = 0.0
-    for g in range(G):
-        z = (cc * load[g] - cmax) * inv
+    for g in range(nn):
+        z = (buf[g] - cmax) * inv
         if z > -_SKIP:
             s += math.exp(z)
-    comp = cmax + math.log(s) / inv
+    comp = cmax + math.log(s) / inv + over
     mm = -1e300
     for g in range(G):
         a = nvtx[g] * tnv
@@ -140,10 +159,10 @@ def swap_state(x, a, ga, b, gb, nvm, rdm, st, out):
 
 
 @njit(cache=True)
-def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj):
+def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj, ns=1, cap=0.0, pen=0.0):
     """Exact T_MoE of one layer after swapping experts a (on ga) and b (on gb), without building the new
     state (two O(G) passes, no copy); ``dj`` is a float64 scratch ``[G]``. Equals
-    ``layer_objective(swap_state(...), smooth=False)``."""
+    ``layer_objective(swap_state(...), smooth=False, ns=ns, cap=cap, pen=pen)``."""
     G = x.shape[0]
     sd = 0.0
     nva = 0.0
@@ -160,6 +179,8 @@ def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj):
         rdb += d * rdm[j, gb]
     cmax = -1e300
     mm = -1e300
+    nsum = 0.0
+    tot = 0.0
     for g in range(G):
         ld = st[0, g]
         nrx = st[2, g]
@@ -175,16 +196,27 @@ def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj):
         d = dj[g]
         ntx = st[1, g] + d * (nvm[g, ga] - nvm[g, gb])
         rtx = st[3, g] + d * (rdm[g, ga] - rdm[g, gb])
-        if ld > cmax:
+        tot += ld
+        if ns > 1:
+            nsum += ld
+            if (g + 1) % ns == 0:
+                if nsum / ns > cmax:
+                    cmax = nsum / ns
+                nsum = 0.0
+        elif ld > cmax:
             cmax = ld
         t = max(max(ntx * tnv, nrx * tnv), max(rtx * trd, rrx * trd))
         if t > mm:
             mm = t
-    return cc * cmax + 2.0 * mm
+    over = 0.0
+    if pen > 0.0:
+        over = pen * max(0.0, cmax - (1.0 + cap) * tot / G)
+    return cc * (cmax + over) + 2.0 * mm
 
 
 @njit(cache=True)
-def anneal_experts(x, expert_gpu0, nvm, rdm, cc, tnv, trd, beta, smooth, t0_frac, eps_frac, iters, seed):
+def anneal_experts(x, expert_gpu0, nvm, rdm, cc, tnv, trd, beta, smooth, t0_frac, eps_frac, iters, seed, ns=1,
+                   cap=0.0, pen=0.0):
     """Swap simulated annealing of expert homes for one layer (Algorithm 1's inner loop).
 
     Args:
@@ -194,6 +226,8 @@ def anneal_experts(x, expert_gpu0, nvm, rdm, cc, tnv, trd, beta, smooth, t0_frac
         t0_frac, eps_frac: start / end temperature as fractions of the starting objective; the
             temperature decays geometrically over ``iters`` proposals.
         seed: numba RNG seed.
+        ns, cap, pen: compute model of ``layer_objective`` (ns 1: per GPU; GPUs per node: per-node mean;
+            pen > 0: soft cap ``cap`` on the compute skew).
 
     Returns:
         (best expert_gpu int64 [E], best objective, starting objective): the objective is the sum
@@ -211,7 +245,7 @@ def anneal_experts(x, expert_gpu0, nvm, rdm, cc, tnv, trd, beta, smooth, t0_frac
     for m in range(M):
         init_state(x[m], eg, nvm, rdm, st[m])
         objm[m] = layer_objective(st[m, 0], st[m, 1], st[m, 2], st[m, 3], st[m, 4], cc, tnv, trd, beta, smooth,
-                                  buf)
+                                  buf, ns, cap, pen)
         cur += objm[m]
     start = cur
     best = cur
@@ -233,9 +267,9 @@ def anneal_experts(x, expert_gpu0, nvm, rdm, cc, tnv, trd, beta, smooth, t0_frac
             if smooth:
                 swap_state(x[m], a, ga, b, gb, nvm, rdm, st[m], tmp[m])
                 tobj[m] = layer_objective(tmp[m, 0], tmp[m, 1], tmp[m, 2], tmp[m, 3], tmp[m, 4], cc, tnv, trd,
-                                          beta, smooth, buf)
+                                          beta, smooth, buf, ns, cap, pen)
             else:
-                tobj[m] = swap_objective_exact(x[m], a, ga, b, gb, nvm, rdm, st[m], cc, tnv, trd, buf)
+                tobj[m] = swap_objective_exact(x[m], a, ga, b, gb, nvm, rdm, st[m], cc, tnv, trd, buf, ns, cap, pen)
             new += tobj[m]
         delta = new - cur
         if delta <= 0.0 or np.random.random() < math.exp(-delta / temp):
@@ -584,13 +618,15 @@ def sample_flows(counts, expert_gpu, num_gpus):
 
 
 @njit(cache=True)
-def batch_objective_exact(x, expert_gpu, nvm, rdm, cc, tnv, trd):
-    """Exact batch cost of one layer (sum over micro-batches of T_MoE, seconds); x ``[M, G, E]``."""
+def batch_objective_exact(x, expert_gpu, nvm, rdm, cc, tnv, trd, ns=1, cap=0.0, pen=0.0):
+    """Exact batch cost of one layer (sum over micro-batches of T_MoE, seconds); x ``[M, G, E]``.
+
+    ns, cap, pen: compute model of ``layer_objective`` (1, 0, 0: the exact cost model)."""
     M, G, E = x.shape
     st = np.zeros((5, G))
     buf = np.zeros(G)
     tot = 0.0
     for m in range(M):
         init_state(x[m], expert_gpu, nvm, rdm, st)
-        tot += layer_objective(st[0], st[1], st[2], st[3], st[4], cc, tnv, trd, 1.0, False, buf)
+        tot += layer_objective(st[0], st[1], st[2], st[3], st[4], cc, tnv, trd, 1.0, False, buf, ns, cap, pen)
     return tot

@@ -91,17 +91,72 @@ def _as_layer_loads(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec)
     return np.ascontiguousarray(x)
 
 
-def batch_cost(x_layer: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> float:
+def batch_cost(x_layer: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+               node_comp: bool = False, skew_cap: float | None = None) -> float:
     """Exact batch cost of one layer: sum over micro-batches of T_MoE (seconds) for ``x_layer [M, G, E]``.
 
     Computed by the numba evaluator (the same formulas as ``cost.moe_cost``; the tests check they agree).
+    ``node_comp``: the replication-aware variant, whose compute term is the busiest *node's* mean GPU load
+    (``cc max_n mean_{g in n} load[g]``) instead of the busiest GPU's: what intra-node replicas can level
+    the compute down to (used when replication follows the reorder). ``skew_cap`` (with ``node_comp``): a
+    soft cap on that node-level compute skew: each micro-batch's compute term gains
+    ``SKEW_PENALTY x max(0, node max - (1 + skew_cap) x GPU mean)``.
     """
     x = _as_layer_loads(x_layer, model, cluster)
     eg = np.asarray(expert_gpu, dtype=np.int64)
     if eg.shape != (model.num_experts,) or eg.min() < 0 or eg.max() >= cluster.num_gpus:
         raise PlanError(f"expert_gpu must be [E={model.num_experts}] GPUs in [0, {cluster.num_gpus}), got {eg}")
     nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
-    return float(_kernels.batch_objective_exact(x, eg, nvm, rdm, cc, tnv, trd))
+    return float(_kernels.batch_objective_exact(x, eg, nvm, rdm, cc, tnv, trd, *_comp_model(cluster, node_comp,
+                                                                                               skew_cap)))
+
+
+SKEW_PENALTY = 50.0
+
+
+def _comp_model(cluster: ClusterSpec, node_comp: bool, skew_cap: float | None) -> tuple[int, float, float]:
+    """``(ns, cap, pen)`` of the numba kernels' compute term."""
+    if skew_cap is not None and skew_cap < 0:
+        raise PlanError(f"skew_cap={skew_cap} must be >= 0")
+    ns = int(cluster.gpus_per_node) if node_comp and cluster.nodes > 1 else 1
+    if node_comp and skew_cap is not None:
+        return ns, float(skew_cap), SKEW_PENALTY
+    return ns, 0.0, 0.0
+
+
+def node_balanced_start(x_layer: np.ndarray, cluster: ClusterSpec, seed: int = 0, iters: int = 20000) -> np.ndarray:
+    """Homes ``[E]`` whose *nodes* balance the compute of every micro-batch, for the replication-aware reorder.
+
+    Experts are first assigned to nodes (E / nodes each) by LPT on the batch loads, then annealed by swaps
+    on ``sum_m max_n load[m, n]`` (the per-micro-batch node loads, communication ignored); inside each node
+    they go to its GPUs by LPT. Replicas cannot leave a node, so this node balance is what bounds the rank
+    skew after replication; the reorder then anneals communication from here.
+
+    Args:
+        x_layer: ``[M, G, E]`` (or ``[G, E]``) tokens per micro-batch, source GPU and expert.
+        seed, iters: of the node-level annealing.
+    """
+    x = np.asarray(x_layer, dtype=np.float64)
+    if x.ndim == 2:
+        x = x[None]
+    G, P, nodes = cluster.num_gpus, cluster.gpus_per_node, cluster.nodes
+    xm = x.sum(axis=1)  # [M, E]
+    E = xm.shape[1]
+    if E % G:
+        raise PlanError(f"num_experts={E} is not divisible by num_gpus={G}")
+    node = lpt_placement(xm.sum(axis=0), nodes)
+    if nodes > 1:
+        xs = np.zeros((xm.shape[0], nodes, E))
+        xs[:, 0] = xm  # one source row: with zero link masks only the node loads count
+        z = np.zeros((nodes, nodes))
+        node, _, _ = _kernels.anneal_experts(xs, node, z, z, 1.0, 0.0, 0.0, 10.0, False, 0.005, 1e-5, int(iters),
+                                             int(seed) & 0x7FFFFFFF)
+    out = np.empty(E, np.int64)
+    w = xm.sum(axis=0)
+    for n in range(nodes):
+        members = np.flatnonzero(node == n)
+        out[members] = n * P + lpt_placement(w[members], P)
+    return out
 
 
 def default_iters(num_experts: int, num_gpus: int, num_micro_batches: int = 1, num_layers: int = 1,
@@ -119,7 +174,8 @@ def default_iters(num_experts: int, num_gpus: int, num_micro_batches: int = 1, n
 def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
                  init: np.ndarray | None = None, objective: str = "batch", beta: float = DEFAULT_BETA,
                  iters: int | None = None, t0_frac: float = 0.005, eps_frac: float = 1e-5,
-                 smooth: bool | None = None) -> tuple[np.ndarray, float]:
+                 smooth: bool | None = None, node_comp: bool = False,
+                 skew_cap: float | None = None) -> tuple[np.ndarray, float]:
     """Anneal the expert homes of one layer from ``init`` (default: LPT on the layer's expert loads).
 
     Args:
@@ -132,10 +188,11 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
             plateaus, and the exact evaluation is ~4x cheaper at the same final cost (measured).
         iters: proposals (default ``default_iters``); t0_frac / eps_frac: start / end temperature as
             fractions of the starting objective (geometric cooling in between).
+        node_comp, skew_cap: anneal on (and return) the replication-aware cost of ``batch_cost``.
 
     Returns:
         (int64 ``[E]`` home GPU of each expert, exact batch cost in seconds = sum over micro-batches of
-        the exact T_MoE).
+        the exact T_MoE, or of its node-compute variant with ``node_comp``).
     """
     if objective not in OBJECTIVES:
         raise PlanError(f"objective={objective!r} is not one of {OBJECTIVES}")
@@ -153,10 +210,21 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
     nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
     xa = x if objective == "batch" else np.ascontiguousarray(x.sum(axis=0)[None])
     best, obj, _ = _kernels.anneal_experts(xa, init, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth),
-                                           float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF)
+                                           float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF,
+                                           *_comp_model(cluster, node_comp, skew_cap))
     if objective == "batch" and not smooth:
         return best, float(obj)  # the kernel's objective is already the exact batch cost
-    return best, batch_cost(x, best, model, cluster)
+    return best, batch_cost(x, best, model, cluster, node_comp, skew_cap)
+
+
+def _better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
+                  layer: int, skew_cap: float | None = None) -> np.ndarray:
+    """The better of the LPT homes and ``node_balanced_start`` under the replication-aware batch cost."""
+    nb = node_balanced_start(x_layer, cluster, seed=layer_seeds(seed, 1, layer)[0])
+    if batch_cost(x_layer, nb, model, cluster, True, skew_cap) < batch_cost(x_layer, lpt, model, cluster, True,
+                                                                              skew_cap):
+        return nb
+    return lpt
 
 
 def _layer_task(args: tuple) -> tuple[int, int, np.ndarray, float]:
@@ -175,7 +243,8 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
             workers: int = 1, init: np.ndarray | None = None, objective: str = "batch",
             beta: float = DEFAULT_BETA, iters: int | None = None, t0_frac: float = 0.005,
             eps_frac: float = 1e-5, smooth: bool | None = None,
-            layers: Sequence[int] | None = None) -> tuple[np.ndarray, dict]:
+            layers: Sequence[int] | None = None, node_comp: bool = False,
+            skew_cap: float | None = None) -> tuple[np.ndarray, dict]:
     """Algorithm 1 on every layer: LPT start, ``num_seeds`` annealing runs, best by exact batch cost.
 
     Args:
@@ -186,6 +255,8 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         iters: proposals per run (default ``default_iters`` with the whole-reorder budget).
         init: optional ``[L, E]`` starting homes (default: LPT per layer); it is always a candidate.
         layers: restrict to these layers (others keep ``init``/LPT).
+        node_comp, skew_cap: replication-aware objective (``batch_cost``); without ``init`` the start of a
+            layer is the better of LPT and ``node_balanced_start`` under that objective.
 
     Returns:
         (int64 ``[L, E]`` homes, info dict with ``objective_start`` / ``objective`` = exact sum of
@@ -198,6 +269,8 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
     xl = np.ascontiguousarray(np.moveaxis(x, 1, 0), dtype=np.float64)  # [L, M, G, E]
     if init is None:
         start = np.stack([lpt_placement(xl[l].sum(axis=(0, 1)), G) for l in range(L)])
+        if node_comp and cluster.nodes > 1:
+            start = np.stack([_better_start(xl[l], start[l], model, cluster, seed, l, skew_cap) for l in range(L)])
     else:
         start = np.asarray(init, dtype=np.int64)
         if start.shape != (L, E):
@@ -206,10 +279,11 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         num_seeds = max(1, workers)
     if iters is None:
         iters = default_iters(E, G, M if objective == "batch" else 1, L)
-    kw = dict(objective=objective, beta=beta, iters=iters, t0_frac=t0_frac, eps_frac=eps_frac, smooth=smooth)
+    kw = dict(objective=objective, beta=beta, iters=iters, t0_frac=t0_frac, eps_frac=eps_frac, smooth=smooth,
+              node_comp=node_comp, skew_cap=skew_cap)
     todo = list(range(L)) if layers is None else [int(l) for l in layers]
     best = start.copy()
-    best_obj = np.array([batch_cost(xl[l], start[l], model, cluster) for l in range(L)])
+    best_obj = np.array([batch_cost(xl[l], start[l], model, cluster, node_comp, skew_cap) for l in range(L)])
     obj_start = float(best_obj.sum())
     tasks = [(l, s, xl[l], model, cluster, start[l], kw) for l in todo for s in layer_seeds(seed, num_seeds, l)]
     if workers > 1 and len(tasks) > 1:

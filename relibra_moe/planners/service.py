@@ -201,8 +201,8 @@ class Planner:
         the plan equals ``plan_batch``'s whatever the executor (tests/test_service.py checks it).
         """
         from .locality import default_locality_iters, loads_from_counts, round_robin_gpus
-        from .reorder import batch_cost, default_iters, layer_seeds, lpt_placement
-        from .strategies import DEFAULT_ROUNDS
+        from .reorder import _better_start, batch_cost, default_iters, layer_seeds, lpt_placement
+        from .strategies import DEFAULT_ROUNDS, DEFAULT_SKEW_CAP, migrate
 
         model, cluster, o = self.model, self.cluster, self.options
         G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
@@ -227,7 +227,10 @@ class Planner:
         num_seeds = o.get("num_seeds")
         num_seeds = max(1, self.workers) if num_seeds is None else int(num_seeds)
         beta = o.get("beta", DEFAULT_BETA)
-        kw = dict(objective=objective, beta=beta, iters=iters, smooth=o.get("smooth"))
+        node_comp = bool(o.get("node_comp", self.strategy == "relibra" and self.replica_slots > 0))
+        skew_cap = o.get("skew_cap", DEFAULT_SKEW_CAP) if node_comp else None
+        kw = dict(objective=objective, beta=beta, iters=iters, smooth=o.get("smooth"), node_comp=node_comp,
+                  skew_cap=skew_cap)
         timing = stats["timing"]
         eg = None
         for rnd in range(rounds):
@@ -236,8 +239,11 @@ class Planner:
             xl = np.ascontiguousarray(np.moveaxis(x, 1, 0), dtype=np.float64)  # [L, M, G, E]
             if eg is None:
                 eg = np.stack([lpt_placement(xl[l].sum(axis=(0, 1)), G) for l in range(L)])
+                if node_comp and cluster.nodes > 1:
+                    eg = np.stack([_better_start(xl[l], eg[l], model, cluster, self.seed + rnd, l, skew_cap)
+                                   for l in range(L)])
             start = eg
-            best_obj = np.array([batch_cost(xl[l], start[l], model, cluster) for l in range(L)])
+            best_obj = np.array([batch_cost(xl[l], start[l], model, cluster, node_comp, skew_cap) for l in range(L)])
             best = start.copy()
             tasks, keys = [], []
             for l in range(L):
@@ -273,6 +279,15 @@ class Planner:
                 stats["objective"] = info["objective"]
             timing[f"reorder_s_{rnd}"] = t1 - t0
             timing[f"locality_s_{rnd}"] = time.perf_counter() - t1
+        t0 = time.perf_counter()
+        mopts = dict(o)
+        if prev is not None and "previous" not in mopts:
+            mopts["previous"] = prev
+        if deadline is not None and time.monotonic() > deadline:
+            mopts["migration"] = False  # past the deadline: no more work, the fallbacks stand as they are
+        eg, sg, stats["migration"] = migrate(eg, np.asarray(mb, dtype=np.int64), sg, counts, M, model, cluster, mopts,
+                                             node_comp)
+        timing["migration_s"] = time.perf_counter() - t0
         return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
 
     def _replicate(self, placement: Placement, samples: SamplePlacement, batch, deadline, stats) -> ReplicaPlan:

@@ -129,9 +129,10 @@ def strategy_balanced(ctx: PlanContext) -> BatchPlan:
 
 
 DEFAULT_ROUNDS = 2
+DEFAULT_SKEW_CAP: float | None = 0.05
 
 
-def relibra_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def relibra_inter(ctx: PlanContext, node_comp: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reorder + locality (+ repacking), ``rounds`` times: returns (homes [L, E], micro_batch [N], gpu [N]).
 
     Each round re-anneals the experts for the sample placement of the previous round, then the samples
@@ -139,8 +140,15 @@ def relibra_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     the rounds: two rounds at half the proposals each beat one round at the full budget on 7 of the 8
     bench rows (relibra-inter with and without repacking, four scenarios; the 8th is +0.03%), at about the
     same solve time.
+
+    ``node_comp`` (relibra with replicas; option ``node_comp`` overrides): the reorder anneals the
+    replication-aware cost (compute term = the busiest node's mean GPU load, ``reorder.batch_cost``) from
+    node-balanced starts: intra-node replicas level each node, so the node balance of the homes is what
+    bounds relibra's rank skew (qwen3-30b-a3b mixed, bench/replication.py --only skew).
     """
     o = ctx.options
+    node_comp = bool(o.get("node_comp", node_comp))
+    skew_cap = o.get("skew_cap", DEFAULT_SKEW_CAP) if node_comp else None
     mb, sg = ctx.micro_batch, ctx.sample_gpu
     eg = None
     objectives: list[dict[str, Any]] = []
@@ -161,7 +169,8 @@ def relibra_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         x = ctx.loads(mb, sg)
         eg, rinfo = reorder(x, ctx.model, ctx.cluster, seed=ctx.seed + rnd, num_seeds=o.get("num_seeds"),
                             workers=ctx.workers, init=eg, objective=objective,
-                            beta=o.get("beta", DEFAULT_BETA), iters=iters, smooth=o.get("smooth"))
+                            beta=o.get("beta", DEFAULT_BETA), iters=iters, smooth=o.get("smooth"),
+                            node_comp=node_comp, skew_cap=skew_cap)
         t1 = time.perf_counter()
         mb, sg, linfo = anneal_locality(ctx.counts, ctx.lengths, mb, sg, eg, ctx.model, ctx.cluster,
                                         num_micro_batches=ctx.num_micro_batches, repack=ctx.repack,
@@ -174,7 +183,49 @@ def relibra_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         objectives.append({"reorder": rinfo, "locality": linfo})
     ctx.stats["rounds"] = objectives
     ctx.stats["objective"] = objectives[-1]["locality"]["objective"]
+    t0 = time.perf_counter()
+    eg, sg, ctx.stats["migration"] = migrate(eg, mb, sg, ctx.counts, ctx.num_micro_batches, ctx.model, ctx.cluster,
+                                             o, node_comp)
+    timing["migration_s"] = time.perf_counter() - t0
     return eg, mb, sg
+
+
+def previous_homes(options: dict[str, Any], model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    """int64 ``[L, E]``: the placement before this batch (option ``previous``: a Placement or array; default
+    the static Megatron placement, what the trainer starts from)."""
+    prev = options.get("previous")
+    if prev is None:
+        return baselines.static_placement(model.num_layers, model.num_experts, cluster.num_gpus)
+    prev = np.asarray(getattr(prev, "expert_gpu", prev), dtype=np.int64)
+    if prev.shape != (model.num_layers, model.num_experts) or prev.min() < 0 or prev.max() >= cluster.num_gpus:
+        raise PlanError(f"previous placement must be [L={model.num_layers}, E={model.num_experts}] GPUs in "
+                        f"[0, {cluster.num_gpus}), got shape {prev.shape}")
+    return prev
+
+
+def migrate(eg: np.ndarray, mb: np.ndarray, sg: np.ndarray, counts: np.ndarray, num_micro_batches: int,
+            model: ModelSpec, cluster: ClusterSpec, options: dict[str, Any], node_comp: bool
+            ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Migration-aware finish of relibra-inter (``planners.migration``): relabel GPUs by the fabric's
+    symmetries to keep the most experts at their previous homes (cost unchanged), then keep a layer's
+    previous homes where the new ones do not pay for their move. Option ``migration=False`` skips both.
+
+    Returns (homes [L, E], sample GPUs [N], info).
+    """
+    from .migration import keep_previous_layers, relabel_to_previous
+
+    if not options.get("migration", True):
+        return eg, sg, {"enabled": False}
+    prev = previous_homes(options, model, cluster)
+    perm = relabel_to_previous(eg, prev, cluster)
+    eg, sg = perm[eg], perm[np.asarray(sg, dtype=np.int64)]
+    x = loads_from_counts(counts, mb, sg, num_micro_batches, cluster.num_gpus)
+    moved_before = int((eg != prev).sum())
+    eg, info = keep_previous_layers(x, eg, prev, model, cluster, node_comp=node_comp,
+                                    optimizer_bytes_per_param=float(options.get("optimizer_bytes_per_param", 12.0)))
+    info.update({"enabled": True, "relabel": perm.tolist(), "moved_after_relabel": moved_before,
+                 "moved": int((eg != prev).sum())})
+    return eg, sg, info
 
 
 def strategy_relibra_inter(ctx: PlanContext) -> BatchPlan:
@@ -184,7 +235,7 @@ def strategy_relibra_inter(ctx: PlanContext) -> BatchPlan:
 def strategy_relibra(ctx: PlanContext) -> BatchPlan:
     from .replicate import replicate_batch
 
-    eg, mb, sg = relibra_inter(ctx)
+    eg, mb, sg = relibra_inter(ctx, node_comp=ctx.replica_slots > 0)
     placement = Placement(eg)
     samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
     t0 = time.perf_counter()

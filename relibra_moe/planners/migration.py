@@ -1,0 +1,174 @@
+"""Migration-aware inter-batch placement: price the once-per-batch expert moves (RELIBRA.md §5, DESIGN.md).
+
+Moving expert (l, e) from its previous home to a new one carries its weights and optimizer state
+(``model.expert_params x (dtype_bytes + optimizer_bytes_per_param)`` bytes, ``sim.reorder_traffic``), once
+per batch, not overlapped. Two steps lower that traffic after the reorder:
+
+1. **Relabel by the fabric's symmetries** (free): on a rail-optimized cluster the link class of (i, j)
+   only depends on whether the nodes and the rails of i and j match, so permuting the nodes, and the
+   rails consistently in every node, maps a plan to one of exactly the same cost (expert homes and sample
+   GPUs relabelled together). ``relabel_to_previous`` picks the symmetry that keeps the most experts where
+   they were (alternating assignment problems over node and rail permutations, from several starts).
+2. **Keep the previous placement of a layer** (``keep_previous_layers``) when the new placement's gain in
+   step time does not pay for moving that layer's experts. The gain is the layer's forward + backward
+   MoE time summed over micro-batches (``3 max comp + 2 max comm``, as ``sim.py`` charges it); the price
+   is the transfer time of the layer's moved experts on their own (an upper bound of their share of the
+   concurrent re-layout).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from ..cost import moe_cost
+from ..errors import PlanError
+from ..specs import ClusterSpec, ModelSpec
+
+DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 12.0
+
+
+def symmetry_perm(node_perm: np.ndarray, rail_perm: np.ndarray, gpus_per_node: int) -> np.ndarray:
+    """int64 ``[G]``: GPU ``n P + p`` -> ``node_perm[n] P + rail_perm[p]``."""
+    P = int(gpus_per_node)
+    n = np.arange(len(node_perm) * P) // P
+    p = np.arange(len(node_perm) * P) % P
+    return np.asarray(node_perm, np.int64)[n] * P + np.asarray(rail_perm, np.int64)[p]
+
+
+def is_symmetry(perm: np.ndarray, cluster: ClusterSpec) -> bool:
+    """Whether relabelling GPU g as ``perm[g]`` leaves every link class unchanged."""
+    cls = cluster.link_classes
+    return bool(np.array_equal(cls[np.ix_(perm, perm)], cls))
+
+
+def relabel_to_previous(expert_gpu: np.ndarray, previous: np.ndarray, cluster: ClusterSpec,
+                        starts: int = 4, seed: int = 0) -> np.ndarray:
+    """The cost-preserving GPU relabelling that keeps the most experts at their previous homes.
+
+    Args:
+        expert_gpu: ``[L, E]`` new homes; previous: ``[L, E]`` homes before this batch.
+        starts: random starting rail permutations (plus the identity) of the alternating search.
+
+    Returns:
+        int64 ``[G]`` permutation ``perm`` (GPU g of the new plan becomes ``perm[g]``); the identity when no
+        relabelling keeps more experts in place, or when the fabric lacks the symmetry.
+    """
+    eg = np.asarray(expert_gpu, dtype=np.int64)
+    prev = np.asarray(previous, dtype=np.int64)
+    if eg.shape != prev.shape:
+        raise PlanError(f"previous placement has shape {prev.shape}, the new one {eg.shape}")
+    G, P, N = cluster.num_gpus, cluster.gpus_per_node, cluster.nodes
+    C = np.zeros((G, G))  # C[g_new, g_prev]: experts homed on g_new now and on g_prev before
+    np.add.at(C, (eg.ravel(), prev.ravel()), 1.0)
+    C4 = C.reshape(N, P, N, P)  # [n_new, p_new, n_prev, p_prev]
+    ident = np.arange(G)
+    best_perm, best_val = ident, float(np.trace(C))
+    rng = np.random.default_rng(seed)
+    rails = [np.arange(P)] + [rng.permutation(P) for _ in range(max(0, starts))]
+    for tau in rails:
+        sigma = np.arange(N)
+        val = -1.0
+        for _ in range(20):
+            # nodes for fixed rails: W[n, n'] = sum_p C[(n, p), (n', tau p)]
+            W = C4[:, np.arange(P), :, tau].sum(axis=0) if N else np.zeros((0, 0))
+            _, sigma = linear_sum_assignment(-W)
+            # rails for fixed nodes: V[p, p'] = sum_n C[(n, p), (sigma n, p')]
+            V = C4[np.arange(N), :, sigma, :].sum(axis=0)
+            _, tau = linear_sum_assignment(-V)
+            new = float(V[np.arange(P), tau].sum())
+            if new <= val + 1e-9:
+                break
+            val = new
+        perm = symmetry_perm(sigma, tau, P)
+        v = float(C[np.arange(G), perm].sum())
+        if v > best_val + 1e-9 and is_symmetry(perm, cluster):
+            best_perm, best_val = perm, v
+    return best_perm
+
+
+def move_bytes(model: ModelSpec, optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM) -> float:
+    """Bytes one expert's move carries: weights + optimizer state."""
+    return float(model.expert_params * (model.dtype_bytes + float(optimizer_bytes_per_param)))
+
+
+def layer_move_seconds(old: np.ndarray, new: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                       optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM) -> float:
+    """Seconds to move one layer's experts from homes ``old [E]`` to ``new [E]`` (``sim.transfer_seconds``)."""
+    from ..sim import transfer_seconds
+
+    moved = np.asarray(old) != np.asarray(new)
+    if not moved.any():
+        return 0.0
+    return float(transfer_seconds(np.asarray(old)[moved], np.asarray(new)[moved],
+                                  move_bytes(model, optimizer_bytes_per_param), None, 1, cluster)[0])
+
+
+def step_moe_seconds(x_layer: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                     node_comp: bool = False) -> float:
+    """Forward + backward MoE seconds of one layer summed over micro-batches: ``sum_m 3 max comp + 2 max comm``.
+
+    x_layer: ``[M, G, E]``. ``node_comp``: the compute term is the busiest node's mean GPU compute (what
+    intra-node replicas can level it to), as in ``reorder.batch_cost``.
+    """
+    c = moe_cost(np.asarray(x_layer, dtype=np.float64), np.asarray(expert_gpu), model, cluster)
+    comp = c.comp
+    if node_comp and cluster.nodes > 1:
+        comp = comp.reshape(comp.shape[:-1] + (cluster.nodes, cluster.gpus_per_node)).mean(axis=-1)
+    return float((3.0 * comp.max(axis=-1) + 2.0 * c.comm.max(axis=-1)).sum())
+
+
+def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarray, model: ModelSpec,
+                         cluster: ClusterSpec, node_comp: bool = False,
+                         optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM
+                         ) -> tuple[np.ndarray, dict]:
+    """Per layer, keep the previous homes unless the new ones save more step time than their move costs.
+
+    Greedy on the joint re-layout: layers in decreasing order of ``gain / standalone move time``; a layer's
+    new homes are taken when its gain exceeds the increase of the re-layout time of all taken moves
+    (``sim.transfer_seconds``: the moves run concurrently, so a layer whose moves load other links costs
+    less than on its own).
+
+    Args:
+        x: ``[M, L, G, E]`` loads under the final sample placement.
+        expert_gpu, previous: ``[L, E]`` new and previous homes.
+
+    Returns:
+        (int64 ``[L, E]`` homes, info with ``layers_kept`` (sorted list), per-layer ``gain_s`` (step seconds
+        saved by the new homes) and ``move_s`` (standalone move seconds), and ``relayout_s`` (the taken
+        moves together)).
+    """
+    from ..sim import transfer_seconds
+
+    x = np.asarray(x)
+    eg = np.asarray(expert_gpu, dtype=np.int64).copy()
+    prev = np.asarray(previous, dtype=np.int64)
+    if x.ndim != 4 or eg.shape != prev.shape or x.shape[1] != eg.shape[0]:
+        raise PlanError(f"x {x.shape}, expert_gpu {eg.shape} and previous {prev.shape} do not match")
+    L = eg.shape[0]
+    nbytes = move_bytes(model, optimizer_bytes_per_param)
+    gains = np.zeros(L)
+    moves = np.zeros(L)
+    for l in range(L):
+        moves[l] = layer_move_seconds(prev[l], eg[l], model, cluster, optimizer_bytes_per_param)
+        if moves[l] > 0.0:
+            gains[l] = (step_moe_seconds(x[:, l], prev[l], model, cluster, node_comp)
+                        - step_moe_seconds(x[:, l], eg[l], model, cluster, node_comp))
+    cand = [l for l in range(L) if moves[l] > 0.0 and gains[l] > 0.0]
+    cand.sort(key=lambda l: (-gains[l] / moves[l], l))
+    src: list[np.ndarray] = []
+    dst: list[np.ndarray] = []
+    taken: set[int] = set()
+    cur = 0.0
+    for l in cand:
+        m = prev[l] != eg[l]
+        s2, d2 = np.concatenate(src + [prev[l][m]]), np.concatenate(dst + [eg[l][m]])
+        t = float(transfer_seconds(s2, d2, nbytes, None, 1, cluster)[0])
+        if gains[l] > t - cur:
+            src.append(prev[l][m])
+            dst.append(eg[l][m])
+            taken.add(l)
+            cur = t
+    kept = [l for l in range(L) if moves[l] > 0.0 and l not in taken]
+    eg[kept] = prev[kept]
+    return eg, {"layers_kept": kept, "gain_s": gains.tolist(), "move_s": moves.tolist(), "relayout_s": cur}

@@ -1,0 +1,121 @@
+"""Migration-aware placement: fabric symmetries (cost invariance, brute-force best relabelling) and the
+per-layer keep decision against a brute-force reference of the step-time objective."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from relibra_moe.cost import moe_cost
+from relibra_moe.errors import PlanError
+from relibra_moe.planners.migration import (
+    is_symmetry,
+    keep_previous_layers,
+    move_bytes,
+    relabel_to_previous,
+    step_moe_seconds,
+    symmetry_perm,
+)
+from relibra_moe.planners.strategies import plan_batch
+from relibra_moe.sim import transfer_seconds
+from relibra_moe.specs import ClusterSpec, ModelSpec
+
+CLUSTER = ClusterSpec(nodes=2, gpus_per_node=3)
+MODEL = ModelSpec("t", hidden=64, ffn=32, num_experts=12, topk=2, num_layers=3)
+
+
+def _all_symmetries(cluster):
+    for sn in itertools.permutations(range(cluster.nodes)):
+        for sp in itertools.permutations(range(cluster.gpus_per_node)):
+            yield symmetry_perm(np.array(sn), np.array(sp), cluster.gpus_per_node)
+
+
+def test_symmetries_preserve_cost_and_others_do_not():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 30, size=(CLUSTER.num_gpus, MODEL.num_experts)).astype(float)
+    eg = rng.permutation(np.repeat(np.arange(CLUSTER.num_gpus), 2))
+    base = moe_cost(x, eg, MODEL, CLUSTER)
+    for perm in _all_symmetries(CLUSTER):
+        assert is_symmetry(perm, CLUSTER)
+        xp = np.zeros_like(x)
+        xp[perm] = x  # sources relabelled with the experts
+        c = moe_cost(xp, perm[eg], MODEL, CLUSTER)
+        assert float(c.t_moe) == pytest.approx(float(base.t_moe), rel=1e-12)
+    assert not is_symmetry(np.array([0, 1, 3, 2, 4, 5]), CLUSTER)  # a GPU swapped across nodes alone
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_relabel_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    L, E, G = 4, MODEL.num_experts, CLUSTER.num_gpus
+    prev = np.stack([rng.permutation(np.repeat(np.arange(G), E // G)) for _ in range(L)])
+    new = prev.copy()
+    new[:, :3] = np.stack([rng.permutation(np.repeat(np.arange(G), E // G))[:3] for _ in range(L)])
+    hidden = list(_all_symmetries(CLUSTER))[rng.integers(1, 12)]
+    new = hidden[new]  # the plan came out relabelled
+    best = max(int((perm[new] == prev).sum()) for perm in _all_symmetries(CLUSTER))
+    perm = relabel_to_previous(new, prev, CLUSTER, starts=6)
+    assert is_symmetry(perm, CLUSTER)
+    assert int((perm[new] == prev).sum()) == best
+
+
+def _objective(x, eg, prev, keep_mask):
+    """Independent reference: step MoE seconds of the chosen homes + the joint re-layout time."""
+    homes = np.where(keep_mask[:, None], prev, eg)
+    moe = 0.0
+    for l in range(eg.shape[0]):
+        c = moe_cost(x[:, l], homes[l], MODEL, CLUSTER)
+        moe += float((3 * c.comp.max(-1) + 2 * c.comm.max(-1)).sum())
+    moved = homes != prev
+    t = transfer_seconds(prev[moved], homes[moved], move_bytes(MODEL), None, 1, CLUSTER)[0] if moved.any() else 0.0
+    return moe + float(t)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_keep_previous_layers_never_worse_than_all_or_nothing(seed):
+    rng = np.random.default_rng(seed)
+    M, L, G, E = 2, MODEL.num_layers, CLUSTER.num_gpus, MODEL.num_experts
+    # heavy loads so that some layers' gains pay their move, others not
+    x = rng.gamma(0.5, 2e5 * (1 + 10 * (np.arange(L) == 0))[None, :, None, None], size=(M, L, G, E))
+    prev = np.stack([np.repeat(np.arange(G), E // G)] * L)
+    eg = np.stack([rng.permutation(prev[0]) for _ in range(L)])
+    out, info = keep_previous_layers(x, eg, prev, MODEL, CLUSTER)
+    kept = np.zeros(L, bool)
+    kept[info["layers_kept"]] = True
+    np.testing.assert_array_equal(out, np.where(kept[:, None], prev, eg))
+    got = _objective(x, eg, prev, kept)
+    assert got <= _objective(x, eg, prev, np.zeros(L, bool)) + 1e-12
+    assert got <= _objective(x, eg, prev, np.ones(L, bool)) + 1e-12
+    best = min(_objective(x, eg, prev, np.array(k, bool)) for k in itertools.product([0, 1], repeat=L))
+    assert got <= best * 1.05  # greedy on the joint re-layout, near the brute-force optimum
+    for l in range(L):
+        want = step_moe_seconds(x[:, l], prev[l], MODEL, CLUSTER) - step_moe_seconds(x[:, l], eg[l], MODEL, CLUSTER)
+        assert info["gain_s"][l] == pytest.approx(want, rel=1e-9, abs=1e-15)
+
+
+def test_plan_batch_migration_option_and_previous_validation():
+    from relibra_moe.trace import RoutingTrace, TraceBatch
+
+    rng = np.random.default_rng(0)
+    def rows(s):  # k distinct experts per token, skewed popularity
+        p = np.linspace(3, 1, MODEL.num_experts) ** 2
+        return np.array([[rng.choice(MODEL.num_experts, MODEL.topk, replace=False, p=p / p.sum())
+                          for _ in range(MODEL.num_layers)] for _ in range(s)], np.int32)
+
+    traces = [RoutingTrace(rows(int(rng.integers(20, 60))), np.arange(MODEL.num_layers, dtype=np.int32),
+                           MODEL.num_experts, MODEL.topk) for _ in range(12)]
+    batch = TraceBatch(traces).with_micro_batch_size(6)
+    off = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", migration=False, iters=300, locality_iters=200)
+    on = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", iters=300, locality_iters=200)
+    assert off.stats["migration"] == {"enabled": False}
+    mig = on.stats["migration"]
+    assert mig["enabled"] and mig["moved"] <= mig["moved_after_relabel"]
+    static = np.repeat(np.arange(CLUSTER.num_gpus), MODEL.num_experts // CLUSTER.num_gpus)
+    assert int((on.placement.expert_gpu != static).sum()) == mig["moved"]
+    # previous = the plan's own homes: nothing moves
+    again = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=on.placement, iters=300, locality_iters=200)
+    assert again.stats["migration"]["moved"] <= int((again.placement.expert_gpu != on.placement.expert_gpu).sum())
+    with pytest.raises(PlanError, match="previous placement"):
+        plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=np.zeros((2, 2), np.int64))
