@@ -112,8 +112,8 @@ def test_swap_is_the_hf_model(rollout):
     swap_moe_blocks(swapped)
     blocks = [m for m in swapped.modules() if isinstance(m, SWAPPED)]
     assert [b.layer_id for b in blocks] == EXPECTED_LAYERS.get(fam, [0, 1, 2])
-    # every family but GPT-OSS runs as the library's ReplayBalancedMoE layer
-    assert all(isinstance(b, ReplayBalancedMoE) == (fam != "gpt_oss") for b in blocks)
+    # every family (GPT-OSS included) runs as the library's ReplayBalancedMoE layer
+    assert all(isinstance(b, ReplayBalancedMoE) for b in blocks)
     sd = swapped.state_dict()
     assert list(sd) == list(ref_sd)
     for k in sd:
@@ -291,14 +291,29 @@ def test_replayed_routing_is_followed(backend):
     assert block.last_expert_counts.tolist() == np.bincount(ids[ids >= 0].numpy(), minlength=8).tolist()
 
 
-def test_gpt_oss_runs_local_only():
+def test_gpt_oss_runs_as_the_layer_with_replica_slots():
+    """GPT-OSS swaps into the layer (four per-expert tensors) with a replica buffer sized for them; the
+    single-process 'local' backend takes no replica slots."""
+    from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE, HFReplicaBuffer
+
     model = tiny_model("gpt_oss")
-    with pytest.raises(ValueError, match="backend='local'"):
-        swap_moe_blocks(model, backend="layer")
+    with torch.no_grad():
+        ref = model(PROMPTS, attention_mask=MASK).logits
+    swap_moe_blocks(model, replica_slots=2)
+    blocks = [b for _, _, b in moe_blocks(model)]
+    assert all(isinstance(b, HFReplayBalancedMoE) for b in blocks)
+    buf = blocks[0].replica_buffer
+    assert isinstance(buf, HFReplicaBuffer) and all(b.replica_buffer is buf for b in blocks)
+    assert buf.names == ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    assert buf.shapes == ((32, 32), (32,), (16, 32), (32,))  # H=32, 2I=32 interleaved, I=16
+    assert buf.nbytes == 2 * 4 * (32 * 32 + 32 + 16 * 32 + 32)
+    with torch.no_grad():
+        out = model(PROMPTS, attention_mask=MASK).logits
+    assert (out - ref).abs().max().item() <= 1e-5
     with pytest.raises(ValueError, match="replica_slots=1"):
-        swap_moe_blocks(tiny_model("gpt_oss"), replica_slots=1)
+        swap_moe_blocks(tiny_model("gpt_oss"), replica_slots=1, backend="local")
     with pytest.raises(ValueError, match="backend="):
-        swap_moe_blocks(model, backend="fast")
+        swap_moe_blocks(tiny_model("gpt_oss"), backend="fast")
 
 
 def test_local_backend_is_the_hf_model():

@@ -256,8 +256,8 @@ class RoutingRecorder:
 class ReplayMoEBlock(nn.Module):
     """An HF MoE block that follows replayed routing, computed in this process (all experts local).
 
-    The single-process back end of :func:`swap_moe_blocks` (``backend="local"``), and the one GPT-OSS
-    uses (its per-expert biases and clamped activation are not in :class:`ReplayBalancedMoE`).
+    The single-process back end of :func:`swap_moe_blocks` (``backend="local"``): HF's eager expert
+    loop, numerically the HF block.
 
     It keeps HF's own submodules under their HF names (the router instance, so ``output_router_logits``
     hooks and the aux loss keep working; the fused ``experts`` parameters; shared experts and their
@@ -417,9 +417,9 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
             shared by all MoE layers of the model.
         gpus_per_node: ranks per node of the EP group (replicas stay inside a node).
         backend: ``"layer"``: :class:`~relibra_moe.integrations.hf_layer.HFReplayBalancedMoE` (a
-            ``ReplayBalancedMoE``: expert parallelism, replica plans, relayout); ``"local"``:
-            :class:`ReplayMoEBlock` (one process, every family); ``"auto"``: ``"layer"`` except for
-            GPT-OSS, which only runs ``"local"``.
+            ``ReplayBalancedMoE``: expert parallelism, replica plans, relayout; every family, GPT-OSS
+            included: its expert biases travel with the experts); ``"local"``: :class:`ReplayMoEBlock`
+            (one process, HF's eager expert loop); ``"auto"``: ``"layer"``.
         dispatcher: passed to ``ReplayBalancedMoE`` (``"auto"``, ``"alltoall"``, ``"deepep"`` or an object).
 
     Swap after moving the model to its final device and dtype: the replica buffer is allocated here.
@@ -429,9 +429,9 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
 
     Raises:
         ValueError: the model has no supported MoE block (the message lists the supported classes), or
-            GPT-OSS with an EP group of more than one rank or replica slots.
+            the ``"local"`` backend with an EP group of more than one rank or replica slots.
     """
-    from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, HFReplicaBuffer
+    from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
 
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -445,23 +445,19 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
         fam = family_of(block)
         use_layer = backend == "layer" or (backend == "auto" and fam.name in LAYER_FAMILIES)
         if use_layer and fam.name not in LAYER_FAMILIES:
-            raise ValueError(f"{fam.name} ({type(block).__name__}) cannot run as a ReplayBalancedMoE: its experts "
-                             "have per-expert biases and a clamped interleaved activation that the layer's relayout "
-                             f"and replica buffer do not carry; use backend='local'. Layer families: "
-                             f"{', '.join(LAYER_FAMILIES)}")
+            raise ValueError(f"{fam.name} ({type(block).__name__}) cannot run as a ReplayBalancedMoE; use "
+                             f"backend='local'. Layer families: {', '.join(LAYER_FAMILIES)}")
         if use_layer:
             if replica_slots and buffer is None:
-                w = block.experts.gate_up_proj
-                buffer = HFReplicaBuffer(int(w.shape[2]), int(w.shape[1]) // 2, replica_slots, dtype=w.dtype,
-                                         device=w.device)
+                buffer = hf_replica_buffer(block, replica_slots)
             new = HFReplayBalancedMoE(block, layer_id, index, ep_group=ep_group, gpus_per_node=gpus_per_node,
                                       replica_buffer=buffer, dispatcher=dispatcher)
         else:
             world = _group_size(ep_group)
             if world > 1 or replica_slots:
-                raise ValueError(f"{fam.name} ({type(block).__name__}) runs only on the single-process 'local' "
-                                 f"backend (EP group of {world} ranks and replica_slots={replica_slots} requested); "
-                                 f"expert parallelism and replicas need a layer family: {', '.join(LAYER_FAMILIES)}")
+                raise ValueError(f"the single-process 'local' backend ({fam.name}, {type(block).__name__}) runs no "
+                                 f"EP group ({world} ranks) and no replica slots (replica_slots={replica_slots}); use "
+                                 f"backend='layer'")
             new = ReplayMoEBlock(block, layer_id)
         new.train(block.training)
         _set_submodule(model, name, new)
@@ -483,8 +479,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for _, name, block in moe_blocks(model):
         if getattr(block, "world_size", 1) <= 1:
             continue
-        home = torch.as_tensor(block.home_gpu)
-        for pname in ("gate_up_proj", "down_proj"):
+        home = torch.tensor(block.home_gpu)
+        for pname in block.experts.tensor_names:
             key = f"{name}.experts.{pname}"
             local = sd[key].contiguous()
             parts = [torch.empty_like(local) for _ in range(block.world_size)]

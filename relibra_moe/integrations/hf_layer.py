@@ -10,37 +10,40 @@ G ranks each rank holds the rows of its E/G home experts under the same names):
   record) that also reads as the layer's ``RouterOutput`` (``.logits``, ``.gates``, ``.ids``); with
   replayed ids the gates are recomputed from the live logits with the family's gate function;
 - the experts are HF's fused parameters (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), again
-  the same instance with a subclass that exposes them as the layer's ``w_gate_up`` / ``w_down`` (expert
-  dim first, so relayout moves rows of them and of their grads and optimizer state) and computes the
+  the same instance with a subclass that makes it a :class:`~relibra_moe.layers.experts.GroupedExperts`
+  whose per-expert tensors are those parameters (expert dim first, so relayout moves rows of them and
+  of their grads and optimizer state; also readable as ``w_gate_up`` / ``w_down``) and computes the
   grouped SwiGLU on transposed views (no copy);
+- GPT-OSS experts carry four per-expert tensors, ``gate_up_proj [E, H, 2I]`` (interleaved gate/up),
+  ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``, computed as
+  HF does (biases added per row by its slot, clamped activation with HF's ``alpha`` / ``limit``); the
+  replica buffer, relayout and the replica gradient add-back carry all four;
 - shared experts (and Qwen's sigmoid shared-expert gate) are applied by this block, as HF does.
 
-The replica buffer is :class:`HFReplicaBuffer`: the layer-shared buffer with slots in HF's layout.
-
-GPT-OSS (per-expert biases, interleaved clamped activation) is not supported here: the layer's relayout
-and replica buffer move exactly two weight tensors per expert; its blocks use the single-process
-:class:`~relibra_moe.integrations.hf.ReplayMoEBlock` instead.
+The replica buffer is :class:`HFReplicaBuffer`: the layer-shared buffer with slots in HF's layout
+(:func:`hf_replica_buffer` sizes one for a family's block).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..layers.experts import GroupedExperts, biased_gated_mlp, gpt_oss_activation, slot_view
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import check_replay_ids
-from ..triton_kernels.grouped_gemm import ExpertWeights, swiglu_experts
-from ..triton_kernels.permute import combine, permute
-from ..triton_kernels.routing import routing_metadata
+from ..triton_kernels.grouped_gemm import swiglu_experts
+from ..triton_kernels.routing import RoutingMeta
 from .hf_families import Family, family_of
 
-__all__ = ["HFReplayBalancedMoE", "HFReplicaBuffer", "LAYER_FAMILIES"]
+__all__ = ["HFReplayBalancedMoE", "HFReplicaBuffer", "LAYER_FAMILIES", "hf_replica_buffer"]
 
-LAYER_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "qwen3_next")
+LAYER_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_next")
 
 
 class _RouterTuple(tuple):
@@ -71,12 +74,15 @@ class _ReplayRouterMixin:
             ids = check_replay_ids(replay_ids.to(logits.device), logits.shape[0], self.top_k, self.num_experts,
                                    self.name)
             gates = self._family.gates(self, logits, ids)
+        if self._family.returns_scores:  # the block returns them (GPT-OSS); it pops them after its forward
+            self.__dict__["_last_gates"] = gates
         return _RouterTuple((logits, gates, ids.long()))
 
 
-class _HFExpertsMixin:
+class _HFExpertsMixin(GroupedExperts):
     """HF fused experts seen as the layer's ``GroupedSwiGLUExperts`` (HF layout, no copy)."""
 
+    tensor_names = ("gate_up_proj", "down_proj")
     block_m: int = 64
 
     @property
@@ -87,33 +93,53 @@ class _HFExpertsMixin:
     def w_down(self) -> nn.Parameter:  # [E_loc, H, I]
         return self.down_proj
 
-    @property
-    def num_local(self) -> int:
-        return int(self.gate_up_proj.shape[0])
+    @staticmethod
+    def dims(experts: nn.Module) -> tuple[int, int]:
+        """``(hidden, ffn)`` of HF fused experts (``gate_up_proj [E, 2I, H]``)."""
+        return int(experts.gate_up_proj.shape[2]), int(experts.gate_up_proj.shape[1]) // 2
 
-    def compute(self, x: torch.Tensor, slot_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                slots: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Expert MLP of rows ``x [R, H]`` at local slots ``slot_ids [R]``; HF-layout weights
-        ``w_gate_up [E_loc, 2I, H]``, ``w_down [E_loc, H, I]`` and replica ``slots`` of the same layout."""
-        E_loc = w_gate_up.shape[0]
-        r = 0 if slots is None else slots[0].shape[0]
-        meta = routing_metadata(slot_ids.view(-1, 1), max(E_loc + r, 1), block_m=self.block_m)
-        w1, w2 = w_gate_up.transpose(1, 2), w_down.transpose(1, 2)  # [S, H, 2I], [S, I, H] views
-        if r:
-            dev = slot_ids.device
-            src = torch.cat([torch.zeros(E_loc, dtype=torch.int64, device=dev),
-                             torch.ones(r, dtype=torch.int64, device=dev)])
-            idx = torch.cat([torch.arange(E_loc, device=dev), torch.arange(r, device=dev)])
-            w1 = ExpertWeights((w1, slots[0].transpose(1, 2)), src, idx)
-            w2 = ExpertWeights((w2, slots[1].transpose(1, 2)), src, idx)
+    def slot_tensors(self, home: Sequence[torch.Tensor], slots: Sequence[torch.Tensor] | None) -> list:
+        # HF stores [E, N, K] matrices applied as x @ W.T: transposed views, no copy
+        return [slot_view(h, None if slots is None else s, transpose=True)
+                for h, s in zip(home, slots or [None] * len(home))]
+
+    def mlp(self, xs: torch.Tensor, meta: RoutingMeta, tensors: Sequence) -> torch.Tensor:
         act = self.act_fn
 
         def activation(h: torch.Tensor) -> torch.Tensor:
             gate, up = h.chunk(2, dim=-1)
             return act(gate) * up
 
-        ys = swiglu_experts(permute(x, meta), meta, w1, w2, activation)
-        return combine(ys, meta, torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device))
+        return swiglu_experts(xs, meta, tensors[0], tensors[1], activation)
+
+    def compute(self, x: torch.Tensor, slot_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                slots: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Expert MLP of rows ``x [R, H]`` at local slots ``slot_ids [R]``; HF-layout weights
+        ``w_gate_up [E_loc, 2I, H]``, ``w_down [E_loc, H, I]`` and replica ``slots`` of the same layout."""
+        return self.compute_tensors(x, slot_ids, (w_gate_up, w_down), slots)
+
+
+class _HFGptOssExpertsMixin(GroupedExperts):
+    """HF ``GptOssExperts`` as the layer's experts: four per-expert tensors in HF's layout
+    (``gate_up_proj [E, H, 2I]`` applied as ``x @ W`` with interleaved gate/up columns,
+    ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``, ``down_proj_bias [E, H]``) and HF's clamped
+    activation with its ``alpha`` and ``limit``."""
+
+    tensor_names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    block_m: int = 64
+
+    @staticmethod
+    def dims(experts: nn.Module) -> tuple[int, int]:
+        """``(hidden, ffn)`` of GPT-OSS experts (``gate_up_proj [E, H, 2I]``)."""
+        return int(experts.gate_up_proj.shape[1]), int(experts.gate_up_proj.shape[2]) // 2
+
+    def mlp(self, xs: torch.Tensor, meta: RoutingMeta, tensors: Sequence) -> torch.Tensor:
+        w1, b1, w2, b2 = tensors
+        return biased_gated_mlp(xs, meta, w1, b1, w2, b2, gpt_oss_activation(float(self.alpha), float(self.limit)))
+
+
+def _experts_mixin(fam: Family) -> type:
+    return _HFGptOssExpertsMixin if fam.name == "gpt_oss" else _HFExpertsMixin
 
 
 @cache
@@ -125,15 +151,32 @@ class HFReplicaBuffer(LayerSharedReplicaBuffer):
     """The layer-shared replica buffer with slots in HF's fused layout.
 
     Attributes:
-        w_gate_up: ``[r, 2F, H]`` (gate rows first, then up). w_down: ``[r, H, F]``.
+        w_gate_up: ``[r, 2F, H]`` (gate rows first, then up). w_down: ``[r, H, F]`` (the default
+        members; ``shapes`` gives other sets, e.g. GPT-OSS's four tensors, see :func:`hf_replica_buffer`).
     """
 
     def __init__(self, hidden: int, ffn: int, slots: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__(hidden, ffn, 0, dtype=dtype, device=device)
-        self.slots = slots
-        self.w_gate_up = torch.zeros(slots, 2 * ffn, hidden, dtype=dtype, device=device)
-        self.w_down = torch.zeros(slots, hidden, ffn, dtype=dtype, device=device)
+                 device: torch.device | str | None = None,
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+        if shapes is None:
+            shapes = {"w_gate_up": (2 * ffn, hidden), "w_down": (hidden, ffn)}
+        super().__init__(hidden, ffn, slots, dtype=dtype, device=device, shapes=shapes)
+
+
+def hf_replica_buffer(block: nn.Module, slots: int) -> HFReplicaBuffer:
+    """An :class:`HFReplicaBuffer` of ``slots`` slots for the experts of the HF MoE ``block`` (any layer
+    family; GPT-OSS: its four per-expert tensors), in the experts' dtype and device."""
+    fam = family_of(block)
+    if fam is None or fam.name not in LAYER_FAMILIES:
+        raise ValueError(f"{type(block).__name__} is not a layer family block; supported: {', '.join(LAYER_FAMILIES)}")
+    experts = block.experts
+    mixin = _experts_mixin(fam)
+    hidden, ffn = mixin.dims(experts)
+    w = experts.gate_up_proj
+    shapes = None
+    if mixin is _HFGptOssExpertsMixin:
+        shapes = {n: tuple(getattr(experts, n).shape[1:]) for n in mixin.tensor_names}
+    return HFReplicaBuffer(hidden, ffn, slots, dtype=w.dtype, device=w.device, shapes=shapes)
 
 
 class HFReplayBalancedMoE(ReplayBalancedMoE):
@@ -148,7 +191,7 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
         replica_buffer: the model's :class:`HFReplicaBuffer` (or ``None`` without replica slots).
 
     ``forward(hidden [B, S, H]) -> [B, S, H]``; routed experts through the layer, then the shared
-    experts as HF adds them.
+    experts as HF adds them. GPT-OSS blocks return ``(hidden, router_scores [T, k])`` as HF's does.
     """
 
     _relibra_swapped = True
@@ -162,8 +205,8 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
                              f"{', '.join(LAYER_FAMILIES)}")
         router = getattr(block, fam.router_attr)
         experts = block.experts
-        hidden = int(experts.gate_up_proj.shape[2])
-        ffn = int(experts.gate_up_proj.shape[1]) // 2
+        mixin = _experts_mixin(fam)
+        hidden, ffn = mixin.dims(experts)
         E, k = int(router.num_experts), int(router.top_k)
         super().__init__(hidden, ffn, E, k, ep_group=ep_group, gpus_per_node=gpus_per_node, replica_buffer=None,
                          router=router, shared_expert=None, layer_index=layer_index, dispatcher=dispatcher,
@@ -182,15 +225,15 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
         self.register_buffer("expert_gpu", expert_gpu, persistent=False)
         router.__class__ = _subclass(_ReplayRouterMixin, type(router))
         router._family = fam
-        experts.__class__ = _subclass(_HFExpertsMixin, type(experts))
+        experts.__class__ = _subclass(mixin, type(experts))
         if self.world_size > 1:
             home = torch.as_tensor(self.home_experts, device=experts.gate_up_proj.device)
-            for pname in ("gate_up_proj", "down_proj"):
+            for pname in experts.tensor_names:
                 p = getattr(experts, pname)
                 setattr(experts, pname, nn.Parameter(p.detach().index_select(0, home).clone(),
                                                      requires_grad=p.requires_grad))
         if replica_buffer is not None:
-            replica_buffer.check_compatible(hidden, ffn, experts.gate_up_proj.dtype, experts.gate_up_proj.device)
+            replica_buffer.check_experts(experts.expert_tensors())
         self.replica_buffer = replica_buffer
         self.last_expert_counts: torch.Tensor | None = None
         self._in_layer_forward = False
@@ -231,6 +274,7 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
             out = super().forward(hidden_states)
         finally:
             self._in_layer_forward = False
+            scores = self.router.__dict__.pop("_last_gates", None)
         with torch.no_grad():
             ids = self.last_routing
             self.last_expert_counts = torch.bincount(ids[ids >= 0].reshape(-1), minlength=self.num_experts)
@@ -241,4 +285,4 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
             if gate_name is not None:
                 sh = torch.sigmoid(self._modules[gate_name](x)) * sh
             out = out + sh.reshape(out.shape)
-        return out
+        return (out, scores) if fam.returns_scores else out

@@ -1,9 +1,17 @@
-"""Grouped SwiGLU experts: this rank's home experts as stacked parameters, plus the replica slots.
+"""Grouped experts: this rank's home experts as stacked per-expert tensors, plus the replica slots.
+
+An expert is an ordered set of named per-expert tensors (``tensor_names``; each stacked ``[E_loc, ...]``
+with the expert dim first) and an expert-MLP function over slot-sorted rows (:meth:`GroupedExperts.mlp`).
+:class:`GroupedSwiGLUExperts` is ``(w_gate_up [E, H, 2F], w_down [E, F, H])`` with SwiGLU;
+:class:`BiasedGatedExperts` adds per-expert biases ``(w_gate_up, b_gate_up [E, 2F], w_down, b_down [E, H])``
+and takes a row activation (SwiGLU, or GPT-OSS's interleaved clamped one). The replica buffer, relayout
+and the replica gradient add-back carry every tensor of the set, in ``tensor_names`` order.
 
 The local slot table of one layer call has ``S = E_loc + r`` columns: slots ``0 .. E_loc - 1`` are the
 home experts (ascending logical id), slots ``E_loc .. E_loc + r - 1`` the replica slots of the
-:class:`~relibra_moe.layers.replica_buffer.LayerSharedReplicaBuffer`. The grouped GEMM reads both
-through :class:`~relibra_moe.triton_kernels.grouped_gemm.ExpertWeights` (no concatenating copy).
+:class:`~relibra_moe.layers.replica_buffer.LayerSharedReplicaBuffer`. Weight matrices are read through
+:class:`~relibra_moe.triton_kernels.grouped_gemm.ExpertWeights` (no concatenating copy); per-expert
+vectors (biases, ``[S, D]``, small) are concatenated.
 
 Autograd with a shared buffer. The buffer holds layer ``l``'s replicas only until layer ``l + 1``
 refills it, but layer ``l``'s backward needs them again. :class:`_ExpertsWithReplicas` therefore
@@ -17,20 +25,123 @@ slot gradients back to the home ranks, where they are added to the home experts'
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from ..triton_kernels.grouped_gemm import ExpertWeights, swiglu_experts
+from ..triton_kernels.grouped_gemm import ExpertWeights, grouped_mm, swiglu, swiglu_experts
 from ..triton_kernels.permute import combine, permute
-from ..triton_kernels.routing import routing_metadata
+from ..triton_kernels.routing import RoutingMeta, routing_metadata
 from .dispatch import Dispatcher
 from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
 
-__all__ = ["GroupedSwiGLUExperts", "experts_forward"]
+__all__ = ["BiasedGatedExperts", "GroupedExperts", "GroupedSwiGLUExperts", "biased_gated_mlp", "experts_forward",
+           "gpt_oss_activation", "row_slots", "slot_view"]
+
+SlotTensor = torch.Tensor | ExpertWeights
 
 
-class GroupedSwiGLUExperts(nn.Module):
+def slot_view(home: torch.Tensor, slot: torch.Tensor | None, transpose: bool = False) -> SlotTensor:
+    """One per-expert tensor over the ``S = E_loc + r`` local slots.
+
+    ``home [E_loc, ...]``, ``slot [r, ...]`` (or ``None``). 3-D tensors (weight matrices) become an
+    :class:`ExpertWeights` (no copy; ``transpose`` views each matrix as ``[.., N, K] -> [.., K, N]``
+    first); other tensors (per-expert vectors) are concatenated ``[S, ...]``.
+    """
+    if home.dim() == 3 and transpose:
+        home = home.transpose(1, 2)
+        slot = None if slot is None else slot.transpose(1, 2)
+    if slot is None or slot.shape[0] == 0:
+        return home
+    if home.dim() != 3:
+        return torch.cat([home, slot.to(home.dtype)])
+    E_loc, r, dev = home.shape[0], slot.shape[0], home.device
+    src = torch.cat([torch.zeros(E_loc, dtype=torch.int64, device=dev), torch.ones(r, dtype=torch.int64, device=dev)])
+    idx = torch.cat([torch.arange(E_loc, device=dev), torch.arange(r, device=dev)])
+    return ExpertWeights((home, slot), src, idx)
+
+
+def row_slots(meta: RoutingMeta) -> torch.Tensor:
+    """int64 ``[R]``: the slot of every sorted row (padding rows get the last slot; their outputs are
+    never read by ``combine``)."""
+    rows = torch.arange(meta.num_rows, device=meta.offsets.device, dtype=meta.offsets.dtype)
+    s = torch.searchsorted(meta.offsets[1:].contiguous(), rows, right=True)
+    return s.clamp_max(max(meta.num_slots - 1, 0)).long()
+
+
+def gpt_oss_activation(alpha: float, limit: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    """GPT-OSS's gated activation on interleaved ``h [R, 2F]`` (gate = even columns, up = odd):
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)``."""
+
+    def act(h: torch.Tensor) -> torch.Tensor:
+        gate, up = h[..., ::2], h[..., 1::2]
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return act
+
+
+def biased_gated_mlp(xs: torch.Tensor, meta: RoutingMeta, w_gate_up: SlotTensor, b_gate_up: torch.Tensor,
+                     w_down: SlotTensor, b_down: torch.Tensor,
+                     activation: Callable[[torch.Tensor], torch.Tensor] = swiglu) -> torch.Tensor:
+    """``y = act(x W1[s] + b1[s]) W2[s] + b2[s]`` on slot-sorted rows, ``s`` the row's slot.
+
+    ``xs [R, H]``; ``w_gate_up [S, H, 2F]``, ``w_down [S, F, H]`` (tensors or ExpertWeights);
+    ``b_gate_up [S, 2F]``, ``b_down [S, H]``; ``activation: [R, 2F] -> [R, F]``. Returns ``[R, H]``
+    (padding rows hold garbage that ``combine`` never reads). Differentiable in every input; bias
+    gradients are the per-slot sums of the rows' gradients.
+    """
+    s = row_slots(meta)
+    h = grouped_mm(xs, w_gate_up, meta) + b_gate_up.index_select(0, s)
+    return grouped_mm(activation(h), w_down, meta) + b_down.index_select(0, s)
+
+
+class GroupedExperts(nn.Module):
+    """Base of the layer's expert containers: ``num_local`` experts, each the per-expert slice of the
+    stacked tensors named ``tensor_names`` (expert dim first), computed by :meth:`mlp`.
+
+    Subclasses set ``tensor_names`` (parameters of this module) and implement :meth:`mlp`. The layer
+    reads ``expert_tensors()`` (home experts), sizes the replica buffer from their per-expert shapes
+    (:meth:`LayerSharedReplicaBuffer.for_experts`) and calls :meth:`compute_tensors`.
+    """
+
+    tensor_names: tuple[str, ...] = ()
+    block_m: int = 64
+
+    def expert_tensors(self) -> tuple[torch.Tensor, ...]:
+        """This rank's stacked per-expert parameters ``[E_loc, ...]``, in ``tensor_names`` order."""
+        return tuple(getattr(self, n) for n in self.tensor_names)
+
+    @property
+    def num_local(self) -> int:
+        return int(self.expert_tensors()[0].shape[0])
+
+    def mlp(self, xs: torch.Tensor, meta: RoutingMeta, tensors: Sequence[SlotTensor]) -> torch.Tensor:
+        """Expert MLP of slot-sorted rows ``xs [R, H]``; ``tensors``: one :func:`slot_view` per name."""
+        raise NotImplementedError
+
+    def slot_tensors(self, home: Sequence[torch.Tensor], slots: Sequence[torch.Tensor] | None) -> list[SlotTensor]:
+        """Home ``[E_loc, ...]`` and replica slot ``[r, ...]`` tensors as per-slot views (see :func:`slot_view`)."""
+        return [slot_view(h, None if slots is None else s) for h, s in zip(home, slots or [None] * len(home))]
+
+    def compute_tensors(self, x: torch.Tensor, slot_ids: torch.Tensor, home: Sequence[torch.Tensor],
+                        slots: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """Expert MLP of rows ``x [R, H]`` at local slots ``slot_ids [R]`` (int64, all valid).
+
+        ``home``: the per-expert tensors of the home experts (``expert_tensors()`` or detached leaves of
+        them); ``slots``: the replica slot tensors ``[r, ...]`` in the same order, or ``None``. Returns
+        ``[R, H]`` in the received row order.
+        """
+        E_loc = home[0].shape[0]
+        r = 0 if slots is None else slots[0].shape[0]
+        meta = routing_metadata(slot_ids.view(-1, 1), max(E_loc + r, 1), block_m=self.block_m)
+        ys = self.mlp(permute(x, meta), meta, self.slot_tensors(home, slots if r else None))
+        return combine(ys, meta, torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device))
+
+
+class GroupedSwiGLUExperts(GroupedExperts):
     """``num_local`` SwiGLU experts ``y = (silu(x W_g) * (x W_u)) W_d`` as stacked parameters.
 
     Attributes:
@@ -38,10 +149,12 @@ class GroupedSwiGLUExperts(nn.Module):
         w_down: ``[E_loc, F, H]``.
     """
 
+    tensor_names = ("w_gate_up", "w_down")
+
     def __init__(self, hidden: int, ffn: int, num_local: int, *, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, block_m: int = 64) -> None:
         super().__init__()
-        self.hidden, self.ffn, self.num_local, self.block_m = hidden, ffn, num_local, block_m
+        self.hidden, self.ffn, self.block_m = hidden, ffn, block_m
         self.w_gate_up = nn.Parameter(torch.empty(num_local, hidden, 2 * ffn, dtype=dtype, device=device))
         self.w_down = nn.Parameter(torch.empty(num_local, ffn, hidden, dtype=dtype, device=device))
         self.reset_parameters()
@@ -53,75 +166,114 @@ class GroupedSwiGLUExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, ffn={self.ffn}, num_local={self.num_local}"
 
+    def mlp(self, xs: torch.Tensor, meta: RoutingMeta, tensors: Sequence[SlotTensor]) -> torch.Tensor:
+        return swiglu_experts(xs, meta, tensors[0], tensors[1])
+
     def compute(self, x: torch.Tensor, slot_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 slots: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Expert MLP of rows ``x [R, H]`` with local slot ids ``slot_ids [R]`` (int64, all valid).
+        """The two-tensor form of :meth:`compute_tensors` (``slots``: ``([r, H, 2F], [r, F, H])`` or ``None``)."""
+        return self.compute_tensors(x, slot_ids, (w_gate_up, w_down), slots)
 
-        ``slots``: the replica slot tensors ``([r, H, 2F], [r, F, H])`` or ``None``. Returns ``[R, H]``
-        in the received row order.
-        """
-        E_loc = w_gate_up.shape[0]
-        r = 0 if slots is None else slots[0].shape[0]
-        S = max(E_loc + r, 1)
-        meta = routing_metadata(slot_ids.view(-1, 1), S, block_m=self.block_m)
-        if r:
-            dev = slot_ids.device
-            src = torch.cat([torch.zeros(E_loc, dtype=torch.int64, device=dev),
-                             torch.ones(r, dtype=torch.int64, device=dev)])
-            idx = torch.cat([torch.arange(E_loc, device=dev), torch.arange(r, device=dev)])
-            w1 = ExpertWeights((w_gate_up, slots[0]), src, idx)
-            w2 = ExpertWeights((w_down, slots[1]), src, idx)
+
+class BiasedGatedExperts(GroupedExperts):
+    """``num_local`` gated experts with per-expert biases: ``y = act(x W1 + b1) W2 + b2``.
+
+    Args:
+        hidden: H. ffn: F. num_local: E_loc.
+        activation: ``"swiglu"`` (``silu(gate) * up``, gate half first), ``"gpt_oss"`` (interleaved
+            gate/up, clamped, see :func:`gpt_oss_activation`), or a callable ``[R, 2F] -> [R, F]``.
+        alpha, limit: GPT-OSS's ``swiglu_alpha`` and ``swiglu_limit``.
+
+    Attributes:
+        w_gate_up: ``[E_loc, H, 2F]``. b_gate_up: ``[E_loc, 2F]``. w_down: ``[E_loc, F, H]``.
+        b_down: ``[E_loc, H]``.
+    """
+
+    tensor_names = ("w_gate_up", "b_gate_up", "w_down", "b_down")
+
+    def __init__(self, hidden: int, ffn: int, num_local: int, *,
+                 activation: str | Callable[[torch.Tensor], torch.Tensor] = "swiglu", alpha: float = 1.702,
+                 limit: float = 7.0, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 block_m: int = 64) -> None:
+        super().__init__()
+        self.hidden, self.ffn, self.block_m = hidden, ffn, block_m
+        if activation == "swiglu":
+            self.activation = swiglu
+        elif activation == "gpt_oss":
+            self.activation = gpt_oss_activation(alpha, limit)
+        elif callable(activation):
+            self.activation = activation
         else:
-            w1, w2 = w_gate_up, w_down
-        xs = permute(x, meta)
-        ys = swiglu_experts(xs, meta, w1, w2)
-        return combine(ys, meta, torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device))
+            raise ValueError(f"activation must be 'swiglu', 'gpt_oss' or a callable, got {activation!r}")
+        kw = dict(dtype=dtype, device=device)
+        self.w_gate_up = nn.Parameter(torch.empty(num_local, hidden, 2 * ffn, **kw))
+        self.b_gate_up = nn.Parameter(torch.empty(num_local, 2 * ffn, **kw))
+        self.w_down = nn.Parameter(torch.empty(num_local, ffn, hidden, **kw))
+        self.b_down = nn.Parameter(torch.empty(num_local, hidden, **kw))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w_gate_up, std=1.0 / math.sqrt(self.hidden))
+        nn.init.normal_(self.w_down, std=1.0 / math.sqrt(self.ffn))
+        nn.init.normal_(self.b_gate_up, std=0.1)
+        nn.init.normal_(self.b_down, std=0.1)
+
+    def extra_repr(self) -> str:
+        return f"hidden={self.hidden}, ffn={self.ffn}, num_local={self.num_local}"
+
+    def mlp(self, xs: torch.Tensor, meta: RoutingMeta, tensors: Sequence[SlotTensor]) -> torch.Tensor:
+        w1, b1, w2, b2 = tensors
+        return biased_gated_mlp(xs, meta, w1, b1, w2, b2, self.activation)
 
 
 class _ExpertsWithReplicas(torch.autograd.Function):
     """Autograd glue for the layer-shared buffer (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate_up, w_down, slot_ids, experts, buffer, transfer, dispatcher, key):
+    def forward(ctx, x, slot_ids, experts, buffer, transfer, dispatcher, key, *home):
         active = buffer is not None and transfer is not None and transfer.active
         if active:
-            buffer.fill(key, transfer, (w_gate_up, w_down), dispatcher)
+            buffer.fill(key, transfer, home, dispatcher)
         with torch.enable_grad():
             xl = x.detach().requires_grad_(x.requires_grad)
-            w1 = w_gate_up.detach().requires_grad_(w_gate_up.requires_grad)
-            w2 = w_down.detach().requires_grad_(w_down.requires_grad)
+            ws = tuple(w.detach().requires_grad_(w.requires_grad) for w in home)
             slots = None
             if active:
-                slots = (buffer.w_gate_up.detach().requires_grad_(w1.requires_grad),
-                         buffer.w_down.detach().requires_grad_(w2.requires_grad))
-            y = experts.compute(xl, slot_ids, w1, w2, slots)
-        ctx.graph = (y, xl, w1, w2, slots)
-        ctx.state = (active, buffer, transfer, dispatcher, key, (w_gate_up, w_down))
+                slots = tuple(t.detach().requires_grad_(w.requires_grad) for t, w in zip(buffer.tensors, ws))
+            y = experts.compute_tensors(xl, slot_ids, ws, slots)
+        ctx.graph = (y, xl, ws, slots)
+        ctx.state = (active, buffer, transfer, dispatcher, key, tuple(home))
         return y.detach()
 
     @staticmethod
     def backward(ctx, grad_y):
-        y, xl, w1, w2, slots = ctx.graph
+        y, xl, ws, slots = ctx.graph
         active, buffer, transfer, dispatcher, key, home = ctx.state
         ctx.graph = ctx.state = None
         if active and buffer.filled_for != key:  # a later layer reused the slots: refill (collective)
             buffer.fill(key, transfer, home, dispatcher)
-        leaves = [t for t in (xl, w1, w2) if t.requires_grad]
-        if slots is not None and w1.requires_grad:
-            leaves += list(slots)
+        leaves = [t for t in (xl, *ws) if t.requires_grad]
+        if slots is not None:
+            leaves += [s for s in slots if s.requires_grad]
         grads = list(torch.autograd.grad(y, leaves, grad_y, allow_unused=True)) if leaves and y.requires_grad \
             else [None] * len(leaves)
         grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
         it = iter(grads)
         gx = next(it) if xl.requires_grad else None
-        g1 = next(it) if w1.requires_grad else None
-        g2 = next(it) if w2.requires_grad else None
-        if active and g1 is not None:
-            buffer.return_grads(transfer, (next(it), next(it)), (g1, g2), dispatcher)
-        return gx, g1, g2, None, None, None, None, None, None
+        gw = [next(it) if w.requires_grad else None for w in ws]
+        if active and all(g is not None for g in gw):
+            gs = [next(it) for s in slots]
+            buffer.return_grads(transfer, tuple(gs), tuple(gw), dispatcher)
+        elif active and any(g is not None for g in gw):
+            # some expert tensors are frozen: their slot grads are dropped, the others still travel home
+            gs = [next(it) if s.requires_grad else torch.zeros_like(s) for s in slots]
+            gh = [torch.zeros_like(w) if g is None else g for w, g in zip(ws, gw)]
+            buffer.return_grads(transfer, tuple(gs), tuple(gh), dispatcher)
+            gw = [g if w.requires_grad else None for w, g in zip(ws, gh)]
+        return (gx, None, None, None, None, None, None, *gw)
 
 
-def experts_forward(experts: GroupedSwiGLUExperts, x: torch.Tensor, slot_ids: torch.Tensor,
+def experts_forward(experts: GroupedExperts, x: torch.Tensor, slot_ids: torch.Tensor,
                     buffer: LayerSharedReplicaBuffer | None, transfer: ReplicaTransfer | None,
                     dispatcher: Dispatcher, key: object) -> torch.Tensor:
     """Run this rank's experts (home + replica slots) on received rows ``x [R, H]``.
@@ -129,11 +281,10 @@ def experts_forward(experts: GroupedSwiGLUExperts, x: torch.Tensor, slot_ids: to
     ``slot_ids [R]`` int64 local slots (``< E_loc`` home, ``>= E_loc`` replica slot). A collective
     when ``transfer.active`` (every rank of the group must call it for this layer, even with R = 0).
     """
+    home = experts.expert_tensors()
     if not torch.is_grad_enabled():  # inference / rollout: no graph to keep, no backward refill
         active = buffer is not None and transfer is not None and transfer.active
         if active:
-            buffer.fill(key, transfer, (experts.w_gate_up, experts.w_down), dispatcher)
-        slots = (buffer.w_gate_up, buffer.w_down) if active else None
-        return experts.compute(x, slot_ids, experts.w_gate_up, experts.w_down, slots)
-    return _ExpertsWithReplicas.apply(x, experts.w_gate_up, experts.w_down, slot_ids, experts, buffer,
-                                      transfer, dispatcher, key)
+            buffer.fill(key, transfer, home, dispatcher)
+        return experts.compute_tensors(x, slot_ids, home, buffer.tensors if active else None)
+    return _ExpertsWithReplicas.apply(x, slot_ids, experts, buffer, transfer, dispatcher, key, *home)

@@ -58,7 +58,7 @@ from ..specs import ClusterSpec, ModelSpec
 from ..triton_kernels.permute import combine, permute
 from ..triton_kernels.routing import routing_metadata
 from .dispatch import Dispatcher, get_dispatcher
-from .experts import GroupedSwiGLUExperts, experts_forward
+from .experts import GroupedExperts, GroupedSwiGLUExperts, experts_forward
 from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
 from .router import TopKRouter
 
@@ -154,6 +154,11 @@ class ReplayBalancedMoE(nn.Module):
         router: a :class:`TopKRouter`, a dict of its keyword arguments, or a scoring name
             (``"softmax"``, ``"sigmoid"``).
         shared_expert: optional module applied to every token and added to the output.
+        experts: this rank's expert container (a :class:`~relibra_moe.layers.experts.GroupedExperts`
+            holding ``num_experts / G`` experts, e.g. :class:`~relibra_moe.layers.experts.BiasedGatedExperts`
+            for GPT-OSS-style experts); default: :class:`~relibra_moe.layers.experts.GroupedSwiGLUExperts`
+            of ``hidden`` x ``ffn`` (``block_m``, ``dtype``, ``device`` apply to it). The replica buffer
+            must match it (:meth:`LayerSharedReplicaBuffer.for_experts`).
         layer_index: this layer's index among the model's MoE layers (the plan's ``l``);
             :func:`relibra_moe.layers.replay.replay_model` assigns it in module order when unset.
         dispatcher: ``"auto"``, ``"alltoall"``, ``"deepep"``, or a :class:`Dispatcher`.
@@ -170,7 +175,7 @@ class ReplayBalancedMoE(nn.Module):
                  router: TopKRouter | dict | str = "softmax", shared_expert: nn.Module | None = None,
                  layer_index: int | None = None, dispatcher: str | Dispatcher = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 block_m: int = 64) -> None:
+                 block_m: int = 64, experts: GroupedExperts | None = None) -> None:
         super().__init__()
         self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
         self.ep_group = ep_group
@@ -193,10 +198,14 @@ class ReplayBalancedMoE(nn.Module):
             raise ValueError(f"router routes to {router.num_experts} experts top-{router.top_k}, the layer has "
                              f"{num_experts} top-{top_k}")
         self.router = router
-        self.experts = GroupedSwiGLUExperts(hidden, ffn, self.num_local, dtype=dtype, device=device,
-                                            block_m=block_m)
+        if experts is None:
+            experts = GroupedSwiGLUExperts(hidden, ffn, self.num_local, dtype=dtype, device=device, block_m=block_m)
+        elif experts.num_local != self.num_local:
+            raise ValueError(f"experts holds {experts.num_local} experts, the layer needs num_experts / G = "
+                             f"{self.num_local} per rank")
+        self.experts = experts
         if replica_buffer is not None:
-            replica_buffer.check_compatible(hidden, ffn, self.experts.w_gate_up.dtype, self.experts.w_gate_up.device)
+            replica_buffer.check_experts(self.experts.expert_tensors())
         self.replica_buffer = replica_buffer
         self.shared_expert = shared_expert
         self.register_buffer("expert_gpu", torch.arange(num_experts, dtype=torch.int64) // self.num_local)
@@ -390,7 +399,7 @@ class ReplayBalancedMoE(nn.Module):
 
         # source side: pairs sorted by destination rank (stable in pair order)
         meta_send = routing_metadata(dest, G, num_rows=P)
-        x_send = permute(x2.to(self.experts.w_gate_up.dtype), meta_send)  # rows in the experts' dtype
+        x_send = permute(x2.to(self.experts.expert_tensors()[0].dtype), meta_send)  # rows in the experts' dtype
         slot_send = dest_slot.view(-1).index_select(0, meta_send.gather_idx.long())
         x_recv = self.dispatcher.dispatch(x_send, send_splits, recv_splits)
         slot_recv = self.dispatcher.dispatch_ids(slot_send, send_splits, recv_splits)

@@ -3,7 +3,8 @@
 ``relayout(model, placement, optimizer=None)`` moves, for every ``ReplayBalancedMoE`` layer ``l`` of
 the model (module order = the plan's layer order) whose homes change, each expert's rows of
 
-- the expert parameters (``w_gate_up``, ``w_down``),
+- every per-expert tensor of the layer's experts (``experts.expert_tensors()``: ``w_gate_up``, ``w_down``,
+  and biases for biased experts),
 - their gradients, when present,
 - the optimizer state of those parameters that is per expert: every state tensor shaped like the
   parameter (Adam/AdamW ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; SGD momentum),
@@ -55,7 +56,7 @@ def _move_layer(layer: ReplayBalancedMoE, new: np.ndarray, optimizer: torch.opti
     recv_e = sorted(mine_new, key=lambda e: (old[e], e))  # sources ascending, experts ascending
     recv_rows = torch.as_tensor([int(np.searchsorted(mine_new, e)) for e in recv_e], dtype=torch.int64)
     recv_splits = np.bincount(old[recv_e], minlength=G) if recv_e else np.zeros(G, np.int64)
-    for p in (layer.experts.w_gate_up, layer.experts.w_down):
+    for p in layer.experts.expert_tensors():
         for t in _state_tensors(p, optimizer):
             rows = send_rows.to(t.device)
             send = t.index_select(0, rows).reshape(len(rows), t[0].numel())

@@ -88,34 +88,81 @@ class ReplicaTransfer:
 
 
 class LayerSharedReplicaBuffer:
-    """``r`` replica slots per rank for SwiGLU experts, shared by every MoE layer of a model.
+    """``r`` replica slots per rank, shared by every MoE layer of a model.
+
+    An expert is an ordered set of per-expert tensors (see
+    :class:`relibra_moe.layers.experts.GroupedExperts`); the buffer holds one ``[r, ...]`` tensor per
+    member. The default set is SwiGLU's two weight matrices; :meth:`for_experts` sizes a buffer for any
+    expert container (e.g. biased GPT-OSS experts: four tensors).
 
     Args:
         hidden: H. ffn: F (the expert width).
         slots: r.
         dtype, device: of the slot tensors (the experts' dtype and device).
+        shapes: ``{name: per-expert shape}`` of the members, in order; default
+            ``{"w_gate_up": (H, 2F), "w_down": (F, H)}``.
 
     Attributes:
-        w_gate_up: ``[r, H, 2F]`` (gate columns first, then up), the layout of
-            :class:`relibra_moe.layers.experts.GroupedSwiGLUExperts`.
-        w_down: ``[r, F, H]``.
+        tensors: the slot tensors ``[r, *shape]`` in member order (also readable by name, e.g.
+            ``buffer.w_gate_up`` ``[r, H, 2F]`` (gate columns first, then up) and ``buffer.w_down``
+            ``[r, F, H]`` for the default set).
+        names: the member names.
         filled_for: the key (layer name, micro-batch) the slots currently hold, or ``None``.
         fills: how many fills ran (forward and backward), for tests and benchmarks.
     """
 
     def __init__(self, hidden: int, ffn: int, slots: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 shapes: dict[str, tuple[int, ...]] | None = None) -> None:
         if slots < 0:
             raise ValueError(f"slots must be >= 0, got {slots}")
         self.hidden, self.ffn, self.slots = hidden, ffn, slots
-        self.w_gate_up = torch.zeros(slots, hidden, 2 * ffn, dtype=dtype, device=device)
-        self.w_down = torch.zeros(slots, ffn, hidden, dtype=dtype, device=device)
+        if shapes is None:
+            shapes = {"w_gate_up": (hidden, 2 * ffn), "w_down": (ffn, hidden)}
+        if not shapes:
+            raise ValueError("shapes is empty: an expert needs at least one tensor")
+        self._slot_tensors: dict[str, torch.Tensor] = {
+            name: torch.zeros((slots,) + tuple(int(d) for d in shape), dtype=dtype, device=device)
+            for name, shape in shapes.items()}
         self.filled_for: object = None
         self.fills = 0
 
+    @classmethod
+    def for_experts(cls, experts, slots: int, *, hidden: int | None = None,
+                    ffn: int | None = None) -> LayerSharedReplicaBuffer:
+        """A buffer whose members match ``experts.expert_tensors()`` (names ``experts.tensor_names``,
+        per-expert shapes, dtype, device). ``hidden`` / ``ffn`` are informational (repr)."""
+        ts = experts.expert_tensors()
+        shapes = {n: tuple(t.shape[1:]) for n, t in zip(experts.tensor_names, ts)}
+        return cls(int(hidden or getattr(experts, "hidden", 0)), int(ffn or getattr(experts, "ffn", 0)), slots,
+                   dtype=ts[0].dtype, device=ts[0].device, shapes=shapes)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        tensors = self.__dict__.get("_slot_tensors")
+        if tensors is not None and name in tensors:
+            return tensors[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
     @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.w_gate_up, self.w_down
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._slot_tensors)
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self._slot_tensors.values())
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-expert shape of every member (the slot tensors without their leading ``r``)."""
+        return tuple(tuple(t.shape[1:]) for t in self.tensors)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensors[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
 
     @property
     def nbytes(self) -> int:
@@ -123,21 +170,29 @@ class LayerSharedReplicaBuffer:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def __repr__(self) -> str:
-        return (f"LayerSharedReplicaBuffer(hidden={self.hidden}, ffn={self.ffn}, slots={self.slots}, "
-                f"dtype={self.w_gate_up.dtype}, nbytes={self.nbytes})")
+        return (f"{type(self).__name__}(hidden={self.hidden}, ffn={self.ffn}, slots={self.slots}, "
+                f"members={dict(zip(self.names, self.shapes))}, dtype={self.dtype}, nbytes={self.nbytes})")
 
     def check_compatible(self, hidden: int, ffn: int, dtype: torch.dtype, device: torch.device) -> None:
-        if (hidden, ffn) != (self.hidden, self.ffn) or dtype != self.w_gate_up.dtype \
-                or torch.device(device) != self.w_gate_up.device:
+        """Raise ``ValueError`` unless the buffer holds experts of this H, F, dtype and device."""
+        if (hidden, ffn) != (self.hidden, self.ffn) or dtype != self.dtype or torch.device(device) != self.device:
             raise ValueError(f"{self!r} cannot hold experts of hidden={hidden}, ffn={ffn}, dtype={dtype}, "
                              f"device={device}")
+
+    def check_experts(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Raise ``ValueError`` unless the slots can hold one expert of the stacked ``tensors``
+        (same member count, per-expert shapes, dtype and device)."""
+        shapes = tuple(tuple(t.shape[1:]) for t in tensors)
+        if shapes != self.shapes or tensors[0].dtype != self.dtype or tensors[0].device != self.device:
+            raise ValueError(f"{self!r} cannot hold experts with per-expert shapes {shapes}, dtype "
+                             f"{tensors[0].dtype}, device {tensors[0].device}")
 
     @torch.no_grad()
     def fill(self, key: object, transfer: ReplicaTransfer, home: tuple[torch.Tensor, torch.Tensor],
              dispatcher: Dispatcher) -> None:
         """Fill the slots with one layer's replicas (a collective when ``transfer.active``).
 
-        ``home``: this rank's home weights ``([E_loc, H, 2F], [E_loc, F, H])``. The slots are written
+        ``home``: this rank's home tensors (``[E_loc, *shape]`` per member, in member order). The slots are written
         through ``.data`` so autograd graphs that saved a view of the buffer (the layer's backward)
         do not see a version bump; the layer refills before it runs that backward.
         """
@@ -147,11 +202,13 @@ class LayerSharedReplicaBuffer:
         if transfer.slot_expert.numel() != self.slots:
             raise PlanError(f"the plan has {transfer.slot_expert.numel()} replica slots per rank, the buffer "
                             f"{self.slots}")
+        if len(home) != len(self.tensors):
+            raise ValueError(f"{self!r} holds {len(self.tensors)} tensors per expert, got {len(home)}")
         idx = transfer.send_local.to(home[0].device)
-        send = torch.cat([w.detach().index_select(0, idx).reshape(len(idx), w[0].numel()).to(self.w_gate_up.dtype)
+        send = torch.cat([w.detach().index_select(0, idx).reshape(len(idx), w[0].numel()).to(self.dtype)
                           for w in home], dim=1)
         recv = dispatcher.replica_exchange(send, transfer.send_splits, transfer.recv_splits, transfer.intra_node)
-        slots = transfer.recv_slots.to(self.w_gate_up.device)
+        slots = transfer.recv_slots.to(self.device)
         rows = torch.arange(len(slots), device=slots.device)
         col = 0
         for t in self.tensors:
@@ -166,8 +223,8 @@ class LayerSharedReplicaBuffer:
                      home_grads: tuple[torch.Tensor, torch.Tensor], dispatcher: Dispatcher) -> None:
         """Send slot gradients back to the home ranks and add them into ``home_grads`` in place.
 
-        ``slot_grads``: ``([r, H, 2F], [r, F, H])`` this rank's slot gradients; ``home_grads``: this
-        rank's home gradients ``([E_loc, H, 2F], [E_loc, F, H])``. A collective when
+        ``slot_grads``: this rank's slot gradients (``[r, *shape]`` per member); ``home_grads``: this
+        rank's home gradients (``[E_loc, *shape]`` per member), both in member order. A collective when
         ``transfer.active``.
         """
         if not transfer.active:
@@ -186,7 +243,7 @@ class LayerSharedReplicaBuffer:
 
 
 def replica_buffer_bytes(model: ModelSpec | str, replica_slots: int = 2, dtype_bytes: int | None = None) -> int:
-    """Bytes per rank of the layer-shared replica buffer for a model (a preset name or a ModelSpec).
+    """Bytes per rank of the layer-shared (SwiGLU, bias-free) replica buffer for a model (a preset name or a ModelSpec).
 
     ``r x 3 x h x h' x dtype_bytes`` whatever the number of layers; e.g. 18 MiB for
     ``"qwen3-30b-a3b"`` and 72 MiB for ``"qwen3-235b-a22b"`` at r = 2 in bf16.

@@ -531,6 +531,40 @@ def _gmm_setup(ctx, inputs, output):
     ctx.save_for_backward(x, offsets, tile_slot, tile_row, slot_source, slot_index, *sources)
 
 
+def _source_grads_torch(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    offsets: torch.Tensor,
+    sources: list[torch.Tensor],
+    slot_source: torch.Tensor,
+    slot_index: torch.Tensor,
+    needs_grad: list[bool],
+) -> list[torch.Tensor | None]:
+    """Torch reference of :func:`_source_grads` with ExpertWeights, bit for bit the same result as
+    ``grouped_mm_dw_torch`` followed by ``add_slot_grads_torch`` into zeroed source grads, without the
+    ``[S, K, N]`` intermediate, its layout copy and the per-row host loop: each slot's
+    ``dW_s = X_s^T dY_s`` (fp32 sum, rounded to x's dtype) is written straight into its source row;
+    rows shared by several slots get the fp32 sum of their rounded slot grads in increasing slot order.
+    Slots of sources that need no gradient and empty slots are skipped."""
+    off = offsets.tolist()
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dsrc: list[torch.Tensor | None] = [torch.zeros_like(s) if n else None for s, n in zip(sources, needs_grad)]
+    rows: dict[tuple[int, int], list[int]] = {}
+    for s, (a, b) in enumerate(zip(slot_source.tolist(), slot_index.tolist(), strict=True)):
+        if dsrc[a] is not None and off[s + 1] > off[s]:
+            rows.setdefault((a, b), []).append(s)
+    for (a, b), slots in rows.items():
+        parts = [(x[off[s]:off[s + 1]].to(acc).T @ dy[off[s]:off[s + 1]].to(acc)).to(x.dtype) for s in slots]
+        if len(parts) == 1:
+            dsrc[a][b] = parts[0] + 0.0  # + 0.0: a -0.0 becomes +0.0, as in the reference's 0 + dW
+        else:
+            total = torch.zeros(parts[0].shape, dtype=acc, device=x.device)
+            for p in parts:
+                total = total + p
+            dsrc[a][b] = total.to(dsrc[a].dtype)
+    return dsrc
+
+
 def _source_grads(
     x: torch.Tensor,
     dy: torch.Tensor,
@@ -545,6 +579,8 @@ def _source_grads(
     dsrc: list[torch.Tensor | None] = [None] * len(sources)
     if not any(needs_grad):
         return dsrc
+    if slot_source is not None and not use_triton(x) and not torch.compiler.is_compiling():
+        return _source_grads_torch(x, dy, offsets, sources, slot_source, slot_index, needs_grad)
     dw = _grouped_mm_dw_op(x, dy, offsets, _n_major(sources[0]))  # [S, K, N], the sources' layout
     if slot_source is None:
         dsrc[0] = dw
