@@ -316,3 +316,43 @@ def test_multi_block_loops(K, N, dtype):
     tol = TOL[dtype]
     assert rel_err(out, ref) <= tol
     assert rel_err(dw, ref_dw) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_expert_weights_grad_reference_is_the_composed_reference(dtype, transposed):
+    """The torch reference of the ExpertWeights weight gradient (per-slot dW written straight into the
+    source rows) equals, bit for bit and in the same layout, the composition it replaces: the
+    [S, K, N] per-slot dW of ``grouped_mm_dw`` added into zeroed sources by ``add_slot_grads``, with
+    source rows shared by several slots, empty slots, and a source that needs no gradient."""
+    from relibra_moe.triton_kernels import grouped_gemm as gg
+    from relibra_moe.triton_kernels.replica_copy import add_slot_grads_torch
+
+    T, k, S, K, N = 17, 2, 7, 12, 10
+    ids = make_ids(T, k, S, seed=2, mode="random")
+    ids[ids == 5] = 6  # slot 5 empty
+    meta = routing_metadata(ids, S, block_m=16)
+    g = torch.Generator().manual_seed(9)
+    shape = (N, K) if transposed else (K, N)
+    srcs = [torch.randn(4, *shape, generator=g).to(dtype), torch.randn(3, *shape, generator=g).to(dtype),
+            torch.randn(2, *shape, generator=g).to(dtype)]
+    if transposed:
+        srcs = [s.transpose(1, 2) for s in srcs]
+    slot_source = torch.tensor([0, 1, 0, 1, 0, 0, 2])
+    slot_index = torch.tensor([2, 0, 2, 0, 1, 3, 1])  # (0, 2) and (1, 0) twice; source 0 row 0 unused
+    x = torch.randn(meta.num_rows, K, generator=g).to(dtype)
+    dy = torch.randn(meta.num_rows, N, generator=g).to(dtype)
+    need = [True, True, False]
+    with force_backend("torch"):
+        got = gg._source_grads_torch(x, dy, meta.offsets, srcs, slot_source, slot_index, need)
+        dw = gg._grouped_mm_dw_op(x, dy, meta.offsets, transposed)
+    slots = torch.arange(S)
+    for i, src in enumerate(srcs):
+        if not need[i]:
+            assert got[i] is None
+            continue
+        want = torch.zeros_like(src)
+        add_slot_grads_torch(dw, slots, want, torch.where(slot_source == i, slot_index, torch.full_like(slots, -1)))
+        assert got[i].stride() == want.stride() and got[i].dtype == want.dtype
+        assert torch.equal(got[i], want) and torch.equal(got[i].signbit(), want.signbit())
+    assert not got[0][0].any()

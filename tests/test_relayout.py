@@ -35,7 +35,7 @@ def _full(layer: ReplayBalancedMoE, t: torch.Tensor) -> torch.Tensor:
 def _snapshot(layers, opt) -> list[torch.Tensor]:
     out = []
     for layer in layers:
-        for p in (layer.experts.w_gate_up, layer.experts.w_down):
+        for p in layer.experts.expert_tensors():
             st = opt.state[p]
             out += [p.detach().clone(), p.grad.clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone(),
                     st["step"].clone()]
@@ -45,15 +45,21 @@ def _snapshot(layers, opt) -> list[torch.Tensor]:
 def _logical(layers, opt) -> list[torch.Tensor]:
     out = []
     for layer in layers:
-        for p in (layer.experts.w_gate_up, layer.experts.w_down):
+        for p in layer.experts.expert_tensors():
             st = opt.state[p]
             out += [_full(layer, t) for t in (p.detach(), p.grad, st["exp_avg"], st["exp_avg_sq"])]
     return out
 
 
-def _worker(rank: int, world: int, P: int, E: int) -> None:
+def _worker(rank: int, world: int, P: int, E: int, biased: bool = False) -> None:
+    from relibra_moe.layers.experts import BiasedGatedExperts
+
     torch.manual_seed(100 + rank)
-    layers = torch.nn.ModuleList([ReplayBalancedMoE(H, FF, E, K, gpus_per_node=P) for _ in range(L)])
+    layers = torch.nn.ModuleList([
+        ReplayBalancedMoE(H, FF, E, K, gpus_per_node=P,
+                          experts=BiasedGatedExperts(H, FF, E // world, activation="gpt_oss") if biased else None)
+        for _ in range(L)])
+    assert all(len(layer.experts.expert_tensors()) == (4 if biased else 2) for layer in layers)
     for layer in layers:  # routers equal on every rank (data-parallel copies)
         dist.broadcast(layer.router.weight.data, 0)
     opt = torch.optim.AdamW(layers.parameters(), lr=1e-2)
@@ -109,6 +115,13 @@ def _worker(rank: int, world: int, P: int, E: int) -> None:
 @pytest.mark.timeout(120)
 def test_relayout_two_ranks():
     run_group(_worker, 2, 2, 4, timeout_s=60)
+
+
+@pytest.mark.timeout(120)
+def test_relayout_moves_biased_experts():
+    """GPT-OSS-style experts (weights and biases, four tensors per expert): all four, with their grads
+    and AdamW state, move and come back bitwise."""
+    run_group(_worker, 2, 2, 4, True, timeout_s=60)
 
 
 def test_relayout_single_rank_validates():
