@@ -86,6 +86,33 @@ def attention_flops(lengths: np.ndarray, model: ModelSpec) -> np.ndarray:
     return 2.0 * s * h * d * (2.0 * nq + 2.0 * nkv) + 2.0 * nq * d * s * (s + 1.0)
 
 
+def local_stage(lengths: np.ndarray, micro_batch: np.ndarray, gpu: np.ndarray, num_micro_batches: int,
+                model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    """float64 ``[M, G]``: seconds of one layer's local stage (attention + shared experts) per micro-batch and GPU.
+
+    ``local[m, g] = sum_{n on g in m} attn_flops(S_n) / F_attn + 6 h h'_s n_s T[m, g] / F`` (module docstring).
+    """
+    lengths = np.asarray(lengths)
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    gpu = np.asarray(gpu, dtype=np.int64)
+    M, G = int(num_micro_batches), cluster.num_gpus
+    attn = np.zeros((M, G))
+    np.add.at(attn, (mb, gpu), attention_flops(lengths, model) / cluster.attention_flops)
+    if model.shared_experts:
+        toks = np.zeros((M, G))
+        np.add.at(toks, (mb, gpu), lengths.astype(np.float64))
+        shared_ffn = model.shared_ffn or model.ffn
+        attn += 6.0 * model.hidden * shared_ffn * model.shared_experts * toks / cluster.flops
+    return attn
+
+
+def attention_forward(lengths: np.ndarray, micro_batch: np.ndarray, gpu: np.ndarray, num_micro_batches: int,
+                      model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    """float64 ``[M]``: ``A_fwd[m] = max_g local[m, g]``, the per-layer attention forward the replica push overlaps."""
+    attn = local_stage(lengths, micro_batch, gpu, num_micro_batches, model, cluster)
+    return attn.max(axis=1) if attn.shape[0] else np.zeros(0)
+
+
 def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
     """float64 ``[M, L, G, G]``: tokens sent from source GPU j to serving GPU g under the plan.
 
@@ -277,16 +304,7 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
     plan.validate(model, cluster, lengths.shape[0])
 
     # Local stage: attention (+ shared experts) per (m, g); the slowest GPU counts.
-    mb = plan.samples.micro_batch.astype(np.int64)
-    gpu = plan.samples.gpu.astype(np.int64)
-    attn = np.zeros((M, G))
-    np.add.at(attn, (mb, gpu), attention_flops(lengths, model) / cluster.attention_flops)
-    if model.shared_experts:
-        toks = np.zeros((M, G))
-        np.add.at(toks, (mb, gpu), lengths.astype(np.float64))
-        shared_ffn = model.shared_ffn or model.ffn
-        attn += 6.0 * model.hidden * shared_ffn * model.shared_experts * toks / cluster.flops
-    a_fwd = attn.max(axis=1) if M else np.zeros(0)  # [M]
+    a_fwd = attention_forward(lengths, plan.samples.micro_batch, plan.samples.gpu, M, model, cluster)  # [M]
     a_bwd = 2.0 * a_fwd
 
     # MoE forward / backward from the plan's flow.

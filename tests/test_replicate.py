@@ -118,3 +118,44 @@ def test_errors():
     with pytest.raises(PlanError, match="placement"):
         replicate_batch(Placement(np.zeros((2, 8))), SamplePlacement(np.zeros(8), np.zeros(8)), batch, MODEL,
                         CLUSTER, 1)
+
+
+def _step_reference(x, eg, res, model, cluster, attn):
+    """Independent reference of a cell's priced step: dense shares through moe_cost, transfers by hand."""
+    G = cluster.num_gpus
+    E = x.shape[1]
+    sh = np.zeros((G, E, G))
+    sh[:, np.arange(E), eg] = 1.0
+    for j, e, _g in res.rows:
+        sh[j, e, eg[e]] = 0.0
+    for (j, e, g), s in zip(res.rows, res.share):
+        sh[j, e, g] += s
+    c = moe_cost(x, None, model, cluster, shares=sh)
+    tx = np.zeros(G)
+    rx = np.zeros(G)
+    for g in range(G):
+        for e in res.replica_expert[g]:
+            if e >= 0:  # intra-node replicas: NVLink, one expert's bytes at the home's tx and g's rx
+                tx[eg[e]] += model.expert_bytes
+                rx[g] += model.expert_bytes
+    push = max(tx.max(), rx.max()) / cluster.nvlink_bw
+    return 3 * c.comp.max() + 2 * c.comm.max() + max(0, push - attn) + max(0, push - 2 * attn)
+
+
+@pytest.mark.parametrize("attn_scale", [0.0, 0.3, 1.0, 100.0])
+def test_priced_replication_never_worse_than_unpriced_or_none(attn_scale):
+    rng = np.random.default_rng(7)
+    x = rng.gamma(0.3, 400.0, size=(CLUSTER.num_gpus, MODEL.num_experts))
+    eg = np.repeat(np.arange(CLUSTER.num_gpus), 2)
+    push1 = MODEL.expert_bytes / CLUSTER.nvlink_bw
+    attn = attn_scale * push1
+    free = replicate_cell(x, eg, MODEL, CLUSTER, 2)
+    priced = replicate_cell(x, eg, MODEL, CLUSTER, 2, attn_fwd=attn)
+    none = replicate_cell(x, eg, MODEL, CLUSTER, 0)
+    none = none._replace(replica_expert=np.full((CLUSTER.num_gpus, 2), -1, np.int32))
+    t_priced = _step_reference(x, eg, priced, MODEL, CLUSTER, attn)
+    assert t_priced <= _step_reference(x, eg, free, MODEL, CLUSTER, attn) * (1 + 1e-9)
+    assert t_priced <= _step_reference(x, eg, none, MODEL, CLUSTER, attn) * (1 + 1e-9)
+    assert priced.t_moe == pytest.approx(split_cost(x, eg, priced.rows, priced.share, MODEL, CLUSTER), rel=1e-9)
+    if attn_scale >= 100:  # transfers fully hidden: the unpriced plan stands
+        np.testing.assert_array_equal(priced.replica_expert, free.replica_expert)

@@ -41,7 +41,8 @@ from .split import (
     waterfill_expert,
 )
 
-__all__ = ["CellResult", "replicate_cell", "replicate_cell_lp", "replicate_batch", "DEFAULT_CANDIDATES"]
+__all__ = ["CellResult", "replicate_cell", "replicate_cell_greedy", "replicate_cell_lp", "replicate_batch",
+           "DEFAULT_CANDIDATES"]
 
 DEFAULT_CANDIDATES = 4
 _BETA = 20.0
@@ -316,9 +317,80 @@ class CellResult(NamedTuple):
     t_moe: float
 
 
+def cell_step_terms(x: np.ndarray, expert_gpu: np.ndarray, res: CellResult, model: ModelSpec,
+                    cluster: ClusterSpec) -> tuple[float, float, float]:
+    """``(max comp, max comm, replica push)`` seconds of one cell under ``res`` (float64 reference path).
+
+    The push is the time to fill the cell's replica slots from the homes (``sim.transfer_seconds`` of
+    ``model.expert_bytes`` per filled slot); the gradient pull takes the same time the other way.
+    """
+    from ..cost import cost_from_flow
+    from ..sim import transfer_seconds
+
+    G = cluster.num_gpus
+    flow = x @ (np.asarray(expert_gpu)[:, None] == np.arange(G)).astype(np.float64)
+    if len(res.rows):
+        j, e, g = (res.rows[:, c].astype(np.int64) for c in range(3))
+        pairs = np.unique(np.stack([j, e], axis=1), axis=0)
+        np.subtract.at(flow, (pairs[:, 0], expert_gpu[pairs[:, 1]]), x[pairs[:, 0], pairs[:, 1]])
+        np.add.at(flow, (j, g), x[j, e] * res.share)
+    c = cost_from_flow(flow, model, cluster)
+    tg, ts = np.nonzero(res.replica_expert >= 0)
+    push = 0.0
+    if len(tg):
+        src = expert_gpu[res.replica_expert[tg, ts]]
+        push = float(transfer_seconds(src, tg, model.expert_bytes, None, 1, cluster)[0])
+    return float(c.comp.max()), float(c.comm.max()), push
+
+
+def step_seconds(comp: float, comm: float, push: float, attn_fwd: float) -> float:
+    """Forward + backward seconds of one cell as ``sim.py`` charges them: ``3 comp + 2 comm`` plus the replica
+    push / gradient pull not hidden behind the attention forward (``attn_fwd``) / backward (``2 attn_fwd``)."""
+    return 3.0 * comp + 2.0 * comm + max(0.0, push - attn_fwd) + max(0.0, push - 2.0 * attn_fwd)
+
+
 def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
-                   *, candidates: int | None = None, comm_candidates: bool = True, passes: int = 0,
-                   polish: bool | None = None, polish_tol: float = 0.005) -> CellResult:
+                   *, attn_fwd: float | None = None, **kw) -> CellResult:
+    """Greedy replication + token split of one cell (Algorithm 2), priced for its replica traffic.
+
+    Without ``attn_fwd`` this is ``replicate_cell_greedy``. With ``attn_fwd`` (seconds of the micro-batch's
+    attention forward, which the per-layer replica push overlaps; the gradient pull overlaps the 2x longer
+    backward), a replica set whose transfers are not hidden is accepted only where it pays: the greedy is
+    re-run with 0 .. r slots per GPU and the result with the lowest ``step_seconds`` (forward + backward
+    MoE time + exposed transfers) wins; ties keep more replicas.
+    """
+    res = replicate_cell_greedy(x, expert_gpu, model, cluster, slots, **kw)
+    if attn_fwd is None or slots == 0 or not (res.replica_expert >= 0).any():
+        return res
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    eg = np.ascontiguousarray(expert_gpu, dtype=np.int64)
+    comp, comm, push = cell_step_terms(x, eg, res, model, cluster)
+    if push <= attn_fwd:
+        return res  # fully hidden: nothing to trade
+    best, best_t = res, step_seconds(comp, comm, push, attn_fwd)
+    for c in range(slots - 1, -1, -1):
+        if c == 0:
+            cand = CellResult(np.full((cluster.num_gpus, slots), -1, np.int32), np.zeros((0, 3), np.int32),
+                              np.zeros(0), 0.0)
+        else:
+            r = replicate_cell_greedy(x, eg, model, cluster, c, **kw)
+            pad = np.full((cluster.num_gpus, slots), -1, np.int32)
+            pad[:, :c] = r.replica_expert
+            cand = CellResult(pad, r.rows, r.share, r.t_moe)
+        cc_, cm_, cp_ = cell_step_terms(x, eg, cand, model, cluster)
+        t = step_seconds(cc_, cm_, cp_, attn_fwd)
+        if t < best_t * (1 - 1e-12):
+            best, best_t = cand, t
+    if best is not res and not len(best.rows) and not (best.replica_expert >= 0).any():
+        from ..cost import moe_cost
+
+        best = best._replace(t_moe=float(moe_cost(x, eg, model, cluster).t_moe))
+    return best
+
+
+def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
+                          *, candidates: int | None = None, comm_candidates: bool = True, passes: int = 0,
+                          polish: bool | None = None, polish_tol: float = 0.005) -> CellResult:
     """Greedy replication + token split of one cell (Algorithm 2).
 
     Args:
@@ -449,8 +521,10 @@ def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
 
 
 def _cells_task(args) -> list[CellResult]:
-    loads, eg, model, cluster, slots, kw = args
-    return [replicate_cell(loads[i], eg[i], model, cluster, slots, **kw) for i in range(len(loads))]
+    loads, eg, model, cluster, slots, kw, *rest = args
+    attn = rest[0] if rest else None
+    return [replicate_cell(loads[i], eg[i], model, cluster, slots,
+                           attn_fwd=None if attn is None else float(attn[i]), **kw) for i in range(len(loads))]
 
 
 def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int, num_layers: int,
@@ -470,7 +544,7 @@ def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int,
 
 def replicate_batch(placement: Placement, samples: SamplePlacement, batch, model: ModelSpec,
                     cluster: ClusterSpec, replica_slots: int, workers: int = 1, seed: int = 0,
-                    **cell_kw) -> ReplicaPlan:
+                    attn_fwd: np.ndarray | None = None, **cell_kw) -> ReplicaPlan:
     """Algorithm 2 for every micro-batch x layer of a batch.
 
     Args:
@@ -479,6 +553,8 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch, model
         replica_slots: r per GPU (0: an empty ReplicaPlan).
         workers: processes for the cells (1: in this process).
         seed: unused by the deterministic greedy; kept for the strategy signature.
+        attn_fwd: optional ``[M]`` seconds of each micro-batch's attention forward (``sim.attention_forward``):
+            replicas are then priced for their exposed push / pull (:func:`replicate_cell`).
         cell_kw: forwarded to :func:`replicate_cell`.
     """
     del seed
@@ -497,14 +573,16 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch, model
     workers = max(1, int(workers or 1))
     if workers == 1 or len(cells) < 2 * workers:
         results = {(m, l): replicate_cell(loads[m, l], placement.expert_gpu[l], model, cluster, replica_slots,
-                                          **cell_kw) for m, l in cells}
+                                          attn_fwd=None if attn_fwd is None else float(attn_fwd[m]), **cell_kw)
+                   for m, l in cells}
     else:
         chunks = np.array_split(np.arange(len(cells)), workers * 4)
         jobs = []
         for ch in chunks:
             ms = np.array([cells[i][0] for i in ch])
             ls = np.array([cells[i][1] for i in ch])
-            jobs.append((loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw))
+            jobs.append((loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw,
+                         None if attn_fwd is None else np.asarray(attn_fwd)[ms]))
         with ProcessPoolExecutor(max_workers=workers) as ex:
             outs = list(ex.map(_cells_task, jobs))
         results = {}

@@ -78,8 +78,9 @@ def _locality_task(counts, lengths, mb, sg, eg, model, cluster, kw):
     return anneal_locality(counts, lengths, mb, sg, eg, model, cluster, **kw)
 
 
-def _replicate_task(xs, egs, model, cluster, slots, kw):
-    return [replicate_cell(xs[i].astype(np.float64), egs[i], model, cluster, slots, **kw) for i in range(len(xs))]
+def _replicate_task(xs, egs, model, cluster, slots, kw, attn=None):
+    return [replicate_cell(xs[i].astype(np.float64), egs[i], model, cluster, slots,
+                           attn_fwd=None if attn is None else float(attn[i]), **kw) for i in range(len(xs))]
 
 
 class Planner:
@@ -297,13 +298,16 @@ class Planner:
         cells = [(m, l) for l in range(L) for m in range(M)]
         chunk = int(self.options.get("cell_chunk", max(1, math.ceil(len(cells) / (16 * self.workers)))))
         kw = dict(self.options.get("replicate", {}))
+        from .strategies import replica_pricing
+
+        attn = replica_pricing(self.options, np.asarray(batch.lengths), samples, self.model, self.cluster)
         tasks, keys = [], []
         for i in range(0, len(cells), chunk):
             cs = cells[i:i + chunk]
             ms = np.array([c[0] for c in cs])
             ls = np.array([c[1] for c in cs])
             tasks.append((_replicate_task, (x[ms, ls], placement.expert_gpu[ls], self.model, self.cluster,
-                                            self.replica_slots, kw)))
+                                            self.replica_slots, kw, None if attn is None else attn[ms])))
             keys.append(("replicate", tuple(cs)))
         results = self._run(tasks, keys, deadline)
         out: dict[tuple[int, int], CellResult] = {}

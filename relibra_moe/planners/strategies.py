@@ -240,7 +240,9 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
     samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
     t0 = time.perf_counter()
     replicas = replicate_batch(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster, ctx.replica_slots,
-                               workers=ctx.workers, seed=ctx.seed)
+                               workers=ctx.workers, seed=ctx.seed, attn_fwd=replica_pricing(ctx.options, ctx.lengths,
+                                                                                            samples, ctx.model,
+                                                                                            ctx.cluster))
     ctx.stats.setdefault("timing", {})["replicate_s"] = time.perf_counter() - t0
     return _plan(ctx, eg, mb, sg, replicas)
 
@@ -257,6 +259,17 @@ def strategy_lplb(ctx: PlanContext) -> BatchPlan:
     replicas = lplb_replicas(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster,
                              replica_slots=ctx.replica_slots)
     return _plan(ctx, eg, mb, sg, replicas)
+
+
+def replica_pricing(options: dict[str, Any], lengths: np.ndarray, samples: SamplePlacement, model: ModelSpec,
+                    cluster: ClusterSpec) -> np.ndarray | None:
+    """``[M]`` attention-forward seconds that the replica transfers overlap (``sim.attention_forward``), so that
+    replication prices its exposed push / pull; None with option ``price_replicas=False``."""
+    if not options.get("price_replicas", True):
+        return None
+    from ..sim import attention_forward
+
+    return attention_forward(lengths, samples.micro_batch, samples.gpu, samples.num_micro_batches, model, cluster)
 
 
 STRATEGIES: dict[str, Callable[[PlanContext], BatchPlan]] = {
