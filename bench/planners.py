@@ -11,9 +11,18 @@ Scenarios (issue 3):
   32 micro-batches of 32 (256 prompts x 4 responses);
 - qwen3-235b-mixed-ep32: the same on qwen3-235b-a22b (94 layers), EP32 = 4 x 8.
 
+Cost-model rows price no expert re-layout, so the ReLibra rows here run with ``migration=False`` and
+``price_replicas=False`` (like every baseline, they are not charged for moving experts or replica
+traffic); the ``(priced)`` rows run the defaults, which trade some T_MoE for less traffic in the step
+(``relibra demo`` / ``relibra simulate`` charge that traffic).
+
+Sections imported from bench/replication.py (issue 4): ``--gap N`` the greedy-vs-MILP optimality gap on N
+random small cells, ``--solve-time`` the whole qwen3-235b-a22b relibra plan wall time.
+
 Usage::
 
     python bench/planners.py                # all scenarios, writes bench/results/planners.json
+    python bench/planners.py --gap 200 --solve-time --scenarios gptoss-ep8
     python bench/planners.py --quick        # GPT-OSS EP8 only, fewer rows (bench/results/planners_quick.json)
     python bench/planners.py --scenarios qwen3-235b-mixed-ep32 --replicas 2 --workers 2
 """
@@ -43,16 +52,18 @@ SCENARIOS = {
 }
 
 # (row label, strategy, plan_batch keyword arguments)
+FREE = {"migration": False}  # cost-model rows: re-layout not charged, as for the baselines
 ROWS = [
     ("static (Megatron)", "static", {}),
     ("LPT reorder", "lpt", {}),
     ("EPLB+ reorder only", "eplb", {}),
-    ("relibra-inter, aggregate objective", "relibra-inter", {"objective": "aggregate"}),
-    ("relibra-inter", "relibra-inter", {}),
+    ("relibra-inter, aggregate objective", "relibra-inter", {"objective": "aggregate", **FREE}),
+    ("relibra-inter", "relibra-inter", dict(FREE)),
+    ("relibra-inter (priced)", "relibra-inter", {}),
     ("static + repack", "static", {"repack": True}),
-    ("relibra-inter + repack", "relibra-inter", {"repack": True}),
-    ("relibra-inter, 1 round", "relibra-inter", {"rounds": 1}),
-    ("relibra-inter + repack, 1 round", "relibra-inter", {"repack": True, "rounds": 1}),
+    ("relibra-inter + repack", "relibra-inter", {"repack": True, **FREE}),
+    ("relibra-inter, 1 round", "relibra-inter", {"rounds": 1, **FREE}),
+    ("relibra-inter + repack, 1 round", "relibra-inter", {"repack": True, "rounds": 1, **FREE}),
 ]
 QUICK_ROWS = ["static (Megatron)", "LPT reorder", "EPLB+ reorder only", "relibra-inter", "relibra-inter + repack"]
 
@@ -80,10 +91,12 @@ def run_scenario(name: str, rows, workers: int, seed: int, replicas: int) -> dic
     bal_even = balanced_t_moe(batch, model, cluster, seed=seed, mode="even")
     rows = list(rows)
     if replicas:
+        free = {"migration": False, "price_replicas": False}
         rows += [(f"EPLB+ r={replicas}", "eplb", {"replica_slots": replicas}),
                  (f"LPLB+ r={replicas}", "lplb", {"replica_slots": replicas}),
-                 (f"relibra r={replicas}", "relibra", {"replica_slots": replicas}),
-                 (f"relibra r={replicas} + repack", "relibra", {"replica_slots": replicas, "repack": True})]
+                 (f"relibra r={replicas}", "relibra", {"replica_slots": replicas, **free}),
+                 (f"relibra r={replicas} (priced)", "relibra", {"replica_slots": replicas}),
+                 (f"relibra r={replicas} + repack", "relibra", {"replica_slots": replicas, "repack": True, **free})]
     results = []
     static_total = None
     for label, strategy, kw in rows:
@@ -127,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--replicas", type=int, default=0, help="also run EPLB+, LPLB+, relibra with r slots")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/planners[_quick].json)")
+    ap.add_argument("--gap", type=int, default=0, help="also the MILP gap study on N cells (bench/replication.py)")
+    ap.add_argument("--solve-time", action="store_true", help="also the qwen3-235b relibra solve time")
     args = ap.parse_args(argv)
     names = args.scenarios or (["gptoss-ep8"] if args.quick else list(SCENARIOS))
     rows = [r for r in ROWS if r[0] in QUICK_ROWS] if args.quick else ROWS
@@ -137,10 +152,25 @@ def main(argv: list[str] | None = None) -> None:
         res = run_scenario(name, rows, args.workers, args.seed, args.replicas)
         print_table(res)
         all_res.append(res)
+    extra = {}
+    if args.gap or args.solve_time:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        import replication  # bench/replication.py: the issue-4 sections
+
+        if args.gap:
+            extra["gap"] = replication.bench_gap(args.gap, seed=args.seed)
+            replication._print_gap(extra["gap"])
+        if args.solve_time:
+            t = extra["solve_time"] = replication.bench_time(256, seed=args.seed, workers=max(2, args.workers))
+            print(f"\n== solve time, qwen3-235b-a22b relibra r=2, EP32 4x8, {t['micro_batches']} micro-batches x "
+                  f"{t['layers']} layers: wall {t['wall_s']:.1f} s (CPU {t['cpu_s']:.1f} s); Planner service "
+                  f"{t['service_wall_s']:.1f} s")
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
             "numpy": np.__version__, "workers": args.workers, "seed": args.seed, "quick": args.quick}
-    out.write_text(json.dumps({"meta": meta, "scenarios": all_res}, indent=2, sort_keys=True))
+    out.write_text(json.dumps({"meta": meta, "scenarios": all_res, **extra}, indent=2, sort_keys=True, default=float))
     print(f"\nwrote {out}")
 
 

@@ -509,6 +509,33 @@ def solve_split_lp(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.nda
     return SplitSolution(rows, share, t)
 
 
+_HIGHS_QUIET = False
+
+
+def quiet_highs(highspy):
+    """A ``highspy.Highs()`` with output off. HiGHS prints its banner to the process's stdout (fd 1, from C++)
+    when the first instance is created; that first creation runs with fd 1 pointed at /dev/null."""
+    global _HIGHS_QUIET
+    if _HIGHS_QUIET:
+        h = highspy.Highs()
+    else:
+        import os
+        import sys
+
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 1)
+                h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        _HIGHS_QUIET = True
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def _highs_lp(cost, row_idx, col_idx, vals, row_lo, row_hi, col_lo, col_hi, nrow) -> np.ndarray:
     """Solve ``min cost.x, row_lo <= A x <= row_hi, col_lo <= x <= col_hi``; return x. Raises PlanError."""
     import scipy.sparse as sp
@@ -520,8 +547,7 @@ def _highs_lp(cost, row_idx, col_idx, vals, row_lo, row_hi, col_lo, col_hi, nrow
     except ImportError:  # pragma: no cover - scipy ships HiGHS too
         highspy = None
     if highspy is not None:
-        h = highspy.Highs()
-        h.setOptionValue("output_flag", False)
+        h = quiet_highs(highspy)
         lp = highspy.HighsLp()
         lp.num_col_ = ncol
         lp.num_row_ = nrow

@@ -257,7 +257,7 @@ def strategy_lplb(ctx: PlanContext) -> BatchPlan:
     placement = Placement(eg)
     samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
     replicas = lplb_replicas(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster,
-                             replica_slots=ctx.replica_slots)
+                             replica_slots=ctx.replica_slots, workers=ctx.workers)
     return _plan(ctx, eg, mb, sg, replicas)
 
 
