@@ -43,10 +43,29 @@ SHARE_TOL = 1e-5
 _SCOPES = ("node", "global")
 
 
-def _readonly(a: np.ndarray, dtype) -> np.ndarray:
-    a = np.array(a, dtype=dtype, copy=True)
-    a.setflags(write=False)
-    return a
+def _readonly(a: Any, dtype: Any, name: str) -> np.ndarray:
+    """A read-only copy of ``a`` as ``dtype``; PlanError (naming ``name``) instead of a lossy conversion.
+
+    Integer fields accept integer arrays (and floats holding whole numbers) within the dtype's range;
+    a fractional value or one that would wrap around is rejected, never truncated.
+    """
+    src = np.asarray(a)
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu" and src.size:
+        if src.dtype.kind not in "iuf":
+            raise PlanError(f"{name} must hold integers, got dtype {src.dtype}")
+        if src.dtype.kind == "f":
+            bad = ~np.isfinite(src) | (src != np.round(src))
+            if bad.any():
+                i = tuple(int(v) for v in np.argwhere(bad)[0])
+                raise PlanError(f"{name}{list(i)} = {src[i]} is not a whole number")
+        info = np.iinfo(dtype)
+        lo, hi = src.min(), src.max()
+        if lo < info.min or hi > info.max:
+            raise PlanError(f"{name} values must fit {dtype} ([{info.min}, {info.max}]), got range [{lo}, {hi}]")
+    out = np.array(src, dtype=dtype, copy=True)
+    out.setflags(write=False)
+    return out
 
 
 @dataclass(frozen=True)
@@ -56,7 +75,7 @@ class Placement:
     expert_gpu: np.ndarray
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "expert_gpu", _readonly(self.expert_gpu, np.int32))
+        object.__setattr__(self, "expert_gpu", _readonly(self.expert_gpu, np.int32, "expert_gpu"))
         if self.expert_gpu.ndim != 2:
             raise PlanError(f"expert_gpu must be [L, E], got shape {self.expert_gpu.shape}")
 
@@ -81,6 +100,7 @@ class Placement:
         return np.flatnonzero(self.expert_gpu[layer] == gpu)
 
     def validate(self, model: ModelSpec, cluster: ClusterSpec) -> None:
+        """Raise PlanError unless ``expert_gpu`` is ``[L, E]`` of the model and every GPU homes E / G experts."""
         L, E, G = model.num_layers, model.num_experts, cluster.num_gpus
         if self.expert_gpu.shape != (L, E):
             raise PlanError(f"expert_gpu has shape {self.expert_gpu.shape}, expected [L={L}, E={E}]")
@@ -107,8 +127,8 @@ class SamplePlacement:
     num_micro_batches: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "micro_batch", _readonly(self.micro_batch, np.int32))
-        object.__setattr__(self, "gpu", _readonly(self.gpu, np.int32))
+        object.__setattr__(self, "micro_batch", _readonly(self.micro_batch, np.int32, "sample_micro_batch"))
+        object.__setattr__(self, "gpu", _readonly(self.gpu, np.int32, "sample_gpu"))
         if self.micro_batch.ndim != 1 or self.micro_batch.shape != self.gpu.shape:
             raise PlanError(f"sample_micro_batch {self.micro_batch.shape} and sample_gpu {self.gpu.shape}"
                             " must both be [N]")
@@ -121,6 +141,10 @@ class SamplePlacement:
         return self.micro_batch.shape[0]
 
     def validate(self, cluster: ClusterSpec, num_samples: int | None = None) -> None:
+        """Raise PlanError unless every sample has a micro-batch in ``[0, M)`` and a GPU in ``[0, G)``.
+
+        ``num_samples``: the batch's N, when known (the placement must cover exactly N samples).
+        """
         G, M = cluster.num_gpus, self.num_micro_batches
         if num_samples is not None and self.num_samples != num_samples:
             raise PlanError(f"sample placement covers {self.num_samples} samples, the batch has {num_samples}")
@@ -142,11 +166,19 @@ class ReplicaPlan:
     scope: str = "node"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "replica_expert", _readonly(self.replica_expert, np.int32))
-        idx = np.asarray(self.split_index, dtype=np.int32).reshape(-1, 5)
-        object.__setattr__(self, "split_index", _readonly(idx, np.int32))
-        object.__setattr__(self, "split_share", _readonly(np.asarray(self.split_share).reshape(-1),
-                                                          np.float32))
+        object.__setattr__(self, "replica_expert", _readonly(self.replica_expert, np.int32, "replica_expert"))
+        idx = np.asarray(self.split_index)
+        if idx.size == 0:
+            idx = idx.reshape(0, 5)
+        if idx.ndim != 2 or idx.shape[1] != 5:
+            raise PlanError(f"split_index must be [Z, 5] rows (m, l, j, e, g), got shape {idx.shape}")
+        object.__setattr__(self, "split_index", _readonly(idx, np.int32, "split_index"))
+        share = np.asarray(self.split_share)
+        if share.ndim != 1:
+            raise PlanError(f"split_share must be [Z], got shape {share.shape}")
+        if share.size and share.dtype.kind not in "iuf":
+            raise PlanError(f"split_share must be numeric, got dtype {share.dtype}")
+        object.__setattr__(self, "split_share", _readonly(share, np.float32, "split_share"))
         if self.replica_expert.ndim != 4:
             raise PlanError(f"replica_expert must be [M, L, G, r], got shape {self.replica_expert.shape}")
         if self.split_share.shape[0] != self.split_index.shape[0]:
@@ -193,6 +225,13 @@ class ReplicaPlan:
 
     def validate(self, placement: Placement, model: ModelSpec, cluster: ClusterSpec,
                  num_micro_batches: int | None = None) -> None:
+        """Raise PlanError naming the entry that breaks a rule of the module docstring.
+
+        Rules: ``replica_expert`` is ``[M, L, G, r]`` with ids in ``[-1, E)``, a replica never sits on its
+        home GPU, nor (scope "node") outside the home's node, nor twice on one GPU; every split row lies
+        in range, targets the home or a GPU holding a replica, appears once; shares lie in ``[0, 1]``
+        and the shares of one ``(m, l, j, e)`` sum to 1 (within ``SHARE_TOL``).
+        """
         M, L, G, r = self.replica_expert.shape
         E = model.num_experts
         if (L, G) != (model.num_layers, cluster.num_gpus):
@@ -311,7 +350,7 @@ class BatchPlan:
             "replica_expert": self.replicas.replica_expert,
             "split_index": self.replicas.split_index,
             "split_share": self.replicas.split_share,
-            "stats_json": np.array(json.dumps(stats, sort_keys=True, default=_json_default)),
+            "stats_json": np.array(json.dumps(stats, sort_keys=True, default=json_default)),
         }
         _save_npz_deterministic(path, arrays)
 
@@ -333,7 +372,10 @@ class BatchPlan:
         for k in need:
             if k not in data:
                 raise PlanError(f"plan file {path}: missing key {k!r}")
-        stats = json.loads(str(data["stats_json"])) if "stats_json" in data else {}
+        try:
+            stats = json.loads(str(data["stats_json"])) if "stats_json" in data else {}
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan file {path}: key 'stats_json' is not valid JSON ({exc})") from None
         m = int(data["num_micro_batches"]) if "num_micro_batches" in data else None
         scope = str(data["replica_scope"]) if "replica_scope" in data else "node"
         return cls(
@@ -343,14 +385,21 @@ class BatchPlan:
             num_gpus=int(data["num_gpus"]), gpus_per_node=int(data["gpus_per_node"]), stats=stats)
 
 
-def _json_default(o: Any) -> Any:
+def json_default(o: Any) -> Any:
+    """``json.dumps(..., default=json_default)``: numpy integers, floats, bools and arrays as plain JSON values.
+
+    Raises:
+        TypeError: any other type (what ``json`` expects of a ``default`` hook).
+    """
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):
         return float(o)
+    if isinstance(o, np.bool_):
+        return bool(o)
     if isinstance(o, np.ndarray):
         return o.tolist()
-    raise TypeError(f"stats value of type {type(o).__name__} is not JSON-serializable")
+    raise TypeError(f"value of type {type(o).__name__} is not JSON-serializable")
 
 
 def _save_npz_deterministic(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from relibra_moe.errors import PlanError
-from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, json_default
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
 MODEL = ModelSpec("t", hidden=64, ffn=32, num_experts=8, topk=2, num_layers=2)
@@ -88,6 +88,42 @@ def test_replica_construction_rules():
         _replicas(split_share=np.array([1.0]))
     with pytest.raises(PlanError, match="replica scope 'rack'"):
         _replicas(scope="rack")
+    # a split_index of the wrong width is rejected, not reshaped into different rows
+    with pytest.raises(PlanError, match=r"split_index must be \[Z, 5\] rows \(m, l, j, e, g\), got shape \(5, 2\)"):
+        _replicas(split_index=np.zeros((5, 2), np.int32), split_share=np.zeros(2))
+    with pytest.raises(PlanError, match=r"split_share must be \[Z\], got shape \(2, 1\)"):
+        _replicas(split_share=np.zeros((2, 1)))
+    _replicas(split_index=[], split_share=[], replica_expert=np.full((2, 2, 4, 1), -1))  # no rows: fine
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("expert_gpu", np.full((2, 8), 1.5), r"expert_gpu\[0, 0\] = 1.5 is not a whole number"),
+    ("expert_gpu", np.full((2, 8), 2**32), r"expert_gpu values must fit int32 .* got range \[4294967296, 4294967296\]"),
+    ("expert_gpu", np.full((2, 8), "a"), r"expert_gpu must hold integers, got dtype <U1"),
+    ("sample_gpu", np.array([0, 1, 2, 3, 2**31]), r"sample_gpu values must fit int32"),
+    ("sample_micro_batch", np.array([0, 0, np.nan, 1, 1]), r"sample_micro_batch\[2\] = nan is not a whole number"),
+    ("split_index", np.array([[0, 0, 2, 0, 0], [0, 0, 2, 0, 0.5]]), r"split_index\[1, 4\] = 0.5 is not a whole number"),
+])
+def test_integer_fields_are_never_truncated_or_wrapped(field, value, match):
+    with pytest.raises(PlanError, match=match):
+        if field == "expert_gpu":
+            Placement(value)
+        elif field == "sample_gpu":
+            SamplePlacement(np.zeros(5, np.int32), value)
+        elif field == "sample_micro_batch":
+            SamplePlacement(value, np.zeros(5, np.int32))
+        else:
+            _replicas(split_index=value)
+    # whole-number floats are exact and accepted
+    np.testing.assert_array_equal(Placement(np.zeros((2, 8)) + 1.0).expert_gpu, np.ones((2, 8)))
+
+
+def test_json_default():
+    text = json.dumps({"a": np.int16(3), "b": np.float32(0.5), "c": np.arange(3), "d": np.bool_(True)},
+                      default=json_default, sort_keys=True)
+    assert text == '{"a": 3, "b": 0.5, "c": [0, 1, 2], "d": true}'
+    with pytest.raises(TypeError, match="value of type object is not JSON-serializable"):
+        json.dumps({"x": object()}, default=json_default)
 
 
 def _rep_with(m, l, g, s, e):
@@ -189,5 +225,7 @@ def test_load_errors(tmp_path):
         BatchPlan.load(rewrite(drop="version"))
     with pytest.raises(PlanError, match="missing key 'split_share'"):
         BatchPlan.load(rewrite(drop="split_share"))
+    with pytest.raises(PlanError, match=r"x.npz: key 'stats_json' is not valid JSON"):
+        BatchPlan.load(rewrite(stats_json=np.array("{not json")))
     assert zipfile.is_zipfile(p)
     assert json.loads(str(np.load(p)["stats_json"])) == {"seed": 1, "strategy": "t"}
