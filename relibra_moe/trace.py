@@ -65,6 +65,12 @@ def _positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def _nonnegative_int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise TraceError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
 def _check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str]) -> None:
     """Raise TraceError at the first out-of-range or duplicated id of ``experts`` ``[T, L, k]``.
 
@@ -120,8 +126,8 @@ def _normalize(experts: Any, layer_ids: Any, num_experts: Any, topk: Any,
     if layer_ids.ndim != 1 or layer_ids.shape[0] != experts.shape[1]:
         raise TraceError(f"layer count mismatch: layer_ids has shape {layer_ids.shape}, experts has "
                          f"{experts.shape[1]} layers (shape {experts.shape})")
-    if layer_ids.size and int(layer_ids.min()) < 0:
-        raise TraceError(f"layer_ids must be >= 0, got {layer_ids.tolist()}")
+    if layer_ids.size and (int(layer_ids.min()) < 0 or int(layer_ids.max()) > np.iinfo(np.int32).max):
+        raise TraceError(f"layer_ids must lie in [0, {np.iinfo(np.int32).max}], got {layer_ids.tolist()}")
     if np.unique(layer_ids).size != layer_ids.size:
         raise TraceError(f"layer_ids must be distinct, got {layer_ids.tolist()}")
     _check_ids(experts, num_experts, where)
@@ -230,6 +236,9 @@ def _check_micro_batch(micro_batch: Any, n: int, name: str = "micro_batch") -> n
     if mb.size and int(mb.min()) < -1:
         i = int(np.argmin(mb))
         raise TraceError(f"{name}[{i}] = {int(mb[i])}: micro-batch ids are >= 0, or -1 for not assigned")
+    if mb.size and int(mb.max()) > np.iinfo(np.int32).max:
+        i = int(np.argmax(mb))
+        raise TraceError(f"{name}[{i}] = {int(mb[i])}: micro-batch ids must fit int32")
     out = mb.astype(np.int32)
     out.setflags(write=False)
     return out
@@ -278,7 +287,8 @@ class TraceBatch:
                 raise TraceError(f"sample {i}: layer_ids {tr.layer_ids.tolist()} differ from sample 0's "
                                  f"{t0.layer_ids.tolist()}")
             if tr.num_experts != t0.num_experts:
-                raise TraceError(f"sample {i}: num_experts={tr.num_experts}, sample 0 has {t0.num_experts}")
+                raise TraceError(f"sample {i}: num_experts={tr.num_experts}, sample 0 has {t0.num_experts} (adapters "
+                                 "infer E from the largest id unless num_experts= is passed)")
             if tr.topk != t0.topk:
                 raise TraceError(f"sample {i}: topk={tr.topk}, sample 0 has {t0.topk}")
         if source is None:
@@ -740,15 +750,19 @@ def from_sglang(meta_info: dict, num_moe_layers: int | None = None, dense_layers
     ids = flat.astype(np.int64)
     if dtype.kind == "u":
         ids[flat == np.iinfo(dtype).max] = -1
-    start = meta_info.get("routed_experts_start", 0)
-    if not isinstance(start, (int, np.integer)) or start < 0:
-        raise TraceError(f"routed_experts_start must be an int >= 0, got {start!r}")
+    start = _nonnegative_int("meta_info['routed_experts_start']", meta_info.get("routed_experts_start", 0))
+    for d in dense_layers:
+        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+            raise TraceError(f"dense_layers must hold decoder layer indices (ints), got {d!r}")
     dense = sorted({int(d) for d in dense_layers})
     rows = None
     if "prompt_tokens" in meta_info and "completion_tokens" in meta_info:
-        rows = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"]) - 1 - int(start)
+        prompt = _nonnegative_int("meta_info['prompt_tokens']", meta_info["prompt_tokens"])
+        completion = _nonnegative_int("meta_info['completion_tokens']", meta_info["completion_tokens"])
+        rows = prompt + completion - 1 - start
         if rows < 0:
-            raise TraceError(f"prompt_tokens + completion_tokens - 1 - start = {rows} < 0")
+            raise TraceError(f"prompt_tokens + completion_tokens - 1 - routed_experts_start = {prompt} + {completion} "
+                             f"- 1 - {start} = {rows} < 0")
     layers = None if num_moe_layers is None else _positive_int("num_moe_layers", num_moe_layers) + len(dense)
     k = None if topk is None else _positive_int("topk", topk)
     size = ids.size
@@ -799,13 +813,19 @@ def from_vllm(routed_experts: Any, prompt_start: int = 0, *, num_experts: int | 
             arr = np.array(arr)
         except ValueError as exc:
             raise TraceError(f"routed_experts nested lists are ragged ({exc})") from None
-    arr = _as_int_array("routed_experts", arr)
+    return _trace_from_ids(arr, "routed_experts", "[S, L, k]", num_experts, layer_ids, prompt_start, source)
+
+
+def _trace_from_ids(value: Any, name: str, layout: str, num_experts: int | None, layer_ids: Any, start: int,
+                    source: str) -> RoutingTrace:
+    """A RoutingTrace from ids ``[S, L, k]`` (``name``/``layout`` for the error messages); E inferred if None."""
+    arr = _as_int_array(name, value)
     if arr.ndim != 3:
-        raise TraceError(f"routed_experts must have rank 3 [S, L, k], got shape {arr.shape}")
+        raise TraceError(f"{name} must have rank 3 {layout}, got shape {arr.shape}")
     if layer_ids is None:
         layer_ids = np.arange(arr.shape[1], dtype=np.int32)
     return RoutingTrace(arr, layer_ids, _infer_num_experts(arr, arr.shape[2], num_experts), arr.shape[2],
-                        start=prompt_start, source=source)
+                        start=start, source=source)
 
 
 def from_megatron(routing_indices: Any, *, num_experts: int | None = None, layer_ids: Any = None, start: int = 0,
@@ -813,21 +833,19 @@ def from_megatron(routing_indices: Any, *, num_experts: int | None = None, layer
     """A RoutingTrace from Megatron-core router-replay indices.
 
     Args:
-        routing_indices: ``[T, L, k]`` ndarray / tensor, or a list of L per-layer ``[T, k]`` arrays
-            (what ``RouterReplay`` records per layer).
+        routing_indices: ``[T, L, k]`` ndarray / tensor / nested lists, or a list of L per-layer
+            ``[T, k]`` arrays or tensors (what ``RouterReplay`` records per layer). A list is read as
+            per-layer when its first element is an array or tensor of rank 2; plain nested lists are
+            always read as ``[T, L, k]``.
         num_experts, layer_ids, start, source: as for :func:`from_vllm`.
     """
     arr = routing_indices
-    if isinstance(arr, (list, tuple)) and arr and hasattr(arr[0], "shape") and len(arr[0].shape) == 2:
+    if isinstance(arr, (list, tuple)) and not arr:
+        raise TraceError("routing_indices is an empty list (expected [T, L, k] ids or L per-layer [T, k] arrays)")
+    if isinstance(arr, (list, tuple)) and hasattr(arr[0], "shape") and len(arr[0].shape) == 2:
         parts = [_as_int_array(f"routing_indices[{i}]", p) for i, p in enumerate(arr)]
         shapes = {p.shape for p in parts}
         if len(shapes) != 1:
             raise TraceError(f"routing_indices: per-layer arrays differ in shape: {sorted(shapes)}")
         arr = np.stack(parts, axis=1)
-    arr = _as_int_array("routing_indices", arr)
-    if arr.ndim != 3:
-        raise TraceError(f"routing_indices must have rank 3 [T, L, k], got shape {arr.shape}")
-    if layer_ids is None:
-        layer_ids = np.arange(arr.shape[1], dtype=np.int32)
-    return RoutingTrace(arr, layer_ids, _infer_num_experts(arr, arr.shape[2], num_experts), arr.shape[2],
-                        start=start, source=source)
+    return _trace_from_ids(arr, "routing_indices", "[T, L, k]", num_experts, layer_ids, start, source)

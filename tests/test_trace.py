@@ -333,3 +333,48 @@ def test_duplicate_found_in_a_later_chunk(monkeypatch):
     ids[37, 1, 2] = ids[37, 1, 0]
     with pytest.raises(TraceError, match=rf"row 37, layer 1: duplicate expert id {ids[37, 1, 0]}"):
         RoutingTrace(ids, [0, 1], 6, 3)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"experts": np.zeros((2, 2), np.int16)}, r"x.npz: experts must have rank 3 \[T, L, k\], got shape \(2, 2\)"),
+    ({"layer_ids": np.array([0, 1], np.int32)},
+     r"x.npz: layer count mismatch: layer_ids has shape \(2,\), experts has 1"),
+    ({"version": np.float64(1.0)}, r"x.npz: key 'version' must be an integer scalar, got dtype float64"),
+    ({"topk": np.int64(3)}, r"x.npz: experts has k=2 ids per row .* topk=3"),
+    ({"num_experts": np.array([4, 4])},
+     r"x.npz: key 'num_experts' must be an integer scalar, got dtype int64 shape \(2,\)"),
+    ({"starts": np.array([0])}, r"x.npz: starts must have shape \[2\], got \(1,\)"),
+    ({"starts": np.array([0, -4])}, r"x.npz: starts must be >= 0, got -4"),
+    ({"micro_batch": np.array([0, -2], np.int32)}, r"x.npz: micro_batch\[1\] = -2"),
+    ({"micro_batch": np.array([0, 2**40])}, r"x.npz: micro_batch\[1\] = 1099511627776: micro-batch ids must fit int32"),
+    ({"source": np.array([1, 2])}, r"x.npz: key 'source' must be a string scalar"),
+    ({"info_domain": np.array(["a"])}, r"x.npz: sample_info\['domain'\] must have one entry per sequence \(2\)"),
+    # ids stored as int32 beyond E (and beyond int16): rejected with their value, never wrapped into range
+    ({"experts": np.array([[[0, 1]], [[2, 65538]]], np.int32)},
+     r"x.npz: sample 1, row 0, layer 0, slot 1: expert id 65538 out of range \(valid: 0..3"),
+    ({"experts": np.array([[[0, 1]], [[-7, 2]]], np.int32)},
+     r"x.npz: sample 1, row 0, layer 0, slot 0: expert id -7 out of range"),
+])
+def test_load_rejects_bad_fields(tmp_path, change, match):
+    p = tmp_path / "x.npz"
+    _write(p, **(_good_arrays() | change))
+    with pytest.raises(TraceError, match=match):
+        TraceBatch.load(p)
+
+
+def test_ids_are_range_checked_before_narrowing():
+    """An id that int16 would wrap into range (65536 + 3 -> 3) is an error, not expert 3."""
+    with pytest.raises(TraceError, match=r"row 0, layer 0, slot 0: expert id 65539 out of range \(valid: 0..7"):
+        RoutingTrace(np.array([[[65539]]], np.int64), [0], num_experts=8, topk=1)
+    with pytest.raises(TraceError, match=r"expert id 32768 out of range \(valid: 0..32766"):
+        RoutingTrace(np.array([[[32768]]], np.int32), [0], num_experts=32767, topk=1)
+    tr = RoutingTrace(np.array([[[32767]]], np.int64), [0], num_experts=32768, topk=1)
+    assert tr.experts.dtype == np.int32 and int(tr.experts[0, 0, 0]) == 32767
+
+
+def test_layer_ids_and_micro_batch_never_wrap():
+    with pytest.raises(TraceError, match=r"layer_ids must lie in \[0, 2147483647\], got \[4294967296\]"):
+        RoutingTrace(np.zeros((1, 1, 1), np.int64), [2**32], 4, 1)
+    tr = RoutingTrace(np.zeros((1, 1, 1), np.int64), [0], 4, 1)
+    with pytest.raises(TraceError, match=r"micro_batch\[1\] = 4294967296: micro-batch ids must fit int32"):
+        TraceBatch([tr, tr], micro_batch=[0, 2**32])

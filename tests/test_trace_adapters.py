@@ -65,6 +65,19 @@ def test_sglang_drops_dense_layers_and_reads_narrow_dtypes():
      r"holds 3 bytes, not a multiple of int32"),
     ({"routed_experts": _b64(np.zeros(4, np.int32))}, dict(num_moe_layers=1, topk=2, dense_layers=(5,)),
      r"dense_layers \[5\] out of range"),
+    ({"routed_experts": _b64(np.zeros(4, np.int32))}, dict(num_moe_layers=1, topk=2, dense_layers=(0.5,)),
+     r"dense_layers must hold decoder layer indices \(ints\), got 0.5"),
+    ({"routed_experts": _b64(np.array([0, 1, -3, 2], np.int32))}, dict(num_moe_layers=1, topk=2, num_experts=4),
+     r"row 1, layer 0, slot 0: expert id -3 out of range"),
+    ({"routed_experts": _b64(np.zeros(4, np.int32)), "prompt_tokens": "3", "completion_tokens": 2},
+     dict(num_moe_layers=1), r"meta_info\['prompt_tokens'\] must be an int >= 0, got '3'"),
+    ({"routed_experts": _b64(np.zeros(4, np.int32)), "prompt_tokens": 1, "completion_tokens": 1,
+      "routed_experts_start": 2}, dict(num_moe_layers=1),
+     r"prompt_tokens \+ completion_tokens - 1 - routed_experts_start = 1 \+ 1 - 1 - 2 = -1 < 0"),
+    ({"routed_experts": _b64(np.zeros(2, np.int32)), "routed_experts_start": True}, dict(num_moe_layers=1, topk=1),
+     r"meta_info\['routed_experts_start'\] must be an int >= 0, got True"),
+    ({"routed_experts": _b64(np.arange(8, dtype=np.int32)), "prompt_tokens": 2, "completion_tokens": 2},
+     dict(num_moe_layers=1, topk=2), r"holds 8 ids, which does not fit rows=3, layers=1, k=2"),
 ])
 def test_sglang_errors(meta, kwargs, match):
     with pytest.raises(TraceError, match=match):
@@ -92,6 +105,7 @@ def test_vllm_formats_agree():
     (np.zeros((3, 1, 2), np.float64), r"must hold integers, got dtype float64"),
     (base64.b64encode(b"not npy"), r"not a .npy array"),
     (np.array([[[1, 1]]]), r"row 0, layer 0: duplicate expert id 1"),
+    (np.array([[[0, 1]], [[-5, 1]]]), r"row 1, layer 0, slot 0: expert id -5 out of range"),
 ])
 def test_vllm_errors(value, match):
     with pytest.raises(TraceError, match=match):
@@ -114,3 +128,26 @@ def test_megatron_errors():
         from_megatron([np.zeros((3, 2), np.int64), np.zeros((4, 2), np.int64)])
     with pytest.raises(TraceError, match=r"expert id 16 out of range"):
         from_megatron(np.full((2, 1, 1), 16), num_experts=16)
+    with pytest.raises(TraceError, match=r"row 1, layer 0, slot 0: expert id -2 out of range"):
+        from_megatron(np.array([[[0]], [[-2]]]), num_experts=4)
+    with pytest.raises(TraceError, match=r"routing_indices is an empty list"):
+        from_megatron([])
+    with pytest.raises(TraceError, match=r"routing_indices must have rank 3 \[T, L, k\], got shape \(1, 3\)"):
+        from_megatron([np.zeros(3, np.int64)])
+
+
+def test_sglang_narrow_dtype_and_large_ids():
+    """uint16 ids above int16's range stay exact (no wrap), and only the all-ones value means no route."""
+    ids = np.array([[[40000, 65534]], [[65535, 1]]], np.int64)  # 65535 = no route
+    meta = {"routed_experts": _b64(ids.astype(np.uint16)), "routed_experts_dtype": "uint16"}
+    tr = from_sglang(meta, num_moe_layers=1, topk=2, num_experts=65535)
+    assert tr.experts.dtype == np.int32
+    np.testing.assert_array_equal(tr.experts, [[[40000, 65534]], [[-1, 1]]])
+
+
+def test_inferred_num_experts_must_agree_across_sequences():
+    a, b = from_vllm(np.array([[[0, 5]]])), from_vllm(np.array([[[0, 7]]]))
+    assert (a.num_experts, b.num_experts) == (6, 8)
+    with pytest.raises(TraceError, match=r"sample 1: num_experts=8, sample 0 has 6 .*unless num_experts= is passed"):
+        TraceBatch([a, b])
+    assert TraceBatch([from_vllm(np.array([[[0, 5]]]), num_experts=8), b]).num_experts == 8
