@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..layers.dispatch import get_dispatcher
 from ..layers.experts import GroupedExperts, biased_gated_mlp, gpt_oss_activation, slot_view
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
@@ -208,13 +209,26 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
         mixin = _experts_mixin(fam)
         hidden, ffn = mixin.dims(experts)
         E, k = int(router.num_experts), int(router.top_k)
-        super().__init__(hidden, ffn, E, k, ep_group=ep_group, gpus_per_node=gpus_per_node, replica_buffer=None,
-                         router=router, shared_expert=None, layer_index=layer_index, dispatcher=dispatcher,
-                         dtype=experts.gate_up_proj.dtype, device="meta")
+        if isinstance(dispatcher, str):
+            dispatcher = get_dispatcher(ep_group, gpus_per_node, dispatcher)
+        G, rank = dispatcher.world_size, dispatcher.rank
+        if E % G:
+            raise ValueError(f"num_experts={E} is not divisible by the EP group size {G}")
+        router.__class__ = _subclass(_ReplayRouterMixin, type(router))
+        router._family = fam
+        experts.__class__ = _subclass(mixin, type(experts))
+        if G > 1:  # keep the rows of this rank's home experts (the static placement e // (E/G))
+            home = torch.arange(rank * (E // G), (rank + 1) * (E // G), device=experts.gate_up_proj.device)
+            for pname in experts.tensor_names:
+                p = getattr(experts, pname)
+                setattr(experts, pname, nn.Parameter(p.detach().index_select(0, home).clone(),
+                                                     requires_grad=p.requires_grad))
+        super().__init__(hidden, ffn, E, k, ep_group=ep_group, gpus_per_node=gpus_per_node,
+                         replica_buffer=replica_buffer, router=router, shared_expert=None, layer_index=layer_index,
+                         dispatcher=dispatcher, experts=experts, router_attr=fam.router_attr)
         self.family = fam
         self.layer_id = int(layer_id)
         self.hf_class = type(block).__name__
-        self._router_attr = fam.router_attr
         if fam.jitter:
             self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
         # adopt the HF submodules under their names and in their order; expert_gpu is not HF state
@@ -223,29 +237,8 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
         for name, child in block.named_children():
             self._modules[name] = child
         self.register_buffer("expert_gpu", expert_gpu, persistent=False)
-        router.__class__ = _subclass(_ReplayRouterMixin, type(router))
-        router._family = fam
-        experts.__class__ = _subclass(mixin, type(experts))
-        if self.world_size > 1:
-            home = torch.as_tensor(self.home_experts, device=experts.gate_up_proj.device)
-            for pname in experts.tensor_names:
-                p = getattr(experts, pname)
-                setattr(experts, pname, nn.Parameter(p.detach().index_select(0, home).clone(),
-                                                     requires_grad=p.requires_grad))
-        if replica_buffer is not None:
-            replica_buffer.check_experts(experts.expert_tensors())
-        self.replica_buffer = replica_buffer
         self.last_expert_counts: torch.Tensor | None = None
         self._in_layer_forward = False
-
-    # the layer reads these two attributes; the HF submodules live under the HF names
-    @property
-    def router(self) -> nn.Module:
-        return self._modules[self._router_attr]
-
-    @router.setter
-    def router(self, value: nn.Module) -> None:  # ReplayBalancedMoE.__init__ assigns it once
-        self._modules["router"] = value
 
     @property
     def shared_expert(self) -> nn.Module | None:

@@ -159,6 +159,8 @@ class ReplayBalancedMoE(nn.Module):
             for GPT-OSS-style experts); default: :class:`~relibra_moe.layers.experts.GroupedSwiGLUExperts`
             of ``hidden`` x ``ffn`` (``block_m``, ``dtype``, ``device`` apply to it). The replica buffer
             must match it (:meth:`LayerSharedReplicaBuffer.for_experts`).
+        router_attr: the attribute (and ``state_dict`` prefix) the router is registered under; ``router``
+            reads it whatever the name (e.g. ``"gate"`` to keep a Hugging Face block's names).
         layer_index: this layer's index among the model's MoE layers (the plan's ``l``);
             :func:`relibra_moe.layers.replay.replay_model` assigns it in module order when unset.
         dispatcher: ``"auto"``, ``"alltoall"``, ``"deepep"``, or a :class:`Dispatcher`.
@@ -175,7 +177,7 @@ class ReplayBalancedMoE(nn.Module):
                  router: TopKRouter | dict | str = "softmax", shared_expert: nn.Module | None = None,
                  layer_index: int | None = None, dispatcher: str | Dispatcher = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 block_m: int = 64, experts: GroupedExperts | None = None) -> None:
+                 block_m: int = 64, experts: GroupedExperts | None = None, router_attr: str = "router") -> None:
         super().__init__()
         self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
         self.ep_group = ep_group
@@ -197,7 +199,8 @@ class ReplayBalancedMoE(nn.Module):
         if getattr(router, "num_experts", num_experts) != num_experts or getattr(router, "top_k", top_k) != top_k:
             raise ValueError(f"router routes to {router.num_experts} experts top-{router.top_k}, the layer has "
                              f"{num_experts} top-{top_k}")
-        self.router = router
+        self._router_attr = router_attr
+        self.add_module(router_attr, router)
         if experts is None:
             experts = GroupedSwiGLUExperts(hidden, ffn, self.num_local, dtype=dtype, device=device, block_m=block_m)
         elif experts.num_local != self.num_local:
@@ -215,6 +218,14 @@ class ReplayBalancedMoE(nn.Module):
         self.last_send_counts = np.zeros(G, np.int64)
         self.last_load = 0
         self.last_slot_counts = np.zeros(self.num_local, np.int64)
+
+    @property
+    def router(self) -> nn.Module:
+        """The router module (registered under ``router_attr``)."""
+        try:
+            return self._modules[self.__dict__.get("_router_attr", "router")]
+        except KeyError:
+            raise AttributeError("router") from None
 
     # ------------------------------------------------------------------ placement
 
