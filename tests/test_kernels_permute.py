@@ -108,13 +108,21 @@ def test_gradcheck_reference_float64():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_gradients_match_reference(dtype):
-    if "triton" not in BACKENDS:
-        pytest.skip("Triton kernels not registered yet")
+    """Gradients of sum(c * combine(2 permute(x, s), s)) on both paths, against the closed form in float64.
+
+    out[t] = 2 x[t] sum_j s[t,j]^2 over routed pairs, so dx[t] = 2 c sum_j s[t,j]^2 and
+    ds[t,j] = 4 s[t,j] (x[t] . c) for routed pairs, 0 for unrouted ones.
+    """
     ids = make_ids(11, 3, 5, seed=3, mode="drop")
     meta = routing_metadata(ids, 5, block_m=16)
     g = torch.Generator().manual_seed(2)
     x0 = torch.randn(11, 19, generator=g).to(dtype)
     s0 = torch.rand(11, 3, generator=g).to(dtype)
+    c = torch.linspace(-1, 1, 19)
+    routed = (ids >= 0).double().numpy()
+    x64, s64, c64 = x0.double().numpy(), s0.double().numpy(), c.double().numpy()
+    ref_dx = 2.0 * (s64**2 * routed).sum(1, keepdims=True) * c64[None, :]
+    ref_ds = 4.0 * s64 * (x64 @ c64)[:, None] * routed
     grads = {}
     for backend in BACKENDS:
         x = x0.clone().requires_grad_()
@@ -122,8 +130,10 @@ def test_kernel_gradients_match_reference(dtype):
         with force_backend(backend):
             z = permute(x, meta, s)
             out = combine(z * 2.0, meta, s)
-            (out.float() * torch.linspace(-1, 1, 19)).sum().backward()
+            (out.float() * c).sum().backward()
         grads[backend] = (x.grad, s.grad)
+        assert rel_err(x.grad, ref_dx) <= 4 * TOL[dtype]
+        assert rel_err(s.grad, ref_ds) <= 4 * TOL[dtype]
     for a, b in zip(grads["torch"], grads["triton"], strict=True):
         torch.testing.assert_close(a, b, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 4)
 

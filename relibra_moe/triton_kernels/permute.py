@@ -306,19 +306,23 @@ def _permute_setup(ctx, inputs, output):
     ctx.save_for_backward(gather_idx, x if ctx.scale_needs_grad else None, scale)
 
 
-def _inverse_index(gather_idx: torch.Tensor, num_pairs: int) -> torch.Tensor:
-    """scatter_idx [num_pairs] from gather_idx [R] (-1 entries of gather_idx are padding)."""
-    scatter = torch.full((num_pairs + 1,), -1, dtype=torch.int32, device=gather_idx.device)
-    pair = torch.where(gather_idx >= 0, gather_idx.long(), torch.full_like(gather_idx, num_pairs, dtype=torch.long))
-    scatter[pair] = torch.arange(gather_idx.shape[0], dtype=torch.int32, device=gather_idx.device)
-    return scatter[:num_pairs]
+def _invert_index(index: torch.Tensor, size: int) -> torch.Tensor:
+    """Inverse of a partial permutation: int32 ``[size]`` with ``out[index[i]] = i``, -1 where nothing maps.
+
+    ``index`` ``[n]`` holds distinct targets in ``[0, size)`` or -1 (padding, skipped). Gives scatter_idx
+    ``[T*k]`` from gather_idx ``[R]`` and gather_idx ``[R]`` from scatter_idx ``[T*k]``; no host sync.
+    """
+    out = torch.full((size + 1,), -1, dtype=torch.int32, device=index.device)
+    target = torch.where(index >= 0, index.long(), torch.full_like(index, size, dtype=torch.long))
+    out[target] = torch.arange(index.shape[0], dtype=torch.int32, device=index.device)
+    return out[:size]
 
 
 @keep_backend
 def _permute_backward(ctx, grad):
     gather_idx, x, scale = ctx.saved_tensors
     T, k = ctx.num_tokens, ctx.topk
-    scatter_idx = _inverse_index(gather_idx, T * k)
+    scatter_idx = _invert_index(gather_idx, T * k)
     dx = dscale = None
     if ctx.x_needs_grad:
         w = scale if ctx.has_scale else torch.ones(T, k, dtype=grad.dtype, device=grad.device)
@@ -340,14 +344,6 @@ def _combine_setup(ctx, inputs, output):
     ctx.save_for_backward(scatter_idx, weights, y if weights.requires_grad else None)
 
 
-def _gather_from_scatter(scatter_idx: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """gather_idx [num_rows] from scatter_idx [T*k] (rows nobody maps to are padding, -1)."""
-    gather = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=scatter_idx.device)
-    row = torch.where(scatter_idx >= 0, scatter_idx.long(), torch.full_like(scatter_idx, num_rows, dtype=torch.long))
-    gather[row] = torch.arange(scatter_idx.shape[0], dtype=torch.int32, device=scatter_idx.device)
-    return gather[:num_rows]
-
-
 @keep_backend
 def _combine_backward(ctx, grad):
     scatter_idx, weights, y = ctx.saved_tensors
@@ -355,7 +351,7 @@ def _combine_backward(ctx, grad):
     grad = grad.contiguous()
     dy = dw = None
     if ctx.y_needs_grad:
-        gather_idx = _gather_from_scatter(scatter_idx, ctx.num_rows)
+        gather_idx = _invert_index(scatter_idx, ctx.num_rows)
         dy = _permute_op(grad, gather_idx, k, weights)
     if ctx.w_needs_grad:
         dw = _rowdot_op(grad, y, scatter_idx, k).to(weights.dtype)
