@@ -125,6 +125,22 @@ def _worker(rank: int, world: int, P: int) -> None:
             if holders[l] == rank:
                 assert b.last_slot_counts[E // world] > 0, (l, b.last_slot_counts)
 
+        # frozen biases: the weights' gradients (replica add-back included) are unchanged, the biases get none
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        for name, p in model.named_parameters():
+            p.grad = None
+            p.requires_grad_(not name.endswith("_bias"))
+        with replay(model, traces, plan, micro_batch=0):
+            out = model(ids[rank:rank + 1, :n], attention_mask=mask[rank:rank + 1, :n]).logits
+        (out.square().sum() / (mask.sum() * out.shape[-1])).backward()
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                assert p.grad is None, name
+                p.requires_grad_(True)
+            elif ".experts." in name:
+                torch.testing.assert_close(p.grad, grads[name], rtol=1e-6, atol=1e-7, msg=name)
+            p.grad = grads[name]  # the full gradients again, for the optimizer state below
+
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         opt.step()
         before = _expert_state(model, opt)
