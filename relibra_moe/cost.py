@@ -83,6 +83,11 @@ def smooth_max(z: np.ndarray, beta: float, scale: np.ndarray | float, axis: int 
 def expert_onehot(expert_gpu: np.ndarray, num_gpus: int) -> np.ndarray:
     """float64 ``[..., E, G]`` one-hot of the home GPU of every expert (``expert_gpu`` is ``[..., E]``)."""
     expert_gpu = np.asarray(expert_gpu)
+    if expert_gpu.dtype.kind not in "iu":
+        if expert_gpu.dtype.kind != "f" or not np.all(expert_gpu == np.round(expert_gpu)):
+            # a fractional home would match no GPU and its tokens would vanish from the cost
+            raise PlanError(f"expert_gpu must hold integer GPU ids, got dtype {expert_gpu.dtype} "
+                            f"(values {expert_gpu.ravel()[:8].tolist()})")
     if expert_gpu.size and (expert_gpu.min() < 0 or expert_gpu.max() >= num_gpus):
         bad = expert_gpu[(expert_gpu < 0) | (expert_gpu >= num_gpus)].flat[0]
         raise PlanError(f"expert_gpu holds GPU {int(bad)}, outside [0, {num_gpus})")
@@ -97,8 +102,11 @@ def flow_matrix(x: np.ndarray, expert_gpu: np.ndarray | None = None,
         x: ``[..., G, E]`` tokens per (source GPU, expert).
         expert_gpu: ``[..., E]`` home GPU of each expert (broadcast against x's leading dims);
             used when ``shares`` is None.
-        shares: ``[..., G, E, G]`` share of x[j, e] served on each GPU (rows sum to 1); replaces
-            ``expert_gpu`` when given.
+        shares: ``[..., G, E, G]`` share of x[j, e] served on each GPU (rows sum to 1; not checked
+            here, ``plan.ReplicaPlan.validate`` does); replaces ``expert_gpu`` when given.
+
+    Returns:
+        float64 ``[..., G, G]`` tokens (pairs) from source j to target g.
     """
     x = np.asarray(x, dtype=np.float64)
     num_gpus = x.shape[-2]
@@ -109,13 +117,22 @@ def flow_matrix(x: np.ndarray, expert_gpu: np.ndarray | None = None,
                             f"{x.shape[-1]}, {num_gpus}] to match x {x.shape}")
         return np.einsum("...je,...jeg->...jg", x, shares)
     if expert_gpu is None:
-        raise ValueError("flow_matrix needs expert_gpu or shares")
+        raise PlanError("flow_matrix needs expert_gpu or shares (both are None)")
     return x @ expert_onehot(expert_gpu, num_gpus)
 
 
 def cost_from_flow(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
                    beta: float = DEFAULT_BETA) -> MoECost:
-    """The cost model of RELIBRA.md §4 from a flow matrix ``[..., G, G]`` (tokens j -> g)."""
+    """The cost model of RELIBRA.md §4 from a flow matrix ``[..., G, G]`` (tokens j -> g).
+
+    Args:
+        flow: ``[..., G, G]`` tokens sent from source GPU j to target GPU g (see :func:`flow_matrix`).
+        model, cluster: token bytes and FLOPs per token; bandwidths (bytes/s), FLOP/s, link classes.
+        beta: LSE sharpness for ``t_moe_smooth``.
+
+    Returns:
+        :class:`MoECost` with leading dims ``[...]``; times in seconds, traffic in bytes.
+    """
     flow = np.asarray(flow, dtype=np.float64)
     num_gpus = cluster.num_gpus
     if flow.shape[-2:] != (num_gpus, num_gpus):
@@ -154,11 +171,22 @@ def moe_cost(x: np.ndarray, expert_gpu: np.ndarray | None, model: ModelSpec, clu
         model, cluster: the specs; ``G`` must equal ``cluster.num_gpus`` and ``E`` the model's experts.
         shares: optional ``[..., G, E, G]`` fraction of x[j, e] served on GPU g (see ``plan``).
         beta: LSE sharpness for ``t_moe_smooth`` (dimensionless, see the module docstring).
+
+    Returns:
+        :class:`MoECost` with leading dims those of ``x`` without ``[G, E]``; seconds and bytes.
+
+    Raises:
+        PlanError: wrong shapes, a negative or non-finite load, a home GPU outside ``[0, G)``.
     """
     x = np.asarray(x)
+    if x.dtype.kind not in "iuf":
+        raise PlanError(f"x must be numeric token counts, got dtype {x.dtype}")
     if x.ndim < 2 or x.shape[-2] != cluster.num_gpus:
         raise PlanError(f"x has shape {x.shape}, expected [..., {cluster.num_gpus} GPUs, "
                         f"{model.num_experts} experts]")
     if x.shape[-1] != model.num_experts:
         raise PlanError(f"x has {x.shape[-1]} experts, model {model.name} has {model.num_experts}")
+    if x.size and not (np.all(np.isfinite(x)) and x.min() >= 0):
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(x) | (x < 0))[0])
+        raise PlanError(f"x{list(bad)} = {x[bad]}: token counts must be finite and >= 0")
     return cost_from_flow(flow_matrix(x, expert_gpu, shares), model, cluster, beta)

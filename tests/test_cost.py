@@ -98,6 +98,58 @@ def test_vectorized_over_layers_and_micro_batches_matches_per_cell():
             np.testing.assert_allclose(batched.comm[m, l], cell.comm)
 
 
+def loop_cost(x, home, shares, model: ModelSpec, nodes: int, per_node: int, nv_bw, rdma_bw, flops):
+    """Float64 loops over (source j, expert e, target g), link class from node and rail ids directly."""
+    G, E = x.shape
+    load, comm = np.zeros(G), np.zeros(G)
+    nv_tx, nv_rx, rd_tx, rd_rx = (np.zeros(G) for _ in range(4))
+    for j in range(G):
+        for e in range(E):
+            for g in range(G):
+                y = shares[j, e, g] if shares is not None else float(home[e] == g)
+                f = float(x[j, e]) * y
+                load[g] += f
+                if j == g:
+                    continue
+                same_node, same_rail = j // per_node == g // per_node, j % per_node == g % per_node
+                nvlink = same_node or not same_rail  # nv, or cross-rail (cr) which also uses NVLink
+                rdma = not same_node  # sr or cr
+                b = f * model.hidden * model.dtype_bytes
+                if nvlink:
+                    nv_tx[j] += b
+                    nv_rx[g] += b
+                if rdma:
+                    rd_tx[j] += b
+                    rd_rx[g] += b
+    for g in range(G):
+        comm[g] = 2 * max(nv_tx[g] / nv_bw, nv_rx[g] / nv_bw, rd_tx[g] / rdma_bw, rd_rx[g] / rdma_bw)
+    comp = load * 6 * model.hidden * model.ffn / flops
+    return load, comp, comm, comp.max() + comm.max()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_layers_match_loop_reference(seed):
+    """2 nodes x 4 GPUs, 8 experts, random homes and random replica shares: every output against loops."""
+    rng = np.random.default_rng(seed)
+    model = ModelSpec("t8", hidden=6, ffn=5, num_experts=8, topk=2, num_layers=1, dtype_bytes=2)
+    cluster = ClusterSpec(nodes=2, gpus_per_node=4, nvlink_bw=3.0e3, rdma_bw=0.7e3, flops=2.0e4)
+    x = rng.integers(0, 40, size=(8, 8)).astype(float)
+    home = rng.integers(0, 8, size=8)  # any homes (the cost model does not need E/G per GPU)
+    shares = rng.random((8, 8, 8)) * (rng.random((8, 8, 8)) < 0.3)
+    shares[np.arange(8)[:, None], np.arange(8)[None, :], home[None, :]] += 0.5
+    shares /= shares.sum(axis=2, keepdims=True)
+    for sh in (None, shares):
+        c = moe_cost(x, home, model, cluster, shares=sh)
+        load, comp, comm, t = loop_cost(x, home, sh, model, 2, 4, 3.0e3, 0.7e3, 2.0e4)
+        np.testing.assert_allclose(c.load, load, rtol=1e-12)
+        np.testing.assert_allclose(c.comp, comp, rtol=1e-12)
+        np.testing.assert_allclose(c.comm, comm, rtol=1e-12, atol=1e-15)
+        assert c.t_moe == pytest.approx(t, rel=1e-12)
+        # LSE bound: comm smooths 4 terms then G GPUs, comp smooths G GPUs, scale = mean comp
+        s = comp.mean()
+        assert t - 1e-12 <= c.t_moe_smooth <= t + s * (2 * np.log(4) + 2 * np.log(8)) / 20.0 + 1e-12
+
+
 @given(st.lists(st.floats(0, 100), min_size=1, max_size=16), st.floats(1, 100))
 def test_smooth_max_bounds(values, beta):
     z = np.array(values)
@@ -129,3 +181,13 @@ def test_bad_shapes_raise_plan_error():
         moe_cost(np.zeros((4, 4)), np.array([0, 1, 2, 7]), MODEL, CLUSTER)
     with pytest.raises(PlanError, match="shares has shape"):
         moe_cost(np.zeros((4, 4)), None, MODEL, CLUSTER, shares=np.zeros((4, 4, 3)))
+    with pytest.raises(PlanError, match=r"x\[1, 2\] = -1.0: token counts must be finite and >= 0"):
+        moe_cost(one_token(1, 2, -1.0), STATIC, MODEL, CLUSTER)
+    with pytest.raises(PlanError, match=r"x\[0, 0\] = nan"):
+        moe_cost(one_token(0, 0, np.nan), STATIC, MODEL, CLUSTER)
+    # a fractional home would match no GPU: its tokens would silently vanish from the cost
+    with pytest.raises(PlanError, match=r"expert_gpu must hold integer GPU ids, got dtype float64"):
+        moe_cost(np.ones((4, 4)), np.array([0, 1.5, 2, 3]), MODEL, CLUSTER)
+    assert moe_cost(np.ones((4, 4)), np.array([0.0, 1, 2, 3]), MODEL, CLUSTER).load.sum() == 16
+    with pytest.raises(PlanError, match="needs expert_gpu or shares"):
+        flow_matrix(np.zeros((4, 4)))
