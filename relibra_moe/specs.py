@@ -20,11 +20,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 LOC, NV, SR, CR = 0, 1, 2, 3
 LINK_NAMES = ("loc", "nv", "sr", "cr")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,14 @@ class ModelSpec:
     shared_ffn: int | None = None
 
     def __post_init__(self) -> None:
-        for f in ("hidden", "ffn", "num_experts", "topk", "num_layers", "dtype_bytes"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, np.integer)) or v <= 0:
+        for f in ("hidden", "ffn", "num_experts", "topk", "num_layers", "dtype_bytes", "num_heads", "num_kv_heads",
+                  "head_dim"):
+            if not _is_int(v := getattr(self, f)) or v <= 0:
                 raise ValueError(f"ModelSpec.{f} must be a positive int, got {v!r}")
+        if not _is_int(self.shared_experts) or self.shared_experts < 0:
+            raise ValueError(f"ModelSpec.shared_experts must be an int >= 0, got {self.shared_experts!r}")
+        if self.shared_ffn is not None and (not _is_int(self.shared_ffn) or self.shared_ffn <= 0):
+            raise ValueError(f"ModelSpec.shared_ffn must be a positive int or None, got {self.shared_ffn!r}")
         if self.topk > self.num_experts:
             raise ValueError(f"ModelSpec.topk={self.topk} exceeds num_experts={self.num_experts}")
 
@@ -85,7 +94,8 @@ class ModelSpec:
         """Bytes of one routed expert's weights in the model dtype."""
         return self.expert_params * self.dtype_bytes
 
-    def with_(self, **changes) -> ModelSpec:
+    def with_(self, **changes: Any) -> ModelSpec:
+        """A copy with the given fields changed (validated again)."""
         return replace(self, **changes)
 
 
@@ -114,26 +124,32 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         for f in ("nodes", "gpus_per_node"):
-            v = getattr(self, f)
-            if not isinstance(v, (int, np.integer)) or v <= 0:
+            if not _is_int(v := getattr(self, f)) or v <= 0:
                 raise ValueError(f"ClusterSpec.{f} must be a positive int, got {v!r}")
-        for f in ("nvlink_bw", "rdma_bw", "flops"):
+        for f in ("nvlink_bw", "rdma_bw", "flops", "attn_flops"):
             v = getattr(self, f)
-            if not v > 0:
-                raise ValueError(f"ClusterSpec.{f} must be > 0, got {v!r}")
+            if f == "attn_flops" and v is None:
+                continue
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                    or not np.isfinite(v) or not v > 0:
+                raise ValueError(f"ClusterSpec.{f} must be a finite number > 0, got {v!r}")
 
     @property
     def num_gpus(self) -> int:
+        """G = nodes x gpus_per_node."""
         return self.nodes * self.gpus_per_node
 
     @property
     def attention_flops(self) -> float:
+        """FLOP/s for attention: ``attn_flops``, else ``flops``."""
         return self.attn_flops if self.attn_flops is not None else self.flops
 
     def node_of(self, gpu: int | np.ndarray) -> int | np.ndarray:
+        """Node of GPU id(s) ``gpu`` (``gpu // P``)."""
         return gpu // self.gpus_per_node
 
     def rail_of(self, gpu: int | np.ndarray) -> int | np.ndarray:
+        """Rail of GPU id(s) ``gpu`` (``gpu % P``: its index inside the node)."""
         return gpu % self.gpus_per_node
 
     @cached_property
@@ -153,7 +169,8 @@ class ClusterSpec:
         """Name of the link class between two GPUs: 'loc', 'nv', 'sr' or 'cr'."""
         return LINK_NAMES[int(self.link_classes[src, dst])]
 
-    def with_(self, **changes) -> ClusterSpec:
+    def with_(self, **changes: Any) -> ClusterSpec:
+        """A copy with the given fields changed (validated again)."""
         return replace(self, **changes)
 
 

@@ -70,5 +70,21 @@ def test_bad_specs_raise():
         ClusterSpec(nodes=1, gpus_per_node=0)
     with pytest.raises(ValueError, match="topk"):
         ModelSpec("x", 4, 4, 2, 3, 1)
-    with pytest.raises(ValueError, match="rdma_bw"):
+    with pytest.raises(ValueError, match=r"ClusterSpec.rdma_bw must be a finite number > 0, got 0"):
         ClusterSpec(nodes=1, gpus_per_node=2, rdma_bw=0)
+    with pytest.raises(ValueError, match=r"ClusterSpec.flops must be a finite number > 0, got nan"):
+        ClusterSpec(nodes=1, gpus_per_node=2, flops=float("nan"))
+    with pytest.raises(ValueError, match=r"ClusterSpec.attn_flops must be a finite number > 0, got -1.0"):
+        ClusterSpec(nodes=1, gpus_per_node=2, attn_flops=-1.0)
+    with pytest.raises(ValueError, match=r"ClusterSpec.nodes must be a positive int, got True"):
+        ClusterSpec(nodes=True, gpus_per_node=2)
+    with pytest.raises(ValueError, match=r"ModelSpec.hidden must be a positive int, got 4.0"):
+        ModelSpec("x", 4.0, 4, 2, 1, 1)
+    with pytest.raises(ValueError, match=r"ModelSpec.num_kv_heads must be a positive int, got 0"):
+        ModelSpec("x", 4, 4, 2, 1, 1, num_kv_heads=0)
+    with pytest.raises(ValueError, match=r"ModelSpec.shared_experts must be an int >= 0, got -1"):
+        ModelSpec("x", 4, 4, 2, 1, 1, shared_experts=-1)
+    with pytest.raises(ValueError, match=r"ModelSpec.shared_ffn must be a positive int or None, got 0"):
+        ModelSpec("x", 4, 4, 2, 1, 1, shared_ffn=0)
+    with pytest.raises(ValueError, match=r"ModelSpec.topk=3 exceeds num_experts=2"):
+        model_preset("olmoe-1b-7b").with_(num_experts=2, topk=3)
