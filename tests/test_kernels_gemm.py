@@ -356,3 +356,21 @@ def test_expert_weights_grad_reference_is_the_composed_reference(dtype, transpos
         assert got[i].stride() == want.stride() and got[i].dtype == want.dtype
         assert torch.equal(got[i], want) and torch.equal(got[i].signbit(), want.signbit())
     assert not got[0][0].any()
+
+
+def test_expert_weights_grad_reference_op_opcheck():
+    """The reference weight-gradient op is a well-formed custom op (schema, fake kernel with the
+    sources' strides, dynamic-shape tracing)."""
+    from relibra_moe.triton_kernels import grouped_gemm as gg
+
+    meta = routing_metadata(make_ids(9, 2, 4, seed=1, mode="random"), 4, block_m=16)
+    g = torch.Generator().manual_seed(2)
+    home = torch.randn(3, 6, 8, generator=g).transpose(1, 2)  # N-major, as HF parameters
+    rep = torch.randn(2, 6, 8, generator=g).transpose(1, 2)
+    x, dy = torch.randn(meta.num_rows, 8, generator=g), torch.randn(meta.num_rows, 6, generator=g)
+    args = (x, dy, meta.offsets, [home, rep], torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 2, 0]), [True, False])
+    with force_backend("torch"):
+        torch.library.opcheck(gg._source_grads_ref_op, args,
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+        (gh,) = gg._source_grads_ref_op(*args)
+    assert gh.stride() == home.stride()

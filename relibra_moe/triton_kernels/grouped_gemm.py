@@ -565,6 +565,27 @@ def _source_grads_torch(
     return dsrc
 
 
+@torch.library.custom_op("relibra::expert_weights_dw_ref", mutates_args=())
+def _source_grads_ref_op(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    offsets: torch.Tensor,
+    sources: list[torch.Tensor],
+    slot_source: torch.Tensor,
+    slot_index: torch.Tensor,
+    needs_grad: list[bool],
+) -> list[torch.Tensor]:
+    """:func:`_source_grads_torch` as an opaque op (host reads of the offsets stay out of tracing);
+    returns the gradients of the sources that need one, in order."""
+    return [g for g in _source_grads_torch(x, dy, offsets, sources, slot_source, slot_index, needs_grad)
+            if g is not None]
+
+
+@_source_grads_ref_op.register_fake
+def _(x, dy, offsets, sources, slot_source, slot_index, needs_grad):
+    return [torch.empty_like(s) for s, n in zip(sources, needs_grad, strict=True) if n]
+
+
 def _source_grads(
     x: torch.Tensor,
     dy: torch.Tensor,
@@ -579,8 +600,9 @@ def _source_grads(
     dsrc: list[torch.Tensor | None] = [None] * len(sources)
     if not any(needs_grad):
         return dsrc
-    if slot_source is not None and not use_triton(x) and not torch.compiler.is_compiling():
-        return _source_grads_torch(x, dy, offsets, sources, slot_source, slot_index, needs_grad)
+    if slot_source is not None and not use_triton(x):
+        it = iter(_source_grads_ref_op(x, dy, offsets, sources, slot_source, slot_index, needs_grad))
+        return [next(it) if n else None for n in needs_grad]
     dw = _grouped_mm_dw_op(x, dy, offsets, _n_major(sources[0]))  # [S, K, N], the sources' layout
     if slot_source is None:
         dsrc[0] = dw
