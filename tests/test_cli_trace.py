@@ -118,3 +118,36 @@ def test_import_without_data_says_where_it_looked(tmp_path, capsys, monkeypatch)
     err = capsys.readouterr().err
     assert "TracesNotFoundError" in err and "absent" in err and "RELIBRA_TRACES" in err
     assert not (tmp_path / "g.npz").exists()
+
+
+def test_stats_without_routed_tokens_gives_valid_json(tmp_path, capsys):
+    """All rows padded (-1): skew is undefined, reported as null (never NaN, which is not JSON)."""
+    tr = RoutingTrace(np.full((3, 2, 2), -1), [0, 1], 8, 2)
+    path = tmp_path / "pad.npz"
+    TraceBatch([tr, tr]).save(path)
+    capsys.readouterr()
+    assert main(["trace", "stats", str(path), "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "NaN" not in out
+    s = json.loads(out)
+    assert s["skew_mean"] is None and s["skew_min"] is None and s["num_tokens"] == 6
+    assert main(["trace", "stats", str(path)]) == 0
+    assert "n/a (no routed tokens)" in capsys.readouterr().out
+
+
+def test_stats_hot_k_and_help_texts(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    tr = RoutingTrace(np.argsort(rng.random((4, 1, 8)), axis=2)[:, :, :2], [0], 8, 2)
+    path = tmp_path / "h.npz"
+    TraceBatch([tr, tr]).save(path)
+    assert main(["trace", "stats", str(path), "--hot-k", "9"]) == 1
+    assert "--hot-k 9 exceeds num_experts=8" in capsys.readouterr().err
+    s = _stats(capsys, str(path), "--hot-k", "3")
+    assert s["hot_k"] == 3 and s["intersection_mean"] == 1.0  # identical samples: identical hot sets
+    for argv in (["trace", "--help"], ["trace", "stats", "--help"], ["trace", "import", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text  # no reStructuredText markup in --help
+    assert "i*B .. i*B+B-1" in text and "skew_mean" in text

@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import TraceError
+
+if TYPE_CHECKING:
+    from ..trace import TraceBatch
 
 SYNTH_DEFAULT_MICRO_BATCH = 32
 
@@ -35,17 +38,24 @@ def _positive(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("trace", help="routing traces: import real ones, synthesize RL batches, statistics",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "trace", help="routing traces: import real ones, synthesize RL batches, statistics",
+        description="Make routing-trace files (.npz, version 1) from real or synthetic routing, and summarize them.",
+        epilog="examples:\n"
+               "  relibra trace import gpt-oss --requests 64 --seed 0 --micro-batch-size 8 --out gptoss.npz\n"
+               "  relibra trace synth --model qwen3-30b-a3b --domain mixed --prompts 256 --out mixed.npz\n"
+               "  relibra trace stats mixed.npz --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
 
     imp = sub.add_parser("import", help="import a real routing trace into a trace file",
                          description="Import real routing into a relibra trace file (.npz, version 1).")
     imp.add_argument("dataset", choices=["gpt-oss"], help="gpt-oss: GPT-OSS-20B decode routing of ../shared/traces")
-    imp.add_argument("--requests", type=_positive, default=None, help="draw N requests (default: all 703)")
-    imp.add_argument("--seed", type=int, default=0, help="seed of the draw (default 0)")
-    imp.add_argument("--micro-batch-size", type=_positive, default=None,
-                     help="assign sample i to micro-batch i // B (default: no assignment)")
+    imp.add_argument("--requests", type=_positive, default=None, metavar="N",
+                     help="draw N requests without replacement, kept in the drawn order (default: all 703, in order)")
+    imp.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the draw (default 0)")
+    imp.add_argument("--micro-batch-size", type=_positive, default=None, metavar="B",
+                     help="micro-batch i holds samples i*B .. i*B+B-1, in the drawn order (default: no assignment)")
     imp.add_argument("--domains", nargs="+", default=None, help="keep only these request domains")
     imp.add_argument("--drop-repetition", action="store_true", help="drop requests stuck in a repetition loop")
     imp.add_argument("--out", required=True, help="output .npz file")
@@ -59,19 +69,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     syn.add_argument("--prompts", type=_positive, required=True, help="prompts N (samples = N x responses)")
     syn.add_argument("--responses", type=_positive, default=4, help="responses per prompt (default 4)")
     syn.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    syn.add_argument("--micro-batch-size", type=_positive, default=SYNTH_DEFAULT_MICRO_BATCH,
-                     help=f"samples per micro-batch (default {SYNTH_DEFAULT_MICRO_BATCH})")
+    syn.add_argument("--micro-batch-size", type=_positive, default=SYNTH_DEFAULT_MICRO_BATCH, metavar="B",
+                     help=f"micro-batch i holds samples i*B .. i*B+B-1 (default {SYNTH_DEFAULT_MICRO_BATCH})")
     syn.add_argument("--compress", action="store_true", help="zip-compress the file (smaller, slower)")
     syn.add_argument("--out", required=True, help="output .npz file")
     syn.set_defaults(func=run_synth)
 
     st = sub.add_parser("stats", help="statistics of a trace file",
-                        description="Sizes, per-micro-batch expert skew and consecutive hot-set intersection.")
+                        description="Sizes, per-micro-batch expert skew (max / mean expert load, averaged over "
+                                    "layers) and the top-k hot-set intersection between consecutive micro-batches.")
     st.add_argument("file", help="trace file (.npz)")
-    st.add_argument("--micro-batch-size", type=_positive, default=None,
-                    help="B samples per micro-batch (default: the file's assignment, else one sequence each)")
-    st.add_argument("--hot-k", type=_positive, default=None, help="hot-set size (default 8, or E/4 when E < 32)")
-    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--micro-batch-size", type=_positive, default=None, metavar="B",
+                    help="micro-batch i holds samples i*B .. i*B+B-1 (default: the file's assignment, else one "
+                         "sequence per micro-batch)")
+    st.add_argument("--hot-k", type=_positive, default=None, metavar="K",
+                    help="hot-set size (default 8, or E/4 when E < 32)")
+    st.add_argument("--json", action="store_true",
+                    help="print JSON (num_sequences, num_tokens, num_layers, num_experts, topk, skew_mean, "
+                         "intersection_mean, ...; null where undefined) instead of a table")
     st.set_defaults(func=run_stats)
 
 
@@ -99,11 +114,21 @@ def run_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def trace_stats(batch: Any, micro_batch_size: int | None = None, hot_k: int | None = None) -> dict[str, Any]:
+def trace_stats(batch: TraceBatch, micro_batch_size: int | None = None, hot_k: int | None = None) -> dict[str, Any]:
     """The statistics ``relibra trace stats --json`` prints, for a TraceBatch.
 
-    Micro-batches: ``micro_batch_size`` if given; else the batch's assignment (which must then cover
-    every sample); else one sequence per micro-batch.
+    Micro-batches: ``micro_batch_size`` if given (sample i in micro-batch ``i // B``); else the batch's
+    assignment (which must then cover every sample); else one sequence per micro-batch.
+
+    Returns:
+        A JSON-ready dict: sizes (``num_sequences``, ``num_tokens``, ``num_layers``, ``num_experts``,
+        ``topk``, ``num_micro_batches``, ``tokens_per_sequence``), ``skew_mean`` / ``skew_min`` /
+        ``skew_max`` (dimensionless, over micro-batches of the layer-mean expert skew; None when no
+        micro-batch has a routed token), ``hot_k``, ``intersection_mean`` (None with one micro-batch),
+        ``synthetic`` and ``source``.
+
+    Raises:
+        TraceError: a partial micro-batch assignment in the file, or ``hot_k`` > E.
     """
     from ..metrics import default_hot_k, hot_set_intersection, micro_batch_skew
 
@@ -124,6 +149,11 @@ def trace_stats(batch: Any, micro_batch_size: int | None = None, hot_k: int | No
     _, skew = micro_batch_skew(counts)
     inter = hot_set_intersection(counts, k) if counts.shape[0] >= 2 else None
     lengths = batch.lengths
+    defined = skew[np.isfinite(skew)]  # a micro-batch with no routed token has no skew
+
+    def stat(fn: Any) -> float | None:
+        return float(fn(defined)) if defined.size else None
+
     return {
         "num_sequences": batch.num_sequences,
         "num_tokens": batch.num_tokens,
@@ -134,14 +164,18 @@ def trace_stats(batch: Any, micro_batch_size: int | None = None, hot_k: int | No
         "micro_batch_rule": rule,
         "tokens_per_sequence": {"min": int(lengths.min()), "mean": float(lengths.mean()),
                                 "max": int(lengths.max())},
-        "skew_mean": float(np.nanmean(skew)),
-        "skew_min": float(np.nanmin(skew)),
-        "skew_max": float(np.nanmax(skew)),
+        "skew_mean": stat(np.mean),
+        "skew_min": stat(np.min),
+        "skew_max": stat(np.max),
         "hot_k": k,
         "intersection_mean": float(inter.mean()) if inter is not None else None,
         "synthetic": "synthetic" in batch.source.lower(),
         "source": batch.source,
     }
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a (no routed tokens)" if v is None else f"{v:.3f}"
 
 
 def run_stats(args: argparse.Namespace) -> int:
@@ -164,8 +198,8 @@ def run_stats(args: argparse.Namespace) -> int:
         ("tokens / sequence (min / mean / max)", f"{lens['min']} / {lens['mean']:.0f} / {lens['max']}"),
         ("MoE layers / experts / top-k", f"{stats['num_layers']} / {stats['num_experts']} / {stats['topk']}"),
         ("micro-batches", f"{stats['num_micro_batches']} ({stats['micro_batch_rule']})"),
-        ("expert skew per micro-batch (mean)", f"{stats['skew_mean']:.3f}"),
-        ("expert skew (min / max)", f"{stats['skew_min']:.3f} / {stats['skew_max']:.3f}"),
+        ("expert skew per micro-batch (mean)", _fmt(stats["skew_mean"])),
+        ("expert skew (min / max)", f"{_fmt(stats['skew_min'])} / {_fmt(stats['skew_max'])}"),
         (f"top-{stats['hot_k']} intersection, consecutive (mean)",
          "n/a (one micro-batch)" if stats["intersection_mean"] is None else f"{stats['intersection_mean']:.3f}"),
     ]
