@@ -154,9 +154,12 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
     for ep in eps:
         cluster = cluster_preset(nodes=ep // 8, gpus_per_node=8)
         row = {}
-        for name, r in (("static", 0), ("relibra-inter", 0), ("relibra", 2)):
+        for name, strategy, r, kw in (("static", "static", 0, {}), ("relibra-inter", "relibra-inter", 0, {}),
+                                      ("relibra", "relibra", 2, {}),
+                                      ("relibra+repack", "relibra", 2, {"repack": True, "final_reorder": True})):
             t0 = time.perf_counter()
-            plan = plan_batch(batch, model, cluster, name, replica_slots=r, seed=seed, workers=workers, **options)
+            plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers,
+                              **{**options, **kw})
             sc = score_plan(plan, batch, model, cluster)
             row[name] = {"rank_skew_mean": float(sc["rank_skew_mean"]), "t_moe_total_s": float(sc["t_moe_total_s"]),
                          "solve_s": time.perf_counter() - t0}
@@ -282,11 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         eps = [8, 16] if q else [8, 16, 32, 64]
         out["skew"] = bench_skew(32 if q else 256, eps, seed=args.seed, workers=args.workers, **opts)
         print(f"\n== rank skew, qwen3-30b-a3b, SYNTHETIC mixed, {out['skew']['num_samples']} samples, mb 32")
-        print(f"{'EP':>4s} {'static':>8s} {'inter':>8s} {'relibra':>8s} {'node':>8s} {'lpt+rep':>8s} "
+        print(f"{'EP':>4s} {'static':>8s} {'inter':>8s} {'relibra':>8s} {'node':>8s} {'+repack':>8s} {'lpt+rep':>8s} "
               f"{'T rel':>8s} {'T lpt+rep':>10s} {'solve s':>8s}")
         for ep, row in out["skew"]["ep"].items():
             print(f"{ep:>4s} {row['static']['rank_skew_mean']:8.3f} {row['relibra-inter']['rank_skew_mean']:8.3f} "
                   f"{row['relibra']['rank_skew_mean']:8.3f} {row['relibra']['node_skew_mean']:8.3f} "
+                  f"{row['relibra+repack']['rank_skew_mean']:8.3f} "
                   f"{row['lpt+replicate']['rank_skew_mean']:8.3f} {row['relibra']['t_moe_total_s']:8.4f} "
                   f"{row['lpt+replicate']['t_moe_total_s']:10.4f} {row['relibra']['solve_s']:8.1f}")
         print("node: node-level skew of relibra's homes (max node mean load / GPU mean), a floor for intra-node "

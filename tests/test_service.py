@@ -188,3 +188,15 @@ def test_inline_planner_matches_plan_batch(inline_plan):
     np.testing.assert_array_equal(ref.placement.expert_gpu, inline_plan.placement.expert_gpu)
     np.testing.assert_array_equal(ref.samples.gpu, inline_plan.samples.gpu)
     np.testing.assert_array_equal(ref.replicas.replica_expert, inline_plan.replicas.replica_expert)
+
+
+@pytest.mark.parametrize("opts", [dict(price_replicas=True), dict(repack=True, final_reorder=True)])
+def test_inline_planner_matches_plan_batch_priced_and_final_reorder(opts):
+    from relibra_moe.planners.strategies import plan_batch
+
+    kw = {**FAST, **opts}
+    ref = plan_batch(make_batch(), MODEL, CLUSTER, "relibra", replica_slots=1, workers=1, **kw)
+    with Planner(MODEL, CLUSTER, replica_slots=1, executor="inline", **kw) as p:
+        got = p.plan(make_batch())
+    same_plan(ref, got)
+    assert ref.stats["migration"]["moved"] == got.stats["migration"]["moved"]

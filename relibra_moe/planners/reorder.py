@@ -219,7 +219,7 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
 
 def _better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
                   layer: int, skew_cap: float | None = None) -> np.ndarray:
-    """The better of the LPT homes and ``node_balanced_start`` under the replication-aware batch cost."""
+    """The better of ``lpt`` (any start) and ``node_balanced_start`` under the replication-aware batch cost."""
     nb = node_balanced_start(x_layer, cluster, seed=layer_seeds(seed, 1, layer)[0])
     if batch_cost(x_layer, nb, model, cluster, True, skew_cap) < batch_cost(x_layer, lpt, model, cluster, True,
                                                                               skew_cap):
@@ -255,8 +255,8 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         iters: proposals per run (default ``default_iters`` with the whole-reorder budget).
         init: optional ``[L, E]`` starting homes (default: LPT per layer); it is always a candidate.
         layers: restrict to these layers (others keep ``init``/LPT).
-        node_comp, skew_cap: replication-aware objective (``batch_cost``); without ``init`` the start of a
-            layer is the better of LPT and ``node_balanced_start`` under that objective.
+        node_comp, skew_cap: replication-aware objective (``batch_cost``); the start of a layer is then the
+            better of ``init`` (default LPT) and ``node_balanced_start`` under that objective.
 
     Returns:
         (int64 ``[L, E]`` homes, info dict with ``objective_start`` / ``objective`` = exact sum of
@@ -269,12 +269,12 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
     xl = np.ascontiguousarray(np.moveaxis(x, 1, 0), dtype=np.float64)  # [L, M, G, E]
     if init is None:
         start = np.stack([lpt_placement(xl[l].sum(axis=(0, 1)), G) for l in range(L)])
-        if node_comp and cluster.nodes > 1:
-            start = np.stack([_better_start(xl[l], start[l], model, cluster, seed, l, skew_cap) for l in range(L)])
     else:
         start = np.asarray(init, dtype=np.int64)
         if start.shape != (L, E):
             raise PlanError(f"init has shape {start.shape}, expected [L={L}, E={E}]")
+    if node_comp and cluster.nodes > 1:
+        start = np.stack([_better_start(xl[l], start[l], model, cluster, seed, l, skew_cap) for l in range(L)])
     if num_seeds is None:
         num_seeds = max(1, workers)
     if iters is None:

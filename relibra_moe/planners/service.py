@@ -240,9 +240,9 @@ class Planner:
             xl = np.ascontiguousarray(np.moveaxis(x, 1, 0), dtype=np.float64)  # [L, M, G, E]
             if eg is None:
                 eg = np.stack([lpt_placement(xl[l].sum(axis=(0, 1)), G) for l in range(L)])
-                if node_comp and cluster.nodes > 1:
-                    eg = np.stack([_better_start(xl[l], eg[l], model, cluster, self.seed + rnd, l, skew_cap)
-                                   for l in range(L)])
+            if node_comp and cluster.nodes > 1:
+                eg = np.stack([_better_start(xl[l], eg[l], model, cluster, self.seed + rnd, l, skew_cap)
+                               for l in range(L)])
             start = eg
             best_obj = np.array([batch_cost(xl[l], start[l], model, cluster, node_comp, skew_cap) for l in range(L)])
             best = start.copy()
@@ -280,6 +280,15 @@ class Planner:
                 stats["objective"] = info["objective"]
             timing[f"reorder_s_{rnd}"] = t1 - t0
             timing[f"locality_s_{rnd}"] = time.perf_counter() - t1
+        if o.get("final_reorder", False) and not (deadline is not None and time.monotonic() > deadline):
+            from .reorder import reorder
+
+            t0 = time.perf_counter()  # as strategies.relibra_inter (in this process: one call, no fallback cells)
+            eg, stats["final_reorder"] = reorder(loads_from_counts(counts, mb, sg, M, G), model, cluster,
+                                                 seed=self.seed + rounds, num_seeds=num_seeds, workers=self.workers,
+                                                 init=eg, objective=objective, beta=beta, iters=iters,
+                                                 smooth=o.get("smooth"), node_comp=node_comp, skew_cap=skew_cap)
+            timing["reorder_s_final"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         mopts = dict(o)
         if prev is not None and "previous" not in mopts:

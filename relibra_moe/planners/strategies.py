@@ -142,9 +142,12 @@ def relibra_inter(ctx: PlanContext, node_comp: bool = False) -> tuple[np.ndarray
     same solve time.
 
     ``node_comp`` (relibra with replicas; option ``node_comp`` overrides): the reorder anneals the
-    replication-aware cost (compute term = the busiest node's mean GPU load, ``reorder.batch_cost``) from
-    node-balanced starts: intra-node replicas level each node, so the node balance of the homes is what
-    bounds relibra's rank skew (qwen3-30b-a3b mixed, bench/replication.py --only skew).
+    replication-aware cost (compute term = the busiest node's mean GPU load, with a soft cap ``skew_cap``,
+    default ``DEFAULT_SKEW_CAP``, on that node-level skew; ``reorder.batch_cost``) from node-balanced starts:
+    intra-node replicas level each node, so the node balance of the homes is what bounds relibra's rank
+    skew (qwen3-30b-a3b mixed, bench/replication.py --only skew). Option ``final_reorder=True`` re-anneals
+    the homes once more after the last locality pass (useful with ``repack``, which changes what each
+    micro-batch routes).
     """
     o = ctx.options
     node_comp = bool(o.get("node_comp", node_comp))
@@ -181,6 +184,14 @@ def relibra_inter(ctx: PlanContext, node_comp: bool = False) -> tuple[np.ndarray
         timing[f"reorder_s_{rnd}"] = t1 - t0
         timing[f"locality_s_{rnd}"] = t2 - t1
         objectives.append({"reorder": rinfo, "locality": linfo})
+    if o.get("final_reorder", False):
+        t0 = time.perf_counter()
+        eg, rinfo = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, seed=ctx.seed + rounds,
+                            num_seeds=o.get("num_seeds"), workers=ctx.workers, init=eg, objective=objective,
+                            beta=o.get("beta", DEFAULT_BETA), iters=iters, smooth=o.get("smooth"),
+                            node_comp=node_comp, skew_cap=skew_cap)
+        timing["reorder_s_final"] = time.perf_counter() - t0
+        ctx.stats["final_reorder"] = rinfo
     ctx.stats["rounds"] = objectives
     ctx.stats["objective"] = objectives[-1]["locality"]["objective"]
     t0 = time.perf_counter()
