@@ -106,3 +106,31 @@ def test_olmoe_domain_counts(data_env):
     assert cross.counts.shape == (5, 2, 64, 64) and cross.layers.tolist() == [[0, 7], [7, 15]]
     with pytest.raises(TraceError, match=r"no array 'nope'"):
         olmoe_domain_counts("nope")
+
+
+def _fake_gpt_oss(root, ids: np.ndarray, offsets: list[int]) -> None:
+    d = root / "gpt-oss-20b"
+    d.mkdir(parents=True)
+    np.savez(d / "topk_ids.npz", topk_ids=ids, offsets=np.array(offsets))
+    req = {"n_prompt_tokens": 3, "domain": "math", "dataset": "x", "category": "y", "repetition": False,
+           "finished": True}
+    (d / "requests.json").write_text(json.dumps([req] * (len(offsets) - 1)))
+
+
+def test_gpt_oss_file_ids_checked_before_narrowing(tmp_path, monkeypatch):
+    """A stored id of 65539 would wrap to 3 in int16: it must be reported, naming the request and row."""
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((5, 24, 32)), axis=2)[:, :, :4].astype(np.int32)
+    ids[3, 2, 1] = 65536 + 3
+    _fake_gpt_oss(tmp_path, ids, [0, 2, 5])
+    monkeypatch.setenv("RELIBRA_TRACES", str(tmp_path))
+    with pytest.raises(TraceError, match=r"request 1, row 1, layer 2, slot 1: expert id 65539 out of range"):
+        gpt_oss_batch()
+
+
+def test_gpt_oss_file_shape_disagreement(tmp_path, monkeypatch):
+    ids = np.zeros((5, 24, 4), np.uint8)
+    _fake_gpt_oss(tmp_path, ids, [0, 2, 4])  # offsets end at 4, the file has 5 rows
+    monkeypatch.setenv("RELIBRA_TRACES", str(tmp_path))
+    with pytest.raises(TraceError, match=r"topk_ids \(5, 24, 4\) / offsets \(3,\) / 2 requests disagree"):
+        gpt_oss_batch()
