@@ -39,7 +39,7 @@ import numpy as np
 
 from .errors import TraceError
 from .specs import ModelSpec, model_preset
-from .trace import TraceBatch, ids_dtype
+from .trace import TraceBatch, _positive_int, ids_dtype
 
 __all__ = ["DOMAINS", "BASE_DOMAINS", "DomainStyle", "STYLES", "rl_batch", "domain_sequence"]
 
@@ -248,15 +248,12 @@ def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_pe
     spec = _model(model)
     if domain not in DOMAINS:
         raise TraceError(f"unknown synthetic domain {domain!r}; known: {list(DOMAINS)}")
-    for name, v in (("num_prompts", num_prompts), ("responses_per_prompt", responses_per_prompt)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-            raise TraceError(f"{name} must be a positive int, got {v!r}")
-    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or
-                                         not isinstance(micro_batch_size, (int, np.integer)) or micro_batch_size <= 0):
-        raise TraceError(f"micro_batch_size must be a positive int, got {micro_batch_size!r}")
-    if not isinstance(max_len, (int, np.integer)) or max_len < 2:
+    num_prompts = _positive_int("num_prompts", num_prompts)
+    r = _positive_int("responses_per_prompt", responses_per_prompt)
+    if micro_batch_size is not None:
+        micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
+    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 2:
         raise TraceError(f"max_len must be an int >= 2, got {max_len!r}")
-    num_prompts, r = int(num_prompts), int(responses_per_prompt)
     n = num_prompts * r
     num_layers, e, k = spec.num_layers, spec.num_experts, spec.topk
     rng = np.random.default_rng(_stable_seed("relibra-synthetic-batch", seed))

@@ -129,12 +129,17 @@ def test_calibration_qwen3_30b_mixed():
     (("qwen3-30b-a3b", "poetry", 4), r"unknown synthetic domain 'poetry'"),
     (("no-such-model", "math", 4), r"unknown model preset 'no-such-model'"),
     (("qwen3-30b-a3b", "math", 0), r"num_prompts must be a positive int, got 0"),
+    (("qwen3-30b-a3b", "math", 2.0), r"num_prompts must be a positive int, got 2.0"),
+    ((TINY, "math", 2, True), r"responses_per_prompt must be a positive int, got True"),
+    ((42, "math", 2), r"model must be a ModelSpec or a preset name, got int"),
 ])
 def test_errors(args, match):
     with pytest.raises(TraceError, match=match):
         rl_batch(*args)
     with pytest.raises(TraceError, match=r"micro_batch_size must be a positive int, got -1"):
         rl_batch(TINY, "math", 2, micro_batch_size=-1)
+    with pytest.raises(TraceError, match=r"max_len must be an int >= 2, got 1"):
+        rl_batch(TINY, "math", 2, max_len=1)
 
 
 def test_paper_scale_builds_from_counts_in_bounded_memory():
