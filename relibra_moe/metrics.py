@@ -33,6 +33,9 @@ def _counts(name: str, value: Any, min_ndim: int = 1) -> np.ndarray:
         raise TraceError(f"{name} must be numeric, got dtype {arr.dtype}")
     if arr.ndim < min_ndim:
         raise TraceError(f"{name} must have rank >= {min_ndim}, got shape {arr.shape}")
+    if arr.size and not np.all(np.isfinite(arr)):
+        i = tuple(int(v) for v in np.argwhere(~np.isfinite(arr))[0])
+        raise TraceError(f"{name}{list(i)} = {arr[i]}: loads must be finite")
     if arr.size and float(np.min(arr)) < 0:
         raise TraceError(f"{name} must be >= 0, got minimum {np.min(arr)}")
     return arr
@@ -103,6 +106,8 @@ def gpu_loads(expert_load: Any, home: Any, num_gpus: int) -> np.ndarray:
         ``[..., G]`` (dtype of ``expert_load``, promoted to at least int64 / float64).
     """
     load = _counts("expert_load", expert_load)
+    if isinstance(num_gpus, (bool, np.bool_)) or not isinstance(num_gpus, (int, np.integer)) or num_gpus <= 0:
+        raise TraceError(f"num_gpus must be a positive int, got {num_gpus!r}")
     home = np.asarray(home)
     if home.dtype.kind not in "iu":
         raise TraceError(f"home must hold integer GPU ids, got dtype {home.dtype}")
@@ -140,7 +145,7 @@ def hot_sets(counts: Any, k: int) -> np.ndarray:
     """
     c = _counts("counts", counts)
     e = c.shape[-1]
-    if not 1 <= k <= e:
+    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or not 1 <= k <= e:
         raise TraceError(f"hot-set size k={k} must lie in [1, {e}]")
     order = np.argsort(-c, axis=-1, kind="stable")
     return order[..., :k].astype(np.int64)

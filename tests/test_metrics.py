@@ -110,3 +110,20 @@ def test_default_hot_k_and_summary():
     assert s["skew_mean"] == pytest.approx((4.0 + 2.0) / 2)
     assert s["intersection_mean"] == 0.0
     assert np.isnan(load_summary(counts[:1])["intersection_mean"])
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(TraceError, match=r"counts\[0, 1\] = nan: loads must be finite"):
+        expert_skewness([[1.0, np.nan]])
+    with pytest.raises(TraceError, match=r"counts must be numeric, got dtype <U1"):
+        expert_skewness(["a", "b"])
+    with pytest.raises(TraceError, match=r"num_gpus must be a positive int, got 0"):
+        gpu_loads([1, 2], [0, 0], 0)
+    with pytest.raises(TraceError, match=r"home must hold integer GPU ids, got dtype float64"):
+        gpu_loads([1, 2], [0.5, 0.0], 2)
+    with pytest.raises(TraceError, match=r"home has \(3,\) experts, expert_load has 2"):
+        gpu_loads([1, 2], [0, 1, 1], 2)
+    with pytest.raises(TraceError, match=r"hot-set size k=2.0 must lie in \[1, 3\]"):
+        hot_sets([1, 2, 3], 2.0)
+    with pytest.raises(TraceError, match=r"counts must have shape \[M, L, E\], got \(2, 2, 2, 2\)"):
+        hot_set_intersection(np.zeros((2, 2, 2, 2)), 1)
