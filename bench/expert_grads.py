@@ -7,7 +7,7 @@ copy, then ``add_slot_grads`` into zeroed per-source tensors). Both give the sam
     python bench/expert_grads.py --hidden 256 --ffn 512 --rows 2048
 
 Times the gate_up weight gradient of one layer (``[E, H, 2F]`` home + ``[r, H, 2F]`` slots, HF's
-transposed layout with ``--hf``), min over ``--iters``. Prints a table and writes JSON (``--out``,
+transposed layout with ``--hf``), min over ``--iters`` interleaved runs. Prints a table and writes JSON (``--out``,
 default ``bench/results/expert_grads_cpu.json``). CPU timings are noisy on a shared machine.
 """
 
@@ -66,15 +66,15 @@ def main() -> None:
         "per-slot (current)": lambda: gg._source_grads_torch(x, dy, meta.offsets, [home, rep], src, idx, [True, True]),
         "composed (previous)": lambda: composed(x, dy, meta.offsets, [home, rep], src, idx, a.hf),
     }
-    res, outs = {}, {}
+    outs = {}
+    ts: dict[str, list[float]] = {name: [] for name in runs}
     with force_backend("torch"):
-        for name, fn in runs.items():
-            ts = []
-            for _ in range(a.iters):
+        for _ in range(a.iters):  # interleaved, so load from other processes hits both alike
+            for name, fn in runs.items():
                 t0 = time.perf_counter()
                 outs[name] = fn()
-                ts.append(time.perf_counter() - t0)
-            res[name] = min(ts) * 1e3
+                ts[name].append(time.perf_counter() - t0)
+    res = {name: min(t) * 1e3 for name, t in ts.items()}
     same = all(torch.equal(u, v) for u, v in zip(*outs.values()))
     print(f"gate_up weight grad, H={H}, F={a.ffn}, E_loc={E}, r={r}, rows={a.rows}, hf_layout={a.hf}")
     for name, ms in res.items():

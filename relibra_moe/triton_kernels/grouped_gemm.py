@@ -556,7 +556,7 @@ def _source_grads_torch(
     for (a, b), slots in rows.items():
         parts = [(x[off[s]:off[s + 1]].to(acc).T @ dy[off[s]:off[s + 1]].to(acc)).to(x.dtype) for s in slots]
         if len(parts) == 1:
-            dsrc[a][b] = parts[0] + 0.0  # + 0.0: a -0.0 becomes +0.0, as in the reference's 0 + dW
+            dsrc[a][b].add_(parts[0])  # 0 + dW as in the reference (a -0.0 becomes +0.0), no temporary
         else:
             total = torch.zeros(parts[0].shape, dtype=acc, device=x.device)
             for p in parts:
