@@ -66,6 +66,18 @@ def _check_range(index: torch.Tensor, size: int, name: str) -> None:
         raise ValueError(f"{name} must lie in [-1, {size}), got range [{lo}, {hi}]")
 
 
+def _check_pairs(a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor, b_index: torch.Tensor, num_programs: int,
+                 names: tuple[str, str, str, str]) -> None:
+    """Validate a row-to-row op reading ``a[a_index[i]]`` and writing ``b[b_index[i]]`` (ValueError naming the field)."""
+    na, nai, nb, nbi = names
+    _check_rows(a, b, na, nb)
+    _check_index(a_index, b_index, nai, nbi)
+    _check_range(a_index, a.shape[0], nai)
+    _check_range(b_index, b.shape[0], nbi)
+    if isinstance(num_programs, bool) or not isinstance(num_programs, int) or num_programs < 1:
+        raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
+
+
 def copy_into_slots_torch(
     src_weights: torch.Tensor, src_index: torch.Tensor, slot_buffer: torch.Tensor, slot_index: torch.Tensor
 ) -> None:
@@ -301,12 +313,8 @@ def copy_into_slots(
 
     Rows must be dense blocks with the same memory order in both tensors (any stride along dim 0).
     """
-    _check_rows(src_weights, slot_buffer, "src_weights", "slot_buffer")
-    _check_index(src_index, slot_index, "src_index", "slot_index")
-    _check_range(src_index, src_weights.shape[0], "src_index")
-    _check_range(slot_index, slot_buffer.shape[0], "slot_index")
-    if num_programs < 1:
-        raise ValueError(f"num_programs must be >= 1, got {num_programs}")
+    _check_pairs(src_weights, src_index, slot_buffer, slot_index, num_programs,
+                 ("src_weights", "src_index", "slot_buffer", "slot_index"))
     _copy_op(src_weights, src_index, slot_buffer, slot_index, num_programs)
 
 
@@ -326,10 +334,6 @@ def add_slot_grads(
         home_index: int [n], home rows to add into (repeats allowed: summed in increasing i).
         num_programs: programs of the persistent kernel (CUDA / interpreter path).
     """
-    _check_rows(slot_grads, home_grads, "slot_grads", "home_grads")
-    _check_index(slot_index, home_index, "slot_index", "home_index")
-    _check_range(slot_index, slot_grads.shape[0], "slot_index")
-    _check_range(home_index, home_grads.shape[0], "home_index")
-    if num_programs < 1:
-        raise ValueError(f"num_programs must be >= 1, got {num_programs}")
+    _check_pairs(slot_grads, slot_index, home_grads, home_index, num_programs,
+                 ("slot_grads", "slot_index", "home_grads", "home_index"))
     _add_op(slot_grads, slot_index, home_grads, home_index, num_programs)
