@@ -11,6 +11,7 @@ from .errors import RelibraError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``relibra`` parser with every command group of ``commands.COMMAND_MODULES`` that imports."""
     parser = argparse.ArgumentParser(
         prog="relibra",
         description="Routing-replay load balancing for MoE training in RL: traces, plans, simulation, demo.")
@@ -27,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``relibra`` with ``argv`` (default ``sys.argv[1:]``).
+
+    Returns the exit status: 0 on success, 1 on a ``RelibraError`` (printed as ``relibra CMD: error: ...``
+    on stderr), 2 without a command; argparse exits with 2 on bad arguments.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -81,10 +81,12 @@ class Placement:
 
     @property
     def num_layers(self) -> int:
+        """MoE layers L."""
         return self.expert_gpu.shape[0]
 
     @property
     def num_experts(self) -> int:
+        """Experts per layer E."""
         return self.expert_gpu.shape[1]
 
     @classmethod
@@ -138,6 +140,7 @@ class SamplePlacement:
 
     @property
     def num_samples(self) -> int:
+        """Samples N."""
         return self.micro_batch.shape[0]
 
     def validate(self, cluster: ClusterSpec, num_samples: int | None = None) -> None:
@@ -195,10 +198,12 @@ class ReplicaPlan:
 
     @property
     def num_micro_batches(self) -> int:
+        """Micro-batches M of ``replica_expert``."""
         return self.replica_expert.shape[0]
 
     @property
     def slots(self) -> int:
+        """Replica slots per GPU r."""
         return self.replica_expert.shape[3]
 
     def rows_of(self, micro_batch: int, layer: int | None = None) -> np.ndarray:
@@ -306,18 +311,22 @@ class BatchPlan:
 
     @property
     def num_layers(self) -> int:
+        """MoE layers L."""
         return self.placement.num_layers
 
     @property
     def num_experts(self) -> int:
+        """Experts per layer E."""
         return self.placement.num_experts
 
     @property
     def num_micro_batches(self) -> int:
+        """Micro-batches M."""
         return int(self.samples.num_micro_batches)
 
     @property
     def replica_slots(self) -> int:
+        """Replica slots per GPU r."""
         return self.replicas.slots
 
     def validate(self, model: ModelSpec, cluster: ClusterSpec, num_samples: int | None = None) -> None:

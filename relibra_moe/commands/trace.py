@@ -38,6 +38,7 @@ def _positive(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``relibra trace {import,synth,stats}`` to the ``relibra`` parser."""
     p = subparsers.add_parser(
         "trace", help="routing traces: import real ones, synthesize RL batches, statistics",
         description="Make routing-trace files (.npz, version 1) from real or synthetic routing, and summarize them.",
@@ -91,6 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
+    """``relibra trace import``: write the real GPT-OSS routing (drawn, filtered) to ``args.out``; returns 0."""
     from ..datasets import gpt_oss_batch
 
     batch = gpt_oss_batch(num_requests=args.requests, seed=args.seed, domains=args.domains,
@@ -103,6 +105,7 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def run_synth(args: argparse.Namespace) -> int:
+    """``relibra trace synth``: write a SYNTHETIC RL batch to ``args.out``; returns 0."""
     from ..synthetic import rl_batch
 
     t0 = time.perf_counter()
@@ -179,6 +182,7 @@ def _fmt(v: float | None) -> str:
 
 
 def run_stats(args: argparse.Namespace) -> int:
+    """``relibra trace stats``: print :func:`trace_stats` of ``args.file`` as a table or JSON; returns 0."""
     from ..trace import TraceBatch
 
     stats = trace_stats(TraceBatch.load(args.file), args.micro_batch_size, args.hot_k)

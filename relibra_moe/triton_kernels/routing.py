@@ -72,6 +72,7 @@ class RoutingMeta:
 
     @property
     def device(self) -> torch.device:
+        """The device of the metadata tensors."""
         return self.counts.device
 
     def token_idx(self) -> torch.Tensor:
