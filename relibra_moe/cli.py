@@ -14,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``relibra`` parser with every command group of ``commands.COMMAND_MODULES`` that imports."""
     parser = argparse.ArgumentParser(
         prog="relibra",
-        description="Routing-replay load balancing for MoE training in RL: traces, plans, simulation, demo.")
+        description="Routing-replay load balancing for MoE training in RL: traces, plans, simulation, demo.",
+        epilog="Run 'relibra COMMAND -h' for the options of a command; 'relibra demo' runs the main job.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

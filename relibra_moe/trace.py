@@ -395,6 +395,9 @@ class TraceBatch:
         starts = np.zeros(n, np.int64) if starts is None else _as_int_array("starts", starts).astype(np.int64)
         if starts.shape != (n,):
             raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
+        if int(starts.min()) < 0:
+            i = int(np.argmin(starts))
+            raise TraceError(f"starts[{i}] = {int(starts[i])}: token positions are >= 0")
         counts64 = np.ascontiguousarray(c, dtype=np.int64)
         counts64.setflags(write=False)
         new = object.__new__(cls)

@@ -151,3 +151,9 @@ def test_stats_hot_k_and_help_texts(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "``" not in text  # no reStructuredText markup in --help
     assert "i*B .. i*B+B-1" in text and "skew_mean" in text
+
+
+def test_relibra_without_command_prints_help(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "usage: relibra" in out and "trace" in out and "relibra COMMAND -h" in out

@@ -215,8 +215,23 @@ def test_from_counts_rejects_bad_counts():
     with pytest.raises(TraceError, match="holds expert counts only"):
         TraceBatch.from_counts(np.array([[[1, 1, 0]]]), 2).trace(0)
     b = TraceBatch.from_counts(np.array([[[1, 1, 0]]]), 2, materialize=lambda i: np.array([[[0, 2]]]))
-    with pytest.raises(TraceError, match="disagree with the batch's expert counts"):
+    with pytest.raises(TraceError, match="sample 0: materialized ids disagree with the batch's expert counts"):
         b.trace(0)
+    b = TraceBatch.from_counts(np.array([[[1, 1, 0]]]), 2, materialize=lambda i: np.array([[[0, 1]], [[0, 1]]]))
+    with pytest.raises(TraceError, match=r"sample 0: materialized 2 rows, counts say 1"):
+        b.trace(0)
+    with pytest.raises(TraceError, match=r"sample 0, layer 0: negative count -1 for expert 2"):
+        TraceBatch.from_counts(np.array([[[2, 1, -1]]]), 2)
+    with pytest.raises(TraceError, match=r"counts must have rank 3 \[N, L, E\], got shape \(2, 3\)"):
+        TraceBatch.from_counts(np.ones((2, 3), np.int64), 1)
+    with pytest.raises(TraceError, match=r"empty batch: counts has no samples"):
+        TraceBatch.from_counts(np.ones((0, 1, 3), np.int64), 1)
+    with pytest.raises(TraceError, match=r"topk=4 exceeds num_experts=3"):
+        TraceBatch.from_counts(np.ones((1, 1, 3), np.int64), 4)
+    with pytest.raises(TraceError, match=r"layer count mismatch: layer_ids has shape \(2,\), counts has 1 layers"):
+        TraceBatch.from_counts(np.ones((1, 1, 3), np.int64), 1, layer_ids=[0, 1])
+    with pytest.raises(TraceError, match=r"starts\[1\] = -5: token positions are >= 0"):
+        TraceBatch.from_counts(np.ones((2, 1, 3), np.int64), 1, starts=[0, -5])
 
 
 # --------------------------------------------------------------------------------------------- io
