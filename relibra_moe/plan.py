@@ -373,7 +373,14 @@ class BatchPlan:
             raise PlanError(f"plan file {path}: no such file") from None
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
             raise PlanError(f"plan file {path}: not a readable .npz ({exc})") from None
-        version = int(data["version"]) if "version" in data else None
+        def scalar(key: str) -> int:
+            v = data[key]
+            if v.ndim != 0 or v.dtype.kind not in "iu":
+                raise PlanError(f"plan file {path}: key {key!r} must be an integer scalar, got dtype {v.dtype} "
+                                f"shape {v.shape}")
+            return int(v)
+
+        version = scalar("version") if "version" in data else None
         if version != PLAN_VERSION:
             raise PlanError(f"plan file {path}: version {version} is not supported (expected {PLAN_VERSION})")
         need = ("num_gpus", "gpus_per_node", "expert_gpu", "sample_micro_batch", "sample_gpu",
@@ -385,13 +392,17 @@ class BatchPlan:
             stats = json.loads(str(data["stats_json"])) if "stats_json" in data else {}
         except json.JSONDecodeError as exc:
             raise PlanError(f"plan file {path}: key 'stats_json' is not valid JSON ({exc})") from None
-        m = int(data["num_micro_batches"]) if "num_micro_batches" in data else None
+        m = scalar("num_micro_batches") if "num_micro_batches" in data else None
         scope = str(data["replica_scope"]) if "replica_scope" in data else "node"
-        return cls(
-            placement=Placement(data["expert_gpu"]),
-            samples=SamplePlacement(data["sample_micro_batch"], data["sample_gpu"], m),
-            replicas=ReplicaPlan(data["replica_expert"], data["split_index"], data["split_share"], scope),
-            num_gpus=int(data["num_gpus"]), gpus_per_node=int(data["gpus_per_node"]), stats=stats)
+        num_gpus, gpus_per_node = scalar("num_gpus"), scalar("gpus_per_node")
+        try:
+            return cls(
+                placement=Placement(data["expert_gpu"]),
+                samples=SamplePlacement(data["sample_micro_batch"], data["sample_gpu"], m),
+                replicas=ReplicaPlan(data["replica_expert"], data["split_index"], data["split_share"], scope),
+                num_gpus=num_gpus, gpus_per_node=gpus_per_node, stats=stats)
+        except PlanError as exc:
+            raise PlanError(f"plan file {path}: {exc}") from None
 
 
 def json_default(o: Any) -> Any:

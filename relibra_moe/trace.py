@@ -622,10 +622,18 @@ class TraceBatch:
             missing = [k for k in REQUIRED_KEYS if k not in data.files]
             if missing:
                 raise TraceError(f"{path}: missing key(s) {missing} (not a relibra trace file, or a damaged one)")
-            try:
-                arrays = {k: data[k] for k in data.files}
-            except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-                raise TraceError(f"{path}: truncated or corrupt .npz ({type(exc).__name__}: {exc})") from None
+            arrays = {}
+            for k in data.files:
+                try:
+                    arrays[k] = data[k]
+                except ValueError as exc:
+                    if "allow_pickle" in str(exc):
+                        raise TraceError(f"{path}: key {k!r} holds Python objects (pickled); trace files hold "
+                                         "plain numeric / string arrays only") from None
+                    raise TraceError(f"{path}: key {k!r} is truncated or corrupt ({exc})") from None
+                except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+                    raise TraceError(f"{path}: key {k!r} is truncated or corrupt ({type(exc).__name__}: {exc})") \
+                        from None
         try:
             return cls._from_arrays(arrays)
         except TraceError as exc:

@@ -227,5 +227,13 @@ def test_load_errors(tmp_path):
         BatchPlan.load(rewrite(drop="split_share"))
     with pytest.raises(PlanError, match=r"x.npz: key 'stats_json' is not valid JSON"):
         BatchPlan.load(rewrite(stats_json=np.array("{not json")))
+    with pytest.raises(PlanError, match=r"x.npz: key 'num_gpus' must be an integer scalar, got .* shape \(2,\)"):
+        BatchPlan.load(rewrite(num_gpus=np.array([4, 4])))
+    with pytest.raises(PlanError, match=r"x.npz: key 'version' must be an integer scalar, got dtype float64"):
+        BatchPlan.load(rewrite(version=np.array(1.0)))
+    with pytest.raises(PlanError, match=r"x.npz: split_index must be \[Z, 5\] rows"):
+        BatchPlan.load(rewrite(split_index=np.zeros((2, 4), np.int32)))
+    with pytest.raises(PlanError, match=r"x.npz: replica scope 'rack'"):
+        BatchPlan.load(rewrite(replica_scope=np.array("rack")))
     assert zipfile.is_zipfile(p)
     assert json.loads(str(np.load(p)["stats_json"])) == {"seed": 1, "strategy": "t"}

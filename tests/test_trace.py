@@ -337,7 +337,14 @@ def test_load_truncated_member(tmp_path):
             np.save(buf, value)
             data = buf.getvalue()
             z.writestr(key + ".npy", data[:20] if key == "experts" else data)
-    with pytest.raises(TraceError, match=r"z.npz: (truncated or corrupt|not a readable)"):
+    with pytest.raises(TraceError, match=r"z.npz: (key 'experts' is truncated or corrupt|not a readable)"):
+        TraceBatch.load(p)
+
+
+def test_load_rejects_pickled_objects(tmp_path):
+    p = tmp_path / "o.npz"
+    _write(p, **(_good_arrays() | {"source": np.array([{"a": 1}], dtype=object)}))
+    with pytest.raises(TraceError, match=r"o.npz: key 'source' holds Python objects \(pickled\)"):
         TraceBatch.load(p)
 
 
