@@ -21,6 +21,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import triton
@@ -67,7 +68,7 @@ def force_backend(backend: str | None) -> Iterator[None]:
         _local.backend = previous
 
 
-def remember_backend(ctx) -> None:
+def remember_backend(ctx: Any) -> None:
     """Record this thread's forced backend on an autograd ``ctx`` (call it in forward / setup_context)."""
     ctx.relibra_backend = forced_backend()
 
@@ -80,7 +81,7 @@ def keep_backend(backward: Callable) -> Callable:
     """
 
     @functools.wraps(backward)
-    def wrapped(ctx, *grads):
+    def wrapped(ctx: Any, *grads: Any) -> Any:
         with force_backend(getattr(ctx, "relibra_backend", None)):
             return backward(ctx, *grads)
 
