@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from relibra_moe.errors import ReplayError
 from relibra_moe.triton_kernels.backend import force_backend
 from relibra_moe.triton_kernels.permute import combine, permute, rowdot
 from relibra_moe.triton_kernels.routing import routing_metadata
@@ -140,10 +141,18 @@ def test_kernel_gradients_match_reference(dtype):
 
 def test_shape_errors():
     meta = routing_metadata(torch.tensor([[0, 1]]), 2)
-    with pytest.raises(ValueError, match="x must be"):
+    with pytest.raises(ReplayError, match=r"x must be \[T=1, H\], got shape \(2, 4\)"):
         permute(torch.zeros(2, 4), meta)
-    with pytest.raises(ValueError, match="weights must be"):
+    with pytest.raises(ReplayError, match=r"scale must be \[T, k\]=\[1, 2\], got \(1, 3\)"):
+        permute(torch.zeros(1, 4), meta, torch.zeros(1, 3))
+    with pytest.raises(ReplayError, match=r"y must be \[R=2, H\], got shape \(3, 4\)"):
+        combine(torch.zeros(3, 4), meta, torch.zeros(1, 2))
+    with pytest.raises(ReplayError, match=r"weights must be \[T, k\]=\[1, 2\], got \(1, 3\)"):
         combine(torch.zeros(2, 4), meta, torch.zeros(1, 3))
+    with pytest.raises(ReplayError, match=r"b must be \[R=2, H=4\], got shape \(2, 5\)"):
+        rowdot(torch.zeros(1, 4), torch.zeros(2, 5), meta)
+    with pytest.raises(ReplayError, match=r"a must be \[T=1, H\], got shape \(4,\)"):
+        rowdot(torch.zeros(4), torch.zeros(2, 4), meta)
 
 
 @settings(max_examples=12)

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from relibra_moe.errors import ReplayError
 from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, cast_out, keep_backend, remember_backend, use_triton
 from relibra_moe.triton_kernels.routing import RoutingMeta
 
@@ -376,11 +377,14 @@ def permute(x: torch.Tensor, meta: RoutingMeta, scale: torch.Tensor | None = Non
 
     Returns:
         [R, H] rows in slot order, zeros for padding rows. Differentiable w.r.t. ``x`` and ``scale``.
+
+    Raises:
+        ReplayError: ``x`` or ``scale`` does not match the metadata's T and k.
     """
     if x.dim() != 2 or x.shape[0] != meta.num_tokens:
-        raise ValueError(f"x must be [T={meta.num_tokens}, H], got shape {tuple(x.shape)}")
+        raise ReplayError(f"x must be [T={meta.num_tokens}, H], got shape {tuple(x.shape)}")
     if scale is not None and tuple(scale.shape) != (meta.num_tokens, meta.topk):
-        raise ValueError(f"scale must be [T, k]=[{meta.num_tokens}, {meta.topk}], got {tuple(scale.shape)}")
+        raise ReplayError(f"scale must be [T, k]=[{meta.num_tokens}, {meta.topk}], got {tuple(scale.shape)}")
     return _permute_op(x.contiguous(), meta.gather_idx, meta.topk, scale.contiguous() if scale is not None else None)
 
 
@@ -397,12 +401,16 @@ def combine(y: torch.Tensor, meta: RoutingMeta, weights: torch.Tensor) -> torch.
         ``weights``.
     """
     if y.dim() != 2 or y.shape[0] != meta.num_rows:
-        raise ValueError(f"y must be [R={meta.num_rows}, H], got shape {tuple(y.shape)}")
+        raise ReplayError(f"y must be [R={meta.num_rows}, H], got shape {tuple(y.shape)}")
     if tuple(weights.shape) != (meta.num_tokens, meta.topk):
-        raise ValueError(f"weights must be [T, k]=[{meta.num_tokens}, {meta.topk}], got {tuple(weights.shape)}")
+        raise ReplayError(f"weights must be [T, k]=[{meta.num_tokens}, {meta.topk}], got {tuple(weights.shape)}")
     return _combine_op(y.contiguous(), meta.scatter_idx, weights.contiguous())
 
 
 def rowdot(a: torch.Tensor, b: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
     """fp32 [T, k] row dots ``<a[t], b[scatter_idx[t*k+j]]>`` (0 for unrouted pairs); a [T, H], b [R, H]."""
+    if a.dim() != 2 or a.shape[0] != meta.num_tokens:
+        raise ReplayError(f"a must be [T={meta.num_tokens}, H], got shape {tuple(a.shape)}")
+    if b.dim() != 2 or b.shape[0] != meta.num_rows or b.shape[1] != a.shape[1]:
+        raise ReplayError(f"b must be [R={meta.num_rows}, H={a.shape[1]}], got shape {tuple(b.shape)}")
     return _rowdot_op(a.contiguous(), b.contiguous(), meta.scatter_idx, meta.topk)
