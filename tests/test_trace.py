@@ -98,6 +98,14 @@ def test_batch_rejects_empty_and_inconsistent():
         TraceBatch([a, a], micro_batch=[0, 0, 0])
     with pytest.raises(TraceError, match=r"micro_batch\[1\] = -3"):
         TraceBatch([a, a], micro_batch=[0, -3])
+    with pytest.raises(TraceError, match=r"micro_batch must hold integers, got dtype float64"):
+        TraceBatch([a, a], micro_batch=[0.0, 0.5])
+    with pytest.raises(TraceError, match=r"sample 1: expected a RoutingTrace, got ndarray"):
+        TraceBatch([a, np.zeros((1, 3, 2))])
+    with pytest.raises(TraceError, match=r"sample_info\['x'\] must have one entry per sequence \(2\), got \(3,\)"):
+        TraceBatch([a, a], sample_info={"x": [1, 2, 3]})
+    with pytest.raises(TraceError, match=r"sample_info\['x'\] has dtype object"):
+        TraceBatch([a, a], sample_info={"x": np.array([{}, {}], dtype=object)})
 
 
 def test_sample_expert_counts_match_loop():
