@@ -102,7 +102,7 @@ def test_batch_rejects_empty_and_inconsistent():
         TraceBatch([a, a], micro_batch=[0.0, 0.5])
     with pytest.raises(TraceError, match=r"sample 1: expected a RoutingTrace, got ndarray"):
         TraceBatch([a, np.zeros((1, 3, 2))])
-    with pytest.raises(TraceError, match=r"sample_info\['x'\] must have one entry per sequence \(2\), got \(3,\)"):
+    with pytest.raises(TraceError, match=r"sample_info\['x'\] must have one entry per sequence \(2\), got shape \(3"):
         TraceBatch([a, a], sample_info={"x": [1, 2, 3]})
     with pytest.raises(TraceError, match=r"sample_info\['x'\] has dtype object"):
         TraceBatch([a, a], sample_info={"x": np.array([{}, {}], dtype=object)})
