@@ -290,14 +290,15 @@ def notes(scenarios: list[dict[str, Any]]) -> list[str]:
         if not r:
             continue
         if r["reorder_share"] > 0.05:
-            out.append(f"{sc['name']}: moving the re-laid-out experts (weights + optimizer state) takes "
-                       f"{100 * r['reorder_share']:.0f}% of relibra's step: the batch has only {sc['num_tokens']:,} "
-                       "tokens; the cost is per batch and shrinks with batch size (paper: 1.4-2.1%).")
+            out.append(f"{sc['name']}: moving the re-laid-out experts (weights + optimizer state, from the static "
+                       f"placement) takes {100 * r['reorder_share']:.0f}% of relibra's step: the batch has only "
+                       f"{sc['num_tokens']:,} tokens; the planner moves a layer only where its step-time gain pays "
+                       "for the move, and the cost is per batch (paper: 1.4-2.1%).")
         if r["replica_share"] > 0.05:
             out.append(f"{sc['name']}: replica pushes/pulls not hidden behind attention take "
                        f"{100 * r['replica_share']:.0f}% of relibra's step (expert of "
-                       f"{sc['expert_mib']:.0f} MiB, short attention per layer); the replication planner does not "
-                       "price these transfers, so here relibra-inter can beat relibra.")
+                       f"{sc['expert_mib']:.0f} MiB, short attention per layer); relibra keeps a replica set only "
+                       "where its forward + backward gain pays for this exposed traffic.")
     return out
 
 

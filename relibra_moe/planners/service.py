@@ -203,7 +203,7 @@ class Planner:
         """
         from .locality import default_locality_iters, loads_from_counts, round_robin_gpus
         from .reorder import _better_start, batch_cost, default_iters, layer_seeds, lpt_placement
-        from .strategies import DEFAULT_ROUNDS, DEFAULT_SKEW_CAP, migrate
+        from .strategies import DEFAULT_ROUNDS, DEFAULT_SKEW_CAP, final_iters, migrate
 
         model, cluster, o = self.model, self.cluster, self.options
         G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
@@ -286,7 +286,8 @@ class Planner:
             t0 = time.perf_counter()  # as strategies.relibra_inter (in this process: one call, no fallback cells)
             eg, stats["final_reorder"] = reorder(loads_from_counts(counts, mb, sg, M, G), model, cluster,
                                                  seed=self.seed + rounds, num_seeds=num_seeds, workers=self.workers,
-                                                 init=eg, objective=objective, beta=beta, iters=iters,
+                                                 init=eg, objective=objective, beta=beta,
+                                                 iters=final_iters(o, iters),
                                                  smooth=o.get("smooth"), node_comp=node_comp, skew_cap=skew_cap)
             timing["reorder_s_final"] = time.perf_counter() - t0
         t0 = time.perf_counter()

@@ -130,6 +130,14 @@ def strategy_balanced(ctx: PlanContext) -> BatchPlan:
 
 DEFAULT_ROUNDS = 2
 DEFAULT_SKEW_CAP: float | None = 0.05
+FINAL_ITERS_FACTOR = 8
+
+
+def final_iters(options: dict[str, Any], iters: int) -> int:
+    """Proposals of the ``final_reorder`` pass: option ``final_iters``, default ``FINAL_ITERS_FACTOR`` x a
+    round's (qwen3-30b-a3b mixed EP64 + repack, bench/replication.py --only skew: rank skew 1.081 with 1x,
+    1.074 with 8x)."""
+    return int(options.get("final_iters") or FINAL_ITERS_FACTOR * iters)
 
 
 def relibra_inter(ctx: PlanContext, node_comp: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -147,7 +155,7 @@ def relibra_inter(ctx: PlanContext, node_comp: bool = False) -> tuple[np.ndarray
     intra-node replicas level each node, so the node balance of the homes is what bounds relibra's rank
     skew (qwen3-30b-a3b mixed, bench/replication.py --only skew). Option ``final_reorder=True`` re-anneals
     the homes once more after the last locality pass (useful with ``repack``, which changes what each
-    micro-batch routes).
+    micro-batch routes), with ``final_iters`` proposals.
     """
     o = ctx.options
     node_comp = bool(o.get("node_comp", node_comp))
@@ -188,8 +196,8 @@ def relibra_inter(ctx: PlanContext, node_comp: bool = False) -> tuple[np.ndarray
         t0 = time.perf_counter()
         eg, rinfo = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, seed=ctx.seed + rounds,
                             num_seeds=o.get("num_seeds"), workers=ctx.workers, init=eg, objective=objective,
-                            beta=o.get("beta", DEFAULT_BETA), iters=iters, smooth=o.get("smooth"),
-                            node_comp=node_comp, skew_cap=skew_cap)
+                            beta=o.get("beta", DEFAULT_BETA), iters=final_iters(o, iters),
+                            smooth=o.get("smooth"), node_comp=node_comp, skew_cap=skew_cap)
         timing["reorder_s_final"] = time.perf_counter() - t0
         ctx.stats["final_reorder"] = rinfo
     ctx.stats["rounds"] = objectives
