@@ -7,14 +7,23 @@ name                      plan
 ``lpt``                   greedy LPT reorder on the batch's true loads (Algorithm 1's start)
 ``eplb``                  DeepSeek EPLB on the true loads (EPLB+), r redundant experts per GPU
 ``balanced``              the ideal: uniform random routing, same tokens per source (scored as such)
-``relibra-inter``         reorder (LPT + swap annealing) + sample locality (+ repacking)
+``relibra-inter``         reorder (LPT + annealing) + sample locality (+ repacking), migration-aware
 ``lplb``                  LPLB+: EPLB+ reorder, per-micro-batch LP split over <= 1 copy per expert
-``relibra``               relibra-inter + intra-node replication and token split (Algorithm 2)
+``relibra``               relibra-inter (replication-aware reorder) + intra-node replication and token split
+                          (Algorithm 2), replicas priced for their exposed push / pull
 ========================  ======================================================================
 
 Every strategy takes ``(ctx: PlanContext) -> BatchPlan``. ``repack=True`` lets the non-ReLibra
 strategies repack samples too (routing-aware packing alone, experts as the strategy placed them), so
-the effect of packing can be measured on its own. ``stats`` hold strategy, seed, objective values and
+the effect of packing can be measured on its own.
+
+Pricing what the plan moves (options, defaults on): ``migration`` (``migrate``: relabel GPUs by the fabric's
+symmetries towards the ``previous`` placement, default static, and keep a layer's previous homes where the
+new ones do not pay for their move in step time) and ``price_replicas`` (``replica_pricing``: a cell's
+replicas must pay for their push / pull not hidden behind attention). The sum of T_MoE alone charges
+neither; ``migration=False, price_replicas=False`` plan for it (bench/planners.py's cost-model rows).
+
+``stats`` hold strategy, seed, objective values and
 fallbacks; wall-clock values go under ``stats["timing"]`` / ``stats["solve_seconds"]``, which
 ``BatchPlan.save`` leaves out of the file unless asked, so same inputs and seed give the same bytes.
 """
