@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RelibraError
+from ..plan import json_default
 
 STRATEGY_ORDER = ("static", "eplb", "lplb", "relibra-inter", "relibra", "balanced")
 REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
@@ -406,20 +407,10 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
         "ablation": abl, "targets": targets, "notes": caveats, "skipped": skipped,
         "plots": [os.path.relpath(p, out) for p in plots], "wall_s": time.perf_counter() - t0,
     }
-    (out / "report.json").write_text(json.dumps(rep, indent=2, default=_json_default))
+    (out / "report.json").write_text(json.dumps(rep, indent=2, default=json_default))
     console.print(f"wrote {out / 'report.json'} and {len(plots)} plots under {out} "
                   f"({rep['wall_s']:.1f} s)")
     return rep
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON-serializable: {type(o).__name__}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
