@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +66,7 @@ class Config:
     strategy: str = "relibra"
     rtol: float = 1e-4
     atol: float = 1e-6
+    collective_timeout_s: float = 300.0  # bounds every collective, including waiting for rank 0's rollout
 
 
 # ----------------------------------------------------------------------------------------- pieces
@@ -139,7 +141,9 @@ def _spec(cfg: Config):
 def _worker(rank: int, cfg: Config, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("TRITON_INTERPRET", "0")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=cfg.world)
+    # a finite collective timeout: a rank that fails never leaves its peers waiting forever
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=cfg.world,
+                            timeout=timedelta(seconds=cfg.collective_timeout_s))
     try:
         result = _step(rank, cfg)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))

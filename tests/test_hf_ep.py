@@ -9,7 +9,6 @@ logits and gradients (every parameter; expert rows at their home ranks) under re
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from pathlib import Path
 
@@ -20,7 +19,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from relibra_moe.layers.testing import run_group  # noqa: E402
 
 FAMILIES = ("deepseek_v3", "qwen2_moe", "mixtral")
 IDS = [[5, 6, 7, 9, 11, 13, 17], [3, 4, 5, 6, 7, 8, 0]]
@@ -46,9 +46,7 @@ def _plan(num_layers: int, E: int, G: int, hot: np.ndarray, seed: int):
                      ReplicaPlan(rep, np.array(idx), np.array(share)), num_gpus=G, gpus_per_node=G)
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+def _worker(rank: int, world_size: int, out_dir: str) -> None:
     from relibra_moe.integrations.hf import RoutingRecorder, moe_blocks, replay, swap_moe_blocks
     from relibra_moe.integrations.hf_tiny import tiny_model
     from relibra_moe.layers.relayout import relayout
@@ -56,52 +54,49 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
     ids, mask = torch.tensor(IDS), torch.tensor(MASK)
     report = {}
-    try:
-        with force_backend("torch"):
-            for fam in FAMILIES:
-                ref = tiny_model(fam, seed=5).train()
-                with RoutingRecorder(ref) as rec:
-                    out_ref = ref(ids, attention_mask=mask).logits
-                (out_ref[mask.bool()].square().mean()).backward()
-                traces = rec.traces()
-                counts = sum(t.expert_counts() for t in traces)  # [L, E]
-                plan = _plan(len(traces[0].layer_ids), 8, 2, counts.argmax(1), seed=1)
+    with force_backend("torch"):
+        for fam in FAMILIES:
+            ref = tiny_model(fam, seed=5).train()
+            with RoutingRecorder(ref) as rec:
+                out_ref = ref(ids, attention_mask=mask).logits
+            (out_ref[mask.bool()].square().mean()).backward()
+            traces = rec.traces()
+            counts = sum(t.expert_counts() for t in traces)  # [L, E]
+            plan = _plan(len(traces[0].layer_ids), 8, 2, counts.argmax(1), seed=1)
 
-                model = swap_moe_blocks(tiny_model(fam, seed=5), replica_slots=1, gpus_per_node=2).train()
-                relayout(model, plan.placement)
-                row = [rank]
-                with replay(model, traces, plan, micro_batch=0) as rows:
-                    assert rows == row, rows
-                    x, m = ids[row], mask[row]
-                    n = int(m.sum())
-                    out = model(x[:, :n], attention_mask=m[:, :n]).logits
-                # the same loss split over ranks: sum of squares over all valid logits / their count
-                loss = out.square().sum() / (mask.sum() * out.shape[-1])
-                loss.backward()
-                logit_err = float((out[0] - out_ref[rank, :n]).detach().abs().max())
-                grad_err, names = 0.0, 0
-                ref_grads = dict(ref.named_parameters())
-                home = {name: torch.as_tensor(b.home_experts) for _, name, b in moe_blocks(model)}
-                for name, p in model.named_parameters():
-                    g = p.grad if p.grad is not None else torch.zeros_like(p)
-                    r = ref_grads[name].grad
-                    if ".experts." in name:
-                        r = r[home[name.split(".experts.")[0]]]
-                    else:
-                        dist.all_reduce(g)
-                    grad_err = max(grad_err, float((g - r).abs().max()) / (float(r.abs().max()) + 1e-12))
-                    names += 1
-                fills = moe_blocks(model)[0][2].replica_buffer.fills
-                report[fam] = {"logit_err": logit_err, "grad_err": grad_err, "params": names, "fills": fills}
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
+            model = swap_moe_blocks(tiny_model(fam, seed=5), replica_slots=1, gpus_per_node=2).train()
+            relayout(model, plan.placement)
+            row = [rank]
+            with replay(model, traces, plan, micro_batch=0) as rows:
+                assert rows == row, rows
+                x, m = ids[row], mask[row]
+                n = int(m.sum())
+                out = model(x[:, :n], attention_mask=m[:, :n]).logits
+            # the same loss split over ranks: sum of squares over all valid logits / their count
+            loss = out.square().sum() / (mask.sum() * out.shape[-1])
+            loss.backward()
+            logit_err = float((out[0] - out_ref[rank, :n]).detach().abs().max())
+            grad_err, names = 0.0, 0
+            ref_grads = dict(ref.named_parameters())
+            home = {name: torch.as_tensor(b.home_experts) for _, name, b in moe_blocks(model)}
+            for name, p in model.named_parameters():
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                r = ref_grads[name].grad
+                if ".experts." in name:
+                    r = r[home[name.split(".experts.")[0]]]
+                else:
+                    dist.all_reduce(g)
+                grad_err = max(grad_err, float((g - r).abs().max()) / (float(r.abs().max()) + 1e-12))
+                names += 1
+            fills = moe_blocks(model)[0][2].replica_buffer.fills
+            report[fam] = {"logit_err": logit_err, "grad_err": grad_err, "params": names, "fills": fills}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
 @pytest.mark.timeout(300)
 def test_swapped_blocks_follow_a_replica_plan_on_two_ranks():
     with tempfile.TemporaryDirectory(prefix="relibra-hf-ep-") as tmp:
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), tmp), nprocs=2, join=True)
+        run_group(_worker, 2, tmp, timeout_s=120)
         reports = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
     for rep in reports:
         assert set(rep) == set(FAMILIES)
