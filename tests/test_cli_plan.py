@@ -10,7 +10,7 @@ import pytest
 
 from relibra_moe.cli import main
 from relibra_moe.cost import moe_cost
-from relibra_moe.errors import PlanError
+from relibra_moe.errors import PlanError, TraceError
 from relibra_moe.plan import BatchPlan
 from relibra_moe.planners.baselines import balanced_t_moe
 from relibra_moe.planners.scoring import score_plan
@@ -92,13 +92,13 @@ def test_cli_errors(trace_file, tmp_path, capsys):
     assert rc == 1 and "has 24 MoE layers and 32 experts" in capsys.readouterr().err
 
 
-def _reference_total(plan: BatchPlan, batch: TraceBatch) -> float:
+def _reference_total(plan: BatchPlan, batch: TraceBatch, cluster=CLUSTER) -> float:
     """Sum of exact T_MoE, one micro-batch at a time through moe_cost with dense ReplicaPlan.shares."""
-    x = batch.loads(plan.samples.gpu, CLUSTER.num_gpus, plan.samples.micro_batch)
+    x = batch.loads(plan.samples.gpu, cluster.num_gpus, plan.samples.micro_batch)
     tot = 0.0
     for m in range(plan.num_micro_batches):
         sh = plan.replicas.shares(plan.placement, m)
-        tot += float(moe_cost(x[m], None, MODEL, CLUSTER, shares=sh).t_moe.sum())
+        tot += float(moe_cost(x[m], None, MODEL, cluster, shares=sh).t_moe.sum())
     return tot
 
 
@@ -140,3 +140,50 @@ def test_registry_and_plan_batch_errors():
         plan_batch(batch, MODEL, CLUSTER, "relibra-inter", rounds=0, micro_batch_size=4)
     with pytest.raises(ValueError, match="micro-batch"):
         plan_batch(batch, MODEL, CLUSTER, "static")  # no assignment and no micro_batch_size
+
+    with pytest.raises(PlanError, match=r"unknown strategy 'magic'"):
+        plan_batch(batch, MODEL, CLUSTER, "magic", micro_batch_size=4)
+    with pytest.raises(PlanError, match="num_experts=32 is not divisible by num_gpus=3"):
+        plan_batch(batch, MODEL, cluster_preset(nodes=1, gpus_per_node=3), "static", micro_batch_size=4)
+    with pytest.raises(TraceError, match="micro_batch_size must be a positive int, got 0"):
+        plan_batch(batch, MODEL, CLUSTER, "static", micro_batch_size=0)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"replica_slots": 2.5}, "replica_slots=2.5 must be an int >= 0"),
+    ({"replica_slots": "2"}, "replica_slots='2' must be an int >= 0"),
+    ({"replica_slots": True}, "replica_slots=True must be an int >= 0"),
+    ({"workers": 0}, "workers=0 must be an int >= 1"),
+    ({"seed": -1}, "seed=-1 must be an int >= 0"),
+    ({"iters": -5}, "iters=-5 must be an int >= 0"),
+    ({"locality_iters": 1.5}, "locality_iters=1.5 must be an int >= 0"),
+    ({"num_seeds": 0}, "num_seeds=0 must be an int >= 1"),
+    ({"num_groups": 0}, "num_groups=0 must be an int >= 1"),
+    ({"beta": -1.0}, "beta=-1.0 must be a finite number > 0"),
+    ({"beta": float("inf")}, "beta=inf must be a finite number > 0"),
+    ({"objective": "fast"}, "objective='fast' is not one of"),
+    ({"balanced_sources": "odd"}, "balanced_sources='odd' is not one of"),
+    ({"itres": 5}, "unknown plan option itres=5"),
+])
+def test_plan_batch_rejects_bad_arguments(kw, msg):
+    """Bad arguments fail up front with the field and the value, before any planning work."""
+    with pytest.raises(PlanError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+        plan_batch(_batch(2, n=8), MODEL, CLUSTER, "relibra", micro_batch_size=4, **kw)
+
+
+@pytest.mark.parametrize("nodes, gpn, r", [(1, 1, 1), (4, 8, 1), (1, 8, 0)])
+def test_plan_batch_edge_clusters(nodes, gpn, r):
+    """One GPU (everything local: no communication, skew 1), E = G (one expert per GPU) and r = 0 give valid
+    plans whose score equals an independent per-micro-batch ``moe_cost`` of the plan's own routing."""
+    cluster = cluster_preset(nodes=nodes, gpus_per_node=gpn)
+    batch = _batch(5, n=6).with_micro_batch_size(4)  # the last micro-batch holds 2 samples
+    plan = plan_batch(batch, MODEL, cluster, "relibra", replica_slots=r, micro_batch_size=4, iters=100,
+                      locality_iters=100)
+    plan.validate(MODEL, cluster, num_samples=6)
+    s = score_plan(plan, batch, MODEL, cluster)
+    assert s["t_moe_total_s"] == pytest.approx(_reference_total(plan, batch, cluster), rel=1e-9)
+    if cluster.num_gpus == 1:
+        assert s["comm_total_s"] == 0.0 and s["rank_skew_mean"] == pytest.approx(1.0)
+        assert (plan.replicas.replica_expert < 0).all()
+    if r == 0:
+        assert plan.replicas.replica_expert.shape[-1] == 0 and len(plan.replicas.split_index) == 0

@@ -165,20 +165,32 @@ def test_other_strategies_delegate():
 
 
 def test_invalid_inputs():
-    with pytest.raises(PlanError, match="strategy"):
+    with pytest.raises(PlanError, match="unknown strategy 'nope'"):
         Planner(MODEL, CLUSTER, strategy="nope")
-    with pytest.raises(PlanError, match="executor"):
+    with pytest.raises(PlanError, match="executor='threads' is not one of"):
         Planner(MODEL, CLUSTER, executor="threads")
-    with pytest.raises(PlanError, match="replica_slots"):
+    with pytest.raises(PlanError, match="replica_slots=-1 must be an int >= 0"):
         Planner(MODEL, CLUSTER, replica_slots=-1)
-    with pytest.raises(PlanError, match="deadline_s"):
+    with pytest.raises(PlanError, match="deadline_s=0 must be > 0"):
         Planner(MODEL, CLUSTER, deadline_s=0)
-    with pytest.raises(PlanError, match="workers"):
+    with pytest.raises(PlanError, match="workers=0 must be an int >= 1"):
         Planner(MODEL, CLUSTER, workers=0)
-    with pytest.raises(PlanError, match="divisible"):
+    with pytest.raises(PlanError, match="num_experts=8 is not divisible by num_gpus=3"):
         Planner(MODEL, ClusterSpec(nodes=1, gpus_per_node=3))
     with pytest.raises(PlanError, match="model tiny"):
         Planner(MODEL.with_(num_layers=2), CLUSTER, executor="inline").plan(make_batch())
+    with pytest.raises(PlanError, match="seed=-1 must be an int >= 0"):
+        Planner(MODEL, CLUSTER, seed=-1)
+    with pytest.raises(PlanError, match="replica_slots=1.5 must be an int >= 0"):
+        Planner(MODEL, CLUSTER, replica_slots=1.5)
+    with pytest.raises(PlanError, match="unknown plan option itres=3"):
+        Planner(MODEL, CLUSTER, itres=3)
+    with pytest.raises(PlanError, match="iters=-1 must be an int >= 0"):
+        Planner(MODEL, CLUSTER, iters=-1)
+    with pytest.raises(PlanError, match="cell_chunk=0 must be an int >= 1"):
+        Planner(MODEL, CLUSTER, cell_chunk=0)
+    with pytest.raises(PlanError, match="replicate=3 must be a dict"):
+        Planner(MODEL, CLUSTER, replicate=3)
 
 
 def test_inline_planner_matches_plan_batch(inline_plan):

@@ -83,6 +83,10 @@ def _replicate_task(xs, egs, model, cluster, slots, kw, attn=None):
                            attn_fwd=None if attn is None else float(attn[i]), **kw) for i in range(len(xs))]
 
 
+_SERVICE_OPTIONS = ("cell_chunk", "replicate", "repack")
+"""Planner options beyond ``plan_batch``'s ``PLAN_OPTIONS`` (``repack`` is a ``plan_batch`` argument)."""
+
+
 class Planner:
     """Plans global batches in parallel with deadlines and per-cell fallback (see the module docstring).
 
@@ -107,7 +111,7 @@ class Planner:
                  workers: int | None = None, executor: str = "process", deadline_s: float | None = None,
                  seed: int = 0, *, ray_address: str | None = None,
                  task_hook: Callable[[str, Any], None] | None = None, **options: Any) -> None:
-        from .strategies import STRATEGIES
+        from .strategies import STRATEGIES, check_plan_args
 
         if strategy not in STRATEGIES:
             raise PlanError(f"unknown strategy {strategy!r}; known: {sorted(STRATEGIES)}")
@@ -121,6 +125,13 @@ class Planner:
             raise PlanError(f"workers={workers!r} must be an int >= 1 or None")
         if model.num_experts % cluster.num_gpus:
             raise PlanError(f"num_experts={model.num_experts} is not divisible by num_gpus={cluster.num_gpus}")
+        check_plan_args(replica_slots=replica_slots, seed=seed, workers=1 if workers is None else workers,
+                        options={k: v for k, v in options.items() if k not in _SERVICE_OPTIONS})
+        chunk = options.get("cell_chunk")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1):
+            raise PlanError(f"cell_chunk={chunk!r} must be an int >= 1")
+        if not isinstance(options.get("replicate", {}), dict):
+            raise PlanError(f"replicate={options['replicate']!r} must be a dict of replicate_cell keywords")
         self.model, self.cluster, self.strategy = model, cluster, strategy
         self.replica_slots = int(replica_slots)
         self.workers = int(workers) if workers is not None else _cpus()
@@ -165,7 +176,7 @@ class Planner:
             raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
                             f"L={model.num_layers}, E={model.num_experts}")
         if self.strategy not in _TASKED:
-            opts = {k: v for k, v in self.options.items() if k not in ("cell_chunk", "replicate")}
+            opts = {k: v for k, v in self.options.items() if k not in _SERVICE_OPTIONS[:2]}
             plan = plan_batch(batch, model, cluster, self.strategy, replica_slots=self.replica_slots, seed=self.seed,
                               workers=self.workers, micro_batch_size=micro_batch_size, **opts)
             self.previous = plan.placement

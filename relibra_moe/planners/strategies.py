@@ -311,6 +311,44 @@ STRATEGIES: dict[str, Callable[[PlanContext], BatchPlan]] = {
 }
 
 
+PLAN_OPTIONS = frozenset({
+    "balanced_sources", "beta", "final_iters", "final_reorder", "iters", "locality_iters", "locality_smooth",
+    "migration", "node_comp", "num_groups", "num_seeds", "objective", "optimizer_bytes_per_param", "previous",
+    "price_replicas", "rounds", "skew_cap", "smooth", "token_cap", "tol"})
+"""The keyword options ``plan_batch`` understands (see its docstring); anything else is a PlanError."""
+
+
+def _int_arg(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise PlanError(f"{name}={value!r} must be an int >= {lo}")
+    return int(value)
+
+
+def check_plan_args(*, replica_slots: Any = 0, seed: Any = 0, workers: Any = 1,
+                    options: dict[str, Any] | None = None) -> None:
+    """Raise PlanError naming the argument and its value unless ``replica_slots`` (int >= 0), ``seed``
+    (int >= 0), ``workers`` (int >= 1) and the strategy ``options`` (known names; ``iters``,
+    ``locality_iters``, ``final_iters`` ints >= 0, ``num_seeds`` / ``rounds`` ints >= 1, ``beta`` > 0,
+    ``objective`` / ``balanced_sources`` one of their values) are valid."""
+    _int_arg("replica_slots", replica_slots, 0)
+    _int_arg("seed", seed, 0)
+    _int_arg("workers", workers, 1)
+    options = options or {}
+    unknown = sorted(set(options) - PLAN_OPTIONS)
+    if unknown:
+        raise PlanError(f"unknown plan option {unknown[0]}={options[unknown[0]]!r}; known: {sorted(PLAN_OPTIONS)}")
+    for name, lo in (("iters", 0), ("locality_iters", 0), ("final_iters", 0), ("num_seeds", 1), ("rounds", 1),
+                     ("num_groups", 1)):
+        if options.get(name) is not None:
+            _int_arg(name, options[name], lo)
+    beta = options.get("beta")
+    if beta is not None and not (isinstance(beta, (int, float, np.number)) and np.isfinite(beta) and beta > 0):
+        raise PlanError(f"beta={beta!r} must be a finite number > 0")
+    for name, allowed in (("objective", ("batch", "aggregate")), ("balanced_sources", ("batch", "even"))):
+        if name in options and options[name] not in allowed:
+            raise PlanError(f"{name}={options[name]!r} is not one of {allowed}")
+
+
 def plan_batch(batch, model: ModelSpec, cluster: ClusterSpec, strategy: str, *, replica_slots: int = 0,
                seed: int = 0, workers: int = 1, repack: bool = False, micro_batch_size: int | None = None,
                **options: Any) -> BatchPlan:
@@ -327,7 +365,13 @@ def plan_batch(batch, model: ModelSpec, cluster: ClusterSpec, strategy: str, *, 
         micro_batch_size: re-assign micro-batches as sample i -> i // B first.
         options: strategy options: ``iters``, ``num_seeds``, ``objective`` ("batch" | "aggregate"),
             ``smooth``, ``locality_iters``, ``locality_smooth``, ``rounds`` (default 2), ``tol``, ``token_cap``,
-            ``num_groups`` (EPLB), ``beta``, ``balanced_sources`` ("batch" | "even").
+            ``num_groups`` (EPLB), ``beta``, ``balanced_sources`` ("batch" | "even"), and the pricing options of
+            the module docstring (``migration``, ``previous``, ``optimizer_bytes_per_param``, ``price_replicas``,
+            ``node_comp``, ``skew_cap``, ``final_reorder``, ``final_iters``): ``PLAN_OPTIONS``.
+
+    Raises:
+        PlanError: unknown strategy or option, a bad argument value (``check_plan_args``), a batch for
+            another model, or E not divisible by G (the message names the field and the value).
 
     Returns:
         A validated BatchPlan; ``stats`` has ``strategy``, ``seed``, ``replica_slots``, ``repack``,
@@ -335,8 +379,7 @@ def plan_batch(batch, model: ModelSpec, cluster: ClusterSpec, strategy: str, *, 
     """
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; known: {sorted(STRATEGIES)}")
-    if replica_slots < 0:
-        raise PlanError(f"replica_slots={replica_slots} must be >= 0")
+    check_plan_args(replica_slots=replica_slots, seed=seed, workers=workers, options=options)
     if batch.num_experts != model.num_experts or batch.num_layers != model.num_layers:
         raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
                         f"L={model.num_layers}, E={model.num_experts}")
