@@ -302,6 +302,16 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
     if x.shape != (M, L, G, E):
         raise PlanError(f"loads x has shape {x.shape}, expected [M={M}, L={L}, G={G}, E={E}] for this plan")
     plan.validate(model, cluster, lengths.shape[0])
+    opt = optimizer_bytes_per_param
+    if isinstance(opt, bool) or not isinstance(opt, (int, float, np.number)) or not (np.isfinite(opt) and opt >= 0):
+        raise PlanError(f"optimizer_bytes_per_param={opt!r} must be a finite number >= 0")
+    if previous is not None:
+        if not isinstance(previous, Placement):
+            raise PlanError(f"previous must be a Placement (or None for static), got {type(previous).__name__}")
+        try:
+            previous.validate(model, cluster)
+        except PlanError as exc:
+            raise PlanError(f"previous placement: {exc}") from None
 
     # Local stage: attention (+ shared experts) per (m, g); the slowest GPU counts.
     a_fwd = attention_forward(lengths, plan.samples.micro_batch, plan.samples.gpu, M, model, cluster)  # [M]
@@ -388,6 +398,9 @@ def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: Cluste
     ``plan.stats["strategy"] == "balanced"``) replaces them by the Balanced ideal's
     (``balanced_ideal_loads``), as ``relibra score`` does; attention still runs the real sequences.
     """
+    from .planners.scoring import check_plan_batch
+
+    check_plan_batch(plan, batch, model)
     if balanced is None:
         balanced = plan.stats.get("strategy") == "balanced"
     x = plan_loads(plan, batch, cluster)

@@ -92,6 +92,57 @@ def test_cli_errors(trace_file, tmp_path, capsys):
     assert rc == 1 and "has 24 MoE layers and 32 experts" in capsys.readouterr().err
 
 
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--nodes", "1", "--gpus-per-node", "3"], "num_experts=32 is not divisible by num_gpus=3"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--replica-slots", "-1"], "replica_slots=-1 must be an int >= 0"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--micro-batch-size", "0"], "micro_batch_size must be a positive int, "
+                                                                          "got 0"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--workers", "0"], "workers=0 must be an int >= 1"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--iters", "-1"], "iters=-1 must be an int >= 0"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--seed", "-2"], "seed=-2 must be an int >= 0"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--cluster", "nope"], "'nope'"),
+])
+def test_cli_plan_bad_flags(trace_file, tmp_path, capsys, flags, msg):
+    """Bad flags end in ``relibra plan: error: ...`` naming the flag's field and value, not a traceback."""
+    out = tmp_path / "x.npz"
+    args = ["plan", str(trace_file), "--model", "gpt-oss-20b", "--strategy", "relibra", "--out", str(out), *flags]
+    if "--micro-batch-size" not in flags:
+        args += ["--micro-batch-size", "4"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_cli_unknown_strategy_is_argparse_error(trace_file, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(trace_file), "--model", "gpt-oss-20b", "--nodes", "2", "--strategy", "magic",
+              "--out", str(tmp_path / "x.npz")])
+    assert exc.value.code == 2 and "invalid choice: 'magic'" in capsys.readouterr().err
+
+
+def test_score_rejects_plan_for_another_trace_or_model(trace_file, tmp_path, capsys):
+    """A plan file scored on another trace with the same sample count is refused (its recorded batch_sha1
+    differs); so is one for another cluster or model, in ``relibra score`` and ``relibra simulate`` alike."""
+    plan_path = tmp_path / "p.npz"
+    _run(_plan_args(trace_file, plan_path, "static"), capsys)
+    other = tmp_path / "other.npz"
+    _batch(seed=9).save(other)  # also 16 samples
+    for cmd in ("score", "simulate"):
+        assert main([cmd, str(other), str(plan_path), "--model", "gpt-oss-20b"]) == 1
+        err = capsys.readouterr().err
+        assert "plan was made for another batch" in err and "same 16 samples" in err
+    with pytest.raises(PlanError, match="plan was made for another batch"):
+        score_plan(BatchPlan.load(plan_path), TraceBatch.load(other), MODEL, CLUSTER)
+    with pytest.raises(PlanError, match=r"plan is for 8 GPUs \(4 per node\), the cluster has 8 \(8 per node\)"):
+        score_plan(BatchPlan.load(plan_path), TraceBatch.load(trace_file), MODEL, cluster_preset(nodes=1))
+    small = BatchPlan.load(plan_path)
+    with pytest.raises(PlanError, match="plan has L=24, E=32; model gpt-oss-20b has L=24, E=64"):
+        score_plan(small, TraceBatch.from_counts(np.full((16, 24, 64), 1), 4), MODEL.with_(num_experts=64),
+                   CLUSTER)
+
+
 def _reference_total(plan: BatchPlan, batch: TraceBatch, cluster=CLUSTER) -> float:
     """Sum of exact T_MoE, one micro-batch at a time through moe_cost with dense ReplicaPlan.shares."""
     x = batch.loads(plan.samples.gpu, cluster.num_gpus, plan.samples.micro_batch)

@@ -219,9 +219,18 @@ def test_bad_inputs_raise_plan_error():
         simulate_loads(plan, np.array([-1]), np.zeros((1, 1, 4, 4)), MODEL, CLUSTER)
     with pytest.raises(PlanError, match="replica_mode 'sometimes'"):
         simulate_loads(plan, np.array([3]), np.zeros((1, 1, 4, 4)), MODEL, CLUSTER, replica_mode="sometimes")
-    with pytest.raises(PlanError, match="previous placement has shape"):
-        simulate_loads(plan, np.array([3]), np.zeros((1, 1, 4, 4)), MODEL, CLUSTER,
-                       previous=Placement.static(2, 4, 4))
+    x1 = np.zeros((1, 1, 4, 4))
+    with pytest.raises(PlanError, match=r"previous placement: expert_gpu has shape \(2, 4\)"):
+        simulate_loads(plan, np.array([3]), x1, MODEL, CLUSTER, previous=Placement.static(2, 4, 4))
+    with pytest.raises(PlanError, match=r"previous placement: expert_gpu\[0, 0\] = 7 is outside \[0, 4\)"):
+        simulate_loads(plan, np.array([3]), x1, MODEL, CLUSTER, previous=Placement(np.array([[7, 1, 2, 3]])))
+    with pytest.raises(PlanError, match="previous must be a Placement.*ndarray"):
+        simulate_loads(plan, np.array([3]), x1, MODEL, CLUSTER, previous=np.zeros((1, 4), dtype=np.int64))
+    for bad in (-1.0, float("nan"), "12"):
+        with pytest.raises(PlanError, match=f"optimizer_bytes_per_param={bad!r}"):
+            simulate_loads(plan, np.array([3]), x1, MODEL, CLUSTER, optimizer_bytes_per_param=bad)
+    with pytest.raises(PlanError, match=r"plan is for 4 GPUs \(2 per node\), the cluster has 4 \(4 per node\)"):
+        simulate_loads(plan, np.array([3]), x1, MODEL, CLUSTER.with_(nodes=1, gpus_per_node=4))
 
 
 def test_uniform_loads_balanced_ideal():
@@ -262,3 +271,10 @@ def test_simulate_step_matches_score_plan_including_balanced():
         st_ = simulate_step(plan, batch, model, CLUSTER)
         assert st_.t_moe.sum() == pytest.approx(score_plan(plan, batch, model, CLUSTER)["t_moe_total_s"])
         assert st_.tokens == int(counts[:, 0].sum() // 2)
+    with pytest.raises(PlanError, match=r"batch has L=2, E=8; model tiny has L=2, E=16"):
+        simulate_step(plan, batch, model.with_(num_experts=16), CLUSTER)
+    with pytest.raises(PlanError, match=r"plan has L=2, E=8; model tiny has L=2, E=16"):
+        simulate_step(plan, TraceBatch.from_counts(np.ones((6, 2, 16), np.int64), 2), model.with_(num_experts=16),
+                      CLUSTER)
+    with pytest.raises(PlanError, match="the plan places 6 samples, the batch has 5"):
+        simulate_step(plan, batch.subset(np.arange(5)), model, CLUSTER)

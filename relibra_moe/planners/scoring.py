@@ -10,6 +10,7 @@ routing, each source GPU keeping its tokens, or an even split when ``stats["bala
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,34 @@ from ..errors import PlanError
 from ..plan import BatchPlan
 from ..specs import ClusterSpec, ModelSpec
 from .baselines import balanced_loads, balanced_sources
+
+
+def batch_sha1(batch) -> str:
+    """Fingerprint of a batch's routing: SHA-1 (hex) of its lengths int64 ``[N]`` and
+    ``sample_expert_counts()`` int64 ``[N, L, E]`` (not of its micro-batch assignment: the plan carries its own).
+
+    ``plan_batch`` and ``Planner`` store it as ``stats["batch_sha1"]``; ``check_plan_batch`` compares it.
+    """
+    h = hashlib.sha1(np.asarray(batch.lengths, dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(batch.sample_expert_counts(), dtype=np.int64).data)
+    return h.hexdigest()
+
+
+def check_plan_batch(plan: BatchPlan, batch, model: ModelSpec) -> None:
+    """Raise PlanError unless ``batch`` fits ``model`` and is the batch ``plan`` was made for: same L and E,
+    same sample count, and (for plans that record it) the same ``batch_sha1``."""
+    if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
+        raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
+                        f"L={model.num_layers}, E={model.num_experts}")
+    if (plan.num_layers, plan.num_experts) != (model.num_layers, model.num_experts):
+        raise PlanError(f"plan has L={plan.num_layers}, E={plan.num_experts}; model {model.name} has "
+                        f"L={model.num_layers}, E={model.num_experts}")
+    if batch.num_sequences != plan.samples.num_samples:
+        raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
+    want = plan.stats.get("batch_sha1")
+    if want is not None and want != batch_sha1(batch):
+        raise PlanError(f"plan was made for another batch: its stats batch_sha1={want!r}, this batch's is "
+                        f"{batch_sha1(batch)!r} (same {batch.num_sequences} samples, different routing or lengths)")
 
 
 def plan_loads(plan: BatchPlan, batch, num_gpus: int) -> np.ndarray:
@@ -55,7 +84,7 @@ def score_plan(plan: BatchPlan, batch, model: ModelSpec, cluster: ClusterSpec, *
 
     Args:
         plan: a BatchPlan for ``model`` and ``cluster`` (validated here).
-        batch: the TraceBatch the plan was made for (same samples).
+        batch: the TraceBatch the plan was made for (same samples; ``check_plan_batch``).
         balanced_total_s: the Balanced ideal's total (``baselines.balanced_t_moe``); when given, the
             result has ``percent_of_balanced = 100 * balanced / t_moe_total_s``.
 
@@ -65,10 +94,11 @@ def score_plan(plan: BatchPlan, batch, model: ModelSpec, cluster: ClusterSpec, *
         ``comm_total_s`` (sums of the max-GPU compute / communication terms), ``rank_skew_mean`` /
         ``rank_skew_max`` (max GPU load / mean GPU load over cells), ``num_micro_batches``, and
         ``percent_of_balanced`` when asked.
+
+    Raises:
+        PlanError: the plan or batch does not fit the model / cluster, or was made for another batch.
     """
-    if plan.num_layers != model.num_layers or plan.num_experts != model.num_experts:
-        raise PlanError(f"plan has L={plan.num_layers}, E={plan.num_experts}; model {model.name} has "
-                        f"L={model.num_layers}, E={model.num_experts}")
+    check_plan_batch(plan, batch, model)
     plan.validate(model, cluster, num_samples=batch.num_sequences)
     G = cluster.num_gpus
     if plan.stats.get("strategy") == "balanced":

@@ -41,6 +41,7 @@ from ..errors import PlanError
 from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from .replicate import CellResult, assemble, replicate_cell
+from .scoring import batch_sha1
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,7 @@ class Planner:
         else:
             replicas = ReplicaPlan.empty(M, model.num_layers, cluster.num_gpus, 0)
         stats["solve_seconds"] = time.perf_counter() - t0
+        stats["batch_sha1"] = batch_sha1(batch)
         plan = BatchPlan(placement, samples, replicas, cluster.num_gpus, cluster.gpus_per_node, stats)
         plan.validate(model, cluster, num_samples=batch.num_sequences)
         self.previous = placement

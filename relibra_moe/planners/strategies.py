@@ -44,6 +44,7 @@ from ..specs import ClusterSpec, ModelSpec
 from . import baselines
 from .locality import anneal_locality, default_locality_iters, loads_from_counts, round_robin_gpus
 from .reorder import default_iters, lpt_placement, reorder
+from .scoring import batch_sha1
 
 
 @dataclass
@@ -399,5 +400,6 @@ def plan_batch(batch, model: ModelSpec, cluster: ClusterSpec, strategy: str, *, 
                       "options": {k: v for k, v in sorted(options.items())}})
     plan = STRATEGIES[strategy](ctx)
     plan.stats["solve_seconds"] = time.perf_counter() - t0
+    plan.stats["batch_sha1"] = batch_sha1(batch)
     plan.validate(model, cluster, num_samples=batch.num_sequences)
     return plan
