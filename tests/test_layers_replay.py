@@ -175,3 +175,87 @@ def test_experts_with_replica_slots_through_the_interpreter():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     used = set(slot_ids.tolist())
     assert all(results[0][3][s].abs().sum() > 0 for s in (0, 1) if s + 3 in used)
+
+
+def _doc_example(doc: str) -> str:
+    """The first ``::`` code block of a docstring, dedented."""
+    import inspect
+    import textwrap
+
+    block = inspect.cleandoc(doc).split("::\n", 1)[1]
+    lines = []
+    for line in block.splitlines()[1:]:
+        if line.strip() and not line.startswith(" " * 4):
+            break
+        lines.append(line)
+    return textwrap.dedent("\n".join(lines))
+
+
+@pytest.mark.parametrize("where", ["class", "module"])
+def test_docstring_training_loop_runs_and_trains(where):
+    """The minimal training loops of the ReplayBalancedMoE docstrings run as written and update the weights."""
+    import relibra_moe.layers.moe as moe_mod
+
+    doc = moe_mod.ReplayBalancedMoE.__doc__ if where == "class" else moe_mod.__doc__
+    code = _doc_example(doc)
+    assert "opt.step()" in code and "replay_model" in code
+    torch.manual_seed(0)
+    env: dict = {}
+    exec(compile(code, f"<ReplayBalancedMoE {where} docstring>", "exec"), env)
+    moe = env["moe"]
+    assert env["step"] == 2
+    # the replayed routing is the recorded one, and the router was trained through the gates
+    recorded = env["ids"] if "ids" in env else env["recorded"]
+    assert recorded.shape == (32, 2)
+    assert torch.equal(moe.last_routing, recorded)
+    assert all(p.grad is None for p in moe.parameters())  # zero_grad ran after the last step
+    state = env["opt"].state[moe.router.weight]
+    assert int(state["step"]) == 3 and float(state["exp_avg"].abs().sum()) > 0
+
+
+def test_bad_replay_input_is_named():
+    layer = ReplayBalancedMoE(8, 8, 4, 2, layer_index=0)
+    x = torch.randn(5, 8)
+    # ids given as numpy / lists are checked like tensors (not an AttributeError)
+    with layer.replay(np.array([[0, 1]] * 5)):
+        ref = layer(x)
+    with layer.replay(torch.tensor([[0, 1]] * 5)):
+        assert torch.equal(layer(x), ref)
+    with pytest.raises(ReplayError, match=r"replayed id \[0, 1\] = 4 is outside \[-1, 4\)"):
+        with layer.replay([[0, 4]] * 5):
+            layer(x)
+    with pytest.raises(ReplayError, match="got int"):
+        with replay_model(layer, 7):
+            pass
+    with pytest.raises(ReplayError, match="cover 5 tokens"):  # a numpy [T, L, k] is the trace layout too
+        with replay_model(layer, np.zeros((5, 1, 2), np.int64) + np.array([0, 1])):
+            layer(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="dtype torch.int64"):
+        layer(torch.ones(5, 8, dtype=torch.int64))
+    plan = BatchPlan(Placement(np.zeros((1, 4))), SamplePlacement(np.zeros(1), np.zeros(1)),
+                     ReplicaPlan.empty(2, 1, 1, 0), num_gpus=1, gpus_per_node=1)
+    for bad in (1.5, True):  # never truncated / reinterpreted as an index
+        with pytest.raises(PlanError, match=f"micro_batch={bad!r}"):
+            with layer.replay(None, plan=plan, micro_batch=bad):
+                pass
+    wide = BatchPlan(Placement(np.zeros((1, 8))), SamplePlacement(np.zeros(1), np.zeros(1)),
+                     ReplicaPlan.empty(1, 1, 1, 0), num_gpus=1, gpus_per_node=1)
+    with pytest.raises(PlanError, match=r"expert_gpu shape \(1, 8\).*num_experts=4"):
+        with layer.replay(None, plan=wide):
+            pass
+    other = BatchPlan(Placement(np.array([[0, 0, 1, 1]])), SamplePlacement(np.zeros(1), np.zeros(1)),
+                      ReplicaPlan.empty(1, 1, 2, 0), num_gpus=2, gpus_per_node=2)
+    with pytest.raises(PlanError, match="num_gpus=2.*has 1 ranks"):
+        with layer.replay(None, plan=other):
+            pass
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(hidden=0), "hidden=0"), (dict(ffn=-1), "ffn=-1"), (dict(num_experts=0), "num_experts=0"),
+    (dict(top_k=2.0), "top_k=2.0"), (dict(block_m=0), "block_m=0"), (dict(gpus_per_node=0), "gpus_per_node=0"),
+    (dict(layer_index=-1), "layer_index=-1"), (dict(router=3), "router=3"), (dict(top_k=5), "top_k=5"),
+])
+def test_constructor_rejects_bad_arguments(kwargs, match):
+    args = dict(hidden=8, ffn=8, num_experts=4, top_k=2) | kwargs
+    with pytest.raises(ValueError, match=match):
+        ReplayBalancedMoE(args.pop("hidden"), args.pop("ffn"), args.pop("num_experts"), args.pop("top_k"), **args)

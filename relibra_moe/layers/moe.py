@@ -94,6 +94,17 @@ def materialize_counts(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
     return base + np.where(s > 0, extra, 0)
 
 
+def _is_int(value: object) -> bool:
+    """True for Python and numpy integers (not ``bool``)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_positive_int(field: str, value: object) -> None:
+    """``ValueError`` naming ``field`` and ``value`` unless ``value`` is an integer >= 1."""
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{field}={value!r} must be a positive integer")
+
+
 @dataclass
 class _Replay:
     """What a replay context gives one layer for its next forward calls."""
@@ -179,6 +190,16 @@ class ReplayBalancedMoE(nn.Module):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  block_m: int = 64, experts: GroupedExperts | None = None, router_attr: str = "router") -> None:
         super().__init__()
+        for field, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("top_k", top_k),
+                             ("block_m", block_m)):
+            _check_positive_int(field, value)
+        if gpus_per_node is not None:
+            _check_positive_int("gpus_per_node", gpus_per_node)
+        if layer_index is not None and (not _is_int(layer_index) or layer_index < 0):
+            raise ValueError(f"layer_index={layer_index!r} must be a non-negative integer or None")
+        if not isinstance(router, (nn.Module, dict, str)):
+            raise ValueError(f"router={router!r}: expected a TopKRouter (or another nn.Module), a dict of "
+                             "TopKRouter keyword arguments, or a scoring name ('softmax', 'sigmoid')")
         self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
         self.ep_group = ep_group
         self.dispatcher: Dispatcher = dispatcher if not isinstance(dispatcher, str) else \
@@ -284,6 +305,8 @@ class ReplayBalancedMoE(nn.Module):
         :class:`ReplicaPlan` (read against the current homes). The backward may run after the block.
         """
         replicas, placement = None, None
+        if micro_batch is not None and not _is_int(micro_batch):
+            raise PlanError(f"micro_batch={micro_batch!r} must be an integer micro-batch index")
         if plan is not None:
             if self.layer_index is None:
                 raise PlanError("a plan needs the layer's layer_index (set it, or use replay_model)")
@@ -291,6 +314,14 @@ class ReplayBalancedMoE(nn.Module):
                 replicas = plan.replicas
                 if not 0 <= self.layer_index < plan.num_layers:
                     raise PlanError(f"layer {self.name}: the plan covers {plan.num_layers} MoE layers")
+                if (plan.num_gpus, plan.gpus_per_node) != (self.world_size, self.gpus_per_node):
+                    raise PlanError(f"layer {self.name}: the plan is for num_gpus={plan.num_gpus}, gpus_per_node="
+                                    f"{plan.gpus_per_node}; the layer's EP group has {self.world_size} ranks, "
+                                    f"gpus_per_node={self.gpus_per_node}")
+                if plan.placement.expert_gpu.shape[1] != self.num_experts:
+                    raise PlanError(f"layer {self.name}: the plan's placement has expert_gpu shape "
+                                    f"{tuple(plan.placement.expert_gpu.shape)}, the layer has "
+                                    f"num_experts={self.num_experts}")
                 placement = plan.placement.expert_gpu[self.layer_index]
             elif isinstance(plan, ReplicaPlan):
                 replicas = plan
@@ -370,6 +401,8 @@ class ReplayBalancedMoE(nn.Module):
         """``x [..., H]`` -> ``[..., H]`` (see the module docstring)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"layer {self.name}: x has hidden size {x.shape[-1]}, expected {self.hidden}")
+        if not x.is_floating_point():
+            raise ValueError(f"layer {self.name}: x has dtype {x.dtype}, expected a floating-point tensor")
         shape = x.shape
         x2 = x.reshape(-1, self.hidden)
         G = self.world_size

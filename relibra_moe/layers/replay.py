@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -52,6 +53,11 @@ def replay_model(model: nn.Module, per_layer_ids: Sequence[torch.Tensor | None] 
     """
     layers = assign_layer_indices(model)
     L = len(layers)
+    if isinstance(per_layer_ids, np.ndarray):
+        per_layer_ids = torch.as_tensor(per_layer_ids)
+    if per_layer_ids is not None and not isinstance(per_layer_ids, (torch.Tensor, Sequence)):
+        raise ReplayError(f"replayed ids must be a [T, L, k] tensor or a sequence of [T, k] per MoE layer, got "
+                          f"{type(per_layer_ids).__name__}")
     if per_layer_ids is None:
         ids: list[torch.Tensor | None] = [None] * L
     elif isinstance(per_layer_ids, torch.Tensor):

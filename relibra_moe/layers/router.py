@@ -165,7 +165,7 @@ class TopKRouter(nn.Module):
             gates = scores.gather(1, ids)
             valid = None
         else:
-            ids = check_replay_ids(replay_ids.to(x.device), x.shape[0], self.top_k, self.num_experts, self.name)
+            ids = check_replay_ids(replay_ids, x.shape[0], self.top_k, self.num_experts, self.name).to(x.device)
             valid = ids >= 0
             gates = scores.gather(1, ids.clamp_min(0)) * valid
         if self.renormalize:
