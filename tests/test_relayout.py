@@ -129,3 +129,14 @@ def test_relayout_single_rank_validates():
     assert relayout(layer, np.zeros((1, 4), np.int64)) == {"layers_changed": 0, "experts_moved": 0}
     with pytest.raises(PlanError, match="outside"):
         relayout(layer, np.ones((1, 4), np.int64))
+
+
+def test_relayout_rejects_non_integer_placements():
+    layer = ReplayBalancedMoE(H, FF, 4, K)
+    with pytest.raises(PlanError, match="integer GPU ids, got dtype float64 with value 0.5"):
+        relayout(layer, np.full((1, 4), 0.5))
+    with pytest.raises(PlanError, match="dtype bool"):
+        relayout(layer, np.zeros((1, 4), bool))
+    assert relayout(layer, np.zeros((1, 4)))["layers_changed"] == 0  # integral floats are GPU ids
+    with pytest.raises(PlanError, match=r"shape \(4,\)"):
+        relayout(layer, np.zeros(4, np.int64))

@@ -80,7 +80,12 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
     if isinstance(placement, BatchPlan):
         placement = placement.placement
     grid = placement.expert_gpu if isinstance(placement, Placement) else np.asarray(placement)
-    grid = np.asarray(grid, dtype=np.int64)
+    grid = np.asarray(grid)
+    if grid.dtype == bool or not (np.issubdtype(grid.dtype, np.integer) or
+                                  (np.issubdtype(grid.dtype, np.floating) and np.array_equal(grid, np.round(grid)))):
+        raise PlanError(f"placement expert_gpu must hold integer GPU ids, got dtype {grid.dtype}"
+                        + (f" with value {grid.flat[0]!r}" if grid.size else ""))
+    grid = grid.astype(np.int64)
     if grid.ndim != 2 or grid.shape[0] != len(layers):
         raise PlanError(f"placement expert_gpu has shape {grid.shape}, the model has {len(layers)} MoE layers")
     order = []
