@@ -114,27 +114,11 @@ def attention_forward(lengths: np.ndarray, micro_batch: np.ndarray, gpu: np.ndar
 
 
 def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
-    """float64 ``[M, L, G, G]``: tokens sent from source GPU j to serving GPU g under the plan.
+    """float64 ``[M, L, G, G]``: tokens sent from source GPU j to serving GPU g under the plan, for loads
+    ``x [M, L, G, E]`` (``planners.scoring.plan_flow``, the one implementation ``relibra score`` uses too)."""
+    from .planners.scoring import plan_flow as _plan_flow
 
-    ``x`` is ``[M, L, G, E]`` (tokens of source j routed to expert e). Pairs without split rows go to
-    the expert's home; the (m, l, j, e) pairs that have split rows are served as the rows say (the
-    same rule as ``ReplicaPlan.shares``), without building the dense ``[M, L, G, E, G]`` shares.
-    """
-    x = np.asarray(x, dtype=np.float64)
-    M, L, G, E = x.shape
-    home = plan.placement.expert_gpu  # [L, E]
-    onehot = (home[:, :, None] == np.arange(G)).astype(np.float64)  # [L, E, G]
-    flow = np.matmul(x, onehot[None])  # [M, L, G, E] @ [1, L, E, G]
-    idx = plan.replicas.split_index
-    if len(idx):
-        share = plan.replicas.split_share.astype(np.float64)
-        m, l, j, e, g = (idx[:, c].astype(np.int64) for c in range(5))
-        key = ((m * L + l) * G + j) * E + e
-        ukey, first = np.unique(key, return_index=True)
-        um, ul, uj, ue = m[first], l[first], j[first], e[first]
-        np.subtract.at(flow, (um, ul, uj, home[ul, ue]), x[um, ul, uj, ue])
-        np.add.at(flow, (m, l, j, g), x[m, l, j, e] * share)
-    return flow
+    return _plan_flow(plan, x)
 
 
 def uniform_loads(x: np.ndarray) -> np.ndarray:
@@ -365,29 +349,20 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
 
 
 def balanced_ideal_loads(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
-    """int64 ``[M, L, G, E]``: the Balanced ideal of ``batch`` (RELIBRA.md §8), as ``relibra score`` defines it.
+    """int64 ``[M, L, G, E]``: the Balanced ideal of ``batch`` (RELIBRA.md §8), as ``relibra score`` defines it
+    (``planners.scoring.balanced_plan_loads``: uniform random experts seeded by ``plan.stats["seed"]``, each
+    source keeping the plan's tokens, or an even split with ``stats["balanced_sources"] == "even"``)."""
+    from .planners.scoring import balanced_plan_loads
 
-    Every token draws its k experts uniformly at random (seeded by ``plan.stats["seed"]``); each
-    source GPU keeps the tokens the plan's sample placement gives it, or, when
-    ``plan.stats["balanced_sources"] == "even"``, every micro-batch's tokens are split evenly over
-    the G sources (``planners.baselines.balanced_sources`` / ``balanced_loads``).
-    """
-    from .planners.baselines import balanced_loads, balanced_sources
-
-    src = balanced_sources(batch.lengths, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches,
-                           cluster.num_gpus, plan.stats.get("balanced_sources", "batch"))
-    return balanced_loads(src, model, int(plan.stats.get("seed", 0)))
+    return balanced_plan_loads(plan, batch, model, cluster.num_gpus)
 
 
 def plan_loads(plan: BatchPlan, batch: Any, cluster: ClusterSpec) -> np.ndarray:
-    """int64 ``[M, L, G, E]``: the batch's loads under the plan's sample placement (M = the plan's)."""
-    if batch.num_sequences != plan.samples.num_samples:
-        raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
-    x = batch.loads(plan.samples.gpu, cluster.num_gpus, micro_batch=plan.samples.micro_batch)
-    if x.shape[0] < plan.num_micro_batches:  # trailing empty micro-batches
-        pad = np.zeros((plan.num_micro_batches - x.shape[0],) + x.shape[1:], dtype=x.dtype)
-        x = np.concatenate([x, pad])
-    return x
+    """int64 ``[M, L, G, E]``: the batch's loads under the plan's sample placement (M = the plan's;
+    ``planners.scoring.plan_loads``)."""
+    from .planners.scoring import plan_loads as _plan_loads
+
+    return _plan_loads(plan, batch, cluster.num_gpus)
 
 
 def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: ClusterSpec, *,

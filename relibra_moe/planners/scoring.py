@@ -51,7 +51,10 @@ def check_plan_batch(plan: BatchPlan, batch, model: ModelSpec) -> None:
 
 
 def plan_loads(plan: BatchPlan, batch, num_gpus: int) -> np.ndarray:
-    """int64 ``[M, L, G, E]`` loads of ``batch`` under the plan's sample placement (M = the plan's)."""
+    """int64 ``[M, L, G, E]``: the batch's loads under the plan's sample placement (M = the plan's; trailing
+    empty micro-batches are zero)."""
+    if batch.num_sequences != plan.samples.num_samples:
+        raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
     M = plan.num_micro_batches
     x = np.asarray(batch.loads(plan.samples.gpu, num_gpus, plan.samples.micro_batch))
     if x.shape[0] < M:
@@ -59,13 +62,31 @@ def plan_loads(plan: BatchPlan, batch, num_gpus: int) -> np.ndarray:
     return x
 
 
+def balanced_plan_loads(plan: BatchPlan, batch, model: ModelSpec, num_gpus: int) -> np.ndarray:
+    """int64 ``[M, L, G, E]``: the Balanced ideal of ``batch`` (RELIBRA.md §8) for the plan's sample placement.
+
+    Every token draws its k experts uniformly at random (seeded by ``plan.stats["seed"]``); each source GPU
+    keeps the tokens the plan gives it, or, when ``plan.stats["balanced_sources"] == "even"``, every
+    micro-batch's tokens are split evenly over the G sources (``baselines.balanced_sources`` /
+    ``balanced_loads``).
+    """
+    src = balanced_sources(batch.lengths, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches,
+                           num_gpus, plan.stats.get("balanced_sources", "batch"))
+    return balanced_loads(src, model, int(plan.stats.get("seed", 0)))
+
+
 def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
-    """float64 ``[M, L, G, G]`` tokens from source j to serving GPU g: homes, overridden by split rows."""
+    """float64 ``[M, L, G, G]``: tokens sent from source GPU j to serving GPU g under the plan.
+
+    ``x`` is ``[M, L, G, E]`` (tokens of source j routed to expert e). Pairs without split rows go to
+    the expert's home; the (m, l, j, e) pairs that have split rows are served as the rows say (the
+    same rule as ``ReplicaPlan.shares``), without building the dense ``[M, L, G, E, G]`` shares.
+    """
     x = np.asarray(x, dtype=np.float64)
     M, L, G, E = x.shape
-    home = plan.placement.expert_gpu.astype(np.int64)
+    home = plan.placement.expert_gpu.astype(np.int64)  # [L, E]
     onehot = (home[:, :, None] == np.arange(G)).astype(np.float64)  # [L, E, G]
-    flow = np.einsum("mlje,leg->mljg", x, onehot)
+    flow = np.matmul(x, onehot[None])  # [M, L, G, E] @ [1, L, E, G]
     idx = plan.replicas.split_index.astype(np.int64)
     if len(idx):
         m, l, j, e, g = idx.T
@@ -102,9 +123,7 @@ def score_plan(plan: BatchPlan, batch, model: ModelSpec, cluster: ClusterSpec, *
     plan.validate(model, cluster, num_samples=batch.num_sequences)
     G = cluster.num_gpus
     if plan.stats.get("strategy") == "balanced":
-        src = balanced_sources(batch.lengths, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches, G,
-                               plan.stats.get("balanced_sources", "batch"))
-        x = balanced_loads(src, model, int(plan.stats.get("seed", 0)))
+        x = balanced_plan_loads(plan, batch, model, G)
     else:
         x = plan_loads(plan, batch, G)
     cost = cost_from_flow(plan_flow(plan, x), model, cluster, beta)
