@@ -74,3 +74,21 @@ def test_simulate_model_mismatch_is_an_error(files, capsys):
     assert "PlanError" in err and "24 MoE layers and 32 experts" in err
     assert main(["simulate", str(trace_path), str(plan_path), "--model", "nope"]) == 1
     assert "unknown model preset 'nope'" in capsys.readouterr().err
+
+
+def test_simulate_bad_previous_and_optimizer_bytes(files, capsys, tmp_path):
+    """A --previous plan for another GPU count and a negative --optimizer-bytes end in a PlanError naming them."""
+    batch, _, trace_path, plan_path, model = files
+    L, E = model.num_layers, model.num_experts
+    wide = BatchPlan(Placement.static(L, E, 16), SamplePlacement(np.zeros(6, np.int32), np.arange(6), 1),
+                     ReplicaPlan.empty(1, L, 16, 0), 16, 8, {})
+    wide_path = tmp_path / "wide.npz"
+    wide.save(wide_path)
+    base = ["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b"]
+    assert main(base + ["--previous", str(wide_path)]) == 1
+    err = capsys.readouterr().err
+    assert "previous placement: expert_gpu[0, 16] = 8 is outside [0, 8)" in err, err
+    assert main(base + ["--optimizer-bytes", "-1"]) == 1
+    assert "optimizer_bytes_per_param=-1.0 must be a finite number >= 0" in capsys.readouterr().err
+    assert main(base + ["--cluster", "nope"]) == 1
+    assert "'nope'" in capsys.readouterr().err

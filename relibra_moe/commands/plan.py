@@ -83,6 +83,27 @@ def _check_batch(batch, model, path: str) -> None:
                         f"model {model.name} has {model.num_layers} and {model.num_experts}")
 
 
+def cluster_of_plan(plan, plan_path: str, cluster_name: str):
+    """The ClusterSpec a plan file was made for: its ``num_gpus`` / ``gpus_per_node`` on fabric ``cluster_name``."""
+    if plan.num_gpus % plan.gpus_per_node:
+        raise PlanError(f"plan {plan_path}: num_gpus={plan.num_gpus} is not a multiple of "
+                        f"gpus_per_node={plan.gpus_per_node}")
+    return _cluster(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node)
+
+
+def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: str):
+    """``(model, batch, plan, cluster)`` for ``relibra score`` / ``relibra simulate``: the preset, the trace
+    (checked against the model), the plan file and the cluster it was made for."""
+    from ..plan import BatchPlan
+    from ..trace import TraceBatch
+
+    model = _model(model_name)
+    batch = TraceBatch.load(trace_path)
+    _check_batch(batch, model, trace_path)
+    plan = BatchPlan.load(plan_path)
+    return model, batch, plan, cluster_of_plan(plan, plan_path, cluster_name)
+
+
 def _score(plan, batch, model, cluster, balanced: bool) -> dict[str, Any]:
     from ..planners.baselines import balanced_t_moe
     from ..planners.scoring import json_summary, score_plan
@@ -130,17 +151,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
 def score_file(trace_path: str, plan_path: str, model_name: str, cluster_name: str = "hopper-rail",
                balanced: bool = False) -> dict[str, Any]:
     """Load a trace and a plan file, score the plan (what ``relibra score --json`` prints)."""
-    from ..plan import BatchPlan
-    from ..trace import TraceBatch
-
-    model = _model(model_name)
-    batch = TraceBatch.load(trace_path)
-    _check_batch(batch, model, trace_path)
-    plan = BatchPlan.load(plan_path)
-    if plan.num_gpus % plan.gpus_per_node:
-        raise PlanError(f"plan {plan_path}: num_gpus={plan.num_gpus} is not a multiple of "
-                        f"gpus_per_node={plan.gpus_per_node}")
-    cluster = _cluster(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node)
+    model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name)
     out: dict[str, Any] = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
                            "cluster": {"name": cluster.name, "nodes": cluster.nodes,
                                        "gpus_per_node": cluster.gpus_per_node}}

@@ -10,8 +10,6 @@ import argparse
 import json
 from typing import Any
 
-from ..errors import PlanError
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -38,26 +36,9 @@ def simulate_files(trace_path: str, plan_path: str, model_name: str, cluster_nam
     """Load the files, simulate, return the JSON-ready result (what ``--json`` prints)."""
     from ..plan import BatchPlan
     from ..sim import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, simulate_step
-    from ..specs import cluster_preset, model_preset
-    from ..trace import TraceBatch
+    from .plan import load_inputs
 
-    try:
-        model = model_preset(model_name)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from None
-    batch = TraceBatch.load(trace_path)
-    plan = BatchPlan.load(plan_path)
-    if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
-        raise PlanError(f"trace {trace_path} has {batch.num_layers} MoE layers and {batch.num_experts} experts; "
-                        f"model {model.name} has {model.num_layers} and {model.num_experts}")
-    if plan.num_gpus % plan.gpus_per_node:
-        raise PlanError(f"plan {plan_path}: num_gpus={plan.num_gpus} is not a multiple of "
-                        f"gpus_per_node={plan.gpus_per_node}")
-    try:
-        cluster = cluster_preset(cluster_name, nodes=plan.num_gpus // plan.gpus_per_node,
-                                 gpus_per_node=plan.gpus_per_node)
-    except ValueError as exc:
-        raise PlanError(str(exc)) from None
+    model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name)
     previous = BatchPlan.load(previous_path).placement if previous_path else None
     opt = DEFAULT_OPTIMIZER_BYTES_PER_PARAM if optimizer_bytes is None else optimizer_bytes
     step = simulate_step(plan, batch, model, cluster, previous=previous, optimizer_bytes_per_param=opt,
