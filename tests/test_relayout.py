@@ -133,8 +133,8 @@ def test_relayout_single_rank_validates():
 
 def test_relayout_rejects_non_integer_placements():
     layer = ReplayBalancedMoE(H, FF, 4, K)
-    with pytest.raises(PlanError, match="integer GPU ids, got dtype float64 with value 0.5"):
-        relayout(layer, np.full((1, 4), 0.5))
+    with pytest.raises(PlanError, match=r"integer GPU ids: expert_gpu\[0, 2\] = 0.5 \(dtype float64\)"):
+        relayout(layer, np.array([[0, 0, 0.5, 0]]))
     with pytest.raises(PlanError, match="dtype bool"):
         relayout(layer, np.zeros((1, 4), bool))
     assert relayout(layer, np.zeros((1, 4)))["layers_changed"] == 0  # integral floats are GPU ids

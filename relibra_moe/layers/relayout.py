@@ -81,10 +81,14 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
         placement = placement.placement
     grid = placement.expert_gpu if isinstance(placement, Placement) else np.asarray(placement)
     grid = np.asarray(grid)
-    if grid.dtype == bool or not (np.issubdtype(grid.dtype, np.integer) or
-                                  (np.issubdtype(grid.dtype, np.floating) and np.array_equal(grid, np.round(grid)))):
-        raise PlanError(f"placement expert_gpu must hold integer GPU ids, got dtype {grid.dtype}"
-                        + (f" with value {grid.flat[0]!r}" if grid.size else ""))
+    if grid.dtype == bool or not np.issubdtype(grid.dtype, np.number):
+        raise PlanError(f"placement expert_gpu must hold integer GPU ids, got dtype {grid.dtype}")
+    if not np.issubdtype(grid.dtype, np.integer):
+        frac = np.flatnonzero(grid.ravel() != np.round(grid.ravel()))
+        if len(frac):
+            at = np.unravel_index(frac[0], grid.shape)
+            raise PlanError(f"placement expert_gpu must hold integer GPU ids: expert_gpu{list(map(int, at))} = "
+                            f"{grid[at].item()!r} (dtype {grid.dtype})")
     grid = grid.astype(np.int64)
     if grid.ndim != 2 or grid.shape[0] != len(layers):
         raise PlanError(f"placement expert_gpu has shape {grid.shape}, the model has {len(layers)} MoE layers")
