@@ -68,9 +68,9 @@ def test_eplb_global_policy_when_groups_do_not_divide_nodes():
 
 
 def test_eplb_errors_and_all_layers():
-    with pytest.raises(PlanError, match="not divisible"):
+    with pytest.raises(PlanError, match="num_experts=6 is not divisible by num_gpus=4"):
         eplb_layer(np.ones(6), num_gpus=4, gpus_per_node=2)
-    with pytest.raises(PlanError, match=r"\[L, E\]"):
+    with pytest.raises(PlanError, match=r"weights must be \[L, E\], got shape \(8,\)"):
         eplb(np.ones(8), 4, 2)
     homes, slots = eplb(np.ones((3, 8)), 4, 2, replica_slots=2)
     assert homes.shape == (3, 8) and slots.shape == (3, 4, 2)
@@ -121,5 +121,5 @@ def test_balanced_sources_modes():
     sg = np.array([0, 1, 1, 1])
     np.testing.assert_array_equal(balanced_sources(lengths, mb, sg, 2, 2, "batch"), [[10, 20], [0, 35]])
     np.testing.assert_array_equal(balanced_sources(lengths, mb, sg, 2, 2, "even"), [[15, 15], [18, 17]])
-    with pytest.raises(PlanError, match="mode"):
+    with pytest.raises(PlanError, match="balanced sources mode 'odd' is not 'batch' or 'even'"):
         balanced_sources(lengths, mb, sg, 2, 2, "odd")

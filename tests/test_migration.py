@@ -117,5 +117,11 @@ def test_plan_batch_migration_option_and_previous_validation():
     # previous = the plan's own homes: nothing moves
     again = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=on.placement, iters=300, locality_iters=200)
     assert again.stats["migration"]["moved"] <= int((again.placement.expert_gpu != on.placement.expert_gpu).sum())
-    with pytest.raises(PlanError, match="previous placement"):
+    with pytest.raises(PlanError, match=r"previous placement must be \[L=3, E=12\] GPUs in \[0, 6\), got shape "
+                                        r"\(2, 2\)"):
         plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=np.zeros((2, 2), np.int64))
+    with pytest.raises(PlanError, match=r"previous placement: expert_gpu\[0, 0\] = 6 is outside \[0, 6\)"):
+        plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=np.full((3, 12), 6))
+    with pytest.raises(PlanError, match="previous placement: expert_gpu: GPU 0 homes 12 experts in layer 0; "
+                                        "every GPU must home exactly E/G = 2"):
+        plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=np.zeros((3, 12), np.int64))

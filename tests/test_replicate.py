@@ -106,16 +106,16 @@ def test_process_pool_matches_serial():
 
 def test_errors():
     eg = np.repeat(np.arange(4), 2)
-    with pytest.raises(PlanError, match="replica_slots"):
+    with pytest.raises(PlanError, match="replica_slots=-1 must be an int >= 0"):
         replicate_cell(np.ones((4, 8)), eg, MODEL, CLUSTER, -1)
-    with pytest.raises(PlanError, match="x has shape"):
+    with pytest.raises(PlanError, match=r"x has shape \(5, 8\), expected \[G=4, E\]"):
         replicate_cell(np.ones((5, 8)), eg, MODEL, CLUSTER, 1)
-    with pytest.raises(PlanError, match="expert_gpu"):
+    with pytest.raises(PlanError, match=r"expert_gpu\[4\] = 4 is outside \[0, 4\)"):
         replicate_cell(np.ones((4, 8)), np.arange(8), MODEL, CLUSTER, 1)
-    with pytest.raises(PlanError, match="non-negative"):
+    with pytest.raises(PlanError, match=r"x\[0, 0\] = -1.0: token counts must be finite and >= 0"):
         replicate_cell(-np.ones((4, 8)), eg, MODEL, CLUSTER, 1)
     batch = make_batch(np.random.default_rng(0))
-    with pytest.raises(PlanError, match="placement"):
+    with pytest.raises(PlanError, match=r"placement expert_gpu has shape \(2, 8\), expected \[3, 8\]"):
         replicate_batch(Placement(np.zeros((2, 8))), SamplePlacement(np.zeros(8), np.zeros(8)), batch, MODEL,
                         CLUSTER, 1)
 

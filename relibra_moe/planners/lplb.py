@@ -20,7 +20,7 @@ from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from .replicate import CellResult, assemble
-from .split import fast_split, solve_split_lp
+from .split import check_index_range, fast_split, solve_split_lp
 
 __all__ = ["lplb_copies", "lplb_replicas"]
 
@@ -39,8 +39,9 @@ def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, 
     if expert_load.shape != expert_gpu.shape:
         raise PlanError(f"expert_load has shape {expert_load.shape}, expected {expert_gpu.shape}")
     G = int(num_gpus)
-    if G % gpus_per_node or (expert_gpu.size and (expert_gpu.min() < 0 or expert_gpu.max() >= G)):
-        raise PlanError(f"expert_gpu must hold GPUs in [0, {G}) with G a multiple of gpus_per_node={gpus_per_node}")
+    if G % gpus_per_node:
+        raise PlanError(f"num_gpus={G} is not a multiple of gpus_per_node={gpus_per_node}")
+    check_index_range("expert_gpu", expert_gpu, 0, G)
     out = np.full((G, slots), -1, np.int32)
     if gpus_per_node < 2 or slots <= 0:
         return out

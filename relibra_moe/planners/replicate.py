@@ -33,6 +33,8 @@ from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
 from .split import (
     aggregates,
     cell_weights,
+    check_index_range,
+    check_token_counts,
     lower_bound,
     shares_from_flows,
     smooth_units,
@@ -418,10 +420,10 @@ def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpe
     if x.ndim != 2 or x.shape[0] != G:
         raise PlanError(f"x has shape {x.shape}, expected [G={G}, E]")
     E = x.shape[1]
-    if expert_gpu.shape != (E,) or (E and (expert_gpu.min() < 0 or expert_gpu.max() >= G)):
+    if expert_gpu.shape != (E,):
         raise PlanError(f"expert_gpu must be [E={E}] GPUs in [0, {G}), got shape {expert_gpu.shape}")
-    if not np.all(np.isfinite(x)) or (x < 0).any():
-        raise PlanError("x must hold finite, non-negative token counts")
+    check_index_range("expert_gpu", expert_gpu, 0, G)
+    check_token_counts("x", x)
     if not isinstance(slots, (int, np.integer)) or slots < 0:
         raise PlanError(f"replica_slots={slots!r} must be an int >= 0")
     if candidates is None:

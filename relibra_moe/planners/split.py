@@ -82,6 +82,22 @@ class SplitSolution:
     t_moe: float
 
 
+def check_token_counts(name: str, x: np.ndarray) -> None:
+    """Raise PlanError naming the first entry of ``x`` (any shape, tokens) that is not finite and >= 0."""
+    bad = ~np.isfinite(x) | (x < 0)
+    if bad.any():
+        i = tuple(int(v) for v in np.argwhere(bad)[0])
+        raise PlanError(f"{name}[{', '.join(map(str, i))}] = {x[i]}: token counts must be finite and >= 0")
+
+
+def check_index_range(name: str, a: np.ndarray, lo: int, hi: int) -> None:
+    """Raise PlanError naming the first entry of the int array ``a`` outside ``[lo, hi)``."""
+    bad = (a < lo) | (a >= hi)
+    if bad.any():
+        i = tuple(int(v) for v in np.argwhere(bad)[0])
+        raise PlanError(f"{name}[{', '.join(map(str, i))}] = {a[i]} is outside [{lo}, {hi})")
+
+
 def _check_cell(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarray,
                 cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     x = np.asarray(x, dtype=np.float64)
@@ -91,16 +107,13 @@ def _check_cell(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarra
     if x.ndim != 2 or x.shape[0] != G:
         raise PlanError(f"x has shape {x.shape}, expected [G={G}, E]")
     E = x.shape[1]
-    if not np.all(np.isfinite(x)) or (x < 0).any():
-        raise PlanError("x must hold finite, non-negative token counts")
+    check_token_counts("x", x)
     if expert_gpu.shape != (E,):
         raise PlanError(f"expert_gpu has shape {expert_gpu.shape}, expected [E={E}]")
-    if E and (expert_gpu.min() < 0 or expert_gpu.max() >= G):
-        raise PlanError(f"expert_gpu holds a GPU outside [0, {G})")
+    check_index_range("expert_gpu", expert_gpu, 0, G)
     if replica_expert.ndim != 2 or replica_expert.shape[0] != G:
         raise PlanError(f"replica_expert has shape {replica_expert.shape}, expected [G={G}, r]")
-    if replica_expert.size and (replica_expert.min() < -1 or replica_expert.max() >= E):
-        raise PlanError(f"replica_expert holds an expert outside [-1, {E})")
+    check_index_range("replica_expert", replica_expert, -1, E)
     return x, expert_gpu, replica_expert
 
 

@@ -226,9 +226,13 @@ def previous_homes(options: dict[str, Any], model: ModelSpec, cluster: ClusterSp
     if prev is None:
         return baselines.static_placement(model.num_layers, model.num_experts, cluster.num_gpus)
     prev = np.asarray(getattr(prev, "expert_gpu", prev), dtype=np.int64)
-    if prev.shape != (model.num_layers, model.num_experts) or prev.min() < 0 or prev.max() >= cluster.num_gpus:
+    if prev.shape != (model.num_layers, model.num_experts):
         raise PlanError(f"previous placement must be [L={model.num_layers}, E={model.num_experts}] GPUs in "
                         f"[0, {cluster.num_gpus}), got shape {prev.shape}")
+    try:
+        Placement(prev).validate(model, cluster)
+    except PlanError as exc:
+        raise PlanError(f"previous placement: {exc}") from None
     return prev
 
 
