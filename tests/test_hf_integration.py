@@ -372,3 +372,28 @@ def test_activation_checkpointing_under_replay():
     plain, ckpt = grads(False), grads(True)
     for n in plain:
         torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-6, atol=1e-8, msg=n)
+
+
+def test_bad_swap_and_replay_arguments_are_named():
+    from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+
+    model = tiny_model("qwen3_moe")
+    for bad in (1.5, True, "2", -1):
+        with pytest.raises(ValueError, match=f"replica_slots must be an integer >= 0, got {bad!r}"):
+            swap_moe_blocks(model, replica_slots=bad)
+    swap_moe_blocks(model)
+    tr0 = RoutingTrace(np.zeros((4, 2, 2), np.int16) + np.array([0, 1], np.int16), [0, 2], 8, 2)
+    tr_k3 = RoutingTrace(np.zeros((4, 2, 3), np.int16) + np.array([0, 1, 2], np.int16), [0, 2], 8, 3)
+    with pytest.raises(ReplayError, match=r"trace 1 has E=8, k=3"):
+        with replay(model, [tr0, tr_k3]):
+            pass
+    with pytest.raises(ReplayError, match="plan must be a BatchPlan.*got ReplicaPlan"):
+        with replay(model, [tr0], ReplicaPlan.empty(1, 2, 1, 0), micro_batch=0):
+            pass
+    plan = BatchPlan(Placement(np.zeros((2, 8))), SamplePlacement(np.zeros(1), np.zeros(1)),
+                     ReplicaPlan.empty(1, 2, 1, 0), num_gpus=1, gpus_per_node=1)
+    with pytest.raises(ReplayError, match=r"rank=3 is outside the plan's \[0, num_gpus=1\)"):
+        with replay(model, [tr0], plan, micro_batch=0, rank=3):
+            pass
+    with replay(model, [tr0], plan, micro_batch=0) as rows:  # the valid plan selects the one sample
+        assert rows == [0]

@@ -435,8 +435,8 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
 
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if replica_slots < 0:
-        raise ValueError(f"replica_slots must be >= 0, got {replica_slots}")
+    if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
+        raise ValueError(f"replica_slots must be an integer >= 0, got {replica_slots!r}")
     blocks = moe_blocks(model)
     buffer = None
     for index, (layer_id, name, block) in enumerate(blocks):
@@ -599,6 +599,10 @@ def replay(model: nn.Module, routing: Any, plan: Any = None, micro_batch: int | 
         raise ReplayError("replay: the model has unswapped MoE blocks; call swap_moe_blocks(model) first")
     traces, batch_mb = _as_traces(routing)
     t0 = traces[0]
+    for i, t in enumerate(traces[1:], 1):
+        if (t.num_experts, t.topk) != (t0.num_experts, t0.topk) or not np.array_equal(t.layer_ids, t0.layer_ids):
+            raise ReplayError(f"replay: trace {i} has E={t.num_experts}, k={t.topk}, layer_ids {t.layer_ids.tolist()}; "
+                              f"trace 0 has E={t0.num_experts}, k={t0.topk}, layer_ids {t0.layer_ids.tolist()}")
     layer_ids = np.array([b.layer_id for b in blocks], dtype=np.int32)
     if not np.array_equal(t0.layer_ids, layer_ids):
         raise ReplayError(f"replay: routing has layer_ids {t0.layer_ids.tolist()}, the model's MoE layers are "
@@ -606,12 +610,19 @@ def replay(model: nn.Module, routing: Any, plan: Any = None, micro_batch: int | 
     if t0.num_experts != blocks[0].num_experts or t0.topk != blocks[0].top_k:
         raise ReplayError(f"replay: routing has E={t0.num_experts}, k={t0.topk}; the model has "
                           f"E={blocks[0].num_experts}, k={blocks[0].top_k}")
+    from ..plan import BatchPlan
+
+    if plan is not None and not isinstance(plan, BatchPlan):
+        raise ReplayError(f"replay: plan must be a BatchPlan (it selects each rank's samples), got "
+                          f"{type(plan).__name__}")
     local = [b for b in blocks if isinstance(b, ReplayMoEBlock)]
     if plan is not None and local and plan.num_gpus != 1:
         raise ReplayError(f"replay: a plan for {plan.num_gpus} GPUs needs ReplayBalancedMoE layers; layers "
                           f"{[b.layer_id for b in local]} run on the single-process 'local' backend")
     if plan is not None and rank is None and not local:
         rank = int(blocks[0].rank)
+    if plan is not None and rank is not None and not 0 <= rank < plan.num_gpus:
+        raise ReplayError(f"replay: rank={rank} is outside the plan's [0, num_gpus={plan.num_gpus})")
     sel = _select(len(traces), batch_mb, plan, micro_batch, rank)
     chosen = [traces[i] for i in sel]
     desc = f"{len(chosen)} sequences, lengths {[t.num_tokens for t in chosen]}"
