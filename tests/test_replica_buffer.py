@@ -41,7 +41,10 @@ def test_48_layer_model_allocates_r_slots_once():
     assert len(slot_ptrs) == 2  # one gate/up and one down tensor for the whole model
     assert buf.nbytes == 2 * 3 * 8 * 12 * 4
     # the slots are not module state: nothing per layer in the state dict
-    assert not any("w_gate_up" in k and v.shape[0] == 2 for k, v in model.state_dict().items() if "replica" in k)
+    sd = model.state_dict()
+    assert not any(v.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in buf.tensors}
+                   for v in sd.values())
+    assert not any(v.shape[:1] == (2,) and v.shape[1:] in buf.shapes for v in sd.values())
     assert sum(v.numel() for k, v in model.state_dict().items() if "experts" in k) == 48 * 4 * 3 * 8 * 12
 
 
