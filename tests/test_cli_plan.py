@@ -238,3 +238,28 @@ def test_plan_batch_edge_clusters(nodes, gpn, r):
         assert (plan.replicas.replica_expert < 0).all()
     if r == 0:
         assert plan.replicas.replica_expert.shape[-1] == 0 and len(plan.replicas.split_index) == 0
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_empty_micro_batch_and_zero_token_sample(strategy):
+    """Micro-batch 1 holds no sample and sample 3 has no token: every strategy still gives a valid plan whose
+    score equals the per-micro-batch reference, the empty micro-batch costs nothing and (relibra) holds no
+    replica."""
+    from relibra_moe.sim import simulate_step
+
+    base = _batch(4, n=8)
+    empty = RoutingTrace(np.zeros((0, 24, 4), np.int16), np.arange(24, dtype=np.int32), 32, 4, source="empty")
+    batch = TraceBatch([base.trace(i) for i in range(3)] + [empty] + [base.trace(i) for i in range(3, 8)],
+                       micro_batch=np.array([0, 0, 0, 0, 2, 2, 2, 2, 2], np.int32))
+    assert batch.lengths[3] == 0
+    plan = plan_batch(batch, MODEL, CLUSTER, strategy, replica_slots=1, iters=100, locality_iters=100)
+    plan.validate(MODEL, CLUSTER, num_samples=9)
+    assert plan.num_micro_batches == 3 and not (plan.samples.micro_batch == 1).any()
+    s = score_plan(plan, batch, MODEL, CLUSTER)
+    assert s["t_moe"][1].sum() == 0.0
+    if strategy == "relibra":  # EPLB's and LPLB's copies are chosen per batch, the same in every micro-batch
+        assert (plan.replicas.replica_expert[1] < 0).all()
+    if strategy != "balanced":  # balanced is scored on the ideal's loads
+        assert s["t_moe_total_s"] == pytest.approx(_reference_total(plan, batch), rel=1e-9)
+    step = simulate_step(plan, batch, MODEL, CLUSTER)
+    assert step.micro_batch_s[1] == 0.0 and step.tokens == int(batch.lengths.sum())
