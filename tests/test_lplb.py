@@ -8,8 +8,8 @@ import pytest
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError
 from relibra_moe.plan import Placement, SamplePlacement
+from relibra_moe.planners.exact import split_lp_reference
 from relibra_moe.planners.lplb import lplb_copies, lplb_replicas
-from relibra_moe.planners.split import solve_split_lp
 from relibra_moe.specs import ClusterSpec, ModelSpec
 from relibra_moe.trace import RoutingTrace, TraceBatch
 
@@ -49,8 +49,9 @@ def test_lplb_plan_is_valid_and_optimal_per_cell():
     for m in range(2):
         t = moe_cost(x[m], placement.expert_gpu, MODEL, CLUSTER, shares=plan.shares(placement, m)).t_moe
         for l in range(2):
-            ref = solve_split_lp(x[m, l], placement.expert_gpu[l], plan.replica_expert[m, l], MODEL, CLUSTER)
-            assert t[l] == pytest.approx(ref.t_moe, rel=1e-5)
+            # optimal for its copies: the independent cvxpy LP of the same split
+            ref, _ = split_lp_reference(x[m, l], placement.expert_gpu[l], plan.replica_expert[m, l], MODEL, CLUSTER)
+            assert t[l] == pytest.approx(ref, rel=1e-5)
             assert t[l] <= moe_cost(x[m, l], placement.expert_gpu[l], MODEL, CLUSTER).t_moe * (1 + 1e-9)
     # copies are the same in every micro-batch (fixed for the batch)
     np.testing.assert_array_equal(plan.replica_expert[0], plan.replica_expert[1])
