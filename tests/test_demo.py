@@ -78,7 +78,7 @@ def test_scenario_selection_and_list(capsys):
     assert [s.name for s in select_scenarios(full, ["qwen3-235b-a22b/mixed"])] == ["qwen3-235b-a22b/mixed"]
     assert len(select_scenarios(full, ["qwen3-30b-a3b"])) == 4
     assert len(select_scenarios(full, ["*/mixed"])) == 3
-    with pytest.raises(RelibraError, match="matches none"):
+    with pytest.raises(RelibraError, match=r"--scenario \['nope'\] matches none of"):
         select_scenarios(full, ["nope"])
     assert main(["demo", "--list"]) == 0
     assert "qwen3-235b-a22b/mixed" in capsys.readouterr().out

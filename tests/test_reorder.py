@@ -129,7 +129,7 @@ def test_batch_cost_matches_cost_model():
     eg = rng.permutation(np.repeat(np.arange(4), 2))
     assert batch_cost(x, eg, model, cluster) == pytest.approx(float(moe_cost(x, eg, model, cluster).t_moe.sum()),
                                                               rel=1e-12)
-    with pytest.raises(PlanError, match="expert_gpu must be"):
+    with pytest.raises(PlanError, match=r"expert_gpu must be \[E=8\] GPUs in \[0, 4\), got \[4 4 4 4 4 4 4 4\]"):
         batch_cost(x, np.full(8, 4), model, cluster)
 
 
@@ -243,5 +243,5 @@ def test_node_balanced_start_balances_nodes():
 
     lpt = lpt_placement(x.sum(axis=(0, 1)), cluster.num_gpus)
     assert node_skew(eg) <= node_skew(lpt) + 1e-12
-    with pytest.raises(PlanError, match="skew_cap"):
+    with pytest.raises(PlanError, match="skew_cap=-1.0 must be >= 0"):
         batch_cost(x, eg, model, cluster, node_comp=True, skew_cap=-1.0)
