@@ -83,6 +83,10 @@ def test_scenario_selection_and_list(capsys):
     assert main(["demo", "--list"]) == 0
     assert "qwen3-235b-a22b/mixed" in capsys.readouterr().out
     assert main(["demo", "--scenario", "nope", "--out", "/nonexistent-never-written"]) == 1
+    capsys.readouterr()
+    for flags, msg in ((["--workers", "0"], "--workers=0 must be >= 1"), (["--seed", "-1"], "--seed=-1 must be >= 0")):
+        assert main(["demo", "--quick", "--out", "/nonexistent-never-written", *flags]) == 1
+        assert msg in capsys.readouterr().err
 
 
 def test_ablation_and_targets_from_results():

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import RelibraError
+from ..errors import PlanError, RelibraError
 from ..plan import json_default
 
 STRATEGY_ORDER = ("static", "eplb", "lplb", "relibra-inter", "relibra", "balanced")
@@ -438,6 +438,10 @@ def run(args: argparse.Namespace) -> int:
                   f"layers {sc.layers or 'all'}")
         return 0
     scenarios = select_scenarios(scenarios, args.scenario)
+    if args.workers is not None and args.workers < 1:
+        raise PlanError(f"--workers={args.workers} must be >= 1 (omit it for the CPU count)")
+    if args.seed < 0:
+        raise PlanError(f"--seed={args.seed} must be >= 0")
     workers = args.workers if args.workers else max(1, min(os.cpu_count() or 1, 4))
     run_demo(scenarios, Path(args.out), seed=args.seed, workers=workers, progress=not args.no_progress,
              quick=args.quick)
