@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 STRATEGY_COLORS = {
     "static": "#7f7f7f", "eplb": "#1f77b4", "lplb": "#17becf", "relibra-inter": "#ff7f0e",
@@ -109,7 +112,7 @@ def plot_throughput(path: str | Path, scenarios: Sequence[str], relative: Mappin
     return path
 
 
-def scenario_table(scenario: Mapping[str, Any]):
+def scenario_table(scenario: Mapping[str, Any]) -> Table:
     """A rich Table of one demo scenario: per strategy throughput, relative figures, skew, solve time."""
     from rich.table import Table
 
@@ -146,7 +149,7 @@ def scenario_table(scenario: Mapping[str, Any]):
     return t
 
 
-def ablation_table(ablation: Mapping[str, Any]):
+def ablation_table(ablation: Mapping[str, Any]) -> Table:
     """A rich Table like the paper's Table 4: static -> +reorder -> +replication, per scenario."""
     from rich.table import Table
 

@@ -414,6 +414,7 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``relibra demo`` to the CLI."""
     p = subparsers.add_parser(
         "demo", help="plan and simulate real and synthetic RL batches with every strategy (the main job)",
         description=__doc__.split("\n\n")[0])
@@ -430,6 +431,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``relibra demo``: list, or run the chosen scenarios and write the report; exit status 0."""
     scenarios = default_scenarios(args.quick)
     if args.list:
         for sc in scenarios:

@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
+
+if TYPE_CHECKING:
+    from ..plan import BatchPlan
+    from ..specs import ClusterSpec, ModelSpec
+    from ..trace import TraceBatch
 
 STRATEGY_NAMES = ("static", "lpt", "eplb", "balanced", "relibra-inter", "lplb", "relibra")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``relibra plan`` and ``relibra score`` to the CLI."""
     p = subparsers.add_parser(
         "plan", help="plan a batch (expert placement, sample placement, replicas) and write a plan file",
         description="Plan the batch in TRACE with a strategy, write the plan (.npz) and print its exact cost.")
@@ -59,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.set_defaults(func=run_score)
 
 
-def _model(name: str):
+def _model(name: str) -> ModelSpec:
     from ..specs import model_preset
 
     try:
@@ -68,7 +74,7 @@ def _model(name: str):
         raise PlanError(str(exc)) from None
 
 
-def _cluster(name: str, nodes: int, gpus_per_node: int):
+def _cluster(name: str, nodes: int, gpus_per_node: int) -> ClusterSpec:
     from ..specs import cluster_preset
 
     try:
@@ -83,7 +89,7 @@ def _check_batch(batch, model, path: str) -> None:
                         f"model {model.name} has {model.num_layers} and {model.num_experts}")
 
 
-def cluster_of_plan(plan, plan_path: str, cluster_name: str):
+def cluster_of_plan(plan: BatchPlan, plan_path: str, cluster_name: str) -> ClusterSpec:
     """The ClusterSpec a plan file was made for: its ``num_gpus`` / ``gpus_per_node`` on fabric ``cluster_name``."""
     if plan.num_gpus % plan.gpus_per_node:
         raise PlanError(f"plan {plan_path}: num_gpus={plan.num_gpus} is not a multiple of "
@@ -91,7 +97,8 @@ def cluster_of_plan(plan, plan_path: str, cluster_name: str):
     return _cluster(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node)
 
 
-def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: str):
+def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: str
+                ) -> tuple[ModelSpec, TraceBatch, BatchPlan, ClusterSpec]:
     """``(model, batch, plan, cluster)`` for ``relibra score`` / ``relibra simulate``: the preset, the trace
     (checked against the model), the plan file and the cluster it was made for."""
     from ..plan import BatchPlan
@@ -178,10 +185,12 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """``relibra plan``: plan, write the file, print the score; exit status 0."""
     _print(plan_file(args), args.json)
     return 0
 
 
 def run_score(args: argparse.Namespace) -> int:
+    """``relibra score``: re-score a plan file; exit status 0."""
     _print(score_file(args.trace, args.plan, args.model, args.cluster, args.balanced), args.json)
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``relibra simulate`` to the CLI."""
     p = subparsers.add_parser(
         "simulate", help="simulated training-step time of a trace under a plan",
         description="Simulate one training step (attention + MoE forward/backward per micro-batch and layer, "
@@ -52,6 +53,7 @@ def simulate_files(trace_path: str, plan_path: str, model_name: str, cluster_nam
 
 
 def run(args: argparse.Namespace) -> int:
+    """``relibra simulate``: print the simulated step (JSON or a table); exit status 0."""
     res = simulate_files(args.trace, args.plan, args.model, args.cluster, args.previous, args.optimizer_bytes,
                          args.replica_mode)
     if args.json:

@@ -18,6 +18,8 @@ micro-batch (EPLB's replicas are fixed for the batch), as EPLB-based serving sys
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..cost import moe_cost
@@ -25,6 +27,9 @@ from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan
 from ..specs import ClusterSpec, ModelSpec
 from . import _kernels
+
+if TYPE_CHECKING:
+    from ..trace import TraceBatch
 
 
 def static_placement(num_layers: int, num_experts: int, num_gpus: int) -> np.ndarray:
@@ -236,7 +241,7 @@ def balanced_sources(lengths: np.ndarray, micro_batch: np.ndarray, sample_gpu: n
     return tot // num_gpus + (np.arange(num_gpus)[None, :] < tot % num_gpus)
 
 
-def balanced_t_moe(batch, model: ModelSpec, cluster: ClusterSpec, seed: int = 0, mode: str = "batch",
+def balanced_t_moe(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, seed: int = 0, mode: str = "batch",
                    micro_batch: np.ndarray | None = None) -> float:
     """Sum over micro-batches and layers of the exact T_MoE (seconds) of the Balanced ideal of ``batch``
     (a TraceBatch with a micro-batch assignment, or ``micro_batch [N]``): uniform routing, static

@@ -14,6 +14,8 @@ tokens per batch with an LP. The paper's LPLB+ gives it the true loads of the ba
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..errors import PlanError
@@ -21,6 +23,9 @@ from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from .replicate import CellResult, assemble
 from .split import check_index_range, fast_split, solve_split_lp
+
+if TYPE_CHECKING:
+    from ..trace import TraceBatch
 
 __all__ = ["lplb_copies", "lplb_replicas"]
 
@@ -55,8 +60,8 @@ def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, 
     return out
 
 
-def lplb_replicas(placement: Placement, samples: SamplePlacement, batch, model: ModelSpec, cluster: ClusterSpec,
-                  replica_slots: int = 1, split: str = "lp", workers: int = 1) -> ReplicaPlan:
+def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
+                  cluster: ClusterSpec, replica_slots: int = 1, split: str = "lp", workers: int = 1) -> ReplicaPlan:
     """LPLB+ replicas and per-micro-batch token splits for a batch.
 
     Args:

@@ -22,7 +22,7 @@ the better wins, so the result is never worse than the paper's loop with the sam
 from __future__ import annotations
 
 from concurrent.futures import ProcessPoolExecutor
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numba as nb
 import numpy as np
@@ -42,6 +42,9 @@ from .split import (
     t_units,
     waterfill_expert,
 )
+
+if TYPE_CHECKING:
+    from ..trace import TraceBatch
 
 __all__ = ["CellResult", "replicate_cell", "replicate_cell_greedy", "replicate_cell_lp", "replicate_batch",
            "DEFAULT_CANDIDATES"]
@@ -544,7 +547,7 @@ def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int,
     return ReplicaPlan(rep, split_index, split_share, scope="node")
 
 
-def replicate_batch(placement: Placement, samples: SamplePlacement, batch, model: ModelSpec,
+def replicate_batch(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
                     cluster: ClusterSpec, replica_slots: int, workers: int = 1, seed: int = 0,
                     attn_fwd: np.ndarray | None = None, **cell_kw) -> ReplicaPlan:
     """Algorithm 2 for every micro-batch x layer of a batch.

@@ -11,7 +11,7 @@ routing, each source GPU keeping its tokens, or an even split when ``stats["bala
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,8 +21,11 @@ from ..plan import BatchPlan
 from ..specs import ClusterSpec, ModelSpec
 from .baselines import balanced_loads, balanced_sources
 
+if TYPE_CHECKING:
+    from ..trace import TraceBatch
 
-def batch_sha1(batch) -> str:
+
+def batch_sha1(batch: TraceBatch) -> str:
     """Fingerprint of a batch's routing: SHA-1 (hex) of its lengths int64 ``[N]`` and
     ``sample_expert_counts()`` int64 ``[N, L, E]`` (not of its micro-batch assignment: the plan carries its own).
 
@@ -33,7 +36,7 @@ def batch_sha1(batch) -> str:
     return h.hexdigest()
 
 
-def check_plan_batch(plan: BatchPlan, batch, model: ModelSpec) -> None:
+def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec) -> None:
     """Raise PlanError unless ``batch`` fits ``model`` and is the batch ``plan`` was made for: same L and E,
     same sample count, and (for plans that record it) the same ``batch_sha1``."""
     if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
@@ -50,7 +53,7 @@ def check_plan_batch(plan: BatchPlan, batch, model: ModelSpec) -> None:
                         f"{batch_sha1(batch)!r} (same {batch.num_sequences} samples, different routing or lengths)")
 
 
-def plan_loads(plan: BatchPlan, batch, num_gpus: int) -> np.ndarray:
+def plan_loads(plan: BatchPlan, batch: TraceBatch, num_gpus: int) -> np.ndarray:
     """int64 ``[M, L, G, E]``: the batch's loads under the plan's sample placement (M = the plan's; trailing
     empty micro-batches are zero)."""
     if batch.num_sequences != plan.samples.num_samples:
@@ -62,7 +65,7 @@ def plan_loads(plan: BatchPlan, batch, num_gpus: int) -> np.ndarray:
     return x
 
 
-def balanced_plan_loads(plan: BatchPlan, batch, model: ModelSpec, num_gpus: int) -> np.ndarray:
+def balanced_plan_loads(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, num_gpus: int) -> np.ndarray:
     """int64 ``[M, L, G, E]``: the Balanced ideal of ``batch`` (RELIBRA.md §8) for the plan's sample placement.
 
     Every token draws its k experts uniformly at random (seeded by ``plan.stats["seed"]``); each source GPU
@@ -99,7 +102,7 @@ def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
     return flow
 
 
-def score_plan(plan: BatchPlan, batch, model: ModelSpec, cluster: ClusterSpec, *,
+def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, *,
                balanced_total_s: float | None = None, beta: float = DEFAULT_BETA) -> dict[str, Any]:
     """Exact cost of a plan on a batch.
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from .replicate import CellResult, assemble, replicate_cell
 from .scoring import batch_sha1
+
+if TYPE_CHECKING:
+    from ..trace import TraceBatch
 
 log = logging.getLogger(__name__)
 
@@ -161,14 +164,14 @@ class Planner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def submit(self, batch, micro_batch_size: int | None = None) -> Future:
+    def submit(self, batch: TraceBatch, micro_batch_size: int | None = None) -> Future:
         """Plan ``batch`` on a background thread; returns a ``Future[BatchPlan]``."""
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relibra-planner")
         return self._thread.submit(self.plan, batch, micro_batch_size)
 
     # ------------------------------------------------------------------ planning
-    def plan(self, batch, micro_batch_size: int | None = None) -> BatchPlan:
+    def plan(self, batch: TraceBatch, micro_batch_size: int | None = None) -> BatchPlan:
         """Plan one global batch; returns a validated BatchPlan (``stats["fallbacks"]`` counts fallbacks)."""
         from .strategies import plan_batch
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from . import baselines
 from .locality import anneal_locality, default_locality_iters, loads_from_counts, round_robin_gpus
 from .reorder import default_iters, lpt_placement, reorder
 from .scoring import batch_sha1
+
+if TYPE_CHECKING:
+    from ..trace import TraceBatch
 
 
 @dataclass
@@ -108,17 +111,20 @@ def _maybe_repack(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarray,
 
 
 def strategy_static(ctx: PlanContext) -> BatchPlan:
+    """Megatron-LM: expert e on GPU e // (E/G) in every layer; samples round-robin (or repacked)."""
     eg = baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
     return _plan(ctx, eg, *_maybe_repack(ctx, eg))
 
 
 def strategy_lpt(ctx: PlanContext) -> BatchPlan:
+    """Greedy LPT per layer on the batch-aggregated loads ``x.sum(m, j)`` (Algorithm 1's start)."""
     x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
     eg = np.stack([lpt_placement(x[:, l].sum(axis=(0, 1)), ctx.cluster.num_gpus) for l in range(x.shape[1])])
     return _plan(ctx, eg, *_maybe_repack(ctx, eg))
 
 
 def strategy_eplb(ctx: PlanContext) -> BatchPlan:
+    """EPLB+ on the true per-layer loads; with r > 0, r redundant experts per GPU split evenly per copy."""
     x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
     eg, slots = baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node,
                                ctx.replica_slots, ctx.options.get("num_groups"))
@@ -133,6 +139,7 @@ def strategy_eplb(ctx: PlanContext) -> BatchPlan:
 
 
 def strategy_balanced(ctx: PlanContext) -> BatchPlan:
+    """The Balanced ideal: a static plan that ``score_plan`` scores on uniform random routing."""
     ctx.stats["balanced_sources"] = ctx.options.get("balanced_sources", "batch")
     eg = baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
     return _plan(ctx, eg, ctx.micro_batch, ctx.sample_gpu)
@@ -262,10 +269,13 @@ def migrate(eg: np.ndarray, mb: np.ndarray, sg: np.ndarray, counts: np.ndarray, 
 
 
 def strategy_relibra_inter(ctx: PlanContext) -> BatchPlan:
+    """Reorder + locality (+ repacking) with migration pricing (``relibra_inter``), no replicas."""
     return _plan(ctx, *relibra_inter(ctx))
 
 
 def strategy_relibra(ctx: PlanContext) -> BatchPlan:
+    """relibra-inter (replication-aware when r > 0), then Algorithm 2 per micro-batch and layer, replicas
+    priced for their exposed push / pull (``replica_pricing``)."""
     from .replicate import replicate_batch
 
     eg, mb, sg = relibra_inter(ctx, node_comp=ctx.replica_slots > 0)
@@ -281,6 +291,8 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
 
 
 def strategy_lplb(ctx: PlanContext) -> BatchPlan:
+    """LPLB+: EPLB+ homes (no redundant experts), at most one copy per expert on the intra-node ring, an
+    exact LP split per micro-batch and layer."""
     from .lplb import lplb_replicas
 
     x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
@@ -354,7 +366,7 @@ def check_plan_args(*, replica_slots: Any = 0, seed: Any = 0, workers: Any = 1,
             raise PlanError(f"{name}={options[name]!r} is not one of {allowed}")
 
 
-def plan_batch(batch, model: ModelSpec, cluster: ClusterSpec, strategy: str, *, replica_slots: int = 0,
+def plan_batch(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strategy: str, *, replica_slots: int = 0,
                seed: int = 0, workers: int = 1, repack: bool = False, micro_batch_size: int | None = None,
                **options: Any) -> BatchPlan:
     """Plan one global batch with a named strategy.
