@@ -104,3 +104,52 @@ def test_swapped_blocks_follow_a_replica_plan_on_two_ranks():
             assert r["logit_err"] <= 1e-5, (fam, r)
             assert r["grad_err"] <= 1e-4, (fam, r)
             assert r["fills"] >= 2, (fam, r)  # forward fill + backward refill of the shared buffer
+
+
+def _bad_rank_worker(rank: int, world_size: int, out_dir: str) -> None:
+    """Rank 1 brings bad replay data (found by the layer, and by replay() before the forward); every rank
+    must raise ReplayError from the same forward, and the group must stay usable afterwards."""
+    from relibra_moe.errors import ReplayError
+    from relibra_moe.integrations.hf import replay, swap_moe_blocks
+    from relibra_moe.integrations.hf_tiny import tiny_model
+    from relibra_moe.layers.moe import ReplayBalancedMoE
+    from relibra_moe.trace import RoutingTrace
+
+    report = {}
+    torch.manual_seed(0)
+    layer = ReplayBalancedMoE(8, 8, 4, 2, layer_index=0)
+    x = torch.randn(4, 8)
+    ids = torch.tensor([[0, 3]] * (4 if rank == 0 else 3))  # rank 1: 3 rows for 4 tokens
+    try:
+        with layer.replay(ids):
+            layer(x)
+        report["layer"] = "no error"
+    except ReplayError as exc:
+        report["layer"] = str(exc)
+    with layer.replay(torch.tensor([[0, 3]] * 4)):
+        report["layer_after"] = float(layer(x).abs().sum())  # the group still works
+
+    model = swap_moe_blocks(tiny_model("qwen3_moe", seed=1))
+    n_moe = len([m for m in model.modules() if isinstance(m, ReplayBalancedMoE)])
+    tr = RoutingTrace(np.tile(np.array([1, 6], np.int16), (4, n_moe, 1)),
+                      [b.layer_id for b in model.modules() if isinstance(b, ReplayBalancedMoE)], 8, 2)
+    mask = torch.tensor([[1, 1, 1, 1]] if rank == 0 else [[0, 1, 1, 1]])  # rank 1: 3 ones for 4 tokens
+    try:
+        with replay(model, [tr], attention_mask=mask), torch.no_grad():
+            model(torch.tensor([[3, 4, 5, 6]]), attention_mask=mask)
+        report["hf"] = "no error"
+    except ReplayError as exc:
+        report["hf"] = str(exc)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+@pytest.mark.timeout(120)
+def test_bad_replay_data_on_one_rank_raises_on_every_rank():
+    with tempfile.TemporaryDirectory(prefix="relibra-hf-bad-") as tmp:
+        run_group(_bad_rank_worker, 2, tmp, timeout_s=30)
+        r0, r1 = (json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2))
+    assert "rank 1 of the EP group rejected its replay data" in r0["layer"], r0
+    assert "cover 3 tokens, the batch has 4" in r1["layer"], r1
+    assert r0["layer_after"] > 0 and r1["layer_after"] > 0
+    assert "rank 1 of the EP group rejected its replay data" in r0["hf"], r0
+    assert "attention_mask row has 3 ones" in r1["hf"], r1

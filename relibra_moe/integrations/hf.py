@@ -629,7 +629,14 @@ def replay(model: nn.Module, routing: Any, plan: Any = None, micro_batch: int | 
     with contextlib.ExitStack() as stack:
         for li, b in enumerate(blocks):
             if chosen:
-                ids = layout_ids(chosen, li, attention_mask)
+                try:
+                    ids = layout_ids(chosen, li, attention_mask)
+                except ReplayError as exc:
+                    if isinstance(b, ReplayMoEBlock) or getattr(b, "world_size", 1) <= 1:
+                        raise
+                    # this rank's data is bad, its peers' may not be: the forward raises it on every rank
+                    stack.enter_context(b._replay_error(exc))
+                    continue
             else:  # nothing to run here, but the layers are collectives: a placeholder forward, no expert
                 n = 1 if attention_mask is None else int(attention_mask.numel())
                 ids = torch.full((n, t0.topk), -1, dtype=torch.int64)

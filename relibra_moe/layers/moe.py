@@ -113,6 +113,7 @@ class _Replay:
     replicas: ReplicaPlan | None
     placement: np.ndarray | None  # the plan's expert_gpu row of this layer [E]
     micro_batch: int
+    error: ReplayError | None = None  # bad replay data found before the forward: raised there, on every rank
 
 
 @dataclass
@@ -342,6 +343,17 @@ class ReplayBalancedMoE(nn.Module):
         finally:
             self._replay = prev
 
+    @contextlib.contextmanager
+    def _replay_error(self, error: ReplayError) -> Iterator[ReplayBalancedMoE]:
+        """Forward calls inside the block raise ``error`` on every rank of the EP group (after the status
+        exchange), so replay data found bad on one rank before the forward never leaves its peers waiting."""
+        prev = self._replay
+        self._replay = _Replay(ids=None, replicas=None, placement=None, micro_batch=0, error=error)
+        try:
+            yield self
+        finally:
+            self._replay = prev
+
     def _plan_state(self, rp: _Replay | None) -> _PlanState:
         """Validate this layer's plan slice and build the destination tables (raises PlanError)."""
         G, E, E_loc = self.world_size, self.num_experts, self.num_local
@@ -412,6 +424,8 @@ class ReplayBalancedMoE(nn.Module):
         status, error = _OK, None
         route = state = None
         try:
+            if rp is not None and rp.error is not None:
+                raise rp.error
             route = self.router(x2, replay_ids=rp.ids if rp is not None else None)
         except ReplayError as exc:
             status, error = _REPLAY_BAD, exc
