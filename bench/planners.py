@@ -40,7 +40,8 @@ import numpy as np
 from relibra_moe.planners.baselines import balanced_t_moe
 from relibra_moe.planners.scoring import score_plan
 from relibra_moe.planners.strategies import plan_batch
-from relibra_moe.specs import cluster_preset, model_preset
+from relibra_moe.specs import ClusterSpec, ModelSpec, cluster_preset, model_preset
+from relibra_moe.trace import TraceBatch
 
 SCENARIOS = {
     "gptoss-ep8": dict(model="gpt-oss-20b", nodes=2, gpus_per_node=4, data="gpt-oss", requests=256, mb=8),
@@ -68,7 +69,8 @@ ROWS = [
 QUICK_ROWS = ["static (Megatron)", "LPT reorder", "EPLB+ reorder only", "relibra-inter", "relibra-inter + repack"]
 
 
-def load_scenario(name: str):
+def load_scenario(name: str) -> tuple[TraceBatch, ModelSpec, ClusterSpec]:
+    """``(batch, model, cluster)`` of a ``SCENARIOS`` entry (real GPT-OSS trace or synthetic mixed batch)."""
     sc = SCENARIOS[name]
     if sc["data"] == "gpt-oss":
         from relibra_moe.datasets import gpt_oss_batch
@@ -83,7 +85,9 @@ def load_scenario(name: str):
     return batch, model, cluster
 
 
-def run_scenario(name: str, rows, workers: int, seed: int, replicas: int) -> dict:
+def run_scenario(name: str, rows: list[tuple[str, str, dict]], workers: int, seed: int, replicas: int) -> dict:
+    """Plan and score every row ``(label, strategy, plan_batch keywords)`` on one scenario (plus the r-slot
+    replication rows when ``replicas``); returns the scenario's JSON record (times in ms, solve seconds)."""
     t0 = time.perf_counter()
     batch, model, cluster = load_scenario(name)
     load_s = time.perf_counter() - t0
@@ -120,6 +124,7 @@ def run_scenario(name: str, rows, workers: int, seed: int, replicas: int) -> dic
 
 
 def print_table(res: dict) -> None:
+    """Print one scenario's markdown table (sum T_MoE, speedup vs static, % of balanced, skew, solve s)."""
     print(f"\n## {res['scenario']}: {res['model']}, EP{res['nodes'] * res['gpus_per_node']} = {res['nodes']} x "
           f"{res['gpus_per_node']}, {res['num_samples']} samples, {res['num_tokens']} tokens; balanced "
           f"{res['balanced_ms']:.1f} ms (even sources {res['balanced_even_ms']:.1f} ms)")
@@ -133,6 +138,7 @@ def print_table(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the chosen scenarios, print their tables and write the JSON under bench/results/."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="GPT-OSS EP8 only, fewer rows")
     ap.add_argument("--scenarios", nargs="*", choices=sorted(SCENARIOS), default=None)

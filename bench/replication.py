@@ -62,6 +62,8 @@ def skewed_cell(rng: np.random.Generator, G: int, E: int) -> tuple[np.ndarray, n
 
 
 def bench_gap(n: int, seed: int = 0, time_limit: float = 60.0) -> dict:
+    """Optimality gap of each replication flavour vs the exact MILP on ``n`` random skewed cells (G = 8 as 2 x 4,
+    E = 32, r in {1, 2}); returns the gap distribution and solve seconds."""
     model = model_preset("gpt-oss-20b")
     cluster = cluster_preset(nodes=2, gpus_per_node=4)
     rng = np.random.default_rng(seed)
@@ -113,6 +115,7 @@ def _score(plan, batch, model, cluster) -> float:
 
 
 def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
+    """Sum of T_MoE (s) and % of balanced per strategy on the GPT-OSS trace, EP8 = 2 x 4, r = 2."""
     from relibra_moe.datasets import gpt_oss_batch
     from relibra_moe.planners.strategies import plan_batch
 
@@ -142,6 +145,7 @@ def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
 
 
 def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2, **options) -> dict:
+    """Mean rank skew per strategy on qwen3-30b-a3b mixed synthetic batches at each EP size in ``eps``."""
     from relibra_moe.plan import BatchPlan
     from relibra_moe.planners.replicate import replicate_batch
     from relibra_moe.planners.scoring import score_plan
@@ -187,6 +191,8 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
 
 
 def bench_time(num_prompts: int, seed: int = 0, workers: int = 2, **options) -> dict:
+    """Wall and CPU seconds of the whole qwen3-235b-a22b relibra solve (EP32 = 4 x 8, r = 2), plan_batch and
+    the Planner service."""
     from relibra_moe.planners.scoring import score_plan
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.synthetic import rl_batch
@@ -250,6 +256,7 @@ def _print_gap(g: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the chosen parts, print their tables and write the JSON under bench/results/; exit status 0."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small versions of every section")
     ap.add_argument("--only", nargs="*", choices=["gap", "quality", "skew", "time"], default=None)
