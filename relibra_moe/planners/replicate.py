@@ -33,8 +33,7 @@ from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
 from .split import (
     aggregates,
     cell_weights,
-    check_index_range,
-    check_token_counts,
+    check_loads_homes,
     lower_bound,
     shares_from_flows,
     smooth_units,
@@ -417,16 +416,8 @@ def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpe
     Returns:
         ``CellResult(replica_expert [G, r], rows [Z, 3] (j, e, g), share [Z], t_moe seconds)``.
     """
-    x = np.ascontiguousarray(x, dtype=np.float64)
-    expert_gpu = np.ascontiguousarray(expert_gpu, dtype=np.int64)
-    G = cluster.num_gpus
-    if x.ndim != 2 or x.shape[0] != G:
-        raise PlanError(f"x has shape {x.shape}, expected [G={G}, E]")
-    E = x.shape[1]
-    if expert_gpu.shape != (E,):
-        raise PlanError(f"expert_gpu must be [E={E}] GPUs in [0, {G}), got shape {expert_gpu.shape}")
-    check_index_range("expert_gpu", expert_gpu, 0, G)
-    check_token_counts("x", x)
+    x, expert_gpu = check_loads_homes(x, expert_gpu, cluster)
+    G, E = x.shape
     if not isinstance(slots, (int, np.integer)) or slots < 0:
         raise PlanError(f"replica_slots={slots!r} must be an int >= 0")
     if candidates is None:

@@ -98,11 +98,11 @@ def check_index_range(name: str, a: np.ndarray, lo: int, hi: int) -> None:
         raise PlanError(f"{name}[{', '.join(map(str, i))}] = {a[i]} is outside [{lo}, {hi})")
 
 
-def _check_cell(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarray,
-                cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    x = np.asarray(x, dtype=np.float64)
-    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
-    replica_expert = np.asarray(replica_expert, dtype=np.int64)
+def check_loads_homes(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
+    """One cell's inputs as contiguous float64 ``x [G, E]`` (tokens) and int64 ``expert_gpu [E]``; PlanError
+    naming the field and value unless shapes fit the cluster, counts are finite >= 0 and homes in ``[0, G)``."""
+    x = np.ascontiguousarray(x, dtype=np.float64)
+    expert_gpu = np.ascontiguousarray(expert_gpu, dtype=np.int64)
     G = cluster.num_gpus
     if x.ndim != 2 or x.shape[0] != G:
         raise PlanError(f"x has shape {x.shape}, expected [G={G}, E]")
@@ -111,6 +111,14 @@ def _check_cell(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarra
     if expert_gpu.shape != (E,):
         raise PlanError(f"expert_gpu has shape {expert_gpu.shape}, expected [E={E}]")
     check_index_range("expert_gpu", expert_gpu, 0, G)
+    return x, expert_gpu
+
+
+def _check_cell(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarray,
+                cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x, expert_gpu = check_loads_homes(x, expert_gpu, cluster)
+    replica_expert = np.asarray(replica_expert, dtype=np.int64)
+    G, E = x.shape
     if replica_expert.ndim != 2 or replica_expert.shape[0] != G:
         raise PlanError(f"replica_expert has shape {replica_expert.shape}, expected [G={G}, r]")
     check_index_range("replica_expert", replica_expert, -1, E)
