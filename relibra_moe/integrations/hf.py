@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from torch import nn
 
 from ..errors import ReplayError
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
+
+if TYPE_CHECKING:
+    from ..trace import TraceBatch
 
 __all__ = ["RoutingRecorder", "swap_moe_blocks", "replay", "full_state_dict", "ReplayMoEBlock", "moe_blocks",
            "moe_layer_ids", "SUPPORTED_BLOCKS"]
@@ -245,8 +248,9 @@ class RoutingRecorder:
         return [RoutingTrace(seq, self.layer_ids, self.num_experts, self.topk, 0, self.source)
                 for seq in self.sequences()]
 
-    def trace_batch(self, micro_batch: Any = None):
-        """All recorded sequences as a :class:`relibra_moe.trace.TraceBatch`."""
+    def trace_batch(self, micro_batch: np.ndarray | None = None) -> TraceBatch:
+        """All recorded sequences as a :class:`relibra_moe.trace.TraceBatch` (``micro_batch``: int32 ``[N]``
+        micro-batch of each sequence, or ``None``)."""
         from ..trace import TraceBatch
 
         return TraceBatch(self.traces(), micro_batch, source=self.source)
@@ -321,7 +325,7 @@ class ReplayMoEBlock(nn.Module):
             self._replay_ids, self._replay_ctx = saved
 
     # -- routing observers (the recorder uses them)
-    def add_routing_observer(self, fn) -> Any:
+    def add_routing_observer(self, fn: Callable[[torch.Tensor], None]) -> Any:
         """Call ``fn(ids [T, k])`` with the ids every forward uses; returns a handle with ``remove()``."""
         key = self._next_observer
         self._next_observer += 1

@@ -23,7 +23,10 @@ qwen3_next   hybrid linear / full attention; shared expert with a sigmoid gate
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_next")
 
@@ -32,7 +35,8 @@ _COMMON: dict[str, Any] = dict(vocab_size=97, hidden_size=32, num_attention_head
                                tie_word_embeddings=False)
 
 
-def tiny_config(family: str, *, num_layers: int = 3, num_experts: int = 8, top_k: int = 2, **overrides: Any):
+def tiny_config(family: str, *, num_layers: int = 3, num_experts: int = 8, top_k: int = 2,
+                **overrides: Any) -> PretrainedConfig:
     """A ``transformers`` config of ``family`` with hidden 32, expert FFN 16 and ``num_layers`` layers.
 
     ``overrides`` are passed to the config constructor last (e.g. ``router_aux_loss_coef=0.1``).
@@ -79,7 +83,7 @@ def tiny_config(family: str, *, num_layers: int = 3, num_experts: int = 8, top_k
 
 
 def tiny_model(family: str, *, seed: int = 0, num_layers: int = 3, num_experts: int = 8, top_k: int = 2,
-               **overrides: Any):
+               **overrides: Any) -> PreTrainedModel:
     """A float32 ``*ForCausalLM`` of ``family`` with random weights drawn from ``seed``, in eval mode.
 
     Zero-initialized router parts (DeepSeek-V3's correction bias, GPT-OSS's expert biases) are filled with

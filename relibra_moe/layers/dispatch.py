@@ -130,7 +130,8 @@ def _all_to_all_raw(x: torch.Tensor, send_splits: list[int], recv_splits: list[i
     return out
 
 
-def all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], group=None) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Differentiable ``all_to_all_single`` over rows: ``x [sum(send_splits), ...]`` -> ``[sum(recv_splits), ...]``."""
     return _AllToAll.apply(x, [int(s) for s in send_splits], [int(s) for s in recv_splits], group)
 
@@ -143,7 +144,7 @@ class AllToAllDispatcher:
     EP groups of a larger world need not take part). ``gpus_per_node`` must divide the group size.
     """
 
-    def __init__(self, group=None, gpus_per_node: int | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("AllToAllDispatcher needs torch.distributed to be initialized")
         self.group = group
@@ -235,8 +236,8 @@ class DeepEPDispatcher(AllToAllDispatcher):
     ``torch.distributed`` (NCCL). Not exercised in CPU CI.
     """
 
-    def __init__(self, group=None, gpus_per_node: int | None = None, num_nvl_bytes: int = 1 << 30,
-                 num_rdma_bytes: int = 0) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
+                 num_nvl_bytes: int = 1 << 30, num_rdma_bytes: int = 0) -> None:
         if deep_ep is None:
             raise RuntimeError("DeepEPDispatcher needs the optional 'deep_ep' package (GPU only)")
         if not torch.cuda.is_available():
@@ -265,7 +266,8 @@ def clear_dispatcher_cache() -> None:
     _CACHE.clear()
 
 
-def get_dispatcher(group=None, gpus_per_node: int | None = None, kind: str = "auto") -> Dispatcher:
+def get_dispatcher(group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
+                   kind: str = "auto") -> Dispatcher:
     """The dispatcher of an EP group, created once per (group, gpus_per_node, kind) and cached.
 
     ``kind``: ``"auto"`` (local for one rank, otherwise all-to-all), ``"alltoall"``, ``"deepep"``.

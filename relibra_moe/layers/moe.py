@@ -184,7 +184,8 @@ class ReplayBalancedMoE(nn.Module):
     ``last_slot_counts`` (int64 ``[E_loc + r]``) those pairs per local slot.
     """
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, ep_group=None,
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
+                 ep_group: torch.distributed.ProcessGroup | None = None,
                  gpus_per_node: int | None = None, replica_buffer: LayerSharedReplicaBuffer | None = None,
                  router: TopKRouter | dict | str = "softmax", shared_expert: nn.Module | None = None,
                  layer_index: int | None = None, dispatcher: str | Dispatcher = "auto",
@@ -253,6 +254,7 @@ class ReplayBalancedMoE(nn.Module):
 
     @property
     def name(self) -> str:
+        """``moe[l]`` with the layer's ``layer_index`` (``moe`` when unset): how errors name the layer."""
         return f"moe[{self.layer_index}]" if self.layer_index is not None else "moe"
 
     @property
