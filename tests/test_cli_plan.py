@@ -200,6 +200,17 @@ def test_registry_and_plan_batch_errors():
         plan_batch(batch, MODEL, CLUSTER, "static", micro_batch_size=0)
 
 
+def test_plan_batch_and_score_reject_non_batches():
+    batch = _batch(2, n=8).with_micro_batch_size(4)
+    with pytest.raises(PlanError, match="batch must be a TraceBatch, got ndarray"):
+        plan_batch(batch.sample_expert_counts(), MODEL, CLUSTER, "static")
+    plan = plan_batch(batch, MODEL, CLUSTER, "static")
+    with pytest.raises(PlanError, match="batch must be a TraceBatch, got ndarray"):
+        score_plan(plan, batch.loads(plan.samples.gpu, 8), MODEL, CLUSTER)
+    with pytest.raises(PlanError, match="plan must be a BatchPlan, got dict"):
+        score_plan(plan.stats, batch, MODEL, CLUSTER)
+
+
 @pytest.mark.parametrize("kw, msg", [
     ({"replica_slots": 2.5}, "replica_slots=2.5 must be an int >= 0"),
     ({"replica_slots": "2"}, "replica_slots='2' must be an int >= 0"),

@@ -36,9 +36,20 @@ def batch_sha1(batch: TraceBatch) -> str:
     return h.hexdigest()
 
 
+def check_batch_type(batch: object) -> None:
+    """Raise PlanError unless ``batch`` is a ``TraceBatch`` (not, say, a loads array)."""
+    from ..trace import TraceBatch
+
+    if not isinstance(batch, TraceBatch):
+        raise PlanError(f"batch must be a TraceBatch, got {type(batch).__name__}")
+
+
 def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec) -> None:
-    """Raise PlanError unless ``batch`` fits ``model`` and is the batch ``plan`` was made for: same L and E,
-    same sample count, and (for plans that record it) the same ``batch_sha1``."""
+    """Raise PlanError unless ``plan`` is a BatchPlan and ``batch`` a TraceBatch that fits ``model`` and is the batch
+    ``plan`` was made for: same L and E, same sample count, and (for plans that record it) the same ``batch_sha1``."""
+    if not isinstance(plan, BatchPlan):
+        raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
+    check_batch_type(batch)
     if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
         raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
                         f"L={model.num_layers}, E={model.num_experts}")

@@ -44,7 +44,7 @@ from ..specs import ClusterSpec, ModelSpec
 from . import baselines
 from .locality import anneal_locality, default_locality_iters, loads_from_counts, round_robin_gpus
 from .reorder import default_iters, lpt_placement, reorder
-from .scoring import batch_sha1
+from .scoring import batch_sha1, check_batch_type
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -397,6 +397,7 @@ def plan_batch(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strate
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; known: {sorted(STRATEGIES)}")
     check_plan_args(replica_slots=replica_slots, seed=seed, workers=workers, options=options)
+    check_batch_type(batch)
     if batch.num_experts != model.num_experts or batch.num_layers != model.num_layers:
         raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
                         f"L={model.num_layers}, E={model.num_experts}")
