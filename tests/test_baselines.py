@@ -123,3 +123,37 @@ def test_balanced_sources_modes():
     np.testing.assert_array_equal(balanced_sources(lengths, mb, sg, 2, 2, "even"), [[15, 15], [18, 17]])
     with pytest.raises(PlanError, match="balanced sources mode 'odd' is not 'batch' or 'even'"):
         balanced_sources(lengths, mb, sg, 2, 2, "odd")
+
+
+def test_low_level_planners_name_bad_arguments():
+    """The building blocks refuse bad scalars and loads with the field and the value (no numpy error from inside)."""
+    from relibra_moe.planners.locality import anneal_locality
+    from relibra_moe.planners.lplb import lplb_copies
+    from relibra_moe.planners.reorder import lpt_placement, reorder
+    from relibra_moe.specs import ClusterSpec, ModelSpec
+
+    eg = np.repeat(np.arange(4), 2)
+    with pytest.raises(PlanError, match="slots=-1 must be an int >= 0"):
+        lplb_copies(eg, np.ones(8), 4, 2, -1)
+    with pytest.raises(PlanError, match="replica_slots=-1 must be an int >= 0"):
+        eplb(np.ones((2, 8)), 4, 2, -1)
+    with pytest.raises(PlanError, match=r"weight\[3\] = -2.0: token counts must be finite and >= 0"):
+        eplb_layer(np.array([1, 1, 1, -2, 1, 1, 1, 1.0]), 4, 2)
+    with pytest.raises(PlanError, match=r"expert_load\[1\] = nan: token counts must be finite and >= 0"):
+        lpt_placement(np.array([1.0, np.nan, 1.0, 1.0]), 2)
+    with pytest.raises(PlanError, match="num_gpus=0 must be an int >= 1"):
+        static_placement(2, 8, 0)
+    model = ModelSpec("t", hidden=64, ffn=32, num_experts=8, topk=2, num_layers=1)
+    cluster = ClusterSpec(nodes=2, gpus_per_node=2)
+    x = np.ones((2, 1, 4, 8))
+    for kw, msg in (({"iters": -1}, "iters=-1 must be an int >= 0"), ({"num_seeds": 0}, "num_seeds=0 must be"),
+                    ({"workers": 0}, "workers=0 must be an int >= 1"), ({"beta": 0.0}, "beta=0.0 must be a finite")):
+        with pytest.raises(PlanError, match=msg):
+            reorder(x, model, cluster, **kw)
+    counts = np.ones((2, 1, 8), np.int64)
+    homes = eg[None]
+    with pytest.raises(PlanError, match=r"sample_gpu\[1\] = 4 is outside \[0, 4\)"):
+        anneal_locality(counts, np.full(2, 4), np.zeros(2), np.array([0, 4]), homes, model, cluster)
+    with pytest.raises(PlanError, match=r"expert_gpu\[0, 7\] = 9 is outside \[0, 4\)"):
+        anneal_locality(counts, np.full(2, 4), np.zeros(2), np.zeros(2), np.array([[0, 0, 1, 1, 2, 2, 3, 9]]), model,
+                        cluster)

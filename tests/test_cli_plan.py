@@ -274,3 +274,12 @@ def test_empty_micro_batch_and_zero_token_sample(strategy):
         assert s["t_moe_total_s"] == pytest.approx(_reference_total(plan, batch), rel=1e-9)
     step = simulate_step(plan, batch, MODEL, CLUSTER)
     assert step.micro_batch_s[1] == 0.0 and step.tokens == int(batch.lengths.sum())
+
+
+def test_score_plan_rejects_bad_beta_and_balanced_total():
+    batch = _batch(2, n=8).with_micro_batch_size(4)
+    plan = plan_batch(batch, MODEL, CLUSTER, "static")
+    with pytest.raises(PlanError, match="beta=-1.0 must be a finite number > 0"):
+        score_plan(plan, batch, MODEL, CLUSTER, beta=-1.0)
+    with pytest.raises(PlanError, match="balanced_total_s=0.0 must be a finite number > 0"):
+        score_plan(plan, batch, MODEL, CLUSTER, balanced_total_s=0.0)

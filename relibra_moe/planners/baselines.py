@@ -27,6 +27,7 @@ from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan
 from ..specs import ClusterSpec, ModelSpec
 from . import _kernels
+from .split import check_int, check_token_counts
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 def static_placement(num_layers: int, num_experts: int, num_gpus: int) -> np.ndarray:
     """Megatron-LM: int64 ``[L, E]`` with expert e on GPU ``e // (E / G)``."""
+    check_int("num_gpus", num_gpus, 1)
     return Placement.static(num_layers, num_experts, num_gpus).expert_gpu.astype(np.int64)
 
 
@@ -114,8 +116,10 @@ def eplb_layer(weight: np.ndarray, num_gpus: int, gpus_per_node: int, replica_sl
         (int64 ``[E]`` home GPU of each expert, int32 ``[G, r]`` expert held in each replica slot, -1 empty).
     """
     w = np.asarray(weight, dtype=np.float64)
+    check_token_counts("weight", w)
+    check_int("replica_slots", replica_slots, 0)
     E = w.shape[0]
-    G, P = num_gpus, gpus_per_node
+    G, P = check_int("num_gpus", num_gpus, 1), check_int("gpus_per_node", gpus_per_node, 1)
     if G % P:
         raise PlanError(f"num_gpus={G} is not a multiple of gpus_per_node={P}")
     if E % G:

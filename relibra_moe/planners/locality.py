@@ -27,6 +27,7 @@ from ..errors import PlanError
 from ..specs import ClusterSpec, ModelSpec
 from . import _kernels
 from .reorder import cluster_constants
+from .split import check_index_range, check_int, check_positive
 
 
 def loads_from_counts(counts: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
@@ -140,13 +141,23 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
         raise PlanError(f"lengths has shape {lengths.shape}, expected [N={N}]")
     if tol < 0:
         raise PlanError(f"tol={tol} must be >= 0")
+    if iters is not None:
+        check_int("iters", iters, 0)
+    check_positive("beta", beta)
     if token_cap is not None and token_cap < lengths.max(initial=0):
         raise PlanError(f"token_cap={token_cap} is below the longest sample ({int(lengths.max())} tokens)")
     mb0 = np.asarray(micro_batch, dtype=np.int64)
     sg0 = np.asarray(sample_gpu, dtype=np.int64)
     M = int(num_micro_batches if num_micro_batches is not None else (mb0.max() + 1 if N else 0))
-    if N and (mb0.min() < 0 or mb0.max() >= M or sg0.min() < 0 or sg0.max() >= G):
-        raise PlanError(f"micro_batch / sample_gpu outside [0, {M}) / [0, {G})")
+    if mb0.shape != (N,) or sg0.shape != (N,):
+        raise PlanError(f"micro_batch {mb0.shape} and sample_gpu {sg0.shape} must both be [N={N}]")
+    check_index_range("micro_batch", mb0, 0, M)
+    check_index_range("sample_gpu", sg0, 0, G)
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    if expert_gpu.shape != (model.num_layers, model.num_experts):
+        raise PlanError(f"expert_gpu has shape {expert_gpu.shape}, expected [L={model.num_layers}, "
+                        f"E={model.num_experts}]")
+    check_index_range("expert_gpu", expert_gpu, 0, G)
     cf = sample_flows(counts, expert_gpu, G)
     start = _exact_total(cf, mb0, sg0, M, model, cluster)
     info = {"objective_start": start, "objective": start, "repack": bool(repack)}

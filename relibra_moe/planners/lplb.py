@@ -22,7 +22,7 @@ from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from .replicate import CellResult, assemble
-from .split import check_index_range, fast_split, solve_split_lp
+from .split import check_index_range, check_int, fast_split, solve_split_lp
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -43,6 +43,7 @@ def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, 
     expert_load = np.asarray(expert_load, dtype=np.float64)
     if expert_load.shape != expert_gpu.shape:
         raise PlanError(f"expert_load has shape {expert_load.shape}, expected {expert_gpu.shape}")
+    check_int("slots", slots, 0)
     G = int(num_gpus)
     if G % gpus_per_node:
         raise PlanError(f"num_gpus={G} is not a multiple of gpus_per_node={gpus_per_node}")
@@ -73,6 +74,8 @@ def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBa
     """
     if split not in ("lp", "fast"):
         raise PlanError(f"split={split!r} is not 'lp' or 'fast'")
+    check_int("replica_slots", replica_slots, 0)
+    check_int("workers", workers, 1)
     G = cluster.num_gpus
     M, L = int(samples.num_micro_batches), placement.num_layers
     loads = np.asarray(batch.loads(samples.gpu, G, samples.micro_batch), dtype=np.float64)

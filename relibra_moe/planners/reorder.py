@@ -30,6 +30,7 @@ from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
 from . import _kernels
+from .split import check_int, check_positive, check_token_counts
 
 OBJECTIVES = ("batch", "aggregate")
 
@@ -62,6 +63,7 @@ def lpt_placement(expert_load: np.ndarray, num_gpus: int) -> np.ndarray:
     w = np.asarray(expert_load, dtype=np.float64)
     if w.ndim != 1:
         raise PlanError(f"expert_load must be [E], got shape {w.shape}")
+    check_token_counts("expert_load", w)
     E = w.shape[0]
     if num_gpus <= 0 or E % num_gpus:
         raise PlanError(f"num_experts={E} is not divisible by num_gpus={num_gpus}")
@@ -205,6 +207,8 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
         raise PlanError(f"init has shape {init.shape}, expected [E={E}]")
     if iters is None:
         iters = default_iters(E, G, x.shape[0])
+    check_int("iters", iters, 0)
+    check_positive("beta", beta)
     if smooth is None:
         smooth = objective == "aggregate"
     nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
@@ -266,6 +270,12 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
     if x.ndim != 4 or x.shape[2:] != (cluster.num_gpus, model.num_experts):
         raise PlanError(f"x has shape {x.shape}, expected [M, L, G={cluster.num_gpus}, E={model.num_experts}]")
     M, L, G, E = x.shape
+    check_int("workers", workers, 1)
+    if num_seeds is not None:
+        check_int("num_seeds", num_seeds, 1)
+    if iters is not None:
+        check_int("iters", iters, 0)
+    check_positive("beta", beta)
     xl = np.ascontiguousarray(np.moveaxis(x, 1, 0), dtype=np.float64)  # [L, M, G, E]
     if init is None:
         start = np.stack([lpt_placement(xl[l].sum(axis=(0, 1)), G) for l in range(L)])

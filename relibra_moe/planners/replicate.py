@@ -33,6 +33,7 @@ from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
 from .split import (
     aggregates,
     cell_weights,
+    check_int,
     check_loads_homes,
     lower_bound,
     shares_from_flows,
@@ -566,7 +567,7 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch: Trace
     if replica_slots == 0:
         return ReplicaPlan.empty(M, L, G, 0)
     cells = [(m, l) for m in range(M) for l in range(L)]
-    workers = max(1, int(workers or 1))
+    workers = check_int("workers", workers, 1)
     if workers == 1 or len(cells) < 2 * workers:
         results = {(m, l): replicate_cell(loads[m, l], placement.expert_gpu[l], model, cluster, replica_slots,
                                           attn_fwd=None if attn_fwd is None else float(attn_fwd[m]), **cell_kw)

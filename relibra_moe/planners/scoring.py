@@ -20,6 +20,7 @@ from ..errors import PlanError
 from ..plan import BatchPlan
 from ..specs import ClusterSpec, ModelSpec
 from .baselines import balanced_loads, balanced_sources
+from .split import check_positive
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -135,6 +136,9 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
     """
     check_plan_batch(plan, batch, model)
     plan.validate(model, cluster, num_samples=batch.num_sequences)
+    check_positive("beta", beta)
+    if balanced_total_s is not None:
+        check_positive("balanced_total_s", balanced_total_s)
     G = cluster.num_gpus
     if plan.stats.get("strategy") == "balanced":
         x = balanced_plan_loads(plan, batch, model, G)

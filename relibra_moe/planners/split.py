@@ -82,6 +82,21 @@ class SplitSolution:
     t_moe: float
 
 
+def check_int(name: str, value: object, lo: int) -> int:
+    """``int(value)``, or PlanError naming ``name`` and the value unless it is an int (not bool) >= ``lo``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+        raise PlanError(f"{name}={value!r} must be an int >= {lo}")
+    return int(value)
+
+
+def check_positive(name: str, value: object) -> float:
+    """``float(value)``, or PlanError naming ``name`` and the value unless it is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not (np.isfinite(value)
+                                                                                         and value > 0):
+        raise PlanError(f"{name}={value!r} must be a finite number > 0")
+    return float(value)
+
+
 def check_token_counts(name: str, x: np.ndarray) -> None:
     """Raise PlanError naming the first entry of ``x`` (any shape, tokens) that is not finite and >= 0."""
     bad = ~np.isfinite(x) | (x < 0)

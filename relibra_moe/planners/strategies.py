@@ -45,6 +45,7 @@ from . import baselines
 from .locality import anneal_locality, default_locality_iters, loads_from_counts, round_robin_gpus
 from .reorder import default_iters, lpt_placement, reorder
 from .scoring import batch_sha1, check_batch_type
+from .split import check_int, check_positive
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -335,21 +336,15 @@ PLAN_OPTIONS = frozenset({
 """The keyword options ``plan_batch`` understands (see its docstring); anything else is a PlanError."""
 
 
-def _int_arg(name: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise PlanError(f"{name}={value!r} must be an int >= {lo}")
-    return int(value)
-
-
 def check_plan_args(*, replica_slots: Any = 0, seed: Any = 0, workers: Any = 1,
                     options: dict[str, Any] | None = None) -> None:
     """Raise PlanError naming the argument and its value unless ``replica_slots`` (int >= 0), ``seed``
     (int >= 0), ``workers`` (int >= 1) and the strategy ``options`` (known names; ``iters``,
     ``locality_iters``, ``final_iters`` ints >= 0, ``num_seeds`` / ``rounds`` ints >= 1, ``beta`` > 0,
     ``objective`` / ``balanced_sources`` one of their values) are valid."""
-    _int_arg("replica_slots", replica_slots, 0)
-    _int_arg("seed", seed, 0)
-    _int_arg("workers", workers, 1)
+    check_int("replica_slots", replica_slots, 0)
+    check_int("seed", seed, 0)
+    check_int("workers", workers, 1)
     options = options or {}
     unknown = sorted(set(options) - PLAN_OPTIONS)
     if unknown:
@@ -357,10 +352,9 @@ def check_plan_args(*, replica_slots: Any = 0, seed: Any = 0, workers: Any = 1,
     for name, lo in (("iters", 0), ("locality_iters", 0), ("final_iters", 0), ("num_seeds", 1), ("rounds", 1),
                      ("num_groups", 1)):
         if options.get(name) is not None:
-            _int_arg(name, options[name], lo)
-    beta = options.get("beta")
-    if beta is not None and not (isinstance(beta, (int, float, np.number)) and np.isfinite(beta) and beta > 0):
-        raise PlanError(f"beta={beta!r} must be a finite number > 0")
+            check_int(name, options[name], lo)
+    if options.get("beta") is not None:
+        check_positive("beta", options["beta"])
     for name, allowed in (("objective", ("batch", "aggregate")), ("balanced_sources", ("batch", "even"))):
         if name in options and options[name] not in allowed:
             raise PlanError(f"{name}={options[name]!r} is not one of {allowed}")
