@@ -102,12 +102,14 @@ def test_cli_errors(trace_file, tmp_path, capsys):
     (["--nodes", "2", "--gpus-per-node", "4", "--iters", "-1"], "iters=-1 must be an int >= 0"),
     (["--nodes", "2", "--gpus-per-node", "4", "--seed", "-2"], "seed=-2 must be an int >= 0"),
     (["--nodes", "2", "--gpus-per-node", "4", "--cluster", "nope"], "'nope'"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--rounds", "0"], "rounds=0 must be an int >= 1"),
+    (["--nodes", "2", "--gpus-per-node", "4"], "no micro-batch assignment (for every sample): pass --micro-batch-size"),
 ])
 def test_cli_plan_bad_flags(trace_file, tmp_path, capsys, flags, msg):
     """Bad flags end in ``relibra plan: error: ...`` naming the flag's field and value, not a traceback."""
     out = tmp_path / "x.npz"
     args = ["plan", str(trace_file), "--model", "gpt-oss-20b", "--strategy", "relibra", "--out", str(out), *flags]
-    if "--micro-batch-size" not in flags:
+    if "--micro-batch-size" not in flags and "no micro-batch" not in msg:
         args += ["--micro-batch-size", "4"]
     assert main(args) == 1
     err = capsys.readouterr().err

@@ -13,6 +13,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ..errors import PlanError
 
 if TYPE_CHECKING:
@@ -134,6 +136,9 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     cluster = _cluster(args.cluster, args.nodes, args.gpus_per_node)
     batch = TraceBatch.load(args.trace)
     _check_batch(batch, model, args.trace)
+    if args.micro_batch_size is None and (batch.micro_batch is None or int(np.min(batch.micro_batch)) < 0):
+        raise PlanError(f"trace {args.trace} has no micro-batch assignment (for every sample): pass "
+                        "--micro-batch-size B")
     options: dict[str, Any] = {"objective": args.objective}
     for k in ("iters", "locality_iters", "token_cap", "rounds"):
         v = getattr(args, k)
