@@ -259,3 +259,17 @@ def test_constructor_rejects_bad_arguments(kwargs, match):
     args = dict(hidden=8, ffn=8, num_experts=4, top_k=2) | kwargs
     with pytest.raises(ValueError, match=match):
         ReplayBalancedMoE(args.pop("hidden"), args.pop("ffn"), args.pop("num_experts"), args.pop("top_k"), **args)
+
+
+def test_materialize_counts_rejects_bad_input():
+    ones = np.ones((2, 2))
+    with pytest.raises(PlanError, match="non-negative integers.*minimum -1"):
+        materialize_counts(np.array([3, -1]), ones)  # was split as if it were a count
+    with pytest.raises(PlanError, match="dtype float64"):
+        materialize_counts(np.array([2.5, 1.0]), ones)  # was truncated to 2
+    with pytest.raises(PlanError, match=r"shares has shape \(3, 2\), expected \[E=2, G\]"):
+        materialize_counts(np.array([3, 1]), np.ones((3, 2)))
+    with pytest.raises(PlanError, match=r"shares of expert 0 = \[nan, 1.0\]"):
+        materialize_counts(np.array([3, 1]), np.array([[np.nan, 1], [1, 1]]))
+    with pytest.raises(PlanError, match=r"shares of expert 1 = \[2.0, -1.0\]"):
+        materialize_counts(np.array([3, 1]), np.array([[1, 1], [2, -1]]))

@@ -127,3 +127,11 @@ def _worker_48(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_48_layers_share_one_buffer_on_two_ranks():
     run_group(_worker_48, 2, timeout_s=60)
+
+
+def test_bad_buffer_sizes_are_named():
+    for bad in (1.5, True, -1):
+        with pytest.raises(ValueError, match=f"slots must be an integer >= 0, got {bad!r}"):
+            LayerSharedReplicaBuffer(8, 12, bad)
+    with pytest.raises(ValueError, match="hidden=0 must be a positive integer"):
+        LayerSharedReplicaBuffer(0, 12, 1)

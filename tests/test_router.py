@@ -161,3 +161,13 @@ def test_constructor_rejects_bad_config():
         TopKRouter(4, 8, 2, n_group=3, scoring="sigmoid")
     with pytest.raises(ValueError):
         TopKRouter(4, 8, 2, n_group=2, topk_group=1, scoring="softmax")
+
+
+def test_bad_sizes_and_inputs_are_named():
+    with pytest.raises(ValueError, match="top_k=2.0 must be an integer"):
+        TopKRouter(8, 4, 2.0)
+    with pytest.raises(ValueError, match="hidden=0"):
+        TopKRouter(0, 4, 2)
+    r = TopKRouter(8, 4, 2, name="moe[3]")
+    with pytest.raises(ValueError, match=r"moe\[3\]: x has shape \(3, 7\), expected \[T, hidden=8\]"):
+        r(torch.randn(3, 7))

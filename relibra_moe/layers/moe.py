@@ -74,8 +74,17 @@ def materialize_counts(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
     ``[E, G]`` with row sums equal to ``counts``; a destination with share 0 gets nothing; ties in the
     remainders go to the lower destination index. Deterministic.
     """
-    n = np.asarray(counts, dtype=np.int64)
+    n = np.asarray(counts)
     s = np.asarray(shares, dtype=np.float64)
+    if n.ndim != 1 or not (np.issubdtype(n.dtype, np.integer) or n.size == 0) or (n < 0).any():
+        raise PlanError(f"counts must be non-negative integers [E], got dtype {n.dtype} shape {n.shape}"
+                        + (f" with minimum {n.min()}" if n.size else ""))
+    if s.shape[:1] != n.shape or s.ndim != 2:
+        raise PlanError(f"shares has shape {s.shape}, expected [E={n.shape[0]}, G]")
+    if not np.isfinite(s).all() or (s < 0).any():
+        e = int(np.flatnonzero(~(np.isfinite(s) & (s >= 0)).all(axis=1))[0])
+        raise PlanError(f"shares of expert {e} = {s[e].tolist()} must be finite and >= 0")
+    n = n.astype(np.int64)
     tot = s.sum(axis=1, keepdims=True)
     if (tot <= 0).any():
         raise PlanError(f"shares of expert {int(np.flatnonzero(tot[:, 0] <= 0)[0])} sum to 0")

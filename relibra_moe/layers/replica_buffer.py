@@ -114,8 +114,12 @@ class LayerSharedReplicaBuffer:
     def __init__(self, hidden: int, ffn: int, slots: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None,
                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-        if slots < 0:
-            raise ValueError(f"slots must be >= 0, got {slots}")
+        if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 0:
+            raise ValueError(f"slots must be an integer >= 0, got {slots!r}")
+        if shapes is None:
+            for field, value in (("hidden", hidden), ("ffn", ffn)):
+                if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"{field}={value!r} must be a positive integer")
         self.hidden, self.ffn, self.slots = hidden, ffn, slots
         if shapes is None:
             shapes = {"w_gate_up": (hidden, 2 * ffn), "w_down": (ffn, hidden)}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,6 +104,12 @@ class TopKRouter(nn.Module):
         super().__init__()
         if scoring not in SCORINGS:
             raise ValueError(f"scoring={scoring!r} is not one of {SCORINGS}")
+        for field, value in (("hidden", hidden), ("num_experts", num_experts), ("top_k", top_k),
+                             ("n_group", n_group), ("topk_group", topk_group)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+                raise ValueError(f"{field}={value!r} must be an integer")
+        if hidden < 1:
+            raise ValueError(f"hidden={hidden} must be >= 1")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         if num_experts % n_group:
@@ -158,6 +165,8 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> RouterOutput:
         """Route ``x [T, H]``; with ``replay_ids [T, k]`` use them as the selection."""
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"router {self.name}: x has shape {tuple(x.shape)}, expected [T, hidden={self.hidden}]")
         logits = F.linear(x.float(), self.weight.float())
         scores = self.scores(logits)
         if replay_ids is None:
