@@ -146,26 +146,10 @@ def build_batch(sc: Scenario, seed: int) -> Any:
 
 # --------------------------------------------------------------------------------------- planning
 def _strategies_available() -> tuple[Any, list[str]]:
-    try:
-        from ..planners.strategies import STRATEGIES, plan_batch
-    except ImportError:
-        return None, ["static"]
+    """``(plan_batch, the STRATEGY_ORDER names it knows)``."""
+    from ..planners.strategies import STRATEGIES, plan_batch
+
     return plan_batch, [s for s in STRATEGY_ORDER if s in STRATEGIES]
-
-
-def _static_plan(batch: Any, model: Any, cluster: Any) -> Any:
-    """Megatron-LM's plan (expert e on GPU e // (E/G), samples round-robin), used when the planners are absent."""
-    from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
-
-    mb = batch.resolve_micro_batch()
-    gpu = np.zeros_like(mb)
-    for m in np.unique(mb):
-        idx = np.flatnonzero(mb == m)
-        gpu[idx] = np.arange(len(idx)) % cluster.num_gpus
-    M = int(mb.max()) + 1
-    return BatchPlan(Placement.static(model.num_layers, model.num_experts, cluster.num_gpus),
-                     SamplePlacement(mb, gpu, M), ReplicaPlan.empty(M, model.num_layers, cluster.num_gpus, 0),
-                     cluster.num_gpus, cluster.gpus_per_node, {"strategy": "static"})
 
 
 def strategy_runs(sc: Scenario, strategies: list[str]) -> list[tuple[str, str, bool]]:
@@ -210,12 +194,9 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
         if starting is not None:
             starting(label)
         t1 = time.perf_counter()
-        if plan_batch is None:
-            plan = _static_plan(batch, model, cluster)
-        else:
-            r = sc.replica_slots if strategy in REPLICA_STRATEGIES else 0
-            plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers,
-                              repack=repack)
+        r = sc.replica_slots if strategy in REPLICA_STRATEGIES else 0
+        plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers,
+                          repack=repack)
         solve_s = time.perf_counter() - t1
         step = simulate_step(plan, batch, model, cluster, balanced=strategy == "balanced")
         results[label] = {
@@ -350,24 +331,16 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     plan_batch, strategies = _strategies_available()
-    if plan_batch is None:
-        console.print("[yellow]planners not available in this build: running the static strategy only[/]")
     skipped, todo = [], []
     try:
         traces_dir("gpt-oss-20b/topk_ids.npz")
         missing = None
     except TracesNotFoundError as exc:
         missing = str(exc)
-    import importlib.util
-
-    no_synth = importlib.util.find_spec("relibra_moe.synthetic") is None
     for sc in scenarios:
         if sc.data == "real" and missing:
             skipped.append({"scenario": sc.name, "reason": missing})
             console.print(f"[yellow]skipping {sc.name}: {escape(missing)}[/]")
-        elif sc.data == "synthetic" and no_synth:
-            skipped.append({"scenario": sc.name, "reason": "relibra_moe.synthetic is not part of this build"})
-            console.print(f"[yellow]skipping {sc.name}: {skipped[-1]['reason']}[/]")
         else:
             todo.append(sc)
     reduced = [sc.name for sc in todo if sc.layers is not None]
