@@ -285,6 +285,9 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
     M = plan.num_micro_batches
     if x.shape != (M, L, G, E):
         raise PlanError(f"loads x has shape {x.shape}, expected [M={M}, L={L}, G={G}, E={E}] for this plan")
+    from .planners.split import check_token_counts
+
+    check_token_counts("x", x)
     plan.validate(model, cluster, lengths.shape[0])
     opt = optimizer_bytes_per_param
     if isinstance(opt, bool) or not isinstance(opt, (int, float, np.number)) or not (np.isfinite(opt) and opt >= 0):

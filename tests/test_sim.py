@@ -220,6 +220,10 @@ def test_bad_inputs_raise_plan_error():
     with pytest.raises(PlanError, match="replica_mode 'sometimes'"):
         simulate_loads(plan, np.array([3]), np.zeros((1, 1, 4, 4)), MODEL, CLUSTER, replica_mode="sometimes")
     x1 = np.zeros((1, 1, 4, 4))
+    bad = x1.copy()
+    bad[0, 0, 2, 1] = np.nan
+    with pytest.raises(PlanError, match=r"x\[0, 0, 2, 1\] = nan: token counts must be finite and >= 0"):
+        simulate_loads(plan, np.array([3]), bad, MODEL, CLUSTER)
     with pytest.raises(PlanError, match=r"previous placement: expert_gpu has shape \(2, 4\)"):
         simulate_loads(plan, np.array([3]), x1, MODEL, CLUSTER, previous=Placement.static(2, 4, 4))
     with pytest.raises(PlanError, match=r"previous placement: expert_gpu\[0, 0\] = 7 is outside \[0, 4\)"):
