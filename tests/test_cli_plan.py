@@ -228,6 +228,7 @@ def test_plan_batch_and_score_reject_non_batches():
     ({"objective": "fast"}, "objective='fast' is not one of"),
     ({"balanced_sources": "odd"}, "balanced_sources='odd' is not one of"),
     ({"itres": 5}, "unknown plan option itres=5"),
+    ({"token_cap": 500}, "token_cap=500 only applies with repack=True"),
 ])
 def test_plan_batch_rejects_bad_arguments(kw, msg):
     """Bad arguments fail up front with the field and the value, before any planning work."""

@@ -196,6 +196,8 @@ def test_invalid_inputs():
         Planner(MODEL, CLUSTER, cell_chunk=0)
     with pytest.raises(PlanError, match="replicate=3 must be a dict"):
         Planner(MODEL, CLUSTER, replicate=3)
+    with pytest.raises(PlanError, match="token_cap=100 only applies with repack=True"):
+        Planner(MODEL, CLUSTER, token_cap=100)
 
 
 def test_inline_planner_matches_plan_batch(inline_plan):

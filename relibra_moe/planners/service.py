@@ -131,6 +131,8 @@ class Planner:
             raise PlanError(f"num_experts={model.num_experts} is not divisible by num_gpus={cluster.num_gpus}")
         check_plan_args(replica_slots=replica_slots, seed=seed, workers=1 if workers is None else workers,
                         options={k: v for k, v in options.items() if k not in _SERVICE_OPTIONS})
+        if options.get("token_cap") is not None and not options.get("repack", False):
+            raise PlanError(f"token_cap={options['token_cap']!r} only applies with repack=True")
         chunk = options.get("cell_chunk")
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1):
             raise PlanError(f"cell_chunk={chunk!r} must be an int >= 1")

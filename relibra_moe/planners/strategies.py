@@ -391,6 +391,8 @@ def plan_batch(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strate
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; known: {sorted(STRATEGIES)}")
     check_plan_args(replica_slots=replica_slots, seed=seed, workers=workers, options=options)
+    if options.get("token_cap") is not None and not repack:
+        raise PlanError(f"token_cap={options['token_cap']!r} only applies with repack=True (--repack)")
     check_batch_type(batch)
     if batch.num_experts != model.num_experts or batch.num_layers != model.num_layers:
         raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
