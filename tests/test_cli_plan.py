@@ -103,6 +103,8 @@ def test_cli_errors(trace_file, tmp_path, capsys):
     (["--nodes", "2", "--gpus-per-node", "4", "--seed", "-2"], "seed=-2 must be an int >= 0"),
     (["--nodes", "2", "--gpus-per-node", "4", "--cluster", "nope"], "'nope'"),
     (["--nodes", "2", "--gpus-per-node", "4", "--rounds", "0"], "rounds=0 must be an int >= 1"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--replica-slots", "2", "--strategy", "static"],
+     "--replica-slots=2 only applies to eplb, lplb, relibra, not --strategy static"),
     (["--nodes", "2", "--gpus-per-node", "4"], "no micro-batch assignment (for every sample): pass --micro-batch-size"),
 ])
 def test_cli_plan_bad_flags(trace_file, tmp_path, capsys, flags, msg):

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..trace import TraceBatch
 
 STRATEGY_NAMES = ("static", "lpt", "eplb", "balanced", "relibra-inter", "lplb", "relibra")
+REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -136,6 +137,9 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     cluster = _cluster(args.cluster, args.nodes, args.gpus_per_node)
     batch = TraceBatch.load(args.trace)
     _check_batch(batch, model, args.trace)
+    if args.replica_slots and args.strategy not in REPLICA_STRATEGIES:
+        raise PlanError(f"--replica-slots={args.replica_slots} only applies to {', '.join(REPLICA_STRATEGIES)}, "
+                        f"not --strategy {args.strategy}")
     if args.micro_batch_size is None and (batch.micro_batch is None or int(np.min(batch.micro_batch)) < 0):
         raise PlanError(f"trace {args.trace} has no micro-batch assignment (for every sample): pass "
                         "--micro-batch-size B")
