@@ -128,6 +128,16 @@ def _bad_rank_worker(rank: int, world_size: int, out_dir: str) -> None:
         report["layer"] = str(exc)
     with layer.replay(torch.tensor([[0, 3]] * 4)):
         report["layer_after"] = float(layer(x).abs().sum())  # the group still works
+    from relibra_moe.errors import PlanError
+    from relibra_moe.plan import ReplicaPlan
+
+    plan = ReplicaPlan.empty(2, 1, 2, 0)
+    try:
+        with layer.replay(None, plan=plan, micro_batch=0 if rank == 0 else 2):  # rank 1: no micro-batch 2
+            layer(x)
+        report["plan"] = "no error"
+    except PlanError as exc:
+        report["plan"] = str(exc)
 
     model = swap_moe_blocks(tiny_model("qwen3_moe", seed=1))
     n_moe = len([m for m in model.modules() if isinstance(m, ReplayBalancedMoE)])
@@ -151,5 +161,7 @@ def test_bad_replay_data_on_one_rank_raises_on_every_rank():
     assert "rank 1 of the EP group rejected its replay data" in r0["layer"], r0
     assert "cover 3 tokens, the batch has 4" in r1["layer"], r1
     assert r0["layer_after"] > 0 and r1["layer_after"] > 0
+    assert "rank 1 of the EP group rejected its plan" in r0["plan"], r0
+    assert "micro_batch=2 is outside [0, 2)" in r1["plan"], r1
     assert "rank 1 of the EP group rejected its replay data" in r0["hf"], r0
     assert "attention_mask row has 3 ones" in r1["hf"], r1

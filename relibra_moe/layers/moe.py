@@ -122,7 +122,7 @@ class _Replay:
     replicas: ReplicaPlan | None
     placement: np.ndarray | None  # the plan's expert_gpu row of this layer [E]
     micro_batch: int
-    error: ReplayError | None = None  # bad replay data found before the forward: raised there, on every rank
+    error: ReplayError | PlanError | None = None  # found before the forward: raised there, on every rank
 
 
 @dataclass
@@ -315,7 +315,26 @@ class ReplayBalancedMoE(nn.Module):
 
         ``plan``: a :class:`BatchPlan` (its placement must equal this layer's current homes) or a
         :class:`ReplicaPlan` (read against the current homes). The backward may run after the block.
+        Bad plan arguments raise ``PlanError`` here on a single rank; on an EP group of several ranks the
+        next forward raises it on every rank (they may be bad on this rank only: no rank is left waiting).
         """
+        try:
+            state = _Replay(ids, *self._plan_slice(plan, micro_batch))
+        except PlanError as exc:
+            if self.world_size == 1:
+                raise
+            # the plan arguments may be bad on this rank only: the forward raises on every rank instead
+            state = _Replay(ids=None, replicas=None, placement=None, micro_batch=0, error=exc)
+        prev = self._replay
+        self._replay = state
+        try:
+            yield self
+        finally:
+            self._replay = prev
+
+    def _plan_slice(self, plan: BatchPlan | ReplicaPlan | None,
+                    micro_batch: int | None) -> tuple[ReplicaPlan | None, np.ndarray | None, int]:
+        """Check ``replay``'s plan arguments (``PlanError``); returns (replicas, placement row [E], m)."""
         replicas, placement = None, None
         if micro_batch is not None and not _is_int(micro_batch):
             raise PlanError(f"micro_batch={micro_batch!r} must be an integer micro-batch index")
@@ -346,16 +365,10 @@ class ReplayBalancedMoE(nn.Module):
                 micro_batch = 0
             if not 0 <= micro_batch < max(M, 1):
                 raise PlanError(f"micro_batch={micro_batch} is outside [0, {M})")
-        prev = self._replay
-        self._replay = _Replay(ids=ids, replicas=replicas, placement=placement,
-                               micro_batch=0 if micro_batch is None else int(micro_batch))
-        try:
-            yield self
-        finally:
-            self._replay = prev
+        return replicas, placement, 0 if micro_batch is None else int(micro_batch)
 
     @contextlib.contextmanager
-    def _replay_error(self, error: ReplayError) -> Iterator[ReplayBalancedMoE]:
+    def _replay_error(self, error: ReplayError | PlanError) -> Iterator[ReplayBalancedMoE]:
         """Forward calls inside the block raise ``error`` on every rank of the EP group (after the status
         exchange), so replay data found bad on one rank before the forward never leaves its peers waiting."""
         prev = self._replay
@@ -440,6 +453,8 @@ class ReplayBalancedMoE(nn.Module):
             route = self.router(x2, replay_ids=rp.ids if rp is not None else None)
         except ReplayError as exc:
             status, error = _REPLAY_BAD, exc
+        except PlanError as exc:
+            status, error = _PLAN_BAD, exc
         if status == _OK:
             try:
                 state = self._plan_state(rp)
