@@ -1,7 +1,7 @@
 """relayout: expert parameters, gradients and AdamW state move to the new homes (checked per logical
 expert across ranks), the layer computes the same function afterwards, and relayout followed by the
-inverse relayout is a bitwise identity. Bad placements raise PlanError on every rank, before any
-communication."""
+inverse relayout is a bitwise identity. Bad placements (on any rank) and placements that differ between
+ranks raise PlanError on every rank before any expert moves."""
 
 from __future__ import annotations
 
@@ -140,3 +140,27 @@ def test_relayout_rejects_non_integer_placements():
     assert relayout(layer, np.zeros((1, 4)))["layers_changed"] == 0  # integral floats are GPU ids
     with pytest.raises(PlanError, match=r"shape \(4,\)"):
         relayout(layer, np.zeros(4, np.int64))
+
+
+def _disagree_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    layer = ReplayBalancedMoE(H, FF, 4, K)
+    before = [t.detach().clone() for t in layer.experts.expert_tensors()]
+    swapped = np.array([[1, 1, 0, 0]])
+    cases = [
+        (swapped if rank == 0 else np.array([[1, 0, 1, 0]]), "different placements"),  # valid, but differ
+        (swapped if rank == 0 else np.array([[0, 0, 0, 1]]),  # rank 1's is invalid
+         "rank 1 of the EP group rejected" if rank == 0 else "GPU 0 homes 3 experts"),
+    ]
+    for grid, match in cases:
+        with pytest.raises(PlanError, match=match):
+            relayout(layer, grid)
+        assert layer.home_gpu.tolist() == [0, 0, 1, 1]  # nothing moved
+        for t, b in zip(layer.experts.expert_tensors(), before):
+            assert torch.equal(t, b)
+    assert relayout(layer, swapped) == {"layers_changed": 1, "experts_moved": 4}  # the group still works
+
+
+@pytest.mark.timeout(120)
+def test_relayout_bad_or_different_placements_raise_on_every_rank():
+    run_group(_disagree_worker, 2, timeout_s=30)

@@ -15,10 +15,14 @@ stacked parameter, is the same on every rank and every expert, and stays where i
 
 Only data moves: relayout followed by the inverse relayout is a bitwise identity, and the layer
 computes the same function before and after. Every call is a collective over each layer's EP group;
-a placement that breaks a rule raises ``PlanError`` on every rank before any communication.
+before any expert moves the ranks exchange whether they accepted the placement and a checksum of it,
+so a placement that breaks a rule on any rank, or placements that differ between ranks, raise
+``PlanError`` on every rank (no rank is left waiting, nothing has moved).
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 import torch
@@ -66,19 +70,9 @@ def _move_layer(layer: ReplayBalancedMoE, new: np.ndarray, optimizer: torch.opti
     return int((old != new).sum())
 
 
-def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
-             optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Move every MoE layer's experts (and grads, optimizer state) to ``placement.expert_gpu [L, E]``
-    (a ``Placement``, a ``BatchPlan``'s placement, or the int array itself).
-
-    ``model``: any module containing ``ReplayBalancedMoE`` layers (or one such layer); row ``l`` of the
-    placement belongs to the ``l``-th of them in module order (their ``layer_index`` when set).
-    Returns ``{"layers_changed": ..., "experts_moved": ...}``. A collective: every rank of the EP
-    group calls it with the same placement.
-    """
-    layers = moe_layers(model)
-    if isinstance(placement, BatchPlan):
-        placement = placement.placement
+def _checked_rows(layers: list[ReplayBalancedMoE], placement: Placement | np.ndarray
+                  ) -> list[tuple[ReplayBalancedMoE, np.ndarray]]:
+    """Validate ``placement`` against the layers (``PlanError``); returns (layer, new homes [E]) pairs."""
     grid = placement.expert_gpu if isinstance(placement, Placement) else np.asarray(placement)
     grid = np.asarray(grid)
     if grid.dtype == bool or not np.issubdtype(grid.dtype, np.number):
@@ -110,6 +104,59 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
             raise PlanError(f"expert_gpu: GPU {g} homes {counts[g]} experts in layer {l}; every GPU must home "
                             f"exactly E/G = {E // G}")
         order.append((layer, row))
+    return order
+
+
+def _digest(order: list[tuple[ReplayBalancedMoE, np.ndarray]]) -> int:
+    """A 31-bit checksum of the validated new homes, to compare the placement across ranks."""
+    rows = np.ascontiguousarray(np.concatenate([row for _, row in order]) if order else np.zeros(0), np.int64)
+    return zlib.crc32(rows.tobytes()) & 0x7FFFFFFF
+
+
+def _agree(layers: list[ReplayBalancedMoE], order: list[tuple[ReplayBalancedMoE, np.ndarray]],
+           error: PlanError | None) -> None:
+    """Before any expert moves, the ranks of the (first multi-rank) EP group exchange a checksum of
+    their placement and whether they accepted it; every rank raises ``PlanError`` when one rejected it
+    or when the placements differ, so no rank is left waiting in the moves."""
+    layer = next((lay for lay in layers if lay.world_size > 1), None)
+    if layer is None:
+        if error is not None:
+            raise error
+        return
+    G = layer.world_size
+    row = torch.tensor([[_digest(order), 0 if error is None else 1]], dtype=torch.int64)
+    recv = layer.dispatcher.exchange(row.repeat(G, 1).to(layer.expert_gpu.device)).cpu()
+    if error is not None:
+        raise error
+    bad = np.flatnonzero(recv[:, 1].numpy())
+    if len(bad):
+        raise PlanError(f"relayout: rank {int(bad[0])} of the EP group rejected the placement (see that rank's error)")
+    digests = recv[:, 0].tolist()
+    if len(set(digests)) > 1:
+        other = next(g for g, d in enumerate(digests) if d != digests[layer.rank])
+        raise PlanError(f"relayout: the ranks of the EP group were given different placements (rank {other}'s "
+                        f"differs from rank {layer.rank}'s); every rank must apply the same placement")
+
+
+def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
+             optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Move every MoE layer's experts (and grads, optimizer state) to ``placement.expert_gpu [L, E]``
+    (a ``Placement``, a ``BatchPlan``'s placement, or the int array itself).
+
+    ``model``: any module containing ``ReplayBalancedMoE`` layers (or one such layer); row ``l`` of the
+    placement belongs to the ``l``-th of them in module order (their ``layer_index`` when set).
+    Returns ``{"layers_changed": ..., "experts_moved": ...}``. A collective: every rank of the EP
+    group calls it with the same placement.
+    """
+    layers = moe_layers(model)
+    if isinstance(placement, BatchPlan):
+        placement = placement.placement
+    error, order = None, []
+    try:
+        order = _checked_rows(layers, placement)
+    except PlanError as exc:
+        error = exc
+    _agree(layers, order, error)
     changed = moved = 0
     for layer, row in order:
         if np.array_equal(layer.home_gpu, row):
