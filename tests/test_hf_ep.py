@@ -20,30 +20,11 @@ pytest.importorskip("transformers")
 
 import torch.distributed as dist  # noqa: E402
 
-from relibra_moe.layers.testing import run_group  # noqa: E402
+from relibra_moe.layers.testing import hot_replica_plan, run_group  # noqa: E402
 
 FAMILIES = ("deepseek_v3", "qwen2_moe", "mixtral")
 IDS = [[5, 6, 7, 9, 11, 13, 17], [3, 4, 5, 6, 7, 8, 0]]
 MASK = [[1] * 7, [1] * 6 + [0]]
-
-
-def _plan(num_layers: int, E: int, G: int, hot: np.ndarray, seed: int):
-    from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
-
-    rng = np.random.default_rng(seed)
-    eg = np.stack([rng.permutation(np.arange(E) // (E // G)) for _ in range(num_layers)])
-    rep = np.full((1, num_layers, G, 1), -1, np.int32)
-    idx, share = [], []
-    for l in range(num_layers):
-        e = int(hot[l])
-        home = int(eg[l, e])
-        other = 1 - home
-        rep[0, l, other, 0] = e
-        for j in range(G):  # each source sends 60% home, 40% to the replica
-            idx += [(0, l, j, e, home), (0, l, j, e, other)]
-            share += [0.6, 0.4]
-    return BatchPlan(Placement(eg), SamplePlacement(np.array([0, 0]), np.array([0, 1]), 1),
-                     ReplicaPlan(rep, np.array(idx), np.array(share)), num_gpus=G, gpus_per_node=G)
 
 
 def _worker(rank: int, world_size: int, out_dir: str) -> None:
@@ -62,7 +43,7 @@ def _worker(rank: int, world_size: int, out_dir: str) -> None:
             (out_ref[mask.bool()].square().mean()).backward()
             traces = rec.traces()
             counts = sum(t.expert_counts() for t in traces)  # [L, E]
-            plan = _plan(len(traces[0].layer_ids), 8, 2, counts.argmax(1), seed=1)
+            plan = hot_replica_plan(len(traces[0].layer_ids), 8, 2, 2, counts.argmax(1), seed=1)
 
             model = swap_moe_blocks(tiny_model(fam, seed=5), replica_slots=1, gpus_per_node=2).train()
             relayout(model, plan.placement)

@@ -20,34 +20,12 @@ pytest.importorskip("transformers")
 
 import torch.distributed as dist  # noqa: E402
 
-from relibra_moe.layers.testing import run_group  # noqa: E402
+from relibra_moe.layers.testing import hot_replica_plan, run_group  # noqa: E402
 
 IDS = [[5, 6, 7, 9, 11, 13, 17], [3, 4, 5, 6, 7, 8, 0], [21, 22, 23, 24, 25, 26, 27], [30, 31, 32, 33, 3, 0, 0]]
 MASK = [[1] * 7, [1] * 6 + [0], [1] * 7, [1] * 5 + [0] * 2]
 E = 8
 EXPERT_NAMES = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-
-
-def _plan(num_layers: int, G: int, P: int, hot: np.ndarray, seed: int):
-    """Permuted placement; the hot expert of each layer replicated on one other rank (same node when
-    P > 1, else the other node with a global scope); every source sends it 60% home, 40% replica."""
-    from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
-
-    rng = np.random.default_rng(seed)
-    eg = np.stack([rng.permutation(np.arange(E) // (E // G)) for _ in range(num_layers)])
-    rep = np.full((1, num_layers, G, 1), -1, np.int32)
-    idx, share = [], []
-    for l in range(num_layers):
-        e = int(hot[l])
-        home = int(eg[l, e])
-        other = home ^ 1  # the node partner (P = 2) or the other node (P = 1)
-        rep[0, l, other, 0] = e
-        for j in range(G):
-            idx += [(0, l, j, e, home), (0, l, j, e, other)]
-            share += [0.6, 0.4]
-    scope = "node" if P > 1 else "global"
-    return BatchPlan(Placement(eg), SamplePlacement(np.zeros(G), np.arange(G), 1),
-                     ReplicaPlan(rep, np.array(idx), np.array(share), scope), num_gpus=G, gpus_per_node=P)
 
 
 def _expert_state(model, opt) -> list[torch.Tensor]:
@@ -78,7 +56,7 @@ def _worker(rank: int, world: int, P: int) -> None:
         traces = rec.traces()
         counts = sum(t.expert_counts() for t in traces)  # [L, E]
         L = len(traces[0].layer_ids)
-        plan = _plan(L, world, P, counts.argmax(1), seed=1 + world)
+        plan = hot_replica_plan(L, E, world, P, counts.argmax(1), seed=1 + world)
 
         model = swap_moe_blocks(tiny_model("gpt_oss", seed=5), replica_slots=1, gpus_per_node=P).train()
         blocks = [b for _, _, b in moe_blocks(model)]

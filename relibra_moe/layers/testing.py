@@ -14,11 +14,12 @@ import tempfile
 from collections.abc import Callable
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_group"]
+__all__ = ["hot_replica_plan", "run_group"]
 
 
 def _entry(rank: int, fn: Callable, world_size: int, init: str, backend: str, timeout_s: float, threads: int,
@@ -48,3 +49,30 @@ def run_group(fn: Callable, world_size: int, *args, backend: str = "gloo", timeo
         init = "file://" + os.path.join(d, "store")
         mp.spawn(_entry, args=(fn, world_size, init, backend, timeout_s, threads, args), nprocs=world_size,
                  join=True)
+
+
+def hot_replica_plan(num_layers: int, num_experts: int, num_gpus: int, gpus_per_node: int, hot: np.ndarray,
+                     seed: int):
+    """A one-micro-batch test plan: a random balanced placement per layer, and the hot expert of each
+    layer (``hot [L]`` expert ids) replicated on its partner GPU ``home ^ 1`` (the node partner when
+    ``gpus_per_node > 1``, else the other node, with a global replica scope); every source GPU sends
+    60% of that expert's tokens home and 40% to the replica. Sample g runs on GPU g."""
+    from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+
+    G, E = num_gpus, num_experts
+    rng = np.random.default_rng(seed)
+    eg = np.stack([rng.permutation(np.arange(E) // (E // G)) for _ in range(num_layers)])
+    rep = np.full((1, num_layers, G, 1), -1, np.int32)
+    idx, share = [], []
+    for l in range(num_layers):
+        e = int(hot[l])
+        home = int(eg[l, e])
+        other = home ^ 1
+        rep[0, l, other, 0] = e
+        for j in range(G):
+            idx += [(0, l, j, e, home), (0, l, j, e, other)]
+            share += [0.6, 0.4]
+    scope = "node" if gpus_per_node > 1 else "global"
+    return BatchPlan(Placement(eg), SamplePlacement(np.zeros(G), np.arange(G), 1),
+                     ReplicaPlan(rep, np.array(idx), np.array(share), scope), num_gpus=G,
+                     gpus_per_node=gpus_per_node)
