@@ -3,6 +3,9 @@ through the Triton interpreter."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -248,6 +251,24 @@ def test_bad_replay_input_is_named():
     with pytest.raises(PlanError, match="num_gpus=2.*has 1 ranks"):
         with layer.replay(None, plan=other):
             pass
+
+
+def test_failed_forward_does_not_pin_its_activations():
+    """A forward that raises ReplayError leaves no frame <-> traceback cycle: its input (and everything the
+    frame held) is freed as soon as the caller drops the exception, without waiting for the garbage collector."""
+    layer = ReplayBalancedMoE(8, 8, 4, 2, layer_index=0)
+    gc.collect()
+    gc.disable()
+    try:
+        x = torch.randn(5, 8)
+        alive = weakref.ref(x)
+        with pytest.raises(ReplayError, match="cover 4 tokens"):
+            with layer.replay(torch.tensor([[0, 1]] * 4)):
+                layer(x)
+        del x
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -45,6 +45,7 @@ outputs and gradients equal the plain layer's with the same routing (up to fp32 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -324,7 +325,7 @@ class ReplayBalancedMoE(nn.Module):
             if self.world_size == 1:
                 raise
             # the plan arguments may be bad on this rank only: the forward raises on every rank instead
-            state = _Replay(ids=None, replicas=None, placement=None, micro_batch=0, error=exc)
+            state = _Replay(ids=None, replicas=None, placement=None, micro_batch=0, error=exc.with_traceback(None))
         prev = self._replay
         self._replay = state
         try:
@@ -372,7 +373,9 @@ class ReplayBalancedMoE(nn.Module):
         """Forward calls inside the block raise ``error`` on every rank of the EP group (after the status
         exchange), so replay data found bad on one rank before the forward never leaves its peers waiting."""
         prev = self._replay
-        self._replay = _Replay(ids=None, replicas=None, placement=None, micro_batch=0, error=error)
+        # stored without its traceback (its frames would keep the caller alive); forwards raise copies
+        self._replay = _Replay(ids=None, replicas=None, placement=None, micro_batch=0,
+                               error=error.with_traceback(None))
         try:
             yield self
         finally:
@@ -449,7 +452,7 @@ class ReplayBalancedMoE(nn.Module):
         route = state = None
         try:
             if rp is not None and rp.error is not None:
-                raise rp.error
+                raise copy.copy(rp.error)  # a fresh instance: tracebacks of repeated forwards do not pile up
             route = self.router(x2, replay_ids=rp.ids if rp is not None else None)
         except ReplayError as exc:
             status, error = _REPLAY_BAD, exc
@@ -470,7 +473,12 @@ class ReplayBalancedMoE(nn.Module):
         meta = torch.stack([send.to(torch.int64), torch.full_like(send, status, dtype=torch.int64)], dim=1)
         recv_meta = self.dispatcher.exchange(meta.to(x.device)).cpu()
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                # break the cycle frame -> error -> traceback -> frame, which would pin this forward's
+                # activations until the next garbage collection (and at exit races the process group)
+                error = None
         bad = np.flatnonzero(recv_meta[:, 1].numpy())
         if len(bad):
             other = int(bad[0])

@@ -156,7 +156,10 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
         order = _checked_rows(layers, placement)
     except PlanError as exc:
         error = exc
-    _agree(layers, order, error)
+    try:
+        _agree(layers, order, error)
+    finally:
+        error = None  # no frame -> error -> traceback -> frame cycle once it is raised
     changed = moved = 0
     for layer, row in order:
         if np.array_equal(layer.home_gpu, row):
