@@ -144,8 +144,12 @@ def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
     return {"num_requests": num_requests, "micro_batches": batch.num_sequences // 8, "ep": "2x4", "results": res}
 
 
+SKEW_CAP = 0.05  # the rank-balance mode's soft cap on the node-level compute skew (``skew_cap`` plan option)
+
+
 def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2, **options) -> dict:
-    """Mean rank skew per strategy on qwen3-30b-a3b mixed synthetic batches at each EP size in ``eps``."""
+    """Mean rank skew and sum of T_MoE per strategy on qwen3-30b-a3b mixed synthetic batches at each EP size in
+    ``eps``: the default relibra (fastest plan), the rank-balance mode (``skew_cap``), each with repacking."""
     from relibra_moe.plan import BatchPlan
     from relibra_moe.planners.replicate import replicate_batch
     from relibra_moe.planners.scoring import score_plan
@@ -160,7 +164,10 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
         row = {}
         for name, strategy, r, kw in (("static", "static", 0, {}), ("relibra-inter", "relibra-inter", 0, {}),
                                       ("relibra", "relibra", 2, {}),
-                                      ("relibra+repack", "relibra", 2, {"repack": True, "final_reorder": True})):
+                                      ("relibra cap", "relibra", 2, {"skew_cap": SKEW_CAP}),
+                                      ("relibra+repack", "relibra", 2, {"repack": True, "final_reorder": True}),
+                                      ("relibra+repack cap", "relibra", 2, {"repack": True, "final_reorder": True,
+                                                                           "skew_cap": SKEW_CAP})):
             t0 = time.perf_counter()
             plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers,
                               **{**options, **kw})
@@ -292,16 +299,16 @@ def main(argv: list[str] | None = None) -> int:
         eps = [8, 16] if q else [8, 16, 32, 64]
         out["skew"] = bench_skew(32 if q else 256, eps, seed=args.seed, workers=args.workers, **opts)
         print(f"\n== rank skew, qwen3-30b-a3b, SYNTHETIC mixed, {out['skew']['num_samples']} samples, mb 32")
-        print(f"{'EP':>4s} {'static':>8s} {'inter':>8s} {'relibra':>8s} {'node':>8s} {'+repack':>8s} {'lpt+rep':>8s} "
-              f"{'T rel':>8s} {'T lpt+rep':>10s} {'solve s':>8s}")
+        names = ("static", "relibra-inter", "relibra", "relibra cap", "relibra+repack", "relibra+repack cap",
+                 "lpt+replicate")
+        print("rank skew / sum of T_MoE s / solve s (node: node-level skew of the homes, a floor for intra-node "
+              f"replication; cap: skew_cap={SKEW_CAP})")
         for ep, row in out["skew"]["ep"].items():
-            print(f"{ep:>4s} {row['static']['rank_skew_mean']:8.3f} {row['relibra-inter']['rank_skew_mean']:8.3f} "
-                  f"{row['relibra']['rank_skew_mean']:8.3f} {row['relibra']['node_skew_mean']:8.3f} "
-                  f"{row['relibra+repack']['rank_skew_mean']:8.3f} "
-                  f"{row['lpt+replicate']['rank_skew_mean']:8.3f} {row['relibra']['t_moe_total_s']:8.4f} "
-                  f"{row['lpt+replicate']['t_moe_total_s']:10.4f} {row['relibra']['solve_s']:8.1f}")
-        print("node: node-level skew of relibra's homes (max node mean load / GPU mean), a floor for intra-node "
-              "replication")
+            print(f"EP{ep}")
+            for k in names:
+                v = row[k]
+                node = f"  node {v['node_skew_mean']:.3f}" if "node_skew_mean" in v else ""
+                print(f"  {k:20s} {v['rank_skew_mean']:7.3f} {v['t_moe_total_s']:9.4f} {v['solve_s']:7.1f}{node}")
     if "time" in only:
         out["time"] = bench_time(32 if q else 256, seed=args.seed, workers=args.workers, **opts)
         t = out["time"]

@@ -58,7 +58,7 @@ def _plan_args(trace_file, out, strategy, *extra):
 @pytest.mark.parametrize("strategy, extra", [
     ("static", []), ("lpt", []), ("eplb", []), ("eplb", ["--replica-slots", "1"]), ("balanced", []),
     ("relibra-inter", []), ("relibra-inter", ["--repack"]), ("lplb", ["--replica-slots", "1"]),
-    ("relibra", ["--replica-slots", "1"]),
+    ("relibra", ["--replica-slots", "1"]), ("relibra", ["--replica-slots", "1", "--skew-cap", "0.05"]),
 ])
 def test_every_strategy_plans_and_scores_agree(trace_file, tmp_path, capsys, strategy, extra):
     out = tmp_path / "plan.npz"
@@ -106,6 +106,9 @@ def test_cli_errors(trace_file, tmp_path, capsys):
     (["--nodes", "2", "--gpus-per-node", "4", "--replica-slots", "2", "--strategy", "static"],
      "--replica-slots=2 only applies to eplb, lplb, relibra, not --strategy static"),
     (["--nodes", "2", "--gpus-per-node", "4"], "no micro-batch assignment (for every sample): pass --micro-batch-size"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--skew-cap", "-0.1"], "skew_cap=-0.1 must be a finite number >= 0"),
+    (["--nodes", "2", "--gpus-per-node", "4", "--skew-cap", "0.05", "--strategy", "lpt"],
+     "--skew-cap=0.05 only applies to relibra and relibra-inter, not --strategy lpt"),
 ])
 def test_cli_plan_bad_flags(trace_file, tmp_path, capsys, flags, msg):
     """Bad flags end in ``relibra plan: error: ...`` naming the flag's field and value, not a traceback."""
@@ -182,6 +185,31 @@ def test_plan_batch_scores_match_reference_and_ordering():
     assert s["percent_of_balanced"] == pytest.approx(100 * bal / scores["static"])
 
 
+@pytest.mark.timeout(300)
+def test_relibra_is_relibra_inter_plus_replication_and_rank_balance_mode():
+    """By default relibra keeps relibra-inter's homes and samples (same seeds) and only adds replicas, so it is
+    never slower; ``skew_cap`` (rank-balance mode) trades communication for node balance of the homes."""
+    batch = _batch(3, n=24).with_micro_batch_size(4)
+    free = dict(iters=400, locality_iters=400, migration=False, price_replicas=False)
+    inter = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", **free)
+    rel = plan_batch(batch, MODEL, CLUSTER, "relibra", replica_slots=1, **free)
+    np.testing.assert_array_equal(rel.placement.expert_gpu, inter.placement.expert_gpu)
+    np.testing.assert_array_equal(rel.samples.gpu, inter.samples.gpu)
+    assert (rel.replicas.replica_expert >= 0).any()
+    t_inter = score_plan(inter, batch, MODEL, CLUSTER)["t_moe_total_s"]
+    t_rel = score_plan(rel, batch, MODEL, CLUSTER)["t_moe_total_s"]
+    assert t_rel < t_inter
+
+    def node_skew(plan):  # mean over cells of the busiest node's mean GPU load / the mean GPU load
+        x = batch.loads(plan.samples.gpu, 8, plan.samples.micro_batch).astype(np.float64)  # [M, L, G, E]
+        gl = np.einsum("mlje,leg->mlg", x, np.eye(8)[plan.placement.expert_gpu])
+        return float((gl.reshape(*gl.shape[:2], 2, 4).mean(-1).max(-1) / gl.mean(-1)).mean())
+
+    bal = plan_batch(batch, MODEL, CLUSTER, "relibra", replica_slots=1, skew_cap=0.0, **free)
+    assert bal.stats["options"]["skew_cap"] == 0.0
+    assert node_skew(bal) < node_skew(rel)
+
+
 def test_registry_and_plan_batch_errors():
     assert {"static", "eplb", "balanced", "relibra-inter", "lplb", "relibra"} <= set(STRATEGIES)
     batch = _batch(2, n=8)
@@ -231,6 +259,10 @@ def test_plan_batch_and_score_reject_non_batches():
     ({"balanced_sources": "odd"}, "balanced_sources='odd' is not one of"),
     ({"itres": 5}, "unknown plan option itres=5"),
     ({"token_cap": 500}, "token_cap=500 only applies with repack=True"),
+    ({"skew_cap": -0.5}, "skew_cap=-0.5 must be a finite number >= 0"),
+    ({"skew_cap": "low"}, "skew_cap='low' must be a finite number >= 0"),
+    ({"skew_cap": 0.05, "node_comp": False}, "skew_cap=0.05 caps the node-level compute skew of node_comp: it "
+                                             "needs node_comp=True"),
 ])
 def test_plan_batch_rejects_bad_arguments(kw, msg):
     """Bad arguments fail up front with the field and the value, before any planning work."""

@@ -209,7 +209,8 @@ def test_inline_planner_matches_plan_batch(inline_plan):
     np.testing.assert_array_equal(ref.replicas.replica_expert, inline_plan.replicas.replica_expert)
 
 
-@pytest.mark.parametrize("opts", [dict(price_replicas=True), dict(repack=True, final_reorder=True)])
+@pytest.mark.parametrize("opts", [dict(price_replicas=True), dict(repack=True, final_reorder=True),
+                                  dict(skew_cap=0.05)])
 def test_inline_planner_matches_plan_batch_priced_and_final_reorder(opts):
     from relibra_moe.planners.strategies import plan_batch
 

@@ -50,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--iters", type=int, default=None, help="annealing proposals per layer and seed")
     p.add_argument("--locality-iters", type=int, default=None, help="sample-placement annealing proposals")
     p.add_argument("--rounds", type=int, default=None, help="reorder + locality rounds (relibra*; default 2)")
+    p.add_argument("--skew-cap", type=float, default=None,
+                   help="rank-balance mode (relibra*): soft cap on the node-level compute skew, e.g. 0.05; trades "
+                        "communication for rank balance (off by default: it lengthens T_MoE on multi-node clusters)")
     p.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
     p.add_argument("--out", required=True, help="plan file to write (.npz)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -144,7 +147,10 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError(f"trace {args.trace} has no micro-batch assignment (for every sample): pass "
                         "--micro-batch-size B")
     options: dict[str, Any] = {"objective": args.objective}
-    for k in ("iters", "locality_iters", "token_cap", "rounds"):
+    if args.skew_cap is not None and args.strategy not in ("relibra", "relibra-inter"):
+        raise PlanError(f"--skew-cap={args.skew_cap} only applies to relibra and relibra-inter, not --strategy "
+                        f"{args.strategy}")
+    for k in ("iters", "locality_iters", "token_cap", "rounds", "skew_cap"):
         v = getattr(args, k)
         if v is not None:
             options[k] = v

@@ -221,7 +221,7 @@ class Planner:
         """
         from .locality import default_locality_iters, loads_from_counts, round_robin_gpus
         from .reorder import _better_start, batch_cost, default_iters, layer_seeds, lpt_placement
-        from .strategies import DEFAULT_ROUNDS, DEFAULT_SKEW_CAP, final_iters, migrate
+        from .strategies import DEFAULT_ROUNDS, final_iters, migrate, rank_balance_options
 
         model, cluster, o = self.model, self.cluster, self.options
         G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
@@ -246,8 +246,7 @@ class Planner:
         num_seeds = o.get("num_seeds")
         num_seeds = max(1, self.workers) if num_seeds is None else int(num_seeds)
         beta = o.get("beta", DEFAULT_BETA)
-        node_comp = bool(o.get("node_comp", self.strategy == "relibra" and self.replica_slots > 0))
-        skew_cap = o.get("skew_cap", DEFAULT_SKEW_CAP) if node_comp else None
+        node_comp, skew_cap = rank_balance_options(o)
         kw = dict(objective=objective, beta=beta, iters=iters, smooth=o.get("smooth"), node_comp=node_comp,
                   skew_cap=skew_cap)
         timing = stats["timing"]

@@ -9,8 +9,8 @@ name                      plan
 ``balanced``              the ideal: uniform random routing, same tokens per source (scored as such)
 ``relibra-inter``         reorder (LPT + annealing) + sample locality (+ repacking), migration-aware
 ``lplb``                  LPLB+: EPLB+ reorder, per-micro-batch LP split over <= 1 copy per expert
-``relibra``               relibra-inter (replication-aware reorder) + intra-node replication and token split
-                          (Algorithm 2), replicas priced for their exposed push / pull
+``relibra``               relibra-inter + intra-node replication and token split (Algorithm 2), replicas
+                          priced for their exposed push / pull; ``skew_cap``: rank-balance mode
 ========================  ======================================================================
 
 Every strategy takes ``(ctx: PlanContext) -> BatchPlan``. ``repack=True`` lets the non-ReLibra
@@ -147,8 +147,32 @@ def strategy_balanced(ctx: PlanContext) -> BatchPlan:
 
 
 DEFAULT_ROUNDS = 2
-DEFAULT_SKEW_CAP: float | None = 0.05
 FINAL_ITERS_FACTOR = 8
+
+
+def rank_balance_options(options: dict[str, Any]) -> tuple[bool, float | None]:
+    """``(node_comp, skew_cap)`` of the reorder from the plan options (default: off, ``(False, None)``).
+
+    ``skew_cap=c`` (a float >= 0) asks for rank-level balance: the reorder anneals the replication-aware cost
+    (``node_comp``: compute term = the busiest node's mean GPU load, what intra-node replicas can level it
+    to) plus a soft cap ``c`` on the node-level compute skew, from node-balanced starts. ``node_comp=True``
+    alone uses that cost without the cap.
+
+    Off by default because on multi-node clusters it buys rank balance with communication: qwen3-30b-a3b
+    mixed (bench/replication.py --only skew), the sum of T_MoE with ``skew_cap=0.05`` vs without:
+    EP16 6.36 vs 6.02 s, EP32 9.14 vs 8.20 s, EP64 10.70 vs 9.72 s (rank skew 1.03 / 1.06 / 1.13 vs
+    1.10 / 1.35 / 1.69); qwen3-235b-a22b EP32 37.5 vs 34.1 s. ``repack=True`` gets both (see BENCHMARKS.md).
+    """
+    skew_cap = options.get("skew_cap")
+    node_comp = options.get("node_comp")
+    node_comp = skew_cap is not None if node_comp is None else bool(node_comp)
+    if skew_cap is not None and not node_comp:
+        raise PlanError(f"skew_cap={skew_cap!r} caps the node-level compute skew of node_comp: it needs "
+                        "node_comp=True (or leave node_comp unset)")
+    if skew_cap is not None and (isinstance(skew_cap, bool) or not isinstance(skew_cap, (int, float, np.number))
+                                 or not (np.isfinite(skew_cap) and skew_cap >= 0)):
+        raise PlanError(f"skew_cap={skew_cap!r} must be a finite number >= 0 (or None)")
+    return node_comp, None if skew_cap is None else float(skew_cap)
 
 
 def final_iters(options: dict[str, Any], iters: int) -> int:
@@ -158,7 +182,7 @@ def final_iters(options: dict[str, Any], iters: int) -> int:
     return int(options.get("final_iters") or FINAL_ITERS_FACTOR * iters)
 
 
-def relibra_inter(ctx: PlanContext, node_comp: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def relibra_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reorder + locality (+ repacking), ``rounds`` times: returns (homes [L, E], micro_batch [N], gpu [N]).
 
     Each round re-anneals the experts for the sample placement of the previous round, then the samples
@@ -167,17 +191,16 @@ def relibra_inter(ctx: PlanContext, node_comp: bool = False) -> tuple[np.ndarray
     bench rows (relibra-inter with and without repacking, four scenarios; the 8th is +0.03%), at about the
     same solve time.
 
-    ``node_comp`` (relibra with replicas; option ``node_comp`` overrides): the reorder anneals the
-    replication-aware cost (compute term = the busiest node's mean GPU load, with a soft cap ``skew_cap``,
-    default ``DEFAULT_SKEW_CAP``, on that node-level skew; ``reorder.batch_cost``) from node-balanced starts:
-    intra-node replicas level each node, so the node balance of the homes is what bounds relibra's rank
-    skew (qwen3-30b-a3b mixed, bench/replication.py --only skew). Option ``final_reorder=True`` re-anneals
+    Rank-balance mode (options ``skew_cap`` / ``node_comp``, ``rank_balance_options``; off by default): the
+    reorder anneals the replication-aware cost (compute term = the busiest node's mean GPU load, with a soft
+    cap ``skew_cap`` on that node-level skew; ``reorder.batch_cost``) from node-balanced starts: intra-node
+    replicas level each node, so the node balance of the homes is what bounds relibra's rank skew
+    (qwen3-30b-a3b mixed, bench/replication.py --only skew). Option ``final_reorder=True`` re-anneals
     the homes once more after the last locality pass (useful with ``repack``, which changes what each
     micro-batch routes), with ``final_iters`` proposals.
     """
     o = ctx.options
-    node_comp = bool(o.get("node_comp", node_comp))
-    skew_cap = o.get("skew_cap", DEFAULT_SKEW_CAP) if node_comp else None
+    node_comp, skew_cap = rank_balance_options(o)
     mb, sg = ctx.micro_batch, ctx.sample_gpu
     eg = None
     objectives: list[dict[str, Any]] = []
@@ -275,11 +298,13 @@ def strategy_relibra_inter(ctx: PlanContext) -> BatchPlan:
 
 
 def strategy_relibra(ctx: PlanContext) -> BatchPlan:
-    """relibra-inter (replication-aware when r > 0), then Algorithm 2 per micro-batch and layer, replicas
-    priced for their exposed push / pull (``replica_pricing``)."""
+    """relibra-inter (its placement and samples), then Algorithm 2 per micro-batch and layer, replicas priced
+    for their exposed push / pull (``replica_pricing``). Replication only lowers each cell's T_MoE, so the
+    plan is never slower than relibra-inter's; ``skew_cap`` asks for rank-level balance instead
+    (``rank_balance_options``)."""
     from .replicate import replicate_batch
 
-    eg, mb, sg = relibra_inter(ctx, node_comp=ctx.replica_slots > 0)
+    eg, mb, sg = relibra_inter(ctx)
     placement = Placement(eg)
     samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
     t0 = time.perf_counter()
@@ -358,6 +383,7 @@ def check_plan_args(*, replica_slots: Any = 0, seed: Any = 0, workers: Any = 1,
     for name, allowed in (("objective", ("batch", "aggregate")), ("balanced_sources", ("batch", "even"))):
         if name in options and options[name] not in allowed:
             raise PlanError(f"{name}={options[name]!r} is not one of {allowed}")
+    rank_balance_options(options)
 
 
 def plan_batch(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strategy: str, *, replica_slots: int = 0,
