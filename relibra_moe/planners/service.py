@@ -313,8 +313,9 @@ class Planner:
             mopts["previous"] = prev
         if deadline is not None and time.monotonic() > deadline:
             mopts["migration"] = False  # past the deadline: no more work, the fallbacks stand as they are
+        replicated = self.strategy == "relibra" and self.replica_slots > 0  # as strategies.strategy_relibra
         eg, sg, stats["migration"] = migrate(eg, np.asarray(mb, dtype=np.int64), sg, counts, M, model, cluster, mopts,
-                                             node_comp)
+                                             node_comp or replicated)
         timing["migration_s"] = time.perf_counter() - t0
         return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
 
