@@ -107,8 +107,9 @@ class Planner:
         task_hook: called as ``hook(kind, key)`` inside the worker before each task (tests use it to kill
             a worker); must be picklable for "process" / "ray".
         options: strategy options as for ``plan_batch`` (``iters``, ``num_seeds``, ``objective``, ``beta``,
-            ``locality_iters``, ``tol``, ``token_cap``, ``rounds``, ``repack``) and ``cell_chunk`` (cells per
-            replication task) and ``replicate`` (a dict of ``replicate_cell`` keywords).
+            ``locality_iters``, ``tol``, ``token_cap``, ``rounds``, ``repack``, ``skew_cap`` for the
+            rank-balance mode, ...) and ``cell_chunk`` (cells per replication task) and ``replicate`` (a dict
+            of ``replicate_cell`` keywords).
     """
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, strategy: str = "relibra", replica_slots: int = 2,
