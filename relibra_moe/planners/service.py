@@ -389,7 +389,10 @@ class Planner:
         if pool is None:
             return
         procs = list(getattr(pool, "_processes", {}).values()) if kill else []
-        pool.shutdown(wait=not kill, cancel_futures=True)
+        # When killing, leave the pending futures alone: the pool's manager thread fails them with
+        # BrokenProcessPool once the workers are gone, and on Python 3.11 it raises InvalidStateError in its
+        # thread for any future already cancelled (cancel_futures=True, or Future.cancel()).
+        pool.shutdown(wait=not kill, cancel_futures=not kill)
         for p in procs:  # our own workers, still busy with tasks nobody waits for
             if p.is_alive():
                 p.terminate()
@@ -407,8 +410,7 @@ class Planner:
         out: list[Any] = []
         broken = late = False
         for f in futs:
-            if not f.done():
-                f.cancel()
+            if not f.done():  # not cancelled: the pool is dropped below (see _drop_pool)
                 late = True
                 out.append(_Failed("missed the deadline"))
                 continue
