@@ -243,6 +243,15 @@ def test_plan_batch_and_score_reject_non_batches():
         score_plan(plan.stats, batch, MODEL, CLUSTER)
 
 
+def test_rank_balance_options_only_for_relibra():
+    for strategy in ("static", "lpt", "eplb", "lplb"):
+        with pytest.raises(PlanError, match=f"skew_cap=0.05 only applies to relibra and relibra-inter, not "
+                                            f"strategy '{strategy}'"):
+            plan_batch(_batch(2, n=8), MODEL, CLUSTER, strategy, micro_batch_size=4, skew_cap=0.05)
+    with pytest.raises(PlanError, match="node_comp=True only applies"):
+        plan_batch(_batch(2, n=8), MODEL, CLUSTER, "static", micro_batch_size=4, node_comp=True)
+
+
 @pytest.mark.parametrize("kw, msg", [
     ({"replica_slots": 2.5}, "replica_slots=2.5 must be an int >= 0"),
     ({"replica_slots": "2"}, "replica_slots='2' must be an int >= 0"),

@@ -422,6 +422,10 @@ def plan_batch(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strate
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; known: {sorted(STRATEGIES)}")
     check_plan_args(replica_slots=replica_slots, seed=seed, workers=workers, options=options)
+    for name in ("skew_cap", "node_comp"):
+        if options.get(name) is not None and strategy not in ("relibra", "relibra-inter"):
+            raise PlanError(f"{name}={options[name]!r} only applies to relibra and relibra-inter, not "
+                            f"strategy {strategy!r}")
     if options.get("token_cap") is not None and not repack:
         raise PlanError(f"token_cap={options['token_cap']!r} only applies with repack=True (--repack)")
     check_batch_type(batch)
