@@ -60,6 +60,19 @@ def test_sessions_padding_and_detach():
     assert rec.sequences() == []
 
 
+def test_recorder_rejects_beam_search_and_leaves_it_alone_when_detached():
+    """Beam search reorders the cache between steps: under the recorder that is an error, not wrong rows."""
+    model = tiny_model("qwen3_moe")
+    with RoutingRecorder(model) as rec, torch.no_grad():
+        with pytest.raises(ReplayError, match="reordered the KV cache.*beam search"):
+            model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=4, do_sample=False, num_beams=2)
+        gen = model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=3, do_sample=False)  # greedy still fine
+    assert [len(s) for s in rec.sequences()[-2:]] == [int(MASK[b].sum()) + gen.shape[1] - 7 for b in range(2)]
+    with torch.no_grad():  # not recording: beam search runs as usual
+        out = model.generate(PROMPTS, attention_mask=MASK, max_new_tokens=4, do_sample=False, num_beams=2)
+    assert out.shape == (2, 10)
+
+
 def test_recorder_rejects_4d_mask():
     model = tiny_model("qwen3_moe")
     with RoutingRecorder(model), pytest.raises(ReplayError, match="2-D attention_mask"), torch.no_grad():

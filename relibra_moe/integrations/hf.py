@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -108,8 +109,9 @@ class RoutingRecorder:
     Trace rows are therefore the fed tokens (prompt + generated tokens but the last), logical expert ids
     in the engine's order, ``layer_ids`` = decoder indices of the MoE layers only, ``start`` = 0.
 
-    Greedy and sampled decoding (also ``num_return_sequences``) are supported; beam search reorders the
-    cache between steps, so its rows would not follow one sequence, and is not.
+    Greedy and sampled decoding (also ``num_return_sequences``) are supported. Beam search reorders the
+    cache between steps, so its rows would not follow one sequence: the first reordering of a recorded
+    generation's cache raises ``ReplayError`` instead of recording wrong rows.
     """
 
     def __init__(self, model: nn.Module, *, source: str = "") -> None:
@@ -172,8 +174,9 @@ class RoutingRecorder:
         if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
             raise ReplayError(f"RoutingRecorder needs a 2-D attention_mask [B, S_total] (or none), got "
                               f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        self._watch_cache(cache)
         if mask is None:
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
             past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
             keep = torch.ones(B, S, dtype=torch.bool, device=ref.device)
         else:
@@ -189,6 +192,28 @@ class RoutingRecorder:
                               f"{int(self._sessions[-1][0]['keep'].shape[0])}")
         self._step = {"B": B, "S": S, "keep": keep, "ids": [None] * len(self._blocks)}
         self._sessions[-1].append(self._step)
+
+    def _watch_cache(self, cache: Any) -> None:
+        """Make a reordering of ``cache`` (beam search) raise while this recorder is attached."""
+        if cache is None or not callable(getattr(cache, "reorder_cache", None)):
+            return
+        if getattr(cache, "_relibra_watched", False):
+            return
+        original = cache.reorder_cache
+        recorder = weakref.ref(self)
+
+        def reorder_cache(beam_idx: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            rec = recorder()
+            idx = torch.as_tensor(beam_idx)
+            moved = not torch.equal(idx.cpu(), torch.arange(idx.numel()).view(idx.shape))
+            if rec is not None and rec._handles and moved:
+                raise ReplayError("RoutingRecorder: generate() reordered the KV cache between decode steps (beam "
+                                  "search, num_beams > 1), so recorded rows would not follow one sequence; record "
+                                  "the rollout with greedy or sampled decoding")
+            return original(beam_idx, *args, **kwargs)
+
+        cache.reorder_cache = reorder_cache
+        cache._relibra_watched = True
 
     def _block_pre(self, li: int):
         def hook(module: nn.Module, args: tuple) -> None:
