@@ -31,7 +31,6 @@ from ..errors import PlanError, RelibraError
 from ..plan import json_default
 
 STRATEGY_ORDER = ("static", "eplb", "lplb", "relibra-inter", "relibra", "balanced")
-REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
 REPACK_STRATEGIES = ("static", "relibra-inter", "relibra")
 DOMAINS = ("math", "code", "instruction", "mixed")
 PAPER_CLUSTERS = {"qwen3-30b-a3b": (2, 8), "glm4.5-106b-a12b": (4, 8), "qwen3-235b-a22b": (4, 8)}
@@ -167,6 +166,7 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
     ``starting(label)`` is called before each plan and ``advance()`` after it (progress reporting).
     """
     from ..metrics import load_summary
+    from ..planners.strategies import REPLICA_STRATEGIES
     from ..sim import simulate_step
     from ..specs import cluster_preset, model_preset
 

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from ..trace import TraceBatch
 
 STRATEGY_NAMES = ("static", "lpt", "eplb", "balanced", "relibra-inter", "lplb", "relibra")
-REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -133,7 +132,7 @@ def _score(plan, batch, model, cluster, balanced: bool) -> dict[str, Any]:
 
 def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     """Plan, save, score: the JSON-ready result (what ``relibra plan --json`` prints)."""
-    from ..planners.strategies import plan_batch
+    from ..planners.strategies import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, plan_batch
     from ..trace import TraceBatch
 
     model = _model(args.model)
@@ -147,9 +146,9 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError(f"trace {args.trace} has no micro-batch assignment (for every sample): pass "
                         "--micro-batch-size B")
     options: dict[str, Any] = {"objective": args.objective}
-    if args.skew_cap is not None and args.strategy not in ("relibra", "relibra-inter"):
-        raise PlanError(f"--skew-cap={args.skew_cap} only applies to relibra and relibra-inter, not --strategy "
-                        f"{args.strategy}")
+    if args.skew_cap is not None and args.strategy not in RELIBRA_STRATEGIES:
+        raise PlanError(f"--skew-cap={args.skew_cap} only applies to {' and '.join(RELIBRA_STRATEGIES)}, not "
+                        f"--strategy {args.strategy}")
     for k in ("iters", "locality_iters", "token_cap", "rounds", "skew_cap"):
         v = getattr(args, k)
         if v is not None:

@@ -359,6 +359,11 @@ STRATEGIES: dict[str, Callable[[PlanContext], BatchPlan]] = {
 }
 
 
+REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
+"""The strategies that place replicas (read ``replica_slots``)."""
+RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
+"""The ReLibra strategies: reorder + locality (+ replication); they read ``skew_cap`` / ``node_comp``."""
+
 PLAN_OPTIONS = frozenset({
     "balanced_sources", "beta", "final_iters", "final_reorder", "iters", "locality_iters", "locality_smooth",
     "migration", "node_comp", "num_groups", "num_seeds", "objective", "optimizer_bytes_per_param", "previous",
@@ -423,8 +428,8 @@ def plan_batch(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strate
         raise PlanError(f"unknown strategy {strategy!r}; known: {sorted(STRATEGIES)}")
     check_plan_args(replica_slots=replica_slots, seed=seed, workers=workers, options=options)
     for name in ("skew_cap", "node_comp"):
-        if options.get(name) is not None and strategy not in ("relibra", "relibra-inter"):
-            raise PlanError(f"{name}={options[name]!r} only applies to relibra and relibra-inter, not "
+        if options.get(name) is not None and strategy not in RELIBRA_STRATEGIES:
+            raise PlanError(f"{name}={options[name]!r} only applies to {' and '.join(RELIBRA_STRATEGIES)}, not "
                             f"strategy {strategy!r}")
     if options.get("token_cap") is not None and not repack:
         raise PlanError(f"token_cap={options['token_cap']!r} only applies with repack=True (--repack)")
