@@ -172,7 +172,7 @@ def _make_optimizer(params, cfg: Config) -> torch.optim.Optimizer:
 
 def _step(rank: int, cfg: Config) -> dict:
     """``cfg.steps`` RL steps on this rank; the per-step records (rank 0 also has the rollout timings)."""
-    from relibra_moe.integrations.hf import full_state_dict, swap_moe_blocks
+    from relibra_moe.integrations.hf import swap_moe_blocks
     from relibra_moe.integrations.hf_tiny import tiny_model
     from relibra_moe.planners.service import Planner
 
@@ -197,9 +197,10 @@ def _step(rank: int, cfg: Config) -> dict:
     records = []
     try:
         for step in range(cfg.steps):
-            records.append(_one_step(rank, cfg, step, model, opt, reference, ref_opt, rollout_state, planner,
-                                     fresh))
-            rollout_state = full_state_dict(model)  # weight sync to the rollout engine (a collective)
+            # the gathered state dict the step checked is also the weight sync to the rollout engine
+            record, rollout_state = _one_step(rank, cfg, step, model, opt, reference, ref_opt, rollout_state,
+                                              planner, fresh)
+            records.append(record)
     finally:
         if planner is not None:
             planner.close()
@@ -207,7 +208,9 @@ def _step(rank: int, cfg: Config) -> dict:
 
 
 def _one_step(rank: int, cfg: Config, step: int, model, opt, reference, ref_opt, rollout_state, planner,
-              fresh) -> dict:
+              fresh) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One RL step (rollout on rank 0 from ``rollout_state``, plan, relayout, train, check against the
+    reference); returns (the step's record, the trained model's gathered HF state dict)."""
     from relibra_moe.integrations.hf import RoutingRecorder, full_state_dict, moe_blocks, replay
     from relibra_moe.layers.moe import materialize_counts
     from relibra_moe.layers.relayout import relayout
@@ -323,7 +326,7 @@ def _one_step(rank: int, cfg: Config, step: int, model, opt, reference, ref_opt,
                 exact[m, li] += materialize_counts(x[m, li, j], shares[li, j]).sum(axis=0)
             frac[m, li] = np.einsum("je,jeg->g", x[m, li].astype(np.float64), shares[li])
             split_pairs[m, li] = int(((shares[li] > 0).sum(-1) > 1).sum())
-    return {
+    record = {
         "step": step, "loss": float(loss_sum), "ref_loss": float(ref_loss.detach()),
         "ref_grad_norm": float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values()))),
         "grads_ok": bool(ok), "grad_rel_err": grad_err, "param_abs_err": param_err,
@@ -335,6 +338,7 @@ def _one_step(rank: int, cfg: Config, step: int, model, opt, reference, ref_opt,
         "micro_batches": M, "timings": timings, "plan_stats": {k: v for k, v in plan.stats.items()
                                                              if isinstance(v, (int, float, str))},
     }
+    return record, full
 
 
 # ----------------------------------------------------------------------------------------- driver
