@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--iters", type=int, default=None, help="reorder proposals per layer and seed (skew, time)")
     ap.add_argument("--locality-iters", type=int, default=None, help="locality proposals (skew, time)")
+    ap.add_argument("--skew-cap", type=float, default=None, help="rank-balance mode for the time section")
     args = ap.parse_args(argv)
     only = set(args.only or ["gap", "quality", "skew", "time"])
     q = args.quick
@@ -279,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         opts["iters"] = args.iters
     if args.locality_iters is not None:
         opts["locality_iters"] = args.locality_iters
+    if args.skew_cap is not None:
+        if "skew" in only:
+            ap.error("--skew-cap applies to the time section (the skew section runs both modes)")
+        opts["skew_cap"] = args.skew_cap
     out: dict = {"quick": q, "host": platform.node(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                  "loadavg_start": os.getloadavg(),
                  "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))}
@@ -323,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     path = RESULTS / ("replication_quick.json" if q else "replication.json")
     if args.only:
         path = path.with_name(path.stem + "_" + "_".join(sorted(only)) + ".json")
+    if args.skew_cap is not None:
+        path = path.with_name(path.stem + "_skew_cap.json")
     path.write_text(json.dumps(out, indent=1, default=float))
     print(f"\nwrote {path}")
     return 0
