@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .errors import TraceError
-from .trace import RoutingTrace, TraceBatch, _as_int_array, _check_ids
+from .trace import RoutingTrace, TraceBatch, as_int_array, check_ids
 
 __all__ = [
     "TracesNotFoundError", "traces_dir", "gpt_oss_requests", "gpt_oss_domains", "gpt_oss_batch", "DomainCounts",
@@ -81,8 +81,8 @@ def _gpt_oss_all(root: str) -> tuple[TraceBatch, tuple[dict[str, Any], ...]]:
         i = int(np.searchsorted(offsets, t, side="right")) - 1
         return f"{d / 'topk_ids.npz'}: request {i}, row {t - int(offsets[i])}"
 
-    ids = _as_int_array(f"{d / 'topk_ids.npz'}: topk_ids", ids)
-    _check_ids(ids, GPT_OSS_NUM_EXPERTS, where)  # on the stored values: a narrowing cast could wrap into range
+    ids = as_int_array(f"{d / 'topk_ids.npz'}: topk_ids", ids)
+    check_ids(ids, GPT_OSS_NUM_EXPERTS, where)  # on the stored values: a narrowing cast could wrap into range
     experts = ids.astype(np.int16)
     experts.setflags(write=False)
     layer_ids = np.arange(GPT_OSS_NUM_LAYERS, dtype=np.int32)

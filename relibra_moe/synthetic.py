@@ -25,9 +25,10 @@ are drawn from the seed).
 Domain ``mixed`` interleaves math, code and instruction: consecutive blocks of ``micro_batch_size``
 samples (32 by default) come from different domains, in a seeded order.
 
-Calibration (RELIBRA.md §1; ``tests/test_synthetic.py``): on ``qwen3-30b-a3b`` with 256 prompts x 4
-responses in 32 micro-batches of 32, ``mixed`` gives a mean expert skew per micro-batch within 5-15
-and a mean top-8 hot-set intersection between consecutive micro-batches below 0.5.
+Calibration (the skew and drift of docs/method.md, "The problem"; ``tests/test_synthetic.py``): on
+``qwen3-30b-a3b`` with 256 prompts x 4 responses in 32 micro-batches of 32, ``mixed`` gives a mean
+expert skew per micro-batch within 5-15 and a mean top-8 hot-set intersection between consecutive
+micro-batches below 0.5.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import numpy as np
 
 from .errors import TraceError
 from .specs import ModelSpec, model_preset
-from .trace import TraceBatch, _positive_int, ids_dtype
+from .trace import TraceBatch, ids_dtype, positive_int
 
 __all__ = ["DOMAINS", "BASE_DOMAINS", "DomainStyle", "STYLES", "rl_batch", "domain_sequence"]
 
@@ -248,10 +249,10 @@ def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_pe
     spec = _model(model)
     if domain not in DOMAINS:
         raise TraceError(f"unknown synthetic domain {domain!r}; known: {list(DOMAINS)}")
-    num_prompts = _positive_int("num_prompts", num_prompts)
-    r = _positive_int("responses_per_prompt", responses_per_prompt)
+    num_prompts = positive_int("num_prompts", num_prompts)
+    r = positive_int("responses_per_prompt", responses_per_prompt)
     if micro_batch_size is not None:
-        micro_batch_size = _positive_int("micro_batch_size", micro_batch_size)
+        micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
     if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 2:
         raise TraceError(f"max_len must be an int >= 2, got {max_len!r}")
     n = num_prompts * r

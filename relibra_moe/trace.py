@@ -2,8 +2,8 @@
 
 ``RoutingTrace`` is one sequence: ``experts`` ``[S, L, k]`` (``-1`` = no route) for its S tokens at
 its L MoE layers. ``TraceBatch`` is a global batch of sequences with an optional micro-batch
-assignment; it turns the ids into the load tensors of RELIBRA.md §4 (``x[j, e]`` per micro-batch and
-layer) without any Python loop over tokens.
+assignment; it turns the ids into the load tensors of docs/method.md, "Cost model" (``x[j, e]`` per
+micro-batch and layer) without any Python loop over tokens.
 
 A batch may also be built from per-sample expert counts alone (``TraceBatch.from_counts``), with the
 per-token ids produced on demand by a callback: synthetic batches at the paper's scale plan from the
@@ -29,9 +29,6 @@ key             dtype    shape        meaning
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -49,9 +46,7 @@ REQUIRED_KEYS = ("version", "num_experts", "topk", "layer_ids", "experts", "offs
 _INFO_PREFIX = "info_"
 _CHECK_CHUNK = 1 << 23  # ids validated per chunk (keeps the duplicate check's temporaries small)
 
-__all__ = [
-    "FORMAT_VERSION", "RoutingTrace", "TraceBatch", "ids_dtype", "from_sglang", "from_vllm", "from_megatron",
-]
+__all__ = ["FORMAT_VERSION", "RoutingTrace", "TraceBatch", "ids_dtype"]
 
 
 def ids_dtype(num_experts: int) -> np.dtype:
@@ -59,19 +54,19 @@ def ids_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.int16) if num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
 
 
-def _positive_int(name: str, value: Any) -> int:
+def positive_int(name: str, value: Any) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise TraceError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
-def _nonnegative_int(name: str, value: Any) -> int:
+def nonnegative_int(name: str, value: Any) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
         raise TraceError(f"{name} must be an int >= 0, got {value!r}")
     return int(value)
 
 
-def _check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str]) -> None:
+def check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str]) -> None:
     """Raise TraceError at the first out-of-range or duplicated id of ``experts`` ``[T, L, k]``.
 
     ``where(t)`` describes row ``t`` (e.g. ``"sample 3, row 17"``). ``-1`` entries are padding: any
@@ -99,7 +94,7 @@ def _check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str
                                  f"{part[t, l].tolist()} (a row holds k distinct ids)")
 
 
-def _as_int_array(name: str, value: Any) -> np.ndarray:
+def as_int_array(name: str, value: Any) -> np.ndarray:
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch tensor, without importing torch
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
@@ -111,18 +106,18 @@ def _as_int_array(name: str, value: Any) -> np.ndarray:
 def _normalize(experts: Any, layer_ids: Any, num_experts: Any, topk: Any,
                where: Callable[[int], str]) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Validate one sequence's fields; returns (experts in ``ids_dtype``, layer_ids int32, E, k)."""
-    num_experts = _positive_int("num_experts", num_experts)
-    topk = _positive_int("topk", topk)
+    num_experts = positive_int("num_experts", num_experts)
+    topk = positive_int("topk", topk)
     if topk > num_experts:
         raise TraceError(f"topk={topk} exceeds num_experts={num_experts}")
-    experts = _as_int_array("experts", experts)
+    experts = as_int_array("experts", experts)
     if experts.ndim != 3:
         raise TraceError(f"experts must have rank 3 [S, L, k], got rank {experts.ndim} with shape {experts.shape}")
     if experts.shape[2] != topk:
         raise TraceError(f"experts has k={experts.shape[2]} ids per row (shape {experts.shape}), topk={topk}")
     if experts.shape[1] == 0:
         raise TraceError(f"experts has no MoE layers (shape {experts.shape})")
-    layer_ids = _as_int_array("layer_ids", layer_ids)
+    layer_ids = as_int_array("layer_ids", layer_ids)
     if layer_ids.ndim != 1 or layer_ids.shape[0] != experts.shape[1]:
         raise TraceError(f"layer count mismatch: layer_ids has shape {layer_ids.shape}, experts has "
                          f"{experts.shape[1]} layers (shape {experts.shape})")
@@ -130,7 +125,7 @@ def _normalize(experts: Any, layer_ids: Any, num_experts: Any, topk: Any,
         raise TraceError(f"layer_ids must lie in [0, {np.iinfo(np.int32).max}], got {layer_ids.tolist()}")
     if np.unique(layer_ids).size != layer_ids.size:
         raise TraceError(f"layer_ids must be distinct, got {layer_ids.tolist()}")
-    _check_ids(experts, num_experts, where)
+    check_ids(experts, num_experts, where)
     experts = experts.astype(ids_dtype(num_experts), copy=False)
     return experts, layer_ids.astype(np.int32, copy=False), num_experts, topk
 
@@ -199,23 +194,6 @@ class RoutingTrace:
         """int64 ``[L, E]``: tokens routed to expert e at MoE layer l (``-1`` entries not counted)."""
         return _counts_of(self.experts, self.num_experts)
 
-    # adapters (also available as module-level functions)
-    @classmethod
-    def from_sglang(cls, meta_info: dict, num_moe_layers: int | None = None, dense_layers: Sequence[int] = (),
-                    **kwargs: Any) -> RoutingTrace:
-        """See :func:`from_sglang`."""
-        return from_sglang(meta_info, num_moe_layers, dense_layers, **kwargs)
-
-    @classmethod
-    def from_vllm(cls, routed_experts: Any, prompt_start: int = 0, **kwargs: Any) -> RoutingTrace:
-        """See :func:`from_vllm`."""
-        return from_vllm(routed_experts, prompt_start, **kwargs)
-
-    @classmethod
-    def from_megatron(cls, routing_indices: Any, **kwargs: Any) -> RoutingTrace:
-        """See :func:`from_megatron`."""
-        return from_megatron(routing_indices, **kwargs)
-
 
 def _counts_of(experts: np.ndarray, num_experts: int) -> np.ndarray:
     """int64 ``[L, E]`` expert counts of ids ``[S, L, k]`` (vectorized bincount, -1 skipped)."""
@@ -230,7 +208,7 @@ def _counts_of(experts: np.ndarray, num_experts: int) -> np.ndarray:
 def _check_micro_batch(micro_batch: Any, n: int, name: str = "micro_batch") -> np.ndarray | None:
     if micro_batch is None:
         return None
-    mb = _as_int_array(name, micro_batch)
+    mb = as_int_array(name, micro_batch)
     if mb.shape != (n,):
         raise TraceError(f"{name} must have shape [{n}] (one entry per sequence), got {mb.shape}")
     if mb.size and int(mb.min()) < -1:
@@ -362,13 +340,13 @@ class TraceBatch:
                 called). Without it the batch plans and scores but cannot be saved or iterated.
             starts, micro_batch, source, sample_info: as for the constructor.
         """
-        c = _as_int_array("counts", counts)
+        c = as_int_array("counts", counts)
         if c.ndim != 3:
             raise TraceError(f"counts must have rank 3 [N, L, E], got shape {c.shape}")
         n, num_layers, num_experts = c.shape
         if n == 0:
             raise TraceError("empty batch: counts has no samples")
-        topk = _positive_int("topk", topk)
+        topk = positive_int("topk", topk)
         if topk > num_experts:
             raise TraceError(f"topk={topk} exceeds num_experts={num_experts}")
         if c.size and int(c.min()) < 0:
@@ -388,11 +366,11 @@ class TraceBatch:
                              f"{int(lengths[i])} tokens (a token picks an expert at most once)")
         if layer_ids is None:
             layer_ids = np.arange(num_layers, dtype=np.int32)
-        layer_ids = _as_int_array("layer_ids", layer_ids)
+        layer_ids = as_int_array("layer_ids", layer_ids)
         if layer_ids.shape != (num_layers,):
             raise TraceError(f"layer count mismatch: layer_ids has shape {layer_ids.shape}, counts has "
                              f"{num_layers} layers")
-        starts = np.zeros(n, np.int64) if starts is None else _as_int_array("starts", starts).astype(np.int64)
+        starts = np.zeros(n, np.int64) if starts is None else as_int_array("starts", starts).astype(np.int64)
         if starts.shape != (n,):
             raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
         if int(starts.min()) < 0:
@@ -495,7 +473,7 @@ class TraceBatch:
 
     def with_micro_batch_size(self, size: int) -> TraceBatch:
         """The same batch with sample i in micro-batch ``i // size`` (the last one may be smaller)."""
-        size = _positive_int("micro_batch_size", size)
+        size = positive_int("micro_batch_size", size)
         return self._derive(micro_batch=np.arange(self._n, dtype=np.int32) // size)
 
     def subset(self, index: Any, micro_batch: Any = None) -> TraceBatch:
@@ -510,7 +488,7 @@ class TraceBatch:
             if idx.shape != (self._n,):
                 raise TraceError(f"subset mask must have shape [{self._n}], got {idx.shape}")
             idx = np.flatnonzero(idx)
-        idx = _as_int_array("subset index", idx).astype(np.int64).ravel()
+        idx = as_int_array("subset index", idx).astype(np.int64).ravel()
         if idx.size == 0:
             raise TraceError("empty batch: subset selects no samples")
         if int(idx.min()) < 0 or int(idx.max()) >= self._n:
@@ -551,7 +529,7 @@ class TraceBatch:
         return _segment_sum(counts.reshape(self._n, -1), mb, m).reshape(m, self.num_layers, self._num_experts)
 
     def loads(self, sample_gpu: Any, num_gpus: int, micro_batch: Any = None) -> np.ndarray:
-        """Token loads ``x`` of RELIBRA.md §4 for every micro-batch and layer.
+        """Token loads ``x`` of docs/method.md ("Cost model") for every micro-batch and layer.
 
         Args:
             sample_gpu: int ``[N]``: GPU in ``[0, num_gpus)`` running sample n's attention.
@@ -563,9 +541,9 @@ class TraceBatch:
             int64 ``[M, L, G, E]``: tokens whose attention runs on GPU j and that are routed to expert
             e, per micro-batch m (M = max micro-batch id + 1) and MoE layer l.
         """
-        num_gpus = _positive_int("num_gpus", num_gpus)
+        num_gpus = positive_int("num_gpus", num_gpus)
         mb = self.resolve_micro_batch(micro_batch)
-        gpu = _as_int_array("sample_gpu", sample_gpu)
+        gpu = as_int_array("sample_gpu", sample_gpu)
         if gpu.shape != (self._n,):
             raise TraceError(f"sample_gpu must have shape [{self._n}] (one GPU per sequence), got {gpu.shape}")
         if int(gpu.min()) < 0 or int(gpu.max()) >= num_gpus:
@@ -652,7 +630,7 @@ class TraceBatch:
             raise TraceError(f"unknown trace format version {version} (this library reads version {FORMAT_VERSION})")
         num_experts, topk = scalar_int("num_experts"), scalar_int("topk")
         experts = a["experts"]
-        offsets = _as_int_array("offsets", a["offsets"]).astype(np.int64)
+        offsets = as_int_array("offsets", a["offsets"]).astype(np.int64)
         if offsets.ndim != 1 or offsets.size < 2:
             raise TraceError(f"empty batch: offsets must be [N+1] with N >= 1, got shape {offsets.shape}")
         n = offsets.size - 1
@@ -667,7 +645,7 @@ class TraceBatch:
             return f"sample {i}, row {t - int(offsets[i])}"
 
         experts, layer_ids, num_experts, topk = _normalize(experts, a["layer_ids"], num_experts, topk, where)
-        starts = _as_int_array("starts", a["starts"]).astype(np.int64)
+        starts = as_int_array("starts", a["starts"]).astype(np.int64)
         if starts.shape != (n,):
             raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
         if n and int(starts.min()) < 0:
@@ -697,166 +675,3 @@ def _segment_sum(rows: np.ndarray, seg: np.ndarray, num_segments: int) -> np.nda
     first = np.flatnonzero(np.r_[True, sorted_seg[1:] != sorted_seg[:-1]])
     out[sorted_seg[first]] = np.add.reduceat(rows[order], first, axis=0)
     return out
-
-
-# ------------------------------------------------------------------------------------------- adapters
-_SGLANG_DTYPES = {"int32": np.int32, "int16": np.int16, "uint8": np.uint8, "uint16": np.uint16}
-
-
-def _b64(payload: str | bytes, what: str) -> bytes:
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError, TypeError) as exc:
-        raise TraceError(f"{what} is not valid base64 ({exc})") from None
-
-
-def _infer_num_experts(experts: np.ndarray, topk: int, num_experts: int | None) -> int:
-    if num_experts is not None:
-        return _positive_int("num_experts", num_experts)
-    hi = int(experts.max()) + 1 if experts.size else 0
-    return max(hi, topk)
-
-
-def from_sglang(meta_info: dict, num_moe_layers: int | None = None, dense_layers: Sequence[int] = (), *,
-                topk: int | None = None, num_experts: int | None = None, source: str = "sglang") -> RoutingTrace:
-    """A RoutingTrace from an SGLang response's ``meta_info`` (``--enable-return-routed-experts``).
-
-    ``meta_info["routed_experts"]`` is the base64 of a flat array (int32, or the dtype named by
-    ``meta_info["routed_experts_dtype"]``: uint8 / uint16 / int16) ordered by token, decoder layer and
-    top-k slot, logical shape ``[S - 1 - start, layers, k]`` where ``layers`` counts every decoder
-    layer (dense ones hold placeholders) and ``start = meta_info.get("routed_experts_start", 0)``.
-    S is ``prompt_tokens + completion_tokens`` when meta_info has them. For unsigned dtypes the
-    all-ones value (255 / 65535) means no route (-1). An already-decoded array is accepted too.
-
-    Args:
-        meta_info: the response's meta_info dict.
-        num_moe_layers: MoE layers; with ``dense_layers`` it gives the decoder layer count.
-        dense_layers: global indices of dense decoder layers: dropped from the trace.
-        topk: k (needed when the token count or the layer count is not known).
-        num_experts: E (default: largest id + 1; pass it when batching traces).
-        source: free text for the trace.
-
-    The two unknowns among rows, layers and k are solved from the array length; a length that fits no
-    solution raises TraceError.
-    """
-    if not isinstance(meta_info, dict):
-        raise TraceError(f"meta_info must be a dict, got {type(meta_info).__name__}")
-    if "routed_experts" not in meta_info or meta_info["routed_experts"] is None:
-        raise TraceError("meta_info has no 'routed_experts' (launch SGLang with --enable-return-routed-experts "
-                         "and send return_routed_experts=True)")
-    payload = meta_info["routed_experts"]
-    dtype_name = str(meta_info.get("routed_experts_dtype", "int32"))
-    if dtype_name not in _SGLANG_DTYPES:
-        raise TraceError(f"routed_experts_dtype {dtype_name!r} not supported (known: {sorted(_SGLANG_DTYPES)})")
-    dtype = np.dtype(_SGLANG_DTYPES[dtype_name])
-    if isinstance(payload, (str, bytes)):
-        raw = _b64(payload, "meta_info['routed_experts']")
-        if len(raw) % dtype.itemsize:
-            raise TraceError(f"routed_experts holds {len(raw)} bytes, not a multiple of {dtype_name}'s "
-                             f"{dtype.itemsize}")
-        flat = np.frombuffer(raw, dtype=dtype)
-    else:
-        flat = _as_int_array("routed_experts", payload).ravel()
-        dtype = flat.dtype
-    ids = flat.astype(np.int64)
-    if dtype.kind == "u":
-        ids[flat == np.iinfo(dtype).max] = -1
-    start = _nonnegative_int("meta_info['routed_experts_start']", meta_info.get("routed_experts_start", 0))
-    for d in dense_layers:
-        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
-            raise TraceError(f"dense_layers must hold decoder layer indices (ints), got {d!r}")
-    dense = sorted({int(d) for d in dense_layers})
-    rows = None
-    if "prompt_tokens" in meta_info and "completion_tokens" in meta_info:
-        prompt = _nonnegative_int("meta_info['prompt_tokens']", meta_info["prompt_tokens"])
-        completion = _nonnegative_int("meta_info['completion_tokens']", meta_info["completion_tokens"])
-        rows = prompt + completion - 1 - start
-        if rows < 0:
-            raise TraceError(f"prompt_tokens + completion_tokens - 1 - routed_experts_start = {prompt} + {completion} "
-                             f"- 1 - {start} = {rows} < 0")
-    layers = None if num_moe_layers is None else _positive_int("num_moe_layers", num_moe_layers) + len(dense)
-    k = None if topk is None else _positive_int("topk", topk)
-    size = ids.size
-    known = [v for v in (rows, layers, k) if v is not None]
-    if len(known) < 2:
-        raise TraceError("from_sglang needs two of: the token count (meta_info prompt_tokens + completion_tokens), "
-                         "num_moe_layers, topk")
-    prod = int(np.prod(known))
-    if prod == 0 or size % prod:
-        raise TraceError(f"routed_experts holds {size} ids, which does not fit rows={rows}, layers={layers}, k={k}")
-    missing = size // prod
-    rows = missing if rows is None else rows
-    layers = missing if layers is None else layers
-    k = missing if k is None else k
-    if rows * layers * k != size:
-        raise TraceError(f"routed_experts holds {size} ids, expected rows x layers x k = {rows} x {layers} x {k}")
-    if dense and (dense[0] < 0 or dense[-1] >= layers):
-        raise TraceError(f"dense_layers {dense} out of range for {layers} decoder layers")
-    keep = np.array([i for i in range(layers) if i not in set(dense)], dtype=np.int32)
-    if keep.size == 0:
-        raise TraceError(f"dense_layers {dense} leaves no MoE layer of {layers}")
-    experts = ids.reshape(rows, layers, k)[:, keep]
-    return RoutingTrace(experts, keep, _infer_num_experts(experts, k, num_experts), k, start=int(start),
-                        source=source)
-
-
-def from_vllm(routed_experts: Any, prompt_start: int = 0, *, num_experts: int | None = None,
-              layer_ids: Any = None, source: str = "vllm") -> RoutingTrace:
-    """A RoutingTrace from vLLM's ``routed_experts`` output.
-
-    Args:
-        routed_experts: ``[S, L, k]`` ids as an ndarray / tensor, nested lists, or the base64 text of a
-            ``.npy`` file (str or bytes).
-        prompt_start: absolute token position of row 0.
-        num_experts: E (default: largest id + 1; pass it when batching traces).
-        layer_ids: ``[L]`` global layer indices (default ``0..L-1``).
-        source: free text for the trace.
-    """
-    arr = routed_experts
-    if isinstance(arr, (str, bytes)):
-        raw = _b64(arr, "routed_experts")
-        try:
-            arr = np.load(io.BytesIO(raw), allow_pickle=False)
-        except (ValueError, OSError, EOFError) as exc:
-            raise TraceError(f"routed_experts base64 payload is not a .npy array ({exc})") from None
-    elif isinstance(arr, (list, tuple)):
-        try:
-            arr = np.array(arr)
-        except ValueError as exc:
-            raise TraceError(f"routed_experts nested lists are ragged ({exc})") from None
-    return _trace_from_ids(arr, "routed_experts", "[S, L, k]", num_experts, layer_ids, prompt_start, source)
-
-
-def _trace_from_ids(value: Any, name: str, layout: str, num_experts: int | None, layer_ids: Any, start: int,
-                    source: str) -> RoutingTrace:
-    """A RoutingTrace from ids ``[S, L, k]`` (``name``/``layout`` for the error messages); E inferred if None."""
-    arr = _as_int_array(name, value)
-    if arr.ndim != 3:
-        raise TraceError(f"{name} must have rank 3 {layout}, got shape {arr.shape}")
-    if layer_ids is None:
-        layer_ids = np.arange(arr.shape[1], dtype=np.int32)
-    return RoutingTrace(arr, layer_ids, _infer_num_experts(arr, arr.shape[2], num_experts), arr.shape[2],
-                        start=start, source=source)
-
-
-def from_megatron(routing_indices: Any, *, num_experts: int | None = None, layer_ids: Any = None, start: int = 0,
-                  source: str = "megatron") -> RoutingTrace:
-    """A RoutingTrace from Megatron-core router-replay indices.
-
-    Args:
-        routing_indices: ``[T, L, k]`` ndarray / tensor / nested lists, or a list of L per-layer
-            ``[T, k]`` arrays or tensors (what ``RouterReplay`` records per layer). A list is read as
-            per-layer when its first element is an array or tensor of rank 2; plain nested lists are
-            always read as ``[T, L, k]``.
-        num_experts, layer_ids, start, source: as for :func:`from_vllm`.
-    """
-    arr = routing_indices
-    if isinstance(arr, (list, tuple)) and not arr:
-        raise TraceError("routing_indices is an empty list (expected [T, L, k] ids or L per-layer [T, k] arrays)")
-    if isinstance(arr, (list, tuple)) and hasattr(arr[0], "shape") and len(arr[0].shape) == 2:
-        parts = [_as_int_array(f"routing_indices[{i}]", p) for i, p in enumerate(arr)]
-        shapes = {p.shape for p in parts}
-        if len(shapes) != 1:
-            raise TraceError(f"routing_indices: per-layer arrays differ in shape: {sorted(shapes)}")
-        arr = np.stack(parts, axis=1)
-    return _trace_from_ids(arr, "routing_indices", "[T, L, k]", num_experts, layer_ids, start, source)

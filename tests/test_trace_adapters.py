@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from relibra_moe.adapters import from_megatron, from_sglang, from_vllm
 from relibra_moe.errors import TraceError
-from relibra_moe.trace import RoutingTrace, TraceBatch, from_megatron, from_sglang, from_vllm
+from relibra_moe.trace import TraceBatch
 
 
 def _ids(rng: np.random.Generator, s: int, layers: int, e: int, k: int) -> np.ndarray:
@@ -33,7 +34,7 @@ def test_sglang_int32_with_token_counts_and_start():
     assert (tr.start, tr.topk, tr.num_experts, tr.source) == (start, 4, 16, "sglang")
     np.testing.assert_array_equal(tr.layer_ids, [0, 1, 2])
     # k inferred from rows and layers; E inferred from the largest id
-    assert RoutingTrace.from_sglang(meta, 3).num_experts == int(ids.max()) + 1
+    assert from_sglang(meta, 3).num_experts == int(ids.max()) + 1
 
 
 def test_sglang_drops_dense_layers_and_reads_narrow_dtypes():
@@ -95,7 +96,7 @@ def test_vllm_formats_agree():
         tr = from_vllm(form, prompt_start=11, num_experts=8)
         np.testing.assert_array_equal(tr.experts, ids)
         assert (tr.start, tr.num_experts, tr.topk) == (11, 8, 2)
-    batch = TraceBatch([from_vllm(ids, num_experts=8), RoutingTrace.from_vllm(ids[:3], 2, num_experts=8)])
+    batch = TraceBatch([from_vllm(ids, num_experts=8), from_vllm(ids[:3], 2, num_experts=8)])
     assert batch.num_tokens == 10
 
 
@@ -117,7 +118,7 @@ def test_megatron_array_and_per_layer_list():
     rng = np.random.default_rng(3)
     ids = _ids(rng, 9, 3, 16, 4)
     a = from_megatron(torch.from_numpy(ids), num_experts=16)
-    b = RoutingTrace.from_megatron([torch.from_numpy(ids[:, l]) for l in range(3)], num_experts=16)
+    b = from_megatron([torch.from_numpy(ids[:, l]) for l in range(3)], num_experts=16)
     np.testing.assert_array_equal(a.experts, ids)
     np.testing.assert_array_equal(b.experts, ids)
     assert a.source == "megatron"
