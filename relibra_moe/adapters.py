@@ -210,18 +210,18 @@ def _to_numpy(name: str, value: Any) -> np.ndarray:
 
 
 def _mask(name: str, value: Any, shape: tuple[int, int]) -> np.ndarray:
-    """A 0/1 (or bool) mask ``[B, S]`` as bool; anything else raises TraceError naming ``name``."""
+    """A mask ``[B, S]`` of 0/1 (bool, integer or float) as bool; anything else raises TraceError naming ``name``."""
     m = _to_numpy(name, value)
     if m.shape != shape:
         raise TraceError(f"{name} must have shape [B={shape[0]}, S={shape[1]}] (that of the routing's first two "
                          f"dimensions), got {m.shape}")
     if m.dtype != bool:
-        if m.dtype.kind not in "iu":
+        if m.dtype.kind not in "iuf":
             raise TraceError(f"{name} must hold 0/1 or bool, got dtype {m.dtype}")
         bad = (m != 0) & (m != 1)
         if bad.any():
             b, s = np.argwhere(bad)[0]
-            raise TraceError(f"{name}[{b}, {s}] = {int(m[b, s])}: a mask holds 0 or 1")
+            raise TraceError(f"{name}[{b}, {s}] = {m[b, s].item()}: a mask holds 0 or 1")
         m = m.astype(bool)
     return m
 
