@@ -9,22 +9,38 @@ A batch may also be built from per-sample expert counts alone (``TraceBatch.from
 per-token ids produced on demand by a callback: synthetic batches at the paper's scale plan from the
 counts and never hold billions of ids in memory.
 
-File format (``.npz``, ``allow_pickle=False``), version 1:
+File format (``.npz``, ``allow_pickle=False``), version 2 (written), versions 1 and 2 (read):
 
-=============== ======== ============ =================================================
-key             dtype    shape        meaning
-=============== ======== ============ =================================================
-``version``     int64    ``[]``       1
-``num_experts`` int64    ``[]``       E
-``topk``        int64    ``[]``       k
-``layer_ids``   int32    ``[L]``      global decoder layer index of each MoE layer
-``experts``     int16/32 ``[T, L, k]`` all sequences concatenated (int32 when E > 32767)
-``offsets``     int64    ``[N+1]``    sequence i is rows ``offsets[i]:offsets[i+1]``
-``starts``      int64    ``[N]``      absolute token position of each sequence's row 0
-``micro_batch`` int32    ``[N]``      micro-batch of each sequence, -1 = not assigned
-``source``      str      ``[]``       free text (where the routing came from)
-``info_<name>`` any      ``[N]``      optional per-sample metadata (e.g. ``info_domain``)
-=============== ======== ============ =================================================
+================ ============ ============ =====================================================
+key              dtype        shape        meaning
+================ ============ ============ =====================================================
+``version``      int64        ``[]``       2
+``num_experts``  int64        ``[]``       E
+``topk``         int64        ``[]``       k
+``layer_ids``    int32        ``[L]``      global decoder layer index of each MoE layer
+``offsets``      int64        ``[N+1]``    sequence i is rows ``offsets[i]:offsets[i+1]``
+``starts``       int64        ``[N]``      absolute token position of each sequence's row 0
+``micro_batch``  int32        ``[N]``      micro-batch of each sequence, -1 = not assigned
+``source``       str          ``[]``       free text (where the routing came from)
+``counts``       uint8..64    ``[N, L, E]`` tokens of sequence n routed to expert e at layer l
+                                           (the smallest unsigned dtype that holds the largest)
+``counts_only``  bool         ``[]``       True: the file holds no per-token ids (no ``experts``)
+``no_route``     int64        ``[]``       the id meaning "no route" in ``experts``: -1
+``experts``      int8/16/32   ``[T, L, k]`` all sequences' ids concatenated, absent when
+                                           ``counts_only``: int8 when E <= 128, int16 when
+                                           E <= 32768, else int32 (:func:`file_ids_dtype`)
+``info_<name>``  any          ``[N]``      optional per-sample metadata (e.g. ``info_domain``)
+================ ============ ============ =====================================================
+
+Reading a version-2 file reads the counts, lengths and metadata only: planning, scoring and
+simulating (everything that calls :meth:`TraceBatch.sample_expert_counts`, ``micro_batch_expert_counts``
+or ``loads``) never decodes the per-token ids. The ids are read from the file the first time a
+sequence is asked for (:meth:`TraceBatch.trace`, replay, saving again) and checked then against the
+stored counts. A counts-only file (``relibra trace synth --counts-only``) raises TraceError naming
+the file and the ``experts`` field when ids are asked for.
+
+Version 1 (still read) has no ``counts``, ``counts_only`` or ``no_route`` and always holds
+``experts`` (int16, int32 when E > 32767); its ids are decoded and checked on load.
 """
 
 from __future__ import annotations
@@ -40,18 +56,38 @@ import numpy as np
 
 from .errors import TraceError
 
-FORMAT_VERSION = 1
-REQUIRED_KEYS = ("version", "num_experts", "topk", "layer_ids", "experts", "offsets", "starts", "micro_batch",
-                 "source")
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+NO_ROUTE = -1  # the id of a row slot that no expert serves (padding, an unrecorded route)
+REQUIRED_KEYS = ("version", "num_experts", "topk", "layer_ids", "offsets", "starts", "micro_batch", "source")
+REQUIRED_KEYS_V1 = REQUIRED_KEYS + ("experts",)
+REQUIRED_KEYS_V2 = REQUIRED_KEYS + ("counts", "counts_only", "no_route")
 _INFO_PREFIX = "info_"
 _CHECK_CHUNK = 1 << 23  # ids validated per chunk (keeps the duplicate check's temporaries small)
 
-__all__ = ["FORMAT_VERSION", "RoutingTrace", "TraceBatch", "ids_dtype"]
+__all__ = ["FORMAT_VERSION", "READ_VERSIONS", "NO_ROUTE", "RoutingTrace", "TraceBatch", "ids_dtype", "file_ids_dtype",
+           "counts_dtype"]
 
 
 def ids_dtype(num_experts: int) -> np.dtype:
-    """The storage dtype of expert ids: int16, or int32 when ``num_experts`` > 32767."""
+    """The in-memory dtype of expert ids: int16, or int32 when ``num_experts`` > 32767."""
     return np.dtype(np.int16) if num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
+
+
+def file_ids_dtype(num_experts: int) -> np.dtype:
+    """The smallest signed dtype holding ids ``0..num_experts-1`` and ``NO_ROUTE`` (-1): the trace file's."""
+    for dt in (np.int8, np.int16, np.int32):
+        if num_experts - 1 <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.int64)
+
+
+def counts_dtype(max_count: int) -> np.dtype:
+    """The smallest unsigned dtype holding ``max_count`` (the trace file's ``counts``)."""
+    for dt in (np.uint8, np.uint16, np.uint32):
+        if max_count <= np.iinfo(dt).max:
+            return np.dtype(dt)
+    return np.dtype(np.uint64)
 
 
 def positive_int(name: str, value: Any) -> int:
@@ -103,6 +139,14 @@ def as_int_array(name: str, value: Any) -> np.ndarray:
     return arr
 
 
+def _check_layer_ids(layer_ids: np.ndarray) -> None:
+    """Raise TraceError unless the int ``[L]`` layer ids are distinct and fit int32 (>= 0)."""
+    if layer_ids.size and (int(layer_ids.min()) < 0 or int(layer_ids.max()) > np.iinfo(np.int32).max):
+        raise TraceError(f"layer_ids must lie in [0, {np.iinfo(np.int32).max}], got {layer_ids.tolist()}")
+    if np.unique(layer_ids).size != layer_ids.size:
+        raise TraceError(f"layer_ids must be distinct, got {layer_ids.tolist()}")
+
+
 def _normalize(experts: Any, layer_ids: Any, num_experts: Any, topk: Any,
                where: Callable[[int], str]) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Validate one sequence's fields; returns (experts in ``ids_dtype``, layer_ids int32, E, k)."""
@@ -121,10 +165,7 @@ def _normalize(experts: Any, layer_ids: Any, num_experts: Any, topk: Any,
     if layer_ids.ndim != 1 or layer_ids.shape[0] != experts.shape[1]:
         raise TraceError(f"layer count mismatch: layer_ids has shape {layer_ids.shape}, experts has "
                          f"{experts.shape[1]} layers (shape {experts.shape})")
-    if layer_ids.size and (int(layer_ids.min()) < 0 or int(layer_ids.max()) > np.iinfo(np.int32).max):
-        raise TraceError(f"layer_ids must lie in [0, {np.iinfo(np.int32).max}], got {layer_ids.tolist()}")
-    if np.unique(layer_ids).size != layer_ids.size:
-        raise TraceError(f"layer_ids must be distinct, got {layer_ids.tolist()}")
+    _check_layer_ids(layer_ids)
     check_ids(experts, num_experts, where)
     experts = experts.astype(ids_dtype(num_experts), copy=False)
     return experts, layer_ids.astype(np.int32, copy=False), num_experts, topk
@@ -282,7 +323,7 @@ class TraceBatch:
     def _setup(self, *, n: int, layer_ids: np.ndarray, num_experts: int, topk: int, lengths: np.ndarray,
                starts: np.ndarray, source: str, traces: list[RoutingTrace] | None,
                factory: Callable[[int], np.ndarray] | None, counts: np.ndarray | None, micro_batch: Any,
-               sample_info: dict[str, Any] | None) -> None:
+               sample_info: dict[str, Any] | None, origin: str | None = None) -> None:
         self._n = int(n)
         self._layer_ids = np.asarray(layer_ids, dtype=np.int32)
         self._layer_ids.setflags(write=False)
@@ -296,6 +337,7 @@ class TraceBatch:
         self._traces = traces
         self._factory = factory
         self._counts = counts
+        self._origin = origin  # the trace file this batch was read from (named in its errors), else None
         self.micro_batch = _check_micro_batch(micro_batch, self._n)
         self.sample_info = _check_info(sample_info, self._n)
 
@@ -306,7 +348,7 @@ class TraceBatch:
             new._setup(n=self._n, layer_ids=self._layer_ids, num_experts=self._num_experts, topk=self._topk,
                        lengths=self._lengths, starts=self._starts, source=self.source, traces=self._traces,
                        factory=self._factory, counts=self._counts, micro_batch=micro_batch,
-                       sample_info=self.sample_info)
+                       sample_info=self.sample_info, origin=self._origin)
             return new
         traces = [self._traces[i] for i in index] if self._traces is not None else None
         factory = None
@@ -321,7 +363,7 @@ class TraceBatch:
         new._setup(n=index.size, layer_ids=self._layer_ids, num_experts=self._num_experts, topk=self._topk,
                    lengths=self._lengths[index].copy(), starts=self._starts[index].copy(), source=self.source,
                    traces=traces, factory=factory, counts=counts, micro_batch=micro_batch,
-                   sample_info={k: v[index] for k, v in self.sample_info.items()})
+                   sample_info={k: v[index] for k, v in self.sample_info.items()}, origin=self._origin)
         return new
 
     @classmethod
@@ -430,8 +472,13 @@ class TraceBatch:
 
     @property
     def has_ids(self) -> bool:
-        """Whether per-token ids are available (held, or producible by the batch's callback)."""
+        """Whether per-token ids are available (held, read on demand from the file, or made by a callback)."""
         return self._traces is not None or self._factory is not None
+
+    @property
+    def origin(self) -> str | None:
+        """The trace file this batch was read from (None for a batch built in memory)."""
+        return self._origin
 
     # ------------------------------------------------------------------------------------ traces
     def trace(self, i: int) -> RoutingTrace:
@@ -442,15 +489,26 @@ class TraceBatch:
         if self._traces is not None:
             return self._traces[i]
         if self._factory is None:
+            if self._origin is not None:
+                raise TraceError(f"{self._origin}: a counts-only trace file (counts_only=True): field 'experts' "
+                                 "(per-token ids) is absent; replay and per-token export need a file written with "
+                                 "ids (relibra trace synth without --counts-only)")
             raise TraceError("this batch holds expert counts only (no per-token ids): it can be planned and "
-                             "scored, but not saved or iterated")
+                             "scored, but not saved with ids, iterated or replayed")
+        at = f"{self._origin}: " if self._origin is not None else ""
         experts = self._factory(i)
-        experts, layer_ids, _, _ = _normalize(experts, self._layer_ids, self._num_experts, self._topk,
-                                              lambda t: f"sample {i}, row {t}")
+        try:
+            experts, layer_ids, _, _ = _normalize(experts, self._layer_ids, self._num_experts, self._topk,
+                                                  lambda t: f"sample {i}, row {t}")
+        except TraceError as exc:
+            raise TraceError(f"{at}{exc}") from None
         if experts.shape[0] != self._lengths[i]:
-            raise TraceError(f"sample {i}: materialized {experts.shape[0]} rows, counts say {int(self._lengths[i])}")
+            raise TraceError(f"{at}sample {i}: materialized {experts.shape[0]} rows, counts say "
+                             f"{int(self._lengths[i])}")
         if self._counts is not None and not np.array_equal(_counts_of(experts, self._num_experts), self._counts[i]):
-            raise TraceError(f"sample {i}: materialized ids disagree with the batch's expert counts")
+            field = "field 'experts' disagrees with field 'counts'" if at else \
+                "materialized ids disagree with the batch's expert counts"
+            raise TraceError(f"{at}sample {i}: {field}")
         return RoutingTrace._trusted(experts, layer_ids, self._num_experts, self._topk, int(self._starts[i]),
                                      self.source)
 
@@ -557,23 +615,40 @@ class TraceBatch:
         return _segment_sum(counts, seg, m * num_layers * num_gpus).reshape(m, num_layers, num_gpus, e)
 
     # ------------------------------------------------------------------------------------------- io
-    def save(self, path: str | Path, compress: bool = False) -> None:
-        """Write the batch to ``path`` in the version-1 ``.npz`` format (see the module docstring).
+    def save(self, path: str | Path, compress: bool = False, *, counts_only: bool = False) -> None:
+        """Write the batch to ``path`` in the version-2 ``.npz`` format (see the module docstring).
+
+        Args:
+            path: output file.
+            compress: zip-compress the arrays (smaller, slower to write and read).
+            counts_only: write the per-sample expert counts without the per-token ids (the file says
+                so in its ``counts_only`` field); enough for planning, scoring and simulating, not for
+                replay.
 
         Count-built batches materialize their ids one sequence at a time into the output array.
+
+        Raises:
+            TraceError: ids asked for (``counts_only=False``) from a batch that has none.
         """
-        if not self.has_ids:
+        if not isinstance(counts_only, (bool, np.bool_)):
+            raise TraceError(f"counts_only must be a bool, got {counts_only!r}")
+        if not counts_only and not self.has_ids:
             self.trace(0)  # raises the counts-only TraceError
+        counts = self.sample_expert_counts()
         offsets = np.zeros(self._n + 1, dtype=np.int64)
         np.cumsum(self._lengths, out=offsets[1:])
-        experts = np.empty((int(offsets[-1]), self.num_layers, self._topk), dtype=ids_dtype(self._num_experts))
-        for i, tr in enumerate(self.iter_traces()):
-            experts[offsets[i]:offsets[i + 1]] = tr.experts
         mb = self.micro_batch if self.micro_batch is not None else np.full(self._n, -1, np.int32)
         arrays: dict[str, np.ndarray] = dict(
             version=np.int64(FORMAT_VERSION), num_experts=np.int64(self._num_experts), topk=np.int64(self._topk),
-            layer_ids=self._layer_ids.astype(np.int32), experts=experts, offsets=offsets,
-            starts=self._starts.astype(np.int64), micro_batch=mb.astype(np.int32), source=np.str_(self.source))
+            layer_ids=self._layer_ids.astype(np.int32), offsets=offsets, starts=self._starts.astype(np.int64),
+            micro_batch=mb.astype(np.int32), source=np.str_(self.source),
+            counts=counts.astype(counts_dtype(int(counts.max()) if counts.size else 0)),
+            counts_only=np.bool_(counts_only), no_route=np.int64(NO_ROUTE))
+        if not counts_only:
+            experts = np.empty((int(offsets[-1]), self.num_layers, self._topk), dtype=file_ids_dtype(self._num_experts))
+            for i, tr in enumerate(self.iter_traces()):
+                experts[offsets[i]:offsets[i + 1]] = tr.experts
+            arrays["experts"] = experts
         for key, value in self.sample_info.items():
             arrays[_INFO_PREFIX + key] = value
         with open(path, "wb") as f:
@@ -581,54 +656,103 @@ class TraceBatch:
 
     @classmethod
     def load(cls, path: str | Path) -> TraceBatch:
-        """Read a batch written by :meth:`save`.
+        """Read a batch written by :meth:`save` (format version 2, or version 1 of older releases).
+
+        A version-2 file is read without its per-token ids: they are read on first use (see the
+        module docstring), so planning a batch from a file reads its counts only.
 
         Raises:
             TraceError: missing file, not an ``.npz`` archive, truncated file, missing key, unknown
                 version, or any validation failure; the message names the path and the reason.
         """
         path = Path(path)
-        try:
-            data = np.load(path, allow_pickle=False)
-        except FileNotFoundError:
-            raise TraceError(f"{path}: no such trace file") from None
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-            raise TraceError(f"{path}: not a readable .npz trace file ({type(exc).__name__}: {exc})") from None
-        if not isinstance(data, np.lib.npyio.NpzFile):
-            raise TraceError(f"{path}: not an .npz archive (found a single .npy array)")
-        with data:
-            missing = [k for k in REQUIRED_KEYS if k not in data.files]
+        with _open_trace_file(path) as data:
+            files = set(data.files)
+            if "version" not in files:
+                raise TraceError(f"{path}: missing key(s) ['version'] (not a relibra trace file, or a damaged one)")
+            version = _scalar_int(_read_member(data, "version", path), "version", path)
+            if version not in READ_VERSIONS:
+                raise TraceError(f"{path}: unknown trace format version {version} (this library reads versions "
+                                 f"{', '.join(str(v) for v in READ_VERSIONS)})")
+            required = REQUIRED_KEYS_V1 if version == 1 else REQUIRED_KEYS_V2
+            missing = [k for k in required if k not in files]
             if missing:
                 raise TraceError(f"{path}: missing key(s) {missing} (not a relibra trace file, or a damaged one)")
-            arrays = {}
-            for k in data.files:
-                try:
-                    arrays[k] = data[k]
-                except ValueError as exc:
-                    if "allow_pickle" in str(exc):
-                        raise TraceError(f"{path}: key {k!r} holds Python objects (pickled); trace files hold "
-                                         "plain numeric / string arrays only") from None
-                    raise TraceError(f"{path}: key {k!r} is truncated or corrupt ({exc})") from None
-                except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-                    raise TraceError(f"{path}: key {k!r} is truncated or corrupt ({type(exc).__name__}: {exc})") \
-                        from None
+            lazy = {"experts"} if version == 2 else set()
+            arrays = {k: _read_member(data, k, path) for k in data.files if k not in lazy}
         try:
-            return cls._from_arrays(arrays)
+            if version == 1:
+                batch = cls._from_arrays(arrays)
+                batch._origin = str(path)
+                return batch
+            return cls._from_v2_arrays(arrays, path, "experts" in files)
         except TraceError as exc:
             raise TraceError(f"{path}: {exc}") from None
 
     @classmethod
-    def _from_arrays(cls, a: dict[str, np.ndarray]) -> TraceBatch:
-        def scalar_int(key: str) -> int:
-            v = a[key]
-            if v.ndim != 0 or v.dtype.kind not in "iu":
-                raise TraceError(f"key {key!r} must be an integer scalar, got dtype {v.dtype} shape {v.shape}")
-            return int(v)
+    def _from_v2_arrays(cls, a: dict[str, np.ndarray], path: Path, has_experts: bool) -> TraceBatch:
+        """A lazily-read batch from the arrays of a version-2 file (all but ``experts``)."""
+        num_experts = positive_int("num_experts", _scalar_int(a["num_experts"], "num_experts"))
+        topk = positive_int("topk", _scalar_int(a["topk"], "topk"))
+        if topk > num_experts:
+            raise TraceError(f"topk={topk} exceeds num_experts={num_experts}")
+        flag = a["counts_only"]
+        if flag.ndim != 0 or flag.dtype != bool:
+            raise TraceError(f"key 'counts_only' must be a bool scalar, got dtype {flag.dtype} shape {flag.shape}")
+        counts_only = bool(flag)
+        if counts_only and has_experts:
+            raise TraceError("counts_only=True, but the file holds field 'experts' (a file is one or the other)")
+        if not counts_only and not has_experts:
+            raise TraceError("field 'experts' is missing, and counts_only=False says the file holds ids")
+        no_route = _scalar_int(a["no_route"], "no_route")
+        if no_route != NO_ROUTE:
+            raise TraceError(f"no_route={no_route}: this library's 'no route' id is {NO_ROUTE}")
+        offsets = as_int_array("offsets", a["offsets"]).astype(np.int64)
+        if offsets.ndim != 1 or offsets.size < 2:
+            raise TraceError(f"empty batch: offsets must be [N+1] with N >= 1, got shape {offsets.shape}")
+        if offsets[0] != 0 or np.any(np.diff(offsets) < 0):
+            raise TraceError(f"offsets must rise from 0, got first {int(offsets[0])} and "
+                             f"{int(np.sum(np.diff(offsets) < 0))} decreasing step(s)")
+        n = offsets.size - 1
+        lengths = np.diff(offsets)
+        counts = as_int_array("counts", a["counts"])
+        layer_ids = as_int_array("layer_ids", a["layer_ids"])
+        if layer_ids.ndim != 1 or layer_ids.size == 0:
+            raise TraceError(f"layer_ids must be [L] with L >= 1, got shape {layer_ids.shape}")
+        _check_layer_ids(layer_ids)
+        if counts.shape != (n, layer_ids.size, num_experts):
+            raise TraceError(f"counts must have shape [N={n}, L={layer_ids.size}, E={num_experts}], got "
+                             f"{counts.shape}")
+        counts = counts.astype(np.int64)
+        over = counts > lengths[:, None, None]
+        if over.any():
+            i, l, e = np.argwhere(over)[0]
+            raise TraceError(f"counts[{i}, {l}, {e}] = {int(counts[i, l, e])} > the {int(lengths[i])} tokens of "
+                             f"sample {i} (a token picks an expert at most once)")
+        sums = counts.sum(axis=2)
+        high = sums > topk * lengths[:, None]
+        if high.any():
+            i, l = np.argwhere(high)[0]
+            raise TraceError(f"counts[{i}, {l}] sums to {int(sums[i, l])} > k x tokens = {topk} x {int(lengths[i])}")
+        counts.setflags(write=False)
+        starts = as_int_array("starts", a["starts"]).astype(np.int64)
+        if starts.shape != (n,):
+            raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
+        if n and int(starts.min()) < 0:
+            raise TraceError(f"starts must be >= 0, got {int(starts.min())}")
+        source = _string_scalar(a["source"], "source")
+        info = {k[len(_INFO_PREFIX):]: v for k, v in a.items() if k.startswith(_INFO_PREFIX)}
+        factory = None if counts_only else _StoredIds(path, offsets, layer_ids.size, topk)
+        new = object.__new__(cls)
+        new._setup(n=n, layer_ids=layer_ids.astype(np.int32), num_experts=num_experts, topk=topk, lengths=lengths,
+                   starts=starts, source=source, traces=None, factory=factory, counts=counts,
+                   micro_batch=a["micro_batch"], sample_info=info, origin=str(path))
+        return new
 
-        version = scalar_int("version")
-        if version != FORMAT_VERSION:
-            raise TraceError(f"unknown trace format version {version} (this library reads version {FORMAT_VERSION})")
-        num_experts, topk = scalar_int("num_experts"), scalar_int("topk")
+    @classmethod
+    def _from_arrays(cls, a: dict[str, np.ndarray]) -> TraceBatch:
+        """A batch from the arrays of a version-1 file (ids decoded and checked here)."""
+        num_experts, topk = _scalar_int(a["num_experts"], "num_experts"), _scalar_int(a["topk"], "topk")
         experts = a["experts"]
         offsets = as_int_array("offsets", a["offsets"]).astype(np.int64)
         if offsets.ndim != 1 or offsets.size < 2:
@@ -650,10 +774,7 @@ class TraceBatch:
             raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
         if n and int(starts.min()) < 0:
             raise TraceError(f"starts must be >= 0, got {int(starts.min())}")
-        source_arr = a["source"]
-        if source_arr.dtype.kind not in "US" or source_arr.ndim != 0:
-            raise TraceError(f"key 'source' must be a string scalar, got dtype {source_arr.dtype}")
-        source = str(source_arr)
+        source = _string_scalar(a["source"], "source")
         info = {k[len(_INFO_PREFIX):]: v for k, v in a.items() if k.startswith(_INFO_PREFIX)}
         traces = [RoutingTrace._trusted(experts[offsets[i]:offsets[i + 1]], layer_ids, num_experts, topk,
                                         int(starts[i]), source) for i in range(n)]
@@ -663,6 +784,70 @@ class TraceBatch:
         mb = "none" if self.micro_batch is None else f"{int(self.micro_batch.max()) + 1} micro-batches"
         return (f"TraceBatch(N={self._n}, tokens={self.num_tokens}, L={self.num_layers}, E={self._num_experts}, "
                 f"k={self._topk}, {mb}, source={self.source!r})")
+
+
+def _open_trace_file(path: Path) -> np.lib.npyio.NpzFile:
+    try:
+        data = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such trace file") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise TraceError(f"{path}: not a readable .npz trace file ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise TraceError(f"{path}: not an .npz archive (found a single .npy array)")
+    return data
+
+
+def _read_member(data: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
+    """One array of an open trace file; a pickled, truncated or corrupt member raises TraceError naming it."""
+    try:
+        return data[key]
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise TraceError(f"{path}: key {key!r} holds Python objects (pickled); trace files hold "
+                             "plain numeric / string arrays only") from None
+        raise TraceError(f"{path}: key {key!r} is truncated or corrupt ({exc})") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise TraceError(f"{path}: key {key!r} is truncated or corrupt ({type(exc).__name__}: {exc})") from None
+
+
+def _scalar_int(v: np.ndarray, key: str, path: Path | None = None) -> int:
+    if v.ndim != 0 or v.dtype.kind not in "iu":
+        at = f"{path}: " if path is not None else ""
+        raise TraceError(f"{at}key {key!r} must be an integer scalar, got dtype {v.dtype} shape {v.shape}")
+    return int(v)
+
+
+def _string_scalar(v: np.ndarray, key: str) -> str:
+    if v.dtype.kind not in "US" or v.ndim != 0:
+        raise TraceError(f"key {key!r} must be a string scalar, got dtype {v.dtype}")
+    return str(v)
+
+
+class _StoredIds:
+    """The per-token ids of a version-2 trace file, read from it when a sequence is first asked for.
+
+    Calling it with sample ``i`` returns the rows ``offsets[i]:offsets[i+1]`` of the file's
+    ``experts`` ``[T, L, k]`` (read once, then kept); :meth:`TraceBatch.trace` checks them.
+    """
+
+    def __init__(self, path: Path, offsets: np.ndarray, num_layers: int, topk: int) -> None:
+        self._path, self._offsets, self._shape = path, offsets, (int(offsets[-1]), num_layers, topk)
+        self._ids: np.ndarray | None = None
+
+    def __call__(self, i: int) -> np.ndarray:
+        if self._ids is None:
+            with _open_trace_file(self._path) as data:
+                if "experts" not in data.files:
+                    raise TraceError(f"{self._path}: field 'experts' is gone (the file changed after it was loaded)")
+                ids = _read_member(data, "experts", self._path)
+            if ids.dtype.kind not in "iu":
+                raise TraceError(f"{self._path}: field 'experts' must hold integers, got dtype {ids.dtype}")
+            if ids.shape != self._shape:
+                raise TraceError(f"{self._path}: field 'experts' has shape {ids.shape}, the file's offsets, layers "
+                                 f"and topk say [T, L, k] = {list(self._shape)}")
+            self._ids = ids
+        return self._ids[self._offsets[i]:self._offsets[i + 1]]
 
 
 def _segment_sum(rows: np.ndarray, seg: np.ndarray, num_segments: int) -> np.ndarray:

@@ -285,9 +285,9 @@ def test_load_errors(tmp_path):
     _write(p, **_good_arrays())
     assert TraceBatch.load(p).num_sequences == 2
 
-    bad = _good_arrays() | {"version": np.int64(2)}
+    bad = _good_arrays() | {"version": np.int64(3)}
     _write(p, **bad)
-    with pytest.raises(TraceError, match=r"x.npz: unknown trace format version 2"):
+    with pytest.raises(TraceError, match=r"x.npz: unknown trace format version 3 \(this library reads versions 1, 2\)"):
         TraceBatch.load(p)
 
     bad = _good_arrays()
@@ -408,3 +408,171 @@ def test_layer_ids_and_micro_batch_never_wrap():
     tr = RoutingTrace(np.zeros((1, 1, 1), np.int64), [0], 4, 1)
     with pytest.raises(TraceError, match=r"micro_batch\[1\] = 4294967296: micro-batch ids must fit int32"):
         TraceBatch([tr, tr], micro_batch=[0, 2**32])
+
+
+# ------------------------------------------------------------------------------ version 2: counts, lazy ids
+def _write_v1(batch: TraceBatch, path) -> None:
+    """The version-1 layout, written by hand: ids only (int16), no counts."""
+    offsets = np.r_[0, np.cumsum(batch.lengths)]
+    experts = np.concatenate([t.experts for t in batch.traces]).astype(np.int16)
+    mb = batch.micro_batch if batch.micro_batch is not None else np.full(batch.num_sequences, -1, np.int32)
+    _write(path, version=np.int64(1), num_experts=np.int64(batch.num_experts), topk=np.int64(batch.topk),
+           layer_ids=batch.layer_ids, experts=experts, offsets=offsets, starts=batch.starts,
+           micro_batch=mb.astype(np.int32), source=np.str_(batch.source),
+           **{"info_" + k: v for k, v in batch.sample_info.items()})
+
+
+def _loop_counts(batch: TraceBatch) -> np.ndarray:
+    out = np.zeros((batch.num_sequences, batch.num_layers, batch.num_experts), dtype=np.int64)
+    for n, tr in enumerate(batch.traces):
+        for row in tr.experts:
+            for l in range(batch.num_layers):
+                for e in row[l]:
+                    if e >= 0:
+                        out[n, l, e] += 1
+    return out
+
+
+def _same_batch(a: TraceBatch, b: TraceBatch) -> None:
+    np.testing.assert_array_equal(a.sample_expert_counts(), b.sample_expert_counts())
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    np.testing.assert_array_equal(a.starts, b.starts)
+    np.testing.assert_array_equal(a.micro_batch, b.micro_batch)
+    np.testing.assert_array_equal(a.layer_ids, b.layer_ids)
+    assert (a.num_experts, a.topk, a.source) == (b.num_experts, b.topk, b.source)
+    for key in a.sample_info:
+        np.testing.assert_array_equal(a.sample_info[key], b.sample_info[key])
+
+
+def test_v2_stores_counts_and_loads_them_without_reading_ids(tmp_path):
+    rng = np.random.default_rng(11)
+    b = make_batch(rng, [4, 0, 7, 2], num_layers=2, e=6, k=2, pad=0.15).with_micro_batch([0, 0, 1, 1])
+    b.sample_info["domain"] = np.array(["a", "b", "c", "d"])
+    path = tmp_path / "v2.npz"
+    b.save(path)
+    with np.load(path) as f:
+        assert int(f["version"]) == 2 and not bool(f["counts_only"]) and int(f["no_route"]) == -1
+        assert f["experts"].dtype == np.int8 and f["counts"].dtype == np.uint8
+        np.testing.assert_array_equal(f["counts"], _loop_counts(b))
+        arrays = {k: f[k] for k in f.files}
+    # the ids in the file are garbage of the wrong shape: loading and counting must not notice
+    _write(path, **(arrays | {"experts": np.zeros((3, 3), np.int8)}))
+    c = TraceBatch.load(path)
+    _same_batch(b, c)
+    np.testing.assert_array_equal(c.loads(np.array([0, 1, 1, 0]), 2), b.loads(np.array([0, 1, 1, 0]), 2))
+    assert c.origin == str(path) and c.has_ids
+    with pytest.raises(TraceError, match=r"v2.npz: field 'experts' has shape \(3, 3\)"):
+        c.trace(0)
+
+
+def test_v2_roundtrip_ids_read_on_demand_and_checked(tmp_path):
+    rng = np.random.default_rng(12)
+    b = make_batch(rng, [5, 3, 6], num_layers=3, e=128, k=4, pad=0.1)
+    path = tmp_path / "t.npz"
+    b.save(path)
+    c = TraceBatch.load(path)
+    _same_batch(b.with_micro_batch(np.full(3, -1)), c)
+    for x, y in zip(b.traces, c.traces):
+        np.testing.assert_array_equal(x.experts, y.experts)  # -1 survives int8 storage as "no route"
+    assert (c.trace(0).experts == -1).any()
+    sub = c.subset([2, 0])
+    np.testing.assert_array_equal(sub.trace(0).experts, b.trace(2).experts)
+    # ids that disagree with the stored counts are caught when read, naming the file and both fields
+    with np.load(path) as f:
+        arrays = {k: f[k] for k in f.files}
+    ids = arrays["experts"].copy()
+    ids[0, 0, 0] = next(e for e in range(128) if e not in ids[0, 0])
+    _write(path, **(arrays | {"experts": ids}))
+    d = TraceBatch.load(path)
+    with pytest.raises(TraceError, match=r"t.npz: sample 0: field 'experts' disagrees with field 'counts'"):
+        d.trace(0)
+
+
+def test_v1_files_still_load_with_the_same_batch(tmp_path):
+    rng = np.random.default_rng(13)
+    b = make_batch(rng, [3, 6, 1], num_layers=2, e=9, k=3, pad=0.2).with_micro_batch([1, 0, 1])
+    b.sample_info["x"] = np.array([1.5, 2.5, 3.5])
+    _write_v1(b, tmp_path / "v1.npz")
+    b.save(tmp_path / "v2.npz")
+    one, two = TraceBatch.load(tmp_path / "v1.npz"), TraceBatch.load(tmp_path / "v2.npz")
+    _same_batch(b, one)
+    _same_batch(b, two)
+    np.testing.assert_array_equal(one.micro_batch_expert_counts(), two.micro_batch_expert_counts())
+
+
+def test_counts_only_file(tmp_path):
+    rng = np.random.default_rng(14)
+    b = make_batch(rng, [4, 2], num_layers=2, e=5, k=2).with_micro_batch([0, 1])
+    path = tmp_path / "c.npz"
+    b.save(path, counts_only=True)
+    with np.load(path) as f:
+        assert bool(f["counts_only"]) and "experts" not in f.files
+    c = TraceBatch.load(path)
+    _same_batch(b, c)
+    assert not c.has_ids
+    for needs_ids in (lambda: c.trace(0), lambda: c.traces, lambda: c.save(tmp_path / "again.npz"),
+                      lambda: c.subset([1]).trace(0)):
+        with pytest.raises(TraceError, match=r"c.npz: a counts-only trace file \(counts_only=True\): field "
+                                             r"'experts' \(per-token ids\) is absent"):
+            needs_ids()
+    c.save(tmp_path / "again.npz", counts_only=True)
+    _same_batch(b, TraceBatch.load(tmp_path / "again.npz"))
+    with pytest.raises(TraceError, match=r"counts_only must be a bool, got 1"):
+        b.save(path, counts_only=1)
+
+
+def test_storage_dtypes_are_the_smallest():
+    from relibra_moe.trace import counts_dtype, file_ids_dtype
+    assert [file_ids_dtype(e) for e in (2, 128, 129, 32768, 32769)] == [np.int8, np.int8, np.int16, np.int16, np.int32]
+    assert [counts_dtype(c) for c in (0, 255, 256, 65535, 65536)] == [np.uint8, np.uint8, np.uint16, np.uint16,
+                                                                      np.uint32]
+
+
+def _v2_arrays(tmp_path) -> dict:
+    b = make_batch(np.random.default_rng(15), [2, 3], num_layers=1, e=4, k=2)
+    b.save(tmp_path / "ok.npz")
+    with np.load(tmp_path / "ok.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a | {"counts": a["counts"][:1]}, r"x.npz: counts must have shape \[N=2, L=1, E=4\], got \(1, 1, 4\)"),
+    (lambda a: a | {"counts": a["counts"].astype(np.float32)}, r"x.npz: counts must hold integers, got dtype float32"),
+    (lambda a: a | {"counts": np.array([[[3, 1, 0, 0]], [[1, 1, 2, 2]]], np.uint8)},
+     r"x.npz: counts\[0, 0, 0\] = 3 > the 2 tokens of sample 0"),
+    (lambda a: a | {"counts": np.array([[[2, 2, 1, 0]], [[1, 1, 2, 2]]], np.uint8)},
+     r"x.npz: counts\[0, 0\] sums to 5 > k x tokens = 2 x 2"),
+    (lambda a: a | {"counts_only": np.int64(1)}, r"x.npz: key 'counts_only' must be a bool scalar"),
+    (lambda a: a | {"no_route": np.int64(255)}, r"x.npz: no_route=255: this library's 'no route' id is -1"),
+    (lambda a: a | {"counts_only": np.bool_(True)}, r"x.npz: counts_only=True, but the file holds field 'experts'"),
+    (lambda a: {k: v for k, v in a.items() if k != "experts"},
+     r"x.npz: field 'experts' is missing, and counts_only=False"),
+    (lambda a: {k: v for k, v in a.items() if k != "counts"}, r"x.npz: missing key\(s\) \['counts'\]"),
+    (lambda a: a | {"version": np.int64(7)}, r"x.npz: unknown trace format version 7"),
+    (lambda a: a | {"offsets": np.array([0, 3, 2])}, r"x.npz: offsets must rise from 0"),
+])
+def test_v2_rejects_bad_fields(tmp_path, change, match):
+    p = tmp_path / "x.npz"
+    _write(p, **change(_v2_arrays(tmp_path)))
+    with pytest.raises(TraceError, match=match):
+        TraceBatch.load(p)
+
+
+def test_planning_from_a_file_gives_the_plan_of_the_batch_in_memory(tmp_path):
+    """Counts-only and with-ids files plan byte-identically to the in-memory synthetic batch."""
+    from relibra_moe import cluster_preset, model_preset
+    from relibra_moe.planners.strategies import plan_batch
+    from relibra_moe.synthetic import rl_batch
+
+    model = model_preset("qwen3-30b-a3b")
+    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=8)
+    batch = rl_batch(model, "mixed", 4, seed=0, micro_batch_size=8)
+    batch.save(tmp_path / "ids.npz")
+    batch.save(tmp_path / "counts.npz", counts_only=True)
+    shas = []
+    for b in (batch, TraceBatch.load(tmp_path / "ids.npz"), TraceBatch.load(tmp_path / "counts.npz")):
+        plan = plan_batch(b, model, cluster, "relibra-inter", seed=0)
+        out = tmp_path / f"plan{len(shas)}.npz"
+        plan.save(out)
+        shas.append(out.read_bytes())
+    assert shas[0] == shas[1] == shas[2]

@@ -3,8 +3,10 @@
 - ``relibra trace import gpt-oss [--requests N --seed S --micro-batch-size B] --out FILE``: the real
   GPT-OSS-20B routing of ``../shared/traces``; N requests drawn with seed S, kept in the drawn order;
   with B, micro-batch i holds samples ``i*B .. i*B+B-1``.
-- ``relibra trace synth --model PRESET --domain D --prompts N --seed S [--micro-batch-size B] --out FILE``:
-  a SYNTHETIC RL batch (``relibra_moe.synthetic``); B defaults to 32, the paper's micro-batch size.
+- ``relibra trace synth --model PRESET --domain D --prompts N --seed S [--micro-batch-size B] [--counts-only]
+  --out FILE``: a SYNTHETIC RL batch (``relibra_moe.synthetic``); B defaults to 32, the paper's micro-batch
+  size. ``--counts-only`` writes the per-sample expert counts without per-token ids (the file says so in
+  its ``counts_only`` field): enough to plan, score and simulate, not to replay.
 - ``relibra trace stats FILE [--micro-batch-size B] [--json]``: sizes, expert skew per micro-batch and
   the hot-set intersection between consecutive micro-batches (top-8, or top-E/4 when E < 32).
   Micro-batches: ``--micro-batch-size`` if given, else the file's assignment, else one sequence each.
@@ -41,16 +43,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``relibra trace {import,synth,stats}`` to the ``relibra`` parser."""
     p = subparsers.add_parser(
         "trace", help="routing traces: import real ones, synthesize RL batches, statistics",
-        description="Make routing-trace files (.npz, version 1) from real or synthetic routing, and summarize them.",
+        description="Make routing-trace files (.npz, version 2) from real or synthetic routing, and summarize them.",
         epilog="examples:\n"
                "  relibra trace import gpt-oss --requests 64 --seed 0 --micro-batch-size 8 --out gptoss.npz\n"
                "  relibra trace synth --model qwen3-30b-a3b --domain mixed --prompts 256 --out mixed.npz\n"
+               "  relibra trace synth --model qwen3-235b-a22b --domain mixed --prompts 256 --counts-only --out b.npz\n"
                "  relibra trace stats mixed.npz --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
 
     imp = sub.add_parser("import", help="import a real routing trace into a trace file",
-                         description="Import real routing into a relibra trace file (.npz, version 1).")
+                         description="Import real routing into a relibra trace file (.npz, version 2).")
     imp.add_argument("dataset", choices=["gpt-oss"], help="gpt-oss: GPT-OSS-20B decode routing of ../shared/traces")
     imp.add_argument("--requests", type=_positive, default=None, metavar="N",
                      help="draw N requests without replacement, kept in the drawn order (default: all 703, in order)")
@@ -73,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     syn.add_argument("--micro-batch-size", type=_positive, default=SYNTH_DEFAULT_MICRO_BATCH, metavar="B",
                      help=f"micro-batch i holds samples i*B .. i*B+B-1 (default {SYNTH_DEFAULT_MICRO_BATCH})")
     syn.add_argument("--compress", action="store_true", help="zip-compress the file (smaller, slower)")
+    syn.add_argument("--counts-only", action="store_true",
+                     help="write per-sample expert counts only, no per-token ids (the file says so): plans, scores "
+                          "and simulates, but cannot be replayed")
     syn.add_argument("--out", required=True, help="output .npz file")
     syn.set_defaults(func=run_synth)
 
@@ -111,8 +117,9 @@ def run_synth(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     batch = rl_batch(args.model, args.domain, args.prompts, responses_per_prompt=args.responses, seed=args.seed,
                      micro_batch_size=args.micro_batch_size)
-    batch.save(args.out, compress=args.compress)
-    print(f"wrote {args.out}: SYNTHETIC, {batch.num_sequences} sequences, {batch.num_tokens} tokens, "
+    batch.save(args.out, compress=args.compress, counts_only=args.counts_only)
+    what = "counts only (no per-token ids)" if args.counts_only else "with per-token ids"
+    print(f"wrote {args.out}: SYNTHETIC, {batch.num_sequences} sequences, {batch.num_tokens} tokens, {what}, "
           f"{time.perf_counter() - t0:.1f} s ({batch.source})")
     return 0
 
