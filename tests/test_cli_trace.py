@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from relibra_moe.cli import main
+from relibra_moe.errors import TraceError
 from relibra_moe.trace import RoutingTrace, TraceBatch
 
 
@@ -57,6 +58,30 @@ def test_synth_then_stats(tmp_path, capsys):
     assert s2["num_micro_batches"] == 3 and s2["micro_batch_rule"] == "8 per micro-batch"
     skew, inter = _reference(out, np.arange(24) // 8, 8)
     assert s2["skew_mean"] == pytest.approx(skew) and s2["intersection_mean"] == pytest.approx(inter)
+
+
+def test_synth_counts_only_plans_like_the_full_file(tmp_path, capsys):
+    full, counts = tmp_path / "full.npz", tmp_path / "counts.npz"
+    argv = ["trace", "synth", "--model", "olmoe-1b-7b", "--domain", "mixed", "--prompts", "4", "--seed", "2",
+            "--micro-batch-size", "4"]
+    assert main([*argv, "--out", str(full)]) == 0
+    assert main([*argv, "--counts-only", "--out", str(counts)]) == 0
+    assert "counts only (no per-token ids)" in capsys.readouterr().out
+    with np.load(counts) as f:
+        assert bool(f["counts_only"]) and "experts" not in f.files
+    a, b = TraceBatch.load(full), TraceBatch.load(counts)
+    np.testing.assert_array_equal(a.sample_expert_counts(), b.sample_expert_counts())
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    assert _stats(capsys, str(full)) == _stats(capsys, str(counts))
+    plans = []
+    for src in (full, counts):
+        out = tmp_path / f"plan_{src.stem}.npz"
+        assert main(["plan", str(src), "--model", "olmoe-1b-7b", "--nodes", "1", "--gpus-per-node", "4",
+                     "--strategy", "eplb", "--replica-slots", "1", "--out", str(out), "--json"]) == 0
+        plans.append(out.read_bytes())
+    assert plans[0] == plans[1]
+    with pytest.raises(TraceError, match=r"counts.npz: a counts-only trace file .*field 'experts'"):
+        b.trace(0)
 
 
 def test_stats_one_sequence_per_micro_batch_and_small_e(tmp_path, capsys):

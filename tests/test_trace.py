@@ -569,10 +569,10 @@ def test_planning_from_a_file_gives_the_plan_of_the_batch_in_memory(tmp_path):
     batch = rl_batch(model, "mixed", 4, seed=0, micro_batch_size=8)
     batch.save(tmp_path / "ids.npz")
     batch.save(tmp_path / "counts.npz", counts_only=True)
-    shas = []
-    for b in (batch, TraceBatch.load(tmp_path / "ids.npz"), TraceBatch.load(tmp_path / "counts.npz")):
-        plan = plan_batch(b, model, cluster, "relibra-inter", seed=0)
-        out = tmp_path / f"plan{len(shas)}.npz"
-        plan.save(out)
-        shas.append(out.read_bytes())
-    assert shas[0] == shas[1] == shas[2]
+    for strategy, r in (("lpt", 0), ("eplb", 2)):
+        shas = []
+        for b in (batch, TraceBatch.load(tmp_path / "ids.npz"), TraceBatch.load(tmp_path / "counts.npz")):
+            out = tmp_path / f"plan{len(shas)}.npz"
+            plan_batch(b, model, cluster, strategy, replica_slots=r, seed=0).save(out)
+            shas.append(out.read_bytes())
+        assert shas[0] == shas[1] == shas[2], strategy
