@@ -1,6 +1,7 @@
 """Trace-file I/O benchmark: synth -> save -> load -> sample_expert_counts, and `relibra plan` on the file.
 
-Times, in seconds of wall clock, for one synthetic RL batch (labelled synthetic):
+Times, in seconds of wall clock (and, under ``cpu_s``, CPU seconds of each stage, since the machine may be
+shared), for one synthetic RL batch (labelled synthetic):
 
 - ``synth_s``: ``synthetic.rl_batch`` (per-sample expert counts; no per-token ids are made);
 - ``save_counts_only_s`` / ``save_ids_s``: ``TraceBatch.save`` without / with the per-token ids
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shlex
 import subprocess
 import sys
@@ -36,18 +38,25 @@ from typing import Any
 
 import numpy as np
 
+CPU_S: dict[str, float] = {}  # stage -> CPU seconds (this process, or the child): the machine is shared
 
-def _timed(fn: Any) -> tuple[Any, float]:
-    t0 = time.perf_counter()
+
+def _timed(fn: Any, stage: str) -> tuple[Any, float]:
+    t0, c0 = time.perf_counter(), time.process_time()
     out = fn()
+    CPU_S[stage] = time.process_time() - c0
     return out, time.perf_counter() - t0
 
 
-def _cli(argv: list[str]) -> float:
-    """Seconds to run ``python -m relibra_moe.cli ARGV`` (raises on a non-zero exit)."""
+def _cli(argv: list[str], stage: str) -> float:
+    """Wall seconds to run ``python -m relibra_moe.cli ARGV`` (raises on a non-zero exit); CPU seconds to CPU_S."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "relibra_moe.cli", *argv], check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU_S[stage] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return wall
 
 
 def run(model: str, domain: str, prompts: int, seed: int, ids: bool, cli: bool, plan_args: str,
@@ -58,28 +67,31 @@ def run(model: str, domain: str, prompts: int, seed: int, ids: bool, cli: bool, 
 
     out: dict[str, Any] = {"model": model, "domain": domain, "prompts": prompts, "seed": seed,
                            "machine": {"cpus": os.cpu_count(), "python": platform.python_version()}}
-    batch, out["synth_s"] = _timed(lambda: rl_batch(model, domain, prompts, seed=seed, micro_batch_size=32))
+    batch, out["synth_s"] = _timed(lambda: rl_batch(model, domain, prompts, seed=seed, micro_batch_size=32), "synth")
     out["samples"], out["tokens"] = batch.num_sequences, batch.num_tokens
     ref = batch.sample_expert_counts()
     files = {"counts_only": workdir / "counts_only.npz"}
-    _, out["save_counts_only_s"] = _timed(lambda: batch.save(files["counts_only"], counts_only=True))
+    _, out["save_counts_only_s"] = _timed(lambda: batch.save(files["counts_only"], counts_only=True),
+                                          "save_counts_only")
     if ids:
         files["ids"] = workdir / "ids.npz"
-        _, out["save_ids_s"] = _timed(lambda: batch.save(files["ids"]))
+        _, out["save_ids_s"] = _timed(lambda: batch.save(files["ids"]), "save_ids")
     for name, path in files.items():
         out[f"file_{name}_bytes"] = path.stat().st_size
-        loaded, out[f"load_{name}_s"] = _timed(lambda path=path: TraceBatch.load(path))
-        counts, out[f"counts_{name}_s"] = _timed(loaded.sample_expert_counts)
+        loaded, out[f"load_{name}_s"] = _timed(lambda path=path: TraceBatch.load(path), f"load_{name}")
+        counts, out[f"counts_{name}_s"] = _timed(loaded.sample_expert_counts, f"counts_{name}")
         if not (np.array_equal(counts, ref) and np.array_equal(loaded.lengths, batch.lengths)
                 and np.array_equal(loaded.micro_batch, batch.micro_batch)):
             raise SystemExit(f"{path}: the loaded batch differs from the batch in memory")
     if cli:
         path = workdir / "cli.npz"
         out["cli_synth_s"] = _cli(["trace", "synth", "--model", model, "--domain", domain, "--prompts", str(prompts),
-                                   "--seed", str(seed), "--counts-only", "--out", str(path)])
+                                   "--seed", str(seed), "--counts-only", "--out", str(path)], "cli_synth")
         out["plan_args"] = plan_args
         out["cli_plan_s"] = _cli(["plan", str(path), "--model", model, *shlex.split(plan_args),
-                                  "--out", str(workdir / "plan.npz"), "--json"])
+                                  "--out", str(workdir / "plan.npz"), "--json"], "cli_plan")
+    out["cpu_s"] = dict(CPU_S)
+    out["load_average_1min_after"] = os.getloadavg()[0]
     return out
 
 

@@ -91,12 +91,14 @@ def counts_dtype(max_count: int) -> np.dtype:
 
 
 def positive_int(name: str, value: Any) -> int:
+    """``value`` as an int > 0 (bool is not an int); else TraceError naming ``name`` and the value."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise TraceError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
 def nonnegative_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 0 (bool is not an int); else TraceError naming ``name`` and the value."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
         raise TraceError(f"{name} must be an int >= 0, got {value!r}")
     return int(value)
@@ -131,6 +133,7 @@ def check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str]
 
 
 def as_int_array(name: str, value: Any) -> np.ndarray:
+    """``value`` (ndarray, tensor, nested lists) as an integer ndarray; else TraceError naming ``name``."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch tensor, without importing torch
         value = value.detach().cpu().numpy()
     arr = np.asarray(value)
@@ -379,7 +382,7 @@ class TraceBatch:
             topk: k.
             layer_ids: ``[L]`` global layer indices (default ``0..L-1``).
             materialize: ``i -> experts [S_i, L, k]`` consistent with ``counts[i]`` (checked when
-                called). Without it the batch plans and scores but cannot be saved or iterated.
+                called). Without it the batch plans and scores, and saves counts-only, but cannot be iterated.
             starts, micro_batch, source, sample_info: as for the constructor.
         """
         c = as_int_array("counts", counts)
