@@ -164,3 +164,19 @@ def test_ids_at_padding_are_not_read():
     ids[0, 1] = [[0, 1], [2, 3], [4, 5]]              # ... but at the one real token
     batch = from_verl(ids, np.array([[0, 1, 0]]), num_experts=E)
     np.testing.assert_array_equal(batch.trace(0).experts, ids[0, 1:2])
+
+
+def test_replay_feeds_no_route_at_padding_never_expert_0():
+    """The ids a replayed forward gets for verl's padded batch: real rows as recorded, pad rows -1."""
+    from relibra_moe.integrations.hf import layout_ids
+
+    rng = np.random.default_rng(5)
+    ids = distinct_rows(rng, (2, 5, L))
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    ids[0, [0, 4]] = 0
+    batch = from_verl(ids, mask, num_experts=E)
+    for layer in range(L):
+        fed = layout_ids(batch.traces, layer, attention_mask=mask).numpy().reshape(2, 5, K)
+        np.testing.assert_array_equal(fed[0, [0, 4]], -1)
+        np.testing.assert_array_equal(fed[0, 1:4], ids[0, 1:4, layer])
+        np.testing.assert_array_equal(fed[1], ids[1, :, layer])
