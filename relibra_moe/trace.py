@@ -5,6 +5,9 @@ its L MoE layers. ``TraceBatch`` is a global batch of sequences with an optional
 assignment; it turns the ids into the load tensors of docs/method.md, "Cost model" (``x[j, e]`` per
 micro-batch and layer) without any Python loop over tokens.
 
+Routing recorded by inference engines and RL frameworks (SGLang, vLLM, Megatron, verl, slime, NeMo-RL,
+SkyRL) becomes a RoutingTrace / TraceBatch through :mod:`relibra_moe.adapters` (docs/rl-frameworks.md).
+
 A batch may also be built from per-sample expert counts alone (``TraceBatch.from_counts``), with the
 per-token ids produced on demand by a callback: synthetic batches at the paper's scale plan from the
 counts and never hold billions of ids in memory.
