@@ -1,4 +1,5 @@
-"""Apply a new expert placement across the EP group (the inter-batch reordering of RELIBRA.md §3, §5).
+"""Apply a new expert placement across the EP group (the inter-batch reordering of docs/method.md,
+"Reorder").
 
 ``relayout(model, placement, optimizer=None)`` moves, for every ``ReplayBalancedMoE`` layer ``l`` of
 the model (module order = the plan's layer order) whose homes change, each expert's rows of

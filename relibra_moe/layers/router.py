@@ -9,7 +9,7 @@ Two scoring functions, as in the models the library targets:
   scores the sum of its two best biased scores); the gates are the unbiased ``s`` of the selected
   experts, optionally renormalized, times ``routed_scaling_factor``.
 
-Replay (RELIBRA.md §2): given recorded ids ``[T, k]`` the router uses them as the selection and
+Replay (docs/method.md, "Routing replay"): given recorded ids ``[T, k]`` the router uses them as the selection and
 gathers the gate values from the live logits, so the router weight still gets gradients. ``-1`` in a
 replayed row means "no expert" (padding): that pair gets gate 0 and is not dispatched. A replayed
 batch that does not fit raises ``ReplayError`` naming the layer and the mismatch.
