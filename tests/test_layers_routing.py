@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from relibra_moe.layers.dispatch import LocalDispatcher
-from relibra_moe.layers.moe import ReplayBalancedMoE, _Replay
+from relibra_moe.layers.moe import ReplayBalancedMoE
+from relibra_moe.layers.replay import LayerReplay
 from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
 from relibra_moe.plan import Placement, ReplicaPlan
 from relibra_moe.specs import ClusterSpec, ModelSpec
@@ -88,8 +89,8 @@ def test_destinations_follow_the_plan(case):
         layer = ReplayBalancedMoE(4, 4, E, k, gpus_per_node=P, replica_buffer=buf, layer_index=0,
                                   dispatcher=_View(j, G, P))
         layer.set_placement_row(home)
-        state = layer._plan_state(_Replay(ids=None, replicas=plan, placement=home, micro_batch=0))
-        dest, slot = layer._destinations(torch.as_tensor(ids, dtype=torch.int64), state)
+        state = layer.plan_slice(LayerReplay(replicas=plan, expert_gpu=home))
+        dest, slot = layer.destinations(torch.as_tensor(ids, dtype=torch.int64), state)
         dest, slot = dest.numpy(), slot.numpy()
         routed = ids >= 0
         assert ((dest >= 0) == routed).all() and ((slot >= 0) == routed).all()
@@ -112,7 +113,7 @@ def test_destinations_follow_the_plan(case):
             assert (got == _loop_round(n, s)).all(), (j, e, got, s)
 
 
-def test_plan_state_rejects_what_the_layer_cannot_follow():
+def test_plan_slice_rejects_what_the_layer_cannot_follow():
     import pytest
 
     from relibra_moe.errors import PlanError
@@ -124,7 +125,7 @@ def test_plan_state_rejects_what_the_layer_cannot_follow():
     def state(buf, placement=home, p=plan):
         layer = ReplayBalancedMoE(4, 4, 4, 2, gpus_per_node=2, replica_buffer=buf, layer_index=0,
                                   dispatcher=_View(1, 2, 2))
-        return layer._plan_state(_Replay(ids=None, replicas=p, placement=placement, micro_batch=0))
+        return layer.plan_slice(LayerReplay(replicas=p, expert_gpu=placement))
 
     with pytest.raises(PlanError, match="no replica_buffer"):
         state(None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relibra_moe.layers.moe import ReplayBalancedMoE
-from relibra_moe.layers.replay import replay_model
+from relibra_moe.layers.replay import replay
 from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer, replica_buffer_bytes
 from relibra_moe.layers.testing import run_group
 from relibra_moe.plan import ReplicaPlan
@@ -103,7 +103,7 @@ def _worker_48(rank: int, world: int) -> None:
         for layer in model:
             layer.zero_grad()
         xi = x.clone().requires_grad_()
-        with replay_model(model, [ids] * LAYERS, plan=p, micro_batch=0):
+        with replay(model, [ids] * LAYERS, plan=p, micro_batch=0):
             h = xi
             for layer in model:
                 h = h + 0.5 * layer(h)
