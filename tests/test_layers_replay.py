@@ -30,7 +30,7 @@ def _run(layers, x):
     return h
 
 
-@pytest.mark.parametrize("router", ["softmax", {"scoring": "sigmoid", "n_group": 2, "topk_group": 1}])
+@pytest.mark.parametrize("router", ["softmax", {"scoring": "sigmoid", "num_groups": 2, "topk_group": 1}])
 def test_recorded_ids_replayed_give_identical_outputs_and_router_grads(router):
     layers = _stack(3, router=router)
     x = torch.randn(2, 5, 8)  # any leading shape
