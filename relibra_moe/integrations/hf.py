@@ -1,7 +1,7 @@
 """Hugging Face integration: record routing during ``generate()``, swap in replay-balanced MoE blocks,
 and replay recorded routing (with a replica plan) in the training step.
 
-Three calls (see ``docs/hf.md`` in the repository)::
+Three calls (see docs/hf.md)::
 
     with RoutingRecorder(model) as rec:                       # rollout
         out = model.generate(prompts, attention_mask=mask, max_new_tokens=N)
