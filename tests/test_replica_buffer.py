@@ -26,6 +26,9 @@ def test_paper_memory_figures():
     assert replica_buffer_bytes("qwen3-30b-a3b", 0) == 0
     with pytest.raises(ValueError):
         replica_buffer_bytes("no-such-model", 2)
+    for bad in (True, -1, 1.5):  # never reinterpreted as a slot count
+        with pytest.raises(ValueError, match=f"replica_slots must be an integer >= 0, got {bad!r}"):
+            replica_buffer_bytes("qwen3-30b-a3b", bad)
 
 
 def test_buffer_bytes_match_the_formula():

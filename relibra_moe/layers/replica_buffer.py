@@ -257,6 +257,6 @@ def replica_buffer_bytes(model: ModelSpec | str, replica_slots: int = 2, dtype_b
     spec = model_preset(model) if isinstance(model, str) else model
     if dtype_bytes is not None:
         spec = spec.with_(dtype_bytes=dtype_bytes)
-    if replica_slots < 0:
-        raise ValueError(f"replica_slots must be >= 0, got {replica_slots}")
-    return specs.replica_buffer_bytes(spec, replica_slots)
+    if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
+        raise ValueError(f"replica_slots must be an integer >= 0, got {replica_slots!r}")
+    return specs.replica_buffer_bytes(spec, int(replica_slots))
