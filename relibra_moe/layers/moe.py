@@ -207,7 +207,10 @@ class ReplayBalancedMoE(nn.Module):
     ``forward(x [..., H]) -> [..., H]``. After each forward, ``last_routing`` holds the ids used
     (``[T, k]``), ``last_send_counts`` (int64 ``[G]``) the pairs this rank sent to each rank,
     ``last_load`` the pairs this rank's experts computed (home and replica slots), and
-    ``last_slot_counts`` (int64 ``[E_loc + r]``) those pairs per local slot.
+    ``last_slot_counts`` (int64 ``[E_loc + r]``) those pairs per local slot. ``replay_state`` (a
+    :class:`~relibra_moe.layers.replay.LayerReplay` or ``None``) is what :func:`relibra_moe.replay` sets and
+    the forward follows; :meth:`prepare_replay` builds it. ``expert_gpu`` (int64 ``[E]`` buffer) holds the
+    rank homing each expert, ``expert_gpu_host`` its host copy.
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,

@@ -12,7 +12,7 @@
 model's *replay targets* in module order: :class:`~relibra_moe.layers.moe.ReplayBalancedMoE` modules
 (Hugging Face blocks swapped by ``swap_moe_blocks`` included) and the single-process HF blocks of
 ``swap_moe_blocks(backend="local")``; a target is any module with a ``prepare_replay(ids, plan,
-micro_batch)`` method returning a :class:`~relibra_moe.layers.moe.LayerReplay` and a ``replay_state``
+micro_batch)`` method returning a :class:`LayerReplay` and a ``replay_state``
 attribute that its forward follows. Layers without a ``layer_index`` get their position in that order
 (the plan's ``l``).
 
@@ -34,9 +34,8 @@ Blocks nest; the previous state of every layer is restored on exit.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -233,7 +232,7 @@ def _prepare(target: ReplayTarget, ids: torch.Tensor | ReplayError | None, plan:
             raise
         # stored without its traceback (its frames would keep the caller alive); forwards raise copies
         return LayerReplay(error=exc.with_traceback(None))
-    return dataclasses.replace(state, desc=desc)
+    return replace(state, desc=desc)
 
 
 @contextlib.contextmanager
