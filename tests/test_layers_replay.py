@@ -111,6 +111,50 @@ def test_replay_errors():
         _run(layers, x)  # a trivial plan on one rank is plain routing
 
 
+def test_replay_of_traces_on_plain_layers():
+    """Traces replay on any model of ReplayBalancedMoE layers (trace layer l -> MoE layer l): the rows of the
+    selected sequences, right-padded with -1, give the same output as the same ids laid out by hand; a plan
+    selects the samples of its micro-batch."""
+    from relibra_moe.trace import RoutingTrace, TraceBatch
+
+    layers = _stack(2)
+    rng = np.random.default_rng(0)
+
+    def trace(n: int) -> RoutingTrace:
+        return RoutingTrace(np.stack([np.stack([rng.permutation(6)[:2] for _ in range(2)]) for _ in range(n)]),
+                            [0, 1], 6, 2)
+
+    traces = [trace(3), trace(2), trace(4)]
+    batch = TraceBatch(traces, np.array([0, 1, 0]))
+    x = torch.randn(2, 4, 8)  # sequences 0 and 2 of micro-batch 0, right-padded to 4 tokens
+    with torch.no_grad(), replay(layers, batch, micro_batch=0) as rows:
+        assert rows == [0, 2]
+        out = _run(layers, x.reshape(-1, 8))
+        assert layers[1].last_routing[3].tolist() == [-1, -1]  # padding of sequence 0
+    by_hand = torch.full((2, 4, 2, 2), -1, dtype=torch.int64)
+    by_hand[0, :3] = torch.as_tensor(traces[0].experts, dtype=torch.int64)
+    by_hand[1] = torch.as_tensor(traces[2].experts, dtype=torch.int64)
+    with torch.no_grad(), replay(layers, by_hand.reshape(8, 2, 2)) as rows:
+        assert rows is None
+        assert torch.equal(_run(layers, x.reshape(-1, 8)), out)
+    plan = BatchPlan(Placement(np.zeros((2, 6))), SamplePlacement(np.array([1, 0, 1]), np.zeros(3)),
+                     ReplicaPlan.empty(2, 2, 1, 0), num_gpus=1, gpus_per_node=1)
+    with replay(layers, batch, plan, micro_batch=1) as rows:
+        assert rows == [0, 2]
+    with pytest.raises(ReplayError, match="routing covers 1 MoE layers, the model has 2"):
+        with replay(layers, RoutingTrace(traces[0].experts[:, :1], [0], 6, 2)):
+            pass
+    with pytest.raises(ReplayError, match="E=8, k=2; the model has E=6, k=2"):
+        with replay(layers, RoutingTrace(traces[0].experts, [0, 1], 8, 2)):
+            pass
+    with pytest.raises(ReplayError, match="plan must be a BatchPlan"):
+        with replay(layers, batch, ReplicaPlan.empty(1, 2, 1, 0), micro_batch=0):
+            pass
+    with pytest.raises(ReplayError, match="Linear has no MoE layer that replays.*swap_moe_blocks"):
+        with replay(torch.nn.Linear(2, 2), batch):
+            pass
+
+
 def test_materialize_counts_largest_remainder():
     shares = np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0], [1 / 3, 1 / 3, 1 / 3]])
     out = materialize_counts(np.array([5, 7, 4, 2]), shares)
