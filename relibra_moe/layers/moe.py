@@ -24,11 +24,12 @@ With a plan (``relibra_moe.plan.BatchPlan``) each micro-batch runs inside
 ``relibra_moe.relayout(model, plan.placement, optimizer)`` has moved the experts to the plan's homes.
 
 What one forward does on rank ``j`` of the EP group (``G`` ranks, ``E_loc = E / G`` home experts), one
-method per stage:
+method per stage (:meth:`~ReplayBalancedMoE.route_and_place` runs stages 1 and 3 on this rank alone before
+stage 2, since this rank's pair counts per destination travel with its status in one exchange):
 
-1. route (:meth:`~ReplayBalancedMoE.route_and_place`): live top-k, or the replayed ids with gates from
-   the live logits (``TopKRouter``), and the plan slice of this layer and micro-batch
-   (:meth:`~ReplayBalancedMoE.plan_slice`, ``PlanError``); a bad replay or plan is kept, not raised;
+1. route: live top-k, or the replayed ids with gates from the live logits (``TopKRouter``), and the plan
+   slice of this layer and micro-batch (:meth:`~ReplayBalancedMoE.plan_slice`, ``PlanError``); a bad
+   replay or plan is kept, not raised;
 2. agree on errors across the EP group (:meth:`~ReplayBalancedMoE.agree`): every rank reports its status
    in the exchange of pair counts, so a bad plan or bad replay data on any rank raises on every rank
    before any token moves (nothing hangs);
