@@ -8,7 +8,7 @@ layers spread over the model's 24) is planned three times with
 samples: the plain EP layer), ``relibra-inter`` (reorder + locality, no replicas) and ``relibra``
 (reorder + locality + r replica slots per rank). Each plan runs on ``--world`` spawned ranks (gloo
 on CPU; NCCL with one GPU per rank when CUDA has enough devices): ``relayout`` to the plan's
-placement, then every micro-batch is replayed (``replay_model``) and timed (barrier, forward,
+placement, then every micro-batch is replayed (``replay``) and timed (barrier, forward,
 backward, barrier; the slowest rank counts). Reported per strategy: mean ms per micro-batch, the
 max/mean of the per-rank expert loads the layers actually saw (next to the plan's own figure), and
 the plan's exact T_MoE per micro-batch from the cost model (hopper-rail constants) for reference.
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from relibra_moe.layers.moe import ReplayBalancedMoE
 from relibra_moe.layers.relayout import relayout
-from relibra_moe.layers.replay import replay_model
+from relibra_moe.layers.replay import replay
 from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
 from relibra_moe.layers.testing import run_group
 from relibra_moe.triton_kernels.backend import force_backend
@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, cfg: dict, plan, sample_ids: list[np.ndarray]
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                with replay_model(model, ids, plan=use_plan, micro_batch=m):
+                with replay(model, ids, plan=use_plan, micro_batch=m):
                     h = x
                     for layer in model:
                         h = h + layer(h)

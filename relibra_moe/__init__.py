@@ -30,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "Planner": "relibra_moe.planners.service",
     "ReplayBalancedMoE": "relibra_moe.layers.moe",
     "LayerSharedReplicaBuffer": "relibra_moe.layers.replica_buffer",
-    "replay": "relibra_moe.integrations.hf",
+    "replay": "relibra_moe.layers.replay",
     "swap_moe_blocks": "relibra_moe.integrations.hf",
     "RoutingRecorder": "relibra_moe.integrations.hf",
     "relayout": "relibra_moe.layers.relayout",

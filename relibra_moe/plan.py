@@ -244,13 +244,35 @@ class ReplicaPlan:
                             f"[M, L={model.num_layers}, G={cluster.num_gpus}, r]")
         if num_micro_batches is not None and M != num_micro_batches:
             raise PlanError(f"replica_expert covers {M} micro-batches, the plan has {num_micro_batches}")
+        self._check_rules(placement.expert_gpu, E, cluster.gpus_per_node)
+
+    def validate_layer(self, micro_batch: int, layer: int, expert_gpu: np.ndarray, gpus_per_node: int) -> None:
+        """Raise PlanError unless the slice of one ``(micro_batch, layer)`` follows the rules of :meth:`validate`.
+
+        ``expert_gpu``: int ``[E]``, that layer's homes; the GPUs are ``G = replica_expert.shape[2]``,
+        ``gpus_per_node`` per node. Reads only that slice (what one MoE layer needs before its forward);
+        messages index it as micro-batch 0, layer 0.
+        """
+        M, L = self.replica_expert.shape[:2]
+        if not (0 <= micro_batch < M and 0 <= layer < L):
+            raise PlanError(f"(micro_batch, layer) = ({micro_batch}, {layer}) is outside replica_expert's "
+                            f"[M={M}, L={L}]")
+        rows = self.rows_of(micro_batch, layer)
+        idx = self.split_index[rows].copy()
+        idx[:, :2] = 0
+        one = ReplicaPlan(self.replica_expert[micro_batch, layer][None, None], idx, self.split_share[rows], self.scope)
+        home = np.asarray(expert_gpu)[None]
+        one._check_rules(home, home.shape[1], gpus_per_node)
+
+    def _check_rules(self, home: np.ndarray, E: int, gpus_per_node: int) -> None:
+        """The rules of :meth:`validate` against homes ``home [L, E]`` (shapes checked by the caller)."""
+        M, L, G, r = self.replica_expert.shape
         rep = self.replica_expert
         bad = np.argwhere((rep < -1) | (rep >= E))
         if len(bad):
             m, l, g, s = bad[0]
             raise PlanError(f"replica_expert[{m}, {l}, {g}, {s}] = {rep[m, l, g, s]} is outside [-1, {E})")
-        home = placement.expert_gpu
-        node = np.arange(G) // cluster.gpus_per_node
+        node = np.arange(G) // gpus_per_node
         filled = np.argwhere(rep >= 0)
         for m, l, g, s in filled:
             e = rep[m, l, g, s]

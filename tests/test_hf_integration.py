@@ -53,7 +53,7 @@ def _torch_kernels(request):
 
 
 def _replay_state(block):
-    return block._replay_ids if isinstance(block, ReplayMoEBlock) else block._replay
+    return None if block.replay_state is None else block.replay_state.ids
 
 
 def _teacher_inputs(gen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -251,9 +251,9 @@ def test_replay_errors_and_nesting():
     block = model.model.layers[0].mlp
     with replay(model, tr0):
         with replay(model, tr1):
-            assert block._replay.ids[:, 0].tolist() == [5] * 4
-        assert block._replay.ids[:, 0].tolist() == [0] * 4
-    assert block._replay is None
+            assert block.replay_state.ids[:, 0].tolist() == [5] * 4
+        assert block.replay_state.ids[:, 0].tolist() == [0] * 4
+    assert block.replay_state is None
 
 
 @pytest.mark.parametrize("backend", ["layer", "local"])

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from relibra_moe.errors import PlanError, ReplayError
 from relibra_moe.layers.moe import ReplayBalancedMoE
 from relibra_moe.layers.relayout import relayout
-from relibra_moe.layers.replay import replay_model
+from relibra_moe.layers.replay import replay
 from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
 from relibra_moe.layers.testing import run_group
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan
@@ -207,7 +207,7 @@ def compare(rank, G, P, E, r, x_all, params, ids_all, cot_all, tokens, plan, hom
     starts = np.concatenate([[0], np.cumsum(tokens)])
     sl = slice(int(starts[rank]), int(starts[rank + 1]))
     layers, buf = build_model(G, P, E, r, params, rank, k=ids_all[0].shape[1])
-    if not np.array_equal(home, layers[0].home_gpu[None].repeat(L, 0)):
+    if not np.array_equal(home, layers[0].expert_gpu_host[None].repeat(L, 0)):
         relayout(layers, home)  # experts (with their weights) move to the plan's homes
 
     # reference (float64, all tokens)
@@ -217,18 +217,18 @@ def compare(rank, G, P, E, r, x_all, params, ids_all, cot_all, tokens, plan, hom
     (ref_out * cot_all).sum().backward()
 
     x = x_all[sl].float().requires_grad_()
-    with replay_model(layers, [ids_all[l][sl] for l in range(L)], plan=plan, micro_batch=0):
+    with replay(layers, [ids_all[l][sl] for l in range(L)], plan=plan, micro_batch=0):
         out = forward_model(layers, x)
     (out * cot_all[sl].float()).sum().backward()  # backward outside the replay block
 
     what = f"G={G} case={name} rank={rank}"
     close(out.detach(), ref_out[sl].detach(), f"{what} output")
-    with torch.no_grad(), replay_model(layers, [ids_all[l][sl] for l in range(L)], plan=plan, micro_batch=0):
+    with torch.no_grad(), replay(layers, [ids_all[l][sl] for l in range(L)], plan=plan, micro_batch=0):
         close(forward_model(layers, x), out.detach(), f"{what} no-grad forward")
     close(x.grad, xr.grad[sl], f"{what} input grad")
     for l, layer in enumerate(layers):
         mine = layer.home_experts
-        assert np.array_equal(layer.home_gpu, home[l])
+        assert np.array_equal(layer.expert_gpu_host, home[l])
         close(layer.experts.w_gate_up.grad, ref_params[l][1].grad[mine], f"{what} layer {l} w_gate_up grad")
         close(layer.experts.w_down.grad, ref_params[l][2].grad[mine], f"{what} layer {l} w_down grad")
         gr = layer.router.weight.grad.clone()
@@ -316,7 +316,7 @@ def _replay_identity(rank: int, G: int, P: int, E: int, r: int) -> None:
     with torch.no_grad():
         live = forward_model(layers, x)
     recorded = [layer.last_routing.clone() for layer in layers]
-    with replay_model(layers, recorded):
+    with replay(layers, recorded):
         out = forward_model(layers, x)
     assert torch.equal(out.detach(), live)
     out.square().sum().backward()
@@ -332,11 +332,11 @@ def _error_cases(rank: int, G: int, P: int, E: int, r: int) -> None:
     if rank == G - 1:
         bad_ids[0][0, 1] = bad_ids[0][0, 0]  # duplicate expert in a row, on one rank only
     with pytest.raises(ReplayError, match="moe\\[0\\]"):
-        with replay_model(layers, bad_ids):
+        with replay(layers, bad_ids):
             forward_model(layers, x)
     short = [ids_all[l][:3] for l in range(L)]  # 3 ids for 4 tokens, on every rank
     with pytest.raises(ReplayError, match="3 tokens"):
-        with replay_model(layers, short):
+        with replay(layers, short):
             forward_model(layers, x)
     # a replica on its own home GPU
     rep = np.full((1, L, G, r), -1, np.int32)
@@ -344,24 +344,24 @@ def _error_cases(rank: int, G: int, P: int, E: int, r: int) -> None:
     plan = ReplicaPlan(rep, np.zeros((0, 5), np.int32), np.zeros(0, np.float32))
     good = [ids_all[l][4 * rank:4 * rank + 4] for l in range(L)]
     with pytest.raises(PlanError, match="homed on GPU 0"):
-        with replay_model(layers, good, plan=plan, micro_batch=0):
+        with replay(layers, good, plan=plan, micro_batch=0):
             forward_model(layers, x)
     # shares that do not sum to 1
     rep = np.full((1, L, G, r), -1, np.int32)
     rep[0, 0, 1, 0] = 0
     plan = ReplicaPlan(rep, np.array([[0, 0, 0, 0, 0], [0, 0, 0, 0, 1]], np.int32), np.array([0.5, 0.4], np.float32))
     with pytest.raises(PlanError, match="sums to"):
-        with replay_model(layers, good, plan=plan, micro_batch=0):
+        with replay(layers, good, plan=plan, micro_batch=0):
             forward_model(layers, x)
     if G // P > 1:  # a replica on another node
         rep = np.full((1, L, G, r), -1, np.int32)
         rep[0, 0, P, 0] = 0
         plan = ReplicaPlan(rep, np.zeros((0, 5), np.int32), np.zeros(0, np.float32))
         with pytest.raises(PlanError, match="inside the home's node"):
-            with replay_model(layers, good, plan=plan, micro_batch=0):
+            with replay(layers, good, plan=plan, micro_batch=0):
                 forward_model(layers, x)
     # the group still works after the errors
-    with replay_model(layers, good):
+    with replay(layers, good):
         forward_model(layers, x).sum().backward()
 
 

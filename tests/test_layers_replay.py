@@ -1,4 +1,4 @@
-"""Routing replay through ReplayBalancedMoE and replay_model (single process), plus one small run
+"""Routing replay through ReplayBalancedMoE and relibra_moe.replay (single process), plus one small run
 through the Triton interpreter."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from relibra_moe.errors import PlanError, ReplayError
 from relibra_moe.layers.moe import ReplayBalancedMoE, materialize_counts
-from relibra_moe.layers.replay import replay_model
+from relibra_moe.layers.replay import replay
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
 from relibra_moe.triton_kernels.backend import force_backend
 
@@ -30,7 +30,7 @@ def _run(layers, x):
     return h
 
 
-@pytest.mark.parametrize("router", ["softmax", {"scoring": "sigmoid", "n_group": 2, "topk_group": 1}])
+@pytest.mark.parametrize("router", ["softmax", {"scoring": "sigmoid", "num_groups": 2, "topk_group": 1}])
 def test_recorded_ids_replayed_give_identical_outputs_and_router_grads(router):
     layers = _stack(3, router=router)
     x = torch.randn(2, 5, 8)  # any leading shape
@@ -38,7 +38,7 @@ def test_recorded_ids_replayed_give_identical_outputs_and_router_grads(router):
         live = _run(layers, x)
     recorded = [layer.last_routing.clone() for layer in layers]
     xr = x.clone().requires_grad_()
-    with replay_model(layers, recorded):
+    with replay(layers, recorded):
         out = _run(layers, xr)
     assert torch.equal(out.detach(), live)
     out.square().sum().backward()
@@ -48,11 +48,11 @@ def test_recorded_ids_replayed_give_identical_outputs_and_router_grads(router):
     assert xr.grad.abs().sum() > 0
 
 
-def test_replay_model_accepts_trace_layout_tensor():
+def test_replay_accepts_trace_layout_tensor():
     layers = _stack(2)
     x = torch.randn(7, 8)
     ids = torch.stack([torch.stack([torch.randperm(6)[:2] for _ in range(7)]) for _ in range(2)], dim=1)  # [T, L, k]
-    with replay_model(layers, ids.to(torch.int16)):
+    with replay(layers, ids.to(torch.int16)):
         _run(layers, x)
     for l, layer in enumerate(layers):
         assert torch.equal(layer.last_routing, ids[:, l].long())
@@ -63,7 +63,7 @@ def test_replay_changes_the_routing():
     layers = _stack(1)
     x = torch.randn(4, 8)
     forced = torch.tensor([[5, 4]] * 4)
-    with replay_model(layers, [forced]):
+    with replay(layers, [forced]):
         out = layers[0](x)
     w = layers[0]
     p = torch.softmax(x @ w.router.weight.T, -1)[:, [5, 4]]
@@ -79,36 +79,80 @@ def test_replay_changes_the_routing():
 def test_replay_context_is_restored_and_live_routing_resumes():
     layers = _stack(1)
     x = torch.randn(3, 8)
-    with replay_model(layers, [torch.tensor([[0, 1]] * 3)]):
+    with replay(layers, [torch.tensor([[0, 1]] * 3)]):
         layers[0](x)
     layers[0](x)
-    assert layers[0]._replay is None
+    assert layers[0].replay_state is None
 
 
-def test_replay_model_errors():
+def test_replay_errors():
     layers = _stack(2)
     x = torch.randn(4, 8)
     with pytest.raises(ReplayError, match="cover 1 MoE layers, the model has 2"):
-        with replay_model(layers, [None]):
+        with replay(layers, [None]):
             pass
     with pytest.raises(ReplayError, match=r"\[T, L, k\]"):
-        with replay_model(layers, torch.zeros(4, 2, dtype=torch.long)):
+        with replay(layers, torch.zeros(4, 2, dtype=torch.long)):
             pass
     with pytest.raises(ReplayError, match="moe\\[1\\].*cover 3 tokens"):
-        with replay_model(layers, [None, torch.tensor([[0, 1]] * 3)]):
+        with replay(layers, [None, torch.tensor([[0, 1]] * 3)]):
             _run(layers, x)
     plan = ReplicaPlan.empty(1, 3, 1, 0)
     with pytest.raises(PlanError, match="covers 3 MoE layers"):
-        with replay_model(layers, None, plan=plan):
+        with replay(layers, None, plan=plan):
             pass
     two = ReplicaPlan.empty(2, 2, 1, 0)
     with pytest.raises(PlanError, match="pass micro_batch"):
-        with replay_model(layers, None, plan=two):
+        with replay(layers, None, plan=two):
             pass
     bp = BatchPlan(Placement(np.zeros((2, 6))), SamplePlacement(np.zeros(1), np.zeros(1)),
                    ReplicaPlan.empty(1, 2, 1, 0), num_gpus=1, gpus_per_node=1)
-    with replay_model(layers, None, plan=bp, micro_batch=0):
+    with replay(layers, None, plan=bp, micro_batch=0):
         _run(layers, x)  # a trivial plan on one rank is plain routing
+
+
+def test_replay_of_traces_on_plain_layers():
+    """Traces replay on any model of ReplayBalancedMoE layers (trace layer l -> MoE layer l): the rows of the
+    selected sequences, right-padded with -1, give the same output as the same ids laid out by hand; a plan
+    selects the samples of its micro-batch."""
+    from relibra_moe.trace import RoutingTrace, TraceBatch
+
+    layers = _stack(2)
+    rng = np.random.default_rng(0)
+
+    def trace(n: int) -> RoutingTrace:
+        return RoutingTrace(np.stack([np.stack([rng.permutation(6)[:2] for _ in range(2)]) for _ in range(n)]),
+                            [0, 1], 6, 2)
+
+    traces = [trace(3), trace(2), trace(4)]
+    batch = TraceBatch(traces, np.array([0, 1, 0]))
+    x = torch.randn(2, 4, 8)  # sequences 0 and 2 of micro-batch 0, right-padded to 4 tokens
+    with torch.no_grad(), replay(layers, batch, micro_batch=0) as rows:
+        assert rows == [0, 2]
+        out = _run(layers, x.reshape(-1, 8))
+        assert layers[1].last_routing[3].tolist() == [-1, -1]  # padding of sequence 0
+    by_hand = torch.full((2, 4, 2, 2), -1, dtype=torch.int64)
+    by_hand[0, :3] = torch.as_tensor(traces[0].experts, dtype=torch.int64)
+    by_hand[1] = torch.as_tensor(traces[2].experts, dtype=torch.int64)
+    with torch.no_grad(), replay(layers, by_hand.reshape(8, 2, 2)) as rows:
+        assert rows is None
+        assert torch.equal(_run(layers, x.reshape(-1, 8)), out)
+    plan = BatchPlan(Placement(np.zeros((2, 6))), SamplePlacement(np.array([1, 0, 1]), np.zeros(3)),
+                     ReplicaPlan.empty(2, 2, 1, 0), num_gpus=1, gpus_per_node=1)
+    with replay(layers, batch, plan, micro_batch=1) as rows:
+        assert rows == [0, 2]
+    with pytest.raises(ReplayError, match="routing covers 1 MoE layers, the model has 2"):
+        with replay(layers, RoutingTrace(traces[0].experts[:, :1], [0], 6, 2)):
+            pass
+    with pytest.raises(ReplayError, match="E=8, k=2; the model has E=6, k=2"):
+        with replay(layers, RoutingTrace(traces[0].experts, [0, 1], 8, 2)):
+            pass
+    with pytest.raises(ReplayError, match="plan must be a BatchPlan"):
+        with replay(layers, batch, ReplicaPlan.empty(1, 2, 1, 0), micro_batch=0):
+            pass
+    with pytest.raises(ReplayError, match="Linear has no MoE layer that replays.*swap_moe_blocks"):
+        with replay(torch.nn.Linear(2, 2), batch):
+            pass
 
 
 def test_materialize_counts_largest_remainder():
@@ -137,7 +181,7 @@ def test_triton_interpreter_path_matches_torch_reference():
     for backend in ("torch", "triton"):
         layer.zero_grad()
         xb = x.clone().requires_grad_()
-        with force_backend(backend), replay_model(layer, [ids]):
+        with force_backend(backend), replay(layer, [ids]):
             out = layer(xb)
             out.square().sum().backward()
         outs.append(out.detach())
@@ -201,7 +245,7 @@ def test_docstring_training_loop_runs_and_trains(where):
 
     doc = moe_mod.ReplayBalancedMoE.__doc__ if where == "class" else moe_mod.__doc__
     code = _doc_example(doc)
-    assert "opt.step()" in code and "replay_model" in code
+    assert "opt.step()" in code and "replay(moe" in code
     torch.manual_seed(0)
     env: dict = {}
     exec(compile(code, f"<ReplayBalancedMoE {where} docstring>", "exec"), env)
@@ -220,18 +264,18 @@ def test_bad_replay_input_is_named():
     layer = ReplayBalancedMoE(8, 8, 4, 2, layer_index=0)
     x = torch.randn(5, 8)
     # ids given as numpy / lists are checked like tensors (not an AttributeError)
-    with layer.replay(np.array([[0, 1]] * 5)):
+    with replay(layer, [np.array([[0, 1]] * 5)]):
         ref = layer(x)
-    with layer.replay(torch.tensor([[0, 1]] * 5)):
+    with replay(layer, [torch.tensor([[0, 1]] * 5)]):
         assert torch.equal(layer(x), ref)
     with pytest.raises(ReplayError, match=r"replayed id \[0, 1\] = 4 is outside \[-1, 4\)"):
-        with layer.replay([[0, 4]] * 5):
+        with replay(layer, [[[0, 4]] * 5]):
             layer(x)
     with pytest.raises(ReplayError, match="got int"):
-        with replay_model(layer, 7):
+        with replay(layer, 7):
             pass
     with pytest.raises(ReplayError, match="cover 5 tokens"):  # a numpy [T, L, k] is the trace layout too
-        with replay_model(layer, np.zeros((5, 1, 2), np.int64) + np.array([0, 1])):
+        with replay(layer, np.zeros((5, 1, 2), np.int64) + np.array([0, 1])):
             layer(torch.randn(4, 8))
     with pytest.raises(ValueError, match="dtype torch.int64"):
         layer(torch.ones(5, 8, dtype=torch.int64))
@@ -239,17 +283,17 @@ def test_bad_replay_input_is_named():
                      ReplicaPlan.empty(2, 1, 1, 0), num_gpus=1, gpus_per_node=1)
     for bad in (1.5, True):  # never truncated / reinterpreted as an index
         with pytest.raises(PlanError, match=f"micro_batch={bad!r}"):
-            with layer.replay(None, plan=plan, micro_batch=bad):
+            with replay(layer, None, plan=plan, micro_batch=bad):
                 pass
     wide = BatchPlan(Placement(np.zeros((1, 8))), SamplePlacement(np.zeros(1), np.zeros(1)),
                      ReplicaPlan.empty(1, 1, 1, 0), num_gpus=1, gpus_per_node=1)
     with pytest.raises(PlanError, match=r"expert_gpu shape \(1, 8\).*num_experts=4"):
-        with layer.replay(None, plan=wide):
+        with replay(layer, None, plan=wide):
             pass
     other = BatchPlan(Placement(np.array([[0, 0, 1, 1]])), SamplePlacement(np.zeros(1), np.zeros(1)),
                       ReplicaPlan.empty(1, 1, 2, 0), num_gpus=2, gpus_per_node=2)
     with pytest.raises(PlanError, match="num_gpus=2.*has 1 ranks"):
-        with layer.replay(None, plan=other):
+        with replay(layer, None, plan=other):
             pass
 
 
@@ -263,7 +307,7 @@ def test_failed_forward_does_not_pin_its_activations():
         x = torch.randn(5, 8)
         alive = weakref.ref(x)
         with pytest.raises(ReplayError, match="cover 4 tokens"):
-            with layer.replay(torch.tensor([[0, 1]] * 4)):
+            with replay(layer, [torch.tensor([[0, 1]] * 4)]):
                 layer(x)
         del x
         assert alive() is None

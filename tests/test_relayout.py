@@ -13,7 +13,7 @@ import torch.distributed as dist
 from relibra_moe.errors import PlanError
 from relibra_moe.layers.moe import ReplayBalancedMoE
 from relibra_moe.layers.relayout import relayout
-from relibra_moe.layers.replay import replay_model
+from relibra_moe.layers.replay import replay
 from relibra_moe.layers.testing import run_group
 from relibra_moe.plan import Placement
 from relibra_moe.triton_kernels.backend import force_backend
@@ -26,7 +26,7 @@ def _full(layer: ReplayBalancedMoE, t: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(layer.world_size)]
     dist.all_gather(parts, t.contiguous())
     out = torch.empty((layer.num_experts,) + tuple(t.shape[1:]), dtype=t.dtype)
-    home = layer.home_gpu
+    home = layer.expert_gpu_host
     for g in range(layer.world_size):
         out[np.flatnonzero(home == g)] = parts[g]
     return out
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, P: int, E: int, biased: bool = False) -> None
     ids = [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(5)]) for _ in range(L)]
 
     def run():
-        with replay_model(layers, ids):
+        with replay(layers, ids):
             h = x
             for layer in layers:
                 h = h + layer(h)
@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, P: int, E: int, biased: bool = False) -> None
         assert info["layers_changed"] == sum(not np.array_equal(new[l], np.arange(E) // (E // world))
                                              for l in range(L))
         for l, layer in enumerate(layers):
-            assert np.array_equal(layer.home_gpu, new[l])
+            assert np.array_equal(layer.expert_gpu_host, new[l])
         after_logical = _logical(layers, opt)
         for a, b in zip(before_logical, after_logical):
             assert torch.equal(a, b)  # every expert's rows of weight, grad, exp_avg, exp_avg_sq moved intact
@@ -155,7 +155,7 @@ def _disagree_worker(rank: int, world: int) -> None:
     for grid, match in cases:
         with pytest.raises(PlanError, match=match):
             relayout(layer, grid)
-        assert layer.home_gpu.tolist() == [0, 0, 1, 1]  # nothing moved
+        assert layer.expert_gpu_host.tolist() == [0, 0, 1, 1]  # nothing moved
         for t, b in zip(layer.experts.expert_tensors(), before):
             assert torch.equal(t, b)
     assert relayout(layer, swapped) == {"layers_changed": 1, "experts_moved": 4}  # the group still works

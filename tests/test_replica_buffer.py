@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from relibra_moe.layers.moe import ReplayBalancedMoE
-from relibra_moe.layers.replay import replay_model
+from relibra_moe.layers.replay import replay
 from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer, replica_buffer_bytes
 from relibra_moe.layers.testing import run_group
 from relibra_moe.plan import ReplicaPlan
@@ -26,6 +26,9 @@ def test_paper_memory_figures():
     assert replica_buffer_bytes("qwen3-30b-a3b", 0) == 0
     with pytest.raises(ValueError):
         replica_buffer_bytes("no-such-model", 2)
+    for bad in (True, -1, 1.5):  # never reinterpreted as a slot count
+        with pytest.raises(ValueError, match=f"replica_slots must be an integer >= 0, got {bad!r}"):
+            replica_buffer_bytes("qwen3-30b-a3b", bad)
 
 
 def test_buffer_bytes_match_the_formula():
@@ -103,7 +106,7 @@ def _worker_48(rank: int, world: int) -> None:
         for layer in model:
             layer.zero_grad()
         xi = x.clone().requires_grad_()
-        with replay_model(model, [ids] * LAYERS, plan=p, micro_batch=0):
+        with replay(model, [ids] * LAYERS, plan=p, micro_batch=0):
             h = xi
             for layer in model:
                 h = h + 0.5 * layer(h)

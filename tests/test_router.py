@@ -31,16 +31,16 @@ def _loop_softmax_topk(x: np.ndarray, w: np.ndarray, k: int, renorm: bool):
     return np.array(ids), np.array(gates)
 
 
-def _loop_deepseek(x, w, bias, k, n_group, topk_group, renorm, scale):
+def _loop_deepseek(x, w, bias, k, num_groups, topk_group, renorm, scale):
     """float64 loop of DeepSeek-V3's noaux_tc selection."""
     E = w.shape[0]
-    per = E // n_group
+    per = E // num_groups
     ids, gates = [], []
     for row in x @ w.T:
         s = 1.0 / (1.0 + np.exp(-row))
         b = s + bias
-        gscore = [sum(sorted(b[g * per:(g + 1) * per])[-2:]) for g in range(n_group)]
-        keep = sorted(range(n_group), key=lambda g: -gscore[g])[:topk_group]
+        gscore = [sum(sorted(b[g * per:(g + 1) * per])[-2:]) for g in range(num_groups)]
+        keep = sorted(range(num_groups), key=lambda g: -gscore[g])[:topk_group]
         cand = [e for e in range(E) if e // per in keep]
         order = sorted(cand, key=lambda e: -b[e])[:k]
         g = s[order]
@@ -71,22 +71,22 @@ def test_softmax_router_matches_loop(seed, T, E, k, renorm):
 @given(seed=st.integers(0, 2**16), renorm=st.booleans())
 def test_sigmoid_group_limited_matches_loop(seed, renorm):
     torch.manual_seed(seed)
-    E, k, n_group, topk_group = 16, 4, 4, 2
-    r = TopKRouter(6, E, k, scoring="sigmoid", renormalize=renorm, n_group=n_group, topk_group=topk_group,
+    E, k, num_groups, topk_group = 16, 4, 4, 2
+    r = TopKRouter(6, E, k, scoring="sigmoid", renormalize=renorm, num_groups=num_groups, topk_group=topk_group,
                    routed_scaling_factor=2.5)
     with torch.no_grad():
         r.e_score_correction_bias.copy_(torch.randn(E) * 0.3)
     x = torch.randn(9, 6)
     out = r(x)
     ids, gates = _loop_deepseek(x.double().numpy(), r.weight.detach().double().numpy(),
-                                r.e_score_correction_bias.double().numpy(), k, n_group, topk_group, renorm, 2.5)
+                                r.e_score_correction_bias.double().numpy(), k, num_groups, topk_group, renorm, 2.5)
     for t in range(9):
         assert set(out.ids[t].tolist()) == set(ids[t].tolist())
         got = dict(zip(out.ids[t].tolist(), out.gates[t].tolist()))
         for e, g in zip(ids[t], gates[t]):
             assert math.isclose(got[int(e)], g, rel_tol=1e-5)
         # group limit: the chosen experts span at most topk_group groups
-        assert len({e // (E // n_group) for e in out.ids[t].tolist()}) <= topk_group
+        assert len({e // (E // num_groups) for e in out.ids[t].tolist()}) <= topk_group
 
 
 def test_bias_changes_selection_not_gates():
@@ -158,9 +158,9 @@ def test_constructor_rejects_bad_config():
     with pytest.raises(ValueError):
         TopKRouter(4, 8, 9)
     with pytest.raises(ValueError):
-        TopKRouter(4, 8, 2, n_group=3, scoring="sigmoid")
+        TopKRouter(4, 8, 2, num_groups=3, scoring="sigmoid")
     with pytest.raises(ValueError):
-        TopKRouter(4, 8, 2, n_group=2, topk_group=1, scoring="softmax")
+        TopKRouter(4, 8, 2, num_groups=2, topk_group=1, scoring="softmax")
 
 
 def test_bad_sizes_and_inputs_are_named():

@@ -1,7 +1,7 @@
 """Hugging Face integration: record routing during ``generate()``, swap in replay-balanced MoE blocks,
 and replay recorded routing (with a replica plan) in the training step.
 
-Three calls (see ``docs/hf.md``)::
+Three calls (see docs/hf.md)::
 
     with RoutingRecorder(model) as rec:                       # rollout
         out = model.generate(prompts, attention_mask=mask, max_new_tokens=N)
@@ -10,6 +10,9 @@ Three calls (see ``docs/hf.md``)::
     swap_moe_blocks(model)                                    # once, before training
     with replay(model, batch, plan, micro_batch=m):           # per micro-batch
         loss = model(input_ids, attention_mask=...).loss
+
+``replay`` is :func:`relibra_moe.replay` (:mod:`relibra_moe.layers.replay`); the swapped blocks are its
+replay targets, and trace input is laid out as the forward's batch rows (:func:`layout_ids`).
 
 Supported block families (transformers 5.x): Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GPT-OSS
 and Qwen3-Next; their differences live in :mod:`relibra_moe.integrations.hf_families`.
@@ -22,10 +25,9 @@ which is what ``replay`` feeds.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,13 +35,14 @@ import torch
 from torch import nn
 
 from ..errors import ReplayError
+from ..layers.replay import LayerReplay, layout_ids, replay
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
 
 __all__ = ["RoutingRecorder", "swap_moe_blocks", "replay", "full_state_dict", "ReplayMoEBlock", "moe_blocks",
-           "moe_layer_ids", "SUPPORTED_BLOCKS"]
+           "moe_layer_ids", "layout_ids", "SUPPORTED_BLOCKS"]
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -75,7 +78,7 @@ def moe_layer_ids(model: nn.Module) -> np.ndarray:
 
 def _is_swapped(mod: nn.Module) -> bool:
     """A block made by :func:`swap_moe_blocks` (checked without importing the layer and its kernels)."""
-    return bool(getattr(type(mod), "_relibra_swapped", False))
+    return bool(getattr(type(mod), "swapped_moe_block", False))
 
 
 def _num_experts_topk(block: nn.Module) -> tuple[int, int]:
@@ -120,7 +123,7 @@ class RoutingRecorder:
         blocks = moe_blocks(model)
         self.layer_ids = np.array([i for i, _, _ in blocks], dtype=np.int32)
         self._blocks = [b for _, _, b in blocks]
-        self.num_experts, self.topk = _num_experts_topk(self._blocks[0])
+        self.num_experts, self.top_k = _num_experts_topk(self._blocks[0])
         self._handles: list[Any] = []
         self._sessions: list[list[dict[str, Any]]] = []  # per prefill: list of steps
         self._step: dict[str, Any] | None = None
@@ -270,7 +273,7 @@ class RoutingRecorder:
         """One :class:`relibra_moe.trace.RoutingTrace` per recorded sequence, in recording order."""
         from ..trace import RoutingTrace
 
-        return [RoutingTrace(seq, self.layer_ids, self.num_experts, self.topk, 0, self.source)
+        return [RoutingTrace(seq, self.layer_ids, self.num_experts, self.top_k, 0, self.source)
                 for seq in self.sequences()]
 
     def trace_batch(self, micro_batch: np.ndarray | None = None) -> TraceBatch:
@@ -305,7 +308,7 @@ class ReplayMoEBlock(nn.Module):
         last_expert_counts: int64 ``[E]`` tokens per expert in the last forward (valid ids only).
     """
 
-    _relibra_swapped = True
+    swapped_moe_block = True  # marks the blocks swap_moe_blocks makes
 
     def __init__(self, block: nn.Module, layer_id: int) -> None:
         super().__init__()
@@ -326,8 +329,7 @@ class ReplayMoEBlock(nn.Module):
             self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
         router = getattr(self, fam.router_attr)
         self.num_experts, self.top_k = int(router.num_experts), int(router.top_k)
-        self._replay_ids: torch.Tensor | None = None
-        self._replay_ctx: dict[str, Any] | None = None
+        self.replay_state: LayerReplay | None = None  # set by relibra_moe.replay
         self._observers: dict[int, Any] = {}
         self._next_observer = 0
         self.last_expert_counts: torch.Tensor | None = None
@@ -335,19 +337,25 @@ class ReplayMoEBlock(nn.Module):
     def extra_repr(self) -> str:
         return f"family={self.family.name}, layer_id={self.layer_id}, E={self.num_experts}, k={self.top_k}"
 
-    @contextlib.contextmanager
-    def replaying(self, ids: torch.Tensor | None, desc: str = "") -> Iterator[ReplayMoEBlock]:
-        """Forward calls inside use the replayed ``ids [T, k]`` (``None``: live routing); nests."""
+    def prepare_replay(self, ids: torch.Tensor | None = None, plan: Any = None,
+                       micro_batch: int | None = None) -> LayerReplay:
+        """What the block follows inside :func:`relibra_moe.replay`: the replayed ``ids [T, k]`` (checked
+        here, ``ReplayError``; ``None``: live routing). Every expert is local, so a plan may only be one
+        of a single GPU (all experts home; it is not needed further)."""
+        if plan is not None:
+            from ..plan import BatchPlan
+
+            G = plan.num_gpus if isinstance(plan, BatchPlan) else int(plan.replica_expert.shape[2])
+            if G != 1:
+                raise ReplayError(f"replay: a plan for {G} GPUs needs ReplayBalancedMoE layers; layer "
+                                  f"{self.layer_id} runs on the single-process 'local' backend")
         if ids is not None:
             from ..layers.router import check_replay_ids
 
-            ids = check_replay_ids(ids, int(ids.shape[0]), self.top_k, self.num_experts, f"{self.layer_id}")
-        saved = (self._replay_ids, self._replay_ctx)
-        self._replay_ids, self._replay_ctx = ids, {"desc": desc}
-        try:
-            yield self
-        finally:
-            self._replay_ids, self._replay_ctx = saved
+            ids = torch.as_tensor(ids)
+            ids = check_replay_ids(ids, int(ids.shape[0]) if ids.dim() else 0, self.top_k, self.num_experts,
+                                   f"{self.layer_id}")
+        return LayerReplay(ids=ids)
 
     # -- routing observers (the recorder uses them)
     def add_routing_observer(self, fn: Callable[[torch.Tensor], None]) -> Any:
@@ -371,14 +379,13 @@ class ReplayMoEBlock(nn.Module):
         H = hidden.shape[-1]
         x = hidden if fam.router_input_3d else hidden.reshape(-1, H)
         logits, gates, ids = router(x)
-        if self._replay_ids is not None:
-            rids = self._replay_ids
+        state = self.replay_state
+        if state is not None and state.ids is not None:
+            rids = state.ids
             T = logits.shape[0]
             if rids.shape[0] != T:
-                ctx = self._replay_ctx or {}
                 raise ReplayError(f"layer {self.layer_id}: replayed routing covers {rids.shape[0]} tokens "
-                                  f"({ctx.get('desc', '')}), the forward has {T} tokens "
-                                  f"(hidden {tuple(hidden.shape)})")
+                                  f"({state.desc}), the forward has {T} tokens (hidden {tuple(hidden.shape)})")
             ids = rids.to(logits.device)
             gates = fam.gates(router, logits, ids)
         return logits, gates, ids.long()
@@ -508,7 +515,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for _, name, block in moe_blocks(model):
         if getattr(block, "world_size", 1) <= 1:
             continue
-        home = torch.tensor(block.home_gpu)
+        home = torch.tensor(block.expert_gpu_host)
         for pname in block.experts.tensor_names:
             key = f"{name}.experts.{pname}"
             local = sd[key].contiguous()
@@ -528,149 +535,3 @@ def _group_size(ep_group: Any) -> int:
         return 1
     return dist.get_world_size(ep_group)
 
-
-# ----------------------------------------------------------------------------------------- replay
-def _as_traces(routing: Any) -> tuple[list, np.ndarray | None]:
-    from ..trace import RoutingTrace, TraceBatch
-
-    if isinstance(routing, TraceBatch):
-        return list(routing.traces), routing.micro_batch
-    if isinstance(routing, RoutingTrace):
-        return [routing], None
-    if isinstance(routing, Sequence) and all(isinstance(t, RoutingTrace) for t in routing):
-        if not routing:
-            raise ReplayError("replay: no traces given")
-        return list(routing), None
-    raise ReplayError(f"replay: expected a TraceBatch, a RoutingTrace or a list of RoutingTrace, got "
-                      f"{type(routing).__name__}")
-
-
-def _select(n: int, batch_mb: np.ndarray | None, plan: Any, micro_batch: int | None,
-            rank: int | None) -> np.ndarray:
-    """Sample indices (in batch order) that this forward processes."""
-    idx = np.arange(n)
-    if plan is not None:
-        if plan.samples.num_samples != n:
-            raise ReplayError(f"replay: the plan covers {plan.samples.num_samples} samples, the routing has {n}")
-        if micro_batch is None:
-            raise ReplayError("replay: a plan needs micro_batch=<m>")
-        sel = plan.samples.micro_batch == micro_batch
-        if rank is not None:
-            sel &= plan.samples.gpu == rank
-        return idx[sel]
-    if micro_batch is None:
-        return idx
-    if batch_mb is None:
-        raise ReplayError(f"replay: micro_batch={micro_batch} given, but the routing has no micro-batch "
-                          "assignment (use TraceBatch.with_micro_batch_size or pass a plan)")
-    return idx[np.asarray(batch_mb) == micro_batch]
-
-
-def layout_ids(traces: Sequence, layer_index: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``[B*S, k]`` int64 ids of one MoE layer for a batch of sequences (row b = ``traces[b]``).
-
-    With ``attention_mask [B, S]`` the rows of sequence b fill its positions where the mask is 1, in
-    order (left or right padding); without it sequences are right-padded to the longest. Padding rows
-    are ``-1`` (served by no expert).
-    """
-    k = traces[0].topk
-    lengths = [t.num_tokens for t in traces]
-    if attention_mask is None:
-        S = max(lengths)
-        out = np.full((len(traces), S, k), -1, dtype=np.int64)
-        for b, t in enumerate(traces):
-            out[b, : lengths[b]] = t.experts[:, layer_index]
-    else:
-        mask = attention_mask.detach().cpu().bool().numpy()
-        if mask.ndim != 2 or mask.shape[0] != len(traces):
-            raise ReplayError(f"replay: attention_mask has shape {mask.shape}, expected [B={len(traces)}, S]")
-        out = np.full(mask.shape + (k,), -1, dtype=np.int64)
-        for b, t in enumerate(traces):
-            if int(mask[b].sum()) != lengths[b]:
-                raise ReplayError(f"replay: sequence {b} of the micro-batch has {lengths[b]} routed tokens, "
-                                  f"its attention_mask row has {int(mask[b].sum())} ones")
-            out[b, mask[b]] = t.experts[:, layer_index]
-    return torch.from_numpy(out.reshape(-1, k))
-
-
-@contextlib.contextmanager
-def replay(model: nn.Module, routing: Any, plan: Any = None, micro_batch: int | None = None, *,
-           attention_mask: torch.Tensor | None = None, rank: int | None = None) -> Iterator[list[int]]:
-    """Feed every swapped MoE layer its recorded routing (and replica plan) for one forward.
-
-    Args:
-        model: a model prepared by :func:`swap_moe_blocks`.
-        routing: a ``TraceBatch``, a ``RoutingTrace`` or a list of them (the whole global batch, or
-            just the sequences of this forward).
-        plan: optional ``BatchPlan``; selects the samples of ``micro_batch`` (and, with ``rank``, those
-            whose attention runs on that rank) and hands each layer its placement and replicas.
-        micro_batch: the micro-batch to run (needed with a plan; otherwise selects by the batch's own
-            micro-batch assignment; ``None`` = every given sequence).
-        attention_mask: ``[B, S]`` of the forward's input when its padding is not right padding to the
-            longest sequence.
-        rank: the rank whose samples this process runs (with a plan); default: the EP group rank of the
-            engines when they have one, else every sample of the micro-batch.
-
-    Yields:
-        The sample indices (into ``routing``), in the order the forward's batch rows must follow. When
-        it is empty (a rank with no sample in this micro-batch) the rank must still run the forward,
-        since the layers are collectives: feed a placeholder (one token, or ``attention_mask``'s shape);
-        every placeholder token is served by no expert.
-
-    Raises:
-        ReplayError: the model is not swapped, the routing's layer ids / E / k differ from the model's,
-            the plan does not cover the routing, or (at forward time) a layer sees a different token count.
-
-    The previous replay state of every layer is restored on exit (contexts nest).
-    """
-    blocks = [b for _, _, b in moe_blocks(model)]
-    if not all(_is_swapped(b) for b in blocks):
-        raise ReplayError("replay: the model has unswapped MoE blocks; call swap_moe_blocks(model) first")
-    traces, batch_mb = _as_traces(routing)
-    t0 = traces[0]
-    for i, t in enumerate(traces[1:], 1):
-        if (t.num_experts, t.topk) != (t0.num_experts, t0.topk) or not np.array_equal(t.layer_ids, t0.layer_ids):
-            raise ReplayError(f"replay: trace {i} has E={t.num_experts}, k={t.topk}, layer_ids {t.layer_ids.tolist()}; "
-                              f"trace 0 has E={t0.num_experts}, k={t0.topk}, layer_ids {t0.layer_ids.tolist()}")
-    layer_ids = np.array([b.layer_id for b in blocks], dtype=np.int32)
-    if not np.array_equal(t0.layer_ids, layer_ids):
-        raise ReplayError(f"replay: routing has layer_ids {t0.layer_ids.tolist()}, the model's MoE layers are "
-                          f"{layer_ids.tolist()}")
-    if t0.num_experts != blocks[0].num_experts or t0.topk != blocks[0].top_k:
-        raise ReplayError(f"replay: routing has E={t0.num_experts}, k={t0.topk}; the model has "
-                          f"E={blocks[0].num_experts}, k={blocks[0].top_k}")
-    from ..plan import BatchPlan
-
-    if plan is not None and not isinstance(plan, BatchPlan):
-        raise ReplayError(f"replay: plan must be a BatchPlan (it selects each rank's samples), got "
-                          f"{type(plan).__name__}")
-    local = [b for b in blocks if isinstance(b, ReplayMoEBlock)]
-    if plan is not None and local and plan.num_gpus != 1:
-        raise ReplayError(f"replay: a plan for {plan.num_gpus} GPUs needs ReplayBalancedMoE layers; layers "
-                          f"{[b.layer_id for b in local]} run on the single-process 'local' backend")
-    if plan is not None and rank is None and not local:
-        rank = int(blocks[0].rank)
-    if plan is not None and rank is not None and not 0 <= rank < plan.num_gpus:
-        raise ReplayError(f"replay: rank={rank} is outside the plan's [0, num_gpus={plan.num_gpus})")
-    sel = _select(len(traces), batch_mb, plan, micro_batch, rank)
-    chosen = [traces[i] for i in sel]
-    desc = f"{len(chosen)} sequences, lengths {[t.num_tokens for t in chosen]}"
-    with contextlib.ExitStack() as stack:
-        for li, b in enumerate(blocks):
-            if chosen:
-                try:
-                    ids = layout_ids(chosen, li, attention_mask)
-                except ReplayError as exc:
-                    if isinstance(b, ReplayMoEBlock) or getattr(b, "world_size", 1) <= 1:
-                        raise
-                    # this rank's data is bad, its peers' may not be: the forward raises it on every rank
-                    stack.enter_context(b._replay_error(exc))
-                    continue
-            else:  # nothing to run here, but the layers are collectives: a placeholder forward, no expert
-                n = 1 if attention_mask is None else int(attention_mask.numel())
-                ids = torch.full((n, t0.topk), -1, dtype=torch.int64)
-            if isinstance(b, ReplayMoEBlock):
-                stack.enter_context(b.replaying(ids, desc))
-            else:
-                stack.enter_context(b.replay(ids, plan=plan, micro_batch=micro_batch))
-        yield sel.tolist()

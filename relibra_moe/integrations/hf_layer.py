@@ -195,7 +195,7 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
     experts as HF adds them. GPT-OSS blocks return ``(hidden, router_scores [T, k])`` as HF's does.
     """
 
-    _relibra_swapped = True
+    swapped_moe_block = True  # marks the blocks swap_moe_blocks makes
 
     def __init__(self, block: nn.Module, layer_id: int, layer_index: int, *, ep_group: Any = None,
                  gpus_per_node: int | None = None, replica_buffer: HFReplicaBuffer | None = None,

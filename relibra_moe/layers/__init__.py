@@ -1,4 +1,4 @@
-"""The MoE layer and its parts (nn.Modules and autograd glue; see DESIGN.md "Package layout").
+"""The MoE layer and its parts (nn.Modules and autograd glue; see docs/architecture.md, "Module map").
 
 - ``router``: ``TopKRouter`` (softmax / DeepSeek-V3 sigmoid with group-limited selection) with replay.
 - ``experts``: grouped SwiGLU experts over home experts + replica slots (the Triton grouped GEMM).
@@ -6,8 +6,10 @@
   ``replica_buffer_bytes``.
 - ``dispatch``: the ``Dispatcher`` protocol, ``LocalDispatcher``, ``AllToAllDispatcher``,
   ``DeepEPDispatcher``.
-- ``moe``: ``ReplayBalancedMoE`` and ``materialize_counts`` (largest-remainder token splits).
-- ``replay``: ``replay_model`` (recorded ids and the plan of one micro-batch for every layer).
+- ``moe``: ``ReplayBalancedMoE`` (its forward in stages: route, agree on errors across the EP group,
+  destinations, dispatch, experts, combine) and ``materialize_counts`` (largest-remainder token splits).
+- ``replay``: ``replay`` (``relibra_moe.replay``, the one replay context manager: recorded traces or ids and
+  the plan of one micro-batch for every layer), ``LayerReplay``, ``layout_ids``.
 - ``relayout``: ``relayout`` (move experts, grads and optimizer state to a new placement).
 - ``testing``: ``run_group`` (spawn a local process group; tests and benchmarks).
 

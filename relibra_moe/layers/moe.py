@@ -4,8 +4,7 @@ Minimal training loop (one process; with ``torch.distributed`` initialized, pass
 every rank holds ``num_experts / G`` home experts)::
 
     import torch
-    from relibra_moe import ReplayBalancedMoE
-    from relibra_moe.layers.replay import replay_model
+    from relibra_moe import ReplayBalancedMoE, replay
 
     moe = ReplayBalancedMoE(hidden=64, ffn=128, num_experts=8, top_k=2)
     opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
@@ -14,29 +13,35 @@ every rank holds ``num_experts / G`` home experts)::
         moe(x)
     recorded = moe.last_routing.clone()    # [T, k] expert ids
     for step in range(3):                  # "training": replay it
-        with replay_model(moe, [recorded]):
+        with replay(moe, [recorded]):
             loss = moe(x).pow(2).mean()
         loss.backward()                    # backward may run outside the replay block
         opt.step()
         opt.zero_grad()
 
 With a plan (``relibra_moe.plan.BatchPlan``) each micro-batch runs inside
-``replay_model(model, per_layer_ids, plan=plan, micro_batch=m)`` after
+``replay(model, per_layer_ids, plan=plan, micro_batch=m)`` after
 ``relibra_moe.relayout(model, plan.placement, optimizer)`` has moved the experts to the plan's homes.
 
-What one forward does on rank ``j`` of the EP group (``G`` ranks, ``E_loc = E / G`` home experts):
+What one forward does on rank ``j`` of the EP group (``G`` ranks, ``E_loc = E / G`` home experts), one
+method per stage (:meth:`~ReplayBalancedMoE.route_and_place` runs stages 1 and 3 on this rank alone before
+stage 2, since this rank's pair counts per destination travel with its status in one exchange):
 
-1. route: live top-k, or the replayed ids with gates from the live logits (``TopKRouter``);
-2. check the plan slice of this layer and micro-batch (``PlanError``) and the replayed ids
-   (``ReplayError``); every rank reports its status in the split exchange, so a bad plan or bad replay
-   data on any rank raises on every rank before any token moves (nothing hangs);
-3. destination of every routed (token, k) pair: its expert's home, or for a split expert the home or
-   one of its replicas, with integer counts per destination materialized from this rank's actual
-   count of pairs per expert and the plan's shares ``y[j, e, :]`` by largest remainder
-   (:func:`materialize_counts`); pairs of one expert go to the destinations in ascending rank order,
-   in pair order;
-4. dispatch (all-to-all), fill the layer-shared replica slots, grouped SwiGLU over home experts and
-   replica slots, combine (all-to-all back), weighted sum with the gates in fp32.
+1. route: live top-k, or the replayed ids with gates from the live logits (``TopKRouter``), and the plan
+   slice of this layer and micro-batch (:meth:`~ReplayBalancedMoE.plan_slice`, ``PlanError``); a bad
+   replay or plan is kept, not raised;
+2. agree on errors across the EP group (:meth:`~ReplayBalancedMoE.agree`): every rank reports its status
+   in the exchange of pair counts, so a bad plan or bad replay data on any rank raises on every rank
+   before any token moves (nothing hangs);
+3. destinations (:meth:`~ReplayBalancedMoE.destinations`) of every routed (token, k) pair: its expert's
+   home, or for a split expert the home or one of its replicas, with integer counts per destination
+   materialized from this rank's actual count of pairs per expert and the plan's shares ``y[j, e, :]``
+   by largest remainder (:func:`materialize_counts`); pairs of one expert go to the destinations in
+   ascending rank order, in pair order;
+4. dispatch (:meth:`~ReplayBalancedMoE.dispatch`): all-to-all of the pairs sorted by destination;
+5. experts (:meth:`~ReplayBalancedMoE.compute_experts`): fill the layer-shared replica slots, grouped
+   SwiGLU over home experts and replica slots;
+6. combine (:meth:`~ReplayBalancedMoE.combine`): all-to-all back, weighted sum with the gates in fp32.
 
 Without a plan it is a plain EP MoE layer. No token is ever dropped. A plan never changes the math:
 outputs and gradients equal the plain layer's with the same routing (up to fp32 summation order).
@@ -44,9 +49,7 @@ outputs and gradients equal the plain layer's with the same routing (up to fp32 
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,16 +57,17 @@ import torch
 from torch import nn
 
 from ..errors import PlanError, ReplayError
-from ..plan import BatchPlan, Placement, ReplicaPlan
-from ..specs import ClusterSpec, ModelSpec
-from ..triton_kernels.permute import combine, permute
-from ..triton_kernels.routing import routing_metadata
+from ..plan import BatchPlan, ReplicaPlan
+from ..triton_kernels.permute import combine as combine_pairs
+from ..triton_kernels.permute import permute
+from ..triton_kernels.routing import RoutingMeta, routing_metadata
 from .dispatch import Dispatcher, get_dispatcher
 from .experts import GroupedExperts, GroupedSwiGLUExperts, experts_forward
+from .replay import LayerReplay
 from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
-from .router import TopKRouter
+from .router import RouterOutput, TopKRouter
 
-__all__ = ["ReplayBalancedMoE", "materialize_counts"]
+__all__ = ["LayerPlan", "ReplayBalancedMoE", "RoutedPairs", "materialize_counts", "moe_layers"]
 
 _OK, _REPLAY_BAD, _PLAN_BAD = 0, 1, 2
 
@@ -115,24 +119,38 @@ def _check_positive_int(field: str, value: object) -> None:
         raise ValueError(f"{field}={value!r} must be a positive integer")
 
 
-@dataclass
-class _Replay:
-    """What a replay context gives one layer for its next forward calls."""
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer's validated plan slice for one forward: the destination tables and the replica transfer.
 
-    ids: torch.Tensor | None
-    replicas: ReplicaPlan | None
-    placement: np.ndarray | None  # the plan's expert_gpu row of this layer [E]
-    micro_batch: int
-    error: ReplayError | PlanError | None = None  # found before the forward: raised there, on every rank
+    Attributes:
+        slot_table: int64 ``[E, G]``, the local slot on GPU g serving expert e (-1: g does not serve e).
+        shares: float64 ``[E, G]``, this source rank's split of each expert's pairs over the GPUs; ``None``
+            when every pair goes to its expert's home.
+        transfer: the replica slots this rank fills and serves, ``None`` without replicas.
+    """
 
-
-@dataclass
-class _PlanState:
-    """The validated plan slice of one forward: destinations tables and the replica transfer."""
-
-    slot_table: np.ndarray  # int64 [E, G]: local slot on GPU g serving expert e (-1: not allowed)
-    shares: np.ndarray | None  # float64 [E, G] of this source rank, None = all home
+    slot_table: np.ndarray
+    shares: np.ndarray | None
     transfer: ReplicaTransfer | None
+
+
+@dataclass
+class RoutedPairs:
+    """This rank's routed (token, k) pairs of one forward, before any token moves (stages 1-3).
+
+    Attributes:
+        route: the router output (``ids``, ``gates`` ``[T, k]``); ``None`` when ``error`` is set.
+        plan: the layer's plan slice; ``None`` when ``error`` is set.
+        dest, slot: int64 ``[T, k]``, destination rank and its local slot of every pair (-1: unrouted).
+        error: the replay or plan error of this rank, raised by :meth:`ReplayBalancedMoE.agree`.
+    """
+
+    route: RouterOutput | None
+    plan: LayerPlan | None
+    dest: torch.Tensor | None
+    slot: torch.Tensor | None
+    error: ReplayError | PlanError | None = None
 
 
 class ReplayBalancedMoE(nn.Module):
@@ -142,8 +160,7 @@ class ReplayBalancedMoE(nn.Module):
     code with ``ep_group=...`` and its own tokens, and holds ``num_experts / G`` home experts)::
 
         import torch
-        from relibra_moe import ReplayBalancedMoE
-        from relibra_moe.layers.replay import replay_model
+        from relibra_moe import ReplayBalancedMoE, replay
 
         moe = ReplayBalancedMoE(hidden=64, ffn=128, num_experts=8, top_k=2)
         opt = torch.optim.AdamW(moe.parameters(), lr=1e-3)
@@ -152,7 +169,7 @@ class ReplayBalancedMoE(nn.Module):
             moe(x)                               # rollout: live routing
         ids = moe.last_routing.clone()           # recorded [T, k] expert ids
         for step in range(3):                    # training: replay the recorded routing
-            with replay_model(moe, [ids]):       # + plan=batch_plan, micro_batch=m with a plan
+            with replay(moe, [ids]):             # + plan=batch_plan, micro_batch=m with a plan
                 loss = moe(x).pow(2).mean()
             loss.backward()                      # gates come from the live logits: the router learns
             opt.step()
@@ -160,7 +177,7 @@ class ReplayBalancedMoE(nn.Module):
 
     With a ``BatchPlan``: call ``relibra_moe.relayout(model, plan.placement, opt)`` once per global
     batch, give every MoE layer the same ``LayerSharedReplicaBuffer``, and run each micro-batch ``m``
-    inside ``replay_model(model, ids_m, plan=plan, micro_batch=m)``.
+    inside ``replay(model, ids_m, plan=plan, micro_batch=m)``.
 
     Args:
         hidden: H, model hidden size.
@@ -184,14 +201,17 @@ class ReplayBalancedMoE(nn.Module):
         router_attr: the attribute (and ``state_dict`` prefix) the router is registered under; ``router``
             reads it whatever the name (e.g. ``"gate"`` to keep a Hugging Face block's names).
         layer_index: this layer's index among the model's MoE layers (the plan's ``l``);
-            :func:`relibra_moe.layers.replay.replay_model` assigns it in module order when unset.
+            :func:`relibra_moe.replay` assigns it in module order when unset.
         dispatcher: ``"auto"``, ``"alltoall"``, ``"deepep"``, or a :class:`Dispatcher`.
         dtype, device: of the expert weights (the router weight too).
 
     ``forward(x [..., H]) -> [..., H]``. After each forward, ``last_routing`` holds the ids used
     (``[T, k]``), ``last_send_counts`` (int64 ``[G]``) the pairs this rank sent to each rank,
     ``last_load`` the pairs this rank's experts computed (home and replica slots), and
-    ``last_slot_counts`` (int64 ``[E_loc + r]``) those pairs per local slot.
+    ``last_slot_counts`` (int64 ``[E_loc + r]``) those pairs per local slot. ``replay_state`` (a
+    :class:`~relibra_moe.layers.replay.LayerReplay` or ``None``) is what :func:`relibra_moe.replay` sets and
+    the forward follows; :meth:`prepare_replay` builds it. ``expert_gpu`` (int64 ``[E]`` buffer) holds the
+    rank homing each expert, ``expert_gpu_host`` its host copy.
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *,
@@ -245,7 +265,7 @@ class ReplayBalancedMoE(nn.Module):
         self.replica_buffer = replica_buffer
         self.shared_expert = shared_expert
         self.register_buffer("expert_gpu", torch.arange(num_experts, dtype=torch.int64) // self.num_local)
-        self._replay: _Replay | None = None
+        self.replay_state: LayerReplay | None = None  # set by relibra_moe.replay
         self._calls = 0
         self.last_routing: torch.Tensor | None = None
         self.last_send_counts = np.zeros(G, np.int64)
@@ -268,7 +288,7 @@ class ReplayBalancedMoE(nn.Module):
         return f"moe[{self.layer_index}]" if self.layer_index is not None else "moe"
 
     @property
-    def home_gpu(self) -> np.ndarray:
+    def expert_gpu_host(self) -> np.ndarray:
         """int64 ``[E]``: the rank homing each expert (this layer's row of the placement).
 
         A host copy of the ``expert_gpu`` buffer, refreshed when the buffer changes (in-place writes,
@@ -285,11 +305,11 @@ class ReplayBalancedMoE(nn.Module):
     @property
     def home_experts(self) -> np.ndarray:
         """Logical ids of this rank's home experts, ascending (row i of the expert parameters)."""
-        return np.flatnonzero(self.home_gpu == self.rank)
+        return np.flatnonzero(self.expert_gpu_host == self.rank)
 
     def local_index(self) -> np.ndarray:
         """int64 ``[E]``: row of each expert in its home rank's stacked parameters."""
-        home = self.home_gpu
+        home = self.expert_gpu_host
         out = np.zeros(self.num_experts, np.int64)
         for g in range(self.world_size):
             mine = np.flatnonzero(home == g)
@@ -308,40 +328,21 @@ class ReplayBalancedMoE(nn.Module):
 
     # ------------------------------------------------------------------ replay
 
-    @contextlib.contextmanager
-    def replay(self, ids: torch.Tensor | None = None, plan: BatchPlan | ReplicaPlan | None = None,
-               micro_batch: int | None = None) -> Iterator[ReplayBalancedMoE]:
-        """Forward calls inside the block use the replayed ``ids [T, k]`` (or live routing when ``None``)
-        and the plan's replica slots and splits of ``micro_batch`` for this layer (``layer_index``).
+    def prepare_replay(self, ids: torch.Tensor | None = None, plan: BatchPlan | ReplicaPlan | None = None,
+                       micro_batch: int | None = None) -> LayerReplay:
+        """What this layer follows inside :func:`relibra_moe.replay`: the replayed ``ids [T, k]`` (``None``:
+        live routing) and the plan's replica slots and splits of ``micro_batch`` for ``layer_index``.
 
-        ``plan``: a :class:`BatchPlan` (its placement must equal this layer's current homes) or a
-        :class:`ReplicaPlan` (read against the current homes). The backward may run after the block.
-        Bad plan arguments raise ``PlanError`` here on a single rank; on an EP group of several ranks the
-        next forward raises it on every rank (they may be bad on this rank only: no rank is left waiting).
+        ``plan``: a :class:`BatchPlan` (its placement must equal this layer's current homes at the forward)
+        or a :class:`ReplicaPlan` (read against the current homes). Checks the plan arguments (``PlanError``);
+        the ids and the plan's rules are checked by the forward, on every rank of the EP group.
         """
-        try:
-            state = _Replay(ids, *self._plan_slice(plan, micro_batch))
-        except PlanError as exc:
-            if self.world_size == 1:
-                raise
-            # the plan arguments may be bad on this rank only: the forward raises on every rank instead
-            state = _Replay(ids=None, replicas=None, placement=None, micro_batch=0, error=exc.with_traceback(None))
-        prev = self._replay
-        self._replay = state
-        try:
-            yield self
-        finally:
-            self._replay = prev
-
-    def _plan_slice(self, plan: BatchPlan | ReplicaPlan | None,
-                    micro_batch: int | None) -> tuple[ReplicaPlan | None, np.ndarray | None, int]:
-        """Check ``replay``'s plan arguments (``PlanError``); returns (replicas, placement row [E], m)."""
-        replicas, placement = None, None
+        replicas, expert_gpu = None, None
         if micro_batch is not None and not _is_int(micro_batch):
             raise PlanError(f"micro_batch={micro_batch!r} must be an integer micro-batch index")
         if plan is not None:
             if self.layer_index is None:
-                raise PlanError("a plan needs the layer's layer_index (set it, or use replay_model)")
+                raise PlanError("a plan needs the layer's layer_index (set it, or replay the whole model)")
             if isinstance(plan, BatchPlan):
                 replicas = plan.replicas
                 if not 0 <= self.layer_index < plan.num_layers:
@@ -354,7 +355,7 @@ class ReplayBalancedMoE(nn.Module):
                     raise PlanError(f"layer {self.name}: the plan's placement has expert_gpu shape "
                                     f"{tuple(plan.placement.expert_gpu.shape)}, the layer has "
                                     f"num_experts={self.num_experts}")
-                placement = plan.placement.expert_gpu[self.layer_index]
+                expert_gpu = plan.placement.expert_gpu[self.layer_index]
             elif isinstance(plan, ReplicaPlan):
                 replicas = plan
             else:
@@ -366,51 +367,34 @@ class ReplayBalancedMoE(nn.Module):
                 micro_batch = 0
             if not 0 <= micro_batch < max(M, 1):
                 raise PlanError(f"micro_batch={micro_batch} is outside [0, {M})")
-        return replicas, placement, 0 if micro_batch is None else int(micro_batch)
+        return LayerReplay(ids, replicas, expert_gpu, 0 if micro_batch is None else int(micro_batch))
 
-    @contextlib.contextmanager
-    def _replay_error(self, error: ReplayError | PlanError) -> Iterator[ReplayBalancedMoE]:
-        """Forward calls inside the block raise ``error`` on every rank of the EP group (after the status
-        exchange), so replay data found bad on one rank before the forward never leaves its peers waiting."""
-        prev = self._replay
-        # stored without its traceback (its frames would keep the caller alive); forwards raise copies
-        self._replay = _Replay(ids=None, replicas=None, placement=None, micro_batch=0,
-                               error=error.with_traceback(None))
-        try:
-            yield self
-        finally:
-            self._replay = prev
-
-    def _plan_state(self, rp: _Replay | None) -> _PlanState:
-        """Validate this layer's plan slice and build the destination tables (raises PlanError)."""
+    def plan_slice(self, state: LayerReplay | None) -> LayerPlan:
+        """Validate this layer's slice of the plan in ``state`` against its current homes and build the
+        destination tables (raises ``PlanError``); ``None`` or no replicas: every expert at its home."""
         G, E, E_loc = self.world_size, self.num_experts, self.num_local
-        home = self.home_gpu
-        local = self.local_index()
+        home = self.expert_gpu_host
         slot_table = np.full((E, G), -1, np.int64)
-        slot_table[np.arange(E), home] = local
-        if rp is None or rp.replicas is None:
-            return _PlanState(slot_table, None, None)
-        l, m, name = self.layer_index, rp.micro_batch, self.name
-        if rp.placement is not None and not np.array_equal(rp.placement, home):
-            raise PlanError(f"layer {name}: the plan's placement {np.asarray(rp.placement).tolist()} differs from the "
-                            f"layer's current homes {home.tolist()}; apply relayout(model, plan.placement) first")
-        plan = rp.replicas
+        slot_table[np.arange(E), home] = self.local_index()
+        if state is None or state.replicas is None:
+            return LayerPlan(slot_table, None, None)
+        l, m, name = self.layer_index, state.micro_batch, self.name
+        if state.expert_gpu is not None and not np.array_equal(state.expert_gpu, home):
+            raise PlanError(f"layer {name}: the plan's placement {np.asarray(state.expert_gpu).tolist()} differs "
+                            f"from the layer's current homes {home.tolist()}; apply relayout(model, plan.placement) "
+                            "first")
+        plan = state.replicas
         _, L, Gp, r = plan.replica_expert.shape
         if Gp != G or l >= L:
             raise PlanError(f"layer {name}: replica_expert has shape {plan.replica_expert.shape}, expected "
                             f"[M, L > {l}, G={G}, r]")
-        rep = plan.replica_expert[m, l]
-        rows = plan.rows_of(m, l)
-        idx = plan.split_index[rows].copy()
-        idx[:, :2] = 0
-        sub = ReplicaPlan(rep[None, None], idx, plan.split_share[rows], plan.scope)
-        spec = ModelSpec("layer", self.hidden, self.ffn, E, self.top_k, 1)
         try:
-            sub.validate(Placement(home[None]), spec, ClusterSpec(nodes=G // self.gpus_per_node,
-                                                                  gpus_per_node=self.gpus_per_node))
+            plan.validate_layer(m, l, home, self.gpus_per_node)
         except PlanError as exc:
             raise PlanError(f"layer {name}, micro-batch {m}: {exc}") from None
+        rep = plan.replica_expert[m, l]
         filled = rep >= 0
+        transfer = None
         if filled.any():
             buf = self.replica_buffer
             if buf is None:
@@ -421,8 +405,9 @@ class ReplayBalancedMoE(nn.Module):
                                 f"layer's buffer {buf.slots}")
             g_idx, s_idx = np.nonzero(filled)
             slot_table[rep[g_idx, s_idx], g_idx] = E_loc + s_idx
-        transfer = ReplicaTransfer.build(rep, home, self.rank, self.gpus_per_node, plan.scope) \
-            if filled.any() else None
+            transfer = ReplicaTransfer.build(rep, home, self.rank, self.gpus_per_node, plan.scope)
+        rows = plan.rows_of(m, l)
+        idx = plan.split_index[rows]
         mine = idx[:, 2] == self.rank
         shares = None
         if mine.any():
@@ -432,46 +417,65 @@ class ReplayBalancedMoE(nn.Module):
             shares[e_rows] = 0.0
             np.add.at(shares, (e_rows, idx[mine, 4]), plan.split_share[rows][mine].astype(np.float64))
             shares[slot_table < 0] = 0.0  # share-0 rows to non-holders passed validation; drop them
-        return _PlanState(slot_table, shares, transfer)
+        return LayerPlan(slot_table, shares, transfer)
 
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., H]`` -> ``[..., H]`` (see the module docstring)."""
+        """``x [..., H]`` -> ``[..., H]``: the stages of the module docstring, in order."""
+        x2 = self._tokens(x)
+        pairs = self.route_and_place(x2, self.replay_state)
+        send_splits, recv_splits = self.agree(pairs, x.device)
+        x_recv, slot_recv, meta_send = self.dispatch(x2, pairs, send_splits, recv_splits)
+        y_recv = self.compute_experts(x_recv, slot_recv, pairs.plan)
+        out = self.combine(y_recv, meta_send, pairs.route.gates, send_splits, recv_splits)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x2)
+        self._record(pairs, send_splits, recv_splits, slot_recv)
+        return out.to(x.dtype).reshape(x.shape)
+
+    def _tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` as ``[T, H]`` (``ValueError`` for another hidden size or a non-float dtype)."""
         if x.shape[-1] != self.hidden:
             raise ValueError(f"layer {self.name}: x has hidden size {x.shape[-1]}, expected {self.hidden}")
         if not x.is_floating_point():
             raise ValueError(f"layer {self.name}: x has dtype {x.dtype}, expected a floating-point tensor")
-        shape = x.shape
-        x2 = x.reshape(-1, self.hidden)
-        G = self.world_size
-        rp = self._replay
+        return x.reshape(-1, self.hidden)
+
+    def route_and_place(self, x2: torch.Tensor, state: LayerReplay | None) -> RoutedPairs:
+        """Stages 1-3 on this rank alone: route ``x2 [T, H]`` (live or replayed), check the plan slice,
+        place every pair. A bad replay or plan is kept in ``error`` (not raised): :meth:`agree` raises it
+        on every rank."""
         if hasattr(self.router, "name"):
             self.router.name = self.name
-        status, error = _OK, None
-        route = state = None
         try:
-            if rp is not None and rp.error is not None:
-                raise copy.copy(rp.error)  # a fresh instance: tracebacks of repeated forwards do not pile up
-            route = self.router(x2, replay_ids=rp.ids if rp is not None else None)
-        except ReplayError as exc:
-            status, error = _REPLAY_BAD, exc
-        except PlanError as exc:
-            status, error = _PLAN_BAD, exc
-        if status == _OK:
-            try:
-                state = self._plan_state(rp)
-            except PlanError as exc:
-                status, error = _PLAN_BAD, exc
-        dest = None
-        if status == _OK:
-            ids = route.ids
-            dest, dest_slot = self._destinations(ids, state)
-            send = torch.bincount(dest.view(-1)[dest.view(-1) >= 0], minlength=G)
+            if state is not None and state.error is not None:
+                raise copy.copy(state.error)  # a fresh instance: tracebacks of repeated forwards do not pile up
+            route = self.router(x2, replay_ids=state.ids if state is not None else None)
+            plan = self.plan_slice(state)
+        except (ReplayError, PlanError) as exc:
+            return RoutedPairs(None, None, None, None, exc)
+        dest, slot = self.destinations(route.ids, plan)
+        return RoutedPairs(route, plan, dest, slot)
+
+    def agree(self, pairs: RoutedPairs, device: torch.device) -> tuple[list[int], list[int]]:
+        """Stage 2 across the EP group: exchange every rank's pair counts and status (a collective).
+
+        Raises this rank's error, or a ``ReplayError`` / ``PlanError`` naming the first rank that rejected
+        its data, on every rank before any token moves. Returns ``(send_splits, recv_splits)``: pairs this
+        rank sends to / receives from each rank, two lists of ``G`` ints.
+        """
+        G = self.world_size
+        error, pairs.error = pairs.error, None
+        if error is None:
+            status = _OK
+            flat = pairs.dest.view(-1)
+            send = torch.bincount(flat[flat >= 0], minlength=G)
         else:
-            send = torch.zeros(G, dtype=torch.int64, device=x.device)
+            status = _REPLAY_BAD if isinstance(error, ReplayError) else _PLAN_BAD
+            send = torch.zeros(G, dtype=torch.int64, device=device)
         meta = torch.stack([send.to(torch.int64), torch.full_like(send, status, dtype=torch.int64)], dim=1)
-        recv_meta = self.dispatcher.exchange(meta.to(x.device)).cpu()
+        recv_meta = self.dispatcher.exchange(meta.to(device)).cpu()
         if error is not None:
             try:
                 raise error
@@ -485,50 +489,24 @@ class ReplayBalancedMoE(nn.Module):
             cls = ReplayError if int(recv_meta[other, 1]) == _REPLAY_BAD else PlanError
             raise cls(f"layer {self.name}: rank {other} of the EP group rejected its "
                       f"{'replay data' if cls is ReplayError else 'plan'} (see that rank's error)")
-        send_splits = send.cpu().tolist()
-        recv_splits = recv_meta[:, 0].tolist()
-        P = sum(send_splits)
+        return send.cpu().tolist(), recv_meta[:, 0].tolist()
 
-        # source side: pairs sorted by destination rank (stable in pair order)
-        meta_send = routing_metadata(dest, G, num_rows=P)
-        x_send = permute(x2.to(self.experts.expert_tensors()[0].dtype), meta_send)  # rows in the experts' dtype
-        slot_send = dest_slot.view(-1).index_select(0, meta_send.gather_idx.long())
-        x_recv = self.dispatcher.dispatch(x_send, send_splits, recv_splits)
-        slot_recv = self.dispatcher.dispatch_ids(slot_send, send_splits, recv_splits)
-
-        # expert side: home experts + replica slots
-        transfer = state.transfer
-        self._calls += 1
-        key = (id(self), self._calls)
-        y_recv = experts_forward(self.experts, x_recv, slot_recv, self.replica_buffer if transfer else None,
-                                 transfer, self.dispatcher, key)
-
-        # back to the source, weighted sum over the k choices (fp32)
-        y_send = self.dispatcher.combine(y_recv, send_splits, recv_splits)
-        out = combine(y_send, meta_send, route.gates)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x2)
-
-        r = 0 if self.replica_buffer is None else self.replica_buffer.slots
-        self.last_routing = route.ids.detach()
-        self.last_send_counts = np.asarray(send_splits, np.int64)
-        self.last_load = int(sum(recv_splits))
-        self.last_slot_counts = torch.bincount(slot_recv.cpu(), minlength=self.num_local + r).numpy()
-        return out.to(x.dtype).reshape(shape)
-
-    def _destinations(self, ids: torch.Tensor, state: _PlanState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Destination rank and local slot of every pair: two int64 ``[T, k]`` (-1 for unrouted pairs)."""
+    def destinations(self, ids: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 3: destination rank and local slot of every pair, two int64 ``[T, k]`` (-1 for unrouted
+        pairs). Without shares a pair goes to its expert's home; with shares the pairs of expert ``e``
+        are split by :func:`materialize_counts` of this rank's counts and go, in pair order, to the
+        destinations in ascending rank order."""
         dev = ids.device
         flat = ids.reshape(-1)
         valid = flat >= 0
         e = flat.clamp_min(0)
-        home = torch.tensor(self.home_gpu, device=dev)
-        table = torch.as_tensor(state.slot_table, device=dev)
-        if state.shares is None:
+        home = torch.tensor(self.expert_gpu_host, device=dev)
+        table = torch.as_tensor(plan.slot_table, device=dev)
+        if plan.shares is None:
             dest = home[e]
         else:
             counts = torch.bincount(flat[valid], minlength=self.num_experts).cpu().numpy()
-            cum = torch.as_tensor(np.cumsum(materialize_counts(counts, state.shares), axis=1), device=dev)
+            cum = torch.as_tensor(np.cumsum(materialize_counts(counts, plan.shares), axis=1), device=dev)
             key = torch.where(valid, flat, torch.full_like(flat, self.num_experts))
             order = torch.sort(key, stable=True).indices
             start = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=dev)
@@ -540,6 +518,45 @@ class ReplayBalancedMoE(nn.Module):
         dest = torch.where(valid, dest, torch.full_like(dest, -1))
         slot = torch.where(valid, slot, torch.full_like(slot, -1))
         return dest.view(ids.shape), slot.view(ids.shape)
+
+    def dispatch(self, x2: torch.Tensor, pairs: RoutedPairs, send_splits: list[int],
+                 recv_splits: list[int]) -> tuple[torch.Tensor, torch.Tensor, RoutingMeta]:
+        """Stage 4: sort this rank's pairs by destination (stable in pair order) and send them (all-to-all).
+
+        Returns the received rows ``[sum(recv_splits), H]`` in the experts' dtype, their local slots
+        (int64, same length) and the source-side permutation (for :meth:`combine`).
+        """
+        meta_send = routing_metadata(pairs.dest, self.world_size, num_rows=sum(send_splits))
+        x_send = permute(x2.to(self.experts.expert_tensors()[0].dtype), meta_send)
+        slot_send = pairs.slot.view(-1).index_select(0, meta_send.gather_idx.long())
+        x_recv = self.dispatcher.dispatch(x_send, send_splits, recv_splits)
+        slot_recv = self.dispatcher.dispatch_ids(slot_send, send_splits, recv_splits)
+        return x_recv, slot_recv, meta_send
+
+    def compute_experts(self, x_recv: torch.Tensor, slot_recv: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+        """Stage 5: grouped expert MLP of the received rows over home experts and replica slots (the slots
+        are filled from the plan's transfer first, a collective when it moves weights)."""
+        transfer = plan.transfer
+        self._calls += 1
+        key = (id(self), self._calls)
+        return experts_forward(self.experts, x_recv, slot_recv, self.replica_buffer if transfer else None,
+                               transfer, self.dispatcher, key)
+
+    def combine(self, y_recv: torch.Tensor, meta_send: RoutingMeta, gates: torch.Tensor, send_splits: list[int],
+                recv_splits: list[int]) -> torch.Tensor:
+        """Stage 6: send the expert outputs back (all-to-all) and sum each token's k outputs weighted by
+        ``gates [T, k]``, in fp32; returns ``[T, H]``."""
+        y_send = self.dispatcher.combine(y_recv, send_splits, recv_splits)
+        return combine_pairs(y_send, meta_send, gates)
+
+    def _record(self, pairs: RoutedPairs, send_splits: list[int], recv_splits: list[int],
+                slot_recv: torch.Tensor) -> None:
+        """Keep the ``last_*`` attributes of the class docstring."""
+        r = 0 if self.replica_buffer is None else self.replica_buffer.slots
+        self.last_routing = pairs.route.ids.detach()
+        self.last_send_counts = np.asarray(send_splits, np.int64)
+        self.last_load = int(sum(recv_splits))
+        self.last_slot_counts = torch.bincount(slot_recv.cpu(), minlength=self.num_local + r).numpy()
 
 
 def moe_layers(model: nn.Module) -> list[ReplayBalancedMoE]:

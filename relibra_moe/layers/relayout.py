@@ -1,4 +1,5 @@
-"""Apply a new expert placement across the EP group (the inter-batch reordering of RELIBRA.md §3, §5).
+"""Apply a new expert placement across the EP group (the inter-batch reordering of docs/method.md,
+"Reorder").
 
 ``relayout(model, placement, optimizer=None)`` moves, for every ``ReplayBalancedMoE`` layer ``l`` of
 the model (module order = the plan's layer order) whose homes change, each expert's rows of
@@ -50,7 +51,7 @@ def _state_tensors(p: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> 
 @torch.no_grad()
 def _move_layer(layer: ReplayBalancedMoE, new: np.ndarray, optimizer: torch.optim.Optimizer | None) -> int:
     """Move one layer's expert rows from its current homes to ``new [E]``; returns experts moved."""
-    old = layer.home_gpu
+    old = layer.expert_gpu_host
     rank, G = layer.rank, layer.world_size
     mine_old = np.flatnonzero(old == rank)  # row i of the stacked tensors = expert mine_old[i]
     mine_new = np.flatnonzero(new == rank)
@@ -162,7 +163,7 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
         error = None  # no frame -> error -> traceback -> frame cycle once it is raised
     changed = moved = 0
     for layer, row in order:
-        if np.array_equal(layer.home_gpu, row):
+        if np.array_equal(layer.expert_gpu_host, row):
             continue
         moved += _move_layer(layer, row, optimizer)
         changed += 1

@@ -1,25 +1,42 @@
-"""Model-level routing replay: hand every MoE layer its recorded ids and its slice of the plan.
+"""Routing replay: the one context manager that hands every MoE layer its recorded routing and plan slice.
 
 ::
 
     relayout(model, plan.placement, optimizer)                  # once per global batch
     for m in range(plan.num_micro_batches):
-        with replay_model(model, ids_of_micro_batch[m], plan=plan, micro_batch=m):
-            loss = loss_fn(model(tokens[m]))
+        with replay(model, batch, plan, micro_batch=m) as rows:  # rows: the samples this forward runs
+            loss = loss_fn(model(tokens_of(rows)))
         loss.backward()                                         # may run after the block
 
-``per_layer_ids`` are this rank's tokens' recorded expert ids, either a sequence with one entry per
-MoE layer (``[T, k]`` int tensor, or ``None`` for live routing in that layer), or a single tensor
-``[T, L, k]`` (the layout of ``RoutingTrace.experts``: tokens x MoE layers x k). MoE layers are the
-model's :class:`~relibra_moe.layers.moe.ReplayBalancedMoE` modules in module order; layers without a
-``layer_index`` get their position in that order (the plan's ``l``). Every forward of a layer inside
-the block uses the same ids (so run one forward per layer per block).
+``replay`` is ``relibra_moe.replay`` (and ``relibra_moe.integrations.hf.replay``). Its MoE layers are the
+model's *replay targets* in module order: :class:`~relibra_moe.layers.moe.ReplayBalancedMoE` modules
+(Hugging Face blocks swapped by ``swap_moe_blocks`` included) and the single-process HF blocks of
+``swap_moe_blocks(backend="local")``; a target is any module with a ``prepare_replay(ids, plan,
+micro_batch)`` method returning a :class:`LayerReplay` and a ``replay_state``
+attribute that its forward follows. Layers without a ``layer_index`` get their position in that order
+(the plan's ``l``).
+
+``routing`` is either
+
+- recorded traces: a ``TraceBatch``, a ``RoutingTrace`` or a list of them (the whole global batch, or
+  just the sequences of this forward). Trace layer ``l`` feeds MoE layer ``l``; with a plan the
+  samples of ``micro_batch`` (on this rank) are selected, and their ids laid out as the forward's batch
+  rows (:func:`layout_ids`); or
+- recorded ids as the caller lays them out: one tensor ``[T, L, k]`` (the layout of
+  ``RoutingTrace.experts``: tokens x MoE layers x k), a sequence of one ``[T, k]`` int tensor (or
+  ``None`` for live routing) per MoE layer, or ``None`` (live routing everywhere, e.g. to follow a plan
+  only).
+
+Every forward of a layer inside the block uses the same ids (so run one forward per layer per block).
+Blocks nest; the previous state of every layer is restored on exit.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -27,54 +44,254 @@ from torch import nn
 
 from ..errors import PlanError, ReplayError
 from ..plan import BatchPlan, ReplicaPlan
-from .moe import ReplayBalancedMoE, moe_layers
+from ..trace import RoutingTrace, TraceBatch
 
-__all__ = ["assign_layer_indices", "moe_layers", "replay_model"]
+__all__ = ["LayerReplay", "ReplayTarget", "layout_ids", "replay", "replay_targets"]
 
 
-def assign_layer_indices(model: nn.Module) -> list[ReplayBalancedMoE]:
-    """Give every MoE layer without a ``layer_index`` its position in module order; returns the layers."""
-    layers = moe_layers(model)
-    for i, layer in enumerate(layers):
-        if layer.layer_index is None:
+@dataclass(frozen=True)
+class LayerReplay:
+    """What one layer follows in its forward calls inside :func:`relibra_moe.replay` (its ``replay_state``),
+    built by its ``prepare_replay``.
+
+    Attributes:
+        ids: int ``[T, k]`` replayed expert ids (``-1``: no expert), ``None`` for live routing.
+        replicas: the replica plan (``None``: every expert at its home).
+        expert_gpu: int ``[E]``, the plan's homes of this layer (``None``: the plan is read against the
+            layer's current homes).
+        micro_batch: the plan's micro-batch ``m``.
+        error: a ``ReplayError`` / ``PlanError`` found before the forward; the forward raises it on every
+            rank of the EP group (so no rank is left waiting in a collective).
+        desc: what ``ids`` cover (e.g. the sequences and their lengths), for error messages.
+    """
+
+    ids: torch.Tensor | None = None
+    replicas: ReplicaPlan | None = None
+    expert_gpu: np.ndarray | None = None
+    micro_batch: int = 0
+    error: ReplayError | PlanError | None = None
+    desc: str = ""
+
+
+@runtime_checkable
+class ReplayTarget(Protocol):
+    """A module :func:`replay` drives: it builds its replay state and follows ``replay_state``."""
+
+    replay_state: LayerReplay | None
+
+    def prepare_replay(self, ids: torch.Tensor | None = None, plan: Any = None,
+                       micro_batch: int | None = None) -> LayerReplay:
+        """Check the arguments and return what the layer's next forwards follow (``ReplayError``/``PlanError``)."""
+        ...
+
+
+def replay_targets(model: nn.Module) -> list[ReplayTarget]:
+    """The replay targets of ``model`` in module order; gives every one without a ``layer_index`` (set to
+    ``None``) its position in that order."""
+    targets = [m for m in model.modules() if isinstance(m, ReplayTarget)]
+    for i, layer in enumerate(targets):
+        if getattr(layer, "layer_index", -1) is None:
             layer.layer_index = i
-    return layers
+    return targets
+
+
+def layout_ids(traces: Sequence[RoutingTrace], layer_index: int,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``[B*S, k]`` int64 ids of one MoE layer for a batch of sequences (row b = ``traces[b]``).
+
+    With ``attention_mask [B, S]`` the rows of sequence b fill its positions where the mask is 1, in
+    order (left or right padding); without it sequences are right-padded to the longest. Padding rows
+    are ``-1`` (served by no expert).
+    """
+    k = traces[0].topk
+    lengths = [t.num_tokens for t in traces]
+    if attention_mask is None:
+        S = max(lengths)
+        out = np.full((len(traces), S, k), -1, dtype=np.int64)
+        for b, t in enumerate(traces):
+            out[b, : lengths[b]] = t.experts[:, layer_index]
+    else:
+        mask = attention_mask.detach().cpu().bool().numpy()
+        if mask.ndim != 2 or mask.shape[0] != len(traces):
+            raise ReplayError(f"replay: attention_mask has shape {mask.shape}, expected [B={len(traces)}, S]")
+        out = np.full(mask.shape + (k,), -1, dtype=np.int64)
+        for b, t in enumerate(traces):
+            if int(mask[b].sum()) != lengths[b]:
+                raise ReplayError(f"replay: sequence {b} of the micro-batch has {lengths[b]} routed tokens, "
+                                  f"its attention_mask row has {int(mask[b].sum())} ones")
+            out[b, mask[b]] = t.experts[:, layer_index]
+    return torch.from_numpy(out.reshape(-1, k))
+
+
+def _as_traces(routing: Any) -> tuple[list[RoutingTrace], np.ndarray | None] | None:
+    """``(traces, the batch's micro-batch of each)`` for trace input, ``None`` for recorded ids."""
+    if isinstance(routing, TraceBatch):
+        return list(routing.traces), routing.micro_batch
+    if isinstance(routing, RoutingTrace):
+        return [routing], None
+    if isinstance(routing, Sequence) and routing and all(isinstance(t, RoutingTrace) for t in routing):
+        return list(routing), None
+    return None
+
+
+def _select(n: int, batch_mb: np.ndarray | None, plan: BatchPlan | None, micro_batch: int | None,
+            rank: int | None) -> np.ndarray:
+    """Sample indices (in batch order) that this forward processes."""
+    idx = np.arange(n)
+    if plan is not None:
+        if plan.samples.num_samples != n:
+            raise ReplayError(f"replay: the plan covers {plan.samples.num_samples} samples, the routing has {n}")
+        if micro_batch is None:
+            raise ReplayError("replay: a plan needs micro_batch=<m>")
+        sel = plan.samples.micro_batch == micro_batch
+        if rank is not None:
+            sel &= plan.samples.gpu == rank
+        return idx[sel]
+    if micro_batch is None:
+        return idx
+    if batch_mb is None:
+        raise ReplayError(f"replay: micro_batch={micro_batch} given, but the routing has no micro-batch "
+                          "assignment (use TraceBatch.with_micro_batch_size or pass a plan)")
+    return idx[np.asarray(batch_mb) == micro_batch]
+
+
+def _ids_of_traces(targets: list[ReplayTarget], traces: list[RoutingTrace], batch_mb: np.ndarray | None,
+                   plan: Any, micro_batch: int | None, attention_mask: torch.Tensor | None,
+                   rank: int | None) -> tuple[np.ndarray, list[torch.Tensor | ReplayError], str]:
+    """Trace input -> (selected sample indices, per-layer ids or the ``ReplayError`` of laying them out,
+    a description of the selection)."""
+    t0 = traces[0]
+    for i, t in enumerate(traces[1:], 1):
+        if (t.num_experts, t.topk) != (t0.num_experts, t0.topk) or not np.array_equal(t.layer_ids, t0.layer_ids):
+            raise ReplayError(f"replay: trace {i} has E={t.num_experts}, k={t.topk}, layer_ids {t.layer_ids.tolist()}; "
+                              f"trace 0 has E={t0.num_experts}, k={t0.topk}, layer_ids {t0.layer_ids.tolist()}")
+    if all(hasattr(b, "layer_id") for b in targets):
+        layer_ids = np.array([b.layer_id for b in targets], dtype=np.int32)
+        if not np.array_equal(t0.layer_ids, layer_ids):
+            raise ReplayError(f"replay: routing has layer_ids {t0.layer_ids.tolist()}, the model's MoE layers are "
+                              f"{layer_ids.tolist()}")
+    elif t0.num_layers != len(targets):
+        raise ReplayError(f"replay: routing covers {t0.num_layers} MoE layers, the model has {len(targets)}")
+    E, k = targets[0].num_experts, targets[0].top_k
+    if (t0.num_experts, t0.topk) != (E, k):
+        raise ReplayError(f"replay: routing has E={t0.num_experts}, k={t0.topk}; the model has E={E}, k={k}")
+    if plan is not None and not isinstance(plan, BatchPlan):
+        raise ReplayError(f"replay: plan must be a BatchPlan (it selects each rank's samples), got "
+                          f"{type(plan).__name__}")
+    if plan is not None and rank is None and all(hasattr(b, "rank") for b in targets):
+        rank = int(targets[0].rank)
+    if plan is not None and rank is not None and not 0 <= rank < plan.num_gpus:
+        raise ReplayError(f"replay: rank={rank} is outside the plan's [0, num_gpus={plan.num_gpus})")
+    sel = _select(len(traces), batch_mb, plan, micro_batch, rank)
+    chosen = [traces[i] for i in sel]
+    desc = f"{len(chosen)} sequences, lengths {[t.num_tokens for t in chosen]}"
+    per_layer: list[torch.Tensor | ReplayError] = []
+    for li in range(len(targets)):
+        if not chosen:  # nothing to run here, but the layers are collectives: a placeholder forward, no expert
+            n = 1 if attention_mask is None else int(attention_mask.numel())
+            per_layer.append(torch.full((n, k), -1, dtype=torch.int64))
+            continue
+        try:
+            per_layer.append(layout_ids(chosen, li, attention_mask))
+        except ReplayError as exc:
+            per_layer.append(exc.with_traceback(None))
+    return sel, per_layer, desc
+
+
+def _ids_per_layer(routing: Any, num_layers: int) -> list[torch.Tensor | None]:
+    """Recorded-ids input -> one ``[T, k]`` tensor (or ``None``) per MoE layer."""
+    if isinstance(routing, np.ndarray):
+        routing = torch.as_tensor(routing)
+    if routing is None:
+        return [None] * num_layers
+    if isinstance(routing, torch.Tensor):
+        if routing.dim() != 3:
+            raise ReplayError(f"replayed ids as one tensor must be [T, L, k], got shape {tuple(routing.shape)}")
+        if routing.shape[1] != num_layers:
+            raise ReplayError(f"replayed ids cover {routing.shape[1]} MoE layers, the model has {num_layers}")
+        return [routing[:, l] for l in range(num_layers)]
+    if not isinstance(routing, Sequence) or isinstance(routing, str):
+        raise ReplayError(f"routing must be a TraceBatch, a RoutingTrace or a list of them, a [T, L, k] tensor of "
+                          f"ids or a sequence of [T, k] per MoE layer, got {type(routing).__name__}")
+    ids = list(routing)
+    if len(ids) != num_layers:
+        raise ReplayError(f"replayed ids cover {len(ids)} MoE layers, the model has {num_layers}")
+    return ids
+
+
+def _prepare(target: ReplayTarget, ids: torch.Tensor | ReplayError | None, plan: Any, micro_batch: int | None,
+             desc: str) -> LayerReplay:
+    """The target's replay state; on an EP group of several ranks a bad argument becomes the state's
+    ``error`` (it may be bad on this rank only: the forward raises it on every rank, no rank waits)."""
+    try:
+        if isinstance(ids, ReplayError):
+            raise ids
+        state = target.prepare_replay(ids, plan=plan, micro_batch=micro_batch)
+    except (ReplayError, PlanError) as exc:
+        if getattr(target, "world_size", 1) <= 1:
+            raise
+        # stored without its traceback (its frames would keep the caller alive); forwards raise copies
+        return LayerReplay(error=exc.with_traceback(None))
+    return replace(state, desc=desc)
 
 
 @contextlib.contextmanager
-def replay_model(model: nn.Module, per_layer_ids: Sequence[torch.Tensor | None] | torch.Tensor | None,
-                 plan: BatchPlan | ReplicaPlan | None = None, micro_batch: int | None = None) -> Iterator[nn.Module]:
+def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None = None,
+           micro_batch: int | None = None, *, attention_mask: torch.Tensor | None = None,
+           rank: int | None = None) -> Iterator[list[int] | None]:
     """Replay recorded routing (and follow ``plan`` for ``micro_batch``) in every MoE layer of ``model``.
 
-    Raises ``ReplayError`` when the number of layers of ``per_layer_ids`` differs from the model's
-    MoE layers, and ``PlanError`` when the plan covers a different number of layers. Per-layer
-    mismatches (token count, k, id range, duplicates; plan rules) are raised by the layer's forward,
-    on every rank of the EP group.
+    Args:
+        model: a model with replay targets (``ReplayBalancedMoE`` layers, or a Hugging Face model after
+            ``swap_moe_blocks``); a single layer works too.
+        routing: recorded traces or recorded ids (see the module docstring).
+        plan: optional ``BatchPlan`` (with traces it also selects the samples of ``micro_batch`` and, with
+            ``rank``, those whose attention runs on that rank; it must be a ``BatchPlan`` then) or
+            ``ReplicaPlan`` (recorded ids only); every layer follows its slice.
+        micro_batch: the micro-batch to run (needed with a plan of several micro-batches; with traces and
+            no plan it selects by the batch's own micro-batch assignment; ``None`` = every given sequence).
+        attention_mask: traces only: ``[B, S]`` of the forward's input when its padding is not right
+            padding to the longest sequence.
+        rank: traces with a plan: the rank whose samples this process runs; default: the EP group rank of
+            the layers when they have one, else every sample of the micro-batch.
+
+    Yields:
+        With traces, the sample indices (into ``routing``) in the order the forward's batch rows must
+        follow. When it is empty (a rank with no sample in this micro-batch) the rank must still run the
+        forward, since the layers are collectives: feed a placeholder (one token, or
+        ``attention_mask``'s shape); every placeholder token is served by no expert. With recorded ids,
+        ``None`` (the rows are the caller's).
+
+    Raises:
+        ReplayError: the model has no replay target; the routing's layers / E / k differ from the model's;
+            the plan does not cover the routing; (at forward time, on every rank) a layer sees a
+            different token count or bad ids.
+        PlanError: the plan covers a different number of layers, or (at forward time, on every rank) a
+            layer's slice breaks a rule or differs from the layer's homes.
     """
-    layers = assign_layer_indices(model)
-    L = len(layers)
-    if isinstance(per_layer_ids, np.ndarray):
-        per_layer_ids = torch.as_tensor(per_layer_ids)
-    if per_layer_ids is not None and not isinstance(per_layer_ids, (torch.Tensor, Sequence)):
-        raise ReplayError(f"replayed ids must be a [T, L, k] tensor or a sequence of [T, k] per MoE layer, got "
-                          f"{type(per_layer_ids).__name__}")
-    if per_layer_ids is None:
-        ids: list[torch.Tensor | None] = [None] * L
-    elif isinstance(per_layer_ids, torch.Tensor):
-        if per_layer_ids.dim() != 3:
-            raise ReplayError(f"replayed ids as one tensor must be [T, L, k], got shape {tuple(per_layer_ids.shape)}")
-        if per_layer_ids.shape[1] != L:
-            raise ReplayError(f"replayed ids cover {per_layer_ids.shape[1]} MoE layers, the model has {L}")
-        ids = [per_layer_ids[:, l] for l in range(L)]
+    targets = replay_targets(model)
+    if not targets:
+        raise ReplayError(f"replay: {type(model).__name__} has no MoE layer that replays (ReplayBalancedMoE, or a "
+                          "block of swap_moe_blocks): for a Hugging Face model call swap_moe_blocks(model) first")
+    L = len(targets)
+    traces = _as_traces(routing)
+    sel, desc = None, ""
+    if traces is not None:
+        sel, per_layer, desc = _ids_of_traces(targets, *traces, plan, micro_batch, attention_mask, rank)
     else:
-        ids = list(per_layer_ids)
-        if len(ids) != L:
-            raise ReplayError(f"replayed ids cover {len(ids)} MoE layers, the model has {L}")
+        if isinstance(routing, Sequence) and not isinstance(routing, str) and len(routing) == 0:
+            raise ReplayError("replay: no traces given")
+        per_layer = _ids_per_layer(routing, L)
     if plan is not None:
         n = plan.num_layers if isinstance(plan, BatchPlan) else plan.replica_expert.shape[1]
         if n != L:
             raise PlanError(f"the plan covers {n} MoE layers, the model has {L}")
-    with contextlib.ExitStack() as stack:
-        for layer, layer_ids in zip(layers, ids):
-            stack.enter_context(layer.replay(layer_ids, plan=plan, micro_batch=micro_batch))
-        yield model
+    states = [_prepare(t, ids, plan, micro_batch, desc) for t, ids in zip(targets, per_layer)]
+    previous = [t.replay_state for t in targets]
+    for t, state in zip(targets, states):
+        t.replay_state = state
+    try:
+        yield None if sel is None else sel.tolist()
+    finally:
+        for t, state in zip(targets, previous):
+            t.replay_state = state

@@ -1,4 +1,4 @@
-"""The layer-shared replica buffer (RELIBRA.md §7).
+"""The layer-shared replica buffer (docs/method.md, "Replication").
 
 Each rank holds ``r`` replica slots, allocated once per model and shared by all of its MoE layers.
 Before layer ``l``'s expert compute the slots are filled with layer ``l``'s replicas (each home rank
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import specs
 from ..errors import PlanError
 from ..specs import ModelSpec, model_preset
 from ..triton_kernels.replica_copy import add_slot_grads, copy_into_slots
@@ -247,14 +248,15 @@ class LayerSharedReplicaBuffer:
 
 
 def replica_buffer_bytes(model: ModelSpec | str, replica_slots: int = 2, dtype_bytes: int | None = None) -> int:
-    """Bytes per rank of the layer-shared (SwiGLU, bias-free) replica buffer for a model (a preset name or a ModelSpec).
-
-    ``r x 3 x h x h' x dtype_bytes`` whatever the number of layers; e.g. 18 MiB for
-    ``"qwen3-30b-a3b"`` and 72 MiB for ``"qwen3-235b-a22b"`` at r = 2 in bf16.
+    """Bytes per rank of the layer-shared (SwiGLU, bias-free) replica buffer for a model (a preset name or a
+    ``ModelSpec``): the adapter of :func:`relibra_moe.specs.replica_buffer_bytes` (the formula,
+    ``r x 3 x h x h' x dtype_bytes`` whatever the number of layers) that also takes a preset name and a
+    ``dtype_bytes`` override; e.g. 18 MiB for ``"qwen3-30b-a3b"`` and 72 MiB for ``"qwen3-235b-a22b"`` at
+    r = 2 in bf16.
     """
     spec = model_preset(model) if isinstance(model, str) else model
     if dtype_bytes is not None:
         spec = spec.with_(dtype_bytes=dtype_bytes)
-    if replica_slots < 0:
-        raise ValueError(f"replica_slots must be >= 0, got {replica_slots}")
-    return replica_slots * spec.expert_bytes
+    if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
+        raise ValueError(f"replica_slots must be an integer >= 0, got {replica_slots!r}")
+    return specs.replica_buffer_bytes(spec, int(replica_slots))

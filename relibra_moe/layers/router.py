@@ -5,11 +5,11 @@ Two scoring functions, as in the models the library targets:
 - ``"softmax"`` (Qwen3-MoE, OLMoE, GPT-OSS style): ``p = softmax(logits)``, top-k of ``p``, gates are
   the selected probabilities, optionally renormalized to sum to 1 over the k choices.
 - ``"sigmoid"`` (DeepSeek-V3 style): ``s = sigmoid(logits)``; the *selection* uses
-  ``s + correction_bias`` restricted to the best ``topk_group`` of ``n_group`` expert groups (a group
+  ``s + correction_bias`` restricted to the best ``topk_group`` of ``num_groups`` expert groups (a group
   scores the sum of its two best biased scores); the gates are the unbiased ``s`` of the selected
   experts, optionally renormalized, times ``routed_scaling_factor``.
 
-Replay (RELIBRA.md §2): given recorded ids ``[T, k]`` the router uses them as the selection and
+Replay (docs/method.md, "Routing replay"): given recorded ids ``[T, k]`` the router uses them as the selection and
 gathers the gate values from the live logits, so the router weight still gets gradients. ``-1`` in a
 replayed row means "no expert" (padding): that pair gets gate 0 and is not dispatched. A replayed
 batch that does not fit raises ``ReplayError`` naming the layer and the mismatch.
@@ -88,7 +88,7 @@ class TopKRouter(nn.Module):
         scoring: ``"softmax"`` or ``"sigmoid"``.
         renormalize: divide the k gates by their sum (Qwen3's ``norm_topk_prob``, DeepSeek's
             ``norm_topk_prob``).
-        n_group, topk_group: group-limited selection (sigmoid scoring only; ``n_group`` must divide E).
+        num_groups, topk_group: group-limited selection (sigmoid scoring only; ``num_groups`` must divide E).
         routed_scaling_factor: multiplies the gates (DeepSeek-V3 uses 2.5).
         correction_bias: give the sigmoid router an ``e_score_correction_bias`` buffer ``[E]``.
         name: used in ``ReplayError`` messages (the owning layer sets it).
@@ -97,7 +97,7 @@ class TopKRouter(nn.Module):
     """
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, *, scoring: str = "softmax",
-                 renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
+                 renormalize: bool = True, num_groups: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, correction_bias: bool | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  name: str = "moe") -> None:
@@ -105,25 +105,25 @@ class TopKRouter(nn.Module):
         if scoring not in SCORINGS:
             raise ValueError(f"scoring={scoring!r} is not one of {SCORINGS}")
         for field, value in (("hidden", hidden), ("num_experts", num_experts), ("top_k", top_k),
-                             ("n_group", n_group), ("topk_group", topk_group)):
+                             ("num_groups", num_groups), ("topk_group", topk_group)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
                 raise ValueError(f"{field}={value!r} must be an integer")
         if hidden < 1:
             raise ValueError(f"hidden={hidden} must be >= 1")
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-        if num_experts % n_group:
-            raise ValueError(f"n_group={n_group} does not divide num_experts={num_experts}")
-        if not 0 < topk_group <= n_group:
-            raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
-        if n_group > 1 and scoring != "sigmoid":
-            raise ValueError("group-limited selection (n_group > 1) needs scoring='sigmoid'")
-        if n_group > 1 and topk_group * (num_experts // n_group) < top_k:
-            raise ValueError(f"topk_group={topk_group} groups of {num_experts // n_group} experts cannot "
+        if num_experts % num_groups:
+            raise ValueError(f"num_groups={num_groups} does not divide num_experts={num_experts}")
+        if not 0 < topk_group <= num_groups:
+            raise ValueError(f"topk_group={topk_group} must be in [1, num_groups={num_groups}]")
+        if num_groups > 1 and scoring != "sigmoid":
+            raise ValueError("group-limited selection (num_groups > 1) needs scoring='sigmoid'")
+        if num_groups > 1 and topk_group * (num_experts // num_groups) < top_k:
+            raise ValueError(f"topk_group={topk_group} groups of {num_experts // num_groups} experts cannot "
                              f"hold top_k={top_k} choices")
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.scoring, self.renormalize = scoring, renormalize
-        self.n_group, self.topk_group = n_group, topk_group
+        self.num_groups, self.topk_group = num_groups, topk_group
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.name = name
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
@@ -138,7 +138,7 @@ class TopKRouter(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"scoring={self.scoring}, renormalize={self.renormalize}, n_group={self.n_group}, "
+                f"scoring={self.scoring}, renormalize={self.renormalize}, num_groups={self.num_groups}, "
                 f"topk_group={self.topk_group}")
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
@@ -153,13 +153,13 @@ class TopKRouter(nn.Module):
             sel = scores.detach()
             if self.e_score_correction_bias is not None:
                 sel = sel + self.e_score_correction_bias
-            if self.n_group > 1:
+            if self.num_groups > 1:
                 T = sel.shape[0]
-                grouped = sel.view(T, self.n_group, -1)
-                group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, n_group]
+                grouped = sel.view(T, self.num_groups, -1)
+                group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, num_groups]
                 keep = group_score.topk(self.topk_group, dim=-1).indices
                 mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-                sel = sel.masked_fill(~mask.repeat_interleave(self.num_experts // self.n_group, dim=1),
+                sel = sel.masked_fill(~mask.repeat_interleave(self.num_experts // self.num_groups, dim=1),
                                       float("-inf"))
             return sel.topk(self.top_k, dim=-1).indices
 
