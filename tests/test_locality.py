@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError
+from relibra_moe.plan import round_robin_gpus
 from relibra_moe.planners import _kernels
 from relibra_moe.planners.locality import (
     anneal_locality,
     attention_caps,
     loads_from_counts,
-    round_robin_gpus,
     sample_flows,
 )
 from relibra_moe.planners.reorder import cluster_constants

@@ -95,7 +95,7 @@ def test_tiny_deadline_falls_back_everywhere(caplog):
     assert plan.stats["fallbacks"] == L + 1 + M * L  # every reorder layer, locality, every cell
     assert (plan.replicas.replica_expert == -1).all() and len(plan.replicas.split_index) == 0
     # reorder fell back to the LPT start (no previous placement), samples stayed round-robin
-    from relibra_moe.planners.locality import round_robin_gpus
+    from relibra_moe.plan import round_robin_gpus
     np.testing.assert_array_equal(plan.samples.gpu, round_robin_gpus(batch.resolve_micro_batch(), 4))
     assert any("falling back" in r.message for r in caplog.records)
 

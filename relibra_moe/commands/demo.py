@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import PlanError, RelibraError
 from ..plan import json_default
+from .. import report
 
 STRATEGY_ORDER = ("static", "eplb", "lplb", "relibra-inter", "relibra", "balanced")
 REPACK_STRATEGIES = ("static", "relibra-inter", "relibra")
@@ -286,8 +287,6 @@ def notes(scenarios: list[dict[str, Any]]) -> list[str]:
 
 def write_plots(out: Path, scenarios: list[dict[str, Any]]) -> list[str]:
     """PNG plots: per-GPU loads (worst static layer/micro-batch), rank skew per micro-batch, throughput bars."""
-    from .. import report
-
     files: list[str] = []
     for sc in scenarios:
         det = sc["_details"]
@@ -321,7 +320,6 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .. import report
     from ..datasets import TracesNotFoundError, traces_dir
 
     if console is None:

@@ -117,8 +117,7 @@ def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: 
 
 
 def _score(plan, batch, model, cluster, balanced: bool) -> dict[str, Any]:
-    from ..planners.baselines import balanced_t_moe
-    from ..planners.scoring import json_summary, score_plan
+    from ..evaluate import balanced_t_moe, json_summary, score_plan
 
     bal = None
     if balanced:

@@ -10,6 +10,8 @@ import argparse
 import json
 from typing import Any
 
+from .plan import load_inputs
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``relibra simulate`` to the CLI."""
@@ -36,8 +38,8 @@ def simulate_files(trace_path: str, plan_path: str, model_name: str, cluster_nam
                    replica_mode: str = "auto") -> dict[str, Any]:
     """Load the files, simulate, return the JSON-ready result (what ``--json`` prints)."""
     from ..plan import BatchPlan
-    from ..sim import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, simulate_step
-    from .plan import load_inputs
+    from ..sim import simulate_step
+    from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
 
     model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name)
     previous = BatchPlan.load(previous_path).placement if previous_path else None

@@ -25,9 +25,9 @@ import numpy as np
 from ..cost import DEFAULT_BETA, cost_from_flow
 from ..errors import PlanError
 from ..specs import ClusterSpec, ModelSpec
+from ..validate import check_index_range, check_int, check_positive
 from . import _kernels
 from .reorder import cluster_constants
-from .split import check_index_range, check_int, check_positive
 
 
 def loads_from_counts(counts: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
@@ -78,18 +78,6 @@ def flows_from_samples(cf: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.n
 
 def _exact_total(cf, mb, sg, M, model, cluster) -> float:
     return float(cost_from_flow(flows_from_samples(cf, mb, sg, M, cluster.num_gpus), model, cluster).t_moe.sum())
-
-
-def round_robin_gpus(micro_batch: np.ndarray, num_gpus: int) -> np.ndarray:
-    """int64 ``[N]``: the k-th sample of a micro-batch (in sample order) runs on GPU ``k mod G``, or, when
-    the micro-batch has fewer samples B than GPUs, on GPU ``floor(k G / B)`` (spread over all nodes)."""
-    mb = np.asarray(micro_batch, dtype=np.int64)
-    out = np.empty(mb.shape[0], np.int64)
-    for m in np.unique(mb):
-        idx = np.flatnonzero(mb == m)
-        k = np.arange(len(idx))
-        out[idx] = k % num_gpus if len(idx) >= num_gpus else (k * num_gpus) // len(idx)
-    return out
 
 
 def attention_caps(lengths: np.ndarray, num_cells: int, tol: float) -> tuple[float, float]:

@@ -21,8 +21,9 @@ import numpy as np
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
+from ..validate import check_index_range, check_int
 from .replicate import CellResult, assemble
-from .split import check_index_range, check_int, fast_split, solve_split_lp
+from .split import fast_split, solve_split_lp
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch

@@ -29,8 +29,8 @@ import numpy as np
 from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..validate import check_int, check_positive, check_token_counts
 from . import _kernels
-from .split import check_int, check_positive, check_token_counts
 
 OBJECTIVES = ("batch", "aggregate")
 

@@ -27,13 +27,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import numba as nb
 import numpy as np
 
+from ..cost import cost_from_flow, moe_cost
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..timing import cell_step_seconds, transfer_seconds
+from ..validate import check_int
 from .split import (
     aggregates,
     cell_weights,
-    check_int,
     check_loads_homes,
     lower_bound,
     shares_from_flows,
@@ -326,12 +328,9 @@ def cell_step_terms(x: np.ndarray, expert_gpu: np.ndarray, res: CellResult, mode
                     cluster: ClusterSpec) -> tuple[float, float, float]:
     """``(max comp, max comm, replica push)`` seconds of one cell under ``res`` (float64 reference path).
 
-    The push is the time to fill the cell's replica slots from the homes (``sim.transfer_seconds`` of
+    The push is the time to fill the cell's replica slots from the homes (``timing.transfer_seconds`` of
     ``model.expert_bytes`` per filled slot); the gradient pull takes the same time the other way.
     """
-    from ..cost import cost_from_flow
-    from ..sim import transfer_seconds
-
     G = cluster.num_gpus
     flow = x @ (np.asarray(expert_gpu)[:, None] == np.arange(G)).astype(np.float64)
     if len(res.rows):
@@ -348,12 +347,6 @@ def cell_step_terms(x: np.ndarray, expert_gpu: np.ndarray, res: CellResult, mode
     return float(c.comp.max()), float(c.comm.max()), push
 
 
-def step_seconds(comp: float, comm: float, push: float, attn_fwd: float) -> float:
-    """Forward + backward seconds of one cell as ``sim.py`` charges them: ``3 comp + 2 comm`` plus the replica
-    push / gradient pull not hidden behind the attention forward (``attn_fwd``) / backward (``2 attn_fwd``)."""
-    return 3.0 * comp + 2.0 * comm + max(0.0, push - attn_fwd) + max(0.0, push - 2.0 * attn_fwd)
-
-
 def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
                    *, attn_fwd: float | None = None, **kw) -> CellResult:
     """Greedy replication + token split of one cell (Algorithm 2), priced for its replica traffic.
@@ -361,7 +354,7 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     Without ``attn_fwd`` this is ``replicate_cell_greedy``. With ``attn_fwd`` (seconds of the micro-batch's
     attention forward, which the per-layer replica push overlaps; the gradient pull overlaps the 2x longer
     backward), a replica set whose transfers are not hidden is accepted only where it pays: the greedy is
-    re-run with 0 .. r slots per GPU and the result with the lowest ``step_seconds`` (forward + backward
+    re-run with 0 .. r slots per GPU and the result with the lowest ``timing.cell_step_seconds`` (forward + backward
     MoE time + exposed transfers) wins; ties keep more replicas.
     """
     res = replicate_cell_greedy(x, expert_gpu, model, cluster, slots, **kw)
@@ -372,7 +365,7 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     comp, comm, push = cell_step_terms(x, eg, res, model, cluster)
     if push <= attn_fwd:
         return res  # fully hidden: nothing to trade
-    best, best_t = res, step_seconds(comp, comm, push, attn_fwd)
+    best, best_t = res, cell_step_seconds(comp, comm, push, attn_fwd)
     for c in range(slots - 1, -1, -1):
         if c == 0:
             cand = CellResult(np.full((cluster.num_gpus, slots), -1, np.int32), np.zeros((0, 3), np.int32),
@@ -383,12 +376,10 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
             pad[:, :c] = r.replica_expert
             cand = CellResult(pad, r.rows, r.share, r.t_moe)
         cc_, cm_, cp_ = cell_step_terms(x, eg, cand, model, cluster)
-        t = step_seconds(cc_, cm_, cp_, attn_fwd)
+        t = cell_step_seconds(cc_, cm_, cp_, attn_fwd)
         if t < best_t * (1 - 1e-12):
             best, best_t = cand, t
     if best is not res and not len(best.rows) and not (best.replica_expert >= 0).any():
-        from ..cost import moe_cost
-
         best = best._replace(t_moe=float(moe_cost(x, eg, model, cluster).t_moe))
     return best
 
@@ -550,7 +541,7 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch: Trace
         replica_slots: r per GPU (0: an empty ReplicaPlan).
         workers: processes for the cells (1: in this process).
         seed: unused by the deterministic greedy; kept for the strategy signature.
-        attn_fwd: optional ``[M]`` seconds of each micro-batch's attention forward (``sim.attention_forward``):
+        attn_fwd: optional ``[M]`` seconds of each micro-batch's attention forward (``timing.attention_forward``):
             replicas are then priced for their exposed push / pull (:func:`replicate_cell`).
         cell_kw: forwarded to :func:`replicate_cell`.
     """

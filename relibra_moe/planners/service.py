@@ -38,10 +38,10 @@ import numpy as np
 
 from ..cost import DEFAULT_BETA
 from ..errors import PlanError
+from ..evaluate import batch_sha1
 from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from .replicate import CellResult, assemble, replicate_cell
-from .scoring import batch_sha1
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -220,7 +220,8 @@ class Planner:
         Mirrors ``strategies.relibra_inter`` (same defaults, seeds and kwargs), so that without fallbacks
         the plan equals ``plan_batch``'s whatever the executor (tests/test_service.py checks it).
         """
-        from .locality import default_locality_iters, loads_from_counts, round_robin_gpus
+        from ..plan import round_robin_gpus
+        from .locality import default_locality_iters, loads_from_counts
         from .reorder import _better_start, batch_cost, default_iters, layer_seeds, lpt_placement
         from .strategies import DEFAULT_ROUNDS, final_iters, migrate, rank_balance_options
 

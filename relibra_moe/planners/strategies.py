@@ -39,13 +39,17 @@ import numpy as np
 
 from ..cost import DEFAULT_BETA
 from ..errors import PlanError
-from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+from ..evaluate import batch_sha1, check_batch_type
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
 from ..specs import ClusterSpec, ModelSpec
+from ..timing import attention_forward
+from ..validate import check_int, check_positive
 from . import baselines
-from .locality import anneal_locality, default_locality_iters, loads_from_counts, round_robin_gpus
+from .locality import anneal_locality, default_locality_iters, loads_from_counts
+from .lplb import lplb_replicas
+from .migration import keep_previous_layers, relabel_to_previous
 from .reorder import default_iters, lpt_placement, reorder
-from .scoring import batch_sha1, check_batch_type
-from .split import check_int, check_positive
+from .replicate import replicate_batch
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -281,8 +285,6 @@ def migrate(eg: np.ndarray, mb: np.ndarray, sg: np.ndarray, counts: np.ndarray, 
 
     Returns (homes [L, E], sample GPUs [N], info).
     """
-    from .migration import keep_previous_layers, relabel_to_previous
-
     if not options.get("migration", True):
         return eg, sg, {"enabled": False}
     prev = previous_homes(options, model, cluster)
@@ -307,8 +309,6 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
     per micro-batch and layer, replicas priced for their exposed push / pull (``replica_pricing``). Replication
     only lowers each cell's T_MoE, so without migration pricing the plan is relibra-inter's plus replicas, never
     slower; ``skew_cap`` asks for rank-level balance instead (``rank_balance_options``)."""
-    from .replicate import replicate_batch
-
     eg, mb, sg = relibra_inter(ctx, replicated=ctx.replica_slots > 0)
     placement = Placement(eg)
     samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
@@ -324,8 +324,6 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
 def strategy_lplb(ctx: PlanContext) -> BatchPlan:
     """LPLB+: EPLB+ homes (no redundant experts), at most one copy per expert on the intra-node ring, an
     exact LP split per micro-batch and layer."""
-    from .lplb import lplb_replicas
-
     x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
     eg, _ = baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node, 0,
                            ctx.options.get("num_groups"))
@@ -339,12 +337,10 @@ def strategy_lplb(ctx: PlanContext) -> BatchPlan:
 
 def replica_pricing(options: dict[str, Any], lengths: np.ndarray, samples: SamplePlacement, model: ModelSpec,
                     cluster: ClusterSpec) -> np.ndarray | None:
-    """``[M]`` attention-forward seconds that the replica transfers overlap (``sim.attention_forward``), so that
-    replication prices its exposed push / pull; None with option ``price_replicas=False``."""
+    """``[M]`` attention-forward seconds that the replica transfers overlap (``timing.attention_forward``), so
+    that replication prices its exposed push / pull; None with option ``price_replicas=False``."""
     if not options.get("price_replicas", True):
         return None
-    from ..sim import attention_forward
-
     return attention_forward(lengths, samples.micro_batch, samples.gpu, samples.num_micro_batches, model, cluster)
 
 
