@@ -27,12 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import report
 from ..errors import PlanError, RelibraError
 from ..plan import json_default
-from .. import report
 
-STRATEGY_ORDER = ("static", "eplb", "lplb", "relibra-inter", "relibra", "balanced")
-REPACK_STRATEGIES = ("static", "relibra-inter", "relibra")
 DOMAINS = ("math", "code", "instruction", "mixed")
 PAPER_CLUSTERS = {"qwen3-30b-a3b": (2, 8), "glm4.5-106b-a12b": (4, 8), "qwen3-235b-a22b": (4, 8)}
 REPORT_VERSION = 1
@@ -146,17 +144,19 @@ def build_batch(sc: Scenario, seed: int) -> Any:
 
 # --------------------------------------------------------------------------------------- planning
 def _strategies_available() -> tuple[Any, list[str]]:
-    """``(plan_batch, the STRATEGY_ORDER names it knows)``."""
-    from ..planners.strategies import STRATEGIES, plan_batch
+    """``(plan_batch, the registry's compared strategies, in report order)``."""
+    from ..planners.strategies import COMPARED_STRATEGIES, STRATEGIES, plan_batch
 
-    return plan_batch, [s for s in STRATEGY_ORDER if s in STRATEGIES]
+    return plan_batch, [s for s in COMPARED_STRATEGIES if s in STRATEGIES]
 
 
 def strategy_runs(sc: Scenario, strategies: list[str]) -> list[tuple[str, str, bool]]:
     """``(label, strategy, repack)`` of every plan the scenario needs."""
+    from ..planners.strategies import REPACK_COMPARED
+
     runs = [(s, s, False) for s in strategies]
     if sc.repack and len(strategies) > 1:
-        runs += [(f"{s}+repack", s, True) for s in REPACK_STRATEGIES if s in strategies]
+        runs += [(f"{s}+repack", s, True) for s in REPACK_COMPARED if s in strategies]
     return runs
 
 

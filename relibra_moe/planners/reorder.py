@@ -22,7 +22,6 @@ the default.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -31,6 +30,7 @@ from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
 from ..validate import check_int, check_positive, check_token_counts
 from . import _kernels
+from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 
 OBJECTIVES = ("batch", "aggregate")
 
@@ -221,7 +221,7 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
     return best, batch_cost(x, best, model, cluster, node_comp, skew_cap)
 
 
-def _better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
+def better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
                   layer: int, skew_cap: float | None = None) -> np.ndarray:
     """The better of ``lpt`` (any start) and ``node_balanced_start`` under the replication-aware batch cost."""
     nb = node_balanced_start(x_layer, cluster, seed=layer_seeds(seed, 1, layer)[0])
@@ -231,10 +231,10 @@ def _better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluste
     return lpt
 
 
-def _layer_task(args: tuple) -> tuple[int, int, np.ndarray, float]:
-    l, s, x_layer, model, cluster, init, kw = args
-    eg, obj = anneal_layer(x_layer, model, cluster, s, init=init, **kw)
-    return l, s, eg, obj
+def anneal_layer_task(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int, init: np.ndarray,
+                      kw: dict) -> tuple[np.ndarray, float]:
+    """One reorder task for an executor: ``anneal_layer(x_layer, model, cluster, seed, init=init, **kw)``."""
+    return anneal_layer(x_layer, model, cluster, seed, init=init, **kw)
 
 
 def layer_seeds(seed: int, num_seeds: int, layer: int) -> list[int]:
@@ -248,19 +248,23 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
             beta: float = DEFAULT_BETA, iters: int | None = None, t0_frac: float = 0.005,
             eps_frac: float = 1e-5, smooth: bool | None = None,
             layers: Sequence[int] | None = None, node_comp: bool = False,
-            skew_cap: float | None = None) -> tuple[np.ndarray, dict]:
+            skew_cap: float | None = None, executor: TaskExecutor | None = None,
+            fallback: np.ndarray | None = None, fallbacks: FallbackLog | None = None) -> tuple[np.ndarray, dict]:
     """Algorithm 1 on every layer: LPT start, ``num_seeds`` annealing runs, best by exact batch cost.
 
     Args:
         x: ``[M, L, G, E]`` tokens per micro-batch, layer, source GPU and expert.
         seed: plan seed (per-layer seeds derive from it).
-        num_seeds: annealing runs per layer (default: one per worker).
-        workers: processes (1 = in this process).
+        num_seeds: annealing runs per layer (default: one per worker of the executor).
+        workers: processes (1 = in this process) when no ``executor`` is given.
         iters: proposals per run (default ``default_iters`` with the whole-reorder budget).
         init: optional ``[L, E]`` starting homes (default: LPT per layer); it is always a candidate.
         layers: restrict to these layers (others keep ``init``/LPT).
         node_comp, skew_cap: replication-aware objective (``batch_cost``); the start of a layer is then the
             better of ``init`` (default LPT) and ``node_balanced_start`` under that objective.
+        executor: runs the layer x seed tasks (``executor.TaskExecutor``; default ``default_executor(workers)``).
+        fallback: ``[L, E]`` homes a layer keeps when none of its tasks finished (default: its start).
+        fallbacks: records those layers (``FallbackLog.reorder``).
 
     Returns:
         (int64 ``[L, E]`` homes, info dict with ``objective_start`` / ``objective`` = exact sum of
@@ -271,6 +275,8 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         raise PlanError(f"x has shape {x.shape}, expected [M, L, G={cluster.num_gpus}, E={model.num_experts}]")
     M, L, G, E = x.shape
     check_int("workers", workers, 1)
+    if executor is None:
+        executor = default_executor(workers)
     if num_seeds is not None:
         check_int("num_seeds", num_seeds, 1)
     if iters is not None:
@@ -284,9 +290,9 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         if start.shape != (L, E):
             raise PlanError(f"init has shape {start.shape}, expected [L={L}, E={E}]")
     if node_comp and cluster.nodes > 1:
-        start = np.stack([_better_start(xl[l], start[l], model, cluster, seed, l, skew_cap) for l in range(L)])
+        start = np.stack([better_start(xl[l], start[l], model, cluster, seed, l, skew_cap) for l in range(L)])
     if num_seeds is None:
-        num_seeds = max(1, workers)
+        num_seeds = max(1, executor.workers)
     if iters is None:
         iters = default_iters(E, G, M if objective == "batch" else 1, L)
     kw = dict(objective=objective, beta=beta, iters=iters, t0_frac=t0_frac, eps_frac=eps_frac, smooth=smooth,
@@ -295,16 +301,23 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
     best = start.copy()
     best_obj = np.array([batch_cost(xl[l], start[l], model, cluster, node_comp, skew_cap) for l in range(L)])
     obj_start = float(best_obj.sum())
-    tasks = [(l, s, xl[l], model, cluster, start[l], kw) for l in todo for s in layer_seeds(seed, num_seeds, l)]
-    if workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(_layer_task, tasks, chunksize=max(1, len(tasks) // (4 * workers))))
-    else:
-        results = [_layer_task(t) for t in tasks]
-    for l, _, eg, obj in results:  # task order is deterministic: ties keep the earlier candidate
+    keys = [("reorder", (l, s)) for l in todo for s in layer_seeds(seed, num_seeds, l)]
+    results = executor.map(anneal_layer_task, [(xl[l], model, cluster, s, start[l], kw) for _, (l, s) in keys], keys)
+    done = set()
+    for (_, (l, _s)), res in zip(keys, results):  # task order is deterministic: ties keep the earlier candidate
+        if isinstance(res, TaskFailed):
+            continue
+        done.add(l)
+        eg, obj = res
         if obj < best_obj[l]:
             best_obj[l] = obj
             best[l] = eg
+    for l in sorted(set(todo) - done):  # no seed of the layer finished: keep the fallback homes
+        if fallback is not None:
+            best[l] = np.asarray(fallback, dtype=np.int64)[l]
+            best_obj[l] = batch_cost(xl[l], best[l], model, cluster, node_comp, skew_cap)
+        if fallbacks is not None:
+            fallbacks.reorder.append(int(l))
     info = {"objective_name": objective, "objective_start": obj_start, "objective": float(best_obj.sum()),
             "num_seeds": num_seeds, "iters": int(iters)}
     return best, info

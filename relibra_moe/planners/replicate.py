@@ -21,7 +21,7 @@ the better wins, so the result is never worse than the paper's loop with the sam
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 import numba as nb
@@ -33,6 +33,7 @@ from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
 from ..timing import cell_step_seconds, transfer_seconds
 from ..validate import check_int
+from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 from .split import (
     aggregates,
     cell_weights,
@@ -508,11 +509,12 @@ def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
     return CellResult(rep.astype(np.int32), sol.rows, sol.share, float(sol.t_moe))
 
 
-def _cells_task(args) -> list[CellResult]:
-    loads, eg, model, cluster, slots, kw, *rest = args
-    attn = rest[0] if rest else None
-    return [replicate_cell(loads[i], eg[i], model, cluster, slots,
-                           attn_fwd=None if attn is None else float(attn[i]), **kw) for i in range(len(loads))]
+def replicate_cells_task(loads: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                         slots: int, kw: dict, attn_fwd: np.ndarray | None = None) -> list[CellResult]:
+    """One replication task for an executor: ``replicate_cell`` on cells ``loads [C, G, E]`` with homes
+    ``expert_gpu [C, E]`` (and ``attn_fwd [C]`` seconds when replicas are priced)."""
+    return [replicate_cell(loads[i], expert_gpu[i], model, cluster, slots,
+                           attn_fwd=None if attn_fwd is None else float(attn_fwd[i]), **kw) for i in range(len(loads))]
 
 
 def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int, num_layers: int,
@@ -532,17 +534,21 @@ def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int,
 
 def replicate_batch(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
                     cluster: ClusterSpec, replica_slots: int, workers: int = 1, seed: int = 0,
-                    attn_fwd: np.ndarray | None = None, **cell_kw) -> ReplicaPlan:
+                    attn_fwd: np.ndarray | None = None, *, executor: TaskExecutor | None = None,
+                    cell_chunk: int | None = None, fallbacks: FallbackLog | None = None, **cell_kw) -> ReplicaPlan:
     """Algorithm 2 for every micro-batch x layer of a batch.
 
     Args:
         placement: homes ``[L, E]``; samples: where each sample runs (its GPU is the tokens' source).
         batch: a ``TraceBatch`` (``loads(sample_gpu, G, micro_batch) -> [M, L, G, E]``).
         replica_slots: r per GPU (0: an empty ReplicaPlan).
-        workers: processes for the cells (1: in this process).
+        workers: processes for the cells when no ``executor`` is given (1: in this process).
         seed: unused by the deterministic greedy; kept for the strategy signature.
         attn_fwd: optional ``[M]`` seconds of each micro-batch's attention forward (``timing.attention_forward``):
             replicas are then priced for their exposed push / pull (:func:`replicate_cell`).
+        executor: runs the chunks of cells (``executor.TaskExecutor``; default ``default_executor(workers)``);
+            a chunk that does not finish leaves its cells without replicas, recorded in ``fallbacks``.
+        cell_chunk: cells per task (default: about 16 tasks per worker).
         cell_kw: forwarded to :func:`replicate_cell`.
     """
     del seed
@@ -555,26 +561,27 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch: Trace
     if loads.shape[0] < M:
         loads = np.concatenate([loads, np.zeros((M - loads.shape[0],) + loads.shape[1:])])
     L = placement.num_layers
+    check_int("replica_slots", replica_slots, 0)
+    if executor is None:
+        executor = default_executor(workers)
     if replica_slots == 0:
         return ReplicaPlan.empty(M, L, G, 0)
-    cells = [(m, l) for m in range(M) for l in range(L)]
-    workers = check_int("workers", workers, 1)
-    if workers == 1 or len(cells) < 2 * workers:
-        results = {(m, l): replicate_cell(loads[m, l], placement.expert_gpu[l], model, cluster, replica_slots,
-                                          attn_fwd=None if attn_fwd is None else float(attn_fwd[m]), **cell_kw)
-                   for m, l in cells}
-    else:
-        chunks = np.array_split(np.arange(len(cells)), workers * 4)
-        jobs = []
-        for ch in chunks:
-            ms = np.array([cells[i][0] for i in ch])
-            ls = np.array([cells[i][1] for i in ch])
-            jobs.append((loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw,
-                         None if attn_fwd is None else np.asarray(attn_fwd)[ms]))
-        with ProcessPoolExecutor(max_workers=workers) as ex:
-            outs = list(ex.map(_cells_task, jobs))
-        results = {}
-        for ch, out in zip(chunks, outs):
-            for i, res in zip(ch, out):
-                results[cells[i]] = res
+    cells = [(m, l) for l in range(L) for m in range(M)]
+    chunk = check_int("cell_chunk", cell_chunk, 1) if cell_chunk is not None else \
+        max(1, math.ceil(len(cells) / (16 * executor.workers)))
+    args, keys = [], []
+    for i in range(0, len(cells), chunk):
+        cs = cells[i:i + chunk]
+        ms = np.array([c[0] for c in cs])
+        ls = np.array([c[1] for c in cs])
+        args.append((loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw,
+                     None if attn_fwd is None else np.asarray(attn_fwd)[ms]))
+        keys.append(("replicate", tuple(cs)))
+    results: dict[tuple[int, int], CellResult] = {}
+    for (_, cs), res in zip(keys, executor.map(replicate_cells_task, args, keys)):
+        if isinstance(res, TaskFailed):
+            if fallbacks is not None:
+                fallbacks.replicate.extend([list(c) for c in cs])
+            continue
+        results.update(zip(cs, res))
     return assemble(results, M, L, G, replica_slots)
