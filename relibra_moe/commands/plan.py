@@ -74,8 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
     p.add_argument("--objective", choices=("batch", "aggregate"), default=None,
                    help="reorder objective: sum over micro-batches of T_MoE (default) or aggregated loads")
-    for flag, _, typ, help_ in _OPTION_FLAGS:
-        p.add_argument(flag, type=typ, default=None, help=help_)
+    for flag, name, typ, help_ in _OPTION_FLAGS:
+        p.add_argument(flag, dest=name, type=typ, default=None, help=help_)
     p.add_argument("--balanced-sources", choices=("batch", "even"), default=None,
                    help="sources of the Balanced ideal (balanced): each GPU keeps its tokens (default) or even")
     p.add_argument("--final-reorder", action="store_true",

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..validate import check_int
 from .split import cell_weights, holders
 
 __all__ = ["MilpSolution", "split_lp_reference", "solve_milp"]
@@ -118,8 +119,7 @@ def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster:
     G, E = x.shape
     if G != cluster.num_gpus or expert_gpu.shape != (E,):
         raise PlanError(f"x {x.shape} / expert_gpu {expert_gpu.shape} do not match G={cluster.num_gpus}")
-    if slots < 0:
-        raise PlanError(f"slots={slots} must be >= 0")
+    check_int("slots", slots, 0)
     P = cluster.gpus_per_node
     node = np.arange(G) // P
     in_node = (node[expert_gpu][:, None] == node[None, :]).astype(np.float64)  # [E, G]

@@ -25,7 +25,7 @@ import numpy as np
 from ..cost import DEFAULT_BETA, cost_from_flow
 from ..errors import PlanError
 from ..specs import ClusterSpec, ModelSpec
-from ..validate import check_index_range, check_int, check_positive
+from ..validate import check_index_range, check_int, check_nonnegative, check_positive
 from . import _kernels
 from .reorder import cluster_constants
 
@@ -127,8 +127,7 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
     lengths = np.asarray(lengths, dtype=np.float64)
     if lengths.shape != (N,):
         raise PlanError(f"lengths has shape {lengths.shape}, expected [N={N}]")
-    if tol < 0:
-        raise PlanError(f"tol={tol} must be >= 0")
+    check_nonnegative("tol", tol)
     if iters is not None:
         check_int("iters", iters, 0)
     check_positive("beta", beta)

@@ -28,7 +28,7 @@ import numpy as np
 from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
-from ..validate import check_int, check_positive, check_token_counts
+from ..validate import check_int, check_nonnegative, check_positive, check_token_counts
 from . import _kernels
 from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 
@@ -118,8 +118,8 @@ SKEW_PENALTY = 50.0
 
 def _comp_model(cluster: ClusterSpec, node_comp: bool, skew_cap: float | None) -> tuple[int, float, float]:
     """``(ns, cap, pen)`` of the numba kernels' compute term."""
-    if skew_cap is not None and skew_cap < 0:
-        raise PlanError(f"skew_cap={skew_cap} must be >= 0")
+    if skew_cap is not None:
+        check_nonnegative("skew_cap", skew_cap)
     ns = int(cluster.gpus_per_node) if node_comp and cluster.nodes > 1 else 1
     if node_comp and skew_cap is not None:
         return ns, float(skew_cap), SKEW_PENALTY

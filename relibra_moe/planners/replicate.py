@@ -411,8 +411,7 @@ def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpe
     """
     x, expert_gpu = check_loads_homes(x, expert_gpu, cluster)
     G, E = x.shape
-    if not isinstance(slots, (int, np.integer)) or slots < 0:
-        raise PlanError(f"replica_slots={slots!r} must be an int >= 0")
+    check_int("replica_slots", slots, 0)
     if candidates is None:
         candidates = DEFAULT_CANDIDATES if G <= 16 else 2
     P = cluster.gpus_per_node
@@ -470,8 +469,7 @@ def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
     G, P = cluster.num_gpus, cluster.gpus_per_node
     if x.ndim != 2 or x.shape[0] != G or expert_gpu.shape != (x.shape[1],):
         raise PlanError(f"x {x.shape} / expert_gpu {expert_gpu.shape} do not match G={G}")
-    if not isinstance(slots, (int, np.integer)) or slots < 0:
-        raise PlanError(f"replica_slots={slots!r} must be an int >= 0")
+    check_int("replica_slots", slots, 0)
     rep = np.full((G, slots), -1, np.int64)
     used = np.zeros(G, np.int64)
     sol = solve_split_lp(x, expert_gpu, rep, model, cluster)

@@ -151,8 +151,6 @@ class Planner:
         first call: the static one); a reorder layer whose tasks all fail keeps that placement.
         """
         check_batch_fits(batch, self.model, self.cluster)
-        if micro_batch_size is not None:
-            check_int("micro_batch_size", micro_batch_size, 1)
         deadline = None if self.deadline_s is None else time.monotonic() + float(self.deadline_s)
         L, E = self.model.num_layers, self.model.num_experts
         last = self.previous.expert_gpu.astype(np.int64) if self.previous is not None and \

@@ -46,7 +46,6 @@ from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_rob
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import attention_forward
 from ..trace import TraceBatch
-from ..validate import check_int
 from . import baselines
 from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 from .locality import anneal_locality, default_locality_iters, loads_from_counts
@@ -441,8 +440,6 @@ def plan_with_options(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec,
     check_strategy(strategy)
     options.check_for(strategy)
     check_batch_fits(batch, model, cluster)
-    if micro_batch_size is not None:
-        check_int("micro_batch_size", micro_batch_size, 1)
     ctx = make_context(batch, model, cluster, strategy, options,
                        executor if executor is not None else default_executor(options.workers), micro_batch_size)
     return run_strategy(ctx, strategy)
