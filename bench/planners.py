@@ -1,4 +1,4 @@
-"""Planner benchmark: strategies x scenarios, exact cost model (RELIBRA.md §4).
+"""Planner benchmark: strategies x scenarios, exact cost model (docs/method.md, "Cost model").
 
 For each scenario, one table: strategy, sum over micro-batches and layers of the exact T_MoE, speedup
 over static (Megatron-LM), percent of the Balanced ideal (uniform routing, each source GPU keeping its

@@ -1,4 +1,4 @@
-"""Load-imbalance metrics of RELIBRA.md §1 and §8: arrays in, arrays out.
+"""Load-imbalance metrics of the ReLibra paper's motivation and evaluation: arrays in, arrays out.
 
 - expert skewness: ``max_e load[e] / mean_e load[e]`` (1 = perfectly even; at most E/k per token
   batch when every token picks k distinct experts), per micro-batch and layer;

@@ -1,7 +1,7 @@
 """Model and cluster descriptions used by the cost model, the planners and the simulator.
 
 ``ModelSpec`` holds the MoE dimensions that drive compute and traffic; ``ClusterSpec`` the fabric.
-Presets carry the paper's models (RELIBRA.md §8) and two real models whose routing traces ship in
+Presets carry the paper's models (the ReLibra paper's evaluation setup) and two real models whose routing traces ship in
 ``../shared/traces``. Every figure was checked against the model's public ``config.json``.
 
 Link classes on a rail-optimized fabric (GPU i of every node is on rail i):
@@ -203,7 +203,7 @@ _HOPPER = dict(nvlink_bw=450e9, rdma_bw=50e9, flops=700e12)
 def cluster_preset(name: str = "hopper-rail", nodes: int = 1, gpus_per_node: int = 8) -> ClusterSpec:
     """A ClusterSpec from a named fabric; ``nodes`` x ``gpus_per_node`` sizes the EP group.
 
-    Known fabrics: ``hopper-rail`` (the paper's cluster, RELIBRA.md §8).
+    Known fabrics: ``hopper-rail`` (the paper's cluster, the ReLibra paper's evaluation setup).
     """
     if name != "hopper-rail":
         raise ValueError(f"unknown cluster preset {name!r}; known: ['hopper-rail']")

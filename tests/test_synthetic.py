@@ -113,7 +113,7 @@ def test_mixed_interleaves_domains():
 
 
 def test_calibration_qwen3_30b_mixed():
-    """RELIBRA.md §1 on qwen3-30b-a3b, 256 prompts x 4 responses in 32 micro-batches of 32."""
+    """the ReLibra paper's motivation on qwen3-30b-a3b, 256 prompts x 4 responses in 32 micro-batches of 32."""
     b = rl_batch("qwen3-30b-a3b", "mixed", num_prompts=256, responses_per_prompt=4, seed=0, micro_batch_size=32)
     assert b.num_sequences == 1024 and int(b.micro_batch.max()) == 31
     s = load_summary(b.micro_batch_expert_counts(), hot_k=8)

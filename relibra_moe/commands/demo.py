@@ -1,8 +1,9 @@
 """``relibra demo``: the main job. Plans real and synthetic RL batches with every strategy, simulates the
 training step of each plan, and reports tables, PNG plots and a JSON report.
 
-Scenarios (RELIBRA.md §8): the paper's three models on their EP groups with synthetic RL batches for the
-domains math, code, instruction and mixed (clearly labelled synthetic: ``relibra_moe.synthetic``), and
+Scenarios (the ReLibra paper's evaluation setup): the paper's three models on their EP groups with
+synthetic RL batches for the domains math, code, instruction and mixed (clearly labelled synthetic:
+``relibra_moe.synthetic``), and
 the real GPT-OSS-20B routing trace (``../shared/traces``) on EP8 = 2 x 4 and EP16 = 2 x 8. Every plan
 is timed by the step simulator (``relibra_moe.sim``): attention + MoE forward/backward per micro-batch
 and layer, replica transfers, reorder traffic. ``balanced`` is the paper's ideal: the same batch with

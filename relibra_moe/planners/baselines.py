@@ -1,5 +1,5 @@
-"""Baselines: static (Megatron-LM), EPLB (DeepSeek's expert-parallelism load balancer, given the batch's
-true loads: the paper's EPLB+), and the Balanced ideal (RELIBRA.md §8).
+"""Baselines: static (Megatron-LM) and EPLB (DeepSeek's expert-parallelism load balancer, given the batch's
+true loads: the paper's EPLB+). The Balanced ideal, a reference rather than a plan, is in ``relibra_moe.evaluate``.
 
 EPLB follows its published description (github.com/deepseek-ai/EPLB, README): with expert groups that
 the nodes divide, the *hierarchical* policy packs groups onto nodes with balanced packing, replicates the

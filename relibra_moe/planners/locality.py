@@ -1,4 +1,4 @@
-"""Where samples run, with experts frozen (RELIBRA.md §5, data-locality round; RoutePack-style repacking).
+"""Where samples run, with experts frozen (docs/method.md, "Locality"; RoutePack-style repacking).
 
 Data-parallel attention lets any sample run its attention on any GPU of the EP group; that GPU is the
 source of the sample's tokens in the cost model. With the expert homes fixed, this module anneals

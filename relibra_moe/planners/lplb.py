@@ -1,4 +1,4 @@
-"""LPLB+ baseline (RELIBRA.md §8-9): a fixed intra-node replica topology, copies chosen from the batch's
+"""LPLB+ baseline (the ReLibra paper's baselines): a fixed intra-node replica topology, copies chosen from the batch's
 loads, and a per-micro-batch LP token split.
 
 DeepSeek's LPLB keeps at most one redundant copy per expert on a fixed topology and redistributes

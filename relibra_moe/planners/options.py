@@ -35,8 +35,7 @@ DEFAULT_ROUNDS = 2
 DEFAULT_TOL = 0.05
 """Attention-work tolerance of the sample placement over the mean per (micro-batch, GPU) cell."""
 FINAL_ITERS_FACTOR = 8
-"""``final_iters`` default: this many times a round's reorder proposals (qwen3-30b-a3b mixed EP64 + repack,
-bench/replication.py --only skew; figures in BENCHMARKS.md)."""
+"""``final_iters`` default: this many times a round's reorder proposals (BENCHMARKS.md, "Planner defaults")."""
 
 REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
 """The strategies that place replicas (read ``replica_slots``)."""

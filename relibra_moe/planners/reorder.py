@@ -1,4 +1,4 @@
-"""Inter-batch expert reordering (RELIBRA.md §5, Algorithm 1): greedy LPT start + swap annealing.
+"""Inter-batch expert reordering (Algorithm 1): greedy LPT start + swap annealing (docs/method.md, "Reorder").
 
 Pure functions of arrays. The unit of work is one layer and one seed (``anneal_layer``): picklable
 arguments in, ``(expert_gpu [E], exact objective)`` out, so a process pool (or the Planner service)
@@ -12,11 +12,8 @@ Two objectives to anneal on:
 - ``"aggregate"``: the paper's, T_MoE of the batch-aggregated loads ``x.sum(0)``: O(G) per swap.
 
 The winner of a layer is always chosen by the exact batch cost (sum over micro-batches of the exact
-T_MoE, the formulas of ``cost.moe_cost``). Measured with relibra-inter on the bench scenarios
-(bench/planners.py, default budgets), "batch" gives the lower sum of T_MoE on GPT-OSS EP8 (264.3 vs 274.3
-ms), GPT-OSS EP16 (240.3 vs 241.4 ms) and qwen3-30b EP16 (6.52 vs 7.25 s), "aggregate" on qwen3-235b EP32
-(36.1 vs 37.4 s, at 1.5x the solve time: its O(G) moves buy 16x more proposals there), hence "batch" is
-the default.
+T_MoE, the formulas of ``cost.moe_cost``). "batch" is the default: it gives the lower sum of T_MoE on
+most bench scenarios (BENCHMARKS.md, "Planner defaults").
 """
 
 from __future__ import annotations

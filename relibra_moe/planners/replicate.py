@@ -1,4 +1,6 @@
-"""Greedy intra-node replication with token splitting (RELIBRA.md §6, Algorithm 2), per micro-batch x layer.
+"""Greedy intra-node replication with token splitting (Algorithm 2), per micro-batch x layer.
+
+The method: docs/method.md, "Replication and the token split".
 
 For one cell (loads ``x [G, E]``, homes ``expert_gpu [E]``, ``r`` slots per GPU):
 

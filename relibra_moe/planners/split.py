@@ -1,4 +1,6 @@
-"""Token split with the replicas fixed: the exact LP of RELIBRA.md §6 (z fixed), and a fast heuristic.
+"""Token split with the replicas fixed: the exact LP (z fixed) and a fast heuristic.
+
+The method: docs/method.md, "Replication and the token split".
 
 One *cell* is one micro-batch x one MoE layer. Inputs of a cell:
 
@@ -465,7 +467,7 @@ def _lp_arrays(x: np.ndarray, hold: np.ndarray, cls: np.ndarray, w: CellWeights)
 
 def solve_split_lp(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarray, model: ModelSpec,
                    cluster: ClusterSpec) -> SplitSolution:
-    """The exact token split of one cell with the replicas fixed (the LP of RELIBRA.md §6, z fixed).
+    """The exact token split of one cell with the replicas fixed (docs/method.md, "Replication and the token split").
 
     Args:
         x: ``[G, E]`` tokens per (source GPU, expert).

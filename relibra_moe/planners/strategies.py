@@ -185,21 +185,21 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     The one planning loop: ``plan_batch`` and the ``Planner`` service both run it, on ``ctx.executor``.
     Each round re-anneals the experts for the sample placement of the previous round (``reorder``: layer x
     seed tasks), then the samples for the new homes (one locality task). The default budgets
-    (``default_iters``, ``default_locality_iters``) are split over the rounds (two rounds at half the
-    proposals each against one at the full budget: BENCHMARKS.md, "Inter-batch planning").
+    (``default_iters``, ``default_locality_iters``) are split over the rounds (why: BENCHMARKS.md, "Planner
+    defaults").
 
     Rank-balance mode (options ``skew_cap`` / ``node_comp``, ``PlanOptions.rank_balance``; off by default):
     the reorder anneals the replication-aware cost (compute term = the busiest node's mean GPU load, with a
     soft cap ``skew_cap`` on that node-level skew; ``reorder.batch_cost``) from node-balanced starts:
     intra-node replicas level each node, so the node balance of the homes is what bounds relibra's rank skew.
-    It buys rank balance with communication on multi-node clusters (BENCHMARKS.md, "Rank skew per
-    micro-batch with replication"). Option ``final_reorder`` re-anneals the homes once more after the last
+    It buys rank balance with communication on multi-node clusters (BENCHMARKS.md, "Planner defaults").
+    Option ``final_reorder`` re-anneals the homes once more after the last
     locality pass (useful with ``repack``), with ``final_iters`` proposals.
 
     ``replicated``: replicas follow (relibra with r > 0), so the migration pricing judges each layer's move
     by the replication-aware step estimate (compute levelled inside each node), whatever the reorder's
     objective: without it, a move looks worth its traffic for compute imbalance that the replicas would
-    remove anyway (BENCHMARKS.md, "Step-time simulation and the demo").
+    remove anyway (BENCHMARKS.md, "Planner defaults").
 
     Fallbacks (a task the executor reports as ``TaskFailed``): a reorder layer keeps ``ctx.fallback_homes``
     (else its start), a locality pass keeps the samples where they are; both go to ``ctx.fallbacks``. Past
