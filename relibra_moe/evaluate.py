@@ -27,9 +27,9 @@ from .specs import ClusterSpec, ModelSpec
 from .trace import TraceBatch
 from .validate import check_positive
 
-__all__ = ["batch_sha1", "check_batch_type", "check_plan_batch", "plan_loads", "plan_flow", "balanced_loads",
-           "balanced_sources", "balanced_plan_loads", "balanced_t_moe", "uniform_loads", "score_plan",
-           "json_summary"]
+__all__ = ["batch_sha1", "check_batch_type", "check_plan_batch", "placement_loads", "plan_loads", "plan_flow",
+           "balanced_loads", "balanced_sources", "balanced_plan_loads", "balanced_t_moe", "uniform_loads",
+           "score_plan", "json_summary"]
 
 
 def batch_sha1(batch: TraceBatch) -> str:
@@ -69,16 +69,23 @@ def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec) -> No
                         f"{batch_sha1(batch)!r} (same {batch.num_sequences} samples, different routing or lengths)")
 
 
+def placement_loads(batch: TraceBatch, micro_batch: np.ndarray, sample_gpu: np.ndarray, num_micro_batches: int,
+                    num_gpus: int) -> np.ndarray:
+    """int64 ``[M, L, G, E]``: ``TraceBatch.loads`` for a sample placement (sample n in micro-batch
+    ``micro_batch[n]`` on GPU ``sample_gpu[n]``), with M = ``num_micro_batches`` (trailing empty ones zero)."""
+    x = np.asarray(batch.loads(sample_gpu, num_gpus, micro_batch))
+    M = int(num_micro_batches)
+    if x.shape[0] < M:
+        x = np.concatenate([x, np.zeros((M - x.shape[0],) + x.shape[1:], x.dtype)])
+    return x
+
+
 def plan_loads(plan: BatchPlan, batch: TraceBatch, num_gpus: int) -> np.ndarray:
     """int64 ``[M, L, G, E]``: the batch's loads under the plan's sample placement (M = the plan's; trailing
     empty micro-batches are zero)."""
     if batch.num_sequences != plan.samples.num_samples:
         raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
-    M = plan.num_micro_batches
-    x = np.asarray(batch.loads(plan.samples.gpu, num_gpus, plan.samples.micro_batch))
-    if x.shape[0] < M:
-        x = np.concatenate([x, np.zeros((M - x.shape[0],) + x.shape[1:], x.dtype)])
-    return x
+    return placement_loads(batch, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches, num_gpus)
 
 
 def balanced_plan_loads(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, num_gpus: int) -> np.ndarray:

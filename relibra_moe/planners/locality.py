@@ -30,30 +30,6 @@ from . import _kernels
 from .reorder import cluster_constants
 
 
-def loads_from_counts(counts: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
-                      num_micro_batches: int, num_gpus: int) -> np.ndarray:
-    """int64 ``[M, L, G, E]`` tokens per micro-batch, layer, source GPU and expert.
-
-    Args:
-        counts: ``[N, L, E]`` tokens of sample n routed to expert e in layer l.
-        micro_batch, sample_gpu: ``[N]`` where each sample runs.
-    """
-    counts = np.asarray(counts)
-    N, L, E = counts.shape
-    mb = np.asarray(micro_batch, dtype=np.int64)
-    sg = np.asarray(sample_gpu, dtype=np.int64)
-    if mb.shape != (N,) or sg.shape != (N,):
-        raise PlanError(f"micro_batch {mb.shape} and sample_gpu {sg.shape} must be [N={N}]")
-    if N and (mb.min() < 0 or mb.max() >= num_micro_batches):
-        raise PlanError(f"micro_batch holds {int(mb.max())}, outside [0, {num_micro_batches})")
-    if N and (sg.min() < 0 or sg.max() >= num_gpus):
-        raise PlanError(f"sample_gpu holds {int(sg.max())}, outside [0, {num_gpus})")
-    out = np.zeros((num_micro_batches, L, num_gpus, E), np.int64)
-    for n in range(N):  # N row adds of [L, E]: faster than np.add.at's unbuffered scatter
-        out[mb[n], :, sg[n]] += counts[n]
-    return out
-
-
 def sample_flows(counts: np.ndarray, expert_gpu: np.ndarray, num_gpus: int) -> np.ndarray:
     """float64 ``[N, L, G]``: tokens of sample n in layer l routed to experts homed on GPU g."""
     counts = np.ascontiguousarray(counts, dtype=np.int64)

@@ -41,14 +41,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlanError
-from ..evaluate import batch_sha1, check_batch_type
+from ..evaluate import batch_sha1, check_batch_type, placement_loads
 from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import attention_forward
 from ..trace import TraceBatch
 from . import baselines
 from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
-from .locality import anneal_locality, default_locality_iters, loads_from_counts
+from .locality import anneal_locality, default_locality_iters
 from .lplb import lplb_replicas
 from .migration import keep_previous_layers, relabel_to_previous
 from .options import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, PlanOptions
@@ -107,8 +107,7 @@ class PlanContext:
 
     def loads(self, micro_batch: np.ndarray, sample_gpu: np.ndarray) -> np.ndarray:
         """int64 ``[M, L, G, E]`` for a sample placement."""
-        return loads_from_counts(self.counts, micro_batch, sample_gpu, self.num_micro_batches,
-                                 self.cluster.num_gpus)
+        return placement_loads(self.batch, micro_batch, sample_gpu, self.num_micro_batches, self.cluster.num_gpus)
 
     def batch_for(self, micro_batch: np.ndarray) -> TraceBatch:
         """The batch with micro-batch assignment ``micro_batch`` (for replicate / lplb)."""
@@ -249,7 +248,7 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     ctx.stats["rounds"] = objectives
     t0 = time.perf_counter()
     mo = o.replace(migration=False) if ctx.executor.expired else o  # past the deadline: the fallbacks stand
-    eg, sg, ctx.stats["migration"] = migrate(eg, mb, sg, ctx.counts, ctx.num_micro_batches, ctx.model, ctx.cluster,
+    eg, sg, ctx.stats["migration"] = migrate(eg, mb, sg, ctx.batch, ctx.num_micro_batches, ctx.model, ctx.cluster,
                                              mo, node_comp or replicated)
     timing["migration_s"] = time.perf_counter() - t0
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
@@ -272,7 +271,7 @@ def previous_homes(options: PlanOptions, model: ModelSpec, cluster: ClusterSpec)
     return prev
 
 
-def migrate(eg: np.ndarray, mb: np.ndarray, sg: np.ndarray, counts: np.ndarray, num_micro_batches: int,
+def migrate(eg: np.ndarray, mb: np.ndarray, sg: np.ndarray, batch: TraceBatch, num_micro_batches: int,
             model: ModelSpec, cluster: ClusterSpec, options: PlanOptions, node_comp: bool
             ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """Migration-aware finish of relibra-inter (``planners.migration``): relabel GPUs by the fabric's
@@ -286,7 +285,7 @@ def migrate(eg: np.ndarray, mb: np.ndarray, sg: np.ndarray, counts: np.ndarray, 
     prev = previous_homes(options, model, cluster)
     perm = relabel_to_previous(eg, prev, cluster)
     eg, sg = perm[eg], perm[np.asarray(sg, dtype=np.int64)]
-    x = loads_from_counts(counts, mb, sg, num_micro_batches, cluster.num_gpus)
+    x = placement_loads(batch, mb, sg, num_micro_batches, cluster.num_gpus)
     moved_before = int((eg != prev).sum())
     eg, info = keep_previous_layers(x, eg, prev, model, cluster, node_comp=node_comp,
                                     optimizer_bytes_per_param=float(options.optimizer_bytes_per_param))
