@@ -37,8 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from relibra_moe.evaluate import balanced_t_moe
-from relibra_moe.planners.scoring import score_plan
+from relibra_moe.evaluate import balanced_t_moe, score_plan
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.specs import ClusterSpec, ModelSpec, cluster_preset, model_preset
 from relibra_moe.trace import TraceBatch
