@@ -204,3 +204,44 @@ def test_invalid_inputs():
         Planner(MODEL, CLUSTER, token_cap=100)
 
 
+
+
+class _FailingExecutor:
+    """A TaskExecutor whose tasks of the given kinds (and, for reorder, layers) never finish."""
+
+    workers = 1
+    expired = False
+
+    def __init__(self, kinds, layers=()):
+        self.kinds, self.layers, self.seen = set(kinds), set(layers), []
+
+    def map(self, fn, args, keys):
+        from relibra_moe.planners.executor import TaskFailed
+
+        self.seen += [k for k, _ in keys]
+        return [TaskFailed("test") if kind in self.kinds and (kind != "reorder" or key[0] in self.layers)
+                else fn(*a) for a, (kind, key) in zip(args, keys)]
+
+
+def test_plan_batch_loop_falls_back_per_task_on_any_executor():
+    """The one planning loop behind plan_batch and Planner: a failed reorder layer keeps its start (LPT), a
+    failed locality pass keeps the samples, failed replication cells get no replicas; each is counted."""
+    from relibra_moe.planners.options import PlanOptions
+    from relibra_moe.planners.reorder import lpt_placement
+    from relibra_moe.planners.strategies import plan_with_options
+
+    batch = make_batch()
+    opts = PlanOptions(replica_slots=1, migration=False, **FAST)
+    ex = _FailingExecutor({"reorder", "locality", "replicate"}, layers={1})
+    plan = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, executor=ex)
+    assert set(ex.seen) == {"reorder", "locality", "replicate"}
+    x = batch.loads(plan.samples.gpu, CLUSTER.num_gpus, plan.samples.micro_batch)
+    np.testing.assert_array_equal(plan.placement.expert_gpu[1], lpt_placement(x[:, 1].sum(axis=(0, 1)), 4))
+    from relibra_moe.plan import round_robin_gpus
+
+    np.testing.assert_array_equal(plan.samples.gpu, round_robin_gpus(batch.resolve_micro_batch(), 4))
+    assert not (plan.replicas.replica_expert >= 0).any()
+    cells = plan.num_micro_batches * MODEL.num_layers
+    assert plan.stats["fallbacks"] == 1 + 1 + cells  # one reorder layer, one locality round, every cell
+    ok = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, executor=_FailingExecutor(set()))
+    assert ok.stats["fallbacks"] == 0 and (ok.replicas.replica_expert >= 0).any()
