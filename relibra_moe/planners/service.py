@@ -14,8 +14,9 @@ Executors: ``"inline"`` (this process, in order), ``"process"`` (a process pool 
 
 Fallbacks keep results correct, only slower: when a task misses ``deadline_s`` (measured from the
 start of ``plan``) or its worker dies, each of its cells falls back: a reorder layer keeps the
-previous placement (the last plan's, else the LPT start), locality keeps round-robin samples, a
-replication cell gets no replicas. Each fallen-back cell counts in ``plan.stats["fallbacks"]``
+previous placement (option ``previous``, else the last plan's, else its start), locality keeps the samples
+where the previous round left them, a replication cell gets no replicas; past the deadline the final
+reorder and the migration pricing are skipped. Each fallen-back cell counts in ``plan.stats["fallbacks"]``
 (details in ``stats["fallback_cells"]``) and is logged as a warning. Any other exception in a task is
 a bug or bad input and propagates.
 
