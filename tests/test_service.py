@@ -245,3 +245,14 @@ def test_plan_batch_loop_falls_back_per_task_on_any_executor():
     assert plan.stats["fallbacks"] == 1 + 1 + cells  # one reorder layer, one locality round, every cell
     ok = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, executor=_FailingExecutor(set()))
     assert ok.stats["fallbacks"] == 0 and (ok.replicas.replica_expert >= 0).any()
+
+
+def test_planner_stats_are_plan_batchs_plus_the_executor(inline_plan):
+    """One loop: a Planner plan records what plan_batch records (rounds, options, repack), plus its executor,
+    workers and fallback cells (the oracle's Planner plan files changed by exactly these keys)."""
+    from relibra_moe.planners.strategies import plan_batch
+
+    ref = plan_batch(make_batch(), MODEL, CLUSTER, "relibra", replica_slots=1, workers=1, **FAST)
+    assert set(inline_plan.stats) == set(ref.stats) | {"executor", "workers", "fallback_cells"}
+    assert inline_plan.stats["options"] == ref.stats["options"] == dict(sorted(FAST.items()))  # none at its default
+    assert inline_plan.stats["fallback_cells"] == {"reorder": [], "locality": 0, "replicate": []}
