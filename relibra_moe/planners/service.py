@@ -162,7 +162,7 @@ class Planner:
         fallback = last if opts.previous is None else np.asarray(getattr(opts.previous, "expert_gpu", opts.previous),
                                                                  dtype=np.int64)
         ctx = make_context(batch, self.model, self.cluster, self.strategy, opts, _PlannerExecutor(self, deadline),
-                           micro_batch_size, fallback_homes=fallback)
+                           micro_batch_size, fallback_expert_gpu=fallback)
         ctx.stats.update({"options": self.options.strategy_options(), "executor": self.executor,
                           "workers": self.workers})
         plan = run_strategy(ctx, self.strategy)

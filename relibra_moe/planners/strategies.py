@@ -71,7 +71,7 @@ class PlanContext:
         sample_gpu: int64 ``[N]`` round-robin start.
         options: the call's ``PlanOptions``.
         executor: where the planning tasks run.
-        fallback_homes: int64 ``[L, E]`` homes a reorder layer keeps when its tasks fail (None: its start).
+        fallback_expert_gpu: int64 ``[L, E]`` homes a reorder layer keeps when its tasks fail (None: its start).
         stats: the plan's ``stats`` being built; fallbacks: cells that fell back (``FallbackLog``).
     """
 
@@ -85,7 +85,7 @@ class PlanContext:
     sample_gpu: np.ndarray
     options: PlanOptions
     executor: TaskExecutor
-    fallback_homes: np.ndarray | None = None
+    fallback_expert_gpu: np.ndarray | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     fallbacks: FallbackLog = field(default_factory=FallbackLog)
 
@@ -200,7 +200,7 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     objective: without it, a move looks worth its traffic for compute imbalance that the replicas would
     remove anyway (BENCHMARKS.md, "Planner defaults").
 
-    Fallbacks (a task the executor reports as ``TaskFailed``): a reorder layer keeps ``ctx.fallback_homes``
+    Fallbacks (a task the executor reports as ``TaskFailed``): a reorder layer keeps ``ctx.fallback_expert_gpu``
     (else its start), a locality pass keeps the samples where they are; both go to ``ctx.fallbacks``. Past
     the executor's deadline the final reorder and the migration pricing are skipped.
     """
@@ -220,7 +220,7 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
         loc_iters = max(default_locality_iters(len(ctx.lengths), L, G, ctx.repack) // rounds, 100)
     num_seeds = max(1, ctx.executor.workers) if o.num_seeds is None else o.num_seeds
     reorder_kw = dict(num_seeds=num_seeds, executor=ctx.executor, objective=o.objective, beta=o.beta,
-                      smooth=o.smooth, node_comp=node_comp, skew_cap=skew_cap, fallback=ctx.fallback_homes,
+                      smooth=o.smooth, node_comp=node_comp, skew_cap=skew_cap, fallback=ctx.fallback_expert_gpu,
                       fallbacks=ctx.fallbacks)
     for rnd in range(rounds):
         t0 = time.perf_counter()
@@ -254,7 +254,7 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
 
 
-def previous_homes(options: PlanOptions, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+def previous_expert_gpu(options: PlanOptions, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
     """int64 ``[L, E]``: the placement before this batch (option ``previous``: a Placement or array; default
     the static Megatron placement, what the trainer starts from)."""
     prev = options.previous
@@ -271,21 +271,21 @@ def previous_homes(options: PlanOptions, model: ModelSpec, cluster: ClusterSpec)
     return prev
 
 
-def migrate(eg: np.ndarray, mb: np.ndarray, sg: np.ndarray, batch: TraceBatch, num_micro_batches: int,
-            model: ModelSpec, cluster: ClusterSpec, options: PlanOptions, node_comp: bool
+def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, batch: TraceBatch,
+            num_micro_batches: int, model: ModelSpec, cluster: ClusterSpec, options: PlanOptions, node_comp: bool
             ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """Migration-aware finish of relibra-inter (``planners.migration``): relabel GPUs by the fabric's
     symmetries to keep the most experts at their previous homes (cost unchanged), then keep a layer's
     previous homes where the new ones do not pay for their move. Option ``migration=False`` skips both.
 
-    Returns (homes [L, E], sample GPUs [N], info).
+    Returns (expert_gpu [L, E], sample_gpu [N], info).
     """
     if not options.migration:
-        return eg, sg, {"enabled": False}
-    prev = previous_homes(options, model, cluster)
-    perm = relabel_to_previous(eg, prev, cluster)
-    eg, sg = perm[eg], perm[np.asarray(sg, dtype=np.int64)]
-    x = placement_loads(batch, mb, sg, num_micro_batches, cluster.num_gpus)
+        return expert_gpu, sample_gpu, {"enabled": False}
+    prev = previous_expert_gpu(options, model, cluster)
+    perm = relabel_to_previous(expert_gpu, prev, cluster)
+    eg, sg = perm[expert_gpu], perm[np.asarray(sample_gpu, dtype=np.int64)]
+    x = placement_loads(batch, micro_batch, sg, num_micro_batches, cluster.num_gpus)
     moved_before = int((eg != prev).sum())
     eg, info = keep_previous_layers(x, eg, prev, model, cluster, node_comp=node_comp,
                                     optimizer_bytes_per_param=float(options.optimizer_bytes_per_param))
@@ -375,7 +375,7 @@ def check_batch_fits(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec) 
 
 def make_context(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strategy: str, options: PlanOptions,
                  executor: TaskExecutor, micro_batch_size: int | None = None,
-                 fallback_homes: np.ndarray | None = None) -> PlanContext:
+                 fallback_expert_gpu: np.ndarray | None = None) -> PlanContext:
     """The ``PlanContext`` of one call: the batch (re-assigned to micro-batches of ``micro_batch_size`` when
     given), its per-sample counts, the round-robin start and the first ``stats``."""
     if micro_batch_size is not None:
@@ -384,7 +384,7 @@ def make_context(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, stra
     ctx = PlanContext(batch=batch, model=model, cluster=cluster, counts=batch.sample_expert_counts(),
                       lengths=np.asarray(batch.lengths, dtype=np.int64), micro_batch=mb,
                       num_micro_batches=int(mb.max()) + 1, sample_gpu=round_robin_gpus(mb, cluster.num_gpus),
-                      options=options, executor=executor, fallback_homes=fallback_homes)
+                      options=options, executor=executor, fallback_expert_gpu=fallback_expert_gpu)
     ctx.stats.update({"strategy": strategy, "seed": options.seed, "replica_slots": options.replica_slots,
                       "repack": options.repack, "fallbacks": 0, "options": options.strategy_options()})
     return ctx
