@@ -67,7 +67,7 @@ def test_inline_plan_is_valid_and_uses_replicas(inline_plan):
     inline_plan.validate(MODEL, CLUSTER, 16)
     assert inline_plan.stats["fallbacks"] == 0
     assert (inline_plan.replicas.replica_expert >= 0).any()
-    from relibra_moe.planners.scoring import batch_sha1, score_plan
+    from relibra_moe.evaluate import batch_sha1, score_plan
 
     assert inline_plan.stats["batch_sha1"] == batch_sha1(make_batch())
     with pytest.raises(PlanError, match="plan was made for another batch"):

@@ -251,7 +251,7 @@ def test_uniform_loads_balanced_ideal():
 
 def test_simulate_step_matches_score_plan_including_balanced():
     # The simulator's forward T_MoE is the planners' exact score, for a real plan and for Balanced.
-    from relibra_moe.planners.scoring import score_plan
+    from relibra_moe.evaluate import score_plan
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.sim import simulate_step
     from relibra_moe.trace import TraceBatch

@@ -8,7 +8,7 @@ the real GPT-OSS-20B routing trace (``../shared/traces``) on EP8 = 2 x 4 and EP1
 is timed by the step simulator (``relibra_moe.sim``): attention + MoE forward/backward per micro-batch
 and layer, replica transfers, reorder traffic. ``balanced`` is the paper's ideal: the same batch with
 every token's k experts drawn uniformly at random and the same tokens per source GPU
-(``sim.balanced_ideal_loads``, as ``relibra score`` defines it).
+(``evaluate.balanced_plan_loads``, as ``relibra score`` defines it).
 
 To stay within about 3 minutes on a 2-core machine the default run simulates fewer MoE layers and
 micro-batches than the paper for the large synthetic scenarios; the output and the JSON say so
