@@ -72,11 +72,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--repack", action="store_true", help="also choose each sample's micro-batch")
     p.add_argument("--seed", type=int, default=0, help="plan seed (same inputs and seed -> same file)")
     p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
-    p.add_argument("--objective", choices=("batch", "aggregate"), default=None,
+    from ..planners.options import BALANCED_SOURCES, OBJECTIVES
+
+    p.add_argument("--objective", choices=OBJECTIVES, default=None,
                    help="reorder objective: sum over micro-batches of T_MoE (default) or aggregated loads")
     for flag, name, typ, help_ in _OPTION_FLAGS:
         p.add_argument(flag, dest=name, type=typ, default=None, help=help_)
-    p.add_argument("--balanced-sources", choices=("batch", "even"), default=None,
+    p.add_argument("--balanced-sources", choices=BALANCED_SOURCES, default=None,
                    help="sources of the Balanced ideal (balanced): each GPU keeps its tokens (default) or even")
     p.add_argument("--final-reorder", action="store_true",
                    help="re-anneal the homes once more after the last locality pass (relibra*)")
