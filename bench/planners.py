@@ -1,4 +1,4 @@
-"""Planner benchmark: strategies x scenarios, exact cost model (RELIBRA.md §4).
+"""Planner benchmark: strategies x scenarios, exact cost model (docs/method.md, "Cost model").
 
 For each scenario, one table: strategy, sum over micro-batches and layers of the exact T_MoE, speedup
 over static (Megatron-LM), percent of the Balanced ideal (uniform routing, each source GPU keeping its
@@ -37,8 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from relibra_moe.planners.baselines import balanced_t_moe
-from relibra_moe.planners.scoring import score_plan
+from relibra_moe.evaluate import balanced_t_moe, score_plan
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.specs import ClusterSpec, ModelSpec, cluster_preset, model_preset
 from relibra_moe.trace import TraceBatch

@@ -109,7 +109,7 @@ def bench_gap(n: int, seed: int = 0, time_limit: float = 60.0) -> dict:
 
 
 def _score(plan, batch, model, cluster) -> float:
-    from relibra_moe.planners.scoring import score_plan
+    from relibra_moe.evaluate import score_plan
 
     return float(score_plan(plan, batch, model, cluster)["t_moe_total_s"])
 
@@ -150,9 +150,9 @@ SKEW_CAP = 0.05  # the rank-balance mode's soft cap on the node-level compute sk
 def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2, **options) -> dict:
     """Mean rank skew and sum of T_MoE per strategy on qwen3-30b-a3b mixed synthetic batches at each EP size in
     ``eps``: the default relibra (fastest plan), the rank-balance mode (``skew_cap``), each with repacking."""
+    from relibra_moe.evaluate import score_plan
     from relibra_moe.plan import BatchPlan
     from relibra_moe.planners.replicate import replicate_batch
-    from relibra_moe.planners.scoring import score_plan
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.synthetic import rl_batch
 
@@ -200,7 +200,7 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
 def bench_time(num_prompts: int, seed: int = 0, workers: int = 2, **options) -> dict:
     """Wall and CPU seconds of the whole qwen3-235b-a22b relibra solve (EP32 = 4 x 8, r = 2), plan_batch and
     the Planner service."""
-    from relibra_moe.planners.scoring import score_plan
+    from relibra_moe.evaluate import score_plan
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.synthetic import rl_batch
 

@@ -1,4 +1,4 @@
-"""The ReLibra cost model of one MoE layer (RELIBRA.md §4), exact and LSE-smoothed, vectorized.
+"""The ReLibra cost model of one MoE layer (docs/method.md, "Cost model"), exact and LSE-smoothed, vectorized.
 
 Notation: G GPUs in the EP group, E experts. ``x[j, e]`` counts the tokens whose attention runs on GPU j
 and that are routed to expert e (one count per (token, expert) pair). A plan decides which GPU serves
@@ -123,7 +123,7 @@ def flow_matrix(x: np.ndarray, expert_gpu: np.ndarray | None = None,
 
 def cost_from_flow(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
                    beta: float = DEFAULT_BETA) -> MoECost:
-    """The cost model of RELIBRA.md §4 from a flow matrix ``[..., G, G]`` (tokens j -> g).
+    """The cost model of docs/method.md, "Cost model" from a flow matrix ``[..., G, G]`` (tokens j -> g).
 
     Args:
         flow: ``[..., G, G]`` tokens sent from source GPU j to target GPU g (see :func:`flow_matrix`).

@@ -1,4 +1,4 @@
-"""Load-imbalance metrics of RELIBRA.md §1 and §8: arrays in, arrays out.
+"""Load-imbalance metrics of the ReLibra paper's motivation and evaluation: arrays in, arrays out.
 
 - expert skewness: ``max_e load[e] / mean_e load[e]`` (1 = perfectly even; at most E/k per token
   batch when every token picks k distinct experts), per micro-batch and layer;
@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .errors import TraceError
+from .validate import is_int
 
 __all__ = [
     "default_hot_k", "expert_skewness", "rank_skew", "gpu_loads", "hot_sets", "hot_set_intersection",
@@ -106,7 +107,7 @@ def gpu_loads(expert_load: Any, home: Any, num_gpus: int) -> np.ndarray:
         ``[..., G]`` (dtype of ``expert_load``, promoted to at least int64 / float64).
     """
     load = _counts("expert_load", expert_load)
-    if isinstance(num_gpus, (bool, np.bool_)) or not isinstance(num_gpus, (int, np.integer)) or num_gpus <= 0:
+    if not is_int(num_gpus) or num_gpus <= 0:
         raise TraceError(f"num_gpus must be a positive int, got {num_gpus!r}")
     home = np.asarray(home)
     if home.dtype.kind not in "iu":
@@ -145,7 +146,7 @@ def hot_sets(counts: Any, k: int) -> np.ndarray:
     """
     c = _counts("counts", counts)
     e = c.shape[-1]
-    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or not 1 <= k <= e:
+    if not is_int(k) or not 1 <= k <= e:
         raise TraceError(f"hot-set size k={k} must lie in [1, {e}]")
     order = np.argsort(-c, axis=-1, kind="stable")
     return order[..., :k].astype(np.int64)

@@ -456,3 +456,15 @@ def _save_npz_deterministic(path: str | os.PathLike, arrays: dict[str, np.ndarra
             npformat.write_array(buf, np.asarray(arr), allow_pickle=False)
             info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
             zf.writestr(info, buf.getvalue())
+
+
+def round_robin_gpus(micro_batch: np.ndarray, num_gpus: int) -> np.ndarray:
+    """int64 ``[N]``: the k-th sample of a micro-batch (in sample order) runs on GPU ``k mod G``, or, when
+    the micro-batch has fewer samples B than GPUs, on GPU ``floor(k G / B)`` (spread over all nodes)."""
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    out = np.empty(mb.shape[0], np.int64)
+    for m in np.unique(mb):
+        idx = np.flatnonzero(mb == m)
+        k = np.arange(len(idx))
+        out[idx] = k % num_gpus if len(idx) >= num_gpus else (k * num_gpus) // len(idx)
+    return out

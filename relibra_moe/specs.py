@@ -1,7 +1,7 @@
 """Model and cluster descriptions used by the cost model, the planners and the simulator.
 
 ``ModelSpec`` holds the MoE dimensions that drive compute and traffic; ``ClusterSpec`` the fabric.
-Presets carry the paper's models (RELIBRA.md §8) and two real models whose routing traces ship in
+Presets carry the paper's models (the ReLibra paper's evaluation setup) and two real models whose routing traces ship in
 ``../shared/traces``. Every figure was checked against the model's public ``config.json``.
 
 Link classes on a rail-optimized fabric (GPU i of every node is on rail i):
@@ -24,12 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from .validate import is_int
+
 LOC, NV, SR, CR = 0, 1, 2, 3
 LINK_NAMES = ("loc", "nv", "sr", "cr")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -65,11 +63,11 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for f in ("hidden", "ffn", "num_experts", "topk", "num_layers", "dtype_bytes", "num_heads", "num_kv_heads",
                   "head_dim"):
-            if not _is_int(v := getattr(self, f)) or v <= 0:
+            if not is_int(v := getattr(self, f)) or v <= 0:
                 raise ValueError(f"ModelSpec.{f} must be a positive int, got {v!r}")
-        if not _is_int(self.shared_experts) or self.shared_experts < 0:
+        if not is_int(self.shared_experts) or self.shared_experts < 0:
             raise ValueError(f"ModelSpec.shared_experts must be an int >= 0, got {self.shared_experts!r}")
-        if self.shared_ffn is not None and (not _is_int(self.shared_ffn) or self.shared_ffn <= 0):
+        if self.shared_ffn is not None and (not is_int(self.shared_ffn) or self.shared_ffn <= 0):
             raise ValueError(f"ModelSpec.shared_ffn must be a positive int or None, got {self.shared_ffn!r}")
         if self.topk > self.num_experts:
             raise ValueError(f"ModelSpec.topk={self.topk} exceeds num_experts={self.num_experts}")
@@ -124,7 +122,7 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         for f in ("nodes", "gpus_per_node"):
-            if not _is_int(v := getattr(self, f)) or v <= 0:
+            if not is_int(v := getattr(self, f)) or v <= 0:
                 raise ValueError(f"ClusterSpec.{f} must be a positive int, got {v!r}")
         for f in ("nvlink_bw", "rdma_bw", "flops", "attn_flops"):
             v = getattr(self, f)
@@ -205,7 +203,7 @@ _HOPPER = dict(nvlink_bw=450e9, rdma_bw=50e9, flops=700e12)
 def cluster_preset(name: str = "hopper-rail", nodes: int = 1, gpus_per_node: int = 8) -> ClusterSpec:
     """A ClusterSpec from a named fabric; ``nodes`` x ``gpus_per_node`` sizes the EP group.
 
-    Known fabrics: ``hopper-rail`` (the paper's cluster, RELIBRA.md §8).
+    Known fabrics: ``hopper-rail`` (the paper's cluster, the ReLibra paper's evaluation setup).
     """
     if name != "hopper-rail":
         raise ValueError(f"unknown cluster preset {name!r}; known: ['hopper-rail']")

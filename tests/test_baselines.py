@@ -7,17 +7,15 @@ import pytest
 
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError
+from relibra_moe.evaluate import balanced_loads, balanced_sources, plan_flow
 from relibra_moe.plan import Placement
 from relibra_moe.planners.baselines import (
-    balanced_loads,
-    balanced_sources,
     eplb,
     eplb_layer,
     even_split_replicas,
     replicate_counts,
     static_placement,
 )
-from relibra_moe.planners.scoring import plan_flow
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
 

@@ -11,9 +11,8 @@ import pytest
 from relibra_moe.cli import main
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError, TraceError
+from relibra_moe.evaluate import balanced_t_moe, score_plan
 from relibra_moe.plan import BatchPlan
-from relibra_moe.planners.baselines import balanced_t_moe
-from relibra_moe.planners.scoring import score_plan
 from relibra_moe.planners.strategies import STRATEGIES, plan_batch
 from relibra_moe.specs import cluster_preset, model_preset
 from relibra_moe.trace import RoutingTrace, TraceBatch

@@ -87,7 +87,7 @@ def test_simulate_bad_previous_and_optimizer_bytes(files, capsys, tmp_path):
     base = ["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b"]
     assert main(base + ["--previous", str(wide_path)]) == 1
     err = capsys.readouterr().err
-    assert "previous placement: expert_gpu[0, 16] = 8 is outside [0, 8)" in err, err
+    assert f"--previous {wide_path}: num_gpus=16, but the cluster has num_gpus=8" in err, err
     assert main(base + ["--optimizer-bytes", "-1"]) == 1
     assert "optimizer_bytes_per_param=-1.0 must be a finite number >= 0" in capsys.readouterr().err
     assert main(base + ["--cluster", "nope"]) == 1

@@ -1,4 +1,4 @@
-"""The cost model of RELIBRA.md §4 on hand-computed 2-node x 2-GPU cases, one per link class."""
+"""The cost model of docs/method.md, "Cost model" on hand-computed 2-node x 2-GPU cases, one per link class."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_split_reference_hand_case():
 
 
 def test_milp_rejects_bad_input():
-    with pytest.raises(PlanError, match="slots=-1 must be >= 0"):
+    with pytest.raises(PlanError, match="slots=-1 must be an int >= 0"):
         solve_milp(np.ones((4, 8)), np.repeat(np.arange(4), 2), MODEL, CLUSTER, slots=-1)
     with pytest.raises(PlanError, match=r"x \(3, 8\) / expert_gpu \(8,\) do not match G=4"):
         solve_milp(np.ones((3, 8)), np.repeat(np.arange(4), 2), MODEL, CLUSTER, slots=1)

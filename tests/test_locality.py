@@ -11,12 +11,11 @@ from hypothesis import strategies as st
 
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError
+from relibra_moe.plan import round_robin_gpus
 from relibra_moe.planners import _kernels
 from relibra_moe.planners.locality import (
     anneal_locality,
     attention_caps,
-    loads_from_counts,
-    round_robin_gpus,
     sample_flows,
 )
 from relibra_moe.planners.reorder import cluster_constants
@@ -35,16 +34,27 @@ def _case(seed: int, N: int = 12, L: int = 2, E: int = 8, nodes: int = 2, P: int
     return model, cluster, counts, lengths, mb, eg
 
 
-def test_loads_from_counts_matches_loop():
-    model, cluster, counts, lengths, mb, eg = _case(0)
-    sg = round_robin_gpus(mb, cluster.num_gpus)
-    x = loads_from_counts(counts, mb, sg, 3, cluster.num_gpus)
-    ref = np.zeros_like(x)
-    for n in range(len(mb)):
-        ref[mb[n], :, sg[n], :] += counts[n]
-    np.testing.assert_array_equal(x, ref)
-    with pytest.raises(PlanError, match="sample_gpu holds 9"):
-        loads_from_counts(counts, mb, np.full(len(mb), 9), 3, cluster.num_gpus)
+def loads_from_counts(counts, micro_batch, sample_gpu, num_micro_batches, num_gpus):
+    """Reference loads ``[M, L, G, E]``: a plain loop over samples."""
+    N, L, E = counts.shape
+    out = np.zeros((num_micro_batches, L, num_gpus, E), np.int64)
+    for n in range(N):
+        out[micro_batch[n], :, sample_gpu[n], :] += counts[n]
+    return out
+
+
+def test_trace_batch_loads_match_the_reference_loop():
+    from relibra_moe.evaluate import placement_loads
+    from relibra_moe.trace import RoutingTrace, TraceBatch
+
+    rng = np.random.default_rng(0)
+    traces = [RoutingTrace(np.stack([rng.permutation(8)[:2] for _ in range(3 * 5)]).reshape(5, 3, 2).astype(np.int16),
+                           np.arange(3, dtype=np.int32), 8, 2) for _ in range(6)]
+    batch = TraceBatch(traces)
+    mb, sg = np.array([0, 0, 1, 1, 2, 0]), np.array([1, 0, 3, 3, 2, 1])
+    x = placement_loads(batch, mb, sg, 4, 4)  # one trailing empty micro-batch
+    np.testing.assert_array_equal(x, loads_from_counts(batch.sample_expert_counts(), mb, sg, 4, 4))
+    assert x.shape == (4, 3, 4, 8) and not x[3].any()
 
 
 def test_round_robin_spreads_small_micro_batches():
@@ -140,7 +150,7 @@ def test_locality_errors_and_determinism():
         anneal_locality(counts[:, :1], lengths, mb, sg, eg, model, cluster)
     with pytest.raises(PlanError, match=r"lengths has shape \(3,\), expected \[N=12\]"):
         anneal_locality(counts, lengths[:3], mb, sg, eg, model, cluster)
-    with pytest.raises(PlanError, match="tol=-1 must be >= 0"):
+    with pytest.raises(PlanError, match="tol=-1 must be a finite number >= 0"):
         anneal_locality(counts, lengths, mb, sg, eg, model, cluster, tol=-1)
 
 

@@ -13,14 +13,13 @@ from relibra_moe.errors import PlanError
 from relibra_moe.planners.migration import (
     is_symmetry,
     keep_previous_layers,
-    move_bytes,
     relabel_to_previous,
     step_moe_seconds,
     symmetry_perm,
 )
 from relibra_moe.planners.strategies import plan_batch
-from relibra_moe.sim import transfer_seconds
 from relibra_moe.specs import ClusterSpec, ModelSpec
+from relibra_moe.timing import move_bytes, transfer_seconds
 
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=3)
 MODEL = ModelSpec("t", hidden=64, ffn=32, num_experts=12, topk=2, num_layers=3)

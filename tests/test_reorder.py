@@ -243,5 +243,5 @@ def test_node_balanced_start_balances_nodes():
 
     lpt = lpt_placement(x.sum(axis=(0, 1)), cluster.num_gpus)
     assert node_skew(eg) <= node_skew(lpt) + 1e-12
-    with pytest.raises(PlanError, match="skew_cap=-1.0 must be >= 0"):
+    with pytest.raises(PlanError, match="skew_cap=-1.0 must be a finite number >= 0"):
         batch_cost(x, eg, model, cluster, node_comp=True, skew_cap=-1.0)

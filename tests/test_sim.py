@@ -9,16 +9,11 @@ from hypothesis import strategies as st
 
 from relibra_moe.cost import flow_matrix
 from relibra_moe.errors import PlanError
+from relibra_moe.evaluate import plan_flow, uniform_loads
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
-from relibra_moe.sim import (
-    attention_flops,
-    plan_flow,
-    reorder_traffic,
-    simulate_loads,
-    transfer_seconds,
-    uniform_loads,
-)
+from relibra_moe.sim import reorder_traffic, simulate_loads
 from relibra_moe.specs import ClusterSpec, ModelSpec
+from relibra_moe.timing import attention_flops, transfer_seconds
 
 # Round numbers: one (token, expert) pair costs 6*4*8 = 192 FLOPs = 1 s at 192 FLOP/s; a token is
 # 4 * 2 = 8 bytes = 1 s on NVLink (8 B/s) and 2 s on RDMA (4 B/s); an expert is 3*4*8*2 = 192 bytes.
@@ -256,7 +251,7 @@ def test_uniform_loads_balanced_ideal():
 
 def test_simulate_step_matches_score_plan_including_balanced():
     # The simulator's forward T_MoE is the planners' exact score, for a real plan and for Balanced.
-    from relibra_moe.planners.scoring import score_plan
+    from relibra_moe.evaluate import score_plan
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.sim import simulate_step
     from relibra_moe.trace import TraceBatch

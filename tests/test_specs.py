@@ -35,7 +35,7 @@ def test_model_presets(name, hidden, ffn, experts, topk, layers):
 
 
 def test_replica_buffer_matches_paper_figures():
-    # RELIBRA.md §7: r = 2, bf16: 18 MiB (Qwen3-30B-A3B), 72 MiB (Qwen3-235B-A22B)
+    # the ReLibra paper, execution: r = 2, bf16: 18 MiB (Qwen3-30B-A3B), 72 MiB (Qwen3-235B-A22B)
     assert replica_buffer_bytes(model_preset("qwen3-30b-a3b"), 2) / 2**20 == pytest.approx(18.0)
     assert replica_buffer_bytes(model_preset("qwen3-235b-a22b"), 2) / 2**20 == pytest.approx(72.0)
 

@@ -1,13 +1,14 @@
 """``relibra demo``: the main job. Plans real and synthetic RL batches with every strategy, simulates the
 training step of each plan, and reports tables, PNG plots and a JSON report.
 
-Scenarios (RELIBRA.md §8): the paper's three models on their EP groups with synthetic RL batches for the
-domains math, code, instruction and mixed (clearly labelled synthetic: ``relibra_moe.synthetic``), and
+Scenarios (the ReLibra paper's evaluation setup): the paper's three models on their EP groups with
+synthetic RL batches for the domains math, code, instruction and mixed (clearly labelled synthetic:
+``relibra_moe.synthetic``), and
 the real GPT-OSS-20B routing trace (``../shared/traces``) on EP8 = 2 x 4 and EP16 = 2 x 8. Every plan
 is timed by the step simulator (``relibra_moe.sim``): attention + MoE forward/backward per micro-batch
 and layer, replica transfers, reorder traffic. ``balanced`` is the paper's ideal: the same batch with
 every token's k experts drawn uniformly at random and the same tokens per source GPU
-(``sim.balanced_ideal_loads``, as ``relibra score`` defines it).
+(``evaluate.balanced_plan_loads``, as ``relibra score`` defines it).
 
 To stay within about 3 minutes on a 2-core machine the default run simulates fewer MoE layers and
 micro-batches than the paper for the large synthetic scenarios; the output and the JSON say so
@@ -27,11 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import report
 from ..errors import PlanError, RelibraError
 from ..plan import json_default
 
-STRATEGY_ORDER = ("static", "eplb", "lplb", "relibra-inter", "relibra", "balanced")
-REPACK_STRATEGIES = ("static", "relibra-inter", "relibra")
 DOMAINS = ("math", "code", "instruction", "mixed")
 PAPER_CLUSTERS = {"qwen3-30b-a3b": (2, 8), "glm4.5-106b-a12b": (4, 8), "qwen3-235b-a22b": (4, 8)}
 REPORT_VERSION = 1
@@ -145,17 +145,19 @@ def build_batch(sc: Scenario, seed: int) -> Any:
 
 # --------------------------------------------------------------------------------------- planning
 def _strategies_available() -> tuple[Any, list[str]]:
-    """``(plan_batch, the STRATEGY_ORDER names it knows)``."""
-    from ..planners.strategies import STRATEGIES, plan_batch
+    """``(plan_batch, the registry's compared strategies, in report order)``."""
+    from ..planners.strategies import COMPARED_STRATEGIES, STRATEGIES, plan_batch
 
-    return plan_batch, [s for s in STRATEGY_ORDER if s in STRATEGIES]
+    return plan_batch, [s for s in COMPARED_STRATEGIES if s in STRATEGIES]
 
 
 def strategy_runs(sc: Scenario, strategies: list[str]) -> list[tuple[str, str, bool]]:
     """``(label, strategy, repack)`` of every plan the scenario needs."""
+    from ..planners.strategies import REPACK_COMPARED
+
     runs = [(s, s, False) for s in strategies]
     if sc.repack and len(strategies) > 1:
-        runs += [(f"{s}+repack", s, True) for s in REPACK_STRATEGIES if s in strategies]
+        runs += [(f"{s}+repack", s, True) for s in REPACK_COMPARED if s in strategies]
     return runs
 
 
@@ -286,8 +288,6 @@ def notes(scenarios: list[dict[str, Any]]) -> list[str]:
 
 def write_plots(out: Path, scenarios: list[dict[str, Any]]) -> list[str]:
     """PNG plots: per-GPU loads (worst static layer/micro-batch), rank skew per micro-batch, throughput bars."""
-    from .. import report
-
     files: list[str] = []
     for sc in scenarios:
         det = sc["_details"]
@@ -321,7 +321,6 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .. import report
     from ..datasets import TracesNotFoundError, traces_dir
 
     if console is None:

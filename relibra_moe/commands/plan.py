@@ -1,9 +1,12 @@
 """``relibra plan`` and ``relibra score``: make a plan file for a trace, and re-score any plan file.
 
 ``relibra plan TRACE --model PRESET --nodes N --gpus-per-node P --strategy S [--replica-slots r]
-[--micro-batch-size B] [--repack] [--seed S] [--workers W] --out PLAN.npz [--json]`` plans the batch in
-TRACE (a ``TraceBatch`` .npz) with ``planners.strategies.plan_batch``, writes the plan, and prints its
-exact cost (``planners.scoring.score_plan``). ``relibra score TRACE PLAN --model PRESET [--json]``
+[--micro-batch-size B] [--repack] [--seed S] [--workers W] [plan options] --out PLAN.npz [--json]`` plans
+the batch in TRACE (a ``TraceBatch`` .npz): the flags build one ``planners.options.PlanOptions`` (every
+option a user may set: ``--previous PLAN.npz``, ``--migration price|free``, ``--replica-pricing
+price|free``, ``--iters``, ``--rounds``, ``--skew-cap``, ``--token-cap``, ...), ``plan_with_options``
+plans, the plan is written and its exact cost printed (``evaluate.score_plan``). The strategy choices are
+the registry's (``planners.strategies.STRATEGIES``). ``relibra score TRACE PLAN --model PRESET [--json]``
 re-scores a plan file with the same function, so the two agree.
 """
 
@@ -18,11 +21,38 @@ import numpy as np
 from ..errors import PlanError
 
 if TYPE_CHECKING:
-    from ..plan import BatchPlan
+    from ..plan import BatchPlan, Placement
+    from ..planners.options import PlanOptions
     from ..specs import ClusterSpec, ModelSpec
     from ..trace import TraceBatch
 
-STRATEGY_NAMES = ("static", "lpt", "eplb", "balanced", "relibra-inter", "lplb", "relibra")
+PRICE_CHOICES = ("price", "free")
+"""``--migration`` / ``--replica-pricing``: charge the traffic in the plan's objective, or plan as if it were free."""
+
+# flag -> (PlanOptions field, type, help); None-valued flags leave the option at its default
+_OPTION_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--iters", "iters", int, "annealing proposals per layer, seed and round (default: from the problem size)"),
+    ("--locality-iters", "locality_iters", int, "sample-placement annealing proposals per round"),
+    ("--num-seeds", "num_seeds", int, "annealing runs per layer (default: one per worker)"),
+    ("--rounds", "rounds", int, "reorder + locality rounds (relibra*; default 2)"),
+    ("--tol", "tol", float, "attention-work tolerance of the sample placement over the mean (default 0.05)"),
+    ("--beta", "beta", float, "LSE sharpness of the smoothed objectives"),
+    ("--token-cap", "token_cap", int, "with --repack: micro-batches may change sample counts, tokens at most this"),
+    ("--num-groups", "num_groups", int, "EPLB expert groups (eplb, lplb; default: no hierarchy)"),
+    ("--final-iters", "final_iters", int, "proposals of --final-reorder (default 8 x a round's)"),
+    ("--optimizer-bytes", "optimizer_bytes_per_param", float,
+     "optimizer-state bytes per parameter that move with a re-laid-out expert (default 12)"),
+    ("--skew-cap", "skew_cap", float,
+     "rank-balance mode (relibra*): soft cap on the node-level compute skew, e.g. 0.05; trades communication for "
+     "rank balance (off by default: it lengthens T_MoE on multi-node clusters)"),
+    ("--cell-chunk", "cell_chunk", int, "replication cells per task (default: about 16 tasks per worker)"),
+)
+
+
+def _strategy_registry() -> tuple[str, ...]:
+    from ..planners.strategies import STRATEGIES
+
+    return tuple(STRATEGIES)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,23 +65,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--strategy", required=True, choices=STRATEGY_NAMES, help="planning strategy")
+    p.add_argument("--strategy", required=True, choices=_strategy_registry(), help="planning strategy")
     p.add_argument("--replica-slots", type=int, default=0, help="replica slots per GPU r (eplb, lplb, relibra)")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="assign sample i to micro-batch i // B (default: the trace's own assignment)")
     p.add_argument("--repack", action="store_true", help="also choose each sample's micro-batch")
-    p.add_argument("--token-cap", type=int, default=None,
-                   help="with --repack: micro-batches may change sample counts, tokens at most this")
     p.add_argument("--seed", type=int, default=0, help="plan seed (same inputs and seed -> same file)")
     p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
-    p.add_argument("--objective", choices=("batch", "aggregate"), default="batch",
+    from ..planners.options import BALANCED_SOURCES, OBJECTIVES
+
+    p.add_argument("--objective", choices=OBJECTIVES, default=None,
                    help="reorder objective: sum over micro-batches of T_MoE (default) or aggregated loads")
-    p.add_argument("--iters", type=int, default=None, help="annealing proposals per layer and seed")
-    p.add_argument("--locality-iters", type=int, default=None, help="sample-placement annealing proposals")
-    p.add_argument("--rounds", type=int, default=None, help="reorder + locality rounds (relibra*; default 2)")
-    p.add_argument("--skew-cap", type=float, default=None,
-                   help="rank-balance mode (relibra*): soft cap on the node-level compute skew, e.g. 0.05; trades "
-                        "communication for rank balance (off by default: it lengthens T_MoE on multi-node clusters)")
+    for flag, name, typ, help_ in _OPTION_FLAGS:
+        p.add_argument(flag, dest=name, type=typ, default=None, help=help_)
+    p.add_argument("--balanced-sources", choices=BALANCED_SOURCES, default=None,
+                   help="sources of the Balanced ideal (balanced): each GPU keeps its tokens (default) or even")
+    p.add_argument("--final-reorder", action="store_true",
+                   help="re-anneal the homes once more after the last locality pass (relibra*)")
+    p.add_argument("--previous", default=None, metavar="PLAN.npz",
+                   help="plan file whose placement precedes this batch: moves are priced against it "
+                        "(default: the static placement)")
+    p.add_argument("--migration", choices=PRICE_CHOICES, default="price",
+                   help="expert moves: priced against the previous placement (default) or free (relibra*)")
+    p.add_argument("--replica-pricing", choices=PRICE_CHOICES, default="price",
+                   help="replica pushes / pulls not hidden behind attention: priced (default) or free (relibra)")
     p.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
     p.add_argument("--out", required=True, help="plan file to write (.npz)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -102,6 +139,43 @@ def cluster_of_plan(plan: BatchPlan, plan_path: str, cluster_name: str) -> Clust
     return _cluster(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node)
 
 
+def load_previous(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str = "--previous") -> Placement:
+    """The placement of plan file ``path`` (for ``--previous``); PlanError naming the file and the field when it
+    is not a plan for this model (``num_layers``, ``num_experts``) and cluster (``num_gpus``, ``gpus_per_node``)."""
+    from ..plan import BatchPlan
+
+    try:
+        prev = BatchPlan.load(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise PlanError(f"{flag} {path}: not a readable plan file ({type(exc).__name__}: {exc})") from None
+    for field, have, want, of in (("num_layers", prev.num_layers, model.num_layers, f"model {model.name}"),
+                                  ("num_experts", prev.num_experts, model.num_experts, f"model {model.name}"),
+                                  ("num_gpus", prev.num_gpus, cluster.num_gpus, "the cluster"),
+                                  ("gpus_per_node", prev.gpus_per_node, cluster.gpus_per_node, "the cluster")):
+        if have != want:
+            raise PlanError(f"{flag} {path}: {field}={have}, but {of} has {field}={want}")
+    return prev.placement
+
+
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The ``PlanOptions`` of a ``relibra plan`` command line (flags left unset keep their defaults)."""
+    from ..planners.options import PlanOptions
+
+    kw: dict[str, Any] = {"replica_slots": args.replica_slots, "seed": args.seed, "workers": args.workers,
+                          "repack": bool(args.repack), "migration": args.migration == "price",
+                          "price_replicas": args.replica_pricing == "price",
+                          "final_reorder": bool(args.final_reorder)}
+    for _, name, _, _ in _OPTION_FLAGS:
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    for name in ("objective", "balanced_sources"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    if getattr(args, "previous_placement", None) is not None:
+        kw["previous"] = args.previous_placement
+    return PlanOptions.from_kwargs(**kw)
+
+
 def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: str
                 ) -> tuple[ModelSpec, TraceBatch, BatchPlan, ClusterSpec]:
     """``(model, batch, plan, cluster)`` for ``relibra score`` / ``relibra simulate``: the preset, the trace
@@ -117,8 +191,7 @@ def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: 
 
 
 def _score(plan, batch, model, cluster, balanced: bool) -> dict[str, Any]:
-    from ..planners.baselines import balanced_t_moe
-    from ..planners.scoring import json_summary, score_plan
+    from ..evaluate import balanced_t_moe, json_summary, score_plan
 
     bal = None
     if balanced:
@@ -132,7 +205,7 @@ def _score(plan, batch, model, cluster, balanced: bool) -> dict[str, Any]:
 
 def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     """Plan, save, score: the JSON-ready result (what ``relibra plan --json`` prints)."""
-    from ..planners.strategies import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, plan_batch
+    from ..planners.strategies import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, plan_with_options
     from ..trace import TraceBatch
 
     model = _model(args.model)
@@ -145,16 +218,15 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     if args.micro_batch_size is None and (batch.micro_batch is None or int(np.min(batch.micro_batch)) < 0):
         raise PlanError(f"trace {args.trace} has no micro-batch assignment (for every sample): pass "
                         "--micro-batch-size B")
-    options: dict[str, Any] = {"objective": args.objective}
     if args.skew_cap is not None and args.strategy not in RELIBRA_STRATEGIES:
         raise PlanError(f"--skew-cap={args.skew_cap} only applies to {' and '.join(RELIBRA_STRATEGIES)}, not "
                         f"--strategy {args.strategy}")
-    for k in ("iters", "locality_iters", "token_cap", "rounds", "skew_cap"):
-        v = getattr(args, k)
-        if v is not None:
-            options[k] = v
-    plan = plan_batch(batch, model, cluster, args.strategy, replica_slots=args.replica_slots, seed=args.seed,
-                      workers=args.workers, repack=args.repack, micro_batch_size=args.micro_batch_size, **options)
+    if args.token_cap is not None and not args.repack:
+        raise PlanError(f"--token-cap={args.token_cap} only applies with --repack")
+    if args.previous is not None:
+        args.previous_placement = load_previous(args.previous, model, cluster)
+    plan = plan_with_options(batch, model, cluster, args.strategy, plan_options(args),
+                             micro_batch_size=args.micro_batch_size)
     plan.save(args.out)
     if args.micro_batch_size is not None:
         batch = batch.with_micro_batch_size(args.micro_batch_size)

@@ -10,6 +10,8 @@ import argparse
 import json
 from typing import Any
 
+from .plan import load_inputs, load_previous
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``relibra simulate`` to the CLI."""
@@ -35,12 +37,11 @@ def simulate_files(trace_path: str, plan_path: str, model_name: str, cluster_nam
                    previous_path: str | None = None, optimizer_bytes: float | None = None,
                    replica_mode: str = "auto") -> dict[str, Any]:
     """Load the files, simulate, return the JSON-ready result (what ``--json`` prints)."""
-    from ..plan import BatchPlan
-    from ..sim import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, simulate_step
-    from .plan import load_inputs
+    from ..sim import simulate_step
+    from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
 
     model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name)
-    previous = BatchPlan.load(previous_path).placement if previous_path else None
+    previous = load_previous(previous_path, model, cluster) if previous_path else None
     opt = DEFAULT_OPTIMIZER_BYTES_PER_PARAM if optimizer_bytes is None else optimizer_bytes
     step = simulate_step(plan, batch, model, cluster, previous=previous, optimizer_bytes_per_param=opt,
                          replica_mode=replica_mode)

@@ -581,28 +581,6 @@ def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, s
 
 
 @njit(cache=True)
-def balanced_counts(tokens, num_experts, topk, num_layers, seed):
-    """Uniform routing: for each entry of ``tokens [K]`` draw that many tokens' k distinct experts per layer.
-
-    Returns int64 ``[K, L, E]`` counts (partial Fisher-Yates per token).
-    """
-    np.random.seed(seed)
-    K = tokens.shape[0]
-    out = np.zeros((K, num_layers, num_experts), np.int64)
-    perm = np.arange(num_experts)
-    for i in range(K):
-        for l in range(num_layers):
-            for _ in range(tokens[i]):
-                for s in range(topk):
-                    r = s + np.random.randint(num_experts - s)
-                    t = perm[s]
-                    perm[s] = perm[r]
-                    perm[r] = t
-                    out[i, l, perm[s]] += 1
-    return out
-
-
-@njit(cache=True)
 def sample_flows(counts, expert_gpu, num_gpus):
     """float64 ``[N, L, G]``: tokens of sample n in layer l routed to experts homed on GPU g.
 

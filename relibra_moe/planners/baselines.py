@@ -1,5 +1,5 @@
-"""Baselines: static (Megatron-LM), EPLB (DeepSeek's expert-parallelism load balancer, given the batch's
-true loads: the paper's EPLB+), and the Balanced ideal (RELIBRA.md §8).
+"""Baselines: static (Megatron-LM) and EPLB (DeepSeek's expert-parallelism load balancer, given the batch's
+true loads: the paper's EPLB+). The Balanced ideal, a reference rather than a plan, is in ``relibra_moe.evaluate``.
 
 EPLB follows its published description (github.com/deepseek-ai/EPLB, README): with expert groups that
 the nodes divide, the *hierarchical* policy packs groups onto nodes with balanced packing, replicates the
@@ -22,15 +22,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..cost import moe_cost
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan
-from ..specs import ClusterSpec, ModelSpec
-from . import _kernels
-from .split import check_int, check_token_counts
+from ..validate import check_int, check_token_counts
 
 if TYPE_CHECKING:
-    from ..trace import TraceBatch
+    pass
 
 
 def static_placement(num_layers: int, num_experts: int, num_gpus: int) -> np.ndarray:
@@ -206,54 +203,3 @@ def even_split_replicas(expert_gpu: np.ndarray, slots: np.ndarray, x: np.ndarray
     else:
         index, share = np.zeros((0, 5), np.int32), np.zeros(0, np.float32)
     return ReplicaPlan(rep, index, share, scope="global")
-
-
-def balanced_loads(tokens_per_source: np.ndarray, model: ModelSpec, seed: int = 0) -> np.ndarray:
-    """The Balanced ideal's loads: int64 ``[M, L, G, E]``.
-
-    Args:
-        tokens_per_source: int ``[M, G]`` tokens whose attention runs on each source GPU in each
-            micro-batch (the batch's own, or an even split: see ``balanced_sources``).
-
-    Every token draws its k experts uniformly at random (distinct), independently per layer.
-    """
-    t = np.asarray(tokens_per_source, dtype=np.int64)
-    if t.ndim != 2 or (t < 0).any():
-        raise PlanError(f"tokens_per_source must be a non-negative [M, G] array, got shape {t.shape}")
-    M, G = t.shape
-    counts = _kernels.balanced_counts(t.ravel(), model.num_experts, model.topk, model.num_layers,
-                                      int(seed) & 0x7FFFFFFF)
-    return counts.reshape(M, G, model.num_layers, model.num_experts).transpose(0, 2, 1, 3).copy()
-
-
-def balanced_sources(lengths: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, num_micro_batches: int,
-                     num_gpus: int, mode: str = "batch") -> np.ndarray:
-    """int64 ``[M, G]`` tokens per (micro-batch, source GPU) for the Balanced ideal.
-
-    mode "batch": each source keeps the tokens the sample placement gives it (only the routing is made
-    uniform; the paper's setting, where each data-parallel rank keeps its samples); "even": every
-    micro-batch's tokens split evenly over the G sources (the first ``T mod G`` get one more).
-    """
-    mb = np.asarray(micro_batch, dtype=np.int64)
-    t = np.zeros((num_micro_batches, num_gpus), np.int64)
-    np.add.at(t, (mb, np.asarray(sample_gpu, dtype=np.int64)), np.asarray(lengths, dtype=np.int64))
-    if mode == "batch":
-        return t
-    if mode != "even":
-        raise PlanError(f"balanced sources mode {mode!r} is not 'batch' or 'even'")
-    tot = t.sum(axis=1, keepdims=True)
-    return tot // num_gpus + (np.arange(num_gpus)[None, :] < tot % num_gpus)
-
-
-def balanced_t_moe(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, seed: int = 0, mode: str = "batch",
-                   micro_batch: np.ndarray | None = None) -> float:
-    """Sum over micro-batches and layers of the exact T_MoE (seconds) of the Balanced ideal of ``batch``
-    (a TraceBatch with a micro-batch assignment, or ``micro_batch [N]``): uniform routing, static
-    placement, samples round-robin, sources per ``mode`` (see ``balanced_sources``)."""
-    from .locality import round_robin_gpus
-
-    mb = batch.resolve_micro_batch(micro_batch)
-    M, G = int(mb.max()) + 1, cluster.num_gpus
-    x = balanced_loads(balanced_sources(batch.lengths, mb, round_robin_gpus(mb, G), M, G, mode), model, seed)
-    eg = static_placement(model.num_layers, model.num_experts, G)
-    return float(moe_cost(x, eg, model, cluster).t_moe.sum())

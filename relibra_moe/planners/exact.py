@@ -1,6 +1,7 @@
 """cvxpy references for one cell (micro-batch x layer): the split LP with z fixed and the full MILP.
 
-Both follow RELIBRA.md §6 literally, on dense variables, independently of ``split.py``:
+Both follow the problem of docs/method.md ("Replication and the token split") literally, on dense
+variables, independently of ``split.py``:
 
 - ``y[j, e, g] in [0, 1]`` share of ``x[j, e]`` served on GPU g, ``sum_g y[j, e, g] = 1``;
 - ``y[j, e, g] <= z[e, g]`` with ``z[e, home(e)] = 1`` and ``z[e, g] = 0`` outside the home's node;
@@ -24,6 +25,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..validate import check_int
 from .split import cell_weights, holders
 
 __all__ = ["MilpSolution", "split_lp_reference", "solve_milp"]
@@ -103,7 +105,7 @@ def split_lp_reference(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np
 
 def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
                time_limit: float = 60.0, mip_rel_gap: float = 1e-4) -> MilpSolution:
-    """The full replication MILP of RELIBRA.md §6 for one cell, solved by HiGHS through cvxpy.
+    """The full replication MILP of one cell (docs/method.md, "Replication and the token split"), by HiGHS via cvxpy.
 
     Args:
         x: ``[G, E]`` tokens per (source GPU, expert); expert_gpu: ``[E]`` homes.
@@ -118,8 +120,7 @@ def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster:
     G, E = x.shape
     if G != cluster.num_gpus or expert_gpu.shape != (E,):
         raise PlanError(f"x {x.shape} / expert_gpu {expert_gpu.shape} do not match G={cluster.num_gpus}")
-    if slots < 0:
-        raise PlanError(f"slots={slots} must be >= 0")
+    check_int("slots", slots, 0)
     P = cluster.gpus_per_node
     node = np.arange(G) // P
     in_node = (node[expert_gpu][:, None] == node[None, :]).astype(np.float64)  # [E, G]

@@ -1,4 +1,4 @@
-"""Where samples run, with experts frozen (RELIBRA.md §5, data-locality round; RoutePack-style repacking).
+"""Where samples run, with experts frozen (docs/method.md, "Locality"; RoutePack-style repacking).
 
 Data-parallel attention lets any sample run its attention on any GPU of the EP group; that GPU is the
 source of the sample's tokens in the cost model. With the expert homes fixed, this module anneals
@@ -25,33 +25,9 @@ import numpy as np
 from ..cost import DEFAULT_BETA, cost_from_flow
 from ..errors import PlanError
 from ..specs import ClusterSpec, ModelSpec
+from ..validate import check_index_range, check_int, check_nonnegative, check_positive
 from . import _kernels
 from .reorder import cluster_constants
-from .split import check_index_range, check_int, check_positive
-
-
-def loads_from_counts(counts: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
-                      num_micro_batches: int, num_gpus: int) -> np.ndarray:
-    """int64 ``[M, L, G, E]`` tokens per micro-batch, layer, source GPU and expert.
-
-    Args:
-        counts: ``[N, L, E]`` tokens of sample n routed to expert e in layer l.
-        micro_batch, sample_gpu: ``[N]`` where each sample runs.
-    """
-    counts = np.asarray(counts)
-    N, L, E = counts.shape
-    mb = np.asarray(micro_batch, dtype=np.int64)
-    sg = np.asarray(sample_gpu, dtype=np.int64)
-    if mb.shape != (N,) or sg.shape != (N,):
-        raise PlanError(f"micro_batch {mb.shape} and sample_gpu {sg.shape} must be [N={N}]")
-    if N and (mb.min() < 0 or mb.max() >= num_micro_batches):
-        raise PlanError(f"micro_batch holds {int(mb.max())}, outside [0, {num_micro_batches})")
-    if N and (sg.min() < 0 or sg.max() >= num_gpus):
-        raise PlanError(f"sample_gpu holds {int(sg.max())}, outside [0, {num_gpus})")
-    out = np.zeros((num_micro_batches, L, num_gpus, E), np.int64)
-    for n in range(N):  # N row adds of [L, E]: faster than np.add.at's unbuffered scatter
-        out[mb[n], :, sg[n]] += counts[n]
-    return out
 
 
 def sample_flows(counts: np.ndarray, expert_gpu: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -78,18 +54,6 @@ def flows_from_samples(cf: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.n
 
 def _exact_total(cf, mb, sg, M, model, cluster) -> float:
     return float(cost_from_flow(flows_from_samples(cf, mb, sg, M, cluster.num_gpus), model, cluster).t_moe.sum())
-
-
-def round_robin_gpus(micro_batch: np.ndarray, num_gpus: int) -> np.ndarray:
-    """int64 ``[N]``: the k-th sample of a micro-batch (in sample order) runs on GPU ``k mod G``, or, when
-    the micro-batch has fewer samples B than GPUs, on GPU ``floor(k G / B)`` (spread over all nodes)."""
-    mb = np.asarray(micro_batch, dtype=np.int64)
-    out = np.empty(mb.shape[0], np.int64)
-    for m in np.unique(mb):
-        idx = np.flatnonzero(mb == m)
-        k = np.arange(len(idx))
-        out[idx] = k % num_gpus if len(idx) >= num_gpus else (k * num_gpus) // len(idx)
-    return out
 
 
 def attention_caps(lengths: np.ndarray, num_cells: int, tol: float) -> tuple[float, float]:
@@ -139,8 +103,7 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
     lengths = np.asarray(lengths, dtype=np.float64)
     if lengths.shape != (N,):
         raise PlanError(f"lengths has shape {lengths.shape}, expected [N={N}]")
-    if tol < 0:
-        raise PlanError(f"tol={tol} must be >= 0")
+    check_nonnegative("tol", tol)
     if iters is not None:
         check_int("iters", iters, 0)
     check_positive("beta", beta)

@@ -1,4 +1,4 @@
-"""LPLB+ baseline (RELIBRA.md §8-9): a fixed intra-node replica topology, copies chosen from the batch's
+"""LPLB+ baseline (the ReLibra paper's baselines): a fixed intra-node replica topology, copies chosen from the batch's
 loads, and a per-micro-batch LP token split.
 
 DeepSeek's LPLB keeps at most one redundant copy per expert on a fixed topology and redistributes
@@ -21,8 +21,9 @@ import numpy as np
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
+from ..validate import check_index_range, check_int
 from .replicate import CellResult, assemble
-from .split import check_index_range, check_int, fast_split, solve_split_lp
+from .split import fast_split, solve_split_lp
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch

@@ -1,7 +1,7 @@
-"""Migration-aware inter-batch placement: price the once-per-batch expert moves (RELIBRA.md §5, DESIGN.md).
+"""Migration-aware inter-batch placement: price the once-per-batch expert moves (docs/method.md, "Migration").
 
 Moving expert (l, e) from its previous home to a new one carries its weights and optimizer state
-(``model.expert_params x (dtype_bytes + optimizer_bytes_per_param)`` bytes, ``sim.reorder_traffic``), once
+(``timing.move_bytes``: ``model.expert_params x (dtype_bytes + optimizer_bytes_per_param)`` bytes), once
 per batch, not overlapped. Two steps lower that traffic after the reorder:
 
 1. **Relabel by the fabric's symmetries** (free): on a rail-optimized cluster the link class of (i, j)
@@ -11,9 +11,9 @@ per batch, not overlapped. Two steps lower that traffic after the reorder:
    they were (alternating assignment problems over node and rail permutations, from several starts).
 2. **Keep the previous placement of a layer** (``keep_previous_layers``) when the new placement's gain in
    step time does not pay for moving that layer's experts. The gain is the layer's forward + backward
-   MoE time summed over micro-batches (``3 max comp + 2 max comm``, as ``sim.py`` charges it); the price
-   is the transfer time of the layer's moved experts on their own (an upper bound of their share of the
-   concurrent re-layout).
+   MoE time summed over micro-batches (``timing.moe_step_seconds``: ``3 max comp + 2 max comm``, as the
+   simulator charges it); the price is the transfer time of the layer's moved experts on their own (an
+   upper bound of their share of the concurrent re-layout).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from scipy.optimize import linear_sum_assignment
 from ..cost import moe_cost
 from ..errors import PlanError
 from ..specs import ClusterSpec, ModelSpec
-
-DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 12.0
+from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, moe_step_seconds, move_bytes, transfer_seconds
 
 
 def symmetry_perm(node_perm: np.ndarray, rail_perm: np.ndarray, gpus_per_node: int) -> np.ndarray:
@@ -87,16 +86,9 @@ def relabel_to_previous(expert_gpu: np.ndarray, previous: np.ndarray, cluster: C
     return best_perm
 
 
-def move_bytes(model: ModelSpec, optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM) -> float:
-    """Bytes one expert's move carries: weights + optimizer state."""
-    return float(model.expert_params * (model.dtype_bytes + float(optimizer_bytes_per_param)))
-
-
 def layer_move_seconds(old: np.ndarray, new: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
                        optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM) -> float:
-    """Seconds to move one layer's experts from homes ``old [E]`` to ``new [E]`` (``sim.transfer_seconds``)."""
-    from ..sim import transfer_seconds
-
+    """Seconds to move one layer's experts from homes ``old [E]`` to ``new [E]`` (``timing.transfer_seconds``)."""
     moved = np.asarray(old) != np.asarray(new)
     if not moved.any():
         return 0.0
@@ -115,7 +107,7 @@ def step_moe_seconds(x_layer: np.ndarray, expert_gpu: np.ndarray, model: ModelSp
     comp = c.comp
     if node_comp and cluster.nodes > 1:
         comp = comp.reshape(comp.shape[:-1] + (cluster.nodes, cluster.gpus_per_node)).mean(axis=-1)
-    return float((3.0 * comp.max(axis=-1) + 2.0 * c.comm.max(axis=-1)).sum())
+    return float(moe_step_seconds(comp.max(axis=-1), c.comm.max(axis=-1)).sum())
 
 
 def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarray, model: ModelSpec,
@@ -126,7 +118,7 @@ def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.nda
 
     Greedy on the joint re-layout: layers in decreasing order of ``gain / standalone move time``; a layer's
     new homes are taken when its gain exceeds the increase of the re-layout time of all taken moves
-    (``sim.transfer_seconds``: the moves run concurrently, so a layer whose moves load other links costs
+    (``timing.transfer_seconds``: the moves run concurrently, so a layer whose moves load other links costs
     less than on its own).
 
     Args:
@@ -138,8 +130,6 @@ def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.nda
         saved by the new homes) and ``move_s`` (standalone move seconds), and ``relayout_s`` (the taken
         moves together)).
     """
-    from ..sim import transfer_seconds
-
     x = np.asarray(x)
     eg = np.asarray(expert_gpu, dtype=np.int64).copy()
     prev = np.asarray(previous, dtype=np.int64)

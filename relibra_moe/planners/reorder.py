@@ -1,4 +1,4 @@
-"""Inter-batch expert reordering (RELIBRA.md §5, Algorithm 1): greedy LPT start + swap annealing.
+"""Inter-batch expert reordering (Algorithm 1): greedy LPT start + swap annealing (docs/method.md, "Reorder").
 
 Pure functions of arrays. The unit of work is one layer and one seed (``anneal_layer``): picklable
 arguments in, ``(expert_gpu [E], exact objective)`` out, so a process pool (or the Planner service)
@@ -12,25 +12,22 @@ Two objectives to anneal on:
 - ``"aggregate"``: the paper's, T_MoE of the batch-aggregated loads ``x.sum(0)``: O(G) per swap.
 
 The winner of a layer is always chosen by the exact batch cost (sum over micro-batches of the exact
-T_MoE, the formulas of ``cost.moe_cost``). Measured with relibra-inter on the bench scenarios
-(bench/planners.py, default budgets), "batch" gives the lower sum of T_MoE on GPT-OSS EP8 (264.3 vs 274.3
-ms), GPT-OSS EP16 (240.3 vs 241.4 ms) and qwen3-30b EP16 (6.52 vs 7.25 s), "aggregate" on qwen3-235b EP32
-(36.1 vs 37.4 s, at 1.5x the solve time: its O(G) moves buy 16x more proposals there), hence "batch" is
-the default.
+T_MoE, the formulas of ``cost.moe_cost``). "batch" is the default: it gives the lower sum of T_MoE on
+most bench scenarios (BENCHMARKS.md, "Planner defaults").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
 from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..validate import check_int, check_nonnegative, check_positive, check_token_counts
 from . import _kernels
-from .split import check_int, check_positive, check_token_counts
+from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 
 OBJECTIVES = ("batch", "aggregate")
 
@@ -118,8 +115,8 @@ SKEW_PENALTY = 50.0
 
 def _comp_model(cluster: ClusterSpec, node_comp: bool, skew_cap: float | None) -> tuple[int, float, float]:
     """``(ns, cap, pen)`` of the numba kernels' compute term."""
-    if skew_cap is not None and skew_cap < 0:
-        raise PlanError(f"skew_cap={skew_cap} must be >= 0")
+    if skew_cap is not None:
+        check_nonnegative("skew_cap", skew_cap)
     ns = int(cluster.gpus_per_node) if node_comp and cluster.nodes > 1 else 1
     if node_comp and skew_cap is not None:
         return ns, float(skew_cap), SKEW_PENALTY
@@ -221,7 +218,7 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
     return best, batch_cost(x, best, model, cluster, node_comp, skew_cap)
 
 
-def _better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
+def better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
                   layer: int, skew_cap: float | None = None) -> np.ndarray:
     """The better of ``lpt`` (any start) and ``node_balanced_start`` under the replication-aware batch cost."""
     nb = node_balanced_start(x_layer, cluster, seed=layer_seeds(seed, 1, layer)[0])
@@ -231,10 +228,10 @@ def _better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluste
     return lpt
 
 
-def _layer_task(args: tuple) -> tuple[int, int, np.ndarray, float]:
-    l, s, x_layer, model, cluster, init, kw = args
-    eg, obj = anneal_layer(x_layer, model, cluster, s, init=init, **kw)
-    return l, s, eg, obj
+def anneal_layer_task(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int, init: np.ndarray,
+                      kw: dict) -> tuple[np.ndarray, float]:
+    """One reorder task for an executor: ``anneal_layer(x_layer, model, cluster, seed, init=init, **kw)``."""
+    return anneal_layer(x_layer, model, cluster, seed, init=init, **kw)
 
 
 def layer_seeds(seed: int, num_seeds: int, layer: int) -> list[int]:
@@ -248,19 +245,23 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
             beta: float = DEFAULT_BETA, iters: int | None = None, t0_frac: float = 0.005,
             eps_frac: float = 1e-5, smooth: bool | None = None,
             layers: Sequence[int] | None = None, node_comp: bool = False,
-            skew_cap: float | None = None) -> tuple[np.ndarray, dict]:
+            skew_cap: float | None = None, executor: TaskExecutor | None = None,
+            fallback: np.ndarray | None = None, fallbacks: FallbackLog | None = None) -> tuple[np.ndarray, dict]:
     """Algorithm 1 on every layer: LPT start, ``num_seeds`` annealing runs, best by exact batch cost.
 
     Args:
         x: ``[M, L, G, E]`` tokens per micro-batch, layer, source GPU and expert.
         seed: plan seed (per-layer seeds derive from it).
-        num_seeds: annealing runs per layer (default: one per worker).
-        workers: processes (1 = in this process).
+        num_seeds: annealing runs per layer (default: one per worker of the executor).
+        workers: processes (1 = in this process) when no ``executor`` is given.
         iters: proposals per run (default ``default_iters`` with the whole-reorder budget).
         init: optional ``[L, E]`` starting homes (default: LPT per layer); it is always a candidate.
         layers: restrict to these layers (others keep ``init``/LPT).
         node_comp, skew_cap: replication-aware objective (``batch_cost``); the start of a layer is then the
             better of ``init`` (default LPT) and ``node_balanced_start`` under that objective.
+        executor: runs the layer x seed tasks (``executor.TaskExecutor``; default ``default_executor(workers)``).
+        fallback: ``[L, E]`` homes a layer keeps when none of its tasks finished (default: its start).
+        fallbacks: records those layers (``FallbackLog.reorder``).
 
     Returns:
         (int64 ``[L, E]`` homes, info dict with ``objective_start`` / ``objective`` = exact sum of
@@ -271,6 +272,8 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         raise PlanError(f"x has shape {x.shape}, expected [M, L, G={cluster.num_gpus}, E={model.num_experts}]")
     M, L, G, E = x.shape
     check_int("workers", workers, 1)
+    if executor is None:
+        executor = default_executor(workers)
     if num_seeds is not None:
         check_int("num_seeds", num_seeds, 1)
     if iters is not None:
@@ -284,9 +287,9 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         if start.shape != (L, E):
             raise PlanError(f"init has shape {start.shape}, expected [L={L}, E={E}]")
     if node_comp and cluster.nodes > 1:
-        start = np.stack([_better_start(xl[l], start[l], model, cluster, seed, l, skew_cap) for l in range(L)])
+        start = np.stack([better_start(xl[l], start[l], model, cluster, seed, l, skew_cap) for l in range(L)])
     if num_seeds is None:
-        num_seeds = max(1, workers)
+        num_seeds = max(1, executor.workers)
     if iters is None:
         iters = default_iters(E, G, M if objective == "batch" else 1, L)
     kw = dict(objective=objective, beta=beta, iters=iters, t0_frac=t0_frac, eps_frac=eps_frac, smooth=smooth,
@@ -295,16 +298,23 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
     best = start.copy()
     best_obj = np.array([batch_cost(xl[l], start[l], model, cluster, node_comp, skew_cap) for l in range(L)])
     obj_start = float(best_obj.sum())
-    tasks = [(l, s, xl[l], model, cluster, start[l], kw) for l in todo for s in layer_seeds(seed, num_seeds, l)]
-    if workers > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            results = list(pool.map(_layer_task, tasks, chunksize=max(1, len(tasks) // (4 * workers))))
-    else:
-        results = [_layer_task(t) for t in tasks]
-    for l, _, eg, obj in results:  # task order is deterministic: ties keep the earlier candidate
+    keys = [("reorder", (l, s)) for l in todo for s in layer_seeds(seed, num_seeds, l)]
+    results = executor.map(anneal_layer_task, [(xl[l], model, cluster, s, start[l], kw) for _, (l, s) in keys], keys)
+    done = set()
+    for (_, (l, _s)), res in zip(keys, results):  # task order is deterministic: ties keep the earlier candidate
+        if isinstance(res, TaskFailed):
+            continue
+        done.add(l)
+        eg, obj = res
         if obj < best_obj[l]:
             best_obj[l] = obj
             best[l] = eg
+    for l in sorted(set(todo) - done):  # no seed of the layer finished: keep the fallback homes
+        if fallback is not None:
+            best[l] = np.asarray(fallback, dtype=np.int64)[l]
+            best_obj[l] = batch_cost(xl[l], best[l], model, cluster, node_comp, skew_cap)
+        if fallbacks is not None:
+            fallbacks.reorder.append(int(l))
     info = {"objective_name": objective, "objective_start": obj_start, "objective": float(best_obj.sum()),
             "num_seeds": num_seeds, "iters": int(iters)}
     return best, info

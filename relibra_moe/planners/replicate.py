@@ -1,4 +1,6 @@
-"""Greedy intra-node replication with token splitting (RELIBRA.md §6, Algorithm 2), per micro-batch x layer.
+"""Greedy intra-node replication with token splitting (Algorithm 2), per micro-batch x layer.
+
+The method: docs/method.md, "Replication and the token split".
 
 For one cell (loads ``x [G, E]``, homes ``expert_gpu [E]``, ``r`` slots per GPU):
 
@@ -21,19 +23,22 @@ the better wins, so the result is never worse than the paper's loop with the sam
 
 from __future__ import annotations
 
-from concurrent.futures import ProcessPoolExecutor
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 import numba as nb
 import numpy as np
 
+from ..cost import cost_from_flow, moe_cost
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..timing import cell_step_seconds, transfer_seconds
+from ..validate import check_int
+from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 from .split import (
     aggregates,
     cell_weights,
-    check_int,
     check_loads_homes,
     lower_bound,
     shares_from_flows,
@@ -326,12 +331,9 @@ def cell_step_terms(x: np.ndarray, expert_gpu: np.ndarray, res: CellResult, mode
                     cluster: ClusterSpec) -> tuple[float, float, float]:
     """``(max comp, max comm, replica push)`` seconds of one cell under ``res`` (float64 reference path).
 
-    The push is the time to fill the cell's replica slots from the homes (``sim.transfer_seconds`` of
+    The push is the time to fill the cell's replica slots from the homes (``timing.transfer_seconds`` of
     ``model.expert_bytes`` per filled slot); the gradient pull takes the same time the other way.
     """
-    from ..cost import cost_from_flow
-    from ..sim import transfer_seconds
-
     G = cluster.num_gpus
     flow = x @ (np.asarray(expert_gpu)[:, None] == np.arange(G)).astype(np.float64)
     if len(res.rows):
@@ -348,12 +350,6 @@ def cell_step_terms(x: np.ndarray, expert_gpu: np.ndarray, res: CellResult, mode
     return float(c.comp.max()), float(c.comm.max()), push
 
 
-def step_seconds(comp: float, comm: float, push: float, attn_fwd: float) -> float:
-    """Forward + backward seconds of one cell as ``sim.py`` charges them: ``3 comp + 2 comm`` plus the replica
-    push / gradient pull not hidden behind the attention forward (``attn_fwd``) / backward (``2 attn_fwd``)."""
-    return 3.0 * comp + 2.0 * comm + max(0.0, push - attn_fwd) + max(0.0, push - 2.0 * attn_fwd)
-
-
 def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
                    *, attn_fwd: float | None = None, **kw) -> CellResult:
     """Greedy replication + token split of one cell (Algorithm 2), priced for its replica traffic.
@@ -361,7 +357,7 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     Without ``attn_fwd`` this is ``replicate_cell_greedy``. With ``attn_fwd`` (seconds of the micro-batch's
     attention forward, which the per-layer replica push overlaps; the gradient pull overlaps the 2x longer
     backward), a replica set whose transfers are not hidden is accepted only where it pays: the greedy is
-    re-run with 0 .. r slots per GPU and the result with the lowest ``step_seconds`` (forward + backward
+    re-run with 0 .. r slots per GPU and the result with the lowest ``timing.cell_step_seconds`` (forward + backward
     MoE time + exposed transfers) wins; ties keep more replicas.
     """
     res = replicate_cell_greedy(x, expert_gpu, model, cluster, slots, **kw)
@@ -372,7 +368,7 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     comp, comm, push = cell_step_terms(x, eg, res, model, cluster)
     if push <= attn_fwd:
         return res  # fully hidden: nothing to trade
-    best, best_t = res, step_seconds(comp, comm, push, attn_fwd)
+    best, best_t = res, cell_step_seconds(comp, comm, push, attn_fwd)
     for c in range(slots - 1, -1, -1):
         if c == 0:
             cand = CellResult(np.full((cluster.num_gpus, slots), -1, np.int32), np.zeros((0, 3), np.int32),
@@ -383,12 +379,10 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
             pad[:, :c] = r.replica_expert
             cand = CellResult(pad, r.rows, r.share, r.t_moe)
         cc_, cm_, cp_ = cell_step_terms(x, eg, cand, model, cluster)
-        t = step_seconds(cc_, cm_, cp_, attn_fwd)
+        t = cell_step_seconds(cc_, cm_, cp_, attn_fwd)
         if t < best_t * (1 - 1e-12):
             best, best_t = cand, t
     if best is not res and not len(best.rows) and not (best.replica_expert >= 0).any():
-        from ..cost import moe_cost
-
         best = best._replace(t_moe=float(moe_cost(x, eg, model, cluster).t_moe))
     return best
 
@@ -419,8 +413,7 @@ def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpe
     """
     x, expert_gpu = check_loads_homes(x, expert_gpu, cluster)
     G, E = x.shape
-    if not isinstance(slots, (int, np.integer)) or slots < 0:
-        raise PlanError(f"replica_slots={slots!r} must be an int >= 0")
+    check_int("replica_slots", slots, 0)
     if candidates is None:
         candidates = DEFAULT_CANDIDATES if G <= 16 else 2
     P = cluster.gpus_per_node
@@ -478,8 +471,7 @@ def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
     G, P = cluster.num_gpus, cluster.gpus_per_node
     if x.ndim != 2 or x.shape[0] != G or expert_gpu.shape != (x.shape[1],):
         raise PlanError(f"x {x.shape} / expert_gpu {expert_gpu.shape} do not match G={G}")
-    if not isinstance(slots, (int, np.integer)) or slots < 0:
-        raise PlanError(f"replica_slots={slots!r} must be an int >= 0")
+    check_int("replica_slots", slots, 0)
     rep = np.full((G, slots), -1, np.int64)
     used = np.zeros(G, np.int64)
     sol = solve_split_lp(x, expert_gpu, rep, model, cluster)
@@ -517,11 +509,12 @@ def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
     return CellResult(rep.astype(np.int32), sol.rows, sol.share, float(sol.t_moe))
 
 
-def _cells_task(args) -> list[CellResult]:
-    loads, eg, model, cluster, slots, kw, *rest = args
-    attn = rest[0] if rest else None
-    return [replicate_cell(loads[i], eg[i], model, cluster, slots,
-                           attn_fwd=None if attn is None else float(attn[i]), **kw) for i in range(len(loads))]
+def replicate_cells_task(loads: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                         slots: int, kw: dict, attn_fwd: np.ndarray | None = None) -> list[CellResult]:
+    """One replication task for an executor: ``replicate_cell`` on cells ``loads [C, G, E]`` with homes
+    ``expert_gpu [C, E]`` (and ``attn_fwd [C]`` seconds when replicas are priced)."""
+    return [replicate_cell(loads[i], expert_gpu[i], model, cluster, slots,
+                           attn_fwd=None if attn_fwd is None else float(attn_fwd[i]), **kw) for i in range(len(loads))]
 
 
 def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int, num_layers: int,
@@ -541,17 +534,21 @@ def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int,
 
 def replicate_batch(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
                     cluster: ClusterSpec, replica_slots: int, workers: int = 1, seed: int = 0,
-                    attn_fwd: np.ndarray | None = None, **cell_kw) -> ReplicaPlan:
+                    attn_fwd: np.ndarray | None = None, *, executor: TaskExecutor | None = None,
+                    cell_chunk: int | None = None, fallbacks: FallbackLog | None = None, **cell_kw) -> ReplicaPlan:
     """Algorithm 2 for every micro-batch x layer of a batch.
 
     Args:
         placement: homes ``[L, E]``; samples: where each sample runs (its GPU is the tokens' source).
         batch: a ``TraceBatch`` (``loads(sample_gpu, G, micro_batch) -> [M, L, G, E]``).
         replica_slots: r per GPU (0: an empty ReplicaPlan).
-        workers: processes for the cells (1: in this process).
+        workers: processes for the cells when no ``executor`` is given (1: in this process).
         seed: unused by the deterministic greedy; kept for the strategy signature.
-        attn_fwd: optional ``[M]`` seconds of each micro-batch's attention forward (``sim.attention_forward``):
+        attn_fwd: optional ``[M]`` seconds of each micro-batch's attention forward (``timing.attention_forward``):
             replicas are then priced for their exposed push / pull (:func:`replicate_cell`).
+        executor: runs the chunks of cells (``executor.TaskExecutor``; default ``default_executor(workers)``);
+            a chunk that does not finish leaves its cells without replicas, recorded in ``fallbacks``.
+        cell_chunk: cells per task (default: about 16 tasks per worker).
         cell_kw: forwarded to :func:`replicate_cell`.
     """
     del seed
@@ -564,26 +561,27 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch: Trace
     if loads.shape[0] < M:
         loads = np.concatenate([loads, np.zeros((M - loads.shape[0],) + loads.shape[1:])])
     L = placement.num_layers
+    check_int("replica_slots", replica_slots, 0)
+    if executor is None:
+        executor = default_executor(workers)
     if replica_slots == 0:
         return ReplicaPlan.empty(M, L, G, 0)
-    cells = [(m, l) for m in range(M) for l in range(L)]
-    workers = check_int("workers", workers, 1)
-    if workers == 1 or len(cells) < 2 * workers:
-        results = {(m, l): replicate_cell(loads[m, l], placement.expert_gpu[l], model, cluster, replica_slots,
-                                          attn_fwd=None if attn_fwd is None else float(attn_fwd[m]), **cell_kw)
-                   for m, l in cells}
-    else:
-        chunks = np.array_split(np.arange(len(cells)), workers * 4)
-        jobs = []
-        for ch in chunks:
-            ms = np.array([cells[i][0] for i in ch])
-            ls = np.array([cells[i][1] for i in ch])
-            jobs.append((loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw,
-                         None if attn_fwd is None else np.asarray(attn_fwd)[ms]))
-        with ProcessPoolExecutor(max_workers=workers) as ex:
-            outs = list(ex.map(_cells_task, jobs))
-        results = {}
-        for ch, out in zip(chunks, outs):
-            for i, res in zip(ch, out):
-                results[cells[i]] = res
+    cells = [(m, l) for l in range(L) for m in range(M)]
+    chunk = check_int("cell_chunk", cell_chunk, 1) if cell_chunk is not None else \
+        max(1, math.ceil(len(cells) / (16 * executor.workers)))
+    args, keys = [], []
+    for i in range(0, len(cells), chunk):
+        cs = cells[i:i + chunk]
+        ms = np.array([c[0] for c in cs])
+        ls = np.array([c[1] for c in cs])
+        args.append((loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw,
+                     None if attn_fwd is None else np.asarray(attn_fwd)[ms]))
+        keys.append(("replicate", tuple(cs)))
+    results: dict[tuple[int, int], CellResult] = {}
+    for (_, cs), res in zip(keys, executor.map(replicate_cells_task, args, keys)):
+        if isinstance(res, TaskFailed):
+            if fallbacks is not None:
+                fallbacks.replicate.extend([list(c) for c in cs])
+            continue
+        results.update(zip(cs, res))
     return assemble(results, M, L, G, replica_slots)

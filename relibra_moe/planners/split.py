@@ -1,4 +1,6 @@
-"""Token split with the replicas fixed: the exact LP of RELIBRA.md §6 (z fixed), and a fast heuristic.
+"""Token split with the replicas fixed: the exact LP (z fixed) and a fast heuristic.
+
+The method: docs/method.md, "Replication and the token split".
 
 One *cell* is one micro-batch x one MoE layer. Inputs of a cell:
 
@@ -38,6 +40,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..validate import check_index_range, check_token_counts
 
 __all__ = [
     "CellWeights", "SplitSolution", "cell_weights", "holders", "shares_from_flows", "solve_split_lp",
@@ -80,37 +83,6 @@ class SplitSolution:
     rows: np.ndarray
     share: np.ndarray
     t_moe: float
-
-
-def check_int(name: str, value: object, lo: int) -> int:
-    """``int(value)``, or PlanError naming ``name`` and the value unless it is an int (not bool) >= ``lo``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        raise PlanError(f"{name}={value!r} must be an int >= {lo}")
-    return int(value)
-
-
-def check_positive(name: str, value: object) -> float:
-    """``float(value)``, or PlanError naming ``name`` and the value unless it is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not (np.isfinite(value)
-                                                                                         and value > 0):
-        raise PlanError(f"{name}={value!r} must be a finite number > 0")
-    return float(value)
-
-
-def check_token_counts(name: str, x: np.ndarray) -> None:
-    """Raise PlanError naming the first entry of ``x`` (any shape, tokens) that is not finite and >= 0."""
-    bad = ~np.isfinite(x) | (x < 0)
-    if bad.any():
-        i = tuple(int(v) for v in np.argwhere(bad)[0])
-        raise PlanError(f"{name}[{', '.join(map(str, i))}] = {x[i]}: token counts must be finite and >= 0")
-
-
-def check_index_range(name: str, a: np.ndarray, lo: int, hi: int) -> None:
-    """Raise PlanError naming the first entry of the int array ``a`` outside ``[lo, hi)``."""
-    bad = (a < lo) | (a >= hi)
-    if bad.any():
-        i = tuple(int(v) for v in np.argwhere(bad)[0])
-        raise PlanError(f"{name}[{', '.join(map(str, i))}] = {a[i]} is outside [{lo}, {hi})")
 
 
 def check_loads_homes(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -495,7 +467,7 @@ def _lp_arrays(x: np.ndarray, hold: np.ndarray, cls: np.ndarray, w: CellWeights)
 
 def solve_split_lp(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarray, model: ModelSpec,
                    cluster: ClusterSpec) -> SplitSolution:
-    """The exact token split of one cell with the replicas fixed (the LP of RELIBRA.md §6, z fixed).
+    """The exact token split of one cell with the replicas fixed (docs/method.md, "Replication and the token split").
 
     Args:
         x: ``[G, E]`` tokens per (source GPU, expert).

@@ -1,0 +1,262 @@
+"""Evaluate a plan: the loads it induces, the sum of T_MoE, and the Balanced reference.
+
+One evaluation for every strategy (docs/architecture.md, "Contracts"). ``score_plan`` rebuilds the loads
+``x [M, L, G, E]`` from the batch and the plan's sample placement (``plan_loads``), routes them with the plan
+(homes, plus the replica split rows where present, as ``ReplicaPlan.shares`` defines them: ``plan_flow``)
+and evaluates ``cost.cost_from_flow`` (docs/method.md, "Cost model"). A plan whose ``stats["strategy"]`` is
+``"balanced"`` is scored on the Balanced ideal's loads instead (``balanced_plan_loads``: uniform random
+routing, each source GPU keeping its tokens, or an even split when ``stats["balanced_sources"]`` is "even";
+seeded by ``stats["seed"]``), so that it scores as the ideal. The simulated step (moves, replica and
+reorder traffic charged) is ``relibra_moe.sim``, on the same loads.
+
+Importable without the planners: the planners, the simulator and the CLI all evaluate through this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from .cost import DEFAULT_BETA, cost_from_flow, moe_cost
+from .errors import PlanError
+from .plan import BatchPlan, Placement, round_robin_gpus
+from .specs import ClusterSpec, ModelSpec
+from .trace import TraceBatch
+from .validate import check_positive
+
+__all__ = ["batch_sha1", "check_batch_type", "check_plan_batch", "placement_loads", "plan_loads", "plan_flow",
+           "balanced_loads", "balanced_sources", "balanced_plan_loads", "balanced_t_moe", "uniform_loads",
+           "score_plan", "json_summary"]
+
+
+def batch_sha1(batch: TraceBatch) -> str:
+    """Fingerprint of a batch's routing: SHA-1 (hex) of its lengths int64 ``[N]`` and
+    ``sample_expert_counts()`` int64 ``[N, L, E]`` (not of its micro-batch assignment: the plan carries its own).
+
+    ``plan_batch`` and ``Planner`` store it as ``stats["batch_sha1"]``; ``check_plan_batch`` compares it.
+    """
+    h = hashlib.sha1(np.asarray(batch.lengths, dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(batch.sample_expert_counts(), dtype=np.int64).data)
+    return h.hexdigest()
+
+
+def check_batch_type(batch: object) -> None:
+    """Raise PlanError unless ``batch`` is a ``TraceBatch`` (not, say, a loads array)."""
+    if not isinstance(batch, TraceBatch):
+        raise PlanError(f"batch must be a TraceBatch, got {type(batch).__name__}")
+
+
+def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec) -> None:
+    """Raise PlanError unless ``plan`` is a BatchPlan and ``batch`` a TraceBatch that fits ``model`` and is the batch
+    ``plan`` was made for: same L and E, same sample count, and (for plans that record it) the same ``batch_sha1``."""
+    if not isinstance(plan, BatchPlan):
+        raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
+    check_batch_type(batch)
+    if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
+        raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
+                        f"L={model.num_layers}, E={model.num_experts}")
+    if (plan.num_layers, plan.num_experts) != (model.num_layers, model.num_experts):
+        raise PlanError(f"plan has L={plan.num_layers}, E={plan.num_experts}; model {model.name} has "
+                        f"L={model.num_layers}, E={model.num_experts}")
+    if batch.num_sequences != plan.samples.num_samples:
+        raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
+    want = plan.stats.get("batch_sha1")
+    if want is not None and want != batch_sha1(batch):
+        raise PlanError(f"plan was made for another batch: its stats batch_sha1={want!r}, this batch's is "
+                        f"{batch_sha1(batch)!r} (same {batch.num_sequences} samples, different routing or lengths)")
+
+
+def placement_loads(batch: TraceBatch, micro_batch: np.ndarray, sample_gpu: np.ndarray, num_micro_batches: int,
+                    num_gpus: int) -> np.ndarray:
+    """int64 ``[M, L, G, E]``: ``TraceBatch.loads`` for a sample placement (sample n in micro-batch
+    ``micro_batch[n]`` on GPU ``sample_gpu[n]``), with M = ``num_micro_batches`` (trailing empty ones zero)."""
+    x = np.asarray(batch.loads(sample_gpu, num_gpus, micro_batch))
+    M = int(num_micro_batches)
+    if x.shape[0] < M:
+        x = np.concatenate([x, np.zeros((M - x.shape[0],) + x.shape[1:], x.dtype)])
+    return x
+
+
+def plan_loads(plan: BatchPlan, batch: TraceBatch, num_gpus: int) -> np.ndarray:
+    """int64 ``[M, L, G, E]``: the batch's loads under the plan's sample placement (M = the plan's; trailing
+    empty micro-batches are zero)."""
+    if batch.num_sequences != plan.samples.num_samples:
+        raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
+    return placement_loads(batch, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches, num_gpus)
+
+
+def balanced_plan_loads(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, num_gpus: int) -> np.ndarray:
+    """int64 ``[M, L, G, E]``: the Balanced ideal of ``batch`` for the plan's sample placement (docs/method.md,
+    "Balanced reference").
+
+    Every token draws its k experts uniformly at random (seeded by ``plan.stats["seed"]``); each source GPU
+    keeps the tokens the plan gives it, or, when ``plan.stats["balanced_sources"] == "even"``, every
+    micro-batch's tokens are split evenly over the G sources (``balanced_sources`` / ``balanced_loads``).
+    """
+    src = balanced_sources(batch.lengths, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches,
+                           num_gpus, plan.stats.get("balanced_sources", "batch"))
+    return balanced_loads(src, model, int(plan.stats.get("seed", 0)))
+
+
+def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
+    """float64 ``[M, L, G, G]``: tokens sent from source GPU j to serving GPU g under the plan.
+
+    ``x`` is ``[M, L, G, E]`` (tokens of source j routed to expert e). Pairs without split rows go to
+    the expert's home; the (m, l, j, e) pairs that have split rows are served as the rows say (the
+    same rule as ``ReplicaPlan.shares``), without building the dense ``[M, L, G, E, G]`` shares.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    M, L, G, E = x.shape
+    home = plan.placement.expert_gpu.astype(np.int64)  # [L, E]
+    onehot = (home[:, :, None] == np.arange(G)).astype(np.float64)  # [L, E, G]
+    flow = np.matmul(x, onehot[None])  # [M, L, G, E] @ [1, L, E, G]
+    idx = plan.replicas.split_index.astype(np.int64)
+    if len(idx):
+        m, l, j, e, g = idx.T
+        share = plan.replicas.split_share.astype(np.float64)
+        key = ((m * L + l) * G + j) * E + e
+        _, first = np.unique(key, return_index=True)
+        um, ul, uj, ue = m[first], l[first], j[first], e[first]
+        np.subtract.at(flow, (um, ul, uj, home[ul, ue]), x[um, ul, uj, ue])
+        np.add.at(flow, (m, l, j, g), x[m, l, j, e] * share)
+    return flow
+
+
+def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, *,
+               balanced_total_s: float | None = None, beta: float = DEFAULT_BETA) -> dict[str, Any]:
+    """Exact cost of a plan on a batch.
+
+    Args:
+        plan: a BatchPlan for ``model`` and ``cluster`` (validated here).
+        batch: the TraceBatch the plan was made for (same samples; ``check_plan_batch``).
+        balanced_total_s: the Balanced ideal's total (``balanced_t_moe``); when given, the
+            result has ``percent_of_balanced = 100 * balanced / t_moe_total_s``.
+
+    Returns:
+        dict with ``strategy``, ``t_moe_total_s`` (sum over micro-batches and layers of the exact T_MoE,
+        seconds), ``t_moe`` float64 ``[M, L]`` seconds, ``t_moe_smooth_total_s``, ``comp_total_s`` /
+        ``comm_total_s`` (sums of the max-GPU compute / communication terms), ``rank_skew_mean`` /
+        ``rank_skew_max`` (max GPU load / mean GPU load over cells), ``num_micro_batches``, and
+        ``percent_of_balanced`` when asked.
+
+    Raises:
+        PlanError: the plan or batch does not fit the model / cluster, or was made for another batch.
+    """
+    check_plan_batch(plan, batch, model)
+    plan.validate(model, cluster, num_samples=batch.num_sequences)
+    check_positive("beta", beta)
+    if balanced_total_s is not None:
+        check_positive("balanced_total_s", balanced_total_s)
+    G = cluster.num_gpus
+    if plan.stats.get("strategy") == "balanced":
+        x = balanced_plan_loads(plan, batch, model, G)
+    else:
+        x = plan_loads(plan, batch, G)
+    cost = cost_from_flow(plan_flow(plan, x), model, cluster, beta)
+    out: dict[str, Any] = {
+        "strategy": plan.stats.get("strategy", "unknown"),
+        "t_moe_total_s": float(cost.t_moe.sum()),
+        "t_moe": cost.t_moe,
+        "t_moe_smooth_total_s": float(cost.t_moe_smooth.sum()),
+        "comp_total_s": float(cost.comp.max(axis=-1).sum()),
+        "comm_total_s": float(cost.comm.max(axis=-1).sum()),
+        "rank_skew_mean": float(cost.rank_skew.mean()),
+        "rank_skew_max": float(cost.rank_skew.max()),
+        "num_micro_batches": plan.num_micro_batches,
+    }
+    if balanced_total_s is not None:
+        out["percent_of_balanced"] = 100.0 * float(balanced_total_s) / out["t_moe_total_s"]
+    return out
+
+
+def json_summary(score: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-serializable part of a ``score_plan`` result (arrays dropped)."""
+    return {k: v for k, v in score.items() if not isinstance(v, np.ndarray)}
+
+
+def uniform_loads(x: np.ndarray) -> np.ndarray:
+    """float64 ``[M, L, G, E]``: the Balanced ideal of the same batch (docs/method.md, "Balanced reference").
+
+    Every (micro-batch, layer) keeps its total of (token, expert) pairs, spread evenly over the G
+    sources and the E experts, as if every token's k experts were drawn uniformly and every GPU ran
+    the same number of tokens: ``x'[m, l, j, e] = sum_{j, e} x[m, l, j, e] / (G E)``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 4:
+        raise PlanError(f"loads x must be [M, L, G, E], got shape {x.shape}")
+    G, E = x.shape[2:]
+    return np.broadcast_to(x.sum(axis=(2, 3), keepdims=True) / (G * E), x.shape).copy()
+
+
+@njit(cache=True)
+def balanced_counts(tokens, num_experts, topk, num_layers, seed):
+    """Uniform routing: for each entry of ``tokens [K]`` draw that many tokens' k distinct experts per layer.
+
+    Returns int64 ``[K, L, E]`` counts (partial Fisher-Yates per token).
+    """
+    np.random.seed(seed)
+    K = tokens.shape[0]
+    out = np.zeros((K, num_layers, num_experts), np.int64)
+    perm = np.arange(num_experts)
+    for i in range(K):
+        for l in range(num_layers):
+            for _ in range(tokens[i]):
+                for s in range(topk):
+                    r = s + np.random.randint(num_experts - s)
+                    t = perm[s]
+                    perm[s] = perm[r]
+                    perm[r] = t
+                    out[i, l, perm[s]] += 1
+    return out
+
+
+def balanced_loads(tokens_per_source: np.ndarray, model: ModelSpec, seed: int = 0) -> np.ndarray:
+    """The Balanced ideal's loads: int64 ``[M, L, G, E]``.
+
+    Args:
+        tokens_per_source: int ``[M, G]`` tokens whose attention runs on each source GPU in each
+            micro-batch (the batch's own, or an even split: see ``balanced_sources``).
+
+    Every token draws its k experts uniformly at random (distinct), independently per layer.
+    """
+    t = np.asarray(tokens_per_source, dtype=np.int64)
+    if t.ndim != 2 or (t < 0).any():
+        raise PlanError(f"tokens_per_source must be a non-negative [M, G] array, got shape {t.shape}")
+    M, G = t.shape
+    counts = balanced_counts(t.ravel(), model.num_experts, model.topk, model.num_layers,
+                                      int(seed) & 0x7FFFFFFF)
+    return counts.reshape(M, G, model.num_layers, model.num_experts).transpose(0, 2, 1, 3).copy()
+
+
+def balanced_sources(lengths: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, num_micro_batches: int,
+                     num_gpus: int, mode: str = "batch") -> np.ndarray:
+    """int64 ``[M, G]`` tokens per (micro-batch, source GPU) for the Balanced ideal.
+
+    mode "batch": each source keeps the tokens the sample placement gives it (only the routing is made
+    uniform; the paper's setting, where each data-parallel rank keeps its samples); "even": every
+    micro-batch's tokens split evenly over the G sources (the first ``T mod G`` get one more).
+    """
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    t = np.zeros((num_micro_batches, num_gpus), np.int64)
+    np.add.at(t, (mb, np.asarray(sample_gpu, dtype=np.int64)), np.asarray(lengths, dtype=np.int64))
+    if mode == "batch":
+        return t
+    if mode != "even":
+        raise PlanError(f"balanced sources mode {mode!r} is not 'batch' or 'even'")
+    tot = t.sum(axis=1, keepdims=True)
+    return tot // num_gpus + (np.arange(num_gpus)[None, :] < tot % num_gpus)
+
+
+def balanced_t_moe(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, seed: int = 0, mode: str = "batch",
+                   micro_batch: np.ndarray | None = None) -> float:
+    """Sum over micro-batches and layers of the exact T_MoE (seconds) of the Balanced ideal of ``batch``
+    (a TraceBatch with a micro-batch assignment, or ``micro_batch [N]``): uniform routing, static
+    placement, samples round-robin, sources per ``mode`` (see ``balanced_sources``)."""
+    mb = batch.resolve_micro_batch(micro_batch)
+    M, G = int(mb.max()) + 1, cluster.num_gpus
+    x = balanced_loads(balanced_sources(batch.lengths, mb, round_robin_gpus(mb, G), M, G, mode), model, seed)
+    eg = Placement.static(model.num_layers, model.num_experts, G).expert_gpu.astype(np.int64)
+    return float(moe_cost(x, eg, model, cluster).t_moe.sum())

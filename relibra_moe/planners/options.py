@@ -1,0 +1,199 @@
+"""``PlanOptions``: every plan option, its default, unit and check, in one place.
+
+``plan_batch(**options)``, ``Planner(**options)`` and ``relibra plan`` all build one ``PlanOptions``; the
+strategies read its fields and nothing else. Construction validates every field (``PlanError`` naming
+the option and the value); ``check_for(strategy)`` adds the rules that depend on the strategy.
+
+Units: counts are plain ints (proposals, rounds, seeds, slots, tokens), ``tol`` / ``skew_cap`` are
+fractions (0.05 = 5 %), ``beta`` is the LSE sharpness (dimensionless), ``optimizer_bytes_per_param`` is
+bytes per expert parameter. ``None`` means "the default rule", documented on the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..cost import DEFAULT_BETA
+from ..errors import PlanError
+from ..plan import Placement
+from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
+from ..validate import check_choice, check_int, check_nonnegative, check_optional_int, check_positive
+
+__all__ = ["PlanOptions", "OBJECTIVES", "BALANCED_SOURCES", "DEFAULT_ROUNDS", "DEFAULT_TOL", "FINAL_ITERS_FACTOR",
+           "RELIBRA_STRATEGIES", "REPLICA_STRATEGIES"]
+
+OBJECTIVES = ("batch", "aggregate")
+BALANCED_SOURCES = ("batch", "even")
+DEFAULT_ROUNDS = 2
+"""Reorder + locality rounds of relibra / relibra-inter."""
+DEFAULT_TOL = 0.05
+"""Attention-work tolerance of the sample placement over the mean per (micro-batch, GPU) cell."""
+FINAL_ITERS_FACTOR = 8
+"""``final_iters`` default: this many times a round's reorder proposals (BENCHMARKS.md, "Planner defaults")."""
+
+REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
+"""The strategies that place replicas (read ``replica_slots``)."""
+RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
+"""The ReLibra strategies: reorder + locality (+ replication); they read ``skew_cap`` / ``node_comp``."""
+
+_BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas")
+_OPTIONAL_BOOLS = ("node_comp", "smooth")
+
+
+def _check_bool(name: str, value: Any, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, (bool, np.bool_)):
+        raise PlanError(f"{name}={value!r} must be True or False{' (or None)' if optional else ''}")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Every option of a planning call (``plan_batch``, ``Planner``, ``relibra plan``), validated on construction.
+
+    Attributes:
+        replica_slots: r replica slots per GPU (eplb, lplb, relibra), int >= 0.
+        seed: plan seed, int >= 0 (same inputs and seed -> same plan).
+        workers: processes for the parallel parts, int >= 1.
+        repack: let samples change micro-batch (equal sample counts per micro-batch unless ``token_cap``).
+        iters: annealing proposals per layer, seed and round (None: ``reorder.default_iters`` over ``rounds``).
+        locality_iters: sample-placement proposals per round (None: ``locality.default_locality_iters``).
+        num_seeds: annealing runs per layer, int >= 1 (None: one per worker).
+        rounds: reorder + locality rounds of relibra*, int >= 1.
+        objective: reorder objective, "batch" (sum over micro-batches of T_MoE) or "aggregate".
+        smooth: anneal the reorder on the LSE-smoothed T_MoE (None: the objective's default).
+        locality_smooth: anneal the sample placement on the smoothed T_MoE.
+        beta: LSE sharpness of the smoothed objectives, > 0.
+        tol: attention-work tolerance of the sample placement (fraction over the mean), >= 0.
+        token_cap: with ``repack``, tokens per micro-batch at most this (int >= 1; None: sample counts kept).
+        num_groups: EPLB expert groups, int >= 1 (None: no hierarchy).
+        balanced_sources: the Balanced ideal's sources, "batch" (each GPU keeps its tokens) or "even".
+        migration: price expert moves against ``previous`` (relibra*): relabel by the fabric's symmetries and
+            keep a layer's previous homes where the new ones do not pay for their move.
+        previous: placement before this batch (a ``Placement`` or int ``[L, E]``; None: the static one).
+        optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter, >= 0.
+        price_replicas: replicas must pay for their push / pull not hidden behind attention (relibra).
+        node_comp: replication-aware reorder cost (None: on exactly when ``skew_cap`` is set).
+        skew_cap: rank-balance mode, soft cap on the node-level compute skew (fraction, >= 0; None: off).
+        final_reorder: re-anneal the homes once more after the last locality pass.
+        final_iters: proposals of that pass, int >= 0 (None: ``FINAL_ITERS_FACTOR`` x a round's ``iters``).
+        cell_chunk: replication cells per executor task, int >= 1 (None: about 16 tasks per worker).
+        replicate: keywords of ``replicate.replicate_cell`` (e.g. ``candidates``, ``polish``).
+    """
+
+    replica_slots: int = 0
+    seed: int = 0
+    workers: int = 1
+    repack: bool = False
+    iters: int | None = None
+    locality_iters: int | None = None
+    num_seeds: int | None = None
+    rounds: int = DEFAULT_ROUNDS
+    objective: str = "batch"
+    smooth: bool | None = None
+    locality_smooth: bool = False
+    beta: float = DEFAULT_BETA
+    tol: float = DEFAULT_TOL
+    token_cap: int | None = None
+    num_groups: int | None = None
+    balanced_sources: str = "batch"
+    migration: bool = True
+    previous: Any = None
+    optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM
+    price_replicas: bool = True
+    node_comp: bool | None = None
+    skew_cap: float | None = None
+    final_reorder: bool = False
+    final_iters: int | None = None
+    cell_chunk: int | None = None
+    replicate: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_int("replica_slots", self.replica_slots, 0)
+        check_int("seed", self.seed, 0)
+        check_int("workers", self.workers, 1)
+        for name, lo in (("iters", 0), ("locality_iters", 0), ("final_iters", 0), ("num_seeds", 1),
+                         ("num_groups", 1), ("token_cap", 1), ("cell_chunk", 1)):
+            check_optional_int(name, getattr(self, name), lo)
+        check_int("rounds", self.rounds, 1)
+        check_choice("objective", self.objective, OBJECTIVES)
+        check_choice("balanced_sources", self.balanced_sources, BALANCED_SOURCES)
+        for name in _BOOLS:
+            _check_bool(name, getattr(self, name))
+        for name in _OPTIONAL_BOOLS:
+            _check_bool(name, getattr(self, name), optional=True)
+        check_positive("beta", self.beta)
+        check_nonnegative("tol", self.tol)
+        check_nonnegative("optimizer_bytes_per_param", self.optimizer_bytes_per_param)
+        if self.skew_cap is not None:
+            check_nonnegative("skew_cap", self.skew_cap)
+            if self.node_comp is False:
+                raise PlanError(f"skew_cap={self.skew_cap!r} caps the node-level compute skew of node_comp: it "
+                                "needs node_comp=True (or leave node_comp unset)")
+        if self.token_cap is not None and not self.repack:
+            raise PlanError(f"token_cap={self.token_cap!r} only applies with repack=True (--repack)")
+        if not isinstance(self.replicate, Mapping):
+            raise PlanError(f"replicate={self.replicate!r} must be a dict of replicate_cell keywords")
+        if self.previous is not None and not isinstance(self.previous, (Placement, np.ndarray, list, tuple)):
+            raise PlanError(f"previous must be a Placement or an int [L, E] array (or None), got "
+                            f"{type(self.previous).__name__}")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every option name, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **options: Any) -> PlanOptions:
+        """``PlanOptions(**options)``, but an unknown name is a PlanError that lists the known ones."""
+        unknown = sorted(set(options) - set(cls.names()))
+        if unknown:
+            raise PlanError(f"unknown plan option {unknown[0]}={options[unknown[0]]!r}; known: {sorted(cls.names())}")
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> PlanOptions:
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def rank_balance(self) -> tuple[bool, float | None]:
+        """``(node_comp, skew_cap)`` of the reorder: node_comp defaults to "on exactly when skew_cap is set"."""
+        node_comp = self.skew_cap is not None if self.node_comp is None else bool(self.node_comp)
+        return node_comp, None if self.skew_cap is None else float(self.skew_cap)
+
+    def final_iters_for(self, iters: int) -> int:
+        """Proposals of the ``final_reorder`` pass for a round's ``iters``."""
+        return int(self.final_iters or FINAL_ITERS_FACTOR * iters)
+
+    def check_for(self, strategy: str) -> None:
+        """Raise PlanError for an option that does not apply to ``strategy``."""
+        for name in ("skew_cap", "node_comp"):
+            if getattr(self, name) is not None and strategy not in RELIBRA_STRATEGIES:
+                raise PlanError(f"{name}={getattr(self, name)!r} only applies to {' and '.join(RELIBRA_STRATEGIES)}, "
+                                f"not strategy {strategy!r}")
+
+    def strategy_options(self) -> dict[str, Any]:
+        """The strategy options that differ from their defaults (``stats["options"]`` of a plan): JSON-ready,
+        ``previous`` recorded as the SHA-1 of its int64 ``[L, E]`` homes."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("replica_slots", "seed", "workers", "repack", "cell_chunk", "replicate"):
+                continue
+            v = getattr(self, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            if v is None and default is None or (v is not None and default is not None and v == default
+                                                   and type(v) is type(default)):
+                continue
+            if f.name == "previous":
+                homes = np.asarray(getattr(v, "expert_gpu", v), dtype=np.int64)
+                v = "sha1:" + hashlib.sha1(np.ascontiguousarray(homes).data).hexdigest()
+            out[f.name] = v
+        return dict(sorted(out.items()))

@@ -1,0 +1,140 @@
+"""Step-time arithmetic, each formula defined once: attention, transfers, move bytes, the MoE step formula.
+
+Every constant comes from ``ModelSpec`` and ``ClusterSpec`` (``F`` = ``cluster.flops``, ``F_attn`` =
+``cluster.attention_flops``, ``B_nv`` = ``cluster.nvlink_bw``, ``B_rdma`` = ``cluster.rdma_bw``). The
+simulator (``relibra_moe.sim``), the replication pass and the migration pricing of the planners all
+charge time through these functions; docs/method.md ("Step time") derives them.
+
+- **Attention** (one layer, one sequence of S tokens, forward FLOPs; h hidden, n_q / n_kv heads, d head
+  dim): ``2 S h d (2 n_q + 2 n_kv)`` for the Q, K, V, O projections plus ``2 n_q d S (S + 1)`` for causal
+  ``QK^T`` and ``PV``. The backward pass costs ``BACKWARD_FACTOR`` = 2 times the forward.
+- **MoE** (one micro-batch and layer, with ``comp = max_g comp[g]`` and ``comm = max_g comm[g]`` of the
+  cost model): forward ``comp + comm`` (= T_MoE); backward ``2 comp + comm`` (dX and dW GEMMs; the
+  all-to-all is the mirror image of the forward one); together ``3 comp + 2 comm``.
+- **Transfers**: point-to-point moves counted on the link class of (src, dst) at the sender's tx and the
+  receiver's rx; a group of concurrent transfers takes ``max_g max(nv_tx, nv_rx) / B_nv`` or
+  ``max(rdma_tx, rdma_rx) / B_rdma``, whichever is larger.
+- **Expert moves** carry weights and optimizer state: ``3 h h' (dtype_bytes + optimizer_bytes_per_param)``
+  bytes, ``DEFAULT_OPTIMIZER_BYTES_PER_PARAM`` = 12 (fp32 master weights, Adam's exp_avg and exp_avg_sq).
+- **Replica transfers** overlap the attention: the per-layer push hides behind the attention forward, the
+  gradient pull (same bytes, other direction) behind the backward; only the excess is exposed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .specs import CR, NV, SR, ClusterSpec, ModelSpec
+
+__all__ = ["DEFAULT_OPTIMIZER_BYTES_PER_PARAM", "BACKWARD_FACTOR", "attention_flops", "local_stage",
+           "attention_forward", "attention_backward", "moe_forward_seconds", "moe_backward_seconds",
+           "moe_step_seconds", "exposed_seconds", "cell_step_seconds", "transfer_seconds", "move_bytes"]
+
+DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 12.0
+"""Optimizer-state bytes that move with each expert parameter: fp32 master weight + Adam's two moments."""
+
+BACKWARD_FACTOR = 2.0
+"""Backward FLOPs over forward FLOPs (attention and expert GEMMs: dX and dW)."""
+
+
+def attention_flops(lengths: np.ndarray, model: ModelSpec) -> np.ndarray:
+    """float64 ``[N]``: forward FLOPs of one attention layer for sequences of ``lengths`` tokens.
+
+    ``2 S h d (2 n_q + 2 n_kv)`` (Q, K, V, O projections) ``+ 2 n_q d S (S + 1)`` (causal QK^T and PV).
+    """
+    s = np.asarray(lengths, dtype=np.float64)
+    h, d, nq, nkv = float(model.hidden), float(model.head_dim), float(model.num_heads), float(model.num_kv_heads)
+    return 2.0 * s * h * d * (2.0 * nq + 2.0 * nkv) + 2.0 * nq * d * s * (s + 1.0)
+
+
+def local_stage(lengths: np.ndarray, micro_batch: np.ndarray, gpu: np.ndarray, num_micro_batches: int,
+                model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    """float64 ``[M, G]``: seconds of one layer's local stage (attention + shared experts) per micro-batch and GPU.
+
+    ``local[m, g] = sum_{n on g in m} attn_flops(S_n) / F_attn + 6 h h'_s n_s T[m, g] / F`` (``n_s`` shared
+    experts of width ``h'_s``, ``T[m, g]`` tokens on g).
+    """
+    lengths = np.asarray(lengths)
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    gpu = np.asarray(gpu, dtype=np.int64)
+    M, G = int(num_micro_batches), cluster.num_gpus
+    attn = np.zeros((M, G))
+    np.add.at(attn, (mb, gpu), attention_flops(lengths, model) / cluster.attention_flops)
+    if model.shared_experts:
+        toks = np.zeros((M, G))
+        np.add.at(toks, (mb, gpu), lengths.astype(np.float64))
+        shared_ffn = model.shared_ffn or model.ffn
+        attn += 6.0 * model.hidden * shared_ffn * model.shared_experts * toks / cluster.flops
+    return attn
+
+
+def attention_forward(lengths: np.ndarray, micro_batch: np.ndarray, gpu: np.ndarray, num_micro_batches: int,
+                      model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    """float64 ``[M]``: ``A_fwd[m] = max_g local[m, g]``, the per-layer attention forward the replica push overlaps."""
+    attn = local_stage(lengths, micro_batch, gpu, num_micro_batches, model, cluster)
+    return attn.max(axis=1) if attn.shape[0] else np.zeros(0)
+
+
+def attention_backward(a_fwd: np.ndarray | float) -> np.ndarray | float:
+    """``A_bwd = BACKWARD_FACTOR x A_fwd`` (seconds, any shape)."""
+    return BACKWARD_FACTOR * a_fwd
+
+
+def moe_forward_seconds(comp: np.ndarray | float, comm: np.ndarray | float) -> np.ndarray | float:
+    """Forward MoE seconds of a cell: ``max_g comp + max_g comm`` (= T_MoE); arguments are the two maxima."""
+    return comp + comm
+
+
+def moe_backward_seconds(comp: np.ndarray | float, comm: np.ndarray | float) -> np.ndarray | float:
+    """Backward MoE seconds of a cell: ``2 max_g comp + max_g comm`` (dX + dW GEMMs, mirrored all-to-all)."""
+    return BACKWARD_FACTOR * comp + comm
+
+
+def moe_step_seconds(comp: np.ndarray | float, comm: np.ndarray | float) -> np.ndarray | float:
+    """Forward + backward MoE seconds of a cell: ``3 max_g comp + 2 max_g comm``."""
+    return (1.0 + BACKWARD_FACTOR) * comp + 2.0 * comm
+
+
+def exposed_seconds(transfer: np.ndarray | float, overlap: np.ndarray | float) -> np.ndarray | float:
+    """The part of a transfer not hidden behind work it overlaps: ``max(0, transfer - overlap)`` (seconds)."""
+    return np.maximum(0.0, transfer - overlap)
+
+
+def cell_step_seconds(comp: float, comm: float, push: float, attn_fwd: float) -> float:
+    """Forward + backward seconds of one (micro-batch, layer) cell as the simulator charges them:
+    ``moe_step_seconds`` plus the replica push not hidden behind the attention forward ``attn_fwd`` and the
+    gradient pull (same time) not hidden behind the backward ``attention_backward(attn_fwd)``."""
+    return float(moe_step_seconds(comp, comm) + exposed_seconds(push, attn_fwd)
+                 + exposed_seconds(push, attention_backward(attn_fwd)))
+
+
+def transfer_seconds(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | float, group: np.ndarray | None,
+                     num_groups: int, cluster: ClusterSpec) -> np.ndarray:
+    """float64 ``[num_groups]``: time of point-to-point transfers that run concurrently within a group.
+
+    Transfer i moves ``nbytes[i]`` from GPU ``src[i]`` to ``dst[i]``; it is counted on the link class
+    of (src, dst) as in the cost model (nv: NVLink, sr: RDMA, cr: both; loc: nothing) at the sender's
+    tx and the receiver's rx. A group's time is ``max_g max(nv_tx, nv_rx) / B_nv`` or
+    ``max(rdma_tx, rdma_rx) / B_rdma``, whichever is larger.
+    """
+    src = np.asarray(src, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst, dtype=np.int64).reshape(-1)
+    nb = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), src.shape)
+    grp = np.zeros_like(src) if group is None else np.asarray(group, dtype=np.int64).reshape(-1)
+    G = cluster.num_gpus
+    cls = cluster.link_classes[src, dst] if len(src) else np.zeros(0, np.int8)
+    on_nv = (cls == NV) | (cls == CR)
+    on_rdma = (cls == SR) | (cls == CR)
+    acc = np.zeros((4, num_groups, G))
+    np.add.at(acc[0], (grp[on_nv], src[on_nv]), nb[on_nv])
+    np.add.at(acc[1], (grp[on_nv], dst[on_nv]), nb[on_nv])
+    np.add.at(acc[2], (grp[on_rdma], src[on_rdma]), nb[on_rdma])
+    np.add.at(acc[3], (grp[on_rdma], dst[on_rdma]), nb[on_rdma])
+    nv = np.maximum(acc[0], acc[1]).max(axis=-1, initial=0.0) / cluster.nvlink_bw
+    rdma = np.maximum(acc[2], acc[3]).max(axis=-1, initial=0.0) / cluster.rdma_bw
+    return np.maximum(nv, rdma)
+
+
+def move_bytes(model: ModelSpec, optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM) -> float:
+    """Bytes one expert's move carries: ``3 h h' (dtype_bytes + optimizer_bytes_per_param)``, weights + optimizer."""
+    return float(model.expert_params * (model.dtype_bytes + float(optimizer_bytes_per_param)))

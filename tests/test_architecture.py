@@ -1,0 +1,171 @@
+"""The package's import floors (docs/architecture.md, "Module map"): a module imports only its own floor or below,
+the import graph has no cycle, and a function-local import of a package module only reaches a lower floor (so no
+local import exists to dodge a cycle). Parsed from the source with ``ast``; nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "relibra_moe"
+
+# Floors as in docs/architecture.md; the first matching prefix wins (module names relative to the package).
+FLOORS: tuple[tuple[str, int], ...] = (
+    ("errors", 1), ("validate", 1), ("specs", 1),
+    ("trace", 2), ("adapters", 2), ("cost", 2), ("timing", 2), ("plan", 2), ("triton_kernels", 2),
+    ("evaluate", 3), ("sim", 3), ("steady", 3), ("datasets", 3), ("synthetic", 3), ("metrics", 3), ("layers", 3),
+    ("planners", 4),
+    ("integrations", 5),
+    ("commands", 6), ("cli", 6), ("report", 6),
+    ("__init__", 7), ("__main__", 7),
+)
+
+
+PENDING_LOCAL_IMPORTS = {"integrations.hf", "layers.testing"}
+"""Modules of the layer refactor (issue 13 item 4, another branch) that still import a same-floor module inside a
+function; the merge of that branch empties this set."""
+
+
+def floor_of(module: str) -> int:
+    for prefix, floor in FLOORS:
+        if module == prefix or module.startswith(prefix + "."):
+            return floor
+    raise AssertionError(f"relibra_moe.{module} has no floor: add it to FLOORS and docs/architecture.md")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _resolve(importer: str, is_package: bool, node: ast.ImportFrom | ast.Import) -> list[str]:
+    """Package-relative names of the relibra_moe modules an import statement reaches."""
+    if isinstance(node, ast.Import):
+        return [a.name[len("relibra_moe."):] for a in node.names if a.name.startswith("relibra_moe.")]
+    if node.level == 0:
+        if node.module is None or not (node.module + ".").startswith("relibra_moe."):
+            return []
+        base = node.module[len("relibra_moe."):] if node.module != "relibra_moe" else ""
+    else:
+        parts = importer.split(".") if importer != "__init__" else []
+        pkg = parts if is_package else parts[:-1]
+        pkg = pkg[:len(pkg) - (node.level - 1)]
+        base = ".".join(pkg + ([node.module] if node.module else []))
+    out = []
+    for a in node.names:
+        cand = f"{base}.{a.name}" if base else a.name
+        if (PKG / (cand.replace(".", "/") + ".py")).exists() or (PKG / cand.replace(".", "/")).is_dir():
+            out.append(cand)  # ``from . import x`` with x a module
+        elif base:
+            out.append(base)
+    return out
+
+
+def _in_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def collect() -> tuple[dict[str, set[str]], list[tuple[str, str, int, bool]]]:
+    """(module -> modules imported at module level, [(importer, imported, line, function_local)])."""
+    graph: dict[str, set[str]] = {}
+    edges: list[tuple[str, str, int, bool]] = []
+    for path in sorted(PKG.rglob("*.py")):
+        mod = module_name(path)
+        tree = ast.parse(path.read_text(), str(path))
+        parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+        graph.setdefault(mod, set())
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or _in_type_checking(node, parents):
+                continue
+            local = False
+            p = node
+            while p in parents:
+                p = parents[p]
+                if isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    local = True
+                    break
+            for target in _resolve(mod, path.name == "__init__.py", node):
+                if target == mod or target == "":
+                    continue
+                edges.append((mod, target, node.lineno, local))
+                if not local:
+                    graph[mod].add(target)
+    return graph, edges
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (c := visit(n)):
+            return c
+    return None
+
+
+def _pkg_of(module: str) -> str:
+    return module.rsplit(".", 1)[0] if "." in module else ""
+
+
+def violations(graph: dict[str, set[str]], edges: list[tuple[str, str, int, bool]]) -> list[str]:
+    out = []
+    for importer, target, line, local in edges:
+        if importer.endswith("__init__") or importer == _pkg_of(target) or importer == "__init__":
+            continue  # a package's __init__ re-exports its own modules
+        fi, ft = floor_of(importer), floor_of(target)
+        if ft > fi:
+            out.append(f"relibra_moe.{importer}:{line} imports relibra_moe.{target} from a higher floor ({ft} > {fi})")
+        elif local and ft == fi and importer not in PENDING_LOCAL_IMPORTS:
+            out.append(f"relibra_moe.{importer}:{line} imports relibra_moe.{target} (same floor {fi}) inside a "
+                       "function: a module-level import, or none")
+    cycle = find_cycle(graph)
+    if cycle:
+        out.append("import cycle: " + " -> ".join(cycle))
+    return out
+
+
+def test_every_module_has_a_floor():
+    graph, _ = collect()
+    for mod in graph:
+        floor_of(mod)
+
+
+def test_imports_respect_the_floors_and_form_no_cycle():
+    graph, edges = collect()
+    assert violations(graph, edges) == []
+
+
+@pytest.mark.parametrize("edges, graph, expect", [
+    ([("planners.strategies", "commands.plan", 3, False)], {}, "from a higher floor"),
+    ([("sim", "planners.scoring", 9, True)], {}, "from a higher floor"),
+    ([("planners.strategies", "planners.replicate", 5, True)], {}, "inside a function"),
+    ([], {"a": {"b"}, "b": {"a"}}, "import cycle: a -> b -> a"),
+])
+def test_the_checker_flags_each_kind_of_violation(edges, graph, expect):
+    got = violations(graph, edges)
+    assert len(got) == 1 and expect in got[0], got
+
+
+def test_a_lower_floor_local_import_is_allowed():
+    assert violations({}, [("commands.plan", "evaluate", 3, True), ("planners.strategies", "plan", 1, False)]) == []

@@ -1,0 +1,77 @@
+"""PlanOptions: one place for every plan option's default and check; plan_batch and Planner build it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from relibra_moe.cost import DEFAULT_BETA
+from relibra_moe.errors import PlanError
+from relibra_moe.plan import Placement
+from relibra_moe.planners.options import DEFAULT_ROUNDS, DEFAULT_TOL, PlanOptions
+from relibra_moe.timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
+
+
+def test_defaults_are_the_documented_constants():
+    o = PlanOptions()
+    assert (o.rounds, o.tol, o.beta, o.optimizer_bytes_per_param) == (DEFAULT_ROUNDS, DEFAULT_TOL, DEFAULT_BETA,
+                                                                      DEFAULT_OPTIMIZER_BYTES_PER_PARAM)
+    assert (o.rounds, o.tol, o.optimizer_bytes_per_param) == (2, 0.05, 12.0)
+    assert o.migration and o.price_replicas and not o.repack and o.rank_balance == (False, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.iters = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["replica_slots", "seed", "workers", "iters", "locality_iters", "num_seeds",
+                                  "rounds", "num_groups", "final_iters", "cell_chunk"])
+def test_bool_is_never_an_int_option(name):
+    with pytest.raises(PlanError, match=f"{name}=True must be an int"):
+        PlanOptions(**{name: True})
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"objective": "fast"}, "objective='fast' is not one of"),
+    ({"balanced_sources": "odd"}, "balanced_sources='odd' is not one of"),
+    ({"migration": 1}, "migration=1 must be True or False"),
+    ({"smooth": "yes"}, r"smooth='yes' must be True or False \(or None\)"),
+    ({"beta": -1}, "beta=-1 must be a finite number > 0"),
+    ({"skew_cap": -0.5}, "skew_cap=-0.5 must be a finite number >= 0"),
+    ({"skew_cap": 0.05, "node_comp": False}, "needs node_comp=True"),
+    ({"token_cap": 100}, "token_cap=100 only applies with repack=True"),
+    ({"replicate": 3}, "replicate=3 must be a dict"),
+    ({"previous": "plan.npz"}, "previous must be a Placement"),
+    ({"optimizer_bytes_per_param": float("nan")}, "optimizer_bytes_per_param=nan"),
+])
+def test_bad_values_name_the_option(kw, match):
+    with pytest.raises(PlanError, match=match):
+        PlanOptions(**kw)
+
+
+def test_unknown_option_lists_the_known_ones():
+    with pytest.raises(PlanError, match="unknown plan option itres=3; known: .*'iters'"):
+        PlanOptions.from_kwargs(itres=3)
+
+
+def test_rank_balance_and_final_iters():
+    assert PlanOptions(skew_cap=0.05).rank_balance == (True, 0.05)
+    assert PlanOptions(node_comp=True).rank_balance == (True, None)
+    assert PlanOptions().final_iters_for(100) == 800
+    assert PlanOptions(final_iters=7).final_iters_for(100) == 7
+
+
+def test_check_for_strategy():
+    PlanOptions(skew_cap=0.1).check_for("relibra")
+    with pytest.raises(PlanError, match="skew_cap=0.1 only applies to relibra and relibra-inter, not strategy 'eplb'"):
+        PlanOptions(skew_cap=0.1).check_for("eplb")
+
+
+def test_strategy_options_records_what_differs_from_the_defaults():
+    assert PlanOptions(replica_slots=2, seed=3, workers=2).strategy_options() == {}
+    assert PlanOptions(rounds=2, tol=0.05).strategy_options() == {}
+    assert PlanOptions(iters=300, migration=False).strategy_options() == {"iters": 300, "migration": False}
+    homes = Placement.static(2, 4, 2)
+    rec = PlanOptions(previous=homes).strategy_options()["previous"]
+    assert rec == PlanOptions(previous=np.asarray(homes.expert_gpu)).strategy_options()["previous"]
+    assert rec.startswith("sha1:") and len(rec) == 45
