@@ -23,9 +23,8 @@ FLOORS: tuple[tuple[str, int], ...] = (
 )
 
 
-PENDING_LOCAL_IMPORTS = {"integrations.hf", "layers.testing"}
-"""Modules of the layer refactor (issue 13 item 4, another branch) that still import a same-floor module inside a
-function; the merge of that branch empties this set."""
+PENDING_LOCAL_IMPORTS: set[str] = set()
+"""Modules allowed to import a same-floor module inside a function (none: keep it empty)."""
 
 
 def floor_of(module: str) -> int:

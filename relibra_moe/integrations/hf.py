@@ -37,6 +37,7 @@ from torch import nn
 from ..errors import ReplayError
 from ..layers.replay import LayerReplay, layout_ids, replay
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
+from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -467,8 +468,6 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
         ValueError: the model has no supported MoE block (the message lists the supported classes), or
             the ``"local"`` backend with an EP group of more than one rank or replica slots.
     """
-    from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
-
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
