@@ -83,7 +83,7 @@ def record(model, seqs):
     with RoutingRecorder(model) as rec, torch.no_grad():
         model(ids, attention_mask=mask)
     batch = rec.trace_batch()
-    assert [t.num_tokens for t in batch.traces] == list(LENGTHS)
+    assert [t.num_tokens for t in batch.traces] == [len(s) for s in seqs]
     return batch
 
 
@@ -103,9 +103,11 @@ def _compare(name: str, got: dict, ref: dict, rtol: float, atol: float) -> None:
         assert torch.allclose(got[k], r, rtol=rtol, atol=atol), f"{name} {k}: max abs err {err:.3g}"
 
 
-def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduction: str, steps: int) -> None:
+def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduction: str, steps: int,
+                  bf16: bool = False) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from relibra_moe.integrations.fsdp import expert_parameters, parallelize
 
@@ -113,15 +115,20 @@ def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduc
     reference = copy.deepcopy(model).train()
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.01)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     par = parallelize(model.train(), mesh, replica_slots=1, gpus_per_node=2, reduction=reduction,
-                      activation_checkpointing=checkpointing)
+                      activation_checkpointing=checkpointing, mp_policy=mp)
     assert par.dp_size == par.ep_size == 2 and par.ep_rank == rank % 2 and par.dp_rank == rank // 2
+    layers = [m for m in model.modules() if hasattr(m, "home_experts")]
+    calls = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda mod, args: calls.append(args[0].dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     denom = sum(n - 1 for n in LENGTHS)  # labelled tokens of the global batch
     for step in range(steps):
         batch = record(reference, seqs)  # each step replays the routing of the weights it trains
         hot = _hot(batch, [[0, 1], [2, 3]])
-        plan = two_micro_batch_plan(len(batch.traces[0].layer_ids), 8, hot, seed=11 + step)
+        plan = two_micro_batch_plan(len(layers), 8, hot, seed=11 + step)
         static = np.arange(8) // 4
         assert not (plan.placement.expert_gpu == static).all(axis=1).any(), "placement must move experts"
         assert (plan.replicas.replica_expert >= 0).any()
@@ -133,20 +140,27 @@ def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduc
         loss_sum = torch.zeros(())
         rounds = par.micro_batches(plan)
         assert rounds == [par.dp_rank]
-        calls = []
+        replica_rows = 0
         for m in rounds:
             mine = [int(i) for i in np.flatnonzero((plan.samples.micro_batch == m) &
                                                    (plan.samples.gpu == par.ep_rank))]
             ids, mask, labels = batch_rows(seqs, mine)
+            calls.clear()
             with par.replay(batch, plan, m, attention_mask=mask) as rows:
                 assert rows == mine
                 loss = lm_loss_sum(model, ids, mask, labels) / denom
                 if reduction == "mean":  # FSDP's mean divides by the mesh size: each rank's loss is scaled up
                     loss = loss * world
                 loss.backward()
-                calls.append(sum(layer.last_load for layer in par.model.modules() if hasattr(layer, "last_load")))
+            # activation checkpointing recomputes every MoE layer in backward (under the same replay)
+            assert len(calls) % len(layers) == 0 and (len(calls) > len(layers)) == checkpointing, len(calls)
+            assert set(calls) == {torch.bfloat16 if bf16 else torch.float32}
+            replica_rows += sum(int(layer.last_slot_counts[layer.num_local:].sum()) for layer in layers)
             loss_sum += loss.detach() / (world if reduction == "mean" else 1)
         par.reduce_expert_grads()
+        every = torch.tensor([replica_rows])
+        dist.all_reduce(every)
+        assert int(every) > 0, "the replica slots should serve tokens"
         dist.all_reduce(loss_sum)
         grads = par.full_grads()
         opt.step()
@@ -155,24 +169,131 @@ def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduc
         ref_opt.zero_grad(set_to_none=True)
         rids, rmask, rlabels = batch_rows(seqs, list(range(len(seqs))))
         ref_loss = lm_loss_sum(reference, rids, rmask, rlabels) / denom
-        ref_loss_value = float(ref_loss.detach())
         ref_loss.backward()
+        ref_loss = float(ref_loss.detach())
         ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
         ref_opt.step()
-        assert abs(float(loss_sum) - ref_loss_value) <= 1e-5 * max(1.0, ref_loss_value), (step, float(loss_sum),
-                                                                                         ref_loss_value)
+        assert float(torch.sqrt(sum((g ** 2).sum() for g in ref_grads.values()))) > 1e-3  # a real step
+        if bf16:  # bf16 dense compute: loss and gradients within bf16 tolerances, parameters finite and moved
+            assert abs(float(loss_sum) - ref_loss) <= 2e-2 * ref_loss, (float(loss_sum), ref_loss)
+            for k, r in ref_grads.items():
+                assert float((grads[k] - r).abs().max()) <= 6e-2 * float(r.abs().max()) + 1e-5, k
+            ref_state = reference.state_dict()
+            assert all(torch.isfinite(v).all() for v in state.values())
+            assert (state["model.embed_tokens.weight"] != model_init_embed(family)).any()
+            assert set(state) == set(ref_state)
+            continue
+        assert abs(float(loss_sum) - ref_loss) <= 1e-5 * max(1.0, ref_loss), (step, float(loss_sum), ref_loss)
         if step == 0:
             _compare("grad", grads, ref_grads, rtol=1e-4, atol=1e-6)
         else:  # after an AdamW step the models differ by amplified rounding: normwise per tensor
             for k, r in ref_grads.items():
                 assert float((grads[k] - r).abs().max()) <= 1e-3 * float(r.abs().max()) + 1e-6, k
         _compare("param", state, reference.state_dict(), rtol=1e-4, atol=ADAMW_PARAM_ATOL)
-        assert float(torch.sqrt(sum((g ** 2).sum() for g in ref_grads.values()))) > 1e-3  # a real step
 
 
+def model_init_embed(family: str) -> torch.Tensor:
+    return _setup(family)[0].model.embed_tokens.weight.detach()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_fsdp_ep_step_equals_plain_hf(family):
-    """One step with a plan (replicas, non-identity placement), then a relayout to another placement and
-    a second step (AdamW state moved with the experts): both equal the plain HF steps."""
-    run_group(_train_worker, 4, family, False, "sum", 2, timeout_s=300)
+@pytest.mark.parametrize("family, checkpointing, reduction", [
+    ("qwen3_moe", False, "sum"),
+    ("mixtral", True, "mean"),
+])
+def test_fsdp_ep_steps_equal_plain_hf(family, checkpointing, reduction):
+    """Two steps on the 2 x 2 mesh with a plan (replicas, non-identity placement), a relayout to another
+    placement between them (AdamW state moves with the experts): loss, gathered gradients and gathered
+    parameters equal the plain HF steps. Mixtral runs with activation checkpointing (every MoE layer
+    recomputed in backward under the same replay) and FSDP's mean reduction."""
+    run_group(_train_worker, 4, family, checkpointing, reduction, 2, timeout_s=300)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_ep_bf16_mixed_precision():
+    """MixedPrecisionPolicy(bf16 params, fp32 reduce) with activation checkpointing: the dense layers run in
+    bf16 (the MoE layers see bf16 hidden states), the experts in their fp32; one step's loss and
+    gradients are within bf16 tolerances of the fp32 plain HF step (parameters after AdamW are not
+    compared: AdamW's first step is about lr * sign(g), which bf16 noise flips for near-zero gradients)."""
+    run_group(_train_worker, 4, "qwen3_moe", True, "sum", 1, True, timeout_s=300)
+
+
+def _placeholder_and_errors_worker(rank: int, world: int) -> None:
+    """One plan of a single micro-batch (dp rank 1 runs a placeholder round), then every bad input."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from relibra_moe.errors import PlanError
+    from relibra_moe.integrations.fsdp import check_experts_not_sharded, check_mesh, parallelize
+    from relibra_moe.integrations.hf import swap_moe_blocks
+    from relibra_moe.integrations.hf_tiny import tiny_model
+
+    model, seqs = _setup("qwen3_moe")
+    seqs = seqs[:2]
+    reference = copy.deepcopy(model).train()
+    batch = record(reference, seqs)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    par = parallelize(model.train(), mesh, replica_slots=1, gpus_per_node=2, reduction="sum")
+    L = len(batch.traces[0].layer_ids)
+    plan = hot_replica_plan(L, 8, 2, 2, _hot(batch, [[0, 1]])[0], seed=5)  # M = 1: sample g on EP rank g
+    par.relayout(plan)
+    rounds = par.micro_batches(plan)
+    assert rounds == ([0] if par.dp_rank == 0 else [None])
+    denom = sum(len(s) - 1 for s in seqs)
+    for m in rounds:
+        mine = [] if m is None else [par.ep_rank]
+        ids, mask, labels = batch_rows(seqs, mine)
+        with par.replay(batch, plan, m, attention_mask=mask) as rows:
+            assert rows == mine
+            loss = lm_loss_sum(model, ids, mask, labels) / denom
+            loss.backward()
+        if m is None:  # a placeholder round: served by no expert
+            assert all(layer.last_load == 0 for layer in model.modules() if hasattr(layer, "home_experts"))
+    par.reduce_expert_grads()
+    grads = par.full_grads()
+    rids, rmask, rlabels = batch_rows(seqs, [0, 1])
+    (lm_loss_sum(reference, rids, rmask, rlabels) / denom).backward()
+    _compare("grad", grads, {n: p.grad for n, p in reference.named_parameters() if p.grad is not None},
+             rtol=1e-4, atol=1e-6)
+
+    # a plan for another EP size
+    other = hot_replica_plan(L, 8, 4, 2, np.zeros(L, np.int64), seed=0)
+    for call in (lambda: par.micro_batches(other), lambda: par.relayout(other)):
+        with pytest.raises(PlanError, match=r"num_gpus=4.*'ep' has size 2"):
+            call()
+    # dp ranks given different placements: every rank raises, nothing moves
+    eg = np.stack([np.roll(np.arange(8) // 4, par.dp_rank)] * L)
+    with pytest.raises(PlanError, match="dp rank . was given a different placement"):
+        par.relayout(eg)
+    # an EP size that does not divide the experts
+    with pytest.raises(ValueError, match=r"'ep' has size 2, which does not divide num_experts=3"):
+        check_mesh(mesh, 3)
+    flat = mesh._flatten("all_ranks")
+    with pytest.raises(ValueError, match="must be 2-D with dimensions"):
+        check_mesh(flat, 8)
+    six = tiny_model("olmoe", num_layers=2, num_experts=6)
+    with pytest.raises(ValueError, match="'ep' has size 4, which does not divide num_experts=6"):
+        parallelize(six, init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "ep")))
+    # FSDP applied to the expert parameters (double sharding)
+    with pytest.raises(ValueError, match="fully_shard was already applied"):
+        parallelize(model, mesh)
+    double = swap_moe_blocks(tiny_model("qwen3_moe"), ep_group=mesh)  # a 2-D mesh: its "ep" dimension
+    assert {(layer.rank, layer.world_size) for layer in double.modules() if hasattr(layer, "home_experts")} == \
+        {(par.ep_rank, 2)}
+    fully_shard(double, mesh=flat)
+    with pytest.raises(ValueError, match=r"expert parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' is a "
+                                         r"DTensor"):
+        check_experts_not_sharded(double)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_fsdp_placeholder_round_and_bad_input():
+    """A plan with one micro-batch on dp 2: dp rank 1 runs a placeholder round (no expert, no gradient) and
+    the gradients equal the plain HF step on that micro-batch. Then each bad input raises its error on
+    every rank: a plan for 4 EP ranks on an ep-2 mesh, dp ranks given different placements, an ep size
+    that does not divide the experts (3 on ep 2; 6 on a 1 x 4 mesh), a non-2-D mesh, parallelize on an
+    already sharded model, and FSDP applied to the expert parameters (a DTensor expert, by name)."""
+    run_group(_placeholder_and_errors_worker, 4, timeout_s=300)

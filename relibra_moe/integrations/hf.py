@@ -440,7 +440,8 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
     Args:
         model: an HF ``*ForCausalLM`` (or its base model) of a supported family.
         ep_group: ``torch.distributed`` process group of expert parallelism (``None``: the world when
-            ``torch.distributed`` is initialized, else one rank). With G ranks every rank keeps only
+            ``torch.distributed`` is initialized, else one rank), or a ``DeviceMesh`` (1-D, or with an
+            ``"ep"`` dimension: that dimension's group; see ``docs/fsdp.md``). With G ranks every rank keeps only
             its E/G home experts (static placement ``e // (E/G)``) under the HF parameter names.
         replica_slots: r replica slots per rank, one :class:`~relibra_moe.integrations.hf_layer.HFReplicaBuffer`
             shared by all MoE layers of the model.
@@ -460,8 +461,10 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
         ValueError: the model has no supported MoE block (the message lists the supported classes), or
             the ``"local"`` backend with an EP group of more than one rank or replica slots.
     """
+    from .fsdp import ep_process_group
     from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
 
+    ep_group = ep_process_group(ep_group)  # a DeviceMesh (1-D, or with an "ep" dimension) -> its process group
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
