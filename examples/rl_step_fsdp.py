@@ -121,7 +121,7 @@ def _train(rank: int, cfg: Config) -> dict:
     # the loss of each rank is its share of the global loss (divided by the global token count): sum reduction
     par = parallelize(model.train(), mesh, replica_slots=cfg.replica_slots, gpus_per_node=cfg.gpus_per_node,
                       reduction="sum")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    opt = torch.optim.AdamW(par.param_groups(weight_decay=0.01), lr=cfg.lr)  # dense (DTensor) + expert groups
     planner = None
     if rank == 0:
         spec, cluster = _spec(cfg)

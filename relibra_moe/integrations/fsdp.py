@@ -5,7 +5,7 @@ The torchtitan layout, with relibra's replay-balanced MoE layers (see ``docs/fsd
     mesh = init_device_mesh("cuda", (dp, ep), mesh_dim_names=("dp", "ep"))
     par = parallelize(model, mesh, replica_slots=2, gpus_per_node=8,
                       mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(par.param_groups(), lr=1e-5)  # dense (DTensor) and expert groups
     par.relayout(plan, opt)                               # once per global batch (same plan on every rank)
     for m in par.micro_batches(plan):                     # this dp rank's share of the micro-batches
         with par.replay(batch, plan, m, attention_mask=mask):
@@ -201,6 +201,18 @@ class MeshMoE:
         self.ep_rank = self.mesh[self.ep_dim].get_local_rank()
         self.dp_group = self.mesh[self.dp_dim].get_group()
         self.ep_group = self.mesh[self.ep_dim].get_group()
+
+    # -- optimizer
+    def param_groups(self, **options: Any) -> list[dict[str, Any]]:
+        """The trainable parameters as two optimizer param groups, each with ``options`` (``lr``, ...): the
+        dense ones (FSDP ``DTensor`` shards) first, then the experts (plain tensors). torch's ``foreach``
+        and ``fused`` optimizer paths cannot mix ``DTensor`` and ``Tensor`` in one group (the default on
+        CUDA), so build the optimizer from these: ``AdamW(par.param_groups(weight_decay=0.01), lr=...)``."""
+        experts = {id(p) for p in expert_parameters(self.model).values()}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        dense = [p for p in params if id(p) not in experts]
+        expert = [p for p in params if id(p) in experts]
+        return [dict(options, params=group) for group in (dense, expert) if group]
 
     # -- plans
     def check_plan(self, plan: BatchPlan) -> None:
