@@ -163,6 +163,7 @@ def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduc
         dist.all_reduce(every)
         assert int(every) > 0, "the replica slots should serve tokens"
         dist.all_reduce(loss_sum)
+        norm = par.clip_grad_norm_(1e9)  # measures only: nothing is clipped
         grads = par.full_grads()
         opt.step()
         state = par.full_state_dict()
@@ -174,7 +175,9 @@ def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduc
         ref_loss = float(ref_loss.detach())
         ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters() if p.grad is not None}
         ref_opt.step()
-        assert float(torch.sqrt(sum((g ** 2).sum() for g in ref_grads.values()))) > 1e-3  # a real step
+        ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
+        assert ref_norm > 1e-3  # a real step
+        assert abs(float(norm) - ref_norm) <= (3e-2 if bf16 else 1e-4) * ref_norm, (float(norm), ref_norm)
         if bf16:  # bf16 dense compute: loss and gradients within bf16 tolerances, parameters finite and moved
             assert abs(float(loss_sum) - ref_loss) <= 2e-2 * ref_loss, (float(loss_sum), ref_loss)
             for k, r in ref_grads.items():
@@ -256,8 +259,14 @@ def _placeholder_and_errors_worker(rank: int, world: int) -> None:
     grads = par.full_grads()
     rids, rmask, rlabels = batch_rows(seqs, [0, 1])
     (lm_loss_sum(reference, rids, rmask, rlabels) / denom).backward()
-    _compare("grad", grads, {n: p.grad for n, p in reference.named_parameters() if p.grad is not None},
-             rtol=1e-4, atol=1e-6)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    _compare("grad", grads, ref_grads, rtol=1e-4, atol=1e-6)
+    # clipping to half the norm scales every gradient, dense and expert, by the same factor
+    ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in ref_grads.values())))
+    norm = par.clip_grad_norm_(ref_norm / 2)
+    assert abs(float(norm) - ref_norm) <= 1e-4 * ref_norm
+    clipped = {n: g * (ref_norm / 2) / (ref_norm + 1e-6) for n, g in ref_grads.items()}
+    _compare("clipped grad", par.full_grads(), clipped, rtol=3e-4, atol=1e-6)
 
     # a plan for another EP size
     other = hot_replica_plan(L, 8, 4, 2, np.zeros(L, np.int64), seed=0)
@@ -286,6 +295,10 @@ def _placeholder_and_errors_worker(rank: int, world: int) -> None:
     fully_shard(double, mesh=flat)
     with pytest.raises(ValueError, match=r"expert parameter 'model\.layers\.0\.mlp\.experts\.gate_up_proj' is a "
                                          r"DTensor"):
+        check_experts_not_sharded(double)
+    double.unshard()  # unsharded (plain tensors, as during a forward): still found through FSDP's state
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.gate_up_proj' is managed by "
+                                         r"fully_shard on module '<root>'"):
         check_experts_not_sharded(double)
 
 

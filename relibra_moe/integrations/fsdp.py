@@ -302,6 +302,43 @@ class MeshMoE:
             if self.reduction == "mean":
                 p.grad.div_(self.mesh.size())
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+        """Scale every gradient by ``min(1, max_norm / (norm + eps))``, ``norm`` the 2-norm of the whole
+        model's gradient (every dense element and every expert counted once, not once per replica);
+        returns ``norm`` (fp32 scalar, the same on every rank). Call after :meth:`reduce_expert_grads`.
+        ``torch.nn.utils.clip_grad_norm_`` cannot be used: it would count each expert on one EP rank
+        only, or ``dp`` times. A collective over the mesh."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        experts = {id(p) for p in expert_parameters(self.model).values()}
+        sq = torch.zeros(2, dtype=torch.float32)  # [dense, experts], this rank's share
+        grads = []
+        for p in self.model.parameters():
+            g = p.grad
+            if g is None:
+                continue
+            grads.append(g)
+            if id(p) in experts:
+                sq[1] += g.detach().float().pow(2).sum().cpu()
+            elif isinstance(g, DTensor):
+                copies = 1  # a shard replicated over some mesh dimensions is held that many times
+                for dim, placement in enumerate(g.placements):
+                    if isinstance(placement, Replicate):
+                        copies *= g.device_mesh.size(dim)
+                sq[0] += g.to_local().float().pow(2).sum().cpu() / copies  # its mesh spans the whole mesh
+            else:  # a plain dense parameter: the same on every rank
+                sq[0] += g.detach().float().pow(2).sum().cpu() / self.mesh.size()
+        dist.all_reduce(sq, group=self.ep_group)  # experts: each once in an EP group
+        dense = sq[:1].clone()
+        dist.all_reduce(dense, group=self.dp_group)
+        norm = torch.sqrt(dense[0] + sq[1])
+        coef = min(1.0, float(max_norm) / (float(norm) + eps))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
     # -- gathering (checks, checkpoints)
     def _gather_expert(self, layer: ReplayBalancedMoE, local: torch.Tensor) -> torch.Tensor:
         """This EP group's rows of one expert tensor ``[E_loc, ...]`` -> ``[E, ...]`` in logical order."""
