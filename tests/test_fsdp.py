@@ -104,7 +104,7 @@ def _compare(name: str, got: dict, ref: dict, rtol: float, atol: float) -> None:
 
 
 def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduction: str, steps: int,
-                  bf16: bool = False) -> None:
+                  bf16: bool = False, hsdp: bool = False) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -117,8 +117,12 @@ def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduc
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     par = parallelize(model.train(), mesh, replica_slots=1, gpus_per_node=2, reduction=reduction,
-                      activation_checkpointing=checkpointing, mp_policy=mp)
+                      activation_checkpointing=checkpointing, mp_policy=mp, dense_mesh=mesh if hsdp else None)
     assert par.dp_size == par.ep_size == 2 and par.ep_rank == rank % 2 and par.dp_rank == rank // 2
+    from torch.distributed.tensor import Replicate, Shard
+
+    dense = model.model.embed_tokens.weight  # HSDP: replicated over dp, sharded over ep; else sharded over all
+    assert tuple(dense.placements) == ((Replicate(), Shard(0)) if hsdp else (Shard(0),)), dense.placements
     layers = [m for m in model.modules() if hasattr(m, "home_experts")]
     calls = []
     for layer in layers:
@@ -202,16 +206,17 @@ def model_init_embed(family: str) -> torch.Tensor:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family, checkpointing, reduction", [
-    ("qwen3_moe", False, "sum"),
-    ("mixtral", True, "mean"),
+@pytest.mark.parametrize("family, checkpointing, reduction, hsdp", [
+    ("qwen3_moe", False, "sum", False),
+    ("mixtral", True, "mean", True),
 ])
-def test_fsdp_ep_steps_equal_plain_hf(family, checkpointing, reduction):
+def test_fsdp_ep_steps_equal_plain_hf(family, checkpointing, reduction, hsdp):
     """Two steps on the 2 x 2 mesh with a plan (replicas, non-identity placement), a relayout to another
     placement between them (AdamW state moves with the experts): loss, gathered gradients and gathered
-    parameters equal the plain HF steps. Mixtral runs with activation checkpointing (every MoE layer
-    recomputed in backward under the same replay) and FSDP's mean reduction."""
-    run_group(_train_worker, 4, family, checkpointing, reduction, 2, timeout_s=300)
+    parameters equal the plain HF steps. Qwen3-MoE: dense parameters sharded over all 4 ranks, sum
+    reduction. Mixtral: activation checkpointing (every MoE layer recomputed in backward under the same
+    replay), FSDP's mean reduction, and HSDP (dense parameters replicated over dp, sharded over ep)."""
+    run_group(_train_worker, 4, family, checkpointing, reduction, 2, False, hsdp, timeout_s=300)
 
 
 @pytest.mark.slow
