@@ -24,7 +24,11 @@ Checks, for every step (``--check`` exits non-zero when one fails): the step's l
 same data (live routing, all experts local; tolerances as in ``examples/rl_step.py``), and the per-rank
 expert loads of every layer and micro-batch equal the plan's.
 
-Run: ``python examples/rl_step_fsdp.py --check`` (a minute or two on 2 cores).
+At the default size (one node of 2 ranks per EP group, 8 short sequences) the planner places no replica:
+the cost model finds none worth its transfer (``replicas`` in the step records). The replica path on the
+mesh is tested with hand-made plans in ``tests/test_fsdp.py``.
+
+Run: ``python examples/rl_step_fsdp.py --check`` (a few minutes on 2 shared cores).
 """
 
 from __future__ import annotations
