@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
-    for fam in args.families:
-        mod = make_experts(fam, args.hidden, args.ffn, args.experts, args.topk, args.seed, device)
+    for i, fam in enumerate(args.families):  # each family its own weights (seed + i)
+        mod = make_experts(fam, args.hidden, args.ffn, args.experts, args.topk, args.seed + i, device)
         ids, w = routing(args.tokens, args.experts, args.topk, args.skew, args.seed, device)
         g = torch.Generator().manual_seed(args.seed + 1)
         x = torch.randn(args.tokens, args.hidden, generator=g).to(device)
