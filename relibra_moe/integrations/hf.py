@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..errors import ReplayError
+from ..layers.dispatch import ep_process_group
 from ..layers.replay import LayerReplay, layout_ids, replay
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
@@ -82,7 +83,7 @@ def _is_swapped(mod: nn.Module) -> bool:
     return bool(getattr(type(mod), "swapped_moe_block", False))
 
 
-def _num_experts_topk(block: nn.Module) -> tuple[int, int]:
+def num_experts_topk(block: nn.Module) -> tuple[int, int]:
     fam = block.family if _is_swapped(block) else family_of(block)
     router = getattr(block, fam.router_attr)
     return int(router.num_experts), int(router.top_k)
@@ -124,7 +125,7 @@ class RoutingRecorder:
         blocks = moe_blocks(model)
         self.layer_ids = np.array([i for i, _, _ in blocks], dtype=np.int32)
         self._blocks = [b for _, _, b in blocks]
-        self.num_experts, self.top_k = _num_experts_topk(self._blocks[0])
+        self.num_experts, self.top_k = num_experts_topk(self._blocks[0])
         self._handles: list[Any] = []
         self._sessions: list[list[dict[str, Any]]] = []  # per prefill: list of steps
         self._step: dict[str, Any] | None = None
@@ -448,7 +449,8 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
     Args:
         model: an HF ``*ForCausalLM`` (or its base model) of a supported family.
         ep_group: ``torch.distributed`` process group of expert parallelism (``None``: the world when
-            ``torch.distributed`` is initialized, else one rank). With G ranks every rank keeps only
+            ``torch.distributed`` is initialized, else one rank), or a ``DeviceMesh`` (1-D, or with an
+            ``"ep"`` dimension: that dimension's group; see ``docs/fsdp.md``). With G ranks every rank keeps only
             its E/G home experts (static placement ``e // (E/G)``) under the HF parameter names.
         replica_slots: r replica slots per rank, one :class:`~relibra_moe.integrations.hf_layer.HFReplicaBuffer`
             shared by all MoE layers of the model.
@@ -468,6 +470,7 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
         ValueError: the model has no supported MoE block (the message lists the supported classes), or
             the ``"local"`` backend with an EP group of more than one rank or replica slots.
     """
+    ep_group = ep_process_group(ep_group)  # a DeviceMesh (1-D, or with an "ep" dimension) -> its process group
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:

@@ -61,7 +61,7 @@ from ..plan import BatchPlan, ReplicaPlan
 from ..triton_kernels.permute import combine as combine_pairs
 from ..triton_kernels.permute import permute
 from ..triton_kernels.routing import RoutingMeta, routing_metadata
-from .dispatch import Dispatcher, get_dispatcher
+from .dispatch import Dispatcher, ep_process_group, get_dispatcher
 from .experts import GroupedExperts, GroupedSwiGLUExperts, experts_forward
 from .replay import LayerReplay
 from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
@@ -184,7 +184,8 @@ class ReplayBalancedMoE(nn.Module):
         ffn: F, expert FFN width (SwiGLU).
         num_experts: E routed experts (divisible by the EP group size G).
         top_k: k experts per token.
-        ep_group: the ``torch.distributed`` process group of expert parallelism; ``None`` uses the
+        ep_group: the process group of expert parallelism, or a ``DeviceMesh`` (1-D, or with an ``"ep"``
+            dimension: its group for this rank); ``None`` uses the
             world when ``torch.distributed`` is initialized, else a single rank.
         gpus_per_node: ranks per node in the EP group (replicas of node-scoped plans stay in a node);
             default: the whole group is one node.
@@ -233,6 +234,7 @@ class ReplayBalancedMoE(nn.Module):
             raise ValueError(f"router={router!r}: expected a TopKRouter (or another nn.Module), a dict of "
                              "TopKRouter keyword arguments, or a scoring name ('softmax', 'sigmoid')")
         self.hidden, self.ffn, self.num_experts, self.top_k = hidden, ffn, num_experts, top_k
+        ep_group = ep_process_group(ep_group)  # a DeviceMesh (1-D, or with an "ep" dimension) -> its group
         self.ep_group = ep_group
         self.dispatcher: Dispatcher = dispatcher if not isinstance(dispatcher, str) else \
             get_dispatcher(ep_group, gpus_per_node, dispatcher)

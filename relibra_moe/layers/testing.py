@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .dispatch import clear_dispatcher_cache
+
 __all__ = ["hot_replica_plan", "run_group"]
 
 
@@ -34,8 +36,6 @@ def _entry(rank: int, fn: Callable, world_size: int, init: str, backend: str, ti
     try:
         fn(rank, world_size, *args)
     finally:
-        from .dispatch import clear_dispatcher_cache
-
         clear_dispatcher_cache()
         gc.collect()  # tensors held by reference cycles go while the process group is still alive
         dist.destroy_process_group()
