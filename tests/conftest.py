@@ -34,6 +34,7 @@ settings.load_profile("ci")
 
 #: Test modules of the CUDA target: the compiled-kernel checks and the multi-process suites (run_group).
 GPU_MODULES = frozenset({
+    "test_run_group.py",
     "test_kernels_cuda.py",
     "test_layers_dispatch.py",
     "test_layers_moe.py",
