@@ -596,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routing", default="uniform,skewed", help="comma-separated subset of uniform,skewed")
     ap.add_argument("--block-m", type=int, default=64, help="rows per routing block (routing_metadata)")
     ap.add_argument("--replicas", type=int, default=16, help="replica slots (ExpertWeights and replica copy)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes of the CPU correctness pass")
     ap.add_argument("--out", default=None,
                     help="JSON path (default bench/results/kernels.json, or kernels_interpreter.json without CUDA)")
     args = ap.parse_args(argv)
@@ -609,8 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         rep.set("note", "correctness pass only (Triton interpreter, tiny shapes): timings need a CUDA GPU")
         print("No CUDA device: correctness pass in the Triton interpreter at tiny shapes; timings need a GPU.")
         checks = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            checks[str(dtype).removeprefix("torch.")] = correctness("cpu", dtype, CPU_SHAPE, block_m=16)
+        for name in args.dtypes.split(","):
+            checks[name] = correctness("cpu", getattr(torch, name), CPU_SHAPE, block_m=16)
             rep.set("correctness", checks)
         ok = print_correctness(checks)
         rep.set("correctness_ok", ok)
