@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     replicated = torch.arange(r, device=dev)
     rep1 = home1[replicated].transpose(1, 2).contiguous().transpose(1, 2)  # a separate allocation, same layout
     rep2 = home2[replicated].clone()
-    w1, w2 = expert_weights(home1, rep1, replicated), expert_weights(home2, rep2, replicated)
+    w1, w2 = expert_weights(home1, rep1), expert_weights(home2, rep2)
 
     def inputs(seed: int):
         ids = routing_ids(T, k, E, dev, "skewed", seed=seed)

@@ -161,7 +161,7 @@ def replica_slot_ids(ids: torch.Tensor, E: int, replicated: torch.Tensor) -> tor
     return out.view(ids.shape)
 
 
-def expert_weights(home: torch.Tensor, replica: torch.Tensor, replicated: torch.Tensor) -> ExpertWeights:
+def expert_weights(home: torch.Tensor, replica: torch.Tensor) -> ExpertWeights:
     """``ExpertWeights`` over ``E + r`` slots: slots ``< E`` the home rows, slot ``E + j`` replica row j."""
     E, r, dev = home.shape[0], replica.shape[0], home.device
     src = torch.cat([torch.zeros(E, dtype=torch.long, device=dev), torch.ones(r, dtype=torch.long, device=dev)])
@@ -280,8 +280,7 @@ def _ops(device: str, dtype: torch.dtype, T: int, k: int, E: int, H: int, inter:
         "combine": lambda: [combine(xs_ref, meta, wts)],
         "grouped_mm_hf_view": lambda: [grouped_mm(xs_ref, wg, meta)],
         "grouped_mm_contiguous": lambda: [grouped_mm(xs_ref, wg.contiguous(), meta)],
-        "grouped_mm_expert_weights": lambda: [grouped_mm(permute(x, meta_s), expert_weights(
-            wg, rep_g, replicated), meta_s)],
+        "grouped_mm_expert_weights": lambda: [grouped_mm(permute(x, meta_s), expert_weights(wg, rep_g), meta_s)],
         "grouped_mm_dx": lambda: [grouped_mm_dx(dy, wg, meta)],
         "grouped_mm_dw": lambda: [grouped_mm_dw(xs_ref, dy, meta)],
         "expert_mlp_fwd_bwd": lambda: mlp(False),
@@ -426,7 +425,7 @@ def bench_routing(rep: JsonReport, key: tuple, name: str, T: int, k: int, E: int
         if proj == "gate_up":  # ExpertWeights: E home rows + r replica slots of a separate allocation
             rep_buf = torch.empty(replicas, N, K, device=dev, dtype=dt).transpose(1, 2)
             copy_into_slots(w, replicated, rep_buf, torch.arange(replicas, device=dev))
-            ew = expert_weights(w, rep_buf, replicated)
+            ew = expert_weights(w, rep_buf)
             flops_s = 2.0 * int(meta_s.offsets[-1]) * K * N
             t_ew = bench_ms(lambda a_s=a_s, ew=ew: grouped_mm(a_s, ew, meta_s))
             rep.set(*pk, "expert_weights_fwd_tflops", flops_s / t_ew / 1e9)
@@ -484,15 +483,16 @@ def bench_routing(rep: JsonReport, key: tuple, name: str, T: int, k: int, E: int
     rep.set(*key, "permute_gbps", 2 * routed * H * esz / bench_ms(lambda: permute(x, meta)) / 1e6)
     yv = torch.randn(R, H, device=dev, dtype=dt)
     rep.set(*key, "combine_gbps", ((routed + T) * H * esz + T * k * 8) / bench_ms(lambda: combine(yv, meta, wts)) / 1e6)
-    rows = permute(x, meta)[:routed]
-    slot_of = ids.reshape(-1)[meta.gather_idx[:routed].long()].view(-1, 1)
+    # the received rows of a one-rank layer: pair order (token t's k rows together), slot = expert
+    rows = x.repeat_interleave(k, dim=0)
+    slot_of = ids.reshape(-1, 1)
     rep.set(*key, "k1_routing_metadata_ms", bench_ms(lambda: routing_metadata(slot_of, E, block_m=block_m)))
     m1 = routing_metadata(slot_of, E, block_m=block_m)
-    ones = torch.ones(routed, 1, device=dev)
-    rep.set(*key, "k1_permute_gbps", 2 * routed * H * esz / bench_ms(lambda: permute(rows, m1)) / 1e6)
+    n1 = rows.shape[0]
+    ones = torch.ones(n1, 1, device=dev)
+    rep.set(*key, "k1_permute_gbps", 2 * n1 * H * esz / bench_ms(lambda: permute(rows, m1)) / 1e6)
     y1 = permute(rows, m1)
-    rep.set(*key, "k1_combine_gbps", (2 * routed * H * esz + routed * 8) / bench_ms(lambda: combine(y1, m1, ones))
-            / 1e6)
+    rep.set(*key, "k1_combine_gbps", (2 * n1 * H * esz + n1 * 8) / bench_ms(lambda: combine(y1, m1, ones)) / 1e6)
     d = rep.get(*key)
     for op in ("permute", "combine", "k1_permute", "k1_combine"):
         d[f"{op}_vs_copy"] = d[f"{op}_gbps"] / copy
