@@ -39,6 +39,9 @@ def test_cuda_target_needs_one_gpu_per_rank(monkeypatch):
         testing._group_backend(None, 2)
     assert issubclass(GroupSkipped, unittest.SkipTest)  # pytest reports it as a skip
     assert testing._group_backend("gloo", 2) == "gloo"  # an explicit backend is kept
+    testing.require_ranks(1)
+    with pytest.raises(GroupSkipped, match="8 GPUs"):
+        testing.require_ranks(8)
 
 
 def test_cuda_target_without_a_gpu_skips_the_group(monkeypatch):

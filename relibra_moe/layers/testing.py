@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["TEST_DEVICE_ENV", "GroupSkipped", "gpu_target", "hot_replica_plan", "kernel_backend", "rank_device",
-           "run_group"]
+           "require_ranks", "run_group"]
 
 #: The environment variable of the test target: ``cpu`` (default) or ``cuda``.
 TEST_DEVICE_ENV = "RELIBRA_TEST_DEVICE"
@@ -63,6 +63,11 @@ def kernel_backend() -> str | None:
     """The ``force_backend`` argument of test workers: ``None`` (automatic: compiled Triton kernels on
     the rank's GPU) on the CUDA target, ``"torch"`` (the reference; the interpreter is slow) on CPU."""
     return None if rank_device().type == "cuda" else "torch"
+
+
+def require_ranks(world_size: int) -> None:
+    """Raise :class:`GroupSkipped` now when :func:`run_group` would (call it before costly test setup)."""
+    _group_backend(None, world_size)
 
 
 def _group_backend(backend: str | None, world_size: int) -> str:
