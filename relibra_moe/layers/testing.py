@@ -78,8 +78,7 @@ def _group_backend(backend: str | None, world_size: int) -> str:
     if backend == "nccl":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < world_size:
-            raise GroupSkipped(f"an NCCL group of {world_size} ranks needs {world_size} GPUs (one per rank); "
-                               f"{n} visible")
+            raise GroupSkipped(f"an NCCL group of world size {world_size} needs one GPU per rank; {n} visible")
     return backend
 
 
