@@ -1,10 +1,28 @@
-"""Test-suite setup: Triton runs in its CPU interpreter (set before triton is imported anywhere)."""
+"""Test-suite setup: the run's target device, chosen before triton is imported anywhere.
+
+``RELIBRA_TEST_DEVICE`` (README "GPU tests") selects it:
+
+* unset or ``cpu`` (the default): Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``
+  unless the environment sets it), the multi-process suites run on gloo with CPU tensors.
+  ``tests/test_kernels_cuda.py`` on a machine with a GPU runs itself in a child process of the CUDA
+  target, so CUDA tensors never meet the interpreter.
+* ``cuda``: ``TRITON_INTERPRET=0`` whatever the environment says (compiled kernels); the modules in
+  ``GPU_MODULES`` run, the multi-process suites on NCCL with one GPU per rank and CUDA tensors
+  (``relibra_moe.layers.testing.run_group``); every other module is a CPU-target test and is skipped.
+"""
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+TEST_DEVICE_ENV = "RELIBRA_TEST_DEVICE"
+TARGET = os.environ.get(TEST_DEVICE_ENV, "cpu").strip().lower() or "cpu"
+if TARGET not in ("cpu", "cuda"):
+    raise ValueError(f"{TEST_DEVICE_ENV}={os.environ[TEST_DEVICE_ENV]!r}: expected 'cpu' or 'cuda'")
+if TARGET == "cuda":
+    os.environ["TRITON_INTERPRET"] = "0"  # the interpreter is a CPU mode: CUDA tests run compiled kernels
+else:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pathlib import Path  # noqa: E402
 
@@ -13,6 +31,31 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True)
 settings.load_profile("ci")
+
+#: Test modules of the CUDA target: the compiled-kernel checks and the multi-process suites (run_group).
+GPU_MODULES = frozenset({
+    "test_run_group.py",
+    "test_kernels_cuda.py",
+    "test_layers_dispatch.py",
+    "test_layers_moe.py",
+    "test_relayout.py",
+    "test_replica_buffer.py",
+    "test_hf_ep.py",
+    "test_hf_gpt_oss_ep.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if TARGET != "cuda":
+        return
+    skip = pytest.mark.skip(reason=f"CPU-target test: run it without {TEST_DEVICE_ENV}=cuda")
+    for item in items:
+        if item.path.name not in GPU_MODULES:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"relibra test target: {TARGET} (TRITON_INTERPRET={os.environ['TRITON_INTERPRET']})"
 
 
 def _traces_dir() -> Path:

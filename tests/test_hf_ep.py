@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 import torch.distributed as dist  # noqa: E402
 
-from relibra_moe.layers.testing import hot_replica_plan, run_group  # noqa: E402
+from relibra_moe.layers.testing import hot_replica_plan, kernel_backend, rank_device, run_group  # noqa: E402
 
 FAMILIES = ("deepseek_v3", "qwen2_moe", "mixtral")
 IDS = [[5, 6, 7, 9, 11, 13, 17], [3, 4, 5, 6, 7, 8, 0]]
@@ -35,9 +35,11 @@ def _worker(rank: int, world_size: int, out_dir: str) -> None:
 
     ids, mask = torch.tensor(IDS), torch.tensor(MASK)
     report = {}
-    with force_backend("torch"):
+    dev = rank_device()
+    with force_backend(kernel_backend()):
         for fam in FAMILIES:
-            ref = tiny_model(fam, seed=5).train()
+            with torch.device("cpu"):  # tiny_model draws from a CPU generator
+                ref = tiny_model(fam, seed=5).to(dev).train()
             with RoutingRecorder(ref) as rec:
                 out_ref = ref(ids, attention_mask=mask).logits
             (out_ref[mask.bool()].square().mean()).backward()
@@ -45,7 +47,9 @@ def _worker(rank: int, world_size: int, out_dir: str) -> None:
             counts = sum(t.expert_counts() for t in traces)  # [L, E]
             plan = hot_replica_plan(len(traces[0].layer_ids), 8, 2, 2, counts.argmax(1), seed=1)
 
-            model = swap_moe_blocks(tiny_model(fam, seed=5), replica_slots=1, gpus_per_node=2).train()
+            with torch.device("cpu"):
+                hf = tiny_model(fam, seed=5).to(dev)
+            model = swap_moe_blocks(hf, replica_slots=1, gpus_per_node=2).train()
             relayout(model, plan.placement)
             row = [rank]
             with replay(model, traces, plan, micro_batch=0) as rows:
@@ -122,7 +126,9 @@ def _bad_rank_worker(rank: int, world_size: int, out_dir: str) -> None:
     except PlanError as exc:
         report["plan"] = str(exc)
 
-    model = swap_moe_blocks(tiny_model("qwen3_moe", seed=1))
+    with torch.device("cpu"):
+        hf = tiny_model("qwen3_moe", seed=1).to(rank_device())
+    model = swap_moe_blocks(hf)
     n_moe = len([m for m in model.modules() if isinstance(m, ReplayBalancedMoE)])
     tr = RoutingTrace(np.tile(np.array([1, 6], np.int16), (4, n_moe, 1)),
                       [b.layer_id for b in model.modules() if isinstance(b, ReplayBalancedMoE)], 8, 2)

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 import torch.distributed as dist  # noqa: E402
 
-from relibra_moe.layers.testing import hot_replica_plan, run_group  # noqa: E402
+from relibra_moe.layers.testing import hot_replica_plan, kernel_backend, rank_device, run_group  # noqa: E402
 
 IDS = [[5, 6, 7, 9, 11, 13, 17], [3, 4, 5, 6, 7, 8, 0], [21, 22, 23, 24, 25, 26, 27], [30, 31, 32, 33, 3, 0, 0]]
 MASK = [[1] * 7, [1] * 6 + [0], [1] * 7, [1] * 5 + [0] * 2]
@@ -47,8 +47,10 @@ def _worker(rank: int, world: int, P: int) -> None:
     from relibra_moe.triton_kernels.backend import force_backend
 
     ids, mask = torch.tensor(IDS[:world]), torch.tensor(MASK[:world])
-    with force_backend("torch"):
-        ref = tiny_model("gpt_oss", seed=5).train()
+    dev = rank_device()
+    with force_backend(kernel_backend()):
+        with torch.device("cpu"):  # tiny_model draws from a CPU generator
+            ref = tiny_model("gpt_oss", seed=5).to(dev).train()
         ref_sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
         with RoutingRecorder(ref) as rec:
             out_ref = ref(ids, attention_mask=mask).logits
@@ -58,7 +60,9 @@ def _worker(rank: int, world: int, P: int) -> None:
         L = len(traces[0].layer_ids)
         plan = hot_replica_plan(L, E, world, P, counts.argmax(1), seed=1 + world)
 
-        model = swap_moe_blocks(tiny_model("gpt_oss", seed=5), replica_slots=1, gpus_per_node=P).train()
+        with torch.device("cpu"):
+            hf = tiny_model("gpt_oss", seed=5).to(dev)
+        model = swap_moe_blocks(hf, replica_slots=1, gpus_per_node=P).train()
         blocks = [b for _, _, b in moe_blocks(model)]
         assert all(b.world_size == world and b.experts.tensor_names == EXPERT_NAMES for b in blocks)
         assert blocks[0].replica_buffer.names == EXPERT_NAMES

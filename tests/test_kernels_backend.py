@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +16,17 @@ import triton
 import triton.language as tl
 
 from relibra_moe.triton_kernels import backend
-from relibra_moe.triton_kernels.backend import bf16_rne, cast_out, dot_upcast, force_backend, forced_backend, use_triton
+from relibra_moe.triton_kernels.backend import (
+    bf16_rne,
+    cast_out,
+    dot_upcast,
+    force_backend,
+    forced_backend,
+    kernel_mode,
+    use_triton,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_force_backend_nests_and_is_thread_local():
@@ -91,3 +107,55 @@ def test_backward_keeps_the_forward_backend_on_other_threads(monkeypatch):
     th.join()
     assert x.grad is not None and w.grad is not None
     assert calls == []  # neither forward nor backward touched a Triton kernel
+
+
+def test_cuda_tensors_never_meet_the_interpreter(monkeypatch):
+    """In this interpreter process a CUDA tensor at a kernel raises (no silent interpreted CUDA run);
+    in a compiled process CUDA is compiled and CPU the reference."""
+    cuda_t = types.SimpleNamespace(device=torch.device("cuda", 0))  # use_triton reads only the device
+    assert kernel_mode("cpu") == "interpreter"
+    for call in (lambda: kernel_mode("cuda"), lambda: use_triton(cuda_t)):
+        with pytest.raises(RuntimeError, match="interpreter is a CPU mode"):
+            call()
+    with force_backend("triton"), pytest.raises(RuntimeError, match="CPU mode"):
+        use_triton(cuda_t)
+    with force_backend("torch"):
+        assert not use_triton(cuda_t)  # the reference never launches a kernel
+    monkeypatch.setattr(backend, "INTERPRET", False)
+    assert kernel_mode("cuda:0") == "compiled" and use_triton(cuda_t)
+    assert kernel_mode("cpu") == "reference"
+
+
+_PROBE = """
+import json, runpy, sys
+runpy.run_path(sys.argv[1])  # the test harness, as pytest imports it first
+import torch
+from relibra_moe.triton_kernels import backend, grouped_gemm, permute, replica_copy, routing
+try:
+    mode = backend.kernel_mode(torch.device("cuda"))
+except RuntimeError as exc:
+    mode = "refused: " + str(exc)
+kinds = sorted({type(v).__name__ for m in (grouped_gemm, permute, replica_copy, routing)
+                for v in vars(m).values() if type(v).__name__ in ("JITFunction", "InterpretedFunction")})
+print(json.dumps({"interpret": backend.INTERPRET, "cuda": mode, "kernels": kinds}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_harness_selects_compiled_kernels_for_the_cuda_target():
+    """tests/conftest.py with RELIBRA_TEST_DEVICE=cuda turns the interpreter off even when the environment
+    sets TRITON_INTERPRET=1: the kernels are compiled JITFunctions and CUDA tensors run them. The default
+    target keeps the interpreter and refuses CUDA tensors."""
+    seen = {}
+    for target in ("cuda", None):
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        env.pop("RELIBRA_TEST_DEVICE", None)
+        if target:
+            env["RELIBRA_TEST_DEVICE"] = target
+        res = subprocess.run([sys.executable, "-c", _PROBE, str(ROOT / "tests" / "conftest.py")], env=env,
+                             capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, res.stderr[-3000:]
+        seen[target] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seen["cuda"] == {"interpret": False, "cuda": "compiled", "kernels": ["JITFunction"]}
+    assert seen[None]["interpret"] is True and seen[None]["kernels"] == ["InterpretedFunction"]
+    assert seen[None]["cuda"].startswith("refused:") and "CPU mode" in seen[None]["cuda"]

@@ -1,19 +1,59 @@
 """CUDA-only checks of the compiled kernels (skipped without a GPU): Triton vs the torch reference at
 moderate bf16 shapes, bitwise determinism of every op, ExpertWeights across two allocations, the
-16-program replica copy, and no host sync in routing_metadata."""
+16-program replica copy, and no host sync in routing_metadata.
+
+These tests run compiled kernels only. In an interpreter process (the default CPU target of
+``tests/conftest.py``) the module runs itself in a child pytest process of the CUDA target
+(``RELIBRA_TEST_DEVICE=cuda``, ``TRITON_INTERPRET=0``) and its other tests skip here; in a compiled
+process they run directly.
+"""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from relibra_moe.triton_kernels.backend import force_backend
+from relibra_moe.triton_kernels import backend as kernel_backend
+from relibra_moe.triton_kernels import grouped_gemm as gg_module
+from relibra_moe.triton_kernels.backend import force_backend, kernel_mode
 from relibra_moe.triton_kernels.grouped_gemm import ExpertWeights, grouped_mm, grouped_mm_dw, swiglu_experts
 from relibra_moe.triton_kernels.permute import combine, permute
 from relibra_moe.triton_kernels.replica_copy import add_slot_grads, copy_into_slots
 from relibra_moe.triton_kernels.routing import routing_metadata
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _compiled_process(request):
+    if kernel_backend.INTERPRET and request.node.name != "test_compiled_suite_in_a_child_process":
+        pytest.skip("interpreter process: this test runs compiled in test_compiled_suite_in_a_child_process")
+
+
+@pytest.mark.timeout(900)
+def test_compiled_suite_in_a_child_process():
+    """From an interpreter process: the whole module again in a child of the CUDA target, compiled."""
+    if not kernel_backend.INTERPRET:
+        pytest.skip("this process runs compiled kernels: the module's tests run here directly")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["RELIBRA_TEST_DEVICE"] = "cuda"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-3000:]
+
+
+def test_kernels_are_compiled():
+    from relibra_moe.triton_kernels import permute as pm
+    from relibra_moe.triton_kernels import replica_copy as rc
+
+    assert kernel_mode(torch.device("cuda")) == "compiled"
+    kinds = {type(v).__name__ for m in (gg_module, pm, rc) for v in vars(m).values()
+             if type(v).__name__ in ("JITFunction", "InterpretedFunction")}
+    assert kinds == {"JITFunction"}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -24,7 +24,7 @@ from relibra_moe.layers.moe import ReplayBalancedMoE
 from relibra_moe.layers.relayout import relayout
 from relibra_moe.layers.replay import replay
 from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
-from relibra_moe.layers.testing import run_group
+from relibra_moe.layers.testing import gpu_target, kernel_backend, rank_device, require_ranks, run_group
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan
 from relibra_moe.specs import ClusterSpec, ModelSpec
 from relibra_moe.triton_kernels.backend import force_backend
@@ -67,23 +67,24 @@ def reference_model(x, params, ids):
 
 def make_case(seed: int, G: int, E: int, tokens: list[int], hot: bool = False):
     """Global data of one case: inputs per rank, replayed ids per layer, full weights (float64)."""
-    g = torch.Generator().manual_seed(seed)
-    N = sum(tokens)
-    x = torch.randn(N, H, generator=g, dtype=torch.float64)
-    params = []
-    for _ in range(L):
-        params.append((torch.randn(E, H, generator=g, dtype=torch.float64) * 0.5,
-                       torch.randn(E, H, 2 * FF, generator=g, dtype=torch.float64) * H ** -0.5,
-                       torch.randn(E, FF, H, generator=g, dtype=torch.float64) * FF ** -0.5))
-    ids = []
-    for _ in range(L):
-        row = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]) if N else torch.zeros(0, K)
-        row = row.long()
-        if hot:  # every token goes to expert 0 (first choice)
-            other = torch.randint(1, E, (N,), generator=g)
-            row = torch.stack([torch.zeros(N, dtype=torch.long), other], dim=1)
-        ids.append(row)
-    cot = torch.randn(N, H, generator=g, dtype=torch.float64)
+    with torch.device("cpu"):  # the reference data: CPU float64 on every test target
+        g = torch.Generator().manual_seed(seed)
+        N = sum(tokens)
+        x = torch.randn(N, H, generator=g, dtype=torch.float64)
+        params = []
+        for _ in range(L):
+            params.append((torch.randn(E, H, generator=g, dtype=torch.float64) * 0.5,
+                           torch.randn(E, H, 2 * FF, generator=g, dtype=torch.float64) * H ** -0.5,
+                           torch.randn(E, FF, H, generator=g, dtype=torch.float64) * FF ** -0.5))
+        ids = []
+        for _ in range(L):
+            row = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]) if N else torch.zeros(0, K)
+            row = row.long()
+            if hot:  # every token goes to expert 0 (first choice)
+                other = torch.randint(1, E, (N,), generator=g)
+                row = torch.stack([torch.zeros(N, dtype=torch.long), other], dim=1)
+            ids.append(row)
+        cot = torch.randn(N, H, generator=g, dtype=torch.float64)
     return x, params, ids, cot
 
 
@@ -180,7 +181,7 @@ def forward_model(layers, x):
 
 
 def close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    b = b.to(a.dtype)
+    a, b = a.cpu(), b.cpu().to(a.dtype)
     scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
     torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL * scale, msg=lambda m: f"{what}: {m}")
 
@@ -216,10 +217,10 @@ def compare(rank, G, P, E, r, x_all, params, ids_all, cot_all, tokens, plan, hom
     ref_out = reference_model(xr, ref_params, ids_all)
     (ref_out * cot_all).sum().backward()
 
-    x = x_all[sl].float().requires_grad_()
+    x = x_all[sl].float().to(rank_device()).requires_grad_()
     with replay(layers, [ids_all[l][sl] for l in range(L)], plan=plan, micro_batch=0):
         out = forward_model(layers, x)
-    (out * cot_all[sl].float()).sum().backward()  # backward outside the replay block
+    (out * cot_all[sl].float().to(out.device)).sum().backward()  # backward outside the replay block
 
     what = f"G={G} case={name} rank={rank}"
     close(out.detach(), ref_out[sl].detach(), f"{what} output")
@@ -270,7 +271,7 @@ def check_real_plan(rank: int, G: int, P: int, real) -> None:
              if plan.samples.micro_batch[n] == m and plan.samples.gpu[n] == g]
     tokens = [sum(len(sample_ids[n]) for n in order if plan.samples.gpu[n] == g) for g in range(G)]
     x_all, params, _, cot_all = make_case(99, G, E, tokens)
-    ids_all = [torch.as_tensor(np.concatenate([sample_ids[n][:, l] for n in order])) for l in range(L)]
+    ids_all = [torch.as_tensor(np.concatenate([sample_ids[n][:, l] for n in order]), device="cpu") for l in range(L)]
     assert (plan.replicas.replica_expert[m] >= 0).any()
     compare(rank, G, P, E, r, x_all, params, ids_all, cot_all, tokens, plan, plan.placement.expert_gpu, "real-plan")
 
@@ -295,7 +296,7 @@ def _tokens(kind: str, G: int, seed: int) -> list[int]:
 
 
 def _worker_cases(rank: int, world: int, P: int, E: int, r: int, real=None) -> None:
-    with force_backend("torch"):
+    with force_backend(kernel_backend()):
         if real is not None:
             check_real_plan(rank, world, P, real)
         for seed, tok, kind, hot in CASES:
@@ -312,7 +313,7 @@ def _replay_identity(rank: int, G: int, P: int, E: int, r: int) -> None:
     """Recorded live routing replayed on every rank gives identical outputs; the routers get gradients."""
     x_all, params, _, _ = make_case(12, G, E, [5] * G)
     layers, _ = build_model(G, P, E, r, params, rank)
-    x = x_all[5 * rank:5 * rank + 5].float()
+    x = x_all[5 * rank:5 * rank + 5].float().to(rank_device())
     with torch.no_grad():
         live = forward_model(layers, x)
     recorded = [layer.last_routing.clone() for layer in layers]
@@ -327,7 +328,7 @@ def _error_cases(rank: int, G: int, P: int, E: int, r: int) -> None:
     """Bad replay data on one rank and bad plans raise the named errors on every rank; no hang."""
     x_all, params, ids_all, _ = make_case(11, G, E, [4] * G)
     layers, _ = build_model(G, P, E, r, params, rank)
-    x = x_all[4 * rank:4 * rank + 4].float()
+    x = x_all[4 * rank:4 * rank + 4].float().to(rank_device())
     bad_ids = [ids_all[l][4 * rank:4 * rank + 4].clone() for l in range(L)]
     if rank == G - 1:
         bad_ids[0][0, 1] = bad_ids[0][0, 0]  # duplicate expert in a row, on one rank only
@@ -367,7 +368,10 @@ def _error_cases(rank: int, G: int, P: int, E: int, r: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_world_1_matches_reference():
-    _worker_cases(0, 1, 1, 6, 0)
+    if gpu_target():
+        run_group(_worker_cases, 1, 1, 6, 0, timeout_s=60)  # a one-rank NCCL group on the GPU
+    else:
+        _worker_cases(0, 1, 1, 6, 0)
 
 
 @pytest.mark.timeout(120)
@@ -379,6 +383,7 @@ def test_world_matches_reference(world, P, E, r):
 @pytest.mark.timeout(180)
 def test_world_8_two_nodes_matches_reference():
     """Also runs a plan of the real planner on a real trace (after relayout to its placement)."""
+    require_ranks(8)  # before planning: skips at once where 8 GPUs are missing (cuda target)
     real = real_plan_case(8, 4)
     if real is None:
         warnings.warn("real traces absent: the world-8 test runs without the real-planner case", stacklevel=1)

@@ -14,7 +14,7 @@ from relibra_moe.errors import PlanError
 from relibra_moe.layers.moe import ReplayBalancedMoE
 from relibra_moe.layers.relayout import relayout
 from relibra_moe.layers.replay import replay
-from relibra_moe.layers.testing import run_group
+from relibra_moe.layers.testing import kernel_backend, rank_device, run_group
 from relibra_moe.plan import Placement
 from relibra_moe.triton_kernels.backend import force_backend
 
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, P: int, E: int, biased: bool = False) -> None
         dist.broadcast(layer.router.weight.data, 0)
     opt = torch.optim.AdamW(layers.parameters(), lr=1e-2)
     x = torch.randn(5, H)
-    gen = torch.Generator().manual_seed(7 + rank)
+    gen = torch.Generator(device=rank_device()).manual_seed(7 + rank)
     ids = [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(5)]) for _ in range(L)]
 
     def run():
@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, P: int, E: int, biased: bool = False) -> None
                 h = h + layer(h)
         return h
 
-    with force_backend("torch"):
+    with force_backend(kernel_backend()):
         for _ in range(2):
             opt.zero_grad()
             run().pow(2).sum().backward()

@@ -11,7 +11,7 @@ import torch
 from relibra_moe.layers.moe import ReplayBalancedMoE
 from relibra_moe.layers.replay import replay
 from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer, replica_buffer_bytes
-from relibra_moe.layers.testing import run_group
+from relibra_moe.layers.testing import kernel_backend, rank_device, run_group
 from relibra_moe.plan import ReplicaPlan
 from relibra_moe.specs import ModelSpec
 from relibra_moe.triton_kernels.backend import force_backend
@@ -83,10 +83,10 @@ def _worker_48(rank: int, world: int) -> None:
     torch.manual_seed(0)
     buf = LayerSharedReplicaBuffer(4, 4, 1)
     model = torch.nn.ModuleList([ReplayBalancedMoE(4, 4, 2, 1, replica_buffer=buf) for _ in range(LAYERS)])
-    gen = torch.Generator().manual_seed(rank)
+    gen = torch.Generator(device=rank_device()).manual_seed(rank)
     with torch.no_grad():
         for layer in model:  # routers equal on both ranks, experts different
-            layer.router.weight.copy_(torch.randn(2, 4, generator=torch.Generator().manual_seed(1)))
+            layer.router.weight.copy_(torch.randn(2, 4, generator=torch.Generator(device=rank_device()).manual_seed(1)))
             layer.experts.w_gate_up.copy_(torch.randn(1, 4, 8, generator=gen) * 0.3)
             layer.experts.w_down.copy_(torch.randn(1, 4, 4, generator=gen) * 0.3)
     x = torch.randn(6, 4, generator=gen)
@@ -113,7 +113,7 @@ def _worker_48(rank: int, world: int) -> None:
         h.square().sum().backward()
         return h.detach(), xi.grad, [t.grad.clone() for t in model.parameters()]
 
-    with force_backend("torch"):
+    with force_backend(kernel_backend()):
         ref = run(None)
         fills = buf.fills
         got = run(plan)

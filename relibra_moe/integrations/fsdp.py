@@ -229,11 +229,9 @@ class MeshMoE:
         of the forward is served by no expert and it yields ``[]``. Forward ``attention_mask``'s shape (or
         one token) in a placeholder round."""
         if micro_batch is None:
-            with contextlib.ExitStack() as stack:
-                for layer in _moe_layers(self.model):
-                    n = 1 if attention_mask is None else int(attention_mask.numel())
-                    ids = torch.full((n, layer.top_k), -1, dtype=torch.int64)
-                    stack.enter_context(layer.replay(ids))
+            n = 1 if attention_mask is None else int(attention_mask.numel())
+            ids = [torch.full((n, layer.top_k), -1, dtype=torch.int64) for layer in _moe_layers(self.model)]
+            with replay(self.model, ids):
                 yield []
             return
 

@@ -1,10 +1,19 @@
 """Helpers to run a function on a local multi-process ``torch.distributed`` group (tests, benchmarks).
 
 ``run_group(fn, world_size, *args)`` spawns ``world_size`` processes, initializes a process group
-(gloo on CPU by default, through a file store in a temporary folder) with a finite timeout, calls
-``fn(rank, world_size, *args)`` in each, and tears the group down. An exception in any process is
-re-raised in the caller (``torch.multiprocessing.ProcessRaisedException``) and the other processes
-are terminated, so a failing rank never leaves its peers waiting in a collective.
+(through a file store in a temporary folder) with a finite timeout, calls ``fn(rank, world_size, *args)``
+in each, and tears the group down. An exception in any process is re-raised in the caller
+(``torch.multiprocessing.ProcessRaisedException``) and the other processes are terminated, so a failing
+rank never leaves its peers waiting in a collective.
+
+The test target (``RELIBRA_TEST_DEVICE``, see README "GPU tests") picks the group's backend and the
+ranks' device:
+
+* ``cpu`` (default): gloo, CPU tensors; workers force the torch reference (:func:`kernel_backend`).
+* ``cuda``: NCCL with one GPU per rank (rank i on ``cuda:i``, also the rank's default device, so the
+  tensors a worker creates without a device are CUDA tensors) and the compiled Triton kernels. A world
+  larger than the visible GPUs is skipped (:class:`GroupSkipped`, a ``unittest.SkipTest`` that pytest
+  reports as a skip with its reason).
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import gc
 import os
 import sys
 import tempfile
+import unittest
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -23,14 +33,63 @@ import torch.multiprocessing as mp
 
 from .dispatch import clear_dispatcher_cache
 
-__all__ = ["hot_replica_plan", "run_group"]
+__all__ = ["TEST_DEVICE_ENV", "GroupSkipped", "gpu_target", "hot_replica_plan", "kernel_backend", "rank_device",
+           "require_ranks", "run_group"]
+
+#: The environment variable of the test target: ``cpu`` (default) or ``cuda``.
+TEST_DEVICE_ENV = "RELIBRA_TEST_DEVICE"
+
+
+class GroupSkipped(unittest.SkipTest):
+    """The requested group cannot run here (more ranks than GPUs on the CUDA target, or no GPU)."""
+
+
+def gpu_target() -> bool:
+    """Whether this run targets CUDA (``RELIBRA_TEST_DEVICE=cuda``); ``ValueError`` names a bad value."""
+    raw = os.environ.get(TEST_DEVICE_ENV, "cpu")
+    value = raw.strip().lower() or "cpu"
+    if value not in ("cpu", "cuda"):
+        raise ValueError(f"{TEST_DEVICE_ENV}={raw!r}: expected 'cpu' or 'cuda'")
+    return value == "cuda"
+
+
+def rank_device() -> torch.device:
+    """The device of this process's test tensors: its current CUDA device on the CUDA target (set by
+    :func:`run_group` per rank), else the CPU."""
+    if gpu_target() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def kernel_backend() -> str | None:
+    """The ``force_backend`` argument of test workers: ``None`` (automatic: compiled Triton kernels on
+    the rank's GPU) on the CUDA target, ``"torch"`` (the reference; the interpreter is slow) on CPU."""
+    return None if rank_device().type == "cuda" else "torch"
+
+
+def require_ranks(world_size: int) -> None:
+    """Raise :class:`GroupSkipped` now when :func:`run_group` would (call it before costly test setup)."""
+    _group_backend(None, world_size)
+
+
+def _group_backend(backend: str | None, world_size: int) -> str:
+    """``backend`` or the target's (nccl on CUDA, else gloo); raises :class:`GroupSkipped` when NCCL's one
+    GPU per rank is not there."""
+    if backend is None:
+        backend = "nccl" if gpu_target() else "gloo"
+    if backend == "nccl":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < world_size:
+            raise GroupSkipped(f"an NCCL group of world size {world_size} needs one GPU per rank; {n} visible")
+    return backend
 
 
 def _entry(rank: int, fn: Callable, world_size: int, init: str, backend: str, timeout_s: float, threads: int,
            args: tuple) -> None:
     torch.set_num_threads(threads)
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank)  # _group_backend checked one GPU per rank
+        torch.set_default_device(f"cuda:{rank}")
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     try:
@@ -48,13 +107,16 @@ def _entry(rank: int, fn: Callable, world_size: int, init: str, backend: str, ti
     os._exit(0)
 
 
-def run_group(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout_s: float = 60.0,
+def run_group(fn: Callable, world_size: int, *args, backend: str | None = None, timeout_s: float = 60.0,
               threads: int = 1) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes of one process group.
 
-    ``fn`` must be importable by name (a module-level function). ``timeout_s`` bounds every
-    collective (a hang becomes an error). ``threads``: torch intra-op threads per process.
+    ``fn`` must be importable by name (a module-level function). ``backend``: ``"gloo"`` or ``"nccl"``;
+    ``None`` follows the test target (module docstring). NCCL puts rank i on ``cuda:i`` (its default
+    device too) and raises :class:`GroupSkipped` with fewer than ``world_size`` GPUs. ``timeout_s``
+    bounds every collective (a hang becomes an error). ``threads``: torch intra-op threads per process.
     """
+    backend = _group_backend(backend, world_size)
     with tempfile.TemporaryDirectory(prefix="relibra_pg_") as d:
         init = "file://" + os.path.join(d, "store")
         mp.spawn(_entry, args=(fn, world_size, init, backend, timeout_s, threads, args), nprocs=world_size,

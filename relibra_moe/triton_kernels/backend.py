@@ -3,15 +3,18 @@
 Every op in this package is a device-agnostic function. It asks :func:`use_triton` whether to launch
 its Triton kernel or to run the torch reference next to it:
 
-* CUDA tensors run Triton;
+* CUDA tensors run the compiled Triton kernels;
 * CPU tensors run the torch reference, unless ``TRITON_INTERPRET=1`` was set in the environment
   before Triton (and this package) was imported, in which case the Triton kernels run in Triton's
-  CPU interpreter (the test suite does this, see ``tests/conftest.py``);
+  CPU interpreter (the CPU test suite does this, see ``tests/conftest.py``);
 * :func:`force_backend` overrides the choice for the current thread (benchmarks and tests compare the
   two paths with it).
 
 ``INTERPRET`` is read once at import, as Triton itself decides at ``@triton.jit`` decoration time
-whether a kernel is interpreted.
+whether a kernel is interpreted: one process runs either interpreted or compiled kernels. The
+interpreter is a CPU mode (it copies device tensors to the host and turns on the interpreter-only
+numeric flags below), so an op on a CUDA tensor in an interpreter process raises instead of testing
+the interpreter in place of the compiled code (:func:`kernel_mode` says what runs for a device).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ __all__ = [
     "force_backend",
     "forced_backend",
     "keep_backend",
+    "kernel_mode",
     "remember_backend",
     "use_triton",
 ]
@@ -88,19 +92,43 @@ def keep_backend(backward: Callable) -> Callable:
     return wrapped
 
 
+def kernel_mode(device: torch.device | str) -> str:
+    """What an op on a tensor of ``device`` runs in this process when no backend is forced:
+
+    ``"compiled"`` (CUDA, compiled Triton kernels), ``"interpreter"`` (CPU under ``TRITON_INTERPRET=1``)
+    or ``"reference"`` (CPU, the torch reference). A CUDA device in an interpreter process raises
+    ``RuntimeError``: the interpreter is a CPU mode, and CUDA tensors only ever run compiled kernels.
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if INTERPRET:
+            raise RuntimeError(
+                f"a {dev} tensor reached a Triton kernel in a process with TRITON_INTERPRET=1: the interpreter "
+                "is a CPU mode and CUDA tensors run compiled kernels only; unset TRITON_INTERPRET before "
+                "importing triton (the test suite: RELIBRA_TEST_DEVICE=cuda, see README 'GPU tests')"
+            )
+        return "compiled"
+    return "interpreter" if INTERPRET else "reference"
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """Whether an op on tensor ``t`` runs its Triton kernel (True) or its torch reference (False)."""
+    """Whether an op on tensor ``t`` runs its Triton kernel (True) or its torch reference (False).
+
+    Raises ``RuntimeError`` for a CUDA tensor in an interpreter process (see :func:`kernel_mode`), and
+    for ``force_backend("triton")`` on a CPU tensor without the interpreter.
+    """
     backend = forced_backend()
     if backend == "torch":
         return False
+    mode = kernel_mode(t.device)
     if backend == "triton":
-        if not (t.is_cuda or INTERPRET):
+        if mode == "reference":
             raise RuntimeError(
                 f"force_backend('triton') on a {t.device} tensor needs CUDA or TRITON_INTERPRET=1 "
                 "set before importing triton"
             )
         return True
-    return bool(t.is_cuda or INTERPRET)
+    return mode != "reference"
 
 
 def dot_upcast(dtype: torch.dtype) -> bool:
