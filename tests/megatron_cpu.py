@@ -18,8 +18,12 @@ Also here: :func:`init_megatron` (model-parallel state on the current gloo world
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
+
+# megatron-core warns at import about every missing optional accelerator library (Apex, TE)
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
 try:
     import megatron.core  # noqa: F401
@@ -28,7 +32,8 @@ try:
     MEGATRON_REASON = ""
 except Exception as exc:  # noqa: BLE001 - any import failure means "not installed here"
     HAVE_MEGATRON = False
-    MEGATRON_REASON = f"megatron-core is not installed ({type(exc).__name__}: {exc}); pip install 'relibra-moe[megatron]'"
+    MEGATRON_REASON = (f"megatron-core is not installed ({type(exc).__name__}: {exc}); "
+                       "pip install 'relibra-moe[megatron]'")
 
 _PATCHED = False
 
