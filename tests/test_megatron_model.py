@@ -84,6 +84,7 @@ def _gpt_step(rank: int, world: int, gpus_per_node: int, seed: int) -> None:
         tokens = [torch.randint(0, V, (1, S), generator=gen) for _ in range(2)]
         labels = [torch.randint(0, V, (1, S), generator=gen) for _ in range(2)]
         pos = torch.arange(S)[None]
+        causal = torch.triu(torch.ones(1, 1, S, S), diagonal=1).bool()  # True = masked (Megatron)
         ids = [[random_ids(S, seed * 1000 + 10 * rank + 2 * m + l) for l in range(L)] for m in range(2)]
 
         ref_routers = [moe.router.router_replay for moe in rm.megatron_moe_layers(ref)]
@@ -92,14 +93,14 @@ def _gpt_step(rank: int, world: int, gpus_per_node: int, seed: int) -> None:
             for rr, t in zip(ref_routers, ids[m]):
                 rr.set_target_indices(t)
                 rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            loss = ref(tokens[m], pos, None, labels=labels[m]).float().mean()
+            loss = ref(tokens[m], pos, causal, labels=labels[m]).float().mean()
             for rr in ref_routers:  # Megatron never switches it itself; the recompute pops in forward order
                 rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             loss.backward()
             ref_losses.append(loss.detach())
 
             rm.replay_micro_batch(model, ids[m], plan=plan, micro_batch=m)
-            loss = model(tokens[m], pos, None, labels=labels[m]).float().mean()
+            loss = model(tokens[m], pos, causal, labels=labels[m]).float().mean()
             loss.backward()
             losses.append(loss.detach())
         torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)

@@ -33,9 +33,9 @@ forward: ``REPLAY_FORWARD`` for a forward, ``REPLAY_BACKWARD`` for a forward rec
 in the recomputed forward. Recompute is correct by construction whatever the schedule.
 
 Token order. Megatron's MoE input is ``[S, B, H]`` and its router flattens it to ``S * B`` rows
-(``s * B + b``). :func:`replay_data` concatenates the micro-batch's samples in ascending sample order:
-feed them packed (one sequence of their concatenated tokens, ``B = 1``) or in any layout whose flattened
-row order is that concatenation.
+(``s * B + b``). :func:`replay_data` and :meth:`MegatronRoutingRecorder.record` take a ``layout``:
+``"packed"`` (the micro-batch's samples concatenated in ascending sample order: one packed sequence,
+``B = 1``) or ``"sbh"`` (samples of one length fed as a ``[B, S]`` batch).
 
 Limits: tensor parallelism 1 for the experts (``expert_tensor_parallel_size = 1``), SwiGLU experts without
 biases (``gated_linear_unit=True``, ``activation_func=silu``, ``add_bias_linear=False``), no token dropping
@@ -75,8 +75,10 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
     MoELayer = nn.Module  # type: ignore[misc,assignment]
     HAVE_MEGATRON = False
 
-__all__ = ["HAVE_MEGATRON", "MegatronRoutingRecorder", "RelibraMoELayer", "check_config", "expert_state_dict",
-           "megatron_moe_layers", "relayout", "replay_data", "replay_micro_batch", "stop_replay",
+LAYOUTS = ("packed", "sbh")
+
+__all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronRoutingRecorder", "RelibraMoELayer", "check_config",
+           "expert_state_dict", "megatron_moe_layers", "relayout", "replay_data", "replay_micro_batch", "stop_replay",
            "swap_moe_layers"]
 
 
@@ -428,11 +430,13 @@ class MegatronRoutingRecorder:
         for layer in self.layers:
             layer.router.router_replay.clear_router_replay_action()
 
-    def record(self, seq_lengths: Sequence[int]) -> None:
-        """Add the sequences of the last forward (``seq_lengths``: tokens of each, in row order)."""
+    def record(self, seq_lengths: Sequence[int], layout: str = "packed") -> None:
+        """Add the sequences of the last forward: ``seq_lengths`` tokens of each; ``layout`` ``"packed"``
+        (concatenated, ``B = 1``) or ``"sbh"`` (a ``[B, S]`` batch of equal lengths), as for :func:`replay_data`."""
         lengths = [int(n) for n in seq_lengths]
         if any(n <= 0 for n in lengths):
             raise ReplayError(f"seq_lengths={lengths}: every sequence has at least one token")
+        _check_layout(layout, lengths)
         ids = []
         for layer in self.layers:
             rec = layer.router.router_replay.get_recorded_indices()
@@ -444,12 +448,9 @@ class MegatronRoutingRecorder:
         if sum(lengths) != T:
             raise ReplayError(f"seq_lengths sum to {sum(lengths)} tokens, the recorded forward had {T}")
         stacked = torch.stack(ids, dim=1).numpy()  # [T, L, k]
-        lo = 0
-        for n in lengths:
-            self.traces.append(from_megatron(stacked[lo:lo + n], num_experts=self.num_experts,
-                                             layer_ids=self.layer_ids))
+        for part in _rows_to_samples(stacked, lengths, layout):
+            self.traces.append(from_megatron(part, num_experts=self.num_experts, layer_ids=self.layer_ids))
             self.micro_batch.append(self._calls)
-            lo += n
         self._calls += 1
         for layer in self.layers:
             layer.router.router_replay.record_indices(None)
@@ -468,15 +469,36 @@ class MegatronRoutingRecorder:
         return TraceBatch(traces, micro_batch=np.asarray(mb), source="megatron")
 
 
+def _check_layout(layout: str, lengths: Sequence[int]) -> None:
+    if layout not in LAYOUTS:
+        raise ReplayError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if layout == "sbh" and len(set(int(n) for n in lengths)) > 1:
+        raise ReplayError(f"layout='sbh' needs sequences of one length (a [S, B] batch), got lengths "
+                          f"{[int(n) for n in lengths]}")
+
+
+def _rows_to_samples(rows: np.ndarray, lengths: Sequence[int], layout: str) -> list[np.ndarray]:
+    """Megatron's router rows ``[T, ...]`` -> one ``[S_i, ...]`` array per sequence."""
+    if layout == "sbh" and len(lengths):
+        S, B = int(lengths[0]), len(lengths)
+        rows = rows.reshape((S, B) + rows.shape[1:]).swapaxes(0, 1).reshape((S * B,) + rows.shape[1:])
+    cuts = np.cumsum([int(n) for n in lengths])[:-1]
+    return np.split(rows, cuts)
+
+
 def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int | None = None,
-                device: torch.device | str | None = None) -> tuple[np.ndarray, list[torch.Tensor]]:
+                device: torch.device | str | None = None, layout: str = "packed"
+                ) -> tuple[np.ndarray, list[torch.Tensor]]:
     """This rank's samples of one micro-batch in the plan's sample placement, and their replay data.
 
     Returns ``(samples, ids)``: ``samples`` int64 ``[n]`` (ascending sample indices of ``batch`` with
     ``plan.samples.micro_batch == micro_batch`` and ``plan.samples.gpu == rank``) and ``ids``, one int64
-    ``[T, k]`` tensor per MoE layer (``T`` = their tokens, concatenated in that order): the list
-    ``RouterReplay.set_replay_data`` takes, or :func:`replay_micro_batch`'s ``per_layer_ids``.
-    ``rank`` defaults to this process's rank in the world (the plan's GPU = the EP rank).
+    ``[T, k]`` tensor per MoE layer over their ``T`` tokens: the list ``RouterReplay.set_replay_data``
+    takes, or :func:`replay_micro_batch`'s ``per_layer_ids``. Row order follows ``layout``:
+    ``"packed"``: the samples' tokens concatenated in ``samples`` order (one packed sequence, ``B = 1``);
+    ``"sbh"``: samples of one length ``S`` fed as a ``[B = n, S]`` batch, rows in Megatron's flattened
+    ``[S, B]`` order (``s * n + b``). ``rank`` defaults to this process's rank in the world (the plan's
+    GPU = the EP rank).
     """
     if not isinstance(plan, BatchPlan):
         raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
@@ -493,9 +515,11 @@ def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int 
     if not 0 <= rank < plan.num_gpus:
         raise PlanError(f"rank={rank} is outside the plan's num_gpus={plan.num_gpus}")
     samples = np.flatnonzero((plan.samples.micro_batch == micro_batch) & (plan.samples.gpu == rank)).astype(np.int64)
+    _check_layout(layout, batch.lengths[samples])
     L, k = batch.num_layers, batch.topk
     if len(samples):
-        rows = np.concatenate([batch.trace(int(i)).experts for i in samples]).astype(np.int64)
+        per = [batch.trace(int(i)).experts.astype(np.int64) for i in samples]
+        rows = np.stack(per, axis=1).reshape(-1, L, k) if layout == "sbh" else np.concatenate(per)
     else:
         rows = np.zeros((0, L, k), np.int64)
     if (rows < 0).any():
