@@ -45,7 +45,7 @@ def global_expert_grads(local: torch.Tensor, expert_ids) -> torch.Tensor:
     return out
 
 
-def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int) -> None:
+def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, recompute: bool) -> None:
     import megatron_cpu as mc
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -55,7 +55,8 @@ def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int) -> 
 
     mc.init_megatron(world)
     try:
-        cfg = mc.moe_config(E, K, H, F, shared=F)
+        extra = dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}
+        cfg = mc.moe_config(E, K, H, F, shared=F, **extra)
         torch.manual_seed(0)
         ref = mc.moe_layer(cfg)
         seed_experts(ref, seed)
@@ -78,12 +79,16 @@ def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int) -> 
         rr.set_target_indices(ids)
         rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         out_ref, bias = ref(x_ref)
+        if recompute:  # Megatron never switches it itself; the relibra layer does
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
         (out_ref * w).sum().backward()
 
         x_rl = x.clone().requires_grad_(True)
         rm.replay_micro_batch(layer, [ids], plan=plan, micro_batch=0)
         out, bias_rl = layer(x_rl)
+        assert layer.moe_layer_recompute == recompute and len(layer._recompute) == int(recompute)
         (out * w).sum().backward()
+        assert not layer._recompute and not layer.router.router_replay.replay_backward_list
 
         assert bias is None and bias_rl is None
         torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
@@ -116,11 +121,12 @@ def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int) -> 
 def test_layer_matches_megatron_moe_layer_2_ranks():
     from relibra_moe.layers.testing import run_group
 
-    run_group(_layer_vs_megatron, 2, 2, 1, timeout_s=120)
+    run_group(_layer_vs_megatron, 2, 2, 1, False, timeout_s=120)
 
 
 @pytest.mark.slow
-def test_layer_matches_megatron_moe_layer_4_ranks_2_nodes():
+def test_layer_matches_megatron_moe_layer_4_ranks_2_nodes_moe_recompute():
+    """4 ranks as 2 nodes x 2, with Megatron's selective recompute of the MoE layer."""
     from relibra_moe.layers.testing import run_group
 
-    run_group(_layer_vs_megatron, 4, 2, 3, timeout_s=180)
+    run_group(_layer_vs_megatron, 4, 2, 3, True, timeout_s=180)

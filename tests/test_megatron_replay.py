@@ -174,6 +174,22 @@ def _bad_input(rank: int, world: int) -> None:
         rm.stop_replay(model)
         model(x)  # live routing works again after the errors
 
+        # relayout refuses an optimizer that does not step the expert parameters; moves main_grad buffers
+        with pytest.raises(ValueError, match="does not step the expert parameters"):
+            rm.relayout(model, hot_replica_plan(2, E, world, world, np.zeros(2, int), 0),
+                        torch.optim.Adam([nn.Parameter(torch.zeros(1))]))
+        experts = [layer.relibra.experts for layer in model.layers]
+        for ex in experts:
+            for p in ex.parameters():
+                p.main_grad = p.detach() * 2 + 1
+        plan = hot_replica_plan(2, E, world, world, np.zeros(2, int), 1)
+        assert rm.relayout(model, plan)["experts_moved"] > 0
+        for layer, ex in zip(model.layers, experts):
+            assert layer.relibra.home_gpu.tolist() == plan.placement.expert_gpu[layer.relibra.layer_index].tolist()
+            for p in ex.parameters():
+                assert p.grad is None
+                torch.testing.assert_close(p.main_grad, p.detach() * 2 + 1)
+
         # fused router (replay bypassed) and routing replay off: named settings
         import megatron_cpu as mc2
 

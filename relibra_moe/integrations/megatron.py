@@ -37,7 +37,7 @@ Token order. Megatron's MoE input is ``[S, B, H]`` and its router flattens it to
 ``"packed"`` (the micro-batch's samples concatenated in ascending sample order: one packed sequence,
 ``B = 1``) or ``"sbh"`` (samples of one length fed as a ``[B, S]`` batch).
 
-Limits: tensor parallelism 1 for the experts (``expert_tensor_parallel_size = 1``), SwiGLU experts without
+Limits: no tensor, expert-tensor or pipeline parallelism (data and expert parallelism), SwiGLU experts without
 biases (``gated_linear_unit=True``, ``activation_func=silu``, ``add_bias_linear=False``), no token dropping
 (``moe_expert_capacity_factor=None``), no latent MoE projections, no shared-expert overlap. The swapped
 layer's expert parameters are relibra's stacked ``w_gate_up [E_loc, H, 2F]`` / ``w_down [E_loc, F, H]``
@@ -100,8 +100,8 @@ def check_config(config) -> None:
 
     ``ReplayError``: ``moe_router_fusion=True`` (the fused top-k bypasses ``RouterReplay``: replayed ids
     would be ignored), ``moe_enable_routing_replay=False`` (the routers have no ``RouterReplay``).
-    ``ValueError``: token dropping, latent projections, shared-expert overlap, expert tensor parallelism,
-    experts other than bias-free SwiGLU.
+    ``ValueError``: token dropping, latent projections, shared-expert overlap, tensor, expert-tensor or
+    pipeline parallelism, experts other than bias-free SwiGLU.
     """
     if getattr(config, "moe_router_fusion", False):
         raise ReplayError("moe_router_fusion=True: Megatron's fused top-k router bypasses RouterReplay, so replayed "
@@ -117,11 +117,13 @@ def check_config(config) -> None:
         ("gated_linear_unit", True, "relibra's experts are SwiGLU"),
         ("add_bias_linear", False, "relibra's SwiGLU experts have no biases"),
         ("expert_tensor_parallel_size", 1, "expert tensor parallelism is not supported"),
+        ("tensor_model_parallel_size", 1, "the layer runs on the expert-parallel group only (no tensor parallelism)"),
+        ("pipeline_model_parallel_size", 1, "plans index the model's MoE layers from 0 (no pipeline stages)"),
         ("moe_router_padding_for_fp8", False, "fp8 routing-map padding is not supported"),
     )
     for field, want, why in checks:
         value = getattr(config, field, want)
-        if value != want and not (want is None and value is None):
+        if value != want:
             raise ValueError(f"{field}={value!r}: {why}; set {field}={want!r}")
     act = getattr(config, "activation_func", None)
     if act is not torch.nn.functional.silu:
@@ -381,12 +383,18 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
 # ---------------------------------------------------------------------------------------------- capture
 
 
-def _ep_rank_size(layers: Sequence[RelibraMoELayer] | Sequence[nn.Module]) -> tuple[int, int]:
-    layer = layers[0]
-    group = layer.ep_group
+def _expert_parallel_rank() -> int:
+    """This process's rank in Megatron's expert-parallel group (0 without torch.distributed)."""
     if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+        return 0
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return int(parallel_state.get_expert_model_parallel_rank())
+    except ImportError:
+        pass
+    return dist.get_rank()
 
 
 class MegatronRoutingRecorder:
@@ -456,8 +464,11 @@ class MegatronRoutingRecorder:
             layer.router.router_replay.record_indices(None)
 
     def trace_batch(self, group: dist.ProcessGroup | None = None) -> TraceBatch:
-        """Every rank's recorded sequences (a collective over ``group``, default the world): rank 0's in
-        recording order, then rank 1's, ...; ``micro_batch`` is the recording call's index on its rank."""
+        """Every rank's recorded sequences (a collective over ``group``, default the layers' expert-parallel
+        group, whose ranks are the plan's GPUs): rank 0's in recording order, then rank 1's, ...;
+        ``micro_batch`` is the recording call's index on its rank."""
+        if group is None:
+            group = self.layers[0].ep_group
         traces, mb = list(self.traces), list(self.micro_batch)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             parts: list = [None] * dist.get_world_size(group)
@@ -497,8 +508,8 @@ def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int 
     takes, or :func:`replay_micro_batch`'s ``per_layer_ids``. Row order follows ``layout``:
     ``"packed"``: the samples' tokens concatenated in ``samples`` order (one packed sequence, ``B = 1``);
     ``"sbh"``: samples of one length ``S`` fed as a ``[B = n, S]`` batch, rows in Megatron's flattened
-    ``[S, B]`` order (``s * n + b``). ``rank`` defaults to this process's rank in the world (the plan's
-    GPU = the EP rank).
+    ``[S, B]`` order (``s * n + b``). ``rank`` defaults to this process's rank in Megatron's expert-parallel
+    group (the plan's GPU; with data parallelism beyond EP, each EP group plans its own batch).
     """
     if not isinstance(plan, BatchPlan):
         raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
@@ -511,7 +522,7 @@ def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int 
             or not 0 <= micro_batch < M:
         raise PlanError(f"micro_batch={micro_batch!r} is outside [0, {M})")
     if rank is None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = _expert_parallel_rank()
     if not 0 <= rank < plan.num_gpus:
         raise PlanError(f"rank={rank} is outside the plan's num_gpus={plan.num_gpus}")
     samples = np.flatnonzero((plan.samples.micro_batch == micro_batch) & (plan.samples.gpu == rank)).astype(np.int64)
