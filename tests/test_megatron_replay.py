@@ -190,6 +190,28 @@ def _bad_input(rank: int, world: int) -> None:
                 assert p.grad is None
                 torch.testing.assert_close(p.main_grad, p.detach() * 2 + 1)
 
+        # a Megatron optimizer wrapper (FP32Optimizer-style: .optimizer steps the parameters themselves)
+        class Wrapper:
+            def __init__(self, optimizer):
+                self.optimizer = optimizer
+
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        for ex in experts:
+            for p in ex.parameters():
+                opt.state[p]["exp_avg"].copy_(p.detach() * 5)
+                p.grad.copy_(p.detach() - 1)
+                p.main_grad.copy_(p.detach() * 2 + 1)  # a separate buffer: moves besides .grad
+        plan = hot_replica_plan(2, E, world, world, np.zeros(2, int), 2)
+        assert rm.relayout(model, plan, Wrapper(opt))["experts_moved"] > 0
+        for ex in experts:
+            for p in ex.parameters():
+                torch.testing.assert_close(opt.state[p]["exp_avg"], p.detach() * 5)
+                torch.testing.assert_close(p.grad, p.detach() - 1)
+                torch.testing.assert_close(p.main_grad, p.detach() * 2 + 1)
+
         # fused router (replay bypassed) and routing replay off: named settings
         import megatron_cpu as mc2
 

@@ -76,6 +76,7 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
     HAVE_MEGATRON = False
 
 LAYOUTS = ("packed", "sbh")
+_MAIN_GRAD_KEY = "relibra_megatron_main_grad"  # where relayout carries Megatron DDP's main_grad (removed after)
 
 __all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronRoutingRecorder", "RelibraMoELayer", "check_config",
            "expert_state_dict", "megatron_moe_layers", "relayout", "replay_data", "replay_micro_batch", "stop_replay",
@@ -637,18 +638,23 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
             raise ValueError(f"optimizer {type(optimizer).__name__} does not step the expert parameters themselves "
                              "(it keeps separate main copies, e.g. a mixed-precision or distributed Megatron "
                              "optimizer); use a torch optimizer over the model's parameters")
-    # Megatron DDP keeps gradients in main_grad views of its grad buffer: move them as the grads (in place)
+    # Megatron DDP keeps gradients in main_grad views of its grad buffer. relayout moves, in place, every
+    # optimizer state tensor shaped like the parameter: main_grad rides along as one, under a reserved key
+    carrier = opt if opt is not None else torch.optim.SGD(params, lr=0.0)
     lent = []
     for p in params:
         main = getattr(p, "main_grad", None)
-        if isinstance(main, torch.Tensor) and p.grad is None:
-            p.grad = main
+        shared = p.grad is not None and isinstance(main, torch.Tensor) and main.data_ptr() == p.grad.data_ptr()
+        if isinstance(main, torch.Tensor) and main.shape == p.shape and not shared:  # a shared one moves as .grad
+            carrier.state[p][_MAIN_GRAD_KEY] = main
             lent.append(p)
     try:
-        out = _relayout_layers(model, placement, opt)
+        out = _relayout_layers(model, placement, carrier if lent or opt is not None else None)
     finally:
         for p in lent:
-            p.grad = None
+            del carrier.state[p][_MAIN_GRAD_KEY]
+            if not carrier.state[p]:
+                del carrier.state[p]
     for layer in layers:
         layer._recompute.clear()
     return out
