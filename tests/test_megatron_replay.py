@@ -108,7 +108,13 @@ def _round_trip(rank: int, world: int) -> None:
                 x = torch.zeros(0, 1, H)
             else:
                 x = torch.cat([sample_input(int(i), int(batch.lengths[i])) for i in samples])
-            rm.replay_micro_batch(model, ids, plan=plan, micro_batch=m)
+            if m % 2:  # verl-style: the framework hands Megatron the replay data, relibra the plan
+                from megatron.core.transformer.moe.router_replay import RouterReplay
+
+                RouterReplay.set_replay_data(ids)
+                rm.replay_micro_batch(model, None, plan=plan, micro_batch=m)
+            else:
+                rm.replay_micro_batch(model, ids, plan=plan, micro_batch=m)
             with torch.no_grad():
                 y = model(x)
             for layer, t in zip(model.layers, ids):
