@@ -1,0 +1,660 @@
+"""Megatron-core integration: relibra plans driving Megatron's MoE layers and its ``RouterReplay``.
+
+verl, slime, NeMo-RL and SkyRL train MoE policies on Megatron-core and pin the routing with its
+``RouterReplay`` (``megatron.core.transformer.moe.router_replay``). This module lets such a training loop
+follow a relibra :class:`~relibra_moe.plan.BatchPlan` (``pip install relibra-moe[megatron]``; see
+``docs/megatron.md``)::
+
+    from relibra_moe.integrations import megatron as rm
+
+    rm.swap_moe_layers(model, replica_slots=2, gpus_per_node=8)   # once, after building the model
+    rm.relayout(model, plan, optimizer)                           # once per global batch
+    for m in range(plan.num_micro_batches):                       # every micro-batch
+        samples, ids = rm.replay_data(batch, plan, m)              # this rank's samples, in plan order
+        rm.replay_micro_batch(model, ids, plan=plan, micro_batch=m)
+        loss = loss_fn(model(*packed_inputs(samples)))
+        loss.backward()
+
+Capture: :class:`MegatronRoutingRecorder` turns ``RouterReplay`` recordings (per rank, per micro-batch)
+into a :class:`~relibra_moe.trace.TraceBatch`; :func:`replay_data` is the inverse (a ``TraceBatch`` and a
+``BatchPlan`` -> this rank's per-layer ``[T, k]`` ids of one micro-batch, in the plan's sample placement).
+
+Execution: :class:`RelibraMoELayer` is a Megatron ``MoELayer`` (so ``TransformerLayer`` treats it as MoE)
+that keeps Megatron's router (its aux losses, expert bias, z-loss), shared experts and process groups,
+and runs the routed experts through a :class:`~relibra_moe.layers.moe.ReplayBalancedMoE`: experts homed
+where the plan's ``Placement`` says (Megatron's contiguous ``E / EP`` blocks become a permutation),
+replica slots and token splits of each micro-batch, relibra's dispatch and grouped-GEMM kernels.
+
+Recompute. Megatron replays through ``RouterReplay`` actions and never switches them itself; with
+activation recompute a forward replayed with ``REPLAY_FORWARD`` and recomputed in backward with the same
+action silently uses the wrong ids. :class:`RelibraMoELayer` sets the action of its router on every
+forward: ``REPLAY_FORWARD`` for a forward, ``REPLAY_BACKWARD`` for a forward recomputed inside backward
+(which pops Megatron's per-router list in forward order), and replays the same micro-batch's plan slice
+in the recomputed forward. Recompute is correct by construction whatever the schedule.
+
+Token order. Megatron's MoE input is ``[S, B, H]`` and its router flattens it to ``S * B`` rows
+(``s * B + b``). :func:`replay_data` and :meth:`MegatronRoutingRecorder.record` take a ``layout``:
+``"packed"`` (the micro-batch's samples concatenated in ascending sample order: one packed sequence,
+``B = 1``) or ``"sbh"`` (samples of one length fed as a ``[B, S]`` batch).
+
+Limits: no tensor, expert-tensor or pipeline parallelism (data and expert parallelism), SwiGLU experts without
+biases (``gated_linear_unit=True``, ``activation_func=silu``, ``add_bias_linear=False``), no token dropping
+(``moe_expert_capacity_factor=None``), no latent MoE projections, no shared-expert overlap. The swapped
+layer's expert parameters are relibra's stacked ``w_gate_up [E_loc, H, 2F]`` / ``w_down [E_loc, F, H]``
+(``expert_state_dict`` gives them back in Megatron's ``SequentialMLP`` names and layout).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import PlanError, ReplayError
+from ..layers.experts import GroupedSwiGLUExperts
+from ..layers.moe import ReplayBalancedMoE
+from ..layers.relayout import relayout as _relayout_layers
+from ..layers.replica_buffer import LayerSharedReplicaBuffer
+from ..layers.router import RouterOutput, check_replay_ids
+from ..plan import BatchPlan, Placement
+from ..trace import TraceBatch, from_megatron
+
+try:  # optional dependency: megatron-core
+    from megatron.core.tensor_parallel.random import checkpoint as _mcore_checkpoint
+    from megatron.core.tensor_parallel.random import is_checkpointing
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    HAVE_MEGATRON = True
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    MoELayer = nn.Module  # type: ignore[misc,assignment]
+    HAVE_MEGATRON = False
+
+LAYOUTS = ("packed", "sbh")
+_MAIN_GRAD_KEY = "relibra_megatron_main_grad"  # where relayout carries Megatron DDP's main_grad (removed after)
+
+__all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronRoutingRecorder", "RelibraMoELayer", "check_config",
+           "expert_state_dict", "megatron_moe_layers", "relayout", "replay_data", "replay_micro_batch", "stop_replay",
+           "swap_moe_layers"]
+
+
+def _require_megatron() -> None:
+    if not HAVE_MEGATRON:
+        raise ImportError("relibra_moe.integrations.megatron needs megatron-core: pip install 'relibra-moe[megatron]'")
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (a recomputed forward runs there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def check_config(config) -> None:
+    """Raise for a Megatron ``TransformerConfig`` the relibra layer cannot follow, naming the setting.
+
+    ``ReplayError``: ``moe_router_fusion=True`` (the fused top-k bypasses ``RouterReplay``: replayed ids
+    would be ignored), ``moe_enable_routing_replay=False`` (the routers have no ``RouterReplay``).
+    ``ValueError``: token dropping, latent projections, shared-expert overlap, tensor, expert-tensor or
+    pipeline parallelism, experts other than bias-free SwiGLU.
+    """
+    if getattr(config, "moe_router_fusion", False):
+        raise ReplayError("moe_router_fusion=True: Megatron's fused top-k router bypasses RouterReplay, so replayed "
+                          "routing would be silently ignored; set moe_router_fusion=False")
+    if not getattr(config, "moe_enable_routing_replay", False):
+        raise ReplayError("moe_enable_routing_replay=False: the routers have no RouterReplay to record or replay "
+                          "with; set moe_enable_routing_replay=True")
+    checks = (
+        ("moe_expert_capacity_factor", None, "token dropping is not supported (relibra never drops a token)"),
+        ("moe_latent_size", None, "latent MoE projections are not supported"),
+        ("moe_shared_expert_overlap", False, "the overlap runs inside Megatron's token dispatcher, which the relibra "
+                                             "layer replaces"),
+        ("gated_linear_unit", True, "relibra's experts are SwiGLU"),
+        ("add_bias_linear", False, "relibra's SwiGLU experts have no biases"),
+        ("expert_tensor_parallel_size", 1, "expert tensor parallelism is not supported"),
+        ("tensor_model_parallel_size", 1, "the layer runs on the expert-parallel group only (no tensor parallelism)"),
+        ("pipeline_model_parallel_size", 1, "plans index the model's MoE layers from 0 (no pipeline stages)"),
+        ("moe_router_padding_for_fp8", False, "fp8 routing-map padding is not supported"),
+    )
+    for field, want, why in checks:
+        value = getattr(config, field, want)
+        if value != want:
+            raise ValueError(f"{field}={value!r}: {why}; set {field}={want!r}")
+    act = getattr(config, "activation_func", None)
+    if act is not torch.nn.functional.silu:
+        raise ValueError(f"activation_func={getattr(act, '__name__', act)!r}: relibra's experts are SwiGLU; set "
+                         "activation_func=torch.nn.functional.silu")
+
+
+# ---------------------------------------------------------------------------------------------- layer
+
+
+class _MegatronRouter(nn.Module):
+    """Adapter with ReplayBalancedMoE's router interface over the owning layer's Megatron router.
+
+    ``forward(x [T, H]) -> RouterOutput``: calls Megatron's router on ``x`` viewed back as ``[S, B, H]``
+    (its sequence aux loss reads ``S`` and ``B``), so its replay, aux losses and expert bias apply; ids are
+    the ``k`` experts of each row of its routing map (ascending), gates its probabilities there (fp32).
+    The Megatron router is registered on the owning layer only (one ``state_dict`` entry).
+    """
+
+    def __init__(self, owner: RelibraMoELayer, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.__dict__["_owner"] = owner  # not a submodule: the owner registers the router
+        self.name = "moe"
+
+    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> RouterOutput:
+        owner: RelibraMoELayer = self.__dict__["_owner"]
+        call = owner._call
+        T, k, E = x.shape[0], self.top_k, self.num_experts
+        if call.action is not None:
+            rr = owner.router.router_replay
+            if call.action == RouterReplayAction.REPLAY_BACKWARD:
+                if not rr.replay_backward_list:
+                    raise ReplayError(f"layer {self.name}: a recomputed forward found no replay data left "
+                                      "(RouterReplay.replay_backward_list is empty)")
+                target = rr.replay_backward_list[0]
+            else:
+                target = rr.target_topk_idx
+                if target is None:
+                    raise ReplayError(f"layer {self.name}: replay is on but no replay data was set for this "
+                                      "micro-batch (replay_micro_batch or RouterReplay.set_replay_data)")
+            ids = check_replay_ids(target, T, k, E, layer=self.name)
+            if ids.numel() and bool((ids < 0).any()):
+                t = int((ids < 0).any(dim=1).nonzero()[0])
+                raise ReplayError(f"layer {self.name}: replayed row {t} = {ids[t].tolist()} has -1 (no expert); "
+                                  "Megatron's RouterReplay has no padding id")
+        probs, routing_map = owner.router(x.view(call.shape), call.padding_mask)
+        per_row = routing_map.sum(dim=1)
+        if bool((per_row != k).any()):
+            t = int((per_row != k).nonzero()[0])
+            raise ReplayError(f"layer {self.name}: Megatron's router routed token {t} to {int(per_row[t])} experts, "
+                              f"expected moe_router_topk={k}")
+        ids = routing_map.nonzero()[:, 1].view(T, k)
+        gates = probs.gather(1, ids).float()
+        # Megatron's router returns probabilities, not logits; the layer reads ids and gates only
+        return RouterOutput(ids=ids, gates=gates, logits=probs)
+
+
+@dataclass
+class _Call:
+    """What the adapter needs from the current forward of its layer."""
+
+    shape: torch.Size
+    padding_mask: torch.Tensor | None
+    action: object  # RouterReplayAction to check replay data for, or None (live routing / recording)
+
+
+class RelibraMoELayer(MoELayer):
+    """A Megatron ``MoELayer`` whose routed experts follow a relibra plan (see the module docstring).
+
+    Built from a constructed Megatron ``MoELayer`` (:func:`swap_moe_layers` does it for a whole model): it
+    adopts the layer's router, shared experts, config, layer number and process groups; its experts
+    (``SequentialMLP`` or the legacy ``GroupedMLP``, this rank's contiguous block of ``E / EP`` experts)
+    become the home experts of a :class:`~relibra_moe.layers.moe.ReplayBalancedMoE` (``self.relibra``) on
+    Megatron's expert-parallel group, with the default placement ``expert e -> rank e // (E / EP)``.
+    Megatron's token dispatcher is not used.
+
+    Args:
+        moe: the Megatron ``MoELayer`` to replace.
+        gpus_per_node: ranks per node of the EP group (replicas of node-scoped plans stay in a node).
+        replica_buffer: the model's :class:`LayerSharedReplicaBuffer` (shared by its MoE layers).
+        layer_index: this layer's index among the model's MoE layers (the plan's ``l``).
+        block_m: row block of relibra's grouped GEMM.
+
+    ``forward(hidden_states [S, B, H], padding_mask=None) -> (output [S, B, H], None)``.
+    """
+
+    def __init__(self, moe: MoELayer, *, gpus_per_node: int | None = None,
+                 replica_buffer: LayerSharedReplicaBuffer | None = None, layer_index: int | None = None,
+                 block_m: int = 64) -> None:
+        _require_megatron()
+        if not isinstance(moe, MoELayer):
+            raise TypeError(f"expected a megatron.core MoELayer, got {type(moe).__name__}")
+        config = moe.config
+        check_config(config)
+        nn.Module.__init__(self)
+        # plain attributes of the Megatron layer (config, layer_number, process groups, recompute flags, ...)
+        for key, value in moe.__dict__.items():
+            if not key.startswith("_") and not isinstance(value, nn.Module):
+                self.__dict__[key] = value
+        self.router = moe.router
+        self.shared_experts = moe.shared_experts
+        self.experts = None
+        self.token_dispatcher = None
+        H, E, k = config.hidden_size, config.num_moe_experts, config.moe_router_topk
+        F = config.moe_ffn_hidden_size
+        w_gate_up, w_down = _stacked_expert_weights(moe.experts, H, F, moe.num_local_experts)
+        experts = GroupedSwiGLUExperts(H, F, moe.num_local_experts, dtype=w_gate_up.dtype, device=w_gate_up.device,
+                                       block_m=block_m)
+        with torch.no_grad():
+            experts.w_gate_up.copy_(w_gate_up)
+            experts.w_down.copy_(w_down)
+        for p in experts.parameters():
+            p.allreduce = False  # Megatron's marker of expert-parallel parameters (reduced over expert DP)
+        self.relibra = ReplayBalancedMoE(H, F, E, k, ep_group=moe.ep_group, gpus_per_node=gpus_per_node,
+                                         replica_buffer=replica_buffer, router=_MegatronRouter(self, E, k),
+                                         layer_index=layer_index, experts=experts)
+        if self.relibra.home_experts.tolist() != list(moe.local_expert_indices):
+            raise PlanError(f"the EP group's rank {self.relibra.rank} holds Megatron experts "
+                            f"{list(moe.local_expert_indices)}, relibra's default placement gives it "
+                            f"{self.relibra.home_experts.tolist()}")
+        self._call = _Call(torch.Size(), None, None)
+        self._replaying = False
+        self._pending: tuple[BatchPlan | None, int | None] = (None, None)
+        self._recompute: collections.deque[tuple[BatchPlan | None, int | None, bool]] = collections.deque()
+
+    @property
+    def name(self) -> str:
+        return self.relibra.name
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
+                padding_mask: torch.Tensor | None = None):
+        """``hidden_states [S, B, H]`` (and Megatron's ``padding_mask [B, S]``, True = valid token) ->
+        ``(output [S, B, H], None)``."""
+        if intermediate_tensors is not None:
+            raise ValueError("intermediate_tensors (partial CUDA-graph capture of the MoE layer) is not supported")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        if self.moe_layer_recompute:
+            return _mcore_checkpoint(lambda h: self._forward(h, padding_mask), False, hidden_states)
+        return self._forward(hidden_states, padding_mask)
+
+    def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None):
+        rr = getattr(self.router, "router_replay", None)
+        if _in_backward():  # a forward recomputed in backward: replay what its forward used
+            if not self._recompute:
+                raise ReplayError(f"layer {self.name}: a recomputed forward has no matching forward")
+            plan, m, replaying = self._recompute.popleft()
+            action = RouterReplayAction.REPLAY_BACKWARD if replaying else None
+        else:
+            plan, m = self._pending
+            replaying = self._replaying
+            action = RouterReplayAction.REPLAY_FORWARD if replaying else None
+            if is_checkpointing():
+                self._recompute.append((plan, m, replaying))
+            elif replaying and rr is not None and rr.replay_backward_list \
+                    and rr.replay_backward_list[-1] is rr.target_topk_idx:
+                # no recompute will pop the entry set_target_indices queued for this forward
+                rr.replay_backward_list.pop()
+        if replaying:
+            rr.set_router_replay_action(action)
+        self.relibra.router.name = self.name
+        self._call = _Call(hidden_states.shape, padding_mask, action)
+        shared = self.shared_experts_compute(hidden_states)
+        try:
+            with self.relibra.replay(None, plan=plan, micro_batch=m):
+                out = self.relibra(hidden_states)
+        finally:
+            self._call = _Call(torch.Size(), None, None)
+        if shared is not None:
+            out = out + shared
+        return out, None
+
+
+def _stacked_expert_weights(experts: nn.Module, H: int, F: int, E_loc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's local experts as ``w_gate_up [E_loc, H, 2F]`` (gate columns first) and ``w_down [E_loc, F, H]``."""
+    kind = type(experts).__name__
+    if hasattr(experts, "local_experts"):  # SequentialMLP: linear_fc1.weight [2F, H], linear_fc2.weight [H, F]
+        fc1 = torch.stack([e.linear_fc1.weight.detach() for e in experts.local_experts])
+        fc2 = torch.stack([e.linear_fc2.weight.detach() for e in experts.local_experts])
+        for name, t, want in (("linear_fc1", fc1, (E_loc, 2 * F, H)), ("linear_fc2", fc2, (E_loc, H, F))):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{kind}.{name} weights have shape {tuple(t.shape)}, expected {want}")
+        return fc1.transpose(1, 2), fc2.transpose(1, 2)
+    if hasattr(experts, "weight1") and hasattr(experts, "weight2"):  # legacy GroupedMLP: [H, E_loc*2F], [E_loc*F, H]
+        w1, w2 = experts.weight1.detach(), experts.weight2.detach()
+        if tuple(w1.shape) != (H, E_loc * 2 * F) or tuple(w2.shape) != (E_loc * F, H):
+            raise ValueError(f"GroupedMLP weights have shapes {tuple(w1.shape)}, {tuple(w2.shape)}, expected "
+                             f"{(H, E_loc * 2 * F)}, {(E_loc * F, H)}")
+        return w1.view(H, E_loc, 2 * F).permute(1, 0, 2), w2.view(E_loc, F, H)
+    raise ValueError(f"experts of type {kind} are not supported (SequentialMLP or GroupedMLP; for TE grouped "
+                     "experts build the model with moe_grouped_gemm=False)")
+
+
+def expert_state_dict(layer: RelibraMoELayer) -> dict[str, torch.Tensor]:
+    """This rank's home experts in Megatron ``SequentialMLP`` names and layout, for checkpoints.
+
+    Keys ``local_experts.{i}.linear_fc1.weight`` (``[2F, H]``) / ``linear_fc2.weight`` (``[H, F]``) for the
+    ``i``-th home expert, plus ``global_expert_ids`` (int64 ``[E_loc]``: the logical id of each; after a
+    relayout they are no longer Megatron's contiguous block).
+    """
+    ex = layer.relibra.experts
+    out: dict[str, torch.Tensor] = {}
+    for i in range(ex.num_local):
+        out[f"local_experts.{i}.linear_fc1.weight"] = ex.w_gate_up[i].detach().t().contiguous()
+        out[f"local_experts.{i}.linear_fc2.weight"] = ex.w_down[i].detach().t().contiguous()
+    out["global_expert_ids"] = torch.as_tensor(layer.relibra.home_experts, dtype=torch.int64)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def megatron_moe_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's Megatron MoE layers (``MoELayer``, relibra or not) in module order."""
+    _require_megatron()
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def _relibra_layers(model: nn.Module) -> list[RelibraMoELayer]:
+    layers = [m for m in model.modules() if isinstance(m, RelibraMoELayer)]
+    if not layers:
+        raise ValueError("the model has no RelibraMoELayer: call swap_moe_layers(model) first")
+    return layers
+
+
+def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: int | None = None,
+                    block_m: int = 64) -> list[RelibraMoELayer]:
+    """Replace every Megatron ``MoELayer`` of a built model by a :class:`RelibraMoELayer` (same weights).
+
+    ``replica_slots``: r replica slots per rank, one :class:`LayerSharedReplicaBuffer` shared by all the
+    model's MoE layers. ``gpus_per_node``: ranks per node of the EP group. Layer ``l`` (module order) is
+    the plan's MoE layer ``l``. Call it on every rank (a collective on the EP group: the dispatcher's
+    node sub-groups), after moving the model to its device and dtype, before building the optimizer.
+    Returns the new layers.
+    """
+    _require_megatron()
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, MoELayer) and not isinstance(child, RelibraMoELayer)]
+    if not targets:
+        raise ValueError("the model has no megatron.core MoELayer to swap")
+    buf = None
+    out = []
+    for i, (parent, name, child) in enumerate(targets):
+        layer = RelibraMoELayer(child, gpus_per_node=gpus_per_node, replica_buffer=None, layer_index=i,
+                                block_m=block_m)
+        if replica_slots and buf is None:
+            buf = LayerSharedReplicaBuffer.for_experts(layer.relibra.experts, replica_slots)
+        if buf is not None:
+            buf.check_experts(layer.relibra.experts.expert_tensors())
+            layer.relibra.replica_buffer = buf
+        setattr(parent, name, layer)
+        out.append(layer)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- capture
+
+
+def _expert_parallel_rank() -> int:
+    """This process's rank in Megatron's expert-parallel group (0 without torch.distributed)."""
+    if not dist.is_initialized():
+        return 0
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return int(parallel_state.get_expert_model_parallel_rank())
+    except ImportError:
+        pass
+    return dist.get_rank()
+
+
+class MegatronRoutingRecorder:
+    """Record Megatron's routing (``RouterReplay`` in ``RECORD`` mode) into a :class:`TraceBatch`.
+
+    ::
+
+        with MegatronRoutingRecorder(model) as rec:
+            for m, micro_batch in enumerate(micro_batches):
+                model(**micro_batch)                      # forward only (e.g. log-prob computation)
+                rec.record(seq_lengths_of(micro_batch))   # this rank's sequences, in token order
+        batch = rec.trace_batch()                         # every rank's sequences (a collective)
+
+    ``record(seq_lengths)`` splits the last forward's recorded ``[T, k]`` ids of every MoE layer into
+    one :class:`~relibra_moe.trace.RoutingTrace` per sequence (``sum(seq_lengths) == T``, rows in Megatron's
+    flattened ``[S, B]`` order: pack the sequences). ``layer_ids`` are the MoE layers' decoder indices
+    (``layer_number - 1``). Works on plain Megatron ``MoELayer`` models and swapped ones.
+    """
+
+    def __init__(self, model: nn.Module, num_experts: int | None = None) -> None:
+        _require_megatron()
+        self.layers = megatron_moe_layers(model)
+        if not self.layers:
+            raise ValueError("the model has no megatron.core MoELayer to record")
+        check_config(self.layers[0].config)
+        self.num_experts = num_experts or self.layers[0].config.num_moe_experts
+        self.layer_ids = np.array([int(layer.layer_number or i + 1) - 1 for i, layer in enumerate(self.layers)])
+        self.traces: list = []
+        self.micro_batch: list[int] = []
+        self._calls = 0
+
+    def __enter__(self) -> MegatronRoutingRecorder:
+        for layer in self.layers:
+            layer.router.router_replay.clear_indices()
+            layer.router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+            if isinstance(layer, RelibraMoELayer):
+                layer._replaying = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for layer in self.layers:
+            layer.router.router_replay.clear_router_replay_action()
+
+    def record(self, seq_lengths: Sequence[int], layout: str = "packed") -> None:
+        """Add the sequences of the last forward: ``seq_lengths`` tokens of each; ``layout`` ``"packed"``
+        (concatenated, ``B = 1``) or ``"sbh"`` (a ``[B, S]`` batch of equal lengths), as for :func:`replay_data`."""
+        lengths = [int(n) for n in seq_lengths]
+        if any(n <= 0 for n in lengths):
+            raise ReplayError(f"seq_lengths={lengths}: every sequence has at least one token")
+        _check_layout(layout, lengths)
+        ids = []
+        for layer in self.layers:
+            rec = layer.router.router_replay.get_recorded_indices()
+            if rec is None:
+                raise ReplayError(f"MoE layer {layer.layer_number}: nothing recorded (run a forward inside the "
+                                  "recorder first)")
+            ids.append(rec.detach().cpu())
+        T = ids[0].shape[0]
+        if sum(lengths) != T:
+            raise ReplayError(f"seq_lengths sum to {sum(lengths)} tokens, the recorded forward had {T}")
+        stacked = torch.stack(ids, dim=1).numpy()  # [T, L, k]
+        for part in _rows_to_samples(stacked, lengths, layout):
+            self.traces.append(from_megatron(part, num_experts=self.num_experts, layer_ids=self.layer_ids))
+            self.micro_batch.append(self._calls)
+        self._calls += 1
+        for layer in self.layers:
+            layer.router.router_replay.record_indices(None)
+
+    def trace_batch(self, group: dist.ProcessGroup | None = None) -> TraceBatch:
+        """Every rank's recorded sequences (a collective over ``group``, default the layers' expert-parallel
+        group, whose ranks are the plan's GPUs): rank 0's in recording order, then rank 1's, ...;
+        ``micro_batch`` is the recording call's index on its rank."""
+        if group is None:
+            group = self.layers[0].ep_group
+        traces, mb = list(self.traces), list(self.micro_batch)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            parts: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, (traces, mb), group=group)
+            traces = [t for p in parts for t in p[0]]
+            mb = [m for p in parts for m in p[1]]
+        if not traces:
+            raise ReplayError("no sequence was recorded on any rank")
+        return TraceBatch(traces, micro_batch=np.asarray(mb), source="megatron")
+
+
+def _check_layout(layout: str, lengths: Sequence[int]) -> None:
+    if layout not in LAYOUTS:
+        raise ReplayError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if layout == "sbh" and len(set(int(n) for n in lengths)) > 1:
+        raise ReplayError(f"layout='sbh' needs sequences of one length (a [S, B] batch), got lengths "
+                          f"{[int(n) for n in lengths]}")
+
+
+def _rows_to_samples(rows: np.ndarray, lengths: Sequence[int], layout: str) -> list[np.ndarray]:
+    """Megatron's router rows ``[T, ...]`` -> one ``[S_i, ...]`` array per sequence."""
+    if layout == "sbh" and len(lengths):
+        S, B = int(lengths[0]), len(lengths)
+        rows = rows.reshape((S, B) + rows.shape[1:]).swapaxes(0, 1).reshape((S * B,) + rows.shape[1:])
+    cuts = np.cumsum([int(n) for n in lengths])[:-1]
+    return np.split(rows, cuts)
+
+
+def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int | None = None,
+                device: torch.device | str | None = None, layout: str = "packed"
+                ) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """This rank's samples of one micro-batch in the plan's sample placement, and their replay data.
+
+    Returns ``(samples, ids)``: ``samples`` int64 ``[n]`` (ascending sample indices of ``batch`` with
+    ``plan.samples.micro_batch == micro_batch`` and ``plan.samples.gpu == rank``) and ``ids``, one int64
+    ``[T, k]`` tensor per MoE layer over their ``T`` tokens: the list ``RouterReplay.set_replay_data``
+    takes, or :func:`replay_micro_batch`'s ``per_layer_ids``. Row order follows ``layout``:
+    ``"packed"``: the samples' tokens concatenated in ``samples`` order (one packed sequence, ``B = 1``);
+    ``"sbh"``: samples of one length ``S`` fed as a ``[B = n, S]`` batch, rows in Megatron's flattened
+    ``[S, B]`` order (``s * n + b``). ``rank`` defaults to this process's rank in Megatron's expert-parallel
+    group (the plan's GPU; with data parallelism beyond EP, each EP group plans its own batch).
+    """
+    if not isinstance(plan, BatchPlan):
+        raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
+    if plan.samples.num_samples != batch.num_sequences:
+        raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
+    if plan.num_layers != batch.num_layers:
+        raise PlanError(f"the plan covers {plan.num_layers} MoE layers, the batch {batch.num_layers}")
+    M = plan.num_micro_batches
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, (int, np.integer)) \
+            or not 0 <= micro_batch < M:
+        raise PlanError(f"micro_batch={micro_batch!r} is outside [0, {M})")
+    if rank is None:
+        rank = _expert_parallel_rank()
+    if not 0 <= rank < plan.num_gpus:
+        raise PlanError(f"rank={rank} is outside the plan's num_gpus={plan.num_gpus}")
+    samples = np.flatnonzero((plan.samples.micro_batch == micro_batch) & (plan.samples.gpu == rank)).astype(np.int64)
+    _check_layout(layout, batch.lengths[samples])
+    L, k = batch.num_layers, batch.topk
+    if len(samples):
+        per = [batch.trace(int(i)).experts.astype(np.int64) for i in samples]
+        rows = np.stack(per, axis=1).reshape(-1, L, k) if layout == "sbh" else np.concatenate(per)
+    else:
+        rows = np.zeros((0, L, k), np.int64)
+    if (rows < 0).any():
+        raise ReplayError("the batch has -1 (unrouted) ids in the replayed samples; Megatron's RouterReplay has no "
+                          "padding id")
+    t = torch.as_tensor(rows, device=device)
+    return samples, [t[:, l].contiguous() for l in range(L)]
+
+
+# ---------------------------------------------------------------------------------------------- replay
+
+
+def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] | None,
+                       plan: BatchPlan | None = None, micro_batch: int | None = None) -> None:
+    """Make the next forward of every relibra MoE layer replay ``per_layer_ids`` and follow ``plan``.
+
+    Call once before each micro-batch's forward (whatever runs the forward and backward: a plain loop or
+    Megatron's ``forward_backward_func`` inside ``forward_step_func``). ``per_layer_ids``: one ``[T, k]``
+    tensor per MoE layer (:func:`replay_data`), handed to each layer's ``RouterReplay``; ``None`` keeps
+    replay data set by ``RouterReplay.set_replay_data`` (verl-style). ``plan`` / ``micro_batch``: the
+    replica plan slice of this micro-batch (``plan.placement`` must be applied with :func:`relayout`).
+    The layers switch ``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` themselves.
+
+    Raises ``ReplayError`` (wrong number of layers, or a router without ``RouterReplay``) and
+    ``PlanError`` (a plan for another EP size, number of experts or layers) here, on every rank alike;
+    per-layer token counts and ids are checked by each layer's forward, on every rank of the EP group.
+    """
+    layers = _relibra_layers(model)
+    L = len(layers)
+    if per_layer_ids is not None:
+        ids = list(per_layer_ids)
+        if len(ids) != L:
+            raise ReplayError(f"replay data covers {len(ids)} MoE layers, the model has {L}")
+    if plan is not None:
+        _check_plan(layers, plan)
+    for i, layer in enumerate(layers):
+        rr = layer.router.router_replay
+        if per_layer_ids is not None:
+            rr.set_target_indices(ids[i])
+        layer._replaying = True
+        layer._pending = (plan, micro_batch)
+
+
+def stop_replay(model: nn.Module) -> None:
+    """Back to live routing: forget pending replay data and plans of every relibra MoE layer."""
+    for layer in _relibra_layers(model):
+        layer._replaying = False
+        layer._pending = (None, None)
+        layer._recompute.clear()
+        layer.router.router_replay.clear_indices()
+        layer.router.router_replay.clear_router_replay_action()
+
+
+def _check_plan(layers: Sequence[RelibraMoELayer], plan: BatchPlan) -> None:
+    """PlanError naming the setting when ``plan`` was made for another model or EP group."""
+    if not isinstance(plan, BatchPlan):
+        raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
+    core = layers[0].relibra
+    if plan.num_gpus != core.world_size:
+        raise PlanError(f"the plan is for num_gpus={plan.num_gpus}, the Megatron expert-parallel group has "
+                        f"expert_model_parallel_size={core.world_size}")
+    if plan.gpus_per_node != core.gpus_per_node:
+        raise PlanError(f"the plan is for gpus_per_node={plan.gpus_per_node}, the layers were swapped with "
+                        f"gpus_per_node={core.gpus_per_node}")
+    E = plan.placement.expert_gpu.shape[1]
+    if E != core.num_experts:
+        raise PlanError(f"the plan is for {E} experts, the model has num_moe_experts={core.num_experts}")
+    if plan.num_layers != len(layers):
+        raise PlanError(f"the plan covers {plan.num_layers} MoE layers, the model has {len(layers)}")
+
+
+# ---------------------------------------------------------------------------------------------- relayout
+
+
+def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
+             optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Move every relibra MoE layer's experts to ``placement`` with their gradients and optimizer state.
+
+    What moves per expert: its rows of ``w_gate_up`` / ``w_down``, of their ``.grad``, of Megatron DDP's
+    ``main_grad`` buffers when present, and of every optimizer state tensor shaped like the parameter
+    (Adam's moments, SGD momentum). ``optimizer``: a ``torch.optim.Optimizer`` over the model's
+    parameters, or a Megatron optimizer wrapper whose inner ``.optimizer`` steps the model's parameters
+    themselves (``FP32Optimizer``). Wrappers that step separate fp32 main copies (mixed-precision and
+    distributed optimizers, which also shard their state over data-parallel ranks) are refused with a
+    ``ValueError``: their shards are not laid out per expert. A collective over the EP group; raises
+    ``PlanError`` (on every rank) for a placement that does not fit. Also clears pending recomputes.
+    """
+    layers = _relibra_layers(model)
+    if isinstance(placement, BatchPlan):
+        _check_plan(layers, placement)
+        placement = placement.placement
+    opt = optimizer
+    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ValueError(f"optimizer of type {type(opt).__name__} is neither a torch optimizer nor a Megatron "
+                             "wrapper with one")
+        opt = inner
+    params = [p for layer in layers for p in layer.relibra.experts.parameters()]
+    if opt is not None:
+        stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+        missing = [p for p in params if id(p) not in stepped]
+        if missing:
+            raise ValueError(f"optimizer {type(optimizer).__name__} does not step the expert parameters themselves "
+                             "(it keeps separate main copies, e.g. a mixed-precision or distributed Megatron "
+                             "optimizer); use a torch optimizer over the model's parameters")
+    # Megatron DDP keeps gradients in main_grad views of its grad buffer. relayout moves, in place, every
+    # optimizer state tensor shaped like the parameter: main_grad rides along as one, under a reserved key
+    carrier = opt if opt is not None else torch.optim.SGD(params, lr=0.0)
+    lent = []
+    for p in params:
+        main = getattr(p, "main_grad", None)
+        shared = p.grad is not None and isinstance(main, torch.Tensor) and main.data_ptr() == p.grad.data_ptr()
+        if isinstance(main, torch.Tensor) and main.shape == p.shape and not shared:  # a shared one moves as .grad
+            carrier.state[p][_MAIN_GRAD_KEY] = main
+            lent.append(p)
+    try:
+        out = _relayout_layers(model, placement, carrier if lent or opt is not None else None)
+    finally:
+        for p in lent:
+            del carrier.state[p][_MAIN_GRAD_KEY]
+            if not carrier.state[p]:
+                del carrier.state[p]
+    for layer in layers:
+        layer._recompute.clear()
+    return out
