@@ -67,7 +67,7 @@ def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, rec
         hot = np.array([np.random.default_rng(seed).integers(E)])
         plan = hot_replica_plan(1, E, world, gpus_per_node, hot, seed)
         rm.relayout(layer, plan)
-        assert layer.relibra.home_gpu.tolist() == plan.placement.expert_gpu[0].tolist()
+        assert layer.relibra.expert_gpu_host.tolist() == plan.placement.expert_gpu[0].tolist()
 
         gen = torch.Generator().manual_seed(seed * 10 + rank)
         x = torch.randn(S, B, H, generator=gen)

@@ -323,7 +323,7 @@ class MeshMoE:
         parts = [torch.empty_like(local) for _ in range(layer.world_size)]
         dist.all_gather(parts, local.contiguous(), group=layer.ep_group)
         full = torch.empty((layer.num_experts,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-        home = torch.from_numpy(layer.home_gpu.copy())
+        home = torch.from_numpy(layer.expert_gpu_host.copy())
         for g, part in enumerate(parts):
             full[torch.nonzero(home == g).view(-1).to(local.device)] = part
         return full

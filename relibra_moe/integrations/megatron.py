@@ -55,14 +55,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..adapters import from_megatron
 from ..errors import PlanError, ReplayError
 from ..layers.experts import GroupedSwiGLUExperts
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.relayout import relayout as _relayout_layers
+from ..layers.replay import replay
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import RouterOutput, check_replay_ids
 from ..plan import BatchPlan, Placement
-from ..trace import TraceBatch, from_megatron
+from ..trace import TraceBatch
 
 try:  # optional dependency: megatron-core
     from megatron.core.tensor_parallel.random import checkpoint as _mcore_checkpoint
@@ -290,7 +292,7 @@ class RelibraMoELayer(MoELayer):
         self._call = _Call(hidden_states.shape, padding_mask, action)
         shared = self.shared_experts_compute(hidden_states)
         try:
-            with self.relibra.replay(None, plan=plan, micro_batch=m):
+            with replay(self.relibra, None, plan=plan, micro_batch=m):
                 out = self.relibra(hidden_states)
         finally:
             self._call = _Call(torch.Size(), None, None)

@@ -282,7 +282,7 @@ def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None 
         if isinstance(routing, Sequence) and not isinstance(routing, str) and len(routing) == 0:
             raise ReplayError("replay: no traces given")
         per_layer = _ids_per_layer(routing, L)
-    if plan is not None:
+    if plan is not None and L > 1:  # a single layer reads its own slice (its layer_index), checked by the layer
         n = plan.num_layers if isinstance(plan, BatchPlan) else plan.replica_expert.shape[1]
         if n != L:
             raise PlanError(f"the plan covers {n} MoE layers, the model has {L}")
