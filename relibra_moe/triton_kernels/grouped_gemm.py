@@ -50,8 +50,9 @@ from relibra_moe.triton_kernels.backend import (
     remember_backend,
     use_triton,
 )
+from relibra_moe.triton_kernels.heuristics import dw_config, gemm_config
 from relibra_moe.triton_kernels.replica_copy import _add_op
-from relibra_moe.triton_kernels.routing import RoutingMeta
+from relibra_moe.triton_kernels.routing import RoutingMeta, tile_schedule
 
 __all__ = [
     "ExpertWeights",
@@ -348,26 +349,6 @@ def _precision(dtype: torch.dtype) -> str | None:
     return "ieee"
 
 
-def _clamp_pow2(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
-
-
-def _fwd_config(N: int, K: int, dtype: torch.dtype, block_m: int = 64) -> dict:
-    """Heuristic (no autotune) tile config of the forward kernel for this N, K, dtype and BLOCK_M.
-
-    Hopper-oriented: a 64-row tile is one warpgroup (4 warps) on a 64 x 128 wgmma tile with a
-    4-stage pipeline; a 128-row tile uses two warpgroups, 256-wide N tiles when N allows, 3 stages.
-    """
-    if INTERPRET:  # few, large programs: the interpreter's cost grows with the program count
-        return dict(BLOCK_N=_clamp_pow2(N, 16, 128), BLOCK_K=_clamp_pow2(K, 16, 128), GROUP_M=8, num_warps=4)
-    wide = dtype in (torch.float16, torch.bfloat16)
-    bk = _clamp_pow2(K, 16, 64 if wide else 32)
-    if block_m >= 128:
-        bn = _clamp_pow2(N, 16, 256 if wide and N % 256 == 0 else 128)
-        return dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_N=_clamp_pow2(N, 16, 128), BLOCK_K=bk, GROUP_M=8, num_warps=4, num_stages=4 if wide else 3)
-
-
 _OFFSET_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
 
 
@@ -426,19 +407,21 @@ def grouped_mm_triton(
     B = tile_slot.shape[0]
     if R == 0 or N == 0 or B == 0:
         return out
-    if block_m < 16:
-        raise ValueError(f"the Triton grouped GEMM needs meta.block_m >= 16, got {block_m}")
     if x.stride(1) != 1:
         x = x.contiguous()
+    cfg = gemm_config(R / max(offsets.shape[0] - 1, 1), N, K, x.dtype)
+    if cfg.block_m != block_m:  # the GEMM's row tile differs from the routing block: its own schedule
+        tile_slot, tile_row = tile_schedule(offsets, R, cfg.block_m)
+        B = tile_slot.shape[0]
     indirect = slot_source is not None
     w_off, aligned = _source_offsets(sources, slot_source, slot_index) if indirect else (offsets, False)
-    cfg = _fwd_config(N, K, x.dtype, block_m)
-    grid = (B * triton.cdiv(N, cfg["BLOCK_N"]),)
+    grid = (B * triton.cdiv(N, cfg.block_n),)
     _grouped_mm_kernel[grid](
         x, w0, w_off, offsets, tile_slot, tile_row, out,
         R, N, K, B, x.stride(0), w0.stride(0), w0.stride(1), w0.stride(2), out.stride(0),
         INDIRECT=indirect, W_ALIGNED=aligned, UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype), PRECISION=_precision(x.dtype),
-        EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
+        EVEN_K=K % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 
@@ -450,20 +433,13 @@ def grouped_mm_dw_triton(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tenso
     dw = _dw_empty(S, K, N, x, transposed)
     if S == 0 or K == 0 or N == 0:
         return dw
-    if INTERPRET:
-        bm, bk, bn, warps = 64, _clamp_pow2(K, 16, 128), _clamp_pow2(N, 16, 128), 4
-    else:
-        bm, bk, bn, warps = (
-            (64 if x.dtype != torch.float32 else 32),
-            _clamp_pow2(K, 16, 128),
-            _clamp_pow2(N, 16, 128),
-            8,
-        )
+    cfg = dw_config(x.shape[0] / S, K, N, x.dtype)
+    bm, bk, bn = cfg.block_m, cfg.block_k, cfg.block_n
     grid = (S, triton.cdiv(K, bk) * triton.cdiv(N, bn))
     _grouped_mm_dw_kernel[grid](
         x, dy, offsets, dw, N, K, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
         UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype), PRECISION=_precision(x.dtype), BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
-        num_warps=warps,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return dw
 
