@@ -57,13 +57,19 @@ class GemmConfig:
 @dataclass(frozen=True)
 class DwConfig:
     """Tile config of the weight-gradient kernel: a ``block_k x block_n`` tile of ``dW_s``, walking the
-    slot's rows ``block_m`` at a time; ``split_rows``: rows per split of a hot slot (0 = no split)."""
+    slot's rows ``block_m`` at a time.
+
+    ``split_rows``: a slot with more rows is split over rows (deterministic fp32 reduction of the
+    parts); 0 = automatic, ``max(4 * block_m, R * tiles_per_slot / SMs)``, i.e. split a slot whose
+    serial walk would outlast the average program of a balanced wave.
+    """
 
     block_m: int
     block_k: int
     block_n: int
     num_warps: int
     num_stages: int
+    split_rows: int = 0
 
 
 #: Forward / dX configs for compiled kernels, by name (the sm_90 test compiles every entry).
