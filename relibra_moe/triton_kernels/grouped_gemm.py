@@ -451,7 +451,8 @@ def _dw_reduce_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dW[d] = sum of the split partials of destination d in split order (fp32), rounded once."""
+    """dW[d] = sum of the split partials of destination d in split order (fp32), rounded once (an
+    elementwise pass over the hot destinations only, with its own small tile)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles = tl.cdiv(K, BLOCK_K) * num_pid_n
@@ -551,7 +552,8 @@ def _launch_gemm(
     if x.stride(1) != 1:
         x = x.contiguous()
     gated = epilogue != EPI_PLAIN
-    cfg = gemm_config(R / max(offsets.shape[0] - 1, 1), 2 * N if gated else N, K, x.dtype, gated=gated)
+    cfg = gemm_config(R / max(offsets.shape[0] - 1, 1), 2 * N if gated else N, K, x.dtype, gated=gated,
+                      swiglu_bwd=epilogue == EPI_SWIGLU_BWD)  # fmt: skip
     block_n = cfg.block_n // 2 if gated else cfg.block_n
     if cfg.block_m != block_m:
         tile_slot, tile_row = tile_schedule(offsets, R, cfg.block_m)
@@ -589,6 +591,8 @@ def grouped_mm_triton(
 
 #: Most row splits of one hot slot in the weight-gradient kernel.
 DW_SPLIT_MAX = 8
+#: (BLOCK_K, BLOCK_N) of the split reduction: 32 fp32 values per thread at 4 warps.
+DW_REDUCE_TILE = (32, 128)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -673,9 +677,10 @@ def weight_grads_into(
         num_stages=cfg.num_stages,
     )  # fmt: skip
     if n_hot_max:
-        _dw_reduce_kernel[(n_hot_max * tiles,)](
+        rk, rn = DW_REDUCE_TILE
+        _dw_reduce_kernel[(n_hot_max * triton.cdiv(K, rk) * triton.cdiv(N, rn),)](
             hot_list.to(i32), nsplit.to(i32), part.to(i32), dest_off, ws, g0, N, K, g0.stride(1), g0.stride(2),
-            RNE=bf16_rne(x.dtype), BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, num_warps=4,
+            RNE=bf16_rne(x.dtype), BLOCK_K=rk, BLOCK_N=rn, num_warps=4,
         )  # fmt: skip
 
 

@@ -30,7 +30,16 @@ import torch
 
 from relibra_moe.triton_kernels.backend import INTERPRET
 
-__all__ = ["DW_CONFIGS", "GEMM_CONFIGS", "DwConfig", "GemmConfig", "dw_config", "gemm_config", "override"]
+__all__ = [
+    "DW_CONFIGS",
+    "GEMM_CONFIGS",
+    "DwConfig",
+    "GemmConfig",
+    "dw_config",
+    "gemm_config",
+    "override",
+    "row_tile",
+]
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,8 @@ class GemmConfig:
         group_m: consecutive row tiles that sweep the N-blocks together (L2 reuse of W_s).
         num_warps: warps per program (8 = two Hopper warpgroups).
         num_stages: software-pipeline depth of the K loop.
+        swiglu_bwd: whether the SwiGLU-backward epilogue may run on this entry (it holds the h gate
+            and up tiles next to the accumulator; the widest entry would spill registers).
     """
 
     block_m: int
@@ -52,6 +63,7 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    swiglu_bwd: bool = True
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ class DwConfig:
 #: Forward / dX configs for compiled kernels, by name (the sm_90 test compiles every entry).
 GEMM_CONFIGS: dict[str, GemmConfig] = {
     # fp16 / bf16
-    "m128_n256": GemmConfig(128, 256, 64, 8, 8, 3),  # large slots, wide N: 2 warpgroups, 144 KB smem
+    "m128_n256": GemmConfig(128, 256, 64, 8, 8, 3, swiglu_bwd=False),  # large slots, wide N: 2 warpgroups
     "m128_n128": GemmConfig(128, 128, 64, 8, 8, 4),  # large slots, narrow N
     "m64_n128": GemmConfig(64, 128, 64, 8, 4, 4),  # medium slots: one warpgroup
     "m32_n128": GemmConfig(32, 128, 64, 8, 4, 4),  # small slots (mma.sync, no 64-row wgmma waste)
@@ -117,9 +129,11 @@ def override(gemm: GemmConfig | None = None, dw: DwConfig | None = None) -> Iter
         _local.cfg = prev
 
 
-def gemm_config(rows_per_slot: float, n: int, k: int, dtype: torch.dtype, *, gated: bool = False) -> GemmConfig:
+def gemm_config(rows_per_slot: float, n: int, k: int, dtype: torch.dtype, *, gated: bool = False,
+                swiglu_bwd: bool = False) -> GemmConfig:
     """The forward / dX tile config for mean ``rows_per_slot`` rows per slot, N output columns (gated:
-    the width of the gate+up weight, 2I), reduction depth K, operand ``dtype``."""
+    the width of the gate+up pair, 2I), reduction depth K, operand ``dtype``; ``swiglu_bwd``: for
+    the SwiGLU-backward epilogue (only entries with ``swiglu_bwd=True``)."""
     forced = getattr(_local, "cfg", (None, None))[0]
     if forced is not None:
         return forced
@@ -135,7 +149,7 @@ def gemm_config(rows_per_slot: float, n: int, k: int, dtype: torch.dtype, *, gat
         else:
             cfg = GEMM_CONFIGS["f32_m16_n64"]
     elif rows_per_slot >= 128:
-        cfg = GEMM_CONFIGS["m128_n256" if n >= 256 else "m128_n128"]
+        cfg = GEMM_CONFIGS["m128_n256" if n >= 256 and not swiglu_bwd else "m128_n128"]
     elif rows_per_slot > 32:
         cfg = GEMM_CONFIGS["m64_n128"]
     elif rows_per_slot > 16:
@@ -166,3 +180,9 @@ def dw_config(rows_per_slot: float, k: int, n: int, dtype: torch.dtype) -> DwCon
     bk = min(cfg.block_k, _pow2(k, 16, cfg.block_k))
     bn = min(cfg.block_n, _pow2(n, 16, cfg.block_n))
     return replace(cfg, block_k=bk, block_n=bn) if (bk, bn) != (cfg.block_k, cfg.block_n) else cfg
+
+
+def row_tile(rows_per_slot: float, dtype: torch.dtype) -> int:
+    """The grouped GEMMs' row tile for mean ``rows_per_slot`` rows per slot (it depends on rows and dtype
+    only), as a routing block that lets them reuse the routing metadata's tile schedule."""
+    return gemm_config(rows_per_slot, 256, 256, dtype).block_m
