@@ -1,8 +1,11 @@
 """Grouped GEMM over slot-sorted rows: forward, dX and dW, plus a SwiGLU expert MLP built from them.
 
 ``grouped_mm(x_sorted [R, K], w, meta) -> [R, N]``: sorted row r of slot s is multiplied by ``W_s``
-[K, N]. Rows are unpadded: a tile of the schedule (``meta.tile_slot``, ``meta.tile_row``) holds up to
-``block_m`` rows of one slot; padding rows (after the routed pairs) come out as zeros.
+[K, N]. Rows are unpadded: a tile holds up to ``BLOCK_M`` rows of one slot; padding rows (after the
+routed pairs) come out as zeros. The GEMM's tile config (``BLOCK_M`` included) comes from the shapes
+(:mod:`~relibra_moe.triton_kernels.heuristics`); the routing block ``meta.block_m`` is independent:
+when it differs from the GEMM's row tile, the GEMM builds its own schedule from ``meta.offsets``
+(:func:`~relibra_moe.triton_kernels.routing.tile_schedule`, torch ops, no host sync).
 
 Weights ``w`` are either
 
@@ -12,20 +15,28 @@ Weights ``w`` are either
   the home experts' parameter and the replica slots of the layer-shared buffer, never concatenated.
 
 Both are differentiable w.r.t. ``x_sorted`` and every weight tensor; gradients land in the source
-rows the slots point to (a home expert and its replica slots on the same rank sum deterministically).
+rows the slots point to (several slots reading one source row sum deterministically).
 
 Backward: ``dX = grouped_mm(dY, W^T)`` (the same kernel on the transposed view) and
-``dW_s = X_s^T dY_s`` (:func:`grouped_mm_dw`: one program per (slot, K-tile, N-tile) looping over
-the slot's rows in order; deterministic, no atomics).
+``dW_s = X_s^T dY_s`` (:func:`weight_grads_into`). The dW kernel is destination-major: its
+destinations are the rows of the weight *sources* (each source's gradient is written in place,
+once, through per-row element offsets: no zero fill, no [S, K, N] intermediate, no add-back pass;
+rows no slot reads get zeros), programs run slot-major (all output tiles of one slot are resident
+together, so its x / dY rows stay in L2), heaviest slots first, and a hot slot is split over rows
+with a deterministic fp32 reduction of its parts. With the layer's home + replica-slot sources, only
+the replica slots' gradients are then added into their home experts (by the replica buffer).
 
 Expert MLP: :func:`swiglu_experts` is an autograd Function over these ops that saves only x and
-h = x W_gate_up and recomputes the activation in backward (closed-form SwiGLU backward, or autograd on
-any other activation, e.g. GPT-OSS's clamped interleaved one).
+h = x W_gate_up and recomputes the activation in backward. SwiGLU runs fused on the Triton path:
+the gate_up GEMM computes ``a = silu(gate) * up`` in its epilogue, and the backward's
+``da = dY W_down^T`` GEMM computes ``dh`` and the recomputed ``a`` in its epilogue, so the MLP runs
+no elementwise pass over [R, 2I]. Other activations (e.g. GPT-OSS's clamped interleaved one) use
+autograd on the recomputed activation.
 
 Precision: fp32 accumulation; fp16 / bf16 use tensor cores, fp32 follows
-``torch.backends.cuda.matmul.allow_tf32``. Configs are heuristics per (BLOCK_M, N, K, dtype), no
-autotuning. ExpertWeights addresses every source from sources[0]'s pointer plus a per-slot element
-offset (cached per pointer set, so steady-state calls do no host-to-device copy).
+``torch.backends.cuda.matmul.allow_tf32``. Configs are heuristics per (rows per slot, N, K, dtype),
+no autotuning. ExpertWeights addresses every source from sources[0]'s pointer plus a per-slot
+element offset (cached per pointer set, so steady-state calls do no host-to-device copy).
 
 Each op is a ``torch.library.custom_op`` (namespace ``relibra``) with a fake implementation, so
 ``torch.compile`` graphs can contain it.
@@ -64,6 +75,7 @@ __all__ = [
     "swiglu",
     "swiglu_backward",
     "swiglu_experts",
+    "weight_grads_into",
 ]
 
 
