@@ -485,3 +485,20 @@ def test_fused_swiglu_mlp_against_float64(dtype, T, mode, monkeypatch):
             assert not a.grad.any()
     n = int(meta.counts.sum())
     assert not out[n:].any() and not leaves[0].grad[n:].any()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_weight_grads_written_once_without_zero_fill(transposed, monkeypatch):
+    """The Triton source gradients start uninitialised (here: NaN-filled) and every element is written
+    by the dW kernel itself: no zero fill is relied on and no add-back pass reads them (it would
+    propagate the NaNs), including the rows no slot reads and rows two slots share."""
+    from relibra_moe.triton_kernels import grouped_gemm as gg
+
+    grad_like = gg._grad_like
+    monkeypatch.setattr(gg, "_grad_like", lambda src, n_major: grad_like(src, n_major).fill_(float("nan")))
+    meta, srcs, slot_source, slot_index, x, dy, need, ref = weight_grad_case(torch.float32, transposed)
+    with force_backend("triton"):
+        got = gg._source_grads(x, dy, meta.offsets, srcs, slot_source, slot_index, need)
+    for i in (0, 1):
+        assert not got[i].isnan().any()
+        assert rel_err(got[i], ref[i].numpy()) <= 2e-5

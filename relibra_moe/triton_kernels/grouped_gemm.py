@@ -623,6 +623,17 @@ def _dest_tables(sizes: tuple[int, ...], device: str) -> tuple[torch.Tensor, tor
     return src.to(device), row.to(device)
 
 
+@functools.lru_cache(maxsize=64)
+def _source_bases(sizes: tuple[int, ...], needs_grad: tuple[bool, ...], device: str) -> torch.Tensor:
+    """int64 [num_sources]: the first destination row of each source that needs a gradient (-1 if
+    not), destinations being the rows of those sources concatenated in order."""
+    base, bases = 0, []
+    for n, need in zip(sizes, needs_grad, strict=True):
+        bases.append(base if need else -1)
+        base += n if need else 0
+    return torch.tensor(bases, dtype=torch.int64).to(device)
+
+
 def weight_grads_into(
     x: torch.Tensor,
     dy: torch.Tensor,
@@ -874,11 +885,8 @@ def _weight_grads_op(
         if slot_source is None:
             slot_dest = torch.arange(sources[0].shape[0], device=x.device, dtype=torch.int64)
         else:
-            base, bases = 0, []
-            for s, n in zip(sources, needs_grad, strict=True):
-                bases.append(base if n else -1)
-                base += int(s.shape[0]) if n else 0
-            b = torch.tensor(bases, dtype=torch.int64).to(x.device)[slot_source.long()]
+            sizes = tuple(int(s.shape[0]) for s in sources)
+            b = _source_bases(sizes, tuple(needs_grad), str(x.device))[slot_source.long()]
             slot_dest = torch.where(b >= 0, b + slot_index.long(), torch.full_like(b, -1))
         weight_grads_into(x, dy, offsets, grads, slot_dest)
         return grads
