@@ -39,6 +39,8 @@ __all__ = [
     "gemm_config",
     "override",
     "row_tile",
+    "table_dw_config",
+    "table_gemm_config",
 ]
 
 
@@ -141,6 +143,13 @@ def gemm_config(rows_per_slot: float, n: int, k: int, dtype: torch.dtype, *, gat
         bm = _pow2(int(rows_per_slot), 16, 64)
         bn = _pow2(n, 32 if gated else 16, 128)
         return GemmConfig(bm, bn, _pow2(k, 16, 128), 8, 4, 1)
+    return table_gemm_config(rows_per_slot, n, k, dtype, gated=gated, swiglu_bwd=swiglu_bwd)
+
+
+def table_gemm_config(rows_per_slot: float, n: int, k: int, dtype: torch.dtype, *, gated: bool = False,
+                      swiglu_bwd: bool = False) -> GemmConfig:
+    """The compiled-kernel choice of :func:`gemm_config` (a :data:`GEMM_CONFIGS` entry, with N / K
+    tiles narrowed to the problem when it is smaller than the entry's tile)."""
     if dtype == torch.float32:
         if rows_per_slot >= 128:
             cfg = GEMM_CONFIGS["f32_m128_n128"]
@@ -169,6 +178,12 @@ def dw_config(rows_per_slot: float, k: int, n: int, dtype: torch.dtype) -> DwCon
         return forced
     if INTERPRET:
         return DwConfig(64, _pow2(k, 16, 128), _pow2(n, 16, 128), 4, 1)
+    return table_dw_config(rows_per_slot, k, n, dtype)
+
+
+def table_dw_config(rows_per_slot: float, k: int, n: int, dtype: torch.dtype) -> DwConfig:
+    """The compiled-kernel choice of :func:`dw_config` (a :data:`DW_CONFIGS` entry, tiles narrowed to
+    the problem)."""
     if dtype == torch.float32:
         cfg = DW_CONFIGS["f32_k128_n128" if rows_per_slot >= 64 and k >= 128 and n >= 128 else "f32_k64_n64"]
     elif rows_per_slot >= 128 and k >= 128 and n >= 256:
