@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from relibra_moe.triton_kernels import replica_copy  # noqa: F401  (registers relibra::copy_into_slots, add_slot_grads)
 from relibra_moe.triton_kernels.backend import force_backend
 from relibra_moe.triton_kernels.grouped_gemm import ExpertWeights, grouped_mm, swiglu_experts
 from relibra_moe.triton_kernels.permute import combine, permute
@@ -55,6 +56,17 @@ def test_opcheck_all_ops():
                 16,
             ),
         ),
+        (
+            torch.ops.relibra.swiglu_mm,  # differentiated by the MLP's autograd Function, not on its own
+            (xs, [home.detach(), rep.detach()], src, idx, meta.offsets, meta.tile_slot, meta.tile_row, 16),
+        ),
+        (
+            torch.ops.relibra.swiglu_mm_backward,
+            (xs, [home.detach()[:, :, :16].transpose(1, 2), rep.detach()[:, :, :16].transpose(1, 2)], src, idx,
+             meta.offsets, meta.tile_slot, meta.tile_row, 16, torch.randn(xs.shape[0], 32)),
+        ),  # fmt: skip
+        (torch.ops.relibra.weight_grads,
+         (xs, torch.randn(xs.shape[0], 32), meta.offsets, [home.detach(), rep.detach()], src, idx, [True, False])),
         (torch.ops.relibra.grouped_mm_dw, (xs, xs, meta.offsets, True)),
         (torch.ops.relibra.grouped_mm_dw, (xs, xs, meta.offsets, False)),
     ]

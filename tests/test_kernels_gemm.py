@@ -318,21 +318,14 @@ def test_multi_block_loops(K, N, dtype):
     assert rel_err(dw, ref_dw) <= tol
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_expert_weights_grad_reference_is_the_composed_reference(dtype, transposed):
-    """The torch reference of the ExpertWeights weight gradient (per-slot dW written straight into the
-    source rows) equals, bit for bit and in the same layout, the composition it replaces: the
-    [S, K, N] per-slot dW of ``grouped_mm_dw`` added into zeroed sources by ``add_slot_grads``, with
-    source rows shared by several slots, empty slots, and a source that needs no gradient."""
-    from relibra_moe.triton_kernels import grouped_gemm as gg
-    from relibra_moe.triton_kernels.replica_copy import add_slot_grads_torch
-
+def weight_grad_case(dtype, transposed, seed=9):
+    """ExpertWeights over 3 sources with source rows shared by two slots, an empty slot, an unused
+    source row and a source that needs no gradient; float64 loop reference of the source grads."""
     T, k, S, K, N = 17, 2, 7, 12, 10
     ids = make_ids(T, k, S, seed=2, mode="random")
     ids[ids == 5] = 6  # slot 5 empty
     meta = routing_metadata(ids, S, block_m=16)
-    g = torch.Generator().manual_seed(9)
+    g = torch.Generator().manual_seed(seed)
     shape = (N, K) if transposed else (K, N)
     srcs = [torch.randn(4, *shape, generator=g).to(dtype), torch.randn(3, *shape, generator=g).to(dtype),
             torch.randn(2, *shape, generator=g).to(dtype)]
@@ -343,24 +336,85 @@ def test_expert_weights_grad_reference_is_the_composed_reference(dtype, transpos
     x = torch.randn(meta.num_rows, K, generator=g).to(dtype)
     dy = torch.randn(meta.num_rows, N, generator=g).to(dtype)
     need = [True, True, False]
-    with force_backend("torch"):
-        got = gg._source_grads_torch(x, dy, meta.offsets, srcs, slot_source, slot_index, need)
-        dw = gg._grouped_mm_dw_op(x, dy, meta.offsets, transposed)
-    slots = torch.arange(S)
-    for i, src in enumerate(srcs):
-        if not need[i]:
-            assert got[i] is None
-            continue
-        want = torch.zeros_like(src)
-        add_slot_grads_torch(dw, slots, want, torch.where(slot_source == i, slot_index, torch.full_like(slots, -1)))
-        assert got[i].stride() == want.stride() and got[i].dtype == want.dtype
-        assert torch.equal(got[i], want) and torch.equal(got[i].signbit(), want.signbit())
-    assert not got[0][0].any()
+    ref = [torch.zeros(s.shape, dtype=torch.float64) for s in srcs]
+    for r, s in enumerate(row_slots(meta)):
+        if s >= 0:
+            ref[int(slot_source[s])][int(slot_index[s])] += torch.outer(x[r].double(), dy[r].double())
+    return meta, srcs, slot_source, slot_index, x, dy, need, ref
 
 
-def test_expert_weights_grad_reference_op_opcheck():
-    """The reference weight-gradient op is a well-formed custom op (schema, fake kernel with the
-    sources' strides, dynamic-shape tracing)."""
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_expert_weights_grads_in_place_against_loops(backend, dtype, transposed):
+    """Each source row's gradient is written once, in the sources' layout: the fp32 sum of the slots
+    reading it (rows shared by two slots), zeros where no slot reads it, None for a frozen source."""
+    from relibra_moe.triton_kernels import grouped_gemm as gg
+
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the kernels take fp32 / fp16 / bf16")
+    meta, srcs, slot_source, slot_index, x, dy, need, ref = weight_grad_case(dtype, transposed)
+    with force_backend(backend):
+        got = gg._source_grads(x, dy, meta.offsets, srcs, slot_source, slot_index, need)
+        again = gg._source_grads(x, dy, meta.offsets, srcs, slot_source, slot_index, need)
+    assert got[2] is None
+    tol = {torch.float64: 1e-12, **TOL}[dtype]
+    for i in (0, 1):
+        assert got[i].stride() == srcs[i].stride() and got[i].dtype == dtype
+        assert rel_err(got[i], ref[i].numpy()) <= tol
+        assert torch.equal(got[i], again[i])  # deterministic
+    assert torch.equal(got[0][0], torch.zeros_like(got[0][0]))  # row no slot reads: zeros (no zero fill pass)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dw_hot_slot_split_over_rows(dtype, monkeypatch):
+    """A hot slot split over rows (forced small split_rows) reduces its fp32 parts in a fixed order:
+    the result matches float64 loops, is bitwise reproducible, and cold / empty / shared-row
+    destinations next to it are unaffected."""
+    from relibra_moe.triton_kernels import grouped_gemm as gg
+    from relibra_moe.triton_kernels.heuristics import DwConfig, override
+
+    T, k, S, K, N = 60, 1, 4, 32, 16
+    ids = torch.full((T, k), 3)
+    ids[:5, 0] = 0  # slot 0: 5 rows, slot 1, 2 empty, slot 3: 55 rows (hot)
+    meta = routing_metadata(ids, S, block_m=16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(meta.num_rows, K, generator=g).to(dtype)
+    dy = torch.randn(meta.num_rows, N, generator=g).to(dtype)
+    home = torch.randn(3, K, N, generator=g).to(dtype)
+    rep = torch.randn(1, K, N, generator=g).to(dtype)
+    src, idx = torch.tensor([0, 0, 0, 1]), torch.tensor([0, 1, 2, 0])
+    ref = torch.zeros(S, K, N, dtype=torch.float64)
+    for r, s in enumerate(row_slots(meta)):
+        ref[s] += torch.outer(x[r].double(), dy[r].double())
+    launches = []
+    reduce_kernel = gg._dw_reduce_kernel
+
+    class Counting:  # counts the launches of the split reduction, so the test knows the split ran
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return reduce_kernel[grid]
+
+    monkeypatch.setattr(gg, "_dw_reduce_kernel", Counting())
+    outs = []
+    for split_rows in (16, 16, 0):  # forced split twice, then the automatic policy (no split here)
+        with force_backend("triton"), override(dw=DwConfig(16, 16, 16, 4, 1, split_rows=split_rows)):
+            gh, gr = gg._source_grads(x, dy, meta.offsets, [home, rep], src, idx, [True, True])
+            dense = grouped_mm_dw(x, dy, meta)
+        outs.append(torch.cat([gh, gr]))
+        assert len(launches) == (2 if split_rows else 0)
+        launches.clear()
+        assert rel_err(dense, ref.numpy()) <= TOL[dtype]
+    assert rel_err(outs[0], ref.numpy()) <= TOL[dtype]
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[2], ref.numpy()) <= TOL[dtype]
+    assert not outs[0][1:3].any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weight_grads_op_opcheck(backend):
+    """The weight-gradient op is a well-formed custom op (schema, fake kernel with the sources'
+    strides, dynamic-shape tracing)."""
     from relibra_moe.triton_kernels import grouped_gemm as gg
 
     meta = routing_metadata(make_ids(9, 2, 4, seed=1, mode="random"), 4, block_m=16)
@@ -369,8 +423,82 @@ def test_expert_weights_grad_reference_op_opcheck():
     rep = torch.randn(2, 6, 8, generator=g).transpose(1, 2)
     x, dy = torch.randn(meta.num_rows, 8, generator=g), torch.randn(meta.num_rows, 6, generator=g)
     args = (x, dy, meta.offsets, [home, rep], torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 2, 0]), [True, False])
-    with force_backend("torch"):
-        torch.library.opcheck(gg._source_grads_ref_op, args,
+    with force_backend(backend):
+        torch.library.opcheck(gg._weight_grads_op, args,
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
-        (gh,) = gg._source_grads_ref_op(*args)
+        (gh,) = gg._weight_grads_op(*args)
     assert gh.stride() == home.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("T", "mode"), [(40, "hot"), (5, "drop"), (12, "random")])
+def test_fused_swiglu_mlp_against_float64(dtype, T, mode, monkeypatch):
+    """The Triton SwiGLU MLP runs the activation and its derivative inside the GEMM epilogues (the
+    elementwise torch functions are never called) and matches a float64 autograd reference in output
+    and every gradient: replica slots (ExpertWeights over home + replica sources), empty experts,
+    T < BLOCK_M, one hot expert taking every pair (multi-tile)."""
+    from relibra_moe.triton_kernels import grouped_gemm as gg
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("separate elementwise SwiGLU pass on the Triton path")
+
+    monkeypatch.setattr(gg, "swiglu_backward", forbidden)
+    k, S, H, inter = 2, 5, 32, 24
+    meta = routing_metadata(make_ids(T, k, S, seed=T, mode=mode), S, block_m=16)
+    g = torch.Generator().manual_seed(T)
+    home_gu = (torch.randn(3, 2 * inter, H, generator=g) / 4).to(dtype)  # HF layout [E, 2I, H]
+    rep_gu = (torch.randn(2, 2 * inter, H, generator=g) / 4).to(dtype)
+    home_dn = (torch.randn(3, inter, H, generator=g) / 4).to(dtype)
+    rep_dn = (torch.randn(2, inter, H, generator=g) / 4).to(dtype)
+    src, idx = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 1, 2, 0, 1])  # slots 3, 4: replica slots
+    x = torch.randn(meta.num_rows, H, generator=g).to(dtype)
+    dy = torch.randn(meta.num_rows, H, generator=g).to(dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, home_gu, rep_gu, home_dn, rep_dn)]
+    with force_backend("triton"):
+        monkeypatch.setattr(gg, "swiglu", forbidden)
+        w1 = ExpertWeights((leaves[1].transpose(1, 2), leaves[2].transpose(1, 2)), src, idx)
+        w2 = ExpertWeights((leaves[3], leaves[4]), src, idx)
+        out = gg._GatedExperts.apply(
+            leaves[0], meta.offsets, meta.tile_slot, meta.tile_row, meta.block_m, 2, src, idx, src, idx, None,
+            *w1.sources, *w2.sources,
+        )  # fmt: skip
+        out.backward(dy)
+    ref_leaves = [t.double().clone().requires_grad_() for t in (x, home_gu, rep_gu, home_dn, rep_dn)]
+    xr, gu_h, gu_r, dn_h, dn_r = ref_leaves
+    rows = []
+    for r, s in enumerate(row_slots(meta)):
+        if s < 0:
+            rows.append(torch.zeros(H, dtype=torch.float64))
+            continue
+        gu = (gu_h if int(src[s]) == 0 else gu_r)[int(idx[s])].T
+        dn = (dn_h if int(src[s]) == 0 else dn_r)[int(idx[s])]
+        hh = xr[r] @ gu
+        rows.append((torch.nn.functional.silu(hh[:inter]) * hh[inter:]) @ dn)
+    ref = torch.stack(rows)
+    ref.backward(dy.double())
+    tol = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    assert rel_err(out, ref.detach().numpy()) <= tol
+    for a, b in zip(leaves, ref_leaves, strict=True):
+        want = torch.zeros_like(b) if b.grad is None else b.grad  # experts no row reaches: zero gradients
+        assert a.grad.shape == want.shape and rel_err(a.grad, want.detach().numpy()) <= tol
+        if b.grad is None:
+            assert not a.grad.any()
+    n = int(meta.counts.sum())
+    assert not out[n:].any() and not leaves[0].grad[n:].any()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_weight_grads_written_once_without_zero_fill(transposed, monkeypatch):
+    """The Triton source gradients start uninitialised (here: NaN-filled) and every element is written
+    by the dW kernel itself: no zero fill is relied on and no add-back pass reads them (it would
+    propagate the NaNs), including the rows no slot reads and rows two slots share."""
+    from relibra_moe.triton_kernels import grouped_gemm as gg
+
+    grad_like = gg._grad_like
+    monkeypatch.setattr(gg, "_grad_like", lambda src, n_major: grad_like(src, n_major).fill_(float("nan")))
+    meta, srcs, slot_source, slot_index, x, dy, need, ref = weight_grad_case(torch.float32, transposed)
+    with force_backend("triton"):
+        got = gg._source_grads(x, dy, meta.offsets, srcs, slot_source, slot_index, need)
+    for i in (0, 1):
+        assert not got[i].isnan().any()
+        assert rel_err(got[i], ref[i].numpy()) <= 2e-5

@@ -101,3 +101,26 @@ def test_rows_longer_than_one_chunk():
         add_slot_grads(buf, torch.tensor([0, 1, 2]), home, torch.tensor([1, 1, 0]), num_programs=2)
     expected = torch.stack([buf[2].double(), buf[0].double() + buf[1].double()])
     torch.testing.assert_close(home.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_add_slot_grads_runs_of_every_length(backend):
+    """Home rows receiving 1, 2 (the pipelined kernel's unrolled run), 3 and 5 slots (the long-run
+    kernel), interleaved and with skipped pairs, against a float64 loop; 16 programs."""
+    from relibra_moe.triton_kernels.replica_copy import ADD_RUN
+
+    assert ADD_RUN == 2
+    g = torch.Generator().manual_seed(4)
+    S, E, D = 11, 5, 37
+    slot_grads = torch.randn(S, D, generator=g)
+    home0 = torch.randn(E, D, generator=g)
+    home_index = torch.tensor([3, 1, 4, 1, 4, 4, 0, 4, -1, 4, 0, 0, 2])  # 4: five slots, 0: three, 1: two
+    slot_index = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, -1, 0])
+    expected = home0.double().clone()
+    for i in range(len(home_index)):
+        if home_index[i] >= 0 and slot_index[i] >= 0:
+            expected[int(home_index[i])] += slot_grads[int(slot_index[i])].double()
+    home = home0.clone()
+    with force_backend(backend):
+        add_slot_grads(slot_grads, slot_index, home, home_index)
+    torch.testing.assert_close(home.double(), expected, rtol=1e-6, atol=1e-6)

@@ -116,3 +116,66 @@ def test_empty_and_k_equals_e():
     m = routing_metadata(ids, 3, block_m=64)
     assert m.counts.tolist() == [2, 2, 2]
     assert m.gather_idx.tolist() == [1, 5, 2, 3, 0, 4]
+
+
+def test_num_rows_too_small_raises_naming_both_numbers():
+    ids = torch.tensor([[0, 1], [1, 2], [2, -1]])  # 5 routed pairs
+    with pytest.raises(ReplayError, match=r"num_rows=3 is smaller than the 5 routed pairs"):
+        routing_metadata(ids, 3, num_rows=3)
+    with pytest.raises(ReplayError, match="overflow"):
+        routing_metadata(ids, 3, overflow="drop")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_num_rows_too_small_reported_and_never_past_r(backend):
+    """overflow='report' (what CUDA does, where checking would sync): the first R sorted pairs get rows,
+    the rest are reported, and no op reads or writes a row >= R (the sorted tensors have exactly R rows)."""
+    from relibra_moe.triton_kernels.backend import force_backend
+    from relibra_moe.triton_kernels.grouped_gemm import grouped_mm, swiglu_experts
+    from relibra_moe.triton_kernels.permute import combine, permute
+
+    g = np.random.default_rng(3)
+    T, k, S, R = 50, 4, 3, 100  # 200 routed pairs, 100 rows (the issue's reproduction)
+    ids = torch.from_numpy(g.integers(0, S, size=(T, k)))
+    m = routing_metadata(ids, S, block_m=16, num_rows=R, overflow="report")
+    gather, counts, _ = loop_reference(ids.numpy(), S, 16)
+    assert int(m.num_dropped) == T * k - R == 100
+    assert m.offsets.tolist()[-1] == R and all(0 <= o <= R for o in m.offsets.tolist())
+    kept = np.minimum(np.cumsum(counts), R)
+    assert m.counts.tolist() == np.diff(np.concatenate([[0], kept])).tolist()
+    assert m.gather_idx.tolist() == gather[:R]
+    sc = m.scatter_idx.tolist()
+    assert max(sc) == R - 1
+    fitted = set(gather[:R])
+    for p in range(T * k):
+        assert (sc[p] >= 0) == (p in fitted)
+        if sc[p] >= 0:
+            assert gather[sc[p]] == p
+    rows = [(s, r) for s, r in zip(m.tile_slot.tolist(), m.tile_row.tolist(), strict=True) if r >= 0]
+    assert all(r < R for _, r in rows)
+    # the whole chain runs on the R rows; tokens whose pairs were all dropped get zero
+    H, F = 16, 16
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen)
+    wg = torch.randn(S, H, 2 * F, generator=gen) / 4
+    wd = torch.randn(S, F, H, generator=gen) / 4
+    gates = torch.rand(T, k, generator=gen)
+    with force_backend(backend):
+        xs = permute(x, m)
+        ys = swiglu_experts(xs, m, wg, wd)
+        out = combine(ys, m, gates)
+        h = grouped_mm(xs, wg, m)
+    assert xs.shape == (R, H) and ys.shape == (R, H) and h.shape == (R, 2 * F)
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    for p in fitted:
+        t, j = divmod(p, k)
+        s = int(ids[t, j])
+        hh = x[t].double() @ wg[s].double()
+        a = torch.nn.functional.silu(hh[:F]) * hh[F:]
+        ref[t] += float(gates[t, j]) * (a @ wd[s].double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_num_rows_fits_reports_zero():
+    m = routing_metadata(torch.tensor([[0, -1], [1, 0]]), 2, num_rows=3)
+    assert int(m.num_dropped) == 0 and m.offsets.tolist() == [0, 2, 3]

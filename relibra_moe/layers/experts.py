@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..triton_kernels.grouped_gemm import ExpertWeights, grouped_mm, swiglu, swiglu_experts
+from ..triton_kernels.heuristics import row_tile
 from ..triton_kernels.permute import combine, permute
 from ..triton_kernels.routing import RoutingMeta, routing_metadata
 from .dispatch import Dispatcher
@@ -108,7 +109,11 @@ class GroupedExperts(nn.Module):
     """
 
     tensor_names: tuple[str, ...] = ()
-    block_m: int = 64
+    #: Rows per tile of the routing metadata; ``None``: the grouped GEMM's own row tile for the call's
+    #: shapes (:func:`~relibra_moe.triton_kernels.heuristics.row_tile`), so the GEMMs reuse the
+    #: metadata's schedule. The GEMMs always pick their row tile from the shapes and build their own
+    #: schedule when it differs from this block.
+    block_m: int | None = None
 
     def expert_tensors(self) -> tuple[torch.Tensor, ...]:
         """This rank's stacked per-expert parameters ``[E_loc, ...]``, in ``tensor_names`` order."""
@@ -136,7 +141,9 @@ class GroupedExperts(nn.Module):
         """
         E_loc = home[0].shape[0]
         r = 0 if slots is None else slots[0].shape[0]
-        meta = routing_metadata(slot_ids.view(-1, 1), max(E_loc + r, 1), block_m=self.block_m)
+        S = max(E_loc + r, 1)
+        block_m = self.block_m if self.block_m is not None else row_tile(x.shape[0] / S, home[0].dtype)
+        meta = routing_metadata(slot_ids.view(-1, 1), S, block_m=block_m)
         ys = self.mlp(permute(x, meta), meta, self.slot_tensors(home, slots if r else None))
         return combine(ys, meta, torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device))
 
@@ -152,7 +159,7 @@ class GroupedSwiGLUExperts(GroupedExperts):
     tensor_names = ("w_gate_up", "w_down")
 
     def __init__(self, hidden: int, ffn: int, num_local: int, *, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, block_m: int = 64) -> None:
+                 device: torch.device | str | None = None, block_m: int | None = None) -> None:
         super().__init__()
         self.hidden, self.ffn, self.block_m = hidden, ffn, block_m
         self.w_gate_up = nn.Parameter(torch.empty(num_local, hidden, 2 * ffn, dtype=dtype, device=device))
@@ -194,7 +201,7 @@ class BiasedGatedExperts(GroupedExperts):
     def __init__(self, hidden: int, ffn: int, num_local: int, *,
                  activation: str | Callable[[torch.Tensor], torch.Tensor] = "swiglu", alpha: float = 1.702,
                  limit: float = 7.0, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 block_m: int = 64) -> None:
+                 block_m: int | None = None) -> None:
         super().__init__()
         self.hidden, self.ffn, self.block_m = hidden, ffn, block_m
         if activation == "swiglu":

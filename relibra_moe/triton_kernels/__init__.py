@@ -3,6 +3,7 @@ is imported here).
 
 Modules: ``backend`` (Triton vs reference choice), ``routing`` (metadata and tile schedule),
 ``permute`` (permute / combine), ``grouped_gemm`` (grouped GEMM fwd/dX/dW, SwiGLU experts),
+``heuristics`` (tile configs from the shapes),
 ``replica_copy`` (persistent copy into replica slots and gradient add-back).
 
 One MoE layer call::

@@ -1,8 +1,11 @@
 """Grouped GEMM over slot-sorted rows: forward, dX and dW, plus a SwiGLU expert MLP built from them.
 
 ``grouped_mm(x_sorted [R, K], w, meta) -> [R, N]``: sorted row r of slot s is multiplied by ``W_s``
-[K, N]. Rows are unpadded: a tile of the schedule (``meta.tile_slot``, ``meta.tile_row``) holds up to
-``block_m`` rows of one slot; padding rows (after the routed pairs) come out as zeros.
+[K, N]. Rows are unpadded: a tile holds up to ``BLOCK_M`` rows of one slot; padding rows (after the
+routed pairs) come out as zeros. The GEMM's tile config (``BLOCK_M`` included) comes from the shapes
+(:mod:`~relibra_moe.triton_kernels.heuristics`); the routing block ``meta.block_m`` is independent:
+when it differs from the GEMM's row tile, the GEMM builds its own schedule from ``meta.offsets``
+(:func:`~relibra_moe.triton_kernels.routing.tile_schedule`, torch ops, no host sync).
 
 Weights ``w`` are either
 
@@ -12,20 +15,28 @@ Weights ``w`` are either
   the home experts' parameter and the replica slots of the layer-shared buffer, never concatenated.
 
 Both are differentiable w.r.t. ``x_sorted`` and every weight tensor; gradients land in the source
-rows the slots point to (a home expert and its replica slots on the same rank sum deterministically).
+rows the slots point to (several slots reading one source row sum deterministically).
 
 Backward: ``dX = grouped_mm(dY, W^T)`` (the same kernel on the transposed view) and
-``dW_s = X_s^T dY_s`` (:func:`grouped_mm_dw`: one program per (slot, K-tile, N-tile) looping over
-the slot's rows in order; deterministic, no atomics).
+``dW_s = X_s^T dY_s`` (:func:`weight_grads_into`). The dW kernel is destination-major: its
+destinations are the rows of the weight *sources* (each source's gradient is written in place,
+once, through per-row element offsets: no zero fill, no [S, K, N] intermediate, no add-back pass;
+rows no slot reads get zeros), programs run slot-major (all output tiles of one slot are resident
+together, so its x / dY rows stay in L2), heaviest slots first, and a hot slot is split over rows
+with a deterministic fp32 reduction of its parts. With the layer's home + replica-slot sources, only
+the replica slots' gradients are then added into their home experts (by the replica buffer).
 
 Expert MLP: :func:`swiglu_experts` is an autograd Function over these ops that saves only x and
-h = x W_gate_up and recomputes the activation in backward (closed-form SwiGLU backward, or autograd on
-any other activation, e.g. GPT-OSS's clamped interleaved one).
+h = x W_gate_up and recomputes the activation in backward. SwiGLU runs fused on the Triton path:
+the gate_up GEMM computes ``a = silu(gate) * up`` in its epilogue, and the backward's
+``da = dY W_down^T`` GEMM computes ``dh`` and the recomputed ``a`` in its epilogue, so the MLP runs
+no elementwise pass over [R, 2I]. Other activations (e.g. GPT-OSS's clamped interleaved one) use
+autograd on the recomputed activation.
 
 Precision: fp32 accumulation; fp16 / bf16 use tensor cores, fp32 follows
-``torch.backends.cuda.matmul.allow_tf32``. Configs are heuristics per (BLOCK_M, N, K, dtype), no
-autotuning. ExpertWeights addresses every source from sources[0]'s pointer plus a per-slot element
-offset (cached per pointer set, so steady-state calls do no host-to-device copy).
+``torch.backends.cuda.matmul.allow_tf32``. Configs are heuristics per (rows per slot, N, K, dtype),
+no autotuning. ExpertWeights addresses every source from sources[0]'s pointer plus a per-slot
+element offset (cached per pointer set, so steady-state calls do no host-to-device copy).
 
 Each op is a ``torch.library.custom_op`` (namespace ``relibra``) with a fake implementation, so
 ``torch.compile`` graphs can contain it.
@@ -33,6 +44,7 @@ Each op is a ``torch.library.custom_op`` (namespace ``relibra``) with a fake imp
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,8 +62,8 @@ from relibra_moe.triton_kernels.backend import (
     remember_backend,
     use_triton,
 )
-from relibra_moe.triton_kernels.replica_copy import _add_op
-from relibra_moe.triton_kernels.routing import RoutingMeta
+from relibra_moe.triton_kernels.heuristics import dw_config, gemm_config
+from relibra_moe.triton_kernels.routing import RoutingMeta, tile_schedule
 
 __all__ = [
     "ExpertWeights",
@@ -63,6 +75,7 @@ __all__ = [
     "swiglu",
     "swiglu_backward",
     "swiglu_experts",
+    "weight_grads_into",
 ]
 
 
@@ -200,15 +213,21 @@ def grouped_mm_dw_torch(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor
 # --------------------------------------------------------------------------------------------------
 
 
+#: Epilogues of :func:`_grouped_mm_kernel`.
+EPI_PLAIN, EPI_SWIGLU, EPI_SWIGLU_BWD = 0, 1, 2
+
+
 @triton.jit
 def _grouped_mm_kernel(
     x_ptr,  # [R, K] slot-sorted rows (row stride stride_xm, unit column stride)
-    w_ptr,  # slot weights: slot s's [K, N] matrix starts at w_ptr + base(s), strides (stride_wk, stride_wn)
+    w_ptr,  # slot weights: slot s's [K, N'] matrix starts at w_ptr + base(s), strides (stride_wk, stride_wn)
     w_off_ptr,  # [S] int64 element offset base(s) of each slot's matrix from w_ptr (read if INDIRECT)
     offsets_ptr,  # [S + 1] int32 row offsets of the slots
     tile_slot_ptr,  # [B] int32 slot of each tile (-1: zero tile / unused)
     tile_row_ptr,  # [B] int32 first row of each tile (-1: unused)
-    out_ptr,  # [R, N] output rows (row stride stride_om, unit column stride)
+    out_ptr,  # PLAIN: [R, N] = x W; SWIGLU: a [R, N]; SWIGLU_BWD: dh [R, 2N] (row stride stride_om)
+    h_ptr,  # SWIGLU: h [R, 2N] written if STORE_H; SWIGLU_BWD: h [R, 2N] read (row stride stride_hm)
+    a_ptr,  # SWIGLU_BWD: a = swiglu(h) [R, N] written (row stride stride_am)
     R,
     N,
     K,
@@ -218,12 +237,16 @@ def _grouped_mm_kernel(
     stride_wk,
     stride_wn,
     stride_om,
+    stride_hm,
+    stride_am,
     INDIRECT: tl.constexpr,
     W_ALIGNED: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
+    EPILOGUE: tl.constexpr,
+    STORE_H: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -231,9 +254,19 @@ def _grouped_mm_kernel(
 ):
     """Grouped GEMM over the tile schedule: program -> (tile b, N-block n), grouped for L2 reuse.
 
-    A real tile (slot >= 0) computes out[rows, n-block] = x[rows, :] @ W_slot[:, n-block] with
-    rows = [tile_row, min(tile_row + BLOCK_M, offsets[slot + 1])), accumulating in fp32 over K.
-    A zero tile (slot == -1, row >= 0) writes zeros to the padding rows it covers; unused tiles
+    A real tile (slot >= 0) computes acc = x[rows, :] @ W_slot[:, n-block] in fp32 over K, with
+    rows = [tile_row, min(tile_row + BLOCK_M, offsets[slot + 1])). Epilogue:
+
+    * PLAIN: out = acc.
+    * SWIGLU (W_slot is [K, 2N], gate columns first): a second accumulator takes the up columns
+      ``N + n-block``; h = [gate | up] is rounded to the output dtype (stored if STORE_H: the
+      backward's input), and out = silu(gate) * up from the rounded values, so the backward's
+      recomputation of ``a`` gives the same bits.
+    * SWIGLU_BWD (acc = da = dY W_down^T): reads h's gate and up blocks, writes
+      dh = [da * up * s * (1 + gate * (1 - s)) | da * silu(gate)] (s = sigmoid(gate)) and
+      a = silu(gate) * up, so the MLP backward runs no elementwise pass over [R, 2N].
+
+    A zero tile (slot == -1, row >= 0) writes zeros to every output row it covers; unused tiles
     return at once. GROUP_M consecutive tiles (usually of the same slot) sweep the N-blocks together
     so W_slot's column blocks stay in L2.
     """
@@ -250,12 +283,23 @@ def _grouped_mm_kernel(
     if row0 < 0:
         return
     rows = row0 + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    out_ptrs = out_ptr + rows64[:, None] * stride_om + cols[None, :]
+    h_ptrs = h_ptr + rows64[:, None] * stride_hm + cols[None, :]
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + cols[None, :]
     if slot < 0:
-        tl.store(out_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty),
-                 mask=(rows < R)[:, None] & cmask[None, :])  # fmt: skip
+        zmask = (rows < R)[:, None] & cmask[None, :]
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptrs, zero, mask=zmask)
+        if EPILOGUE == 1:
+            if STORE_H:
+                tl.store(h_ptrs, zero, mask=zmask)
+                tl.store(h_ptrs + N, zero, mask=zmask)
+        if EPILOGUE == 2:
+            tl.store(out_ptrs + N, zero, mask=zmask)
+            tl.store(a_ptrs, zero, mask=zmask)
         return
     end = tl.load(offsets_ptr + slot + 1)
     rmask = rows < end
@@ -266,24 +310,55 @@ def _grouped_mm_kernel(
     else:
         w_base = slot.to(tl.int64) * stride_ws
     ks = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
+    x_ptrs = x_ptr + rows64[:, None] * stride_xm + ks[None, :]
     w_ptrs = w_ptr + w_base + ks.to(tl.int64)[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
+    up_shift = N.to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=rmask[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=cmask[None, :], other=0.0)
+            if EPILOGUE == 1:
+                wu = tl.load(w_ptrs + up_shift, mask=cmask[None, :], other=0.0)
         else:
             kmask = (k0 + ks) < K
             a = tl.load(x_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if EPILOGUE == 1:
+                wu = tl.load(w_ptrs + up_shift, mask=kmask[:, None] & cmask[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if EPILOGUE == 1:
+            if UPCAST:
+                wu = wu.to(tl.float32)
+            acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    tl.store(out_ptrs, cast_out(acc, out_ptr.dtype.element_ty, RNE), mask=rmask[:, None] & cmask[None, :])
+    omask = rmask[:, None] & cmask[None, :]
+    odt = out_ptr.dtype.element_ty
+    if EPILOGUE == 0:
+        tl.store(out_ptrs, cast_out(acc, odt, RNE), mask=omask)
+    elif EPILOGUE == 1:
+        gate = cast_out(acc, odt, RNE)
+        up = cast_out(acc_up, odt, RNE)
+        if STORE_H:
+            tl.store(h_ptrs, gate, mask=omask)
+            tl.store(h_ptrs + N, up, mask=omask)
+        g = gate.to(tl.float32)
+        act = g * tl.sigmoid(g) * up.to(tl.float32)
+        tl.store(out_ptrs, cast_out(act, odt, RNE), mask=omask)
+    else:
+        g = tl.load(h_ptrs, mask=omask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptrs + N, mask=omask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        d_gate = acc * u * sig * (1.0 + g * (1.0 - sig))
+        tl.store(out_ptrs, cast_out(d_gate, odt, RNE), mask=omask)
+        tl.store(out_ptrs + N, cast_out(acc * silu, odt, RNE), mask=omask)
+        tl.store(a_ptrs, cast_out(silu * u, odt, RNE), mask=omask)
 
 
 @triton.jit
@@ -291,51 +366,123 @@ def _grouped_mm_dw_kernel(
     x_ptr,  # [R, K] slot-sorted rows (row stride stride_xm, unit column stride)
     dy_ptr,  # [R, N] output gradients in slot order (row stride stride_dm, unit column stride)
     offsets_ptr,  # [S + 1] int32 row offsets of the slots
-    dw_ptr,  # [S, K, N] weight gradients, strides (stride_gs, stride_gk, stride_gn)
+    order_ptr,  # [D] int32 destinations in program order (most rows first)
+    seg_ptr,  # [D + 1] int32 destination d's slots are seg_slot[seg[d] : seg[d + 1]]
+    seg_slot_ptr,  # [n] int32 slots sorted by destination (stable: increasing slot inside a destination)
+    dest_off_ptr,  # [D] int64 element offset of destination d's [K, N] matrix from dw_ptr
+    nsplit_ptr,  # [D] int32 row splits of d (1: not split; > 1: partials into the workspace)
+    part_ptr,  # [D] int32 first workspace part of a split destination
+    ws_ptr,  # [P, K, N] fp32 contiguous workspace of the split destinations' partial sums
+    dw_ptr,  # destination matrices, strides (stride_gk, stride_gn) from dw_ptr + dest_off[d]
     N,
     K,
     stride_xm,
     stride_dm,
-    stride_gs,
     stride_gk,
     stride_gn,
     UPCAST: tl.constexpr,
     RNE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SPLIT_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """dW_s[k-block, n-block] = sum over the slot's rows of x[rows, k-block]^T @ dy[rows, n-block].
+    """dW[d][k-block, n-block] = sum over the slots of destination d, and their rows, of x^T dy.
 
-    One program per (slot, K-block, N-block), grid axis 0 = slot; the program walks the slot's rows
-    in order, BLOCK_M at a time, accumulating in fp32: deterministic, no atomics. Empty slots store
-    zeros.
+    Program order is destination-major (``pid -> (destination, split, K-block, N-block)``, the tile
+    fastest): the programs resident at one time share one slot's rows, which stay in L2 while every
+    output tile of the slot reads them. Destinations run most rows first. A destination is a row of a
+    weight source (its gradient is written in place, once, through ``dest_off``); several slots may
+    point to it (summed in increasing slot order), none (zeros are written). A hot single-slot
+    destination is split into ``nsplit[d]`` row ranges whose fp32 partials go to the workspace and
+    are summed in split order by :func:`_dw_reduce_kernel`: deterministic, no atomics.
     """
-    slot = tl.program_id(0)
-    pid = tl.program_id(1)
+    pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_k = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    start = tl.load(offsets_ptr + slot)
-    end = tl.load(offsets_ptr + slot + 1)
+    tiles = tl.cdiv(K, BLOCK_K) * num_pid_n
+    unit = pid // tiles
+    t = pid % tiles
+    d = tl.load(order_ptr + unit // SPLIT_MAX)
+    j = unit % SPLIT_MAX
+    n_split = tl.load(nsplit_ptr + d)
+    if j >= n_split:
+        return
+    pid_k = t // num_pid_n
+    pid_n = t % num_pid_n
     ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     kmask = ks < K
     nmask = ns < N
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        rmask = rows < end
-        rows64 = rows.to(tl.int64)
-        xt = tl.load(x_ptr + rows64[None, :] * stride_xm + ks[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
-        g = tl.load(dy_ptr + rows64[:, None] * stride_dm + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
-        if UPCAST:
-            xt = xt.to(tl.float32)
-            g = g.to(tl.float32)
-        acc = tl.dot(xt, g, acc, input_precision=PRECISION)
-    dw_ptrs = dw_ptr + slot.to(tl.int64) * stride_gs + ks.to(tl.int64)[:, None] * stride_gk + ns[None, :] * stride_gn
-    tl.store(dw_ptrs, cast_out(acc, dw_ptr.dtype.element_ty, RNE), mask=kmask[:, None] & nmask[None, :])
+    seg0 = tl.load(seg_ptr + d)
+    seg1 = tl.load(seg_ptr + d + 1)
+    for i in range(seg0, seg1):
+        slot = tl.load(seg_slot_ptr + i)
+        start = tl.load(offsets_ptr + slot)
+        end = tl.load(offsets_ptr + slot + 1)
+        if n_split > 1:  # split destinations have one slot: rows [start + j * chunk, ...)
+            chunk = tl.cdiv(tl.cdiv(end - start, n_split), BLOCK_M) * BLOCK_M
+            start = start + j * chunk
+            end = tl.minimum(end, start + chunk)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            rmask = rows < end
+            rows64 = rows.to(tl.int64)
+            xt = tl.load(x_ptr + rows64[None, :] * stride_xm + ks[:, None], mask=kmask[:, None] & rmask[None, :],
+                         other=0.0)  # fmt: skip
+            g = tl.load(dy_ptr + rows64[:, None] * stride_dm + ns[None, :], mask=rmask[:, None] & nmask[None, :],
+                        other=0.0)  # fmt: skip
+            if UPCAST:
+                xt = xt.to(tl.float32)
+                g = g.to(tl.float32)
+            acc = tl.dot(xt, g, acc, input_precision=PRECISION)
+    tmask = kmask[:, None] & nmask[None, :]
+    if n_split > 1:
+        p = (tl.load(part_ptr + d) + j).to(tl.int64)
+        tl.store(ws_ptr + p * K * N + ks.to(tl.int64)[:, None] * N + ns[None, :], acc, mask=tmask)
+    else:
+        base = tl.load(dest_off_ptr + d)
+        dw_ptrs = dw_ptr + base + ks.to(tl.int64)[:, None] * stride_gk + ns.to(tl.int64)[None, :] * stride_gn
+        tl.store(dw_ptrs, cast_out(acc, dw_ptr.dtype.element_ty, RNE), mask=tmask)
+
+
+@triton.jit
+def _dw_reduce_kernel(
+    hot_ptr,  # [H] int32 split destinations (-1: unused entry)
+    nsplit_ptr,  # [D] int32 row splits of each destination
+    part_ptr,  # [D] int32 first workspace part of each split destination
+    dest_off_ptr,  # [D] int64 element offset of destination d's matrix from dw_ptr
+    ws_ptr,  # [P, K, N] fp32 partial sums
+    dw_ptr,
+    N,
+    K,
+    stride_gk,
+    stride_gn,
+    RNE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dW[d] = sum of the split partials of destination d in split order (fp32), rounded once (an
+    elementwise pass over the hot destinations only, with its own small tile)."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(K, BLOCK_K) * num_pid_n
+    d = tl.load(hot_ptr + pid // tiles)
+    if d < 0:
+        return
+    t = pid % tiles
+    ks = (t // num_pid_n) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns = (t % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tmask = (ks < K)[:, None] & (ns < N)[None, :]
+    p0 = tl.load(part_ptr + d).to(tl.int64)
+    tile = ks.to(tl.int64)[:, None] * N + ns[None, :]
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for j in range(0, tl.load(nsplit_ptr + d)):
+        acc += tl.load(ws_ptr + (p0 + j) * K * N + tile, mask=tmask, other=0.0)
+    base = tl.load(dest_off_ptr + d)
+    dw_ptrs = dw_ptr + base + ks.to(tl.int64)[:, None] * stride_gk + ns.to(tl.int64)[None, :] * stride_gn
+    tl.store(dw_ptrs, cast_out(acc, dw_ptr.dtype.element_ty, RNE), mask=tmask)
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -346,26 +493,6 @@ def _precision(dtype: torch.dtype) -> str | None:
     if not INTERPRET and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
     return "ieee"
-
-
-def _clamp_pow2(n: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
-
-
-def _fwd_config(N: int, K: int, dtype: torch.dtype, block_m: int = 64) -> dict:
-    """Heuristic (no autotune) tile config of the forward kernel for this N, K, dtype and BLOCK_M.
-
-    Hopper-oriented: a 64-row tile is one warpgroup (4 warps) on a 64 x 128 wgmma tile with a
-    4-stage pipeline; a 128-row tile uses two warpgroups, 256-wide N tiles when N allows, 3 stages.
-    """
-    if INTERPRET:  # few, large programs: the interpreter's cost grows with the program count
-        return dict(BLOCK_N=_clamp_pow2(N, 16, 128), BLOCK_K=_clamp_pow2(K, 16, 128), GROUP_M=8, num_warps=4)
-    wide = dtype in (torch.float16, torch.bfloat16)
-    bk = _clamp_pow2(K, 16, 64 if wide else 32)
-    if block_m >= 128:
-        bn = _clamp_pow2(N, 16, 256 if wide and N % 256 == 0 else 128)
-        return dict(BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=3)
-    return dict(BLOCK_N=_clamp_pow2(N, 16, 128), BLOCK_K=bk, GROUP_M=8, num_warps=4, num_stages=4 if wide else 3)
 
 
 _OFFSET_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
@@ -408,6 +535,56 @@ def _source_offsets(
     return delta[src] + slot_index.to(device=dev, dtype=torch.int64) * stride0[src], aligned
 
 
+def _launch_gemm(
+    x: torch.Tensor,
+    sources: list[torch.Tensor],
+    slot_source: torch.Tensor | None,
+    slot_index: torch.Tensor | None,
+    offsets: torch.Tensor,
+    tile_slot: torch.Tensor,
+    tile_row: torch.Tensor,
+    block_m: int,
+    epilogue: int,
+    out: torch.Tensor,
+    h: torch.Tensor | None = None,
+    a: torch.Tensor | None = None,
+) -> None:
+    """Launch :func:`_grouped_mm_kernel` with ``epilogue`` (outputs as in its docstring, preallocated).
+
+    ``N`` is ``out``'s width (PLAIN, SWIGLU) or half of it (SWIGLU_BWD). The tile config comes from
+    :func:`~.heuristics.gemm_config`; when its row tile differs from ``block_m`` (the routing
+    block) the schedule of the GEMM's own row tile is built from ``offsets``.
+    """
+    R, K = x.shape
+    w0 = sources[0]
+    N = out.shape[1] // 2 if epilogue == EPI_SWIGLU_BWD else out.shape[1]
+    B = tile_slot.shape[0]
+    if R == 0 or N == 0 or B == 0:
+        return
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    gated = epilogue != EPI_PLAIN
+    cfg = gemm_config(R / max(offsets.shape[0] - 1, 1), 2 * N if gated else N, K, x.dtype, gated=gated,
+                      swiglu_bwd=epilogue == EPI_SWIGLU_BWD)  # fmt: skip
+    block_n = cfg.block_n // 2 if gated else cfg.block_n
+    if cfg.block_m != block_m:
+        tile_slot, tile_row = tile_schedule(offsets, R, cfg.block_m)
+        B = tile_slot.shape[0]
+    indirect = slot_source is not None
+    w_off, aligned = _source_offsets(sources, slot_source, slot_index) if indirect else (offsets, False)
+    hh = out if h is None else h
+    aa = out if a is None else a
+    grid = (B * triton.cdiv(N, block_n),)
+    _grouped_mm_kernel[grid](
+        x, w0, w_off, offsets, tile_slot, tile_row, out, hh, aa,
+        R, N, K, B, x.stride(0), w0.stride(0), w0.stride(1), w0.stride(2), out.stride(0), hh.stride(0), aa.stride(0),
+        INDIRECT=indirect, W_ALIGNED=aligned, UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype),
+        PRECISION=_precision(x.dtype), EVEN_K=K % cfg.block_k == 0, EPILOGUE=epilogue, STORE_H=h is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
 def grouped_mm_triton(
     x: torch.Tensor,
     sources: list[torch.Tensor],
@@ -419,52 +596,122 @@ def grouped_mm_triton(
     block_m: int,
 ) -> torch.Tensor:
     """Triton :func:`grouped_mm`: x [R, K] (unit column stride) -> [R, N] over the tile schedule."""
-    R, K = x.shape
-    w0 = sources[0]
-    N = w0.shape[2]
-    out = x.new_empty(R, N)
-    B = tile_slot.shape[0]
-    if R == 0 or N == 0 or B == 0:
-        return out
-    if block_m < 16:
-        raise ValueError(f"the Triton grouped GEMM needs meta.block_m >= 16, got {block_m}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    indirect = slot_source is not None
-    w_off, aligned = _source_offsets(sources, slot_source, slot_index) if indirect else (offsets, False)
-    cfg = _fwd_config(N, K, x.dtype, block_m)
-    grid = (B * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _grouped_mm_kernel[grid](
-        x, w0, w_off, offsets, tile_slot, tile_row, out,
-        R, N, K, B, x.stride(0), w0.stride(0), w0.stride(1), w0.stride(2), out.stride(0),
-        INDIRECT=indirect, W_ALIGNED=aligned, UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype), PRECISION=_precision(x.dtype),
-        EVEN_K=K % cfg["BLOCK_K"] == 0, BLOCK_M=block_m, **cfg,
-    )  # fmt: skip
+    out = x.new_empty(x.shape[0], sources[0].shape[2])
+    _launch_gemm(x, sources, slot_source, slot_index, offsets, tile_slot, tile_row, block_m, EPI_PLAIN, out)
     return out
+
+
+#: Most row splits of one hot slot in the weight-gradient kernel.
+DW_SPLIT_MAX = 8
+#: (BLOCK_K, BLOCK_N) of the split reduction: 32 fp32 values per thread at 4 warps.
+DW_REDUCE_TILE = (32, 128)
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H100 / H200 where there is none: the
+    interpreter, whose split policy only matters for what it tests)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 132
+
+
+@functools.lru_cache(maxsize=64)
+def _dest_tables(sizes: tuple[int, ...], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, row) int64 [D] of every destination row of gradient tensors with ``sizes`` rows."""
+    src = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
+    row = torch.cat([torch.arange(n) for n in sizes]) if sizes else torch.zeros(0, dtype=torch.int64)
+    return src.to(device), row.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _source_bases(sizes: tuple[int, ...], needs_grad: tuple[bool, ...], device: str) -> torch.Tensor:
+    """int64 [num_sources]: the first destination row of each source that needs a gradient (-1 if
+    not), destinations being the rows of those sources concatenated in order."""
+    base, bases = 0, []
+    for n, need in zip(sizes, needs_grad, strict=True):
+        bases.append(base if need else -1)
+        base += n if need else 0
+    return torch.tensor(bases, dtype=torch.int64).to(device)
+
+
+def weight_grads_into(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    offsets: torch.Tensor,
+    grads: list[torch.Tensor],
+    slot_dest: torch.Tensor,
+) -> None:
+    """Triton weight gradient written in place: ``grads`` rows are the destinations (concatenated in
+    list order, ``D`` rows in all), ``slot_dest`` int64 [S] the destination of each slot (-1: none).
+
+    Destination d gets ``sum over slots s with slot_dest[s] == d of X_s^T dY_s`` (fp32, increasing s,
+    rounded once), zeros when no slot points to it; every destination is written exactly once, so the
+    gradient tensors need no zero fill and no add-back pass. ``grads``: [E_i, K, N] tensors sharing
+    their K / N strides. Hot slots (more than ``split_rows`` rows, see :class:`~.heuristics.DwConfig`)
+    are split over rows with a deterministic fp32 reduction; its workspace is at most about
+    ``2 * SMs`` output tiles of fp32.
+    """
+    R, K = x.shape
+    N = dy.shape[1]
+    grads = [g for g in grads if g.shape[0] > 0]
+    if not grads or K == 0 or N == 0:
+        return
+    dev = x.device
+    S = offsets.shape[0] - 1
+    D = sum(int(g.shape[0]) for g in grads)
+    src_of_dest, row_of_dest = _dest_tables(tuple(int(g.shape[0]) for g in grads), str(dev))
+    dest_off, _ = _source_offsets(grads, src_of_dest, row_of_dest)
+    key = torch.where(slot_dest >= 0, slot_dest, torch.full_like(slot_dest, D))
+    sorted_key, order = torch.sort(key, stable=True)
+    seg = torch.searchsorted(sorted_key, torch.arange(D + 1, device=dev, dtype=sorted_key.dtype))
+    counts = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    rows_d = torch.zeros(D + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, counts)[:D]
+    prog_order = torch.argsort(rows_d, descending=True, stable=True)  # most rows first
+    cfg = dw_config(R / max(S, 1), K, N, x.dtype)
+    tiles = triton.cdiv(K, cfg.block_k) * triton.cdiv(N, cfg.block_n)
+    split_rows = cfg.split_rows or max(4 * cfg.block_m, triton.cdiv(R * tiles, _num_sms(dev)))
+    n_hot_max = min(D, R // (split_rows + 1))
+    if n_hot_max:
+        # A hot destination has more than split_rows rows and one slot; each part of it is at most
+        # split_rows rows, so the parts number fewer than 2 R / split_rows.
+        hot = (rows_d > split_rows) & ((seg[1:] - seg[:-1]) == 1)
+        nsplit = torch.where(hot, ((rows_d + split_rows - 1) // split_rows).clamp(max=DW_SPLIT_MAX), 1)
+        parts = torch.where(hot, nsplit, 0)
+        part = torch.cumsum(parts, 0) - parts
+        rank = torch.cumsum(hot.to(torch.int64), 0) - hot.to(torch.int64)
+        hot_list = torch.full((n_hot_max + 1,), -1, dtype=torch.int64, device=dev)
+        hot_list.scatter_(0, torch.where(hot, rank, n_hot_max), torch.arange(D, device=dev))
+        hot_list = hot_list[:n_hot_max]
+        ws = torch.empty(min(n_hot_max * DW_SPLIT_MAX, 2 * R // split_rows + 1), K, N, dtype=torch.float32,
+                         device=dev)  # fmt: skip
+        split_max = DW_SPLIT_MAX
+    else:
+        nsplit = torch.ones(D, dtype=torch.int64, device=dev)
+        part = torch.zeros(D, dtype=torch.int64, device=dev)
+        ws = torch.empty(0, dtype=torch.float32, device=dev)
+        split_max = 1
+    g0 = grads[0]
+    i32 = torch.int32
+    _grouped_mm_dw_kernel[(D * split_max * tiles,)](
+        x, dy, offsets, prog_order.to(i32), seg.to(i32), order.to(i32), dest_off, nsplit.to(i32), part.to(i32), ws, g0,
+        N, K, x.stride(0), dy.stride(0), g0.stride(1), g0.stride(2),
+        UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype), PRECISION=_precision(x.dtype), SPLIT_MAX=split_max,
+        BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if n_hot_max:
+        rk, rn = DW_REDUCE_TILE
+        _dw_reduce_kernel[(n_hot_max * triton.cdiv(K, rk) * triton.cdiv(N, rn),)](
+            hot_list.to(i32), nsplit.to(i32), part.to(i32), dest_off, ws, g0, N, K, g0.stride(1), g0.stride(2),
+            RNE=bf16_rne(x.dtype), BLOCK_K=rk, BLOCK_N=rn, num_warps=4,
+        )  # fmt: skip
 
 
 def grouped_mm_dw_triton(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> torch.Tensor:
     """Triton :func:`grouped_mm_dw`: x [R, K], dy [R, N] -> [S, K, N] (N-major storage if transposed)."""
     S = offsets.shape[0] - 1
-    K, N = x.shape[1], dy.shape[1]
-    dw = _dw_empty(S, K, N, x, transposed)
-    if S == 0 or K == 0 or N == 0:
-        return dw
-    if INTERPRET:
-        bm, bk, bn, warps = 64, _clamp_pow2(K, 16, 128), _clamp_pow2(N, 16, 128), 4
-    else:
-        bm, bk, bn, warps = (
-            (64 if x.dtype != torch.float32 else 32),
-            _clamp_pow2(K, 16, 128),
-            _clamp_pow2(N, 16, 128),
-            8,
-        )
-    grid = (S, triton.cdiv(K, bk) * triton.cdiv(N, bn))
-    _grouped_mm_dw_kernel[grid](
-        x, dy, offsets, dw, N, K, x.stride(0), dy.stride(0), dw.stride(0), dw.stride(1), dw.stride(2),
-        UPCAST=dot_upcast(x.dtype), RNE=bf16_rne(x.dtype), PRECISION=_precision(x.dtype), BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn,
-        num_warps=warps,
-    )  # fmt: skip
+    dw = _dw_empty(S, x.shape[1], dy.shape[1], x, transposed)
+    weight_grads_into(x, dy, offsets, [dw], torch.arange(S, device=x.device, dtype=torch.int64))
     return dw
 
 
@@ -492,6 +739,63 @@ def _grouped_mm_op(
 @_grouped_mm_op.register_fake
 def _(x, sources, slot_source, slot_index, offsets, tile_slot, tile_row, block_m):
     return x.new_empty(x.shape[0], sources[0].shape[2])
+
+
+@torch.library.custom_op("relibra::swiglu_mm", mutates_args=())
+def _swiglu_mm_op(
+    x: torch.Tensor,
+    sources: list[torch.Tensor],
+    slot_source: torch.Tensor | None,
+    slot_index: torch.Tensor | None,
+    offsets: torch.Tensor,
+    tile_slot: torch.Tensor,
+    tile_row: torch.Tensor,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, h): h = x W_gate_up [R, 2I] and a = swiglu(h) [R, I]; Triton: SwiGLU in the GEMM epilogue."""
+    inter = sources[0].shape[2] // 2
+    if use_triton(x):
+        a = x.new_empty(x.shape[0], inter)
+        h = x.new_empty(x.shape[0], 2 * inter)
+        _launch_gemm(x, sources, slot_source, slot_index, offsets, tile_slot, tile_row, block_m, EPI_SWIGLU, a, h=h)
+        return a, h
+    h = grouped_mm_torch(x, sources, slot_source, slot_index, offsets)
+    return swiglu(h), h
+
+
+@_swiglu_mm_op.register_fake
+def _(x, sources, slot_source, slot_index, offsets, tile_slot, tile_row, block_m):
+    inter = sources[0].shape[2] // 2
+    return x.new_empty(x.shape[0], inter), x.new_empty(x.shape[0], 2 * inter)
+
+
+@torch.library.custom_op("relibra::swiglu_mm_backward", mutates_args=())
+def _swiglu_mm_backward_op(
+    dy: torch.Tensor,
+    sources_t: list[torch.Tensor],
+    slot_source: torch.Tensor | None,
+    slot_index: torch.Tensor | None,
+    offsets: torch.Tensor,
+    tile_slot: torch.Tensor,
+    tile_row: torch.Tensor,
+    block_m: int,
+    h: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dh, a): da = dY W_down^T (``sources_t`` are W_down's [.., H, I] views), dh = swiglu'(h)^T da
+    [R, 2I], a = swiglu(h) [R, I]; Triton: both in the GEMM epilogue."""
+    if use_triton(dy):
+        dh = dy.new_empty(h.shape)
+        a = dy.new_empty(h.shape[0], h.shape[1] // 2)
+        _launch_gemm(dy, sources_t, slot_source, slot_index, offsets, tile_slot, tile_row, block_m, EPI_SWIGLU_BWD,
+                     dh, h=h, a=a)  # fmt: skip
+        return dh, a
+    da = grouped_mm_torch(dy, sources_t, slot_source, slot_index, offsets)
+    return swiglu_backward(h, da), swiglu(h)
+
+
+@_swiglu_mm_backward_op.register_fake
+def _(dy, sources_t, slot_source, slot_index, offsets, tile_slot, tile_row, block_m, h):
+    return dy.new_empty(h.shape), dy.new_empty(h.shape[0], h.shape[1] // 2)
 
 
 def _dw_empty(S: int, K: int, N: int, like: torch.Tensor, transposed: bool) -> torch.Tensor:
@@ -540,12 +844,10 @@ def _source_grads_torch(
     slot_index: torch.Tensor,
     needs_grad: list[bool],
 ) -> list[torch.Tensor | None]:
-    """Torch reference of :func:`_source_grads` with ExpertWeights, bit for bit the same result as
-    ``grouped_mm_dw_torch`` followed by ``add_slot_grads_torch`` into zeroed source grads, without the
-    ``[S, K, N]`` intermediate, its layout copy and the per-row host loop: each slot's
-    ``dW_s = X_s^T dY_s`` (fp32 sum, rounded to x's dtype) is written straight into its source row;
-    rows shared by several slots get the fp32 sum of their rounded slot grads in increasing slot order.
-    Slots of sources that need no gradient and empty slots are skipped."""
+    """Torch reference of the ExpertWeights source gradients (what :func:`weight_grads_into` writes):
+    source row (i, j) gets the fp32 sum, in increasing slot order, of ``X_s^T dY_s`` over the slots
+    pointing to it, rounded once to x's dtype; zeros when none does. Sources that need no gradient
+    get ``None``."""
     off = offsets.tolist()
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     dsrc: list[torch.Tensor | None] = [torch.zeros_like(s) if n else None for s, n in zip(sources, needs_grad)]
@@ -554,36 +856,52 @@ def _source_grads_torch(
         if dsrc[a] is not None and off[s + 1] > off[s]:
             rows.setdefault((a, b), []).append(s)
     for (a, b), slots in rows.items():
-        parts = [(x[off[s]:off[s + 1]].to(acc).T @ dy[off[s]:off[s + 1]].to(acc)).to(x.dtype) for s in slots]
-        if len(parts) == 1:
-            dsrc[a][b].add_(parts[0])  # 0 + dW as in the reference (a -0.0 becomes +0.0), no temporary
-        else:
-            total = torch.zeros(parts[0].shape, dtype=acc, device=x.device)
-            for p in parts:
-                total = total + p
-            dsrc[a][b] = total.to(dsrc[a].dtype)
+        total = torch.zeros(x.shape[1], dy.shape[1], dtype=acc, device=x.device)
+        for s in slots:
+            total += x[off[s]:off[s + 1]].to(acc).T @ dy[off[s]:off[s + 1]].to(acc)
+        dsrc[a][b] = total.to(dsrc[a].dtype)
     return dsrc
 
 
-@torch.library.custom_op("relibra::expert_weights_dw_ref", mutates_args=())
-def _source_grads_ref_op(
+def _grad_like(src: torch.Tensor, n_major: bool) -> torch.Tensor:
+    """An uninitialised gradient for ``src`` [E, K, N] in the common layout of the sources."""
+    return _dw_empty(src.shape[0], src.shape[1], src.shape[2], src, n_major)
+
+
+@torch.library.custom_op("relibra::weight_grads", mutates_args=())
+def _weight_grads_op(
     x: torch.Tensor,
     dy: torch.Tensor,
     offsets: torch.Tensor,
     sources: list[torch.Tensor],
-    slot_source: torch.Tensor,
-    slot_index: torch.Tensor,
+    slot_source: torch.Tensor | None,
+    slot_index: torch.Tensor | None,
     needs_grad: list[bool],
 ) -> list[torch.Tensor]:
-    """:func:`_source_grads_torch` as an opaque op (host reads of the offsets stay out of tracing);
-    returns the gradients of the sources that need one, in order."""
+    """The gradients of the weight sources that need one, in order (see :func:`_source_grads`)."""
+    n_major = _n_major(sources[0])
+    if use_triton(x):
+        grads = [_grad_like(s, n_major) for s, n in zip(sources, needs_grad, strict=True) if n]
+        if slot_source is None:
+            slot_dest = torch.arange(sources[0].shape[0], device=x.device, dtype=torch.int64)
+        else:
+            sizes = tuple(int(s.shape[0]) for s in sources)
+            b = _source_bases(sizes, tuple(needs_grad), str(x.device))[slot_source.long()]
+            slot_dest = torch.where(b >= 0, b + slot_index.long(), torch.full_like(b, -1))
+        weight_grads_into(x, dy, offsets, grads, slot_dest)
+        return grads
+    if slot_source is None:
+        g = _grad_like(sources[0], n_major)
+        g.copy_(grouped_mm_dw_torch(x, dy, offsets))
+        return [g]
     return [g for g in _source_grads_torch(x, dy, offsets, sources, slot_source, slot_index, needs_grad)
-            if g is not None]
+            if g is not None]  # fmt: skip
 
 
-@_source_grads_ref_op.register_fake
+@_weight_grads_op.register_fake
 def _(x, dy, offsets, sources, slot_source, slot_index, needs_grad):
-    return [torch.empty_like(s) for s, n in zip(sources, needs_grad, strict=True) if n]
+    n_major = _n_major(sources[0])
+    return [_grad_like(s, n_major) for s, n in zip(sources, needs_grad, strict=True) if n]
 
 
 def _source_grads(
@@ -595,26 +913,13 @@ def _source_grads(
     slot_index: torch.Tensor | None,
     needs_grad: list[bool],
 ) -> list[torch.Tensor | None]:
-    """Gradients of the weight sources: per-slot ``dW = X_s^T dY_s``, then added into the source rows
-    the slots point to (deterministic; several slots may share a row)."""
-    dsrc: list[torch.Tensor | None] = [None] * len(sources)
+    """Gradients of the weight sources (``None`` where not needed): each slot's ``dW = X_s^T dY_s`` is
+    written straight into the source row it reads (several slots sharing a row are summed in fp32 in
+    increasing slot order); rows no slot reads get zeros. No zero fill, no add-back pass."""
     if not any(needs_grad):
-        return dsrc
-    if slot_source is not None and not use_triton(x):
-        it = iter(_source_grads_ref_op(x, dy, offsets, sources, slot_source, slot_index, needs_grad))
-        return [next(it) if n else None for n in needs_grad]
-    dw = _grouped_mm_dw_op(x, dy, offsets, _n_major(sources[0]))  # [S, K, N], the sources' layout
-    if slot_source is None:
-        dsrc[0] = dw
-        return dsrc
-    slots = torch.arange(dw.shape[0], device=dw.device, dtype=torch.int64)
-    for i, src in enumerate(sources):
-        if needs_grad[i]:
-            g = torch.zeros_like(src)
-            home = torch.where(slot_source == i, slot_index.long(), torch.full_like(slots, -1))
-            _add_op(dw, slots, g, home, 16)
-            dsrc[i] = g
-    return dsrc
+        return [None] * len(sources)
+    it = iter(_weight_grads_op(x, dy, offsets, sources, slot_source, slot_index, needs_grad))
+    return [next(it) if n else None for n in needs_grad]
 
 
 @keep_backend
@@ -728,14 +1033,21 @@ class _GatedExperts(torch.autograd.Function):
     Backward: da = dY W_down^T, dW_down = a^T dY, dh = act'(h)^T da (closed form for SwiGLU, else
     autograd on the recomputed activation), dX = dh W_gate_up^T, dW_gate_up = X^T dh, all with the
     grouped kernels; slot gradients land in their source rows.
+
+    SwiGLU (``act is None``) runs fused: the forward's gate_up GEMM computes a = swiglu(h) in its
+    epilogue (and stores h), the backward's da GEMM computes dh and the recomputed a in its
+    epilogue, so no elementwise pass over [R, 2I] runs on the Triton path.
     """
 
     @staticmethod
     def forward(ctx, x, offsets, tile_slot, tile_row, block_m, n1, ss1, si1, ss2, si2, act, *sources):
         remember_backend(ctx)
         w1, w2 = list(sources[:n1]), list(sources[n1:])
-        h = _grouped_mm_op(x, w1, ss1, si1, offsets, tile_slot, tile_row, block_m)
-        a = swiglu(h) if act is None else act(h)
+        if act is None:
+            a, h = _swiglu_mm_op(x, w1, ss1, si1, offsets, tile_slot, tile_row, block_m)
+        else:
+            h = _grouped_mm_op(x, w1, ss1, si1, offsets, tile_slot, tile_row, block_m)
+            a = act(h)
         y = _grouped_mm_op(a, w2, ss2, si2, offsets, tile_slot, tile_row, block_m)
         ctx.block_m, ctx.n1, ctx.act = block_m, n1, act
         ctx.save_for_backward(x, h, offsets, tile_slot, tile_row, ss1, si1, ss2, si2, *sources)
@@ -751,11 +1063,11 @@ class _GatedExperts(torch.autograd.Function):
         need1, need2 = list(need[11 : 11 + n1]), list(need[11 + n1 :])
         dy = dy.contiguous()
         tiles = (offsets, tile_slot, tile_row, bm)
-        da = _grouped_mm_op(dy, [w.transpose(1, 2) for w in w2], ss2, si2, *tiles)
+        w2t = [w.transpose(1, 2) for w in w2]
         if ctx.act is None:
-            a = swiglu(h)
-            dh = swiglu_backward(h, da)
+            dh, a = _swiglu_mm_backward_op(dy, w2t, ss2, si2, *tiles, h)
         else:
+            da = _grouped_mm_op(dy, w2t, ss2, si2, *tiles)
             with torch.enable_grad():
                 hh = h.detach().requires_grad_()
                 a = ctx.act(hh)

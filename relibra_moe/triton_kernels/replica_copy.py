@@ -10,8 +10,11 @@ replicas): the sum is deterministic, taken in increasing i after the existing ho
 
 On CUDA both run one *persistent* Triton kernel: ``num_programs`` programs (16 by default, so the
 copy leaves the other SMs to the GEMMs it overlaps with) loop over the work items
-(pair, chunk of ``BLOCK`` elements). Only a few programs are resident, so the loop keeps several
-wide loads in flight per program.
+(pair, chunk of ``BLOCK`` elements). Only a few programs are resident, so both loops are
+software-pipelined (straight-line bodies, a 3-stage cp.async pipeline) to keep several wide loads in
+flight per program. The add-back sums runs of up to ``ADD_RUN`` slots sharing a home row in the
+pipelined kernel; longer runs (an expert replicated into more slots than that) go to a second,
+loop-based kernel, launched only when more than ``ADD_RUN`` pairs are given.
 
 Peer memory. The kernels only dereference the pointers of the tensors they are given, so any of
 them may live on another GPU of the node, provided the pointer is valid on the current device:
@@ -37,7 +40,17 @@ import triton.language as tl
 
 from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, cast_out, use_triton
 
-__all__ = ["add_slot_grads", "add_slot_grads_torch", "copy_into_slots", "copy_into_slots_torch"]
+__all__ = [
+    "ADD_BLOCK",
+    "ADD_RUN",
+    "COMPILED_STAGES",
+    "COMPILED_WARPS",
+    "COPY_BLOCK",
+    "add_slot_grads",
+    "add_slot_grads_torch",
+    "copy_into_slots",
+    "copy_into_slots_torch",
+]
 
 
 def _check_rows(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> None:
@@ -150,35 +163,80 @@ def _add_rows_kernel(
     slot_idx_ptr,  # [n] int32 slot row of the i-th pair after sorting by home row
     home_ptr,  # [E, D] home gradients, accumulated into (row stride stride_home)
     home_idx_ptr,  # [n] int32 home row of the i-th sorted pair (-1: skip)
-    seg_end_ptr,  # [n] int32 end of the run of equal home rows starting at i (i itself if i is not a run head)
+    run_ptr,  # [n] int32 length of the run of equal home rows starting at i (0 if i is not a run head)
+    D,
+    stride_slot,
+    stride_home,
+    num_items,
+    chunks_per_row,
+    num_pairs,
+    NUM_PROGRAMS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    RUN: tl.constexpr,
+    RNE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Persistent, pipelined deterministic add-back of the runs of at most RUN pairs.
+
+    Program p handles work items p, p + P, ... of (sorted pair i, chunk c). Pairs are sorted (stably)
+    by home row on the host side of the launch; only the head of a run of equal home rows does work,
+    so no two programs write the same home row and the sum order is fixed (the existing home value,
+    then the run's slots in increasing original index, in fp32, rounded once). The body is straight
+    line (the run's RUN slot loads are unrolled, skips folded into masks) so the loop is
+    software-pipelined like the forward copy: the next item's loads are in flight while this one is
+    summed and stored. Longer runs are left to :func:`_add_long_runs_kernel`.
+    """
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    for item in tl.range(pid, num_items, NUM_PROGRAMS, num_stages=NUM_STAGES):
+        i = item // chunks_per_row
+        c = item % chunks_per_row
+        h = tl.load(home_idx_ptr + i).to(tl.int64)
+        run = tl.load(run_ptr + i)
+        e = c * BLOCK + offs
+        live = (h >= 0) & (run > 0) & (run <= RUN)
+        m = e < tl.where(live, D, 0)
+        hp = home_ptr + h * stride_home + e
+        acc = tl.load(hp, mask=m, other=0.0).to(tl.float32)
+        for q in tl.static_range(RUN):
+            s = tl.load(slot_idx_ptr + tl.minimum(i + q, num_pairs - 1)).to(tl.int64)  # unused past the run
+            acc += tl.load(slot_ptr + s * stride_slot + e, mask=e < tl.where(live & (run > q), D, 0),
+                           other=0.0).to(tl.float32)  # fmt: skip
+        tl.store(hp, cast_out(acc, home_ptr.dtype.element_ty, RNE), mask=m)
+
+
+@triton.jit
+def _add_long_runs_kernel(
+    slot_ptr,
+    slot_idx_ptr,
+    home_ptr,
+    home_idx_ptr,
+    run_ptr,
     D,
     stride_slot,
     stride_home,
     num_items,
     chunks_per_row,
     NUM_PROGRAMS: tl.constexpr,
+    RUN: tl.constexpr,
     RNE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Persistent deterministic add-back: home[h] += sum of the slot rows of the run of pairs with home h.
-
-    Pairs are sorted (stably) by home row on the host side of the launch; only the head of each run
-    does work, so no two programs write the same home row and the sum order is fixed (the existing
-    home value, then the pairs in increasing original index), in fp32.
-    """
+    """The runs longer than RUN (arguments as :func:`_add_rows_kernel`): a loop over the run's slots,
+    same sum order. Launched only when a run that long can exist (more than RUN pairs)."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     for item in range(pid, num_items, NUM_PROGRAMS):
         i = item // chunks_per_row
         c = item % chunks_per_row
         h = tl.load(home_idx_ptr + i).to(tl.int64)
-        stop = tl.load(seg_end_ptr + i)
-        if (h >= 0) & (stop > i):
+        run = tl.load(run_ptr + i)
+        if (h >= 0) & (run > RUN):
             e = c * BLOCK + offs
             m = e < D
             hp = home_ptr + h * stride_home + e
             acc = tl.load(hp, mask=m, other=0.0).to(tl.float32)
-            for j in range(i, stop):
+            for j in range(i, i + run):
                 s = tl.load(slot_idx_ptr + j).to(tl.int64)
                 acc += tl.load(slot_ptr + s * stride_slot + e, mask=m, other=0.0).to(tl.float32)
             tl.store(hp, cast_out(acc, home_ptr.dtype.element_ty, RNE), mask=m)
@@ -197,13 +255,20 @@ def _dense_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
-def _blocks(D: int) -> tuple[int, int]:
+#: Compiled-kernel chunking: 16 programs must keep ~100 KB in flight each to approach the copy
+#: bandwidth: 32 KB (bf16) copy chunks, 16 warps (64 B per thread, 16-byte vector loads), and a
+#: 3-stage cp.async pipeline. The add-back moves 1 + ADD_RUN rows per item, so its chunks are half
+#: as long (3 stages x 3 rows x 16 KB fit in shared memory).
+COPY_BLOCK, ADD_BLOCK, COMPILED_WARPS, COMPILED_STAGES = 16384, 8192, 16, 3
+#: Longest run of pairs sharing a home row that the pipelined add-back sums (longer: a loop kernel).
+ADD_RUN = 2
+
+
+def _blocks(D: int, block: int) -> tuple[int, int]:
     """(BLOCK elements per work item, num_warps): wide chunks keep many loads in flight per program."""
     if INTERPRET:
         return min(triton.next_power_of_2(max(D, 1)), 1 << 14), 4
-    # 16 programs must keep ~100 KB in flight each to approach the copy bandwidth: 32 KB (bf16)
-    # chunks, 16 warps (64 B per thread, 16-byte vector loads), and a 3-stage cp.async pipeline.
-    return min(triton.next_power_of_2(max(D, 1)), 16384), 16
+    return min(triton.next_power_of_2(max(D, 1)), block), COMPILED_WARPS
 
 
 def copy_into_slots_triton(
@@ -221,11 +286,11 @@ def copy_into_slots_triton(
     if not _dense_rows(src_weights, slot_buffer):
         copy_into_slots_torch(src_weights, src_index, slot_buffer, slot_index)
         return
-    block, warps = _blocks(D)
+    block, warps = _blocks(D, COPY_BLOCK)
     chunks = triton.cdiv(D, block)
     _copy_rows_kernel[(num_programs,)](
         src_weights, src_index, slot_buffer, slot_index, D, src_weights.stride(0), slot_buffer.stride(0),
-        n * chunks, chunks, NUM_PROGRAMS=num_programs, NUM_STAGES=1 if INTERPRET else 3, BLOCK=block,
+        n * chunks, chunks, NUM_PROGRAMS=num_programs, NUM_STAGES=1 if INTERPRET else COMPILED_STAGES, BLOCK=block,
         num_warps=warps,
     )  # fmt: skip
 
@@ -245,8 +310,8 @@ def add_slot_grads_triton(
     if not _dense_rows(slot_grads, home_grads):
         add_slot_grads_torch(slot_grads, slot_index, home_grads, home_index)
         return
-    # Stable sort of the pairs by home row (skipped pairs last), then the end of each run of equal
-    # home rows; non-heads get seg_end = i so they do nothing. Torch ops only: no host sync.
+    # Stable sort of the pairs by home row (skipped pairs last), then the length of each run of equal
+    # home rows at its head (0 elsewhere). Torch ops only: no host sync.
     h = home_index.to(torch.int64)
     skip = (h < 0) | (slot_index < 0)
     key = torch.where(skip, torch.full_like(h, home_grads.shape[0]), h)
@@ -257,14 +322,20 @@ def add_slot_grads_triton(
     head = torch.ones(n, dtype=torch.bool, device=h.device)
     head[1:] = key_sorted[1:] != key_sorted[:-1]
     run_end = torch.searchsorted(key_sorted, key_sorted, right=True)
-    seg_end = torch.where(head, run_end, pos)
-    block, warps = _blocks(D)
+    run = torch.where(head, run_end - pos, torch.zeros_like(pos)).to(torch.int32)
+    block, warps = _blocks(D, ADD_BLOCK)
     chunks = triton.cdiv(D, block)
+    rne = bf16_rne(home_grads.dtype)
+    args = (slot_grads, slot_sorted.to(torch.int32), home_grads, home_sorted.to(torch.int32), run, D,
+            slot_grads.stride(0), home_grads.stride(0), n * chunks, chunks)  # fmt: skip
     _add_rows_kernel[(num_programs,)](
-        slot_grads, slot_sorted.to(torch.int32), home_grads, home_sorted.to(torch.int32), seg_end.to(torch.int32),
-        D, slot_grads.stride(0), home_grads.stride(0), n * chunks, chunks,
-        NUM_PROGRAMS=num_programs, RNE=bf16_rne(home_grads.dtype), BLOCK=block, num_warps=warps,
+        *args, n, NUM_PROGRAMS=num_programs, NUM_STAGES=1 if INTERPRET else COMPILED_STAGES, RUN=ADD_RUN, RNE=rne,
+        BLOCK=block, num_warps=warps,
     )  # fmt: skip
+    if n > ADD_RUN:  # a run longer than ADD_RUN can exist
+        _add_long_runs_kernel[(num_programs,)](
+            *args, NUM_PROGRAMS=num_programs, RUN=ADD_RUN, RNE=rne, BLOCK=block, num_warps=warps,
+        )  # fmt: skip
 
 
 @torch.library.custom_op("relibra::copy_into_slots", mutates_args=("slot_buffer",))
