@@ -191,7 +191,8 @@ def _bad_input(rank: int, world: int) -> None:
         plan = hot_replica_plan(2, E, world, world, np.zeros(2, int), 1)
         assert rm.relayout(model, plan)["experts_moved"] > 0
         for layer, ex in zip(model.layers, experts):
-            assert layer.relibra.expert_gpu_host.tolist() == plan.placement.expert_gpu[layer.relibra.layer_index].tolist()
+            want = plan.placement.expert_gpu[layer.relibra.layer_index].tolist()
+            assert layer.relibra.expert_gpu_host.tolist() == want
             for p in ex.parameters():
                 assert p.grad is None
                 torch.testing.assert_close(p.main_grad, p.detach() * 2 + 1)

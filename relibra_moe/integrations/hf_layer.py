@@ -84,7 +84,7 @@ class _HFExpertsMixin(GroupedExperts):
     """HF fused experts seen as the layer's ``GroupedSwiGLUExperts`` (HF layout, no copy)."""
 
     tensor_names = ("gate_up_proj", "down_proj")
-    block_m: int = 64
+    block_m: int | None = None  # None: the grouped GEMM's row tile (triton_kernels.heuristics)
 
     @property
     def w_gate_up(self) -> nn.Parameter:  # [E_loc, 2I, H]
@@ -127,7 +127,7 @@ class _HFGptOssExpertsMixin(GroupedExperts):
     activation with its ``alpha`` and ``limit``."""
 
     tensor_names = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-    block_m: int = 64
+    block_m: int | None = None  # None: the grouped GEMM's row tile (triton_kernels.heuristics)
 
     @staticmethod
     def dims(experts: nn.Module) -> tuple[int, int]:

@@ -209,14 +209,14 @@ class RelibraMoELayer(MoELayer):
         gpus_per_node: ranks per node of the EP group (replicas of node-scoped plans stay in a node).
         replica_buffer: the model's :class:`LayerSharedReplicaBuffer` (shared by its MoE layers).
         layer_index: this layer's index among the model's MoE layers (the plan's ``l``).
-        block_m: row block of relibra's grouped GEMM.
+        block_m: row block of relibra's grouped GEMM (None: chosen from the shapes, ``triton_kernels.heuristics``).
 
     ``forward(hidden_states [S, B, H], padding_mask=None) -> (output [S, B, H], None)``.
     """
 
     def __init__(self, moe: MoELayer, *, gpus_per_node: int | None = None,
                  replica_buffer: LayerSharedReplicaBuffer | None = None, layer_index: int | None = None,
-                 block_m: int = 64) -> None:
+                 block_m: int | None = None) -> None:
         _require_megatron()
         if not isinstance(moe, MoELayer):
             raise TypeError(f"expected a megatron.core MoELayer, got {type(moe).__name__}")
@@ -354,7 +354,7 @@ def _relibra_layers(model: nn.Module) -> list[RelibraMoELayer]:
 
 
 def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: int | None = None,
-                    block_m: int = 64) -> list[RelibraMoELayer]:
+                    block_m: int | None = None) -> list[RelibraMoELayer]:
     """Replace every Megatron ``MoELayer`` of a built model by a :class:`RelibraMoELayer` (same weights).
 
     ``replica_slots``: r replica slots per rank, one :class:`LayerSharedReplicaBuffer` shared by all the

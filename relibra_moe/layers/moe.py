@@ -197,8 +197,8 @@ class ReplayBalancedMoE(nn.Module):
         experts: this rank's expert container (a :class:`~relibra_moe.layers.experts.GroupedExperts`
             holding ``num_experts / G`` experts, e.g. :class:`~relibra_moe.layers.experts.BiasedGatedExperts`
             for GPT-OSS-style experts); default: :class:`~relibra_moe.layers.experts.GroupedSwiGLUExperts`
-            of ``hidden`` x ``ffn`` (``block_m``, ``dtype``, ``device`` apply to it). The replica buffer
-            must match it (:meth:`LayerSharedReplicaBuffer.for_experts`).
+            of ``hidden`` x ``ffn`` (``block_m``: its grouped GEMM's row block, by default chosen from the
+            shapes; ``dtype`` and ``device`` apply to it). The replica buffer must match it (:meth:`LayerSharedReplicaBuffer.for_experts`).
         router_attr: the attribute (and ``state_dict`` prefix) the router is registered under; ``router``
             reads it whatever the name (e.g. ``"gate"`` to keep a Hugging Face block's names).
         layer_index: this layer's index among the model's MoE layers (the plan's ``l``);
@@ -221,11 +221,13 @@ class ReplayBalancedMoE(nn.Module):
                  router: TopKRouter | dict | str = "softmax", shared_expert: nn.Module | None = None,
                  layer_index: int | None = None, dispatcher: str | Dispatcher = "auto",
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 block_m: int = 64, experts: GroupedExperts | None = None, router_attr: str = "router") -> None:
+                 block_m: int | None = None, experts: GroupedExperts | None = None,
+                 router_attr: str = "router") -> None:
         super().__init__()
-        for field, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("top_k", top_k),
-                             ("block_m", block_m)):
+        for field, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("top_k", top_k)):
             _check_positive_int(field, value)
+        if block_m is not None:
+            _check_positive_int("block_m", block_m)
         if gpus_per_node is not None:
             _check_positive_int("gpus_per_node", gpus_per_node)
         if layer_index is not None and (not _is_int(layer_index) or layer_index < 0):
