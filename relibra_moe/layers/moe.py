@@ -198,7 +198,8 @@ class ReplayBalancedMoE(nn.Module):
             holding ``num_experts / G`` experts, e.g. :class:`~relibra_moe.layers.experts.BiasedGatedExperts`
             for GPT-OSS-style experts); default: :class:`~relibra_moe.layers.experts.GroupedSwiGLUExperts`
             of ``hidden`` x ``ffn`` (``block_m``: its grouped GEMM's row block, by default chosen from the
-            shapes; ``dtype`` and ``device`` apply to it). The replica buffer must match it (:meth:`LayerSharedReplicaBuffer.for_experts`).
+            shapes; ``dtype`` and ``device`` apply to it). The replica buffer must match it
+            (:meth:`LayerSharedReplicaBuffer.for_experts`).
         router_attr: the attribute (and ``state_dict`` prefix) the router is registered under; ``router``
             reads it whatever the name (e.g. ``"gate"`` to keep a Hugging Face block's names).
         layer_index: this layer's index among the model's MoE layers (the plan's ``l``);
