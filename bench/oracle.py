@@ -77,7 +77,8 @@ def compute() -> dict[str, Any]:
                 if via == "plan_batch":
                     plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed)
                 else:
-                    plan = Planner(model, cluster, strategy=strategy, replica_slots=r, seed=seed,
+                    # workers fixed: the Planner's default (the CPU count) sets num_seeds
+                    plan = Planner(model, cluster, strategy=strategy, replica_slots=r, seed=seed, workers=2,
                                    executor="inline").plan(batch)
                 score = score_plan(plan, batch, model, cluster)
                 step = simulate_step(plan, batch, model, cluster).to_dict()
