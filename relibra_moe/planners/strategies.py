@@ -11,6 +11,9 @@ name                      plan
 ``lplb``                  LPLB+: EPLB+ reorder, per-micro-batch LP split over <= 1 copy per expert
 ``relibra``               relibra-inter + intra-node replication and token split (Algorithm 2), replicas
                           priced for their exposed push / pull; ``skew_cap``: rank-balance mode
+``eplb-history``          EPLB from past batches' loads (option ``history``), as engines run it (``history``)
+``online``                static homes + per-micro-batch replicas from the live loads, fetched after the
+                          router (``online``; no replay)
 ========================  ======================================================================
 
 Every strategy takes ``(ctx: PlanContext) -> BatchPlan``. ``repack=True`` lets the non-ReLibra
@@ -357,17 +360,21 @@ STRATEGIES: dict[str, Callable[[PlanContext], BatchPlan]] = {
     "lplb": strategy_lplb,
     "relibra": strategy_relibra,
 }
+from .history import strategy_eplb_history  # noqa: E402  (the module imports helpers defined above)
+from .online import strategy_online  # noqa: E402
+
+STRATEGIES.update({"eplb-history": strategy_eplb_history, "online": strategy_online})
 
 
-REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
+REPLICA_STRATEGIES = ("eplb", "lplb", "relibra", "eplb-history", "online")
 """The strategies that place replicas (read ``replica_slots``)."""
 RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
 """The ReLibra strategies: reorder + locality (+ replication); they read ``skew_cap`` / ``node_comp``."""
 
 PLAN_OPTIONS = frozenset({
-    "balanced_sources", "beta", "final_iters", "final_reorder", "iters", "locality_iters", "locality_smooth",
-    "migration", "node_comp", "num_groups", "num_seeds", "objective", "optimizer_bytes_per_param", "previous",
-    "price_replicas", "rounds", "skew_cap", "smooth", "token_cap", "tol"})
+    "balanced_sources", "beta", "final_iters", "final_reorder", "history", "iters", "locality_iters",
+    "locality_smooth", "migration", "node_comp", "num_groups", "num_seeds", "objective", "optimizer_bytes_per_param",
+    "previous", "price_replicas", "rounds", "skew_cap", "smooth", "token_cap", "tol"})
 """The keyword options ``plan_batch`` understands (see its docstring); anything else is a PlanError."""
 
 
@@ -431,6 +438,8 @@ def plan_batch(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strate
         if options.get(name) is not None and strategy not in RELIBRA_STRATEGIES:
             raise PlanError(f"{name}={options[name]!r} only applies to {' and '.join(RELIBRA_STRATEGIES)}, not "
                             f"strategy {strategy!r}")
+    if options.get("history") is not None and strategy != "eplb-history":
+        raise PlanError(f"history= (past loads) only applies to strategy 'eplb-history', not {strategy!r}")
     if options.get("token_cap") is not None and not repack:
         raise PlanError(f"token_cap={options['token_cap']!r} only applies with repack=True (--repack)")
     check_batch_type(batch)
