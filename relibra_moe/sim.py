@@ -42,7 +42,6 @@ Two modes:
 - ``persistent`` (EPLB-style redundant experts that stay resident for the whole batch): every
   layer's replicas are pushed once before the first micro-batch and their gradients pulled once after
   the last: ``2 x transfer(all replicas of all layers)``, not overlapped.
-
 - ``after-router`` (online replication without replay, ``planners.online``): the slots are refilled for
   every (m, l) as in ``per-layer``, but the push starts only once the layer's router has run, so it overlaps
   the token dispatch (half of ``max_g comm``) and not the attention: ``max(0, push[m, l] - comm[m, l] / 2)``;
