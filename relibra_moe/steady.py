@@ -277,3 +277,141 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
         out["speedup"] = {s: ref["steady"]["tokens_per_s"] / v["steady"]["tokens_per_s"] for s, v in st.items()}
         out["speedup_first"] = {s: v["first"]["step_s"] / ref["first"]["step_s"] for s, v in st.items()}
     return out
+
+
+# ----------------------------------------------------------------------------------------- report
+def steady_table(res: dict[str, Any], title: str | None = None) -> Any:
+    """A rich Table of a ``run_steady`` result: per strategy the first step, the steady-state sum of T_MoE
+    (moves free) and step (moves charged), experts moved, rank skew, solve seconds, and the reference's
+    throughput over the row's."""
+    from rich.table import Table
+
+    c = res["cluster"]
+    ref = res.get("reference", "?")
+    steady = res["num_batches"] > 1
+    if title is None:
+        title = (f"{res['model']} on {c['nodes']} x {c['gpus_per_node']} GPUs, r = {res['replica_slots']}, "
+                 f"{res['layers']} MoE layers"
+                 + (f" of {res['layers_total']}" if res.get("layers_total", res["layers"]) > res["layers"] else "")
+                 + (f", steady state of {res['num_batches']} consecutive batches (first step apart)" if steady
+                    else ", one batch from the static placement"))
+    t = Table(title=title, caption="sum T_MoE: forward T_MoE summed over micro-batches and layers, moves free (the "
+                                   "paper's metric). step: simulated training step, moves from the previous "
+                                   "placement, replica and reorder traffic charged to every strategy. "
+                                   f"x {ref}: {ref}'s throughput over the row's" + (" (steady state)." if steady
+                                                                                     else "."))
+    t.add_column("strategy")
+    if steady:
+        t.add_column("first step s", justify="right")
+    suffix = " (steady)" if steady else ""
+    for name in ("sum T_MoE s", "step s", "experts moved", "rank skew", "solve s"):
+        t.add_column(name + (suffix if name in ("sum T_MoE s", "step s", "experts moved") else ""), justify="right")
+    t.add_column(f"x {ref}", justify="right")
+    for name, v in res["strategies"].items():
+        s = v["steady"]
+        row = [name] + ([f"{v['first']['step_s']:.4f}"] if steady else [])
+        row += [f"{s['t_moe_s']:.4f}", f"{s['step_s']:.4f}", f"{s['experts_moved']:.0f}",
+                f"{s['rank_skew_mean']:.3f}", f"{s['solve_s']:.2f}",
+                f"{res['speedup'][name]:.3f}" if "speedup" in res else "-"]
+        t.add_row(*row)
+    return t
+
+
+# ------------------------------------------------------------------------------------------- demo
+DEMO_STRATEGIES = ("static", "eplb", "lplb", "eplb-history", "online", "relibra")
+
+
+def demo_steady_cases(quick: bool = False) -> list[dict[str, Any]]:
+    """The demo's steady-state runs, each tied to the single-batch scenario (``after``) whose run enables it.
+
+    Default: the whole GPT-OSS-20B trace in 4 consecutive batches of 4 micro-batches x 44 requests on EP8 = 2 x 4
+    (all 24 layers), and 4 qwen3-235b-a22b batches of 256 prompts x 4 responses with a drifting domain mix on
+    EP32 = 4 x 8 (4 of its 94 MoE layers, as the single-batch demo, to stay within the 2-core budget).
+    ``quick``: small versions of both for tests.
+    """
+    if quick:
+        return [
+            {"name": "gpt-oss-ep8/steady", "after": "gpt-oss-ep8", "model": "gpt-oss-20b", "nodes": 2,
+             "gpus_per_node": 4, "data": "real", "num_requests": 64, "micro_batch_size": 16, "num_batches": 2,
+             "layers": 4},
+            {"name": "qwen3-30b-a3b/drift/steady", "after": "qwen3-30b-a3b/mixed", "model": "qwen3-30b-a3b",
+             "nodes": 2, "gpus_per_node": 8, "data": "synthetic", "num_prompts": 16, "micro_batch_size": 16,
+             "num_batches": 2, "layers": 2, "drift": 0.25},
+        ]
+    return [
+        {"name": "gpt-oss-ep8/steady", "after": "gpt-oss-ep8", "model": "gpt-oss-20b", "nodes": 2, "gpus_per_node": 4,
+         "data": "real", "num_requests": 0, "micro_batch_size": 44, "num_batches": 4, "layers": None},
+        {"name": "qwen3-235b-a22b/drift/steady", "after": "qwen3-235b-a22b/mixed", "model": "qwen3-235b-a22b",
+         "nodes": 4, "gpus_per_node": 8, "data": "synthetic", "num_prompts": 256, "micro_batch_size": 32,
+         "num_batches": 4, "layers": 4, "drift": 0.25},
+    ]
+
+
+def case_batches(case: dict[str, Any], seed: int = 0) -> tuple[list[TraceBatch], ModelSpec, ClusterSpec]:
+    """``(batches, model restricted to the case's layers, cluster)`` of a ``demo_steady_cases`` entry."""
+    from .specs import cluster_preset, model_preset
+
+    full = model_preset(case["model"])
+    model = full.with_(num_layers=case["layers"]) if case.get("layers") else full
+    cluster = cluster_preset("hopper-rail", nodes=case["nodes"], gpus_per_node=case["gpus_per_node"])
+    if case["data"] == "real":
+        from .datasets import gpt_oss_batch
+
+        batch = gpt_oss_batch(num_requests=case.get("num_requests") or None, seed=seed)
+        batch = restrict_layers(batch.with_micro_batch_size(case["micro_batch_size"]), case.get("layers"))
+        return consecutive_batches(batch, case["num_batches"]), model, cluster
+    return (drifting_batches(model, case["num_batches"], case["num_prompts"],
+                             micro_batch_size=case["micro_batch_size"], drift=case.get("drift", 0.25), seed=seed),
+            model, cluster)
+
+
+def steady_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's steady-state targets on the runs present: relibra's steady throughput over each baseline's."""
+    out = []
+    for name, need in (("qwen3-235b-a22b/drift/steady", {"eplb-history": 1.10, "online": 1.05}),
+                       ("gpt-oss-ep8/steady", None)):
+        res = results.get(name)
+        if not res or "speedup" not in res or res.get("reference") != "relibra":
+            continue
+        for s, v in res["speedup"].items():
+            if s == "relibra" or (need is not None and s not in need):
+                continue
+            th = 1.05 if need is None else need[s]
+            out.append({"target": f"{name}: relibra vs {s} per step", "value": v, "threshold": th, "unit": "x",
+                        "met": bool(v >= th)})
+    return out
+
+
+def demo_steady_state(ran: Sequence[str], *, quick: bool = False, seed: int = 0, workers: int = 1,
+                      console: Any = None) -> dict[str, Any]:
+    """The demo's steady-state section: the cases of ``demo_steady_cases`` whose single-batch scenario is in
+    ``ran``, each through ``run_steady`` with ``DEMO_STRATEGIES``; prints a table per case and the targets;
+    returns ``{"cases": {name: run_steady result + case}, "targets": [...]}`` (JSON-ready)."""
+    results: dict[str, dict[str, Any]] = {}
+    for case in demo_steady_cases(quick):
+        if case["after"] not in ran:
+            continue
+        t0 = time.perf_counter()
+        batches, model, cluster = case_batches(case, seed)
+        res = run_steady(batches, model, cluster, DEMO_STRATEGIES, replica_slots=2, seed=seed, workers=workers)
+        res.update({"case": case, "layers_total": _layers_total(case["model"]), "wall_s": time.perf_counter() - t0,
+                    "data": "real (GPT-OSS-20B routing trace, arrival order)" if case["data"] == "real"
+                    else "synthetic (relibra_moe.synthetic, not real routing; drifting domain mix)"})
+        results[case["name"]] = res
+        if console is not None:
+            console.print(steady_table(res, title=f"steady state {case['name']} [{res['data']}]: "
+                                                  f"{res['num_batches']} consecutive batches, "
+                                                  f"{model.num_layers} MoE layers, r = 2 (first step apart)"))
+    targets = [] if quick else steady_targets(results)  # the quick cases are not the targets' batches
+    if console is not None:
+        for t in targets:
+            mark = "[green]met[/]" if t["met"] else "[red]NOT met[/]"
+            console.print(f"target {t['target']}: {t['value']:.3f}{t['unit']} (>= {t['threshold']}{t['unit']}) "
+                          f"{mark}")
+    return {"cases": results, "targets": targets}
+
+
+def _layers_total(model_name: str) -> int:
+    from .specs import model_preset
+
+    return model_preset(model_name).num_layers

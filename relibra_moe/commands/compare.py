@@ -123,48 +123,19 @@ def compare_file(trace_path: str, model_name: str, nodes: int, gpus_per_node: in
     return res
 
 
-def table(res: dict[str, Any]) -> Any:
-    """The rich Table of a ``compare_file`` result."""
-    from rich.table import Table
-
-    c = res["cluster"]
-    steady = res["mode"] == "steady"
-    title = (f"{res['model']} on {c['nodes']} x {c['gpus_per_node']} GPUs, r = {res['replica_slots']}, "
-             f"{res['layers']} MoE layers" + (f" of {res['layers_total']}" if res["layers"] < res["layers_total"]
-                                              else "")
-             + (f", steady state of {res['num_batches']} consecutive batches (first step apart)" if steady
-                else ", one batch from the static placement"))
-    t = Table(title=title, caption="sum T_MoE: forward T_MoE summed over micro-batches and layers, moves free (the "
-                                   "paper's metric). step: simulated training step with moves, replica and reorder "
-                                   f"traffic charged to every strategy; x {res.get('reference', '?')}: its "
-                                   "throughput over this row's.")
-    t.add_column("strategy")
-    if steady:
-        t.add_column("first step s", justify="right")
-    for name in ("sum T_MoE s", "step s", "experts moved", "rank skew", "solve s",
-                 f"x {res.get('reference', '?')}"):
-        t.add_column(name + (" (steady)" if steady and name in ("sum T_MoE s", "step s") else ""), justify="right")
-    for name, v in res["strategies"].items():
-        s = v["steady"]
-        row = [name] + ([f"{v['first']['step_s']:.4f}"] if steady else [])
-        row += [f"{s['t_moe_s']:.4f}", f"{s['step_s']:.4f}", f"{s['experts_moved']:.0f}", f"{s['rank_skew_mean']:.3f}",
-                f"{s['solve_s']:.2f}", f"{res['speedup'][name]:.3f}" if "speedup" in res else "-"]
-        t.add_row(*row)
-    return t
-
-
 def run(args: argparse.Namespace) -> int:
     """``relibra compare``: print the table (and write ``--json OUT``); exit status 0."""
     from rich.console import Console
 
     from ..plan import json_default
+    from ..steady import steady_table
 
     res = compare_file(args.trace, args.model, args.nodes, args.gpus_per_node, strategies=args.strategies,
                        cluster_name=args.cluster, replica_slots=args.replica_slots,
                        micro_batch_size=args.micro_batch_size, layers=args.layers, batches=args.batches,
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
                        workers=args.workers)
-    Console().print(table(res))
+    Console().print(steady_table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=json_default))
         print(f"wrote {args.json}")
