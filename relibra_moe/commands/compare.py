@@ -135,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
                        micro_batch_size=args.micro_batch_size, layers=args.layers, batches=args.batches,
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
                        workers=args.workers)
-    Console().print(steady_table(res))
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: keep the table's rows and title unwrapped
+        console = Console(width=max(console.width, 160))
+    console.print(steady_table(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=json_default))
         print(f"wrote {args.json}")
