@@ -8,6 +8,8 @@ strategy alike), the experts moved, the rank skew and the solve seconds.
 ``--batches K`` is the steady-state mode: the trace's micro-batches are cut into K consecutive global batches
 (arrival order), planned one after another, each plan's previous placement the strategy's last plan
 (``relibra_moe.steady``); the table shows the first step and the steady-state mean of steps 2..K.
+``eplb-history`` plans from past batches' loads, so on one batch (no history yet) it is the static layout; it
+needs ``--batches`` >= 2 to re-balance. The baselines' models: docs/baselines.md.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="steady state: cut the trace into K consecutive batches planned one after another "
                         "(default 1: one batch from the static placement)")
     p.add_argument("--rebalance-every", type=int, default=1,
-                   help="eplb-history: re-balance every n batches (default 1)")
+                   help="eplb-history: re-balance every n batches (default 1); with one batch it has no history "
+                        "and keeps the static layout")
     p.add_argument("--window", type=int, default=1,
                    help="eplb-history: batches of load history EPLB sees (default 1: the previous batch)")
     p.add_argument("--seed", type=int, default=0, help="plan seed")
