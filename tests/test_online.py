@@ -126,3 +126,14 @@ def test_online_without_slots_is_static(setup):
     assert plan.replica_slots == 0
     ref = simulate_step(plan_batch(batch, model, cluster, "static"), batch, model, cluster)
     assert simulate_step(plan, batch, model, cluster).step_s == pytest.approx(ref.step_s)
+
+
+def test_saved_online_plan_keeps_its_fetch_mode(setup, tmp_path):
+    model, cluster, batch = setup
+    cluster = cluster.with_(nvlink_bw=cluster.nvlink_bw * 1000)
+    plan = plan_batch(batch, model, cluster, "online", replica_slots=2)
+    plan.save(tmp_path / "online.npz")
+    back = BatchPlan.load(tmp_path / "online.npz")
+    assert back.stats["replica_fetch"] == "after-router"
+    a, b = simulate_step(plan, batch, model, cluster), simulate_step(back, batch, model, cluster)
+    assert b.replica_mode == "after-router" and b.step_s == pytest.approx(a.step_s)

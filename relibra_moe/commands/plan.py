@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..specs import ClusterSpec, ModelSpec
     from ..trace import TraceBatch
 
-STRATEGY_NAMES = ("static", "lpt", "eplb", "balanced", "relibra-inter", "lplb", "relibra")
+STRATEGY_NAMES = ("static", "lpt", "eplb", "balanced", "relibra-inter", "lplb", "relibra", "online")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
