@@ -327,7 +327,8 @@ def demo_steady_cases(quick: bool = False) -> list[dict[str, Any]]:
     Default: the whole GPT-OSS-20B trace in 4 consecutive batches of 4 micro-batches x 44 requests on EP8 = 2 x 4
     (all 24 layers), and 4 qwen3-235b-a22b batches of 256 prompts x 4 responses with a drifting domain mix on
     EP32 = 4 x 8 (4 of its 94 MoE layers, as the single-batch demo, to stay within the 2-core budget).
-    ``quick``: small versions of both for tests.
+    ``quick``: small versions of both for tests. A case's ``strategies`` (default ``DEMO_STRATEGIES``) are those
+    it runs.
     """
     if quick:
         return [
@@ -341,9 +342,11 @@ def demo_steady_cases(quick: bool = False) -> list[dict[str, Any]]:
     return [
         {"name": "gpt-oss-ep8/steady", "after": "gpt-oss-ep8", "model": "gpt-oss-20b", "nodes": 2, "gpus_per_node": 4,
          "data": "real", "num_requests": 0, "micro_batch_size": 44, "num_batches": 4, "layers": None},
+        # without lplb: its per-cell LP takes about 2/3 of this case's time (bench/steady.py has the row)
         {"name": "qwen3-235b-a22b/drift/steady", "after": "qwen3-235b-a22b/mixed", "model": "qwen3-235b-a22b",
          "nodes": 4, "gpus_per_node": 8, "data": "synthetic", "num_prompts": 256, "micro_batch_size": 32,
-         "num_batches": 4, "layers": 4, "drift": 0.25},
+         "num_batches": 4, "layers": 4, "drift": 0.25,
+         "strategies": tuple(s for s in DEMO_STRATEGIES if s != "lplb")},
     ]
 
 
@@ -385,7 +388,7 @@ def steady_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 def demo_steady_state(ran: Sequence[str], *, quick: bool = False, seed: int = 0, workers: int = 1,
                       console: Any = None) -> dict[str, Any]:
     """The demo's steady-state section: the cases of ``demo_steady_cases`` whose single-batch scenario is in
-    ``ran``, each through ``run_steady`` with ``DEMO_STRATEGIES``; prints a table per case and the targets;
+    ``ran``, each through ``run_steady`` with its strategies; prints a table per case and the targets;
     returns ``{"cases": {name: run_steady result + case}, "targets": [...]}`` (JSON-ready)."""
     results: dict[str, dict[str, Any]] = {}
     for case in demo_steady_cases(quick):
@@ -393,7 +396,8 @@ def demo_steady_state(ran: Sequence[str], *, quick: bool = False, seed: int = 0,
             continue
         t0 = time.perf_counter()
         batches, model, cluster = case_batches(case, seed)
-        res = run_steady(batches, model, cluster, DEMO_STRATEGIES, replica_slots=2, seed=seed, workers=workers)
+        res = run_steady(batches, model, cluster, case.get("strategies", DEMO_STRATEGIES), replica_slots=2, seed=seed,
+                         workers=workers)
         res.update({"case": case, "layers_total": _layers_total(case["model"]), "wall_s": time.perf_counter() - t0,
                     "data": "real (GPT-OSS-20B routing trace, arrival order)" if case["data"] == "real"
                     else "synthetic (relibra_moe.synthetic, not real routing; drifting domain mix)"})
