@@ -107,7 +107,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.set_defaults(func=run_score)
 
 
-def _model(name: str) -> ModelSpec:
+def model_by_name(name: str) -> ModelSpec:
+    """The model preset ``name`` (PlanError naming it and the known ones)."""
     from ..specs import model_preset
 
     try:
@@ -116,7 +117,8 @@ def _model(name: str) -> ModelSpec:
         raise PlanError(str(exc)) from None
 
 
-def _cluster(name: str, nodes: int, gpus_per_node: int) -> ClusterSpec:
+def cluster_by_name(name: str, nodes: int, gpus_per_node: int) -> ClusterSpec:
+    """The cluster fabric preset ``name`` with ``nodes`` x ``gpus_per_node`` GPUs (PlanError for a bad one)."""
     from ..specs import cluster_preset
 
     try:
@@ -125,7 +127,8 @@ def _cluster(name: str, nodes: int, gpus_per_node: int) -> ClusterSpec:
         raise PlanError(str(exc)) from None
 
 
-def _check_batch(batch, model, path: str) -> None:
+def check_trace_fits(batch: TraceBatch, model: ModelSpec, path: str) -> None:
+    """PlanError naming the trace file unless its L and E are the model's."""
     if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
         raise PlanError(f"trace {path} has {batch.num_layers} MoE layers and {batch.num_experts} experts; "
                         f"model {model.name} has {model.num_layers} and {model.num_experts}")
@@ -136,7 +139,7 @@ def cluster_of_plan(plan: BatchPlan, plan_path: str, cluster_name: str) -> Clust
     if plan.num_gpus % plan.gpus_per_node:
         raise PlanError(f"plan {plan_path}: num_gpus={plan.num_gpus} is not a multiple of "
                         f"gpus_per_node={plan.gpus_per_node}")
-    return _cluster(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node)
+    return cluster_by_name(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node)
 
 
 def load_previous(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str = "--previous") -> Placement:
@@ -183,9 +186,9 @@ def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: 
     from ..plan import BatchPlan
     from ..trace import TraceBatch
 
-    model = _model(model_name)
+    model = model_by_name(model_name)
     batch = TraceBatch.load(trace_path)
-    _check_batch(batch, model, trace_path)
+    check_trace_fits(batch, model, trace_path)
     plan = BatchPlan.load(plan_path)
     return model, batch, plan, cluster_of_plan(plan, plan_path, cluster_name)
 
@@ -208,10 +211,10 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     from ..planners.strategies import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, plan_with_options
     from ..trace import TraceBatch
 
-    model = _model(args.model)
-    cluster = _cluster(args.cluster, args.nodes, args.gpus_per_node)
+    model = model_by_name(args.model)
+    cluster = cluster_by_name(args.cluster, args.nodes, args.gpus_per_node)
     batch = TraceBatch.load(args.trace)
-    _check_batch(batch, model, args.trace)
+    check_trace_fits(batch, model, args.trace)
     if args.replica_slots and args.strategy not in REPLICA_STRATEGIES:
         raise PlanError(f"--replica-slots={args.replica_slots} only applies to {', '.join(REPLICA_STRATEGIES)}, "
                         f"not --strategy {args.strategy}")
