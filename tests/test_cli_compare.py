@@ -110,3 +110,39 @@ def test_compare_trace_for_another_model_and_no_assignment(trace_file, tmp_path,
     rc, _, err = _run(["compare", str(bare), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2"],
                       capsys)
     assert rc == 1 and "no micro-batch assignment" in err and "--micro-batch-size" in err
+
+
+@pytest.mark.timeout(600)
+def test_compare_agrees_with_plan_previous_and_simulate(trace_file, tmp_path, capsys):
+    """The steady chain of `relibra compare --batches 2` is what `relibra plan --previous` + `relibra simulate
+    --previous` give on the same two consecutive batches saved as files (moves priced and charged alike)."""
+    from relibra_moe.steady import consecutive_batches
+
+    path, batch = trace_file
+    out = tmp_path / "chain.json"
+    rc, _, _ = _run(["compare", str(path), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2",
+                     "--strategies", "relibra,online", "--replica-slots", "1", "--batches", "2",
+                     "--json", str(out)], capsys)
+    assert rc == 0
+    res = json.loads(out.read_text())
+    files = []
+    for k, b in enumerate(consecutive_batches(TraceBatch.load(path), 2)):
+        files.append(tmp_path / f"b{k}.npz")
+        b.save(files[-1])
+    common = ["--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2", "--replica-slots", "1"]
+    for strategy in ("relibra", "online"):
+        prev = None
+        for k, f in enumerate(files):
+            plan = tmp_path / f"{strategy}{k}.npz"
+            extra = ["--previous", str(prev)] if prev is not None and strategy == "relibra" else []
+            assert main(["plan", str(f), "--strategy", strategy, "--out", str(plan), *common, *extra]) == 0
+            sim = ["--previous", str(prev)] if prev is not None else []
+            capsys.readouterr()
+            assert main(["simulate", str(f), str(plan), "--model", "gpt-oss-20b", "--json", *sim]) == 0
+            got = json.loads(capsys.readouterr().out)
+            row = res["strategies"][strategy]["per_step"][k]
+            assert got["step_s"] == pytest.approx(row["step_s"], rel=1e-12), (strategy, k)
+            assert got["experts_moved"] == row["experts_moved"] and got["replica_mode"] == row["replica_mode"]
+            assert got["t_moe_fwd_s"] == pytest.approx(row["t_moe_s"], rel=1e-12)
+            prev = plan
+    assert res["strategies"]["online"]["per_step"][0]["replica_mode"] == "after-router"

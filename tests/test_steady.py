@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from relibra_moe.errors import PlanError, TraceError
+from relibra_moe.evaluate import score_plan
+from relibra_moe.planners.options import PlanOptions
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.sim import simulate_step
 from relibra_moe.specs import cluster_preset, model_preset
@@ -104,6 +106,9 @@ def test_previous_plan_chain_is_what_the_simulator_charges(chain, strategy):
         assert row["experts_moved"] == moved
         ref = simulate_step(plan, batches[k], model, cluster, previous=prev)
         assert row["step_s"] == pytest.approx(ref.step_s) and row["t_moe_s"] == pytest.approx(ref.t_moe.sum())
+        # one evaluation: the steady state's moves-free sum of T_MoE is score_plan's (relibra score)
+        assert row["t_moe_s"] == pytest.approx(score_plan(plan, batches[k], model, cluster)["t_moe_total_s"],
+                                               rel=1e-12)
         if moved:
             # charged against the previous plan, not the static placement
             other = simulate_step(plan, batches[k], model, cluster, previous=None if k else prev)
@@ -112,7 +117,8 @@ def test_previous_plan_chain_is_what_the_simulator_charges(chain, strategy):
         if strategy == "relibra" and k > 0:
             # the planner priced its moves against the same placement the simulator charges
             assert plan.stats["migration"]["moved"] == moved
-            assert plan.stats["options"]["previous"] is prev
+            # stats record the previous placement by its fingerprint (PlanOptions.strategy_options)
+            assert plan.stats["options"]["previous"] == PlanOptions(previous=prev).strategy_options()["previous"]
     if strategy in ("static", "online"):
         assert all(r["experts_moved"] == 0 and r["reorder_s"] == 0.0 for r in rows)
     if strategy in ("eplb", "relibra"):
