@@ -141,3 +141,53 @@ def test_bad_inputs(setup):
         plan_batch(batch, model, cluster, "eplb", history=np.ones((2, 32)))
     with pytest.raises(PlanError, match=r"history must be \[L=2, E=32\]"):
         plan_batch(batch, model, cluster, "eplb-history", history=np.ones((3, 32)))
+
+
+def _traced(seed: int, n: int = 8):
+    """A saveable batch of real RoutingTraces for gpt-oss-20b (24 layers, 32 experts, k = 4), hot experts."""
+    from relibra_moe.trace import RoutingTrace
+
+    rng = np.random.default_rng(seed)
+    traces = []
+    for _ in range(n):
+        s = int(rng.integers(20, 50))
+        p = np.ones(32)
+        p[rng.integers(0, 32, size=2)] = 10.0
+        g = np.log(p) + rng.gumbel(size=(s, 24, 32))
+        traces.append(RoutingTrace(np.argpartition(-g, 3, axis=2)[:, :, :4], np.arange(24), 32, 4, source="test"))
+    return TraceBatch(traces, micro_batch=np.arange(n) // 4)
+
+
+def test_cli_history_is_the_option(tmp_path, capsys):
+    from relibra_moe.cli import main
+    from relibra_moe.plan import BatchPlan
+
+    model, cluster = model_preset("gpt-oss-20b"), cluster_preset("hopper-rail", nodes=2, gpus_per_node=2)
+    past, now = _traced(1), _traced(2)
+    past_f, now_f, out = tmp_path / "past.npz", tmp_path / "now.npz", tmp_path / "plan.npz"
+    past.save(past_f)
+    now.save(now_f)
+    argv = ["plan", str(now_f), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2", "--out", str(out)]
+    assert main(argv + ["--strategy", "eplb-history", "--replica-slots", "1", "--history", str(past_f)]) == 0
+    got = BatchPlan.load(out)
+    ref = plan_batch(now, model, cluster, "eplb-history", replica_slots=1,
+                     history=past.sample_expert_counts().sum(axis=0)[None])
+    np.testing.assert_array_equal(got.placement.expert_gpu, ref.placement.expert_gpu)
+    np.testing.assert_array_equal(got.replicas.replica_expert, ref.replicas.replica_expert)
+    assert got.stats["eplb_history"]["window"] == 1 and got.stats["options"]["history"].startswith("sha1:")
+    assert not (got.placement.expert_gpu == static_placement(24, 32, 4)).all()  # it re-balanced on the past
+    capsys.readouterr()
+    assert main(argv + ["--strategy", "eplb", "--history", str(past_f)]) == 1
+    assert "--history only applies to --strategy eplb-history, not --strategy eplb" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("history, match", [
+    (np.ones(3), r"history must be \[L, E\] or \[W, L, E\]"),
+    (np.ones((2, 3), bool), "of dtype bool"),
+    (np.full((2, 3), -1.0), r"history\[0, 0\] = -1.0: token counts must be finite and >= 0"),
+])
+def test_history_option_checks(history, match):
+    from relibra_moe.planners.options import PlanOptions
+
+    with pytest.raises(PlanError, match=match):
+        PlanOptions(history=history)
