@@ -33,7 +33,7 @@ import numpy as np
 from .errors import PlanError, TraceError
 from .plan import BatchPlan
 from .planners.history import EplbSchedule
-from .planners.options import HISTORY_STRATEGIES, REPLICA_STRATEGIES
+from .planners.options import HISTORY_STRATEGIES, RELIBRA_STRATEGIES, REPLICA_STRATEGIES
 from .planners.strategies import check_strategy, plan_batch
 from .sim import StepTime, simulate_step
 from .specs import ClusterSpec, ModelSpec, cluster_preset, model_preset
@@ -42,8 +42,9 @@ from .trace import TraceBatch
 DEFAULT_STRATEGIES = ("static", "eplb", "eplb-history", "online", "relibra")
 """The strategies of a steady-state comparison by default: Megatron-LM, EPLB+ (oracle loads), EPLB from
 history, online replication without replay, relibra."""
-PRICED_STRATEGIES = ("relibra", "relibra-inter")
-"""Strategies that price their moves against the ``previous`` placement (option ``previous``)."""
+PRICED_STRATEGIES = RELIBRA_STRATEGIES
+"""Strategies that price their moves against the ``previous`` placement (option ``previous``): the ReLibra ones
+(their migration pricing, ``strategies.migrate``)."""
 
 
 # ---------------------------------------------------------------------------------------- batches
