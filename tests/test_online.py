@@ -137,3 +137,28 @@ def test_saved_online_plan_keeps_its_fetch_mode(setup, tmp_path):
     assert back.stats["replica_fetch"] == "after-router"
     a, b = simulate_step(plan, batch, model, cluster), simulate_step(back, batch, model, cluster)
     assert b.replica_mode == "after-router" and b.step_s == pytest.approx(a.step_s)
+
+
+def test_the_fetch_formula_is_timings_hand_computed():
+    """timing.cell_step_seconds, the one definition the planner (online_step_seconds) and sim charge:
+    comp 1, comm 2, push 3, attention forward 0.5 s (backward 1 s)."""
+    from relibra_moe.timing import cell_step_seconds, replica_push_overlap
+
+    # 3 comp + 2 comm = 7; after the router the push hides only behind the dispatch comm / 2 = 1 -> 2 exposed;
+    # the gradient pull behind the attention backward 1 -> 2 exposed
+    assert cell_step_seconds(1.0, 2.0, 3.0, 0.5, fetch="after-router") == pytest.approx(11.0)
+    assert online_step_seconds(1.0, 2.0, 3.0, 0.5) == pytest.approx(11.0)
+    # replayed (per-layer): the push hides behind the attention forward 0.5 -> 2.5 exposed
+    assert cell_step_seconds(1.0, 2.0, 3.0, 0.5) == pytest.approx(11.5)
+    assert replica_push_overlap(0.5, 2.0, "after-router") == 1.0 and replica_push_overlap(0.5, 2.0) == 0.5
+    with pytest.raises(PlanError, match="replica fetch 'later' is not one of"):
+        replica_push_overlap(0.5, 2.0, "later")
+
+
+def test_simulate_cli_offers_every_replica_mode():
+    from relibra_moe.cli import build_parser
+    from relibra_moe.timing import REPLICA_MODES
+
+    args = build_parser().parse_args(["simulate", "t.npz", "p.npz", "--model", "gpt-oss-20b",
+                                      "--replica-mode", "after-router"])
+    assert args.replica_mode == "after-router" and "after-router" in REPLICA_MODES

@@ -1,9 +1,9 @@
 """What every strategy receives and the helpers they share: ``PlanContext``, ``make_plan``,
 ``baseline_samples`` and ``previous_expert_gpu``.
 
-A strategy module (``strategies``, ``history``, ``online``) imports this one and registers in
-``strategies.STRATEGIES``; it never imports ``strategies`` itself, so the registry can import every strategy
-module at its top without a cycle.
+Every strategy module (``strategies``, ``history``, ``online``) builds its plans with these; ``history`` and
+``online`` import this module, never ``strategies``, so the registry (``strategies.STRATEGIES``) imports them at
+its top without a cycle.
 """
 
 from __future__ import annotations
