@@ -67,7 +67,7 @@ class PlanOptions:
     """Every option of a planning call (``plan_batch``, ``Planner``, ``relibra plan``), validated on construction.
 
     Attributes:
-        replica_slots: r replica slots per GPU (eplb, lplb, relibra), int >= 0.
+        replica_slots: r replica slots per GPU (``REPLICA_STRATEGIES``), int >= 0.
         seed: plan seed, int >= 0 (same inputs and seed -> same plan).
         workers: processes for the parallel parts, int >= 1.
         repack: let samples change micro-batch (equal sample counts per micro-batch unless ``token_cap``).
@@ -204,7 +204,8 @@ class PlanOptions:
 
     def strategy_options(self) -> dict[str, Any]:
         """The strategy options that differ from their defaults (``stats["options"]`` of a plan): JSON-ready,
-        ``previous`` recorded as the SHA-1 of its int64 ``[L, E]`` homes."""
+        ``previous`` recorded as the SHA-1 of its int64 ``[L, E]`` homes, ``history`` as the SHA-1 of its float64
+        loads and their shape."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name in ("replica_slots", "seed", "workers", "repack", "cell_chunk", "replicate"):

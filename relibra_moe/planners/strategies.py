@@ -65,7 +65,8 @@ from .reorder import default_iters, lpt_placement, reorder
 from .replicate import replicate_batch
 
 __all__ = ["STRATEGIES", "COMPARED_STRATEGIES", "REPACK_COMPARED", "REPLICA_STRATEGIES", "RELIBRA_STRATEGIES",
-           "PlanContext", "make_context", "run_strategy", "plan_batch", "plan_with_options", "relibra_inter"]
+           "PlanContext", "make_context", "run_strategy", "plan_batch", "plan_with_options", "relibra_inter",
+           "check_strategy", "previous_expert_gpu"]
 
 
 def strategy_static(ctx: PlanContext) -> BatchPlan:
@@ -326,7 +327,7 @@ def plan_batch(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strate
     Args:
         batch: a TraceBatch (with a micro-batch assignment unless ``micro_batch_size`` is given).
         strategy: a key of ``STRATEGIES``.
-        replica_slots: r replica slots per GPU (eplb, lplb, relibra).
+        replica_slots: r replica slots per GPU (the strategies of ``REPLICA_STRATEGIES``).
         seed: plan seed (same inputs and seed -> same plan).
         workers: processes for the parallel parts.
         repack: let samples change micro-batch (equal sample counts per micro-batch unless
