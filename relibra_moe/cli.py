@@ -1,4 +1,4 @@
-"""The ``relibra`` command: ``relibra {demo,trace,plan,score,simulate} ...`` (``relibra -h`` lists them)."""
+"""The ``relibra`` command: ``relibra {demo,trace,plan,score,simulate,compare} ...`` (``relibra -h`` lists them)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,14 @@ Two modes:
 - ``persistent`` (EPLB-style redundant experts that stay resident for the whole batch): every
   layer's replicas are pushed once before the first micro-batch and their gradients pulled once after
   the last: ``2 x transfer(all replicas of all layers)``, not overlapped.
+- ``after-router`` (online replication without replay, ``planners.online``): the slots are refilled for
+  every (m, l) as in ``per-layer``, but the push starts only once the layer's router has run, so it overlaps
+  the token dispatch (half of ``max_g comm``) and not the attention: ``max(0, push[m, l] - comm[m, l] / 2)``
+  (``timing.replica_push_overlap``);
+  the gradient pull overlaps the attention backward as in ``per-layer``.
 
-``replica_mode="auto"`` picks ``persistent`` when there are several micro-batches and the replica
+``replica_mode="auto"`` picks ``after-router`` for plans whose ``stats["replica_fetch"]`` says so,
+``persistent`` when there are several micro-batches and the replica
 slots hold the same experts in every micro-batch, else ``per-layer``.
 
 **Reorder (once per batch).** Expert (l, e) moves when the plan's home differs from the previous
@@ -64,17 +70,19 @@ from .plan import BatchPlan, Placement
 from .specs import ClusterSpec, ModelSpec
 from .timing import (
     DEFAULT_OPTIMIZER_BYTES_PER_PARAM,
+    REPLICA_MODES,
     attention_backward,
     attention_forward,
     exposed_seconds,
     moe_backward_seconds,
     moe_forward_seconds,
     move_bytes,
+    replica_push_overlap,
     transfer_seconds,
 )
 from .validate import check_nonnegative, check_token_counts
 
-ReplicaMode = Literal["auto", "per-layer", "persistent"]
+ReplicaMode = Literal["auto", "per-layer", "persistent", "after-router"]
 
 
 def reorder_traffic(previous: Placement, placement: Placement, model: ModelSpec, cluster: ClusterSpec,
@@ -112,7 +120,7 @@ class StepTime:
             mode) or the whole once-per-batch transfer (persistent mode).
         reorder_s: once-per-batch expert re-layout (weights + optimizer state).
         experts_moved, reorder_bytes: what the re-layout moves.
-        replica_mode: "per-layer" or "persistent".
+        replica_mode: "per-layer", "persistent" or "after-router".
         micro_batch_s: ``[M]`` seconds of each micro-batch (forward + backward, all layers).
         t_moe: ``[M, L]`` forward T_MoE; rank_skew: ``[M, L]`` max GPU load / mean GPU load.
         gpu_load: ``[M, L, G]`` (token, expert) pairs computed on each GPU (L_g of the cost model).
@@ -164,10 +172,12 @@ class StepTime:
 
 
 def _resolve_replica_mode(plan: BatchPlan, mode: str) -> str:
-    if mode not in ("auto", "per-layer", "persistent"):
-        raise PlanError(f"replica_mode {mode!r} is not one of ('auto', 'per-layer', 'persistent')")
+    if mode not in REPLICA_MODES:
+        raise PlanError(f"replica_mode {mode!r} is not one of {REPLICA_MODES}")
     if mode != "auto":
         return mode
+    if plan.stats.get("replica_fetch") == "after-router":
+        return "after-router"
     rep = plan.replicas.replica_expert
     if rep.shape[0] > 1 and (rep >= 0).any() and bool((rep == rep[:1]).all()):
         return "persistent"
@@ -188,7 +198,7 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
             for that same sample placement (``TraceBatch.loads``).
         previous: placement before this batch (default: static); the re-layout moves the difference.
         optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter.
-        replica_mode: "auto", "per-layer" or "persistent" (see the module docstring).
+        replica_mode: "auto", "per-layer", "persistent" or "after-router" (see the module docstring).
     """
     G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
     lengths = np.asarray(lengths)
@@ -234,9 +244,10 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
         fm, fl, fg, fs = filled.T
         fe = rep[fm, fl, fg, fs]
         fh = plan.placement.expert_gpu[fl, fe]
-        if mode == "per-layer":
+        if mode in ("per-layer", "after-router"):
             push = transfer_seconds(fh, fg, model.expert_bytes, fm * L + fl, M * L, cluster).reshape(M, L)
-            exposed_fwd = exposed_seconds(push, a_fwd[:, None])
+            fetch = "after-router" if mode == "after-router" else "per-layer"
+            exposed_fwd = exposed_seconds(push, replica_push_overlap(a_fwd[:, None], comm_max, fetch))
             exposed_bwd = exposed_seconds(push, a_bwd[:, None])
         else:
             once = fm == 0

@@ -16,19 +16,25 @@ charge time through these functions; docs/method.md ("Step time") derives them.
   ``max(rdma_tx, rdma_rx) / B_rdma``, whichever is larger.
 - **Expert moves** carry weights and optimizer state: ``3 h h' (dtype_bytes + optimizer_bytes_per_param)``
   bytes, ``DEFAULT_OPTIMIZER_BYTES_PER_PARAM`` = 12 (fp32 master weights, Adam's exp_avg and exp_avg_sq).
-- **Replica transfers** overlap the attention: the per-layer push hides behind the attention forward, the
-  gradient pull (same bytes, other direction) behind the backward; only the excess is exposed.
+- **Replica transfers**: the gradient pull (same bytes as the push, other direction) hides behind the
+  attention backward; the push hides behind the forward work it overlaps, which depends on when it can start
+  (``REPLICA_FETCHES``): ``per-layer`` (replay: the plan is known before the layer runs) behind the attention
+  forward; ``after-router`` (online replication without replay: the replicas are chosen from the router's
+  output) behind the token dispatch only, half of ``max_g comm`` (dispatch and combine cost the same). Only
+  the excess is exposed.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .errors import PlanError
 from .specs import CR, NV, SR, ClusterSpec, ModelSpec
 
 __all__ = ["DEFAULT_OPTIMIZER_BYTES_PER_PARAM", "BACKWARD_FACTOR", "attention_flops", "local_stage",
            "attention_forward", "attention_backward", "moe_forward_seconds", "moe_backward_seconds",
-           "moe_step_seconds", "exposed_seconds", "cell_step_seconds", "transfer_seconds", "move_bytes"]
+           "moe_step_seconds", "exposed_seconds", "REPLICA_FETCHES", "REPLICA_MODES", "replica_push_overlap",
+           "cell_step_seconds", "transfer_seconds", "move_bytes"]
 
 DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 12.0
 """Optimizer-state bytes that move with each expert parameter: fp32 master weight + Adam's two moments."""
@@ -100,11 +106,33 @@ def exposed_seconds(transfer: np.ndarray | float, overlap: np.ndarray | float) -
     return np.maximum(0.0, transfer - overlap)
 
 
-def cell_step_seconds(comp: float, comm: float, push: float, attn_fwd: float) -> float:
+REPLICA_FETCHES = ("per-layer", "after-router")
+"""When a cell's replica push can start: with the layer (``per-layer``, the plan is known ahead from the replay),
+or once the layer's router has run (``after-router``, online replication without replay)."""
+
+REPLICA_MODES = ("auto", "per-layer", "persistent", "after-router")
+"""The simulator's replica modes (``sim.simulate_loads``, ``relibra simulate --replica-mode``): the two fetches
+above, refilled per (micro-batch, layer); ``persistent`` (EPLB-style redundant experts pushed once per batch);
+``auto`` (chosen from the plan)."""
+
+
+def replica_push_overlap(attn_fwd: np.ndarray | float, comm: np.ndarray | float,
+                         fetch: str = "per-layer") -> np.ndarray | float:
+    """Seconds of forward work a cell's replica push hides behind (any shape, broadcast): the attention forward
+    ``attn_fwd`` (``per-layer``), or the token dispatch ``comm / 2`` (``after-router``: the push starts after the
+    router, so it cannot overlap the attention; ``comm`` is ``max_g comm``, dispatch + combine)."""
+    if fetch == "per-layer":
+        return attn_fwd
+    if fetch == "after-router":
+        return 0.5 * comm
+    raise PlanError(f"replica fetch {fetch!r} is not one of {REPLICA_FETCHES}")
+
+
+def cell_step_seconds(comp: float, comm: float, push: float, attn_fwd: float, fetch: str = "per-layer") -> float:
     """Forward + backward seconds of one (micro-batch, layer) cell as the simulator charges them:
-    ``moe_step_seconds`` plus the replica push not hidden behind the attention forward ``attn_fwd`` and the
-    gradient pull (same time) not hidden behind the backward ``attention_backward(attn_fwd)``."""
-    return float(moe_step_seconds(comp, comm) + exposed_seconds(push, attn_fwd)
+    ``moe_step_seconds`` plus the replica push not hidden behind ``replica_push_overlap(attn_fwd, comm, fetch)``
+    and the gradient pull (same time) not hidden behind the backward ``attention_backward(attn_fwd)``."""
+    return float(moe_step_seconds(comp, comm) + exposed_seconds(push, replica_push_overlap(attn_fwd, comm, fetch))
                  + exposed_seconds(push, attention_backward(attn_fwd)))
 
 

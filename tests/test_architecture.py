@@ -15,9 +15,9 @@ PKG = Path(__file__).resolve().parents[1] / "relibra_moe"
 FLOORS: tuple[tuple[str, int], ...] = (
     ("errors", 1), ("validate", 1), ("specs", 1),
     ("trace", 2), ("adapters", 2), ("cost", 2), ("timing", 2), ("plan", 2), ("triton_kernels", 2),
-    ("evaluate", 3), ("sim", 3), ("steady", 3), ("datasets", 3), ("synthetic", 3), ("metrics", 3), ("layers", 3),
+    ("evaluate", 3), ("sim", 3), ("datasets", 3), ("synthetic", 3), ("metrics", 3), ("layers", 3),
     ("planners", 4),
-    ("integrations", 5),
+    ("integrations", 5), ("steady", 5),
     ("commands", 6), ("cli", 6), ("report", 6),
     ("__init__", 7), ("__main__", 7),
 )

@@ -103,7 +103,7 @@ def test_cli_errors(trace_file, tmp_path, capsys):
     (["--nodes", "2", "--gpus-per-node", "4", "--cluster", "nope"], "'nope'"),
     (["--nodes", "2", "--gpus-per-node", "4", "--rounds", "0"], "rounds=0 must be an int >= 1"),
     (["--nodes", "2", "--gpus-per-node", "4", "--replica-slots", "2", "--strategy", "static"],
-     "--replica-slots=2 only applies to eplb, lplb, relibra, not --strategy static"),
+     "--replica-slots=2 only applies to eplb, lplb, relibra, eplb-history, online, not --strategy static"),
     (["--nodes", "2", "--gpus-per-node", "4"], "no micro-batch assignment (for every sample): pass --micro-batch-size"),
     (["--nodes", "2", "--gpus-per-node", "4", "--skew-cap", "-0.1"], "skew_cap=-0.1 must be a finite number >= 0"),
     (["--nodes", "2", "--gpus-per-node", "4", "--skew-cap", "0.05", "--strategy", "lpt"],

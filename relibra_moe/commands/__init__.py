@@ -8,4 +8,5 @@ COMMAND_MODULES = (
     "relibra_moe.commands.plan",      # relibra plan, relibra score
     "relibra_moe.commands.simulate",  # relibra simulate
     "relibra_moe.commands.demo",      # relibra demo
+    "relibra_moe.commands.compare",   # relibra compare
 )

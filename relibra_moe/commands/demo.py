@@ -372,11 +372,14 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     for n in caveats:
         console.print(f"[yellow]note[/] {n}")
     plots = write_plots(out, results) if results else []
+    from ..steady import demo_steady_state  # the steady state of consecutive batches (relibra_moe.steady)
     rep = {
         "version": REPORT_VERSION, "quick": quick, "seed": seed, "workers": workers,
         "strategies": strategies, "cluster_fabric": "hopper-rail", "simulator": "relibra_moe.sim",
         "scenarios": [{k: v for k, v in sc.items() if not k.startswith("_")} for sc in results],
         "ablation": abl, "targets": targets, "notes": caveats, "skipped": skipped,
+        "steady_state": demo_steady_state([sc["name"] for sc in results], quick=quick, seed=seed, workers=workers,
+                                          console=console),
         "plots": [os.path.relpath(p, out) for p in plots], "wall_s": time.perf_counter() - t0,
     }
     (out / "report.json").write_text(json.dumps(rep, indent=2, default=json_default))

@@ -66,14 +66,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--strategy", required=True, choices=_strategy_registry(), help="planning strategy")
-    p.add_argument("--replica-slots", type=int, default=0, help="replica slots per GPU r (eplb, lplb, relibra)")
+    from ..planners.options import BALANCED_SOURCES, OBJECTIVES, REPLICA_STRATEGIES
+
+    p.add_argument("--replica-slots", type=int, default=0,
+                   help=f"replica slots per GPU r ({', '.join(REPLICA_STRATEGIES)})")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="assign sample i to micro-batch i // B (default: the trace's own assignment)")
     p.add_argument("--repack", action="store_true", help="also choose each sample's micro-batch")
     p.add_argument("--seed", type=int, default=0, help="plan seed (same inputs and seed -> same file)")
     p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
-    from ..planners.options import BALANCED_SOURCES, OBJECTIVES
-
     p.add_argument("--objective", choices=OBJECTIVES, default=None,
                    help="reorder objective: sum over micro-batches of T_MoE (default) or aggregated loads")
     for flag, name, typ, help_ in _OPTION_FLAGS:
@@ -85,6 +86,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--previous", default=None, metavar="PLAN.npz",
                    help="plan file whose placement precedes this batch: moves are priced against it "
                         "(default: the static placement)")
+    p.add_argument("--history", action="append", default=None, metavar="TRACE.npz",
+                   help="eplb-history: a past batch's trace whose expert loads EPLB re-balances on (repeat for a "
+                        "window, oldest first; default: none, the trivial layout)")
     p.add_argument("--migration", choices=PRICE_CHOICES, default="price",
                    help="expert moves: priced against the previous placement (default) or free (relibra*)")
     p.add_argument("--replica-pricing", choices=PRICE_CHOICES, default="price",
@@ -107,7 +111,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.set_defaults(func=run_score)
 
 
-def _model(name: str) -> ModelSpec:
+def model_by_name(name: str) -> ModelSpec:
+    """The model preset ``name`` (PlanError naming it and the known ones)."""
     from ..specs import model_preset
 
     try:
@@ -116,7 +121,8 @@ def _model(name: str) -> ModelSpec:
         raise PlanError(str(exc)) from None
 
 
-def _cluster(name: str, nodes: int, gpus_per_node: int) -> ClusterSpec:
+def cluster_by_name(name: str, nodes: int, gpus_per_node: int) -> ClusterSpec:
+    """The cluster fabric preset ``name`` with ``nodes`` x ``gpus_per_node`` GPUs (PlanError for a bad one)."""
     from ..specs import cluster_preset
 
     try:
@@ -125,7 +131,8 @@ def _cluster(name: str, nodes: int, gpus_per_node: int) -> ClusterSpec:
         raise PlanError(str(exc)) from None
 
 
-def _check_batch(batch, model, path: str) -> None:
+def check_trace_fits(batch: TraceBatch, model: ModelSpec, path: str) -> None:
+    """PlanError naming the trace file unless its L and E are the model's."""
     if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
         raise PlanError(f"trace {path} has {batch.num_layers} MoE layers and {batch.num_experts} experts; "
                         f"model {model.name} has {model.num_layers} and {model.num_experts}")
@@ -136,7 +143,7 @@ def cluster_of_plan(plan: BatchPlan, plan_path: str, cluster_name: str) -> Clust
     if plan.num_gpus % plan.gpus_per_node:
         raise PlanError(f"plan {plan_path}: num_gpus={plan.num_gpus} is not a multiple of "
                         f"gpus_per_node={plan.gpus_per_node}")
-    return _cluster(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node)
+    return cluster_by_name(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node)
 
 
 def load_previous(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str = "--previous") -> Placement:
@@ -173,7 +180,25 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
             kw[name] = getattr(args, name)
     if getattr(args, "previous_placement", None) is not None:
         kw["previous"] = args.previous_placement
+    if getattr(args, "history_loads", None) is not None:
+        kw["history"] = args.history_loads
     return PlanOptions.from_kwargs(**kw)
+
+
+def load_history(paths: list[str], model: ModelSpec) -> np.ndarray:
+    """int64 ``[W, L, E]``: the per-(layer, expert) token loads of the past batches in trace files ``paths``
+    (for ``--history``); PlanError naming the file when it is not a trace of ``model``."""
+    from ..trace import TraceBatch
+
+    loads = []
+    for path in paths:
+        try:
+            past = TraceBatch.load(path)
+        except (OSError, ValueError, KeyError) as exc:
+            raise PlanError(f"--history {path}: not a readable trace file ({type(exc).__name__}: {exc})") from None
+        check_trace_fits(past, model, path)
+        loads.append(past.sample_expert_counts().sum(axis=0))
+    return np.stack(loads).astype(np.int64)
 
 
 def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: str
@@ -183,9 +208,9 @@ def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: 
     from ..plan import BatchPlan
     from ..trace import TraceBatch
 
-    model = _model(model_name)
+    model = model_by_name(model_name)
     batch = TraceBatch.load(trace_path)
-    _check_batch(batch, model, trace_path)
+    check_trace_fits(batch, model, trace_path)
     plan = BatchPlan.load(plan_path)
     return model, batch, plan, cluster_of_plan(plan, plan_path, cluster_name)
 
@@ -205,13 +230,14 @@ def _score(plan, batch, model, cluster, balanced: bool) -> dict[str, Any]:
 
 def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     """Plan, save, score: the JSON-ready result (what ``relibra plan --json`` prints)."""
+    from ..planners.options import HISTORY_STRATEGIES
     from ..planners.strategies import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, plan_with_options
     from ..trace import TraceBatch
 
-    model = _model(args.model)
-    cluster = _cluster(args.cluster, args.nodes, args.gpus_per_node)
+    model = model_by_name(args.model)
+    cluster = cluster_by_name(args.cluster, args.nodes, args.gpus_per_node)
     batch = TraceBatch.load(args.trace)
-    _check_batch(batch, model, args.trace)
+    check_trace_fits(batch, model, args.trace)
     if args.replica_slots and args.strategy not in REPLICA_STRATEGIES:
         raise PlanError(f"--replica-slots={args.replica_slots} only applies to {', '.join(REPLICA_STRATEGIES)}, "
                         f"not --strategy {args.strategy}")
@@ -225,6 +251,11 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError(f"--token-cap={args.token_cap} only applies with --repack")
     if args.previous is not None:
         args.previous_placement = load_previous(args.previous, model, cluster)
+    if args.history:
+        if args.strategy not in HISTORY_STRATEGIES:
+            raise PlanError(f"--history only applies to --strategy {' and '.join(HISTORY_STRATEGIES)}, not "
+                            f"--strategy {args.strategy}")
+        args.history_loads = load_history(args.history, model)
     plan = plan_with_options(batch, model, cluster, args.strategy, plan_options(args),
                              micro_batch_size=args.micro_batch_size)
     plan.save(args.out)

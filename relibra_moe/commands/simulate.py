@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Any
 
+from ..timing import REPLICA_MODES
 from .plan import load_inputs, load_previous
 
 
@@ -27,8 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="plan file whose placement precedes this one (default: the static placement)")
     p.add_argument("--optimizer-bytes", type=float, default=None,
                    help="optimizer-state bytes per parameter that move with a re-laid-out expert (default 12)")
-    p.add_argument("--replica-mode", choices=("auto", "per-layer", "persistent"), default="auto",
-                   help="how replica weights travel (see relibra_moe.sim; default auto)")
+    p.add_argument("--replica-mode", choices=REPLICA_MODES, default="auto",
+                   help="how replica weights travel (see relibra_moe.sim; default auto: after-router for online "
+                        "plans, persistent for replicas fixed over the batch, else per-layer)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 

@@ -23,10 +23,17 @@ from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..plan import Placement
 from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
-from ..validate import check_choice, check_int, check_nonnegative, check_optional_int, check_positive
+from ..validate import (
+    check_choice,
+    check_int,
+    check_nonnegative,
+    check_optional_int,
+    check_positive,
+    check_token_counts,
+)
 
 __all__ = ["PlanOptions", "OBJECTIVES", "BALANCED_SOURCES", "DEFAULT_ROUNDS", "DEFAULT_TOL", "FINAL_ITERS_FACTOR",
-           "RELIBRA_STRATEGIES", "REPLICA_STRATEGIES"]
+           "RELIBRA_STRATEGIES", "REPLICA_STRATEGIES", "HISTORY_STRATEGIES"]
 
 OBJECTIVES = ("batch", "aggregate")
 BALANCED_SOURCES = ("batch", "even")
@@ -37,10 +44,12 @@ DEFAULT_TOL = 0.05
 FINAL_ITERS_FACTOR = 8
 """``final_iters`` default: this many times a round's reorder proposals (BENCHMARKS.md, "Planner defaults")."""
 
-REPLICA_STRATEGIES = ("eplb", "lplb", "relibra")
+REPLICA_STRATEGIES = ("eplb", "lplb", "relibra", "eplb-history", "online")
 """The strategies that place replicas (read ``replica_slots``)."""
 RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
 """The ReLibra strategies: reorder + locality (+ replication); they read ``skew_cap`` / ``node_comp``."""
+HISTORY_STRATEGIES = ("eplb-history",)
+"""The strategies that plan from past batches' loads (read ``history``)."""
 
 _BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas")
 _OPTIONAL_BOOLS = ("node_comp", "smooth")
@@ -58,7 +67,7 @@ class PlanOptions:
     """Every option of a planning call (``plan_batch``, ``Planner``, ``relibra plan``), validated on construction.
 
     Attributes:
-        replica_slots: r replica slots per GPU (eplb, lplb, relibra), int >= 0.
+        replica_slots: r replica slots per GPU (``REPLICA_STRATEGIES``), int >= 0.
         seed: plan seed, int >= 0 (same inputs and seed -> same plan).
         workers: processes for the parallel parts, int >= 1.
         repack: let samples change micro-batch (equal sample counts per micro-batch unless ``token_cap``).
@@ -77,6 +86,9 @@ class PlanOptions:
         migration: price expert moves against ``previous`` (relibra*): relabel by the fabric's symmetries and
             keep a layer's previous homes where the new ones do not pay for their move.
         previous: placement before this batch (a ``Placement`` or int ``[L, E]``; None: the static one).
+        history: eplb-history's past loads, tokens per (layer, expert): ``[L, E]`` of one batch or ``[W, L, E]``
+            of a window of W >= 1 batches (finite, >= 0; None: no batch seen yet, the trivial layout). The
+            shape against the model is checked by the strategy (``history.history_weights``).
         optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter, >= 0.
         price_replicas: replicas must pay for their push / pull not hidden behind attention (relibra).
         node_comp: replication-aware reorder cost (None: on exactly when ``skew_cap`` is set).
@@ -105,6 +117,7 @@ class PlanOptions:
     balanced_sources: str = "batch"
     migration: bool = True
     previous: Any = None
+    history: Any = None
     optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM
     price_replicas: bool = True
     node_comp: bool | None = None
@@ -140,6 +153,12 @@ class PlanOptions:
             raise PlanError(f"token_cap={self.token_cap!r} only applies with repack=True (--repack)")
         if not isinstance(self.replicate, Mapping):
             raise PlanError(f"replicate={self.replicate!r} must be a dict of replicate_cell keywords")
+        if self.history is not None:
+            h = np.asarray(self.history)
+            if h.ndim not in (2, 3) or h.size == 0 or h.dtype.kind not in "iuf":
+                raise PlanError(f"history must be [L, E] or [W, L, E] expert loads (numbers, W >= 1), got shape "
+                                f"{h.shape} of dtype {h.dtype}")
+            check_token_counts("history", h)
         if self.previous is not None and not isinstance(self.previous, (Placement, np.ndarray, list, tuple)):
             raise PlanError(f"previous must be a Placement or an int [L, E] array (or None), got "
                             f"{type(self.previous).__name__}")
@@ -179,10 +198,14 @@ class PlanOptions:
             if getattr(self, name) is not None and strategy not in RELIBRA_STRATEGIES:
                 raise PlanError(f"{name}={getattr(self, name)!r} only applies to {' and '.join(RELIBRA_STRATEGIES)}, "
                                 f"not strategy {strategy!r}")
+        if self.history is not None and strategy not in HISTORY_STRATEGIES:
+            raise PlanError(f"history= (past loads of shape {np.shape(self.history)}) only applies to strategy "
+                            f"{' and '.join(map(repr, HISTORY_STRATEGIES))}, not {strategy!r}")
 
     def strategy_options(self) -> dict[str, Any]:
         """The strategy options that differ from their defaults (``stats["options"]`` of a plan): JSON-ready,
-        ``previous`` recorded as the SHA-1 of its int64 ``[L, E]`` homes."""
+        ``previous`` recorded as the SHA-1 of its int64 ``[L, E]`` homes, ``history`` as the SHA-1 of its float64
+        loads and their shape."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name in ("replica_slots", "seed", "workers", "repack", "cell_chunk", "replicate"):
@@ -195,5 +218,8 @@ class PlanOptions:
             if f.name == "previous":
                 homes = np.asarray(getattr(v, "expert_gpu", v), dtype=np.int64)
                 v = "sha1:" + hashlib.sha1(np.ascontiguousarray(homes).data).hexdigest()
+            elif f.name == "history":
+                h = np.ascontiguousarray(v, dtype=np.float64)
+                v = f"sha1:{hashlib.sha1(h.data).hexdigest()} shape {list(h.shape)}"
             out[f.name] = v
         return dict(sorted(out.items()))

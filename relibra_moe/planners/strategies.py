@@ -11,7 +11,14 @@ name                      plan
 ``lplb``                  LPLB+: EPLB+ reorder, per-micro-batch LP split over <= 1 copy per expert
 ``relibra``               relibra-inter + intra-node replication and token split (Algorithm 2), replicas
                           priced for their exposed push / pull; ``skew_cap``: rank-balance mode
+``eplb-history``          EPLB from past batches' loads (option ``history``), as engines run it (``history``)
+``online``                static homes + per-micro-batch replicas from the live loads, fetched after the
+                          router (``online``; no replay)
 ========================  ======================================================================
+
+The strategies share ``context`` (``PlanContext``, ``make_plan``, ``baseline_samples``,
+``previous_expert_gpu``); the ones in their own modules (``history``, ``online``) are imported here and
+registered in ``STRATEGIES`` like the others.
 
 Every strategy takes ``(ctx: PlanContext) -> BatchPlan``; its options are ``ctx.options``, one
 ``options.PlanOptions``, and its tasks run on ``ctx.executor`` (``executor.TaskExecutor``): ``plan_batch``
@@ -35,118 +42,44 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import batch_sha1, check_batch_type, placement_loads
-from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
+from ..plan import BatchPlan, Placement, SamplePlacement, round_robin_gpus
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import attention_forward
 from ..trace import TraceBatch
 from . import baselines
-from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
+from .context import PlanContext, baseline_samples, make_plan, previous_expert_gpu
+from .executor import TaskExecutor, TaskFailed, default_executor
+from .history import strategy_eplb_history
 from .locality import anneal_locality, default_locality_iters
 from .lplb import lplb_replicas
 from .migration import keep_previous_layers, relabel_to_previous
+from .online import strategy_online
 from .options import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, PlanOptions
 from .reorder import default_iters, lpt_placement, reorder
 from .replicate import replicate_batch
 
 __all__ = ["STRATEGIES", "COMPARED_STRATEGIES", "REPACK_COMPARED", "REPLICA_STRATEGIES", "RELIBRA_STRATEGIES",
-           "PlanContext", "make_context", "run_strategy", "plan_batch", "plan_with_options", "relibra_inter"]
-
-
-@dataclass
-class PlanContext:
-    """Inputs of one planning call (arrays derived once from the batch).
-
-    Attributes:
-        batch: the TraceBatch, with its micro-batch assignment.
-        counts: int64 ``[N, L, E]`` tokens per sample, layer and expert.
-        lengths: int64 ``[N]`` tokens per sample.
-        micro_batch: int64 ``[N]``; num_micro_batches: M.
-        sample_gpu: int64 ``[N]`` round-robin start.
-        options: the call's ``PlanOptions``.
-        executor: where the planning tasks run.
-        fallback_expert_gpu: int64 ``[L, E]`` homes a reorder layer keeps when its tasks fail (None: its start).
-        stats: the plan's ``stats`` being built; fallbacks: cells that fell back (``FallbackLog``).
-    """
-
-    batch: TraceBatch
-    model: ModelSpec
-    cluster: ClusterSpec
-    counts: np.ndarray
-    lengths: np.ndarray
-    micro_batch: np.ndarray
-    num_micro_batches: int
-    sample_gpu: np.ndarray
-    options: PlanOptions
-    executor: TaskExecutor
-    fallback_expert_gpu: np.ndarray | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
-    fallbacks: FallbackLog = field(default_factory=FallbackLog)
-
-    @property
-    def replica_slots(self) -> int:
-        return self.options.replica_slots
-
-    @property
-    def seed(self) -> int:
-        return self.options.seed
-
-    @property
-    def workers(self) -> int:
-        return self.options.workers
-
-    @property
-    def repack(self) -> bool:
-        return self.options.repack
-
-    def loads(self, micro_batch: np.ndarray, sample_gpu: np.ndarray) -> np.ndarray:
-        """int64 ``[M, L, G, E]`` for a sample placement."""
-        return placement_loads(self.batch, micro_batch, sample_gpu, self.num_micro_batches, self.cluster.num_gpus)
-
-    def batch_for(self, micro_batch: np.ndarray) -> TraceBatch:
-        """The batch with micro-batch assignment ``micro_batch`` (for replicate / lplb)."""
-        return self.batch.with_micro_batch(np.asarray(micro_batch, dtype=np.int32))
-
-
-def _plan(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
-          replicas: ReplicaPlan | None = None) -> BatchPlan:
-    G, L = ctx.cluster.num_gpus, ctx.model.num_layers
-    if replicas is None:
-        replicas = ReplicaPlan.empty(ctx.num_micro_batches, L, G, 0)
-    return BatchPlan(placement=Placement(expert_gpu),
-                     samples=SamplePlacement(micro_batch, sample_gpu, ctx.num_micro_batches),
-                     replicas=replicas, num_gpus=G, gpus_per_node=ctx.cluster.gpus_per_node, stats=ctx.stats)
-
-
-def _maybe_repack(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Samples for a baseline: round-robin, or annealed with repacking when ``ctx.repack``."""
-    if not ctx.repack:
-        return ctx.micro_batch, ctx.sample_gpu
-    o = ctx.options
-    mb, sg, info = anneal_locality(ctx.counts, ctx.lengths, ctx.micro_batch, ctx.sample_gpu, expert_gpu, ctx.model,
-                                   ctx.cluster, num_micro_batches=ctx.num_micro_batches, repack=True,
-                                   token_cap=o.token_cap, tol=o.tol, seed=ctx.seed, iters=o.locality_iters)
-    ctx.stats["locality"] = info
-    return mb, sg
+           "PlanContext", "make_context", "run_strategy", "plan_batch", "plan_with_options", "relibra_inter",
+           "check_strategy", "previous_expert_gpu"]
 
 
 def strategy_static(ctx: PlanContext) -> BatchPlan:
     """Megatron-LM: expert e on GPU e // (E/G) in every layer; samples round-robin (or repacked)."""
     eg = baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
-    return _plan(ctx, eg, *_maybe_repack(ctx, eg))
+    return make_plan(ctx, eg, *baseline_samples(ctx, eg))
 
 
 def strategy_lpt(ctx: PlanContext) -> BatchPlan:
     """Greedy LPT per layer on the batch-aggregated loads ``x.sum(m, j)`` (Algorithm 1's start)."""
     x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
     eg = np.stack([lpt_placement(x[:, l].sum(axis=(0, 1)), ctx.cluster.num_gpus) for l in range(x.shape[1])])
-    return _plan(ctx, eg, *_maybe_repack(ctx, eg))
+    return make_plan(ctx, eg, *baseline_samples(ctx, eg))
 
 
 def strategy_eplb(ctx: PlanContext) -> BatchPlan:
@@ -154,21 +87,21 @@ def strategy_eplb(ctx: PlanContext) -> BatchPlan:
     x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
     eg, slots = baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node,
                                ctx.replica_slots, ctx.options.num_groups)
-    mb, sg = _maybe_repack(ctx, eg)
+    mb, sg = baseline_samples(ctx, eg)
     replicas = None
     if ctx.replica_slots > 0:
         xx = ctx.loads(mb, sg)
         replicas = baselines.even_split_replicas(eg, slots, xx)
         ctx.stats["eplb_replicas_dropped"] = int(ctx.replica_slots * ctx.cluster.num_gpus * ctx.model.num_layers
                                                  - (slots >= 0).sum())
-    return _plan(ctx, eg, mb, sg, replicas)
+    return make_plan(ctx, eg, mb, sg, replicas)
 
 
 def strategy_balanced(ctx: PlanContext) -> BatchPlan:
     """The Balanced ideal: a static plan that ``score_plan`` scores on uniform random routing."""
     ctx.stats["balanced_sources"] = ctx.options.balanced_sources
     eg = baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
-    return _plan(ctx, eg, ctx.micro_batch, ctx.sample_gpu)
+    return make_plan(ctx, eg, ctx.micro_batch, ctx.sample_gpu)
 
 
 def locality_task(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
@@ -254,23 +187,6 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
 
 
-def previous_expert_gpu(options: PlanOptions, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
-    """int64 ``[L, E]``: the placement before this batch (option ``previous``: a Placement or array; default
-    the static Megatron placement, what the trainer starts from)."""
-    prev = options.previous
-    if prev is None:
-        return baselines.static_placement(model.num_layers, model.num_experts, cluster.num_gpus)
-    prev = np.asarray(getattr(prev, "expert_gpu", prev), dtype=np.int64)
-    if prev.shape != (model.num_layers, model.num_experts):
-        raise PlanError(f"previous placement must be [L={model.num_layers}, E={model.num_experts}] GPUs in "
-                        f"[0, {cluster.num_gpus}), got shape {prev.shape}")
-    try:
-        Placement(prev).validate(model, cluster)
-    except PlanError as exc:
-        raise PlanError(f"previous placement: {exc}") from None
-    return prev
-
-
 def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, batch: TraceBatch,
             num_micro_batches: int, model: ModelSpec, cluster: ClusterSpec, options: PlanOptions, node_comp: bool
             ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
@@ -296,7 +212,7 @@ def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndar
 
 def strategy_relibra_inter(ctx: PlanContext) -> BatchPlan:
     """Reorder + locality (+ repacking) with migration pricing (``relibra_inter``), no replicas."""
-    return _plan(ctx, *relibra_inter(ctx))
+    return make_plan(ctx, *relibra_inter(ctx))
 
 
 def strategy_relibra(ctx: PlanContext) -> BatchPlan:
@@ -313,7 +229,7 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
                                executor=ctx.executor, cell_chunk=ctx.options.cell_chunk, fallbacks=ctx.fallbacks,
                                **dict(ctx.options.replicate))
     ctx.stats.setdefault("timing", {})["replicate_s"] = time.perf_counter() - t0
-    return _plan(ctx, eg, mb, sg, replicas)
+    return make_plan(ctx, eg, mb, sg, replicas)
 
 
 def strategy_lplb(ctx: PlanContext) -> BatchPlan:
@@ -322,12 +238,12 @@ def strategy_lplb(ctx: PlanContext) -> BatchPlan:
     x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
     eg, _ = baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node, 0,
                            ctx.options.num_groups)
-    mb, sg = _maybe_repack(ctx, eg)
+    mb, sg = baseline_samples(ctx, eg)
     placement = Placement(eg)
     samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
     replicas = lplb_replicas(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster,
                              replica_slots=ctx.replica_slots, workers=ctx.workers)
-    return _plan(ctx, eg, mb, sg, replicas)
+    return make_plan(ctx, eg, mb, sg, replicas)
 
 
 def replica_pricing(options: PlanOptions, lengths: np.ndarray, samples: SamplePlacement, model: ModelSpec,
@@ -347,6 +263,8 @@ STRATEGIES: dict[str, Callable[[PlanContext], BatchPlan]] = {
     "relibra-inter": strategy_relibra_inter,
     "lplb": strategy_lplb,
     "relibra": strategy_relibra,
+    "eplb-history": strategy_eplb_history,
+    "online": strategy_online,
 }
 """The strategy registry: name -> ``(PlanContext) -> BatchPlan``; the CLI's choices come from it."""
 
@@ -409,7 +327,7 @@ def plan_batch(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, strate
     Args:
         batch: a TraceBatch (with a micro-batch assignment unless ``micro_batch_size`` is given).
         strategy: a key of ``STRATEGIES``.
-        replica_slots: r replica slots per GPU (eplb, lplb, relibra).
+        replica_slots: r replica slots per GPU (the strategies of ``REPLICA_STRATEGIES``).
         seed: plan seed (same inputs and seed -> same plan).
         workers: processes for the parallel parts.
         repack: let samples change micro-batch (equal sample counts per micro-batch unless

@@ -1,0 +1,146 @@
+"""``relibra compare TRACE --model M --nodes N --strategies a,b,c``: every strategy on the same batch, one table.
+
+The first comparison a user makes: each strategy plans the trace's batch, and every plan gets the same
+evaluation (``relibra_moe.steady.evaluate``): the sum of the forward T_MoE (the paper's metric, moves free),
+the simulated training step (moves from the static placement, replica and reorder traffic charged to every
+strategy alike), the experts moved, the rank skew and the solve seconds.
+
+``--batches K`` is the steady-state mode: the trace's micro-batches are cut into K consecutive global batches
+(arrival order), planned one after another, each plan's previous placement the strategy's last plan
+(``relibra_moe.steady``); the table shows the first step and the steady-state mean of steps 2..K.
+``eplb-history`` plans from past batches' loads, so on one batch (no history yet) it is the static layout; it
+needs ``--batches`` >= 2 to re-balance. The baselines' models: docs/baselines.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import PlanError
+from .plan import check_trace_fits, cluster_by_name, model_by_name
+
+DEFAULT_COMPARE = "static,eplb,eplb-history,online,relibra"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``relibra compare`` to the CLI."""
+    from ..planners.strategies import STRATEGIES
+
+    p = subparsers.add_parser(
+        "compare", help="plan a trace with several strategies and compare them on one evaluation",
+        description="Plan the batch in TRACE with every strategy of --strategies and print one table: sum of "
+                    "T_MoE (moves free), simulated step (moves, replica and reorder traffic charged), experts "
+                    "moved, rank skew, solve seconds. --batches K: the steady state of K consecutive batches.")
+    p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
+    p.add_argument("--model", required=True, help="model preset, e.g. qwen3-235b-a22b, gpt-oss-20b")
+    p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--strategies", default=DEFAULT_COMPARE,
+                   help=f"comma-separated strategies (default {DEFAULT_COMPARE}; known: {', '.join(STRATEGIES)})")
+    p.add_argument("--replica-slots", type=int, default=2,
+                   help="replica slots per GPU r for the strategies that place replicas (default 2)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples per micro-batch (default: the trace's own assignment)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="plan and simulate only the first N MoE layers (the model is restricted to match)")
+    p.add_argument("--batches", type=int, default=1,
+                   help="steady state: cut the trace into K consecutive batches planned one after another "
+                        "(default 1: one batch from the static placement)")
+    p.add_argument("--rebalance-every", type=int, default=1,
+                   help="eplb-history: re-balance every n batches (default 1); with one batch it has no history "
+                        "and keeps the static layout")
+    p.add_argument("--window", type=int, default=1,
+                   help="eplb-history: batches of load history EPLB sees (default 1: the previous batch)")
+    p.add_argument("--seed", type=int, default=0, help="plan seed")
+    p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the full result as JSON to OUT")
+    p.set_defaults(func=run)
+
+
+def parse_strategies(text: str) -> list[str]:
+    """The strategy names of ``a,b,c`` (PlanError for an unknown or repeated name, or an empty list)."""
+    from ..planners.strategies import STRATEGIES
+
+    names = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not names:
+        raise PlanError(f"--strategies={text!r} names no strategy; known: {', '.join(STRATEGIES)}")
+    for s in names:
+        if s not in STRATEGIES:
+            raise PlanError(f"--strategies: unknown strategy {s!r}; known: {', '.join(STRATEGIES)}")
+    dup = sorted({s for s in names if names.count(s) > 1})
+    if dup:
+        raise PlanError(f"--strategies names {dup[0]!r} twice")
+    return names
+
+
+def compare_file(trace_path: str, model_name: str, nodes: int, gpus_per_node: int = 8, *,
+                 strategies: str = DEFAULT_COMPARE, cluster_name: str = "hopper-rail", replica_slots: int = 2,
+                 micro_batch_size: int | None = None, layers: int | None = None, batches: int = 1,
+                 rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1) -> dict[str, Any]:
+    """Load the trace, run the comparison, return the JSON-ready result (what ``--json OUT`` writes).
+
+    Raises:
+        PlanError / TraceError: a bad argument (named with its value), a trace for another model, a trace
+            without micro-batch assignment and no ``micro_batch_size``.
+    """
+    import numpy as np
+
+    from ..steady import consecutive_batches, restrict_layers, run_steady
+    from ..trace import TraceBatch
+
+    names = parse_strategies(strategies)
+    for flag, v, lo in (("--replica-slots", replica_slots, 0), ("--batches", batches, 1),
+                        ("--rebalance-every", rebalance_every, 1), ("--window", window, 1), ("--seed", seed, 0),
+                        ("--workers", workers, 1), ("--nodes", nodes, 1), ("--gpus-per-node", gpus_per_node, 1)):
+        if v < lo:
+            raise PlanError(f"{flag}={v} must be >= {lo}")
+    if layers is not None and layers < 1:
+        raise PlanError(f"--layers={layers} must be >= 1")
+    model = model_by_name(model_name)
+    cluster = cluster_by_name(cluster_name, nodes, gpus_per_node)
+    batch = TraceBatch.load(trace_path)
+    check_trace_fits(batch, model, trace_path)
+    if micro_batch_size is not None:
+        if micro_batch_size < 1:
+            raise PlanError(f"--micro-batch-size={micro_batch_size} must be >= 1")
+        batch = batch.with_micro_batch_size(micro_batch_size)
+    elif batch.micro_batch is None or int(np.min(batch.micro_batch)) < 0:
+        raise PlanError(f"trace {trace_path} has no micro-batch assignment (for every sample): pass "
+                        "--micro-batch-size B")
+    if layers is not None and layers > model.num_layers:
+        raise PlanError(f"--layers={layers} exceeds the {model.num_layers} MoE layers of {model.name}")
+    batch = restrict_layers(batch, layers)
+    model = model.with_(num_layers=batch.num_layers)
+    seq = consecutive_batches(batch, batches)
+    res = run_steady(seq, model, cluster, names, replica_slots=replica_slots, seed=seed, workers=workers,
+                     rebalance_every=rebalance_every, window=window,
+                     reference="relibra" if "relibra" in names else names[0])
+    res.update({"trace": str(trace_path), "mode": "steady" if batches > 1 else "single",
+                "layers_total": model_by_name(model_name).num_layers})
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    """``relibra compare``: print the table (and write ``--json OUT``); exit status 0."""
+    from rich.console import Console
+
+    from ..plan import json_default
+    from ..steady import steady_table
+
+    res = compare_file(args.trace, args.model, args.nodes, args.gpus_per_node, strategies=args.strategies,
+                       cluster_name=args.cluster, replica_slots=args.replica_slots,
+                       micro_batch_size=args.micro_batch_size, layers=args.layers, batches=args.batches,
+                       rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
+                       workers=args.workers)
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: keep the table's rows and title unwrapped
+        console = Console(width=max(console.width, 160))
+    console.print(steady_table(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2, default=json_default))
+        print(f"wrote {args.json}")
+    return 0

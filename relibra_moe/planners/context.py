@@ -1,0 +1,122 @@
+"""What every strategy receives and the helpers they share: ``PlanContext``, ``make_plan``,
+``baseline_samples`` and ``previous_expert_gpu``.
+
+Every strategy module (``strategies``, ``history``, ``online``) builds its plans with these; ``history`` and
+``online`` import this module, never ``strategies``, so the registry (``strategies.STRATEGIES``) imports them at
+its top without a cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import PlanError
+from ..evaluate import placement_loads
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+from ..specs import ClusterSpec, ModelSpec
+from ..trace import TraceBatch
+from . import baselines
+from .executor import FallbackLog, TaskExecutor
+from .locality import anneal_locality
+from .options import PlanOptions
+
+__all__ = ["PlanContext", "make_plan", "baseline_samples", "previous_expert_gpu"]
+
+
+@dataclass
+class PlanContext:
+    """Inputs of one planning call (arrays derived once from the batch).
+
+    Attributes:
+        batch: the TraceBatch, with its micro-batch assignment.
+        counts: int64 ``[N, L, E]`` tokens per sample, layer and expert.
+        lengths: int64 ``[N]`` tokens per sample.
+        micro_batch: int64 ``[N]``; num_micro_batches: M.
+        sample_gpu: int64 ``[N]`` round-robin start.
+        options: the call's ``PlanOptions``.
+        executor: where the planning tasks run.
+        fallback_expert_gpu: int64 ``[L, E]`` homes a reorder layer keeps when its tasks fail (None: its start).
+        stats: the plan's ``stats`` being built; fallbacks: cells that fell back (``FallbackLog``).
+    """
+
+    batch: TraceBatch
+    model: ModelSpec
+    cluster: ClusterSpec
+    counts: np.ndarray
+    lengths: np.ndarray
+    micro_batch: np.ndarray
+    num_micro_batches: int
+    sample_gpu: np.ndarray
+    options: PlanOptions
+    executor: TaskExecutor
+    fallback_expert_gpu: np.ndarray | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    fallbacks: FallbackLog = field(default_factory=FallbackLog)
+
+    @property
+    def replica_slots(self) -> int:
+        return self.options.replica_slots
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
+
+    @property
+    def workers(self) -> int:
+        return self.options.workers
+
+    @property
+    def repack(self) -> bool:
+        return self.options.repack
+
+    def loads(self, micro_batch: np.ndarray, sample_gpu: np.ndarray) -> np.ndarray:
+        """int64 ``[M, L, G, E]`` for a sample placement."""
+        return placement_loads(self.batch, micro_batch, sample_gpu, self.num_micro_batches, self.cluster.num_gpus)
+
+    def batch_for(self, micro_batch: np.ndarray) -> TraceBatch:
+        """The batch with micro-batch assignment ``micro_batch`` (for replicate / lplb)."""
+        return self.batch.with_micro_batch(np.asarray(micro_batch, dtype=np.int32))
+
+
+def make_plan(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
+          replicas: ReplicaPlan | None = None) -> BatchPlan:
+    """The strategy's BatchPlan: homes ``[L, E]``, samples ``[N]`` (micro-batch, GPU), replicas (default none);
+    ``stats`` is ``ctx.stats``."""
+    G, L = ctx.cluster.num_gpus, ctx.model.num_layers
+    if replicas is None:
+        replicas = ReplicaPlan.empty(ctx.num_micro_batches, L, G, 0)
+    return BatchPlan(placement=Placement(expert_gpu),
+                     samples=SamplePlacement(micro_batch, sample_gpu, ctx.num_micro_batches),
+                     replicas=replicas, num_gpus=G, gpus_per_node=ctx.cluster.gpus_per_node, stats=ctx.stats)
+
+
+def baseline_samples(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Samples for a baseline: round-robin, or annealed with repacking when ``ctx.repack``."""
+    if not ctx.repack:
+        return ctx.micro_batch, ctx.sample_gpu
+    o = ctx.options
+    mb, sg, info = anneal_locality(ctx.counts, ctx.lengths, ctx.micro_batch, ctx.sample_gpu, expert_gpu, ctx.model,
+                                   ctx.cluster, num_micro_batches=ctx.num_micro_batches, repack=True,
+                                   token_cap=o.token_cap, tol=o.tol, seed=ctx.seed, iters=o.locality_iters)
+    ctx.stats["locality"] = info
+    return mb, sg
+
+
+def previous_expert_gpu(options: PlanOptions, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    """int64 ``[L, E]``: the placement before this batch (option ``previous``: a Placement or array; default
+    the static Megatron placement, what the trainer starts from)."""
+    prev = options.previous
+    if prev is None:
+        return baselines.static_placement(model.num_layers, model.num_experts, cluster.num_gpus)
+    prev = np.asarray(getattr(prev, "expert_gpu", prev), dtype=np.int64)
+    if prev.shape != (model.num_layers, model.num_experts):
+        raise PlanError(f"previous placement must be [L={model.num_layers}, E={model.num_experts}] GPUs in "
+                        f"[0, {cluster.num_gpus}), got shape {prev.shape}")
+    try:
+        Placement(prev).validate(model, cluster)
+    except PlanError as exc:
+        raise PlanError(f"previous placement: {exc}") from None
+    return prev

@@ -1,0 +1,421 @@
+"""Steady state of an RL run: consecutive global batches planned one after another, each from the last plan.
+
+In an RL run every global batch starts from the placement the previous batch left behind. A strategy that
+moves experts pays for the move (weights + optimizer state over the fabric, ``sim.reorder_traffic``) on the
+step that makes it; a strategy that keeps its experts pays nothing. The per-step figures here are those of
+the simulator on that chain:
+
+- ``plan_steady`` plans batch k with every strategy, each plan's ``previous`` the strategy's plan of batch
+  k - 1 (static before the first batch): relibra and relibra-inter *price* their moves against it
+  (``planners.migration``), eplb-history relabels towards it and re-balances on its schedule
+  (``planners.history.EplbSchedule``), eplb and lplb re-plan from scratch, static, balanced and online never
+  move;
+- ``evaluate`` is the one evaluation used for everyone: the paper's metric, the sum of the forward T_MoE over
+  micro-batches and layers with moves free (``t_moe_s``), and the simulated step with the moves, the replica
+  traffic and the reorder traffic charged to every strategy alike (``step_s``, ``sim.simulate_step`` with
+  ``previous`` = the strategy's last placement);
+- the first step (from the static placement) is reported apart from the steady state (steps 2..K).
+
+Batch sequences: ``consecutive_batches`` splits a trace in arrival (file) order into K consecutive batches
+(e.g. the real GPT-OSS trace); ``drifting_batches`` builds synthetic RL batches whose domain mix drifts from
+batch to batch (``relibra_moe.synthetic``, labelled synthetic). The models of the baselines are in
+docs/baselines.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import PlanError, TraceError
+from .plan import BatchPlan
+from .planners.history import EplbSchedule
+from .planners.options import HISTORY_STRATEGIES, RELIBRA_STRATEGIES, REPLICA_STRATEGIES
+from .planners.strategies import check_strategy, plan_batch
+from .sim import StepTime, simulate_step
+from .specs import ClusterSpec, ModelSpec, cluster_preset, model_preset
+from .trace import TraceBatch
+
+DEFAULT_STRATEGIES = ("static", "eplb", "eplb-history", "online", "relibra")
+"""The strategies of a steady-state comparison by default: Megatron-LM, EPLB+ (oracle loads), EPLB from
+history, online replication without replay, relibra."""
+PRICED_STRATEGIES = RELIBRA_STRATEGIES
+"""Strategies that price their moves against the ``previous`` placement (option ``previous``): the ReLibra ones
+(their migration pricing, ``strategies.migrate``)."""
+
+
+# ---------------------------------------------------------------------------------------- batches
+def restrict_layers(batch: TraceBatch, layers: int | None) -> TraceBatch:
+    """The batch with only its first ``layers`` MoE layers (count-built: it plans and simulates, it cannot be
+    saved); the batch itself when ``layers`` is None or covers them all."""
+    if layers is None or layers >= batch.num_layers:
+        return batch
+    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or layers < 1:
+        raise TraceError(f"layers={layers!r} must be an int >= 1 (or None for all)")
+    counts = batch.sample_expert_counts()[:, :layers]
+    return TraceBatch.from_counts(counts, batch.topk, batch.layer_ids[:layers], starts=batch.starts,
+                                  micro_batch=batch.micro_batch, source=batch.source,
+                                  sample_info=dict(batch.sample_info))
+
+
+def consecutive_batches(batch: TraceBatch, num_batches: int) -> list[TraceBatch]:
+    """Split ``batch`` (with a micro-batch assignment) into ``num_batches`` consecutive global batches.
+
+    The micro-batches ``0 .. M-1`` are cut into ``num_batches`` contiguous runs of ``M // K`` or
+    ``M // K + 1`` (``np.array_split``); batch k holds the samples of its run in their order, its micro-batches
+    renumbered from 0. With the assignment ``i // B`` of a trace in arrival order this is the trace in arrival
+    order, K batches after one another; every sample lands in exactly one batch.
+
+    Raises:
+        TraceError: no assignment, ``num_batches`` not an int >= 1, or more batches than micro-batches.
+    """
+    if isinstance(num_batches, bool) or not isinstance(num_batches, (int, np.integer)) or num_batches < 1:
+        raise TraceError(f"num_batches={num_batches!r} must be an int >= 1")
+    mb = batch.resolve_micro_batch()
+    M = int(mb.max()) + 1
+    if num_batches > M:
+        raise TraceError(f"num_batches={num_batches} exceeds the {M} micro-batches of the trace: a global batch "
+                         "needs at least one micro-batch")
+    if num_batches == 1:
+        return [batch]
+    out = []
+    for run in np.array_split(np.arange(M), int(num_batches)):
+        idx = np.flatnonzero((mb >= run[0]) & (mb <= run[-1]))
+        if idx.size == 0:
+            raise TraceError(f"micro-batches {int(run[0])}..{int(run[-1])} hold no sample")
+        # micro-batches renumbered densely (a gap in the assignment would leave an empty micro-batch)
+        _, dense = np.unique(mb[idx], return_inverse=True)
+        out.append(batch.subset(idx, micro_batch=dense.astype(np.int32)))
+    return out
+
+
+def domain_mix(step: int, drift: float) -> np.ndarray:
+    """float64 ``[3]``: shares of the base domains (math, code, instruction) in batch ``step``.
+
+    ``p_d = (1 + cos(2 pi (drift * step - d / 3))) / 3`` (the three cosines sum to 0, so the shares sum to 1):
+    the mix rotates by ``drift`` of a full turn per batch. Batch 0 is 2/3 math, 1/6 code, 1/6 instruction;
+    ``drift = 0`` keeps that mix for every batch; ``drift = 0.25`` moves the dominant domain on every few batches.
+    """
+    d = np.arange(3)
+    p = (1.0 + np.cos(2.0 * np.pi * (float(drift) * step - d / 3.0))) / 3.0
+    return np.clip(p, 0.0, None) / np.clip(p, 0.0, None).sum()
+
+
+def drifting_batches(model: ModelSpec, num_batches: int, num_prompts: int, *, responses_per_prompt: int = 4,
+                     micro_batch_size: int = 32, drift: float = 0.25, seed: int = 0) -> list[TraceBatch]:
+    """Synthetic RL batches (labelled synthetic) whose domain mix drifts: batch k draws the domain of each of its
+    micro-batches from ``domain_mix(k, drift)`` (one domain per micro-batch, as ``synthetic`` "mixed" does) and
+    builds each domain's samples with ``synthetic.rl_batch`` (seeded by ``seed``, k and the domain; the model's
+    hot-expert profiles are the same for every batch).
+
+    Args:
+        model: the ModelSpec (its ``num_layers`` MoE layers are built; restrict it to keep runs short).
+        num_batches: K; num_prompts: prompts per batch (samples = prompts x responses).
+        micro_batch_size: samples per micro-batch (a multiple of ``responses_per_prompt``; must divide the
+            batch's samples).
+        drift: turns of the domain mix per batch (``domain_mix``).
+
+    Returns:
+        K count-built TraceBatches with micro-batches assigned; ``sample_info["domain"]`` per sample.
+    """
+    from .synthetic import BASE_DOMAINS, _stable_seed, rl_batch
+
+    for name, v, lo in (("num_batches", num_batches, 1), ("num_prompts", num_prompts, 1),
+                        ("responses_per_prompt", responses_per_prompt, 1), ("micro_batch_size", micro_batch_size, 1)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+            raise TraceError(f"{name}={v!r} must be an int >= {lo}")
+    n = num_prompts * responses_per_prompt
+    if micro_batch_size % responses_per_prompt or n % micro_batch_size:
+        raise TraceError(f"micro_batch_size={micro_batch_size} must be a multiple of responses_per_prompt="
+                         f"{responses_per_prompt} and divide the {n} samples of a batch")
+    if not np.isfinite(drift):
+        raise TraceError(f"drift={drift!r} must be a finite number")
+    M = n // micro_batch_size
+    out = []
+    for k in range(int(num_batches)):
+        rng = np.random.default_rng(_stable_seed("relibra-steady-drift", seed, k))
+        dom = rng.choice(3, size=M, p=domain_mix(k, drift))
+        counts = np.zeros((n, model.num_layers, model.num_experts), np.int64)
+        domains = np.empty(n, dtype=object)
+        for d in np.unique(dom):
+            mbs = np.flatnonzero(dom == d)
+            part = rl_batch(model, BASE_DOMAINS[d], len(mbs) * micro_batch_size // responses_per_prompt,
+                            responses_per_prompt, seed=_stable_seed("relibra-steady-batch", seed, k, int(d)))
+            rows = (mbs[:, None] * micro_batch_size + np.arange(micro_batch_size)[None]).ravel()
+            counts[rows] = part.sample_expert_counts()
+            domains[rows] = BASE_DOMAINS[d]
+        mix = {BASE_DOMAINS[d]: round(float(p), 3) for d, p in enumerate(domain_mix(k, drift))}
+        out.append(TraceBatch.from_counts(
+            counts, model.topk, np.arange(model.num_layers, dtype=np.int32),
+            micro_batch=(np.arange(n) // micro_batch_size).astype(np.int32),
+            source=(f"synthetic RL batch (relibra_moe.synthetic, not real routing): model {model.name}, drifting "
+                    f"domain mix {mix}, batch {k} of {num_batches}, {num_prompts} prompts x {responses_per_prompt} "
+                    f"responses, seed {seed}"),
+            sample_info={"domain": domains.astype(str)}))
+    return out
+
+
+# ------------------------------------------------------------------------------------- evaluation
+def evaluate(plan: BatchPlan, step: StepTime, solve_s: float | None = None) -> dict[str, Any]:
+    """The row of the one evaluation of a plan (JSON-ready), read off its simulated step ``step``
+    (``sim.simulate_step``; ``evaluate_plan`` runs it): ``t_moe_s`` (sum of the forward T_MoE, moves free: the
+    paper's metric; the simulator builds it from ``evaluate.plan_loads`` / ``plan_flow`` and the cost model, so it
+    equals ``evaluate.score_plan``'s ``t_moe_total_s``), ``step_s`` (the simulated step, moves / replica / reorder
+    traffic charged: what ``relibra simulate`` prints), ``tokens``, ``tokens_per_s``, ``experts_moved``,
+    ``reorder_s``, ``replica_exposed_s``, ``rank_skew_mean`` (mean over cells of max GPU load / mean),
+    ``replica_mode``, ``solve_s`` (seconds, wall clock) and the ``breakdown``. Nothing is computed here."""
+    return {
+        "strategy": plan.stats.get("strategy"), "replica_slots": plan.replica_slots,
+        "t_moe_s": float(step.t_moe.sum()), "step_s": step.step_s, "tokens": step.tokens,
+        "tokens_per_s": step.tokens_per_s, "experts_moved": step.experts_moved, "reorder_s": step.reorder_s,
+        "replica_exposed_s": step.replica_exposed_s, "rank_skew_mean": float(step.rank_skew.mean()),
+        "replica_mode": step.replica_mode,
+        "solve_s": float(plan.stats.get("solve_seconds", float("nan")) if solve_s is None else solve_s),
+        "breakdown": step.breakdown,
+    }
+
+
+def evaluate_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, *,
+                  previous: BatchPlan | None = None, solve_s: float | None = None) -> dict[str, Any]:
+    """``evaluate`` of ``simulate_step(plan, batch, ...)`` with the moves charged against ``previous``'s placement
+    (None: the static one), the same call as ``relibra simulate TRACE PLAN [--previous PREV]``."""
+    step = simulate_step(plan, batch, model, cluster, previous=None if previous is None else previous.placement)
+    return evaluate(plan, step, solve_s)
+
+
+def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: ClusterSpec, strategy: str, *,
+                replica_slots: int = 2, seed: int = 0, workers: int = 1, rebalance_every: int = 1, window: int = 1,
+                progress: Callable[[str, int], None] | None = None,
+                **options: Any) -> tuple[list[BatchPlan], list[dict[str, Any]]]:
+    """Plan and simulate ``batches`` one after another with one strategy; the chain of plans and evaluations.
+
+    Batch k's plan gets ``previous`` = the plan of batch k - 1 (relibra / relibra-inter price moves against it,
+    eplb-history relabels towards it), and the simulator charges the moves against that same placement
+    (static before batch 0). eplb-history sees the loads of the last ``window`` batches every
+    ``rebalance_every`` batches (``EplbSchedule``). ``replica_slots`` applies to the strategies that place
+    replicas (``REPLICA_STRATEGIES``), 0 elsewhere. ``options`` go to ``plan_batch``.
+
+    Returns:
+        (plans ``[K]``, evaluations ``[K]`` of ``evaluate`` with ``batch`` k and ``previous_moved``: the experts
+        whose home differs from the previous plan's, what the simulator charged).
+    """
+    check_strategy(strategy)
+    if not batches:
+        raise PlanError("no batches to plan: the steady state needs at least one")
+    schedule = EplbSchedule(rebalance_every=rebalance_every, window=window)
+    r = int(replica_slots) if strategy in REPLICA_STRATEGIES else 0
+    plans: list[BatchPlan] = []
+    rows: list[dict[str, Any]] = []
+    prev: BatchPlan | None = None
+    for k, batch in enumerate(batches):
+        if progress is not None:
+            progress(strategy, k)
+        opts = dict(options)
+        if prev is not None and strategy in PRICED_STRATEGIES + HISTORY_STRATEGIES:
+            opts["previous"] = prev.placement
+        if strategy in HISTORY_STRATEGIES:
+            opts["history"] = schedule.history_for(k)
+        t0 = time.perf_counter()
+        plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers, **opts)
+        solve_s = time.perf_counter() - t0
+        row = evaluate_plan(plan, batch, model, cluster, previous=prev, solve_s=solve_s)
+        schedule.observe(batch.sample_expert_counts().sum(axis=0))
+        row["batch"] = k
+        row["num_micro_batches"] = plan.num_micro_batches
+        plans.append(plan)
+        rows.append(row)
+        prev = plan
+    return plans, rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """First step and steady state (steps 2..K; step 1 alone when K = 1) of one strategy's evaluations.
+
+    ``steady.step_s`` / ``t_moe_s`` / ``experts_moved`` / ``rank_skew_mean`` / ``solve_s`` are means per step;
+    ``steady.tokens_per_s`` is the steady steps' tokens over their summed step seconds.
+    """
+    first = rows[0]
+    rest = rows[1:] or rows[:1]
+    mean = {k: float(np.mean([r[k] for r in rest])) for k in ("step_s", "t_moe_s", "experts_moved", "reorder_s",
+                                                                "replica_exposed_s", "rank_skew_mean", "solve_s")}
+    mean["tokens_per_s"] = float(sum(r["tokens"] for r in rest) / sum(r["step_s"] for r in rest))
+    mean["steps"] = len(rest)
+    keys = ("step_s", "t_moe_s", "experts_moved", "rank_skew_mean", "solve_s", "tokens_per_s")
+    return {"first": {k: first[k] for k in keys}, "steady": mean}
+
+
+def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: ClusterSpec,
+               strategies: Sequence[str] = DEFAULT_STRATEGIES, *, replica_slots: int = 2, seed: int = 0,
+               workers: int = 1, rebalance_every: int = 1, window: int = 1, reference: str = "relibra",
+               progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+    """The steady-state comparison (JSON-ready): every strategy through ``plan_steady`` on the same batches.
+
+    Returns:
+        ``{"num_batches", "tokens_per_batch", "replica_slots", "rebalance_every", "window", "strategies":
+        {name: {"per_step": [...evaluate rows], "first": {...}, "steady": {...}}}, "speedup": {name: steady
+        tokens/s of ``reference`` over that of name}, "speedup_first": the same on the first step}``.
+    """
+    out: dict[str, Any] = {
+        "num_batches": len(batches), "tokens_per_batch": [int(b.num_tokens) for b in batches],
+        "samples_per_batch": [int(b.num_sequences) for b in batches],
+        "model": model.name, "layers": model.num_layers,
+        "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
+        "replica_slots": int(replica_slots), "rebalance_every": int(rebalance_every), "window": int(window),
+        "seed": int(seed), "strategies": {},
+        "metrics": {"t_moe_s": "sum of the forward T_MoE over micro-batches and layers, moves free (the paper's "
+                               "metric)",
+                    "step_s": "simulated training step: attention + MoE forward/backward, replica traffic and the "
+                              "re-layout from the strategy's previous placement charged to every strategy"},
+    }
+    for s in strategies:
+        _, rows = plan_steady(batches, model, cluster, s, replica_slots=replica_slots, seed=seed, workers=workers,
+                              rebalance_every=rebalance_every, window=window, progress=progress)
+        out["strategies"][s] = {"per_step": rows, **summarize(rows)}
+    st = out["strategies"]
+    if reference in st:
+        ref = st[reference]
+        out["reference"] = reference
+        out["speedup"] = {s: ref["steady"]["tokens_per_s"] / v["steady"]["tokens_per_s"] for s, v in st.items()}
+        out["speedup_first"] = {s: v["first"]["step_s"] / ref["first"]["step_s"] for s, v in st.items()}
+    return out
+
+
+# ----------------------------------------------------------------------------------------- report
+def steady_table(res: dict[str, Any], title: str | None = None) -> Any:
+    """A rich Table of a ``run_steady`` result: per strategy the first step, the steady-state sum of T_MoE
+    (moves free) and step (moves charged), experts moved, rank skew, solve seconds, and the reference's
+    throughput over the row's."""
+    from rich.table import Table
+
+    c = res["cluster"]
+    ref = res.get("reference", "?")
+    steady = res["num_batches"] > 1
+    if title is None:
+        title = (f"{res['model']} on {c['nodes']} x {c['gpus_per_node']} GPUs, r = {res['replica_slots']}, "
+                 f"{res['layers']} MoE layers"
+                 + (f" of {res['layers_total']}" if res.get("layers_total", res["layers"]) > res["layers"] else "")
+                 + (f", steady state of {res['num_batches']} consecutive batches (first step apart)" if steady
+                    else ", one batch from the static placement"))
+    t = Table(title=title, caption="sum T_MoE: forward T_MoE summed over micro-batches and layers, moves free (the "
+                                   "paper's metric). step: simulated training step, moves from the previous "
+                                   "placement, replica and reorder traffic charged to every strategy. "
+                                   f"x {ref}: {ref}'s throughput over the row's" + (" (steady state)." if steady
+                                                                                     else "."))
+    t.add_column("strategy")
+    if steady:
+        t.add_column("first step s", justify="right")
+    suffix = " (steady)" if steady else ""
+    for name in ("sum T_MoE s", "step s", "experts moved", "rank skew", "solve s"):
+        t.add_column(name + (suffix if name in ("sum T_MoE s", "step s", "experts moved") else ""), justify="right")
+    t.add_column(f"x {ref}", justify="right")
+    for name, v in res["strategies"].items():
+        s = v["steady"]
+        row = [name] + ([f"{v['first']['step_s']:.4f}"] if steady else [])
+        row += [f"{s['t_moe_s']:.4f}", f"{s['step_s']:.4f}", f"{s['experts_moved']:.0f}",
+                f"{s['rank_skew_mean']:.3f}", f"{s['solve_s']:.2f}",
+                f"{res['speedup'][name]:.3f}" if "speedup" in res else "-"]
+        t.add_row(*row)
+    return t
+
+
+# ------------------------------------------------------------------------------------------- demo
+DEMO_STRATEGIES = ("static", "eplb", "lplb", "eplb-history", "online", "relibra")
+
+
+def demo_steady_cases(quick: bool = False) -> list[dict[str, Any]]:
+    """The demo's steady-state runs, each tied to the single-batch scenario (``after``) whose run enables it.
+
+    Default: the whole GPT-OSS-20B trace in 4 consecutive batches of 4 micro-batches x 44 requests on EP8 = 2 x 4
+    (all 24 layers), and 4 qwen3-235b-a22b batches of 256 prompts x 4 responses with a drifting domain mix on
+    EP32 = 4 x 8 (4 of its 94 MoE layers, as the single-batch demo, to stay within the 2-core budget).
+    ``quick``: small versions of both for tests. A case's ``strategies`` (default ``DEMO_STRATEGIES``) are those
+    it runs.
+    """
+    if quick:
+        return [
+            {"name": "gpt-oss-ep8/steady", "after": "gpt-oss-ep8", "model": "gpt-oss-20b", "nodes": 2,
+             "gpus_per_node": 4, "data": "real", "num_requests": 64, "micro_batch_size": 16, "num_batches": 2,
+             "layers": 4},
+            {"name": "qwen3-30b-a3b/drift/steady", "after": "qwen3-30b-a3b/mixed", "model": "qwen3-30b-a3b",
+             "nodes": 2, "gpus_per_node": 8, "data": "synthetic", "num_prompts": 16, "micro_batch_size": 16,
+             "num_batches": 2, "layers": 2, "drift": 0.25},
+        ]
+    return [
+        {"name": "gpt-oss-ep8/steady", "after": "gpt-oss-ep8", "model": "gpt-oss-20b", "nodes": 2, "gpus_per_node": 4,
+         "data": "real", "num_requests": 0, "micro_batch_size": 44, "num_batches": 4, "layers": None},
+        # without lplb: its per-cell LP takes about 2/3 of this case's time (bench/steady.py has the row)
+        {"name": "qwen3-235b-a22b/drift/steady", "after": "qwen3-235b-a22b/mixed", "model": "qwen3-235b-a22b",
+         "nodes": 4, "gpus_per_node": 8, "data": "synthetic", "num_prompts": 256, "micro_batch_size": 32,
+         "num_batches": 4, "layers": 4, "drift": 0.25,
+         "strategies": tuple(s for s in DEMO_STRATEGIES if s != "lplb")},
+    ]
+
+
+def case_batches(case: dict[str, Any], seed: int = 0) -> tuple[list[TraceBatch], ModelSpec, ClusterSpec]:
+    """``(batches, model restricted to the case's layers, cluster)`` of a ``demo_steady_cases`` entry."""
+    full = model_preset(case["model"])
+    model = full.with_(num_layers=case["layers"]) if case.get("layers") else full
+    cluster = cluster_preset("hopper-rail", nodes=case["nodes"], gpus_per_node=case["gpus_per_node"])
+    if case["data"] == "real":
+        from .datasets import gpt_oss_batch
+
+        batch = gpt_oss_batch(num_requests=case.get("num_requests") or None, seed=seed)
+        batch = restrict_layers(batch.with_micro_batch_size(case["micro_batch_size"]), case.get("layers"))
+        return consecutive_batches(batch, case["num_batches"]), model, cluster
+    return (drifting_batches(model, case["num_batches"], case["num_prompts"],
+                             micro_batch_size=case["micro_batch_size"], drift=case.get("drift", 0.25), seed=seed),
+            model, cluster)
+
+
+def steady_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's steady-state targets on the runs present: relibra's steady throughput over each baseline's."""
+    out = []
+    for name, need in (("qwen3-235b-a22b/drift/steady", {"eplb-history": 1.10, "online": 1.05}),
+                       ("gpt-oss-ep8/steady", None)):
+        res = results.get(name)
+        if not res or "speedup" not in res or res.get("reference") != "relibra":
+            continue
+        for s, v in res["speedup"].items():
+            if s == "relibra" or (need is not None and s not in need):
+                continue
+            th = 1.05 if need is None else need[s]
+            out.append({"target": f"{name}: relibra vs {s} per step", "value": v, "threshold": th, "unit": "x",
+                        "met": bool(v >= th)})
+    return out
+
+
+def demo_steady_state(ran: Sequence[str], *, quick: bool = False, seed: int = 0, workers: int = 1,
+                      console: Any = None) -> dict[str, Any]:
+    """The demo's steady-state section: the cases of ``demo_steady_cases`` whose single-batch scenario is in
+    ``ran``, each through ``run_steady`` with its strategies; prints a table per case and the targets;
+    returns ``{"cases": {name: run_steady result + case}, "targets": [...]}`` (JSON-ready)."""
+    results: dict[str, dict[str, Any]] = {}
+    for case in demo_steady_cases(quick):
+        if case["after"] not in ran:
+            continue
+        t0 = time.perf_counter()
+        batches, model, cluster = case_batches(case, seed)
+        res = run_steady(batches, model, cluster, case.get("strategies", DEMO_STRATEGIES), replica_slots=2, seed=seed,
+                         workers=workers)
+        res.update({"case": case, "layers_total": _layers_total(case["model"]), "wall_s": time.perf_counter() - t0,
+                    "data": "real (GPT-OSS-20B routing trace, arrival order)" if case["data"] == "real"
+                    else "synthetic (relibra_moe.synthetic, not real routing; drifting domain mix)"})
+        results[case["name"]] = res
+        if console is not None:
+            console.print(steady_table(res, title=f"steady state {case['name']} [{res['data']}]: "
+                                                  f"{res['num_batches']} consecutive batches, "
+                                                  f"{model.num_layers} MoE layers, r = 2 (first step apart)"))
+    targets = [] if quick else steady_targets(results)  # the quick cases are not the targets' batches
+    if console is not None:
+        for t in targets:
+            mark = "[green]met[/]" if t["met"] else "[red]NOT met[/]"
+            console.print(f"target {t['target']}: {t['value']:.3f}{t['unit']} (>= {t['threshold']}{t['unit']}) "
+                          f"{mark}")
+    return {"cases": results, "targets": targets}
+
+
+def _layers_total(model_name: str) -> int:
+    return model_preset(model_name).num_layers
