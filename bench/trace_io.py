@@ -8,8 +8,9 @@ shared), for one synthetic RL batch (labelled synthetic):
   (the ids are materialized one sequence at a time); file sizes in bytes next to them;
 - ``load_s`` and ``counts_s``: ``TraceBatch.load`` of each file and its ``sample_expert_counts()``
   (a version-2 file is read without its ids, so both are the same for the two files);
-- ``cli_synth_s`` / ``cli_plan_s`` (with ``--cli``): the commands ``relibra trace synth ... --counts-only``
-  and ``relibra plan FILE ...`` run as subprocesses, end to end, as a user runs them.
+- ``cli_synth_s`` / ``cli_plan_s`` / ``cli_simulate_s`` (with ``--cli``): the commands ``relibra trace synth
+  ... --counts-only``, ``relibra plan FILE ...`` and ``relibra simulate FILE PLAN`` run as subprocesses, as a
+  user runs them; ``cli_end_to_end_s`` is their sum (issue 14's targets: plan <= 15 s, all three <= 30 s).
 
 The loaded counts are checked equal to the in-memory batch's (and the lengths and micro-batches).
 
@@ -90,6 +91,9 @@ def run(model: str, domain: str, prompts: int, seed: int, ids: bool, cli: bool, 
         out["plan_args"] = plan_args
         out["cli_plan_s"] = _cli(["plan", str(path), "--model", model, *shlex.split(plan_args),
                                   "--out", str(workdir / "plan.npz"), "--json"], "cli_plan")
+        out["cli_simulate_s"] = _cli(["simulate", str(path), str(workdir / "plan.npz"), "--model", model, "--json"],
+                                     "cli_simulate")
+        out["cli_end_to_end_s"] = out["cli_synth_s"] + out["cli_plan_s"] + out["cli_simulate_s"]
     out["cpu_s"] = dict(CPU_S)
     out["load_average_1min_after"] = os.getloadavg()[0]
     return out
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--no-ids", action="store_true", help="skip the file with per-token ids")
-    ap.add_argument("--cli", action="store_true", help="also time `relibra trace synth` and `relibra plan`")
+    ap.add_argument("--cli", action="store_true",
+                    help="also time `relibra trace synth`, `relibra plan` and `relibra simulate`")
     ap.add_argument("--plan-args", default="--nodes 4 --gpus-per-node 8 --strategy relibra --replica-slots 2",
                     help="arguments of `relibra plan` after the trace and model (default: %(default)s)")
     ap.add_argument("--out", default="bench/results/trace_io.json", help="JSON output (default: %(default)s)")
