@@ -10,6 +10,9 @@ tokens per batch with an LP. The paper's LPLB+ gives it the true loads of the ba
   copies for every micro-batch: the topology and its contents are fixed for the batch);
 - split: per micro-batch and layer, the exact LP with the replicas fixed (``split.solve_split_lp``),
   or the water-filling heuristic (``split="fast"``) when the cells are too many for an LP each.
+
+The splits are "replicate" tasks (chunks of cells) on the planning executor (``executor.TaskExecutor``), so
+``Planner(strategy="lplb")`` gets its deadline and per-task fallback: a failed chunk's cells get no replicas.
 """
 
 from __future__ import annotations
