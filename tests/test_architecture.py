@@ -168,3 +168,23 @@ def test_the_checker_flags_each_kind_of_violation(edges, graph, expect):
 
 def test_a_lower_floor_local_import_is_allowed():
     assert violations({}, [("commands.plan", "evaluate", 3, True), ("planners.strategies", "plan", 1, False)]) == []
+
+
+POOL_OWNERS = {"planners/executor.py", "planners/service.py"}
+"""The only modules that start process pools: every strategy runs its tasks on ``ctx.executor``."""
+
+
+def pool_users(root: Path) -> set[str]:
+    """Modules under ``root`` importing ``ProcessPoolExecutor`` (anywhere in the file, local imports too)."""
+    out = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "ProcessPoolExecutor" for a in node.names):
+                out.add(path.relative_to(root).as_posix())
+    return out
+
+
+def test_only_the_executors_start_process_pools(tmp_path):
+    assert pool_users(PKG) <= POOL_OWNERS
+    (tmp_path / "m.py").write_text("def f():\n    from concurrent.futures import ProcessPoolExecutor\n")
+    assert pool_users(tmp_path) == {"m.py"}  # the checker sees a function-local import

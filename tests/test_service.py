@@ -256,3 +256,39 @@ def test_planner_stats_are_plan_batchs_plus_the_executor(inline_plan):
     assert set(inline_plan.stats) == set(ref.stats) | {"executor", "workers", "fallback_cells"}
     assert inline_plan.stats["options"] == ref.stats["options"] == dict(sorted(FAST.items()))  # none at its default
     assert inline_plan.stats["fallback_cells"] == {"reorder": [], "locality": 0, "replicate": []}
+
+
+def test_lplb_runs_on_the_executor_and_falls_back_per_task():
+    """LPLB+ splits are "replicate" tasks on the given executor (no private pool): the same plan as inline
+    when they finish; a failed task leaves its cells without replicas (every token home) and counts them."""
+    from relibra_moe.planners.options import PlanOptions
+    from relibra_moe.planners.strategies import plan_with_options
+
+    batch = make_batch()
+    opts = PlanOptions(replica_slots=1)
+    ref = plan_with_options(batch, MODEL, CLUSTER, "lplb", opts)
+    ok_ex = _FailingExecutor(set())
+    ok = plan_with_options(batch, MODEL, CLUSTER, "lplb", opts, executor=ok_ex)
+    assert ok_ex.seen == ["replicate"]  # one chunk of every cell for one worker
+    same_plan(ok, ref)
+    assert ok.stats["fallbacks"] == 0 and (ok.replicas.replica_expert >= 0).any() and len(ok.replicas.split_share)
+    ex = _FailingExecutor({"replicate"})
+    plan = plan_with_options(batch, MODEL, CLUSTER, "lplb", opts, executor=ex)
+    plan.validate(MODEL, CLUSTER, 16)
+    cells = plan.num_micro_batches * MODEL.num_layers
+    assert plan.stats["fallbacks"] == cells
+    np.testing.assert_array_equal(plan.placement.expert_gpu, ref.placement.expert_gpu)
+    assert not (plan.replicas.replica_expert >= 0).any() and len(plan.replicas.split_share) == 0
+
+
+def test_planner_lplb_deadline_falls_back_every_cell(caplog):
+    """Planner(strategy="lplb") gets the service's deadline: tasks past it fall back, cell by cell, logged."""
+    with caplog.at_level(logging.WARNING, logger="relibra_moe.planners.service"):
+        with Planner(MODEL, CLUSTER, strategy="lplb", replica_slots=1, executor="inline", deadline_s=1e-9) as p:
+            plan = p.plan(make_batch())
+    plan.validate(MODEL, CLUSTER, 16)
+    M, L = plan.num_micro_batches, MODEL.num_layers
+    assert plan.stats["strategy"] == "lplb" and plan.stats["fallbacks"] == M * L
+    assert sorted(map(tuple, plan.stats["fallback_cells"]["replicate"])) == [(m, l) for m in range(M) for l in range(L)]
+    assert not (plan.replicas.replica_expert >= 0).any() and len(plan.replicas.split_index) == 0
+    assert any("falling back" in r.message for r in caplog.records)

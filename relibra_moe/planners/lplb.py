@@ -10,6 +10,9 @@ tokens per batch with an LP. The paper's LPLB+ gives it the true loads of the ba
   copies for every micro-batch: the topology and its contents are fixed for the batch);
 - split: per micro-batch and layer, the exact LP with the replicas fixed (``split.solve_split_lp``),
   or the water-filling heuristic (``split="fast"``) when the cells are too many for an LP each.
+
+The splits are "replicate" tasks (chunks of cells) on the planning executor (``executor.TaskExecutor``), so
+``Planner(strategy="lplb")`` gets its deadline and per-task fallback: a failed chunk's cells get no replicas.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from ..validate import check_index_range, check_int
+from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 from .replicate import CellResult, assemble
 from .split import fast_split, solve_split_lp
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
 
-__all__ = ["lplb_copies", "lplb_replicas"]
+__all__ = ["lplb_copies", "lplb_replicas", "lplb_cells_task"]
 
 
 def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, gpus_per_node: int,
@@ -63,15 +67,21 @@ def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, 
 
 
 def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
-                  cluster: ClusterSpec, replica_slots: int = 1, split: str = "lp", workers: int = 1) -> ReplicaPlan:
+                  cluster: ClusterSpec, replica_slots: int = 1, split: str = "lp", workers: int = 1, *,
+                  executor: TaskExecutor | None = None, fallbacks: FallbackLog | None = None) -> ReplicaPlan:
     """LPLB+ replicas and per-micro-batch token splits for a batch.
+
+    The copies of each layer are chosen here (from the whole batch's loads); the splits, one per micro-batch
+    and layer, run as "replicate" tasks of chunks of cells on the executor, as the replication pass of relibra.
 
     Args:
         placement: homes ``[L, E]``; samples: micro-batch and GPU of every sample.
         batch: the ``TraceBatch`` (its ``loads`` give ``x [M, L, G, E]``).
         replica_slots: r copies per GPU (the baseline's extra memory; one copy per expert at most).
         split: "lp" (exact LP per cell) or "fast" (water-filling heuristic).
-        workers: processes (one task per layer); 1 runs in this process.
+        workers: processes over the cells when no ``executor`` is given (1: in this process).
+        executor: runs chunks of cells (``executor.TaskExecutor``); a chunk that does not finish leaves its
+            cells without replicas (every token at its home), recorded in ``fallbacks``.
     """
     if split not in ("lp", "fast"):
         raise PlanError(f"split={split!r} is not 'lp' or 'fast'")
@@ -84,30 +94,38 @@ def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBa
         loads = np.concatenate([loads, np.zeros((M - loads.shape[0],) + loads.shape[1:])])
     if replica_slots <= 0:
         return ReplicaPlan.empty(M, L, G, 0)
-    jobs = []
-    for l in range(L):
-        eg = placement.expert_gpu[l]
-        rep = lplb_copies(eg, loads[:, l].sum(axis=(0, 1)), G, cluster.gpus_per_node, replica_slots)
-        jobs.append((l, loads[:, l], eg, rep, model, cluster, split))
-    if workers > 1 and L > 1:
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=int(workers)) as ex:
-            outs = list(ex.map(_layer_job, jobs))
-    else:
-        outs = [_layer_job(j) for j in jobs]
-    results = {}
-    for out in outs:
-        results.update(out)
+    if executor is None:
+        executor = default_executor(workers)
+    homes = placement.expert_gpu
+    copies = np.stack([lplb_copies(homes[l], loads[:, l].sum(axis=(0, 1)), G, cluster.gpus_per_node, replica_slots)
+                       for l in range(L)])  # [L, G, r]: the same for every micro-batch
+    cells = [(m, l) for l in range(L) for m in range(M)]
+    n_chunks = 1 if executor.workers == 1 else min(len(cells), 4 * executor.workers)
+    args, keys = [], []
+    for ch in np.array_split(np.arange(len(cells)), max(1, n_chunks)):
+        if not len(ch):
+            continue
+        ms = np.array([cells[i][0] for i in ch])
+        ls = np.array([cells[i][1] for i in ch])
+        args.append((loads[ms, ls], homes[ls], copies[ls], model, cluster, split))
+        keys.append(("replicate", tuple(cells[i] for i in ch)))
+    results: dict[tuple[int, int], CellResult] = {}
+    for (_, cs), res in zip(keys, executor.map(lplb_cells_task, args, keys)):
+        if isinstance(res, TaskFailed):
+            if fallbacks is not None:
+                fallbacks.replicate.extend([list(c) for c in cs])
+            continue
+        results.update(zip(cs, res))
     return assemble(results, M, L, G, replica_slots)
 
 
-def _layer_job(job) -> dict[tuple[int, int], CellResult]:
-    """All micro-batches of one layer: the fixed copies, a split per micro-batch."""
-    l, x_layer, eg, rep, model, cluster, split = job
+def lplb_cells_task(loads: np.ndarray, homes: np.ndarray, copies: np.ndarray, model: ModelSpec,
+                    cluster: ClusterSpec, split: str) -> list[CellResult]:
+    """One executor task: the split of cells ``loads [C, G, E]`` (tokens) with homes ``[C, E]`` and their layer's
+    fixed copies ``[C, G, r]``; ``split`` "lp" (``split.solve_split_lp``) or "fast" (``split.fast_split``)."""
     solve = solve_split_lp if split == "lp" else fast_split
-    out = {}
-    for m in range(x_layer.shape[0]):
-        sol = solve(x_layer[m], eg, rep, model, cluster)
-        out[(m, l)] = CellResult(rep, sol.rows, sol.share, sol.t_moe)
+    out = []
+    for i in range(len(loads)):
+        sol = solve(loads[i], homes[i], copies[i], model, cluster)
+        out.append(CellResult(copies[i], sol.rows, sol.share, sol.t_moe))
     return out

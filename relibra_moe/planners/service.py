@@ -7,7 +7,8 @@ which the loop hands independent tasks:
 - **reorder**: one task per layer x seed (``reorder.anneal_layer`` from the layer's start); per layer the
   best candidate by exact batch cost wins, the start included;
 - **locality**: one task (sample -> GPU annealing needs every layer at once);
-- **replicate**: layer x micro-batch cells (``replicate.replicate_cell``), grouped in chunks.
+- **replicate**: layer x micro-batch cells (``replicate.replicate_cell``; for ``online`` and ``lplb`` their
+  own per-cell rule, ``online.online_cell`` / ``lplb.lplb_cells_task``), grouped in chunks.
 
 Executors: ``"inline"`` (this process, in order), ``"process"`` (a process pool of ``workers``) and
 ``"ray"`` (Ray tasks; ``ray.init()`` locally unless ``ray_address`` is given or Ray is already up).

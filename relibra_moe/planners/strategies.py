@@ -234,7 +234,8 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
 
 def strategy_lplb(ctx: PlanContext) -> BatchPlan:
     """LPLB+: EPLB+ homes (no redundant experts), at most one copy per expert on the intra-node ring, an
-    exact LP split per micro-batch and layer."""
+    exact LP split per micro-batch and layer; the splits run on ``ctx.executor`` (a failed chunk of cells
+    gets no replicas and is counted in ``ctx.fallbacks``)."""
     x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
     eg, _ = baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node, 0,
                            ctx.options.num_groups)
@@ -242,7 +243,7 @@ def strategy_lplb(ctx: PlanContext) -> BatchPlan:
     placement = Placement(eg)
     samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
     replicas = lplb_replicas(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster,
-                             replica_slots=ctx.replica_slots, workers=ctx.workers)
+                             replica_slots=ctx.replica_slots, executor=ctx.executor, fallbacks=ctx.fallbacks)
     return make_plan(ctx, eg, mb, sg, replicas)
 
 
