@@ -36,11 +36,11 @@ IMPLS = ("eager", "grouped_mm", "relibra")
 FFN_KEY = {"mixtral": "intermediate_size", "olmoe": "intermediate_size", "gpt_oss": "intermediate_size"}
 
 
-def make_experts(family: str, hidden: int, ffn: int, experts: int, topk: int, seed: int,
+def make_experts(family: str, hidden: int, ffn: int, experts: int, top_k: int, seed: int,
                  device: torch.device) -> torch.nn.Module:
     """One HF fused experts module of ``family`` at the given size, random weights (std 1/sqrt(fan-in))."""
     cls = type(next(m for m in tiny_model(family, num_layers=2).modules() if type(m).__name__.endswith("Experts")))
-    cfg = tiny_config(family, num_layers=2, num_experts=experts, top_k=topk, hidden_size=hidden,
+    cfg = tiny_config(family, num_layers=2, num_experts=experts, top_k=top_k, hidden_size=hidden,
                       **{FFN_KEY.get(family, "moe_intermediate_size"): ffn})
     mod = cls(cfg)
     g = torch.Generator().manual_seed(seed)
@@ -52,13 +52,13 @@ def make_experts(family: str, hidden: int, ffn: int, experts: int, topk: int, se
     return mod.to(device)
 
 
-def routing(tokens: int, experts: int, topk: int, skew: float, seed: int, device: torch.device):
+def routing(tokens: int, experts: int, top_k: int, skew: float, seed: int, device: torch.device):
     """``top_k_index [T, k]`` (distinct experts per token, popularity ~ rank^-skew) and softmax weights."""
     rng = np.random.default_rng(seed)
     pop = 1.0 / np.arange(1, experts + 1) ** skew
     pop = rng.permutation(pop / pop.sum())
-    ids = np.stack([rng.choice(experts, size=topk, replace=False, p=pop) for _ in range(tokens)])
-    w = torch.softmax(torch.from_numpy(rng.standard_normal((tokens, topk))).float(), dim=-1)
+    ids = np.stack([rng.choice(experts, size=top_k, replace=False, p=pop) for _ in range(tokens)])
+    w = torch.softmax(torch.from_numpy(rng.standard_normal((tokens, top_k))).float(), dim=-1)
     return torch.from_numpy(ids).to(device), w.to(device)
 
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--ffn", type=int, default=32)
     ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--topk", type=int, default=4, help="k (spelled as in earlier results)")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--skew", type=float, default=1.0)
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",

@@ -47,7 +47,7 @@ from relibra_moe.triton_kernels.backend import force_backend
 def _worker(rank: int, world: int, cfg: dict, plan, sample_ids: list[np.ndarray], out_dir: str) -> None:
     dev = torch.device(f"cuda:{torch.cuda.current_device()}") if cfg["backend"] == "nccl" else torch.device("cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    H, Fh, E, k, L, r = cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["topk"], cfg["layers"], plan.replica_slots
+    H, Fh, E, k, L, r = cfg["hidden"], cfg["ffn"], cfg["experts"], cfg["top_k"], cfg["layers"], plan.replica_slots
     torch.manual_seed(0)
     buf = LayerSharedReplicaBuffer(H, Fh, r, dtype=dtype, device=dev) if r else None
     model = torch.nn.ModuleList([ReplayBalancedMoE(H, Fh, E, k, gpus_per_node=cfg["gpus_per_node"],
@@ -121,14 +121,14 @@ def main() -> None:
     backend = "nccl" if cuda else "gloo"
     full = gpt_oss_batch(num_requests=args.requests, seed=args.seed)
     layer_ids = np.linspace(0, full.num_layers - 1, args.layers).round().astype(int)
-    traces = [RoutingTrace(t.experts[:args.tokens, layer_ids], layer_ids, full.num_experts, full.topk)
+    traces = [RoutingTrace(t.experts[:args.tokens, layer_ids], layer_ids, full.num_experts, full.top_k)
               for t in full.traces]
     batch = TraceBatch(traces)
-    E, k = full.num_experts, full.topk
+    E, k = full.num_experts, full.top_k
     model = ModelSpec("gpt-oss-layers", args.hidden, args.ffn, E, k, args.layers)
     cluster = ClusterSpec(nodes=args.world // args.gpus_per_node, gpus_per_node=args.gpus_per_node)
     sample_ids = [t.experts.astype(np.int64) for t in traces]
-    cfg = dict(hidden=args.hidden, ffn=args.ffn, experts=E, topk=k, layers=args.layers,
+    cfg = dict(hidden=args.hidden, ffn=args.ffn, experts=E, top_k=k, layers=args.layers,
                gpus_per_node=args.gpus_per_node, iters=args.iters, warmup=args.warmup, backend=backend)
     rows = []
     for name, strategy, slots, follow in (("plain EP", "static", 0, False),

@@ -34,6 +34,7 @@ from relibra_moe.layers.experts import GroupedSwiGLUExperts  # noqa: E402
 from relibra_moe.layers.moe import ReplayBalancedMoE  # noqa: E402
 from relibra_moe.layers.replay import replay  # noqa: E402
 
+# the shape goes into the result JSON as written: its key "topk" (k) keeps the spelling of earlier results
 SHAPE_30B = dict(tokens=32768, topk=8, experts=128, hidden=2048, ffn=768)
 SHAPE_TINY = dict(tokens=48, topk=2, experts=8, hidden=32, ffn=16)
 

@@ -142,7 +142,7 @@ def _spec(cfg: Config):
     from relibra_moe.specs import ClusterSpec, ModelSpec
 
     n_moe = cfg.num_layers - (1 if cfg.num_layers > 2 else 0)  # the tiny Qwen3-MoE has one dense layer
-    model = ModelSpec("tiny-qwen3-moe", hidden=32, ffn=16, num_experts=cfg.num_experts, topk=cfg.top_k,
+    model = ModelSpec("tiny-qwen3-moe", hidden=32, ffn=16, num_experts=cfg.num_experts, top_k=cfg.top_k,
                       num_layers=n_moe, num_heads=4, num_kv_heads=2, head_dim=8)
     cluster = ClusterSpec(nodes=cfg.world // cfg.gpus_per_node, gpus_per_node=cfg.gpus_per_node)
     return model, cluster

@@ -50,15 +50,15 @@ def _b64(payload: str | bytes, what: str) -> bytes:
         raise TraceError(f"{what} is not valid base64 ({exc})") from None
 
 
-def _infer_num_experts(experts: np.ndarray, topk: int, num_experts: int | None) -> int:
+def _infer_num_experts(experts: np.ndarray, top_k: int, num_experts: int | None) -> int:
     if num_experts is not None:
         return positive_int("num_experts", num_experts)
     hi = int(experts.max()) + 1 if experts.size else 0
-    return max(hi, topk)
+    return max(hi, top_k)
 
 
 def from_sglang(meta_info: dict, num_moe_layers: int | None = None, dense_layers: Sequence[int] = (), *,
-                topk: int | None = None, num_experts: int | None = None, source: str = "sglang") -> RoutingTrace:
+                top_k: int | None = None, num_experts: int | None = None, source: str = "sglang") -> RoutingTrace:
     """A RoutingTrace from an SGLang response's ``meta_info`` (``--enable-return-routed-experts``).
 
     ``meta_info["routed_experts"]`` is the base64 of a flat array (int32, or the dtype named by
@@ -72,7 +72,7 @@ def from_sglang(meta_info: dict, num_moe_layers: int | None = None, dense_layers
         meta_info: the response's meta_info dict.
         num_moe_layers: MoE layers; with ``dense_layers`` it gives the decoder layer count.
         dense_layers: global indices of dense decoder layers: dropped from the trace.
-        topk: k (needed when the token count or the layer count is not known).
+        top_k: k (needed when the token count or the layer count is not known).
         num_experts: E (default: largest id + 1; pass it when batching traces).
         source: free text for the trace.
 
@@ -115,12 +115,12 @@ def from_sglang(meta_info: dict, num_moe_layers: int | None = None, dense_layers
             raise TraceError(f"prompt_tokens + completion_tokens - 1 - routed_experts_start = {prompt} + {completion} "
                              f"- 1 - {start} = {rows} < 0")
     layers = None if num_moe_layers is None else positive_int("num_moe_layers", num_moe_layers) + len(dense)
-    k = None if topk is None else positive_int("topk", topk)
+    k = None if top_k is None else positive_int("top_k", top_k)
     size = ids.size
     known = [v for v in (rows, layers, k) if v is not None]
     if len(known) < 2:
         raise TraceError("from_sglang needs two of: the token count (meta_info prompt_tokens + completion_tokens), "
-                         "num_moe_layers, topk")
+                         "num_moe_layers, top_k")
     prod = int(np.prod(known))
     if prod == 0 or size % prod:
         raise TraceError(f"routed_experts holds {size} ids, which does not fit rows={rows}, layers={layers}, k={k}")

@@ -30,7 +30,7 @@ __all__ = [
 GPT_OSS_SOURCE = ("real routing: openai/gpt-oss-20b, greedy decode tokens, HF router hooks "
                   "(AmanPriyanshu/GPT-OSS-MoE-ExpertFingerprinting @72b368f, Apache-2.0)")
 GPT_OSS_NUM_EXPERTS = 32
-GPT_OSS_TOPK = 4
+GPT_OSS_TOP_K = 4
 GPT_OSS_NUM_LAYERS = 24
 
 
@@ -74,7 +74,7 @@ def _gpt_oss_all(root: str) -> tuple[TraceBatch, tuple[dict[str, Any], ...]]:
         ids, offsets = f["topk_ids"], f["offsets"].astype(np.int64)
     requests = tuple(json.loads((d / "requests.json").read_text()))
     n = offsets.size - 1
-    if len(requests) != n or ids.shape[1:] != (GPT_OSS_NUM_LAYERS, GPT_OSS_TOPK) or offsets[-1] != ids.shape[0]:
+    if len(requests) != n or ids.shape[1:] != (GPT_OSS_NUM_LAYERS, GPT_OSS_TOP_K) or offsets[-1] != ids.shape[0]:
         raise TraceError(f"{d}: topk_ids {ids.shape} / offsets {offsets.shape} / {len(requests)} requests disagree")
 
     def where(t: int) -> str:
@@ -88,7 +88,7 @@ def _gpt_oss_all(root: str) -> tuple[TraceBatch, tuple[dict[str, Any], ...]]:
     layer_ids = np.arange(GPT_OSS_NUM_LAYERS, dtype=np.int32)
     layer_ids.setflags(write=False)
     traces = [RoutingTrace._trusted(experts[offsets[i]:offsets[i + 1]], layer_ids, GPT_OSS_NUM_EXPERTS,
-                                    GPT_OSS_TOPK, int(requests[i]["n_prompt_tokens"]), GPT_OSS_SOURCE)
+                                    GPT_OSS_TOP_K, int(requests[i]["n_prompt_tokens"]), GPT_OSS_SOURCE)
               for i in range(n)]
     info = {
         "request": np.arange(n, dtype=np.int64),

@@ -192,7 +192,7 @@ def uniform_loads(x: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
-def balanced_counts(tokens, num_experts, topk, num_layers, seed):
+def balanced_counts(tokens, num_experts, top_k, num_layers, seed):
     """Uniform routing: for each entry of ``tokens [K]`` draw that many tokens' k distinct experts per layer.
 
     Returns int64 ``[K, L, E]`` counts (partial Fisher-Yates per token).
@@ -204,7 +204,7 @@ def balanced_counts(tokens, num_experts, topk, num_layers, seed):
     for i in range(K):
         for l in range(num_layers):
             for _ in range(tokens[i]):
-                for s in range(topk):
+                for s in range(top_k):
                     r = s + np.random.randint(num_experts - s)
                     t = perm[s]
                     perm[s] = perm[r]
@@ -226,7 +226,7 @@ def balanced_loads(tokens_per_source: np.ndarray, model: ModelSpec, seed: int = 
     if t.ndim != 2 or (t < 0).any():
         raise PlanError(f"tokens_per_source must be a non-negative [M, G] array, got shape {t.shape}")
     M, G = t.shape
-    counts = balanced_counts(t.ravel(), model.num_experts, model.topk, model.num_layers,
+    counts = balanced_counts(t.ravel(), model.num_experts, model.top_k, model.num_layers,
                                       int(seed) & 0x7FFFFFFF)
     return counts.reshape(M, G, model.num_layers, model.num_experts).transpose(0, 2, 1, 3).copy()
 

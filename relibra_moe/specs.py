@@ -39,7 +39,7 @@ class ModelSpec:
         hidden: model hidden size h (elements).
         ffn: expert FFN width h' (elements); an expert is a SwiGLU MLP with 3 matrices h x h'.
         num_experts: routed experts per MoE layer E.
-        topk: experts per token k.
+        top_k: experts per token k.
         num_layers: MoE layers L.
         dtype_bytes: bytes per activation / weight element (2 for bf16).
         num_heads, num_kv_heads, head_dim: attention shape (for the step-time simulator).
@@ -51,7 +51,7 @@ class ModelSpec:
     hidden: int
     ffn: int
     num_experts: int
-    topk: int
+    top_k: int
     num_layers: int
     dtype_bytes: int = 2
     num_heads: int = 32
@@ -61,7 +61,7 @@ class ModelSpec:
     shared_ffn: int | None = None
 
     def __post_init__(self) -> None:
-        for f in ("hidden", "ffn", "num_experts", "topk", "num_layers", "dtype_bytes", "num_heads", "num_kv_heads",
+        for f in ("hidden", "ffn", "num_experts", "top_k", "num_layers", "dtype_bytes", "num_heads", "num_kv_heads",
                   "head_dim"):
             if not is_int(v := getattr(self, f)) or v <= 0:
                 raise ValueError(f"ModelSpec.{f} must be a positive int, got {v!r}")
@@ -69,8 +69,8 @@ class ModelSpec:
             raise ValueError(f"ModelSpec.shared_experts must be an int >= 0, got {self.shared_experts!r}")
         if self.shared_ffn is not None and (not is_int(self.shared_ffn) or self.shared_ffn <= 0):
             raise ValueError(f"ModelSpec.shared_ffn must be a positive int or None, got {self.shared_ffn!r}")
-        if self.topk > self.num_experts:
-            raise ValueError(f"ModelSpec.topk={self.topk} exceeds num_experts={self.num_experts}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"ModelSpec.top_k={self.top_k} exceeds num_experts={self.num_experts}")
 
     @property
     def token_bytes(self) -> int:

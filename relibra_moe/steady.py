@@ -56,7 +56,7 @@ def restrict_layers(batch: TraceBatch, layers: int | None) -> TraceBatch:
     if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or layers < 1:
         raise TraceError(f"layers={layers!r} must be an int >= 1 (or None for all)")
     counts = batch.sample_expert_counts()[:, :layers]
-    return TraceBatch.from_counts(counts, batch.topk, batch.layer_ids[:layers], starts=batch.starts,
+    return TraceBatch.from_counts(counts, batch.top_k, batch.layer_ids[:layers], starts=batch.starts,
                                   micro_batch=batch.micro_batch, source=batch.source,
                                   sample_info=dict(batch.sample_info))
 
@@ -149,7 +149,7 @@ def drifting_batches(model: ModelSpec, num_batches: int, num_prompts: int, *, re
             domains[rows] = BASE_DOMAINS[d]
         mix = {BASE_DOMAINS[d]: round(float(p), 3) for d, p in enumerate(domain_mix(k, drift))}
         out.append(TraceBatch.from_counts(
-            counts, model.topk, np.arange(model.num_layers, dtype=np.int32),
+            counts, model.top_k, np.arange(model.num_layers, dtype=np.int32),
             micro_batch=(np.arange(n) // micro_batch_size).astype(np.int32),
             source=(f"synthetic RL batch (relibra_moe.synthetic, not real routing): model {model.name}, drifting "
                     f"domain mix {mix}, batch {k} of {num_batches}, {num_prompts} prompts x {responses_per_prompt} "

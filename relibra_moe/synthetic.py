@@ -256,7 +256,7 @@ def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_pe
     if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 2:
         raise TraceError(f"max_len must be an int >= 2, got {max_len!r}")
     n = num_prompts * r
-    num_layers, e, k = spec.num_layers, spec.num_experts, spec.topk
+    num_layers, e, k = spec.num_layers, spec.num_experts, spec.top_k
     rng = np.random.default_rng(_stable_seed("relibra-synthetic-batch", seed))
 
     # domain of each prompt

@@ -19,7 +19,7 @@ key              dtype        shape        meaning
 ================ ============ ============ =====================================================
 ``version``      int64        ``[]``       2
 ``num_experts``  int64        ``[]``       E
-``topk``         int64        ``[]``       k
+``topk``         int64        ``[]``       k (read into ``top_k``; the key keeps its spelling)
 ``layer_ids``    int32        ``[L]``      global decoder layer index of each MoE layer
 ``offsets``      int64        ``[N+1]``    sequence i is rows ``offsets[i]:offsets[i+1]``
 ``starts``       int64        ``[N]``      absolute token position of each sequence's row 0
@@ -153,18 +153,18 @@ def _check_layer_ids(layer_ids: np.ndarray) -> None:
         raise TraceError(f"layer_ids must be distinct, got {layer_ids.tolist()}")
 
 
-def _normalize(experts: Any, layer_ids: Any, num_experts: Any, topk: Any,
+def _normalize(experts: Any, layer_ids: Any, num_experts: Any, top_k: Any,
                where: Callable[[int], str]) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Validate one sequence's fields; returns (experts in ``ids_dtype``, layer_ids int32, E, k)."""
     num_experts = positive_int("num_experts", num_experts)
-    topk = positive_int("topk", topk)
-    if topk > num_experts:
-        raise TraceError(f"topk={topk} exceeds num_experts={num_experts}")
+    top_k = positive_int("top_k", top_k)
+    if top_k > num_experts:
+        raise TraceError(f"top_k={top_k} exceeds num_experts={num_experts}")
     experts = as_int_array("experts", experts)
     if experts.ndim != 3:
         raise TraceError(f"experts must have rank 3 [S, L, k], got rank {experts.ndim} with shape {experts.shape}")
-    if experts.shape[2] != topk:
-        raise TraceError(f"experts has k={experts.shape[2]} ids per row (shape {experts.shape}), topk={topk}")
+    if experts.shape[2] != top_k:
+        raise TraceError(f"experts has k={experts.shape[2]} ids per row (shape {experts.shape}), top_k={top_k}")
     if experts.shape[1] == 0:
         raise TraceError(f"experts has no MoE layers (shape {experts.shape})")
     layer_ids = as_int_array("layer_ids", layer_ids)
@@ -174,7 +174,7 @@ def _normalize(experts: Any, layer_ids: Any, num_experts: Any, topk: Any,
     _check_layer_ids(layer_ids)
     check_ids(experts, num_experts, where)
     experts = experts.astype(ids_dtype(num_experts), copy=False)
-    return experts, layer_ids.astype(np.int32, copy=False), num_experts, topk
+    return experts, layer_ids.astype(np.int32, copy=False), num_experts, top_k
 
 
 @dataclass(frozen=True, eq=False)
@@ -187,7 +187,7 @@ class RoutingTrace:
             be partly padded). Any integer input dtype is accepted and converted.
         layer_ids: int32 ``[L]``: global decoder-layer index of each MoE layer.
         num_experts: routed experts per layer E.
-        topk: ids per row k.
+        top_k: ids per row k.
         start: absolute token position of row 0 (e.g. the prompt length when only the response is
             recorded).
         source: free text saying where the routing came from.
@@ -200,12 +200,12 @@ class RoutingTrace:
     experts: np.ndarray
     layer_ids: np.ndarray
     num_experts: int
-    topk: int
+    top_k: int
     start: int = 0
     source: str = ""
 
     def __post_init__(self) -> None:
-        experts, layer_ids, e, k = _normalize(self.experts, self.layer_ids, self.num_experts, self.topk,
+        experts, layer_ids, e, k = _normalize(self.experts, self.layer_ids, self.num_experts, self.top_k,
                                               lambda t: f"row {t}")
         if isinstance(self.start, (bool, np.bool_)) or not isinstance(self.start, (int, np.integer)) \
                 or self.start < 0:
@@ -213,17 +213,17 @@ class RoutingTrace:
         object.__setattr__(self, "experts", experts)
         object.__setattr__(self, "layer_ids", layer_ids)
         object.__setattr__(self, "num_experts", e)
-        object.__setattr__(self, "topk", k)
+        object.__setattr__(self, "top_k", k)
         object.__setattr__(self, "start", int(self.start))
         object.__setattr__(self, "source", str(self.source))
 
     @classmethod
-    def _trusted(cls, experts: np.ndarray, layer_ids: np.ndarray, num_experts: int, topk: int, start: int,
+    def _trusted(cls, experts: np.ndarray, layer_ids: np.ndarray, num_experts: int, top_k: int, start: int,
                  source: str) -> RoutingTrace:
         """Build without validation (the caller validated the arrays already)."""
         obj = object.__new__(cls)
         for name, value in (("experts", experts), ("layer_ids", layer_ids), ("num_experts", int(num_experts)),
-                            ("topk", int(topk)), ("start", int(start)), ("source", str(source))):
+                            ("top_k", int(top_k)), ("start", int(start)), ("source", str(source))):
             object.__setattr__(obj, name, value)
         return obj
 
@@ -314,19 +314,19 @@ class TraceBatch:
             if tr.num_experts != t0.num_experts:
                 raise TraceError(f"sample {i}: num_experts={tr.num_experts}, sample 0 has {t0.num_experts} (adapters "
                                  "infer E from the largest id unless num_experts= is passed)")
-            if tr.topk != t0.topk:
-                raise TraceError(f"sample {i}: topk={tr.topk}, sample 0 has {t0.topk}")
+            if tr.top_k != t0.top_k:
+                raise TraceError(f"sample {i}: top_k={tr.top_k}, sample 0 has {t0.top_k}")
         if source is None:
             source = "; ".join(dict.fromkeys(tr.source for tr in traces if tr.source))
         self._setup(
-            n=len(traces), layer_ids=t0.layer_ids, num_experts=t0.num_experts, topk=t0.topk,
+            n=len(traces), layer_ids=t0.layer_ids, num_experts=t0.num_experts, top_k=t0.top_k,
             lengths=np.array([tr.num_tokens for tr in traces], dtype=np.int64),
             starts=np.array([tr.start for tr in traces], dtype=np.int64),
             source=source, traces=traces, factory=None, counts=None,
             micro_batch=micro_batch, sample_info=sample_info)
 
     # ----------------------------------------------------------------------------------- building
-    def _setup(self, *, n: int, layer_ids: np.ndarray, num_experts: int, topk: int, lengths: np.ndarray,
+    def _setup(self, *, n: int, layer_ids: np.ndarray, num_experts: int, top_k: int, lengths: np.ndarray,
                starts: np.ndarray, source: str, traces: list[RoutingTrace] | None,
                factory: Callable[[int], np.ndarray] | None, counts: np.ndarray | None, micro_batch: Any,
                sample_info: dict[str, Any] | None, origin: str | None = None) -> None:
@@ -334,7 +334,7 @@ class TraceBatch:
         self._layer_ids = np.asarray(layer_ids, dtype=np.int32)
         self._layer_ids.setflags(write=False)
         self._num_experts = int(num_experts)
-        self._topk = int(topk)
+        self._top_k = int(top_k)
         self._lengths = lengths
         self._lengths.setflags(write=False)
         self._starts = starts
@@ -351,7 +351,7 @@ class TraceBatch:
         """A batch sharing this one's data (all samples, or the samples ``index`` in that order)."""
         new = object.__new__(TraceBatch)
         if index is None:
-            new._setup(n=self._n, layer_ids=self._layer_ids, num_experts=self._num_experts, topk=self._topk,
+            new._setup(n=self._n, layer_ids=self._layer_ids, num_experts=self._num_experts, top_k=self._top_k,
                        lengths=self._lengths, starts=self._starts, source=self.source, traces=self._traces,
                        factory=self._factory, counts=self._counts, micro_batch=micro_batch,
                        sample_info=self.sample_info, origin=self._origin)
@@ -366,14 +366,14 @@ class TraceBatch:
         counts = self._counts[index] if self._counts is not None else None
         if counts is not None:
             counts.setflags(write=False)
-        new._setup(n=index.size, layer_ids=self._layer_ids, num_experts=self._num_experts, topk=self._topk,
+        new._setup(n=index.size, layer_ids=self._layer_ids, num_experts=self._num_experts, top_k=self._top_k,
                    lengths=self._lengths[index].copy(), starts=self._starts[index].copy(), source=self.source,
                    traces=traces, factory=factory, counts=counts, micro_batch=micro_batch,
                    sample_info={k: v[index] for k, v in self.sample_info.items()}, origin=self._origin)
         return new
 
     @classmethod
-    def from_counts(cls, counts: Any, topk: int, layer_ids: Any = None, *,
+    def from_counts(cls, counts: Any, top_k: int, layer_ids: Any = None, *,
                     materialize: Callable[[int], np.ndarray] | None = None, starts: Any = None,
                     micro_batch: Any = None, source: str = "", sample_info: dict[str, Any] | None = None) -> TraceBatch:
         """A batch known by its per-sample expert counts; per-token ids come from ``materialize``.
@@ -382,7 +382,7 @@ class TraceBatch:
             counts: int ``[N, L, E]``: tokens of sample n routed to expert e at layer l. Every token
                 is routed to exactly k experts, so ``counts[n, l].sum() == k * S_n`` for every layer,
                 and ``counts[n, l, e] <= S_n``.
-            topk: k.
+            top_k: k.
             layer_ids: ``[L]`` global layer indices (default ``0..L-1``).
             materialize: ``i -> experts [S_i, L, k]`` consistent with ``counts[i]`` (checked when
                 called). Without it the batch plans and scores, and saves counts-only, but cannot be iterated.
@@ -394,19 +394,19 @@ class TraceBatch:
         n, num_layers, num_experts = c.shape
         if n == 0:
             raise TraceError("empty batch: counts has no samples")
-        topk = positive_int("topk", topk)
-        if topk > num_experts:
-            raise TraceError(f"topk={topk} exceeds num_experts={num_experts}")
+        top_k = positive_int("top_k", top_k)
+        if top_k > num_experts:
+            raise TraceError(f"top_k={top_k} exceeds num_experts={num_experts}")
         if c.size and int(c.min()) < 0:
             i, l, e = np.unravel_index(int(np.argmin(c)), c.shape)
             raise TraceError(f"sample {i}, layer {l}: negative count {int(c[i, l, e])} for expert {e}")
         sums = c.sum(axis=2, dtype=np.int64)
-        if np.any(sums % topk) or np.any(sums != sums[:, :1]):
-            bad = np.argwhere((sums % topk != 0) | (sums != sums[:, :1]))[0]
+        if np.any(sums % top_k) or np.any(sums != sums[:, :1]):
+            bad = np.argwhere((sums % top_k != 0) | (sums != sums[:, :1]))[0]
             i, l = int(bad[0]), int(bad[1])
             raise TraceError(f"sample {i}, layer {l}: counts sum to {int(sums[i, l])}; every layer of a sample "
-                             f"must sum to k x tokens (k={topk}, layer 0 sums to {int(sums[i, 0])})")
-        lengths = (sums[:, 0] // topk).astype(np.int64)
+                             f"must sum to k x tokens (k={top_k}, layer 0 sums to {int(sums[i, 0])})")
+        lengths = (sums[:, 0] // top_k).astype(np.int64)
         over = c > lengths[:, None, None]
         if over.any():
             i, l, e = np.argwhere(over)[0]
@@ -427,7 +427,7 @@ class TraceBatch:
         counts64 = np.ascontiguousarray(c, dtype=np.int64)
         counts64.setflags(write=False)
         new = object.__new__(cls)
-        new._setup(n=n, layer_ids=layer_ids, num_experts=num_experts, topk=topk, lengths=lengths, starts=starts,
+        new._setup(n=n, layer_ids=layer_ids, num_experts=num_experts, top_k=top_k, lengths=lengths, starts=starts,
                    source=source, traces=None, factory=materialize, counts=counts64, micro_batch=micro_batch,
                    sample_info=sample_info)
         return new
@@ -452,9 +452,9 @@ class TraceBatch:
         return self._num_experts
 
     @property
-    def topk(self) -> int:
+    def top_k(self) -> int:
         """k."""
-        return self._topk
+        return self._top_k
 
     @property
     def layer_ids(self) -> np.ndarray:
@@ -504,7 +504,7 @@ class TraceBatch:
         at = f"{self._origin}: " if self._origin is not None else ""
         experts = self._factory(i)
         try:
-            experts, layer_ids, _, _ = _normalize(experts, self._layer_ids, self._num_experts, self._topk,
+            experts, layer_ids, _, _ = _normalize(experts, self._layer_ids, self._num_experts, self._top_k,
                                                   lambda t: f"sample {i}, row {t}")
         except TraceError as exc:
             raise TraceError(f"{at}{exc}") from None
@@ -515,7 +515,7 @@ class TraceBatch:
             field = "field 'experts' disagrees with field 'counts'" if at else \
                 "materialized ids disagree with the batch's expert counts"
             raise TraceError(f"{at}sample {i}: {field}")
-        return RoutingTrace._trusted(experts, layer_ids, self._num_experts, self._topk, int(self._starts[i]),
+        return RoutingTrace._trusted(experts, layer_ids, self._num_experts, self._top_k, int(self._starts[i]),
                                      self.source)
 
     def iter_traces(self) -> Iterator[RoutingTrace]:
@@ -645,13 +645,14 @@ class TraceBatch:
         np.cumsum(self._lengths, out=offsets[1:])
         mb = self.micro_batch if self.micro_batch is not None else np.full(self._n, -1, np.int32)
         arrays: dict[str, np.ndarray] = dict(
-            version=np.int64(FORMAT_VERSION), num_experts=np.int64(self._num_experts), topk=np.int64(self._topk),
+            version=np.int64(FORMAT_VERSION), num_experts=np.int64(self._num_experts), topk=np.int64(self._top_k),
             layer_ids=self._layer_ids.astype(np.int32), offsets=offsets, starts=self._starts.astype(np.int64),
             micro_batch=mb.astype(np.int32), source=np.str_(self.source),
             counts=counts.astype(counts_dtype(int(counts.max()) if counts.size else 0)),
             counts_only=np.bool_(counts_only), no_route=np.int64(NO_ROUTE))
         if not counts_only:
-            experts = np.empty((int(offsets[-1]), self.num_layers, self._topk), dtype=file_ids_dtype(self._num_experts))
+            experts = np.empty((int(offsets[-1]), self.num_layers, self._top_k),
+                               dtype=file_ids_dtype(self._num_experts))
             for i, tr in enumerate(self.iter_traces()):
                 experts[offsets[i]:offsets[i + 1]] = tr.experts
             arrays["experts"] = experts
@@ -699,9 +700,9 @@ class TraceBatch:
     def _from_v2_arrays(cls, a: dict[str, np.ndarray], path: Path, has_experts: bool) -> TraceBatch:
         """A lazily-read batch from the arrays of a version-2 file (all but ``experts``)."""
         num_experts = positive_int("num_experts", _scalar_int(a["num_experts"], "num_experts"))
-        topk = positive_int("topk", _scalar_int(a["topk"], "topk"))
-        if topk > num_experts:
-            raise TraceError(f"topk={topk} exceeds num_experts={num_experts}")
+        top_k = positive_int("topk", _scalar_int(a["topk"], "topk"))
+        if top_k > num_experts:
+            raise TraceError(f"top_k={top_k} exceeds num_experts={num_experts}")
         flag = a["counts_only"]
         if flag.ndim != 0 or flag.dtype != bool:
             raise TraceError(f"key 'counts_only' must be a bool scalar, got dtype {flag.dtype} shape {flag.shape}")
@@ -736,10 +737,10 @@ class TraceBatch:
             raise TraceError(f"counts[{i}, {l}, {e}] = {int(counts[i, l, e])} > the {int(lengths[i])} tokens of "
                              f"sample {i} (a token picks an expert at most once)")
         sums = counts.sum(axis=2)
-        high = sums > topk * lengths[:, None]
+        high = sums > top_k * lengths[:, None]
         if high.any():
             i, l = np.argwhere(high)[0]
-            raise TraceError(f"counts[{i}, {l}] sums to {int(sums[i, l])} > k x tokens = {topk} x {int(lengths[i])}")
+            raise TraceError(f"counts[{i}, {l}] sums to {int(sums[i, l])} > k x tokens = {top_k} x {int(lengths[i])}")
         counts.setflags(write=False)
         starts = as_int_array("starts", a["starts"]).astype(np.int64)
         if starts.shape != (n,):
@@ -748,9 +749,9 @@ class TraceBatch:
             raise TraceError(f"starts must be >= 0, got {int(starts.min())}")
         source = _string_scalar(a["source"], "source")
         info = {k[len(_INFO_PREFIX):]: v for k, v in a.items() if k.startswith(_INFO_PREFIX)}
-        factory = None if counts_only else _StoredIds(path, offsets, layer_ids.size, topk)
+        factory = None if counts_only else _StoredIds(path, offsets, layer_ids.size, top_k)
         new = object.__new__(cls)
-        new._setup(n=n, layer_ids=layer_ids.astype(np.int32), num_experts=num_experts, topk=topk, lengths=lengths,
+        new._setup(n=n, layer_ids=layer_ids.astype(np.int32), num_experts=num_experts, top_k=top_k, lengths=lengths,
                    starts=starts, source=source, traces=None, factory=factory, counts=counts,
                    micro_batch=a["micro_batch"], sample_info=info, origin=str(path))
         return new
@@ -758,7 +759,7 @@ class TraceBatch:
     @classmethod
     def _from_arrays(cls, a: dict[str, np.ndarray]) -> TraceBatch:
         """A batch from the arrays of a version-1 file (ids decoded and checked here)."""
-        num_experts, topk = _scalar_int(a["num_experts"], "num_experts"), _scalar_int(a["topk"], "topk")
+        num_experts, top_k = _scalar_int(a["num_experts"], "num_experts"), _scalar_int(a["topk"], "topk")
         experts = a["experts"]
         offsets = as_int_array("offsets", a["offsets"]).astype(np.int64)
         if offsets.ndim != 1 or offsets.size < 2:
@@ -774,7 +775,7 @@ class TraceBatch:
             i = int(np.searchsorted(offsets, t, side="right")) - 1
             return f"sample {i}, row {t - int(offsets[i])}"
 
-        experts, layer_ids, num_experts, topk = _normalize(experts, a["layer_ids"], num_experts, topk, where)
+        experts, layer_ids, num_experts, top_k = _normalize(experts, a["layer_ids"], num_experts, top_k, where)
         starts = as_int_array("starts", a["starts"]).astype(np.int64)
         if starts.shape != (n,):
             raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
@@ -782,14 +783,14 @@ class TraceBatch:
             raise TraceError(f"starts must be >= 0, got {int(starts.min())}")
         source = _string_scalar(a["source"], "source")
         info = {k[len(_INFO_PREFIX):]: v for k, v in a.items() if k.startswith(_INFO_PREFIX)}
-        traces = [RoutingTrace._trusted(experts[offsets[i]:offsets[i + 1]], layer_ids, num_experts, topk,
+        traces = [RoutingTrace._trusted(experts[offsets[i]:offsets[i + 1]], layer_ids, num_experts, top_k,
                                         int(starts[i]), source) for i in range(n)]
         return cls(traces, micro_batch=a["micro_batch"], source=source, sample_info=info)
 
     def __repr__(self) -> str:
         mb = "none" if self.micro_batch is None else f"{int(self.micro_batch.max()) + 1} micro-batches"
         return (f"TraceBatch(N={self._n}, tokens={self.num_tokens}, L={self.num_layers}, E={self._num_experts}, "
-                f"k={self._topk}, {mb}, source={self.source!r})")
+                f"k={self._top_k}, {mb}, source={self.source!r})")
 
 
 def _open_trace_file(path: Path) -> np.lib.npyio.NpzFile:
@@ -837,8 +838,8 @@ class _StoredIds:
     ``experts`` ``[T, L, k]`` (read once, then kept); :meth:`TraceBatch.trace` checks them.
     """
 
-    def __init__(self, path: Path, offsets: np.ndarray, num_layers: int, topk: int) -> None:
-        self._path, self._offsets, self._shape = path, offsets, (int(offsets[-1]), num_layers, topk)
+    def __init__(self, path: Path, offsets: np.ndarray, num_layers: int, top_k: int) -> None:
+        self._path, self._offsets, self._shape = path, offsets, (int(offsets[-1]), num_layers, top_k)
         self._ids: np.ndarray | None = None
 
     def __call__(self, i: int) -> np.ndarray:

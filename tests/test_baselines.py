@@ -76,7 +76,7 @@ def test_eplb_errors_and_all_layers():
 
 def test_even_split_replicas_validate_and_cost():
     """Expert 0 (home GPU 0) with a replica on GPU 1: its tokens split 50/50, hand-checked flow."""
-    model = ModelSpec("t", hidden=64, ffn=32, num_experts=4, topk=1, num_layers=1)
+    model = ModelSpec("t", hidden=64, ffn=32, num_experts=4, top_k=1, num_layers=1)
     cluster = ClusterSpec(nodes=1, gpus_per_node=2)
     eg = np.array([[0, 0, 1, 1]])
     slots = np.array([[[-1], [0]]], np.int32)
@@ -102,7 +102,7 @@ def test_even_split_replicas_validate_and_cost():
 
 
 def test_balanced_loads_uniform_and_exact_totals():
-    model = ModelSpec("t", hidden=64, ffn=32, num_experts=8, topk=3, num_layers=2)
+    model = ModelSpec("t", hidden=64, ffn=32, num_experts=8, top_k=3, num_layers=2)
     tokens = np.array([[100, 0, 7, 50], [3, 3, 3, 3]])
     x = balanced_loads(tokens, model, seed=1)
     assert x.shape == (2, 2, 4, 8)
@@ -141,7 +141,7 @@ def test_low_level_planners_name_bad_arguments():
         lpt_placement(np.array([1.0, np.nan, 1.0, 1.0]), 2)
     with pytest.raises(PlanError, match="num_gpus=0 must be an int >= 1"):
         static_placement(2, 8, 0)
-    model = ModelSpec("t", hidden=64, ffn=32, num_experts=8, topk=2, num_layers=1)
+    model = ModelSpec("t", hidden=64, ffn=32, num_experts=8, top_k=2, num_layers=1)
     cluster = ClusterSpec(nodes=2, gpus_per_node=2)
     x = np.ones((2, 1, 4, 8))
     for kw, msg in (({"iters": -1}, "iters=-1 must be an int >= 0"), ({"num_seeds": 0}, "num_seeds=0 must be"),

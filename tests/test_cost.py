@@ -12,7 +12,7 @@ from relibra_moe.errors import PlanError
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
 # h = 4, h' = 2, bf16: a token is 8 bytes, a (token, expert) pair costs 6*4*2 = 48 FLOPs.
-MODEL = ModelSpec("tiny", hidden=4, ffn=2, num_experts=4, topk=2, num_layers=1, dtype_bytes=2)
+MODEL = ModelSpec("tiny", hidden=4, ffn=2, num_experts=4, top_k=2, num_layers=1, dtype_bytes=2)
 # GPUs 0, 1 on node 0 and 2, 3 on node 1; rails: 0 and 2 share rail 0, 1 and 3 share rail 1.
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2, nvlink_bw=4.0, rdma_bw=2.0, flops=12.0)
 STATIC = np.array([0, 1, 2, 3])  # expert e homed on GPU e
@@ -131,7 +131,7 @@ def loop_cost(x, home, shares, model: ModelSpec, nodes: int, per_node: int, nv_b
 def test_random_layers_match_loop_reference(seed):
     """2 nodes x 4 GPUs, 8 experts, random homes and random replica shares: every output against loops."""
     rng = np.random.default_rng(seed)
-    model = ModelSpec("t8", hidden=6, ffn=5, num_experts=8, topk=2, num_layers=1, dtype_bytes=2)
+    model = ModelSpec("t8", hidden=6, ffn=5, num_experts=8, top_k=2, num_layers=1, dtype_bytes=2)
     cluster = ClusterSpec(nodes=2, gpus_per_node=4, nvlink_bw=3.0e3, rdma_bw=0.7e3, flops=2.0e4)
     x = rng.integers(0, 40, size=(8, 8)).astype(float)
     home = rng.integers(0, 8, size=8)  # any homes (the cost model does not need E/G per GPU)

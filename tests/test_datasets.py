@@ -40,7 +40,7 @@ def test_gpt_oss_all_requests_match_the_raw_file(data_env):
     with np.load(data_env / "gpt-oss-20b" / "topk_ids.npz") as f:
         ids, offsets = f["topk_ids"], f["offsets"]
     requests = json.loads((data_env / "gpt-oss-20b" / "requests.json").read_text())
-    assert (b.num_sequences, b.num_experts, b.topk, b.num_layers) == (703, 32, 4, 24)
+    assert (b.num_sequences, b.num_experts, b.top_k, b.num_layers) == (703, 32, 4, 24)
     np.testing.assert_array_equal(b.layer_ids, np.arange(24))
     assert b.num_tokens == ids.shape[0]
     assert "gpt-oss-20b" in b.source and "real" in b.source

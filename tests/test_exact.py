@@ -14,7 +14,7 @@ from relibra_moe.planners.replicate import replicate_cell
 from relibra_moe.planners.split import lower_bound, solve_split_lp
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
-MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=8, topk=2, num_layers=1)
+MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=8, top_k=2, num_layers=1)
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)
 
 

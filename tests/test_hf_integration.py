@@ -84,7 +84,7 @@ def test_recorder_equals_teacher_forced_forward(rollout):
         # fed tokens: the unpadded prompt and every generated token but the last
         assert tr.num_tokens == int(MASK[b].sum()) + NEW - 1
         assert tr.layer_ids.tolist() == want_layers
-        assert tr.topk == 2 and tr.num_experts == 8 and tr.start == 0
+        assert tr.top_k == 2 and tr.num_experts == 8 and tr.start == 0
     full, mask, pos = _teacher_inputs(gen)
     with RoutingRecorder(model) as tf, torch.no_grad():
         model(full, attention_mask=mask, position_ids=pos)

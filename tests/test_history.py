@@ -18,7 +18,7 @@ from relibra_moe.trace import TraceBatch
 def _batch(seed: int, model, n: int = 16, mbs: int = 4, hot: int = 0) -> TraceBatch:
     """Count-built batch: n samples of 20..60 tokens, expert ``hot`` 8x more likely in every layer."""
     rng = np.random.default_rng(seed)
-    L, E, k = model.num_layers, model.num_experts, model.topk
+    L, E, k = model.num_layers, model.num_experts, model.top_k
     p = np.ones(E)
     p[hot] = 8.0
     p /= p.sum()
@@ -52,7 +52,7 @@ def test_history_weights_shapes_and_window_sum():
 def test_hand_computed_packing_one_node():
     """G = 2 on one node, E = 4, r = 0, loads [10, 1, 1, 1]: heaviest first onto the lightest GPU with a free home
     slot: e0 -> GPU 0, e1 -> GPU 1, e2 -> GPU 1 (1 < 10), e3 -> GPU 0 (GPU 1 full)."""
-    model = model_preset("gpt-oss-20b").with_(num_layers=1, num_experts=4, topk=2)
+    model = model_preset("gpt-oss-20b").with_(num_layers=1, num_experts=4, top_k=2)
     cluster = cluster_preset("hopper-rail", nodes=1, gpus_per_node=2)
     batch = TraceBatch.from_counts(np.array([[[3, 3, 2, 2]], [[1, 1, 2, 2]]]), 2, micro_batch=[0, 0])
     plan = plan_batch(batch, model, cluster, "eplb-history", history=np.array([[10.0, 1, 1, 1]]))

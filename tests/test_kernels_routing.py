@@ -43,7 +43,7 @@ def test_hand_case():
     assert m.tile_row.tolist()[:5] == [0, 1, 3, 4, 5]
     assert m.num_tiles == num_tiles_bound(6, 4, 2) == 7
     assert m.tile_row.tolist()[5:] == [-1, -1]
-    assert (m.num_rows, m.topk, m.num_tokens) == (6, 2, 3)
+    assert (m.num_rows, m.top_k, m.num_tokens) == (6, 2, 3)
     assert m.token_idx().tolist() == [0, 0, 1, 2, 2, 0]
     assert m.slot_of_row().tolist() == [0, 1, 1, 1, 2, 4]
 

@@ -113,13 +113,13 @@ SCRIPT = textwrap.dedent(
               dest_off_ptr="*i64", ws_ptr="*fp32", dw_ptr=t, N=I, K=I, stride_gk=I, stride_gn=I),
               dict(RNE=False, BLOCK_K=rk, BLOCK_N=rn, stride_gk=1), ["ws_ptr", "dw_ptr", "N", "K"], num_warps=4)
     build("permute", pm._permute_kernel, dict(x_ptr="*bf16", gather_ptr="*i32", scale_ptr="*fp32", out_ptr="*bf16", R=I,
-          H=I, stride_x=I, stride_o=I), dict(TOPK=8, HAS_SCALE=True, RNE=False, BLOCK_R=4, BLOCK_H=1024),
+          H=I, stride_x=I, stride_o=I), dict(TOP_K=8, HAS_SCALE=True, RNE=False, BLOCK_R=4, BLOCK_H=1024),
           ["x_ptr", "out_ptr", "H", "stride_x", "stride_o"], num_warps=4)
     build("combine", pm._combine_kernel, dict(y_ptr="*bf16", scatter_ptr="*i32", w_ptr="*fp32", out_ptr="*bf16", T=I,
-          H=I, stride_y=I, stride_o=I), dict(TOPK=8, RNE=False, BLOCK_T=2, BLOCK_H=1024),
+          H=I, stride_y=I, stride_o=I), dict(TOP_K=8, RNE=False, BLOCK_T=2, BLOCK_H=1024),
           ["y_ptr", "out_ptr", "H", "stride_y", "stride_o"], num_warps=4)
     build("rowdot", pm._rowdot_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", scatter_ptr="*i32", out_ptr="*fp32", T=I, H=I,
-          stride_a=I, stride_b=I), dict(TOPK=8, BLOCK_T=16, BLOCK_H=256), ["a_ptr", "b_ptr", "H"], num_warps=4)
+          stride_a=I, stride_b=I), dict(TOP_K=8, BLOCK_T=16, BLOCK_H=256), ["a_ptr", "b_ptr", "H"], num_warps=4)
     warps = rc.COMPILED_WARPS
     build("copy_rows", rc._copy_rows_kernel, dict(src_ptr="*bf16", src_idx_ptr="*i64", dst_ptr="*bf16",
           dst_idx_ptr="*i64", D=I, stride_src=I, stride_dst=I, num_items=I, chunks_per_row=I),

@@ -24,7 +24,7 @@ from relibra_moe.specs import ClusterSpec, ModelSpec
 
 def _case(seed: int, N: int = 12, L: int = 2, E: int = 8, nodes: int = 2, P: int = 2, M: int = 3):
     rng = np.random.default_rng(seed)
-    model = ModelSpec("t", hidden=256, ffn=128, num_experts=E, topk=2, num_layers=L)
+    model = ModelSpec("t", hidden=256, ffn=128, num_experts=E, top_k=2, num_layers=L)
     cluster = ClusterSpec(nodes=nodes, gpus_per_node=P)
     lengths = rng.integers(5, 60, N)
     pop = rng.dirichlet(np.full(E, 0.4), size=(N, L))

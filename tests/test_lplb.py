@@ -13,7 +13,7 @@ from relibra_moe.planners.lplb import lplb_copies, lplb_replicas
 from relibra_moe.specs import ClusterSpec, ModelSpec
 from relibra_moe.trace import RoutingTrace, TraceBatch
 
-MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=8, topk=2, num_layers=2)
+MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=8, top_k=2, num_layers=2)
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)
 
 

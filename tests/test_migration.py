@@ -22,7 +22,7 @@ from relibra_moe.specs import ClusterSpec, ModelSpec
 from relibra_moe.timing import move_bytes, transfer_seconds
 
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=3)
-MODEL = ModelSpec("t", hidden=64, ffn=32, num_experts=12, topk=2, num_layers=3)
+MODEL = ModelSpec("t", hidden=64, ffn=32, num_experts=12, top_k=2, num_layers=3)
 
 
 def _all_symmetries(cluster):
@@ -100,11 +100,11 @@ def test_plan_batch_migration_option_and_previous_validation():
     rng = np.random.default_rng(0)
     def rows(s):  # k distinct experts per token, skewed popularity
         p = np.linspace(3, 1, MODEL.num_experts) ** 2
-        return np.array([[rng.choice(MODEL.num_experts, MODEL.topk, replace=False, p=p / p.sum())
+        return np.array([[rng.choice(MODEL.num_experts, MODEL.top_k, replace=False, p=p / p.sum())
                           for _ in range(MODEL.num_layers)] for _ in range(s)], np.int32)
 
     traces = [RoutingTrace(rows(int(rng.integers(20, 60))), np.arange(MODEL.num_layers, dtype=np.int32),
-                           MODEL.num_experts, MODEL.topk) for _ in range(12)]
+                           MODEL.num_experts, MODEL.top_k) for _ in range(12)]
     batch = TraceBatch(traces).with_micro_batch_size(6)
     off = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", migration=False, iters=300, locality_iters=200)
     on = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", iters=300, locality_iters=200)

@@ -18,7 +18,7 @@ from relibra_moe.trace import TraceBatch
 
 def _skewed_batch(model, n: int = 16, mbs: int = 8, seed: int = 0) -> TraceBatch:
     rng = np.random.default_rng(seed)
-    L, E, k = model.num_layers, model.num_experts, model.topk
+    L, E, k = model.num_layers, model.num_experts, model.top_k
     counts = np.zeros((n, L, E), np.int64)
     for i in range(n):
         s = int(rng.integers(200, 400))

@@ -13,7 +13,7 @@ from relibra_moe.errors import PlanError
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, json_default
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
-MODEL = ModelSpec("t", hidden=64, ffn=32, num_experts=8, topk=2, num_layers=2)
+MODEL = ModelSpec("t", hidden=64, ffn=32, num_experts=8, top_k=2, num_layers=2)
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)  # G = 4, 2 experts per GPU
 
 

@@ -28,7 +28,7 @@ BETA = 20.0
 
 def _specs(nodes: int, P: int, per_gpu: int) -> tuple[ModelSpec, ClusterSpec]:
     G = nodes * P
-    model = ModelSpec("t", hidden=256, ffn=128, num_experts=G * per_gpu, topk=1, num_layers=1)
+    model = ModelSpec("t", hidden=256, ffn=128, num_experts=G * per_gpu, top_k=1, num_layers=1)
     return model, ClusterSpec(nodes=nodes, gpus_per_node=P)
 
 
@@ -134,7 +134,7 @@ def test_batch_cost_matches_cost_model():
 
 
 def test_reorder_never_worse_than_lpt_and_deterministic():
-    model = ModelSpec("t", hidden=256, ffn=128, num_experts=16, topk=2, num_layers=3)
+    model = ModelSpec("t", hidden=256, ffn=128, num_experts=16, top_k=2, num_layers=3)
     cluster = ClusterSpec(nodes=2, gpus_per_node=2)
     rng = np.random.default_rng(0)
     x = rng.poisson(rng.gamma(0.5, 20, size=(4, 3, 1, 16)), size=(4, 3, 4, 16))
@@ -152,7 +152,7 @@ def test_reorder_never_worse_than_lpt_and_deterministic():
 
 @pytest.mark.timeout(120)
 def test_reorder_process_pool_matches_serial():
-    model = ModelSpec("t", hidden=256, ffn=128, num_experts=8, topk=2, num_layers=2)
+    model = ModelSpec("t", hidden=256, ffn=128, num_experts=8, top_k=2, num_layers=2)
     cluster = ClusterSpec(nodes=2, gpus_per_node=2)
     rng = np.random.default_rng(1)
     x = rng.integers(0, 40, size=(3, 2, 4, 8))

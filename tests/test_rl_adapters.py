@@ -103,10 +103,10 @@ def test_vllm_rollout_minus_one_at_a_real_token_stays_no_route():
     np.testing.assert_array_equal(batch.sample_expert_counts()[0], loop_counts(resp[0, :2].tolist()))
 
 
-def _slime_reader(payload: str, num_tokens: int, num_layers: int, topk: int) -> np.ndarray:
-    """What slime does with SGLang's payload: int32, reshaped to (len(sample.tokens) - 1, num_layers, topk)."""
+def _slime_reader(payload: str, num_tokens: int, num_layers: int, top_k: int) -> np.ndarray:
+    """What slime does with SGLang's payload: int32, reshaped to (len(sample.tokens) - 1, num_layers, top_k)."""
     return np.frombuffer(base64.b64decode(payload.encode("ascii")), dtype=np.int32).reshape(
-        num_tokens - 1, num_layers, topk)
+        num_tokens - 1, num_layers, top_k)
 
 
 def test_from_sglang_reads_slimes_payload_like_slime():
@@ -117,7 +117,7 @@ def test_from_sglang_reads_slimes_payload_like_slime():
     meta = {"routed_experts": payload, "prompt_tokens": prompt, "completion_tokens": completion}
     tr = from_sglang(meta, num_moe_layers=num_layers, num_experts=E)
     np.testing.assert_array_equal(tr.experts, _slime_reader(payload, prompt + completion, num_layers, K))
-    assert tr.topk == K and tr.start == 0
+    assert tr.top_k == K and tr.start == 0
     # slime's num_layers counts every decoder layer; dense ones are dropped by index
     tr2 = from_sglang(meta, num_moe_layers=num_layers - 1, dense_layers=(0,), num_experts=E)
     np.testing.assert_array_equal(tr2.experts, _slime_reader(payload, prompt + completion, num_layers, K)[:, 1:])

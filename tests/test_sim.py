@@ -17,7 +17,7 @@ from relibra_moe.timing import attention_flops, transfer_seconds
 
 # Round numbers: one (token, expert) pair costs 6*4*8 = 192 FLOPs = 1 s at 192 FLOP/s; a token is
 # 4 * 2 = 8 bytes = 1 s on NVLink (8 B/s) and 2 s on RDMA (4 B/s); an expert is 3*4*8*2 = 192 bytes.
-MODEL = ModelSpec("tiny", hidden=4, ffn=8, num_experts=4, topk=2, num_layers=1, dtype_bytes=2,
+MODEL = ModelSpec("tiny", hidden=4, ffn=8, num_experts=4, top_k=2, num_layers=1, dtype_bytes=2,
                   num_heads=2, num_kv_heads=1, head_dim=2)
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2, nvlink_bw=8.0, rdma_bw=4.0, flops=192.0, attn_flops=384.0)
 

@@ -19,7 +19,7 @@ from relibra_moe.specs import (
 
 
 @pytest.mark.parametrize(
-    "name, hidden, ffn, experts, topk, layers",
+    "name, hidden, ffn, experts, top_k, layers",
     [
         ("qwen3-30b-a3b", 2048, 768, 128, 8, 48),
         ("glm4.5-106b-a12b", 4096, 1408, 128, 8, 45),
@@ -28,9 +28,9 @@ from relibra_moe.specs import (
         ("olmoe-1b-7b", 2048, 1024, 64, 8, 16),
     ],
 )
-def test_model_presets(name, hidden, ffn, experts, topk, layers):
+def test_model_presets(name, hidden, ffn, experts, top_k, layers):
     m = model_preset(name)
-    assert (m.hidden, m.ffn, m.num_experts, m.topk, m.num_layers) == (hidden, ffn, experts, topk, layers)
+    assert (m.hidden, m.ffn, m.num_experts, m.top_k, m.num_layers) == (hidden, ffn, experts, top_k, layers)
     assert m.token_bytes == hidden * 2
 
 
@@ -68,7 +68,7 @@ def test_bad_specs_raise():
         cluster_preset("nope")
     with pytest.raises(ValueError, match="gpus_per_node"):
         ClusterSpec(nodes=1, gpus_per_node=0)
-    with pytest.raises(ValueError, match="topk"):
+    with pytest.raises(ValueError, match="top_k"):
         ModelSpec("x", 4, 4, 2, 3, 1)
     with pytest.raises(ValueError, match=r"ClusterSpec.rdma_bw must be a finite number > 0, got 0"):
         ClusterSpec(nodes=1, gpus_per_node=2, rdma_bw=0)
@@ -86,5 +86,5 @@ def test_bad_specs_raise():
         ModelSpec("x", 4, 4, 2, 1, 1, shared_experts=-1)
     with pytest.raises(ValueError, match=r"ModelSpec.shared_ffn must be a positive int or None, got 0"):
         ModelSpec("x", 4, 4, 2, 1, 1, shared_ffn=0)
-    with pytest.raises(ValueError, match=r"ModelSpec.topk=3 exceeds num_experts=2"):
-        model_preset("olmoe-1b-7b").with_(num_experts=2, topk=3)
+    with pytest.raises(ValueError, match=r"ModelSpec.top_k=3 exceeds num_experts=2"):
+        model_preset("olmoe-1b-7b").with_(num_experts=2, top_k=3)

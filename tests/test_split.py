@@ -13,7 +13,7 @@ from relibra_moe.planners.exact import split_lp_reference
 from relibra_moe.planners.split import cell_weights, fast_split, holders, lower_bound, solve_split_lp, split_cost
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
-MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=16, topk=2, num_layers=1)
+MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=16, top_k=2, num_layers=1)
 
 
 def random_cell(rng, nodes, P, E, r, skew=0.4, tokens=400):

@@ -28,7 +28,7 @@ def _counts_batch(seed: int, model, n: int = 16, mbs: int = 4, hot=(0,), tokens=
     """n samples of ``tokens`` tokens, each token's k distinct experts drawn with the ``hot`` ones 12x likelier
     (Gumbel top-k)."""
     rng = np.random.default_rng(seed)
-    L, E, k = model.num_layers, model.num_experts, model.topk
+    L, E, k = model.num_layers, model.num_experts, model.top_k
     logp = np.zeros(E)
     logp[list(hot)] = np.log(12.0)
     counts = np.zeros((n, L, E), np.int64)
@@ -67,7 +67,7 @@ def test_consecutive_batches_cover_the_trace_in_order():
     with pytest.raises(TraceError, match="num_batches=0"):
         consecutive_batches(batch, 0)
     with pytest.raises(TraceError, match="no micro-batch assignment"):
-        consecutive_batches(TraceBatch.from_counts(batch.sample_expert_counts(), batch.topk), 2)
+        consecutive_batches(TraceBatch.from_counts(batch.sample_expert_counts(), batch.top_k), 2)
 
 
 def test_domain_mix_and_drifting_batches():

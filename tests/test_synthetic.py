@@ -54,7 +54,7 @@ def test_ids_from_counts_exact(seed, s):
 
 def test_batch_invariants_and_determinism():
     b = rl_batch(TINY, "math", num_prompts=6, responses_per_prompt=3, seed=1)
-    assert b.num_sequences == 18 and (b.num_layers, b.num_experts, b.topk) == (3, 16, 4)
+    assert b.num_sequences == 18 and (b.num_layers, b.num_experts, b.top_k) == (3, 16, 4)
     assert "synthetic" in b.source and "real" not in b.source.replace("not real", "")
     counts = b.sample_expert_counts()
     np.testing.assert_array_equal(counts.sum(axis=2), 4 * b.lengths[:, None].repeat(3, axis=1))

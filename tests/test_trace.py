@@ -31,7 +31,7 @@ def make_batch(rng: np.random.Generator, lengths: list[int], num_layers: int = 3
 # ------------------------------------------------------------------------------------- RoutingTrace
 def test_routing_trace_normalizes_dtype_and_keeps_order():
     ids = np.array([[[3, 1], [0, 2]], [[1, -1], [-1, -1]]], dtype=np.int64)
-    tr = RoutingTrace(ids, [0, 5], num_experts=4, topk=2, start=7, source="x")
+    tr = RoutingTrace(ids, [0, 5], num_experts=4, top_k=2, start=7, source="x")
     assert tr.experts.dtype == np.int16
     assert tr.layer_ids.dtype == np.int32
     np.testing.assert_array_equal(tr.experts, ids)  # row order kept, -1 padding allowed
@@ -40,7 +40,7 @@ def test_routing_trace_normalizes_dtype_and_keeps_order():
 
 
 def test_routing_trace_int32_for_large_expert_count():
-    tr = RoutingTrace(np.array([[[40000]]]), [0], num_experts=40001, topk=1)
+    tr = RoutingTrace(np.array([[[40000]]]), [0], num_experts=40001, top_k=1)
     assert tr.experts.dtype == np.int32
 
 
@@ -58,7 +58,7 @@ def test_routing_trace_int32_for_large_expert_count():
 def test_routing_trace_rejects(ids, match):
     num_layers = ids.shape[1] if ids.ndim == 3 else 1
     with pytest.raises(TraceError, match=match):
-        RoutingTrace(ids, np.arange(num_layers), num_experts=8, topk=2)
+        RoutingTrace(ids, np.arange(num_layers), num_experts=8, top_k=2)
 
 
 def test_routing_trace_layer_count_mismatch():
@@ -67,9 +67,9 @@ def test_routing_trace_layer_count_mismatch():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(num_experts=0, topk=1), r"num_experts must be a positive int, got 0"),
-    (dict(num_experts=2, topk=3), r"topk=3 exceeds num_experts=2"),
-    (dict(num_experts=4, topk=1, start=-1), r"start must be an int >= 0, got -1"),
+    (dict(num_experts=0, top_k=1), r"num_experts must be a positive int, got 0"),
+    (dict(num_experts=2, top_k=3), r"top_k=3 exceeds num_experts=2"),
+    (dict(num_experts=4, top_k=1, start=-1), r"start must be an int >= 0, got -1"),
 ])
 def test_routing_trace_bad_scalars(kwargs, match):
     with pytest.raises(TraceError, match=match):
@@ -90,7 +90,7 @@ def test_batch_rejects_empty_and_inconsistent():
         TraceBatch([a, RoutingTrace(random_ids(rng, 4, 2, 8, 2), [0, 1], 8, 2)])
     with pytest.raises(TraceError, match=r"sample 2: num_experts=9, sample 0 has 8"):
         TraceBatch([a, a, RoutingTrace(random_ids(rng, 4, 3, 8, 2), [0, 1, 2], 9, 2)])
-    with pytest.raises(TraceError, match=r"sample 1: topk=3"):
+    with pytest.raises(TraceError, match=r"sample 1: top_k=3"):
         TraceBatch([a, RoutingTrace(random_ids(rng, 4, 3, 8, 3), [0, 1, 2], 8, 3)])
     with pytest.raises(TraceError, match=r"sample 1: layer_ids \[0, 1, 3\] differ"):
         TraceBatch([a, RoutingTrace(random_ids(rng, 4, 3, 8, 2), [0, 1, 3], 8, 2)])
@@ -234,7 +234,7 @@ def test_from_counts_rejects_bad_counts():
         TraceBatch.from_counts(np.ones((2, 3), np.int64), 1)
     with pytest.raises(TraceError, match=r"empty batch: counts has no samples"):
         TraceBatch.from_counts(np.ones((0, 1, 3), np.int64), 1)
-    with pytest.raises(TraceError, match=r"topk=4 exceeds num_experts=3"):
+    with pytest.raises(TraceError, match=r"top_k=4 exceeds num_experts=3"):
         TraceBatch.from_counts(np.ones((1, 1, 3), np.int64), 4)
     with pytest.raises(TraceError, match=r"layer count mismatch: layer_ids has shape \(2,\), counts has 1 layers"):
         TraceBatch.from_counts(np.ones((1, 1, 3), np.int64), 1, layer_ids=[0, 1])
@@ -252,10 +252,12 @@ def test_save_load_roundtrip(tmp_path):
     with np.load(path, allow_pickle=False) as f:
         assert set(REQUIRED_KEYS) <= set(f.files)
         assert int(f["version"]) == FORMAT_VERSION
+        # k is stored under the key "topk" (the saved format predates the top_k attribute), never "top_k"
+        assert int(f["topk"]) == 2 and "top_k" not in f.files
         assert f["experts"].shape == (8, 2, 2) and f["experts"].dtype == np.int32
         np.testing.assert_array_equal(f["offsets"], [0, 3, 3, 8])
     c = TraceBatch.load(path)
-    assert (c.num_sequences, c.num_experts, c.topk, c.source) == (3, 40000, 2, "unit")
+    assert (c.num_sequences, c.num_experts, c.top_k, c.source) == (3, 40000, 2, "unit")
     np.testing.assert_array_equal(c.micro_batch, [1, -1, 0])
     np.testing.assert_array_equal(c.starts, [0, 1, 2])
     np.testing.assert_array_equal(c.layer_ids, [1, 2])
@@ -370,7 +372,7 @@ def test_duplicate_found_in_a_later_chunk(monkeypatch):
     ({"layer_ids": np.array([0, 1], np.int32)},
      r"x.npz: layer count mismatch: layer_ids has shape \(2,\), experts has 1"),
     ({"version": np.float64(1.0)}, r"x.npz: key 'version' must be an integer scalar, got dtype float64"),
-    ({"topk": np.int64(3)}, r"x.npz: experts has k=2 ids per row .* topk=3"),
+    ({"topk": np.int64(3)}, r"x.npz: experts has k=2 ids per row .* top_k=3"),
     ({"num_experts": np.array([4, 4])},
      r"x.npz: key 'num_experts' must be an integer scalar, got dtype int64 shape \(2,\)"),
     ({"starts": np.array([0])}, r"x.npz: starts must have shape \[2\], got \(1,\)"),
@@ -395,10 +397,10 @@ def test_load_rejects_bad_fields(tmp_path, change, match):
 def test_ids_are_range_checked_before_narrowing():
     """An id that int16 would wrap into range (65536 + 3 -> 3) is an error, not expert 3."""
     with pytest.raises(TraceError, match=r"row 0, layer 0, slot 0: expert id 65539 out of range \(valid: 0..7"):
-        RoutingTrace(np.array([[[65539]]], np.int64), [0], num_experts=8, topk=1)
+        RoutingTrace(np.array([[[65539]]], np.int64), [0], num_experts=8, top_k=1)
     with pytest.raises(TraceError, match=r"expert id 32768 out of range \(valid: 0..32766"):
-        RoutingTrace(np.array([[[32768]]], np.int32), [0], num_experts=32767, topk=1)
-    tr = RoutingTrace(np.array([[[32767]]], np.int64), [0], num_experts=32768, topk=1)
+        RoutingTrace(np.array([[[32768]]], np.int32), [0], num_experts=32767, top_k=1)
+    tr = RoutingTrace(np.array([[[32767]]], np.int64), [0], num_experts=32768, top_k=1)
     assert tr.experts.dtype == np.int32 and int(tr.experts[0, 0, 0]) == 32767
 
 
@@ -416,7 +418,7 @@ def _write_v1(batch: TraceBatch, path) -> None:
     offsets = np.r_[0, np.cumsum(batch.lengths)]
     experts = np.concatenate([t.experts for t in batch.traces]).astype(np.int16)
     mb = batch.micro_batch if batch.micro_batch is not None else np.full(batch.num_sequences, -1, np.int32)
-    _write(path, version=np.int64(1), num_experts=np.int64(batch.num_experts), topk=np.int64(batch.topk),
+    _write(path, version=np.int64(1), num_experts=np.int64(batch.num_experts), topk=np.int64(batch.top_k),
            layer_ids=batch.layer_ids, experts=experts, offsets=offsets, starts=batch.starts,
            micro_batch=mb.astype(np.int32), source=np.str_(batch.source),
            **{"info_" + k: v for k, v in batch.sample_info.items()})
@@ -439,7 +441,7 @@ def _same_batch(a: TraceBatch, b: TraceBatch) -> None:
     np.testing.assert_array_equal(a.starts, b.starts)
     np.testing.assert_array_equal(a.micro_batch, b.micro_batch)
     np.testing.assert_array_equal(a.layer_ids, b.layer_ids)
-    assert (a.num_experts, a.topk, a.source) == (b.num_experts, b.topk, b.source)
+    assert (a.num_experts, a.top_k, a.source) == (b.num_experts, b.top_k, b.source)
     for key in a.sample_info:
         np.testing.assert_array_equal(a.sample_info[key], b.sample_info[key])
 

@@ -31,7 +31,7 @@ def test_sglang_int32_with_token_counts_and_start():
             "routed_experts_start": start}
     tr = from_sglang(meta, num_moe_layers=3, num_experts=16)
     np.testing.assert_array_equal(tr.experts, ids)
-    assert (tr.start, tr.topk, tr.num_experts, tr.source) == (start, 4, 16, "sglang")
+    assert (tr.start, tr.top_k, tr.num_experts, tr.source) == (start, 4, 16, "sglang")
     np.testing.assert_array_equal(tr.layer_ids, [0, 1, 2])
     # k inferred from rows and layers; E inferred from the largest id
     assert from_sglang(meta, 3).num_experts == int(ids.max()) + 1
@@ -45,40 +45,40 @@ def test_sglang_drops_dense_layers_and_reads_narrow_dtypes():
         raw = ids.astype(np.int64)
         raw[raw < 0] = np.iinfo(dtype).max
         meta = {"routed_experts": _b64(raw.astype(dtype)), "routed_experts_dtype": dtype}
-        tr = from_sglang(meta, num_moe_layers=3, dense_layers=(0,), topk=2, num_experts=32)
+        tr = from_sglang(meta, num_moe_layers=3, dense_layers=(0,), top_k=2, num_experts=32)
         np.testing.assert_array_equal(tr.experts, ids[:, 1:])
         np.testing.assert_array_equal(tr.layer_ids, [1, 2, 3])
 
 
 @pytest.mark.parametrize("meta, kwargs, match", [
     ({}, {}, r"meta_info has no 'routed_experts'"),
-    ({"routed_experts": "@@not base64@@"}, dict(num_moe_layers=1, topk=1), r"not valid base64"),
+    ({"routed_experts": "@@not base64@@"}, dict(num_moe_layers=1, top_k=1), r"not valid base64"),
     ({"routed_experts": _b64(np.zeros(3, np.int32)), "routed_experts_dtype": "float16"}, dict(num_moe_layers=1),
      r"routed_experts_dtype 'float16' not supported"),
-    ({"routed_experts": _b64(np.zeros(7, np.int32))}, dict(num_moe_layers=2, topk=2),
+    ({"routed_experts": _b64(np.zeros(7, np.int32))}, dict(num_moe_layers=2, top_k=2),
      r"holds 7 ids, which does not fit"),
     ({"routed_experts": _b64(np.zeros(4, np.int32))}, dict(num_moe_layers=2), r"needs two of"),
-    ({"routed_experts": _b64(np.array([0, 1, 2, 2], np.int32))}, dict(num_moe_layers=1, topk=2),
+    ({"routed_experts": _b64(np.array([0, 1, 2, 2], np.int32))}, dict(num_moe_layers=1, top_k=2),
      r"row 1, layer 0: duplicate expert id 2"),
-    ({"routed_experts": _b64(np.array([0, 1, 2, 9], np.int32))}, dict(num_moe_layers=1, topk=2, num_experts=4),
+    ({"routed_experts": _b64(np.array([0, 1, 2, 9], np.int32))}, dict(num_moe_layers=1, top_k=2, num_experts=4),
      r"row 1, layer 0, slot 1: expert id 9 out of range"),
-    ({"routed_experts": base64.b64encode(b"abc").decode()}, dict(num_moe_layers=1, topk=1),
+    ({"routed_experts": base64.b64encode(b"abc").decode()}, dict(num_moe_layers=1, top_k=1),
      r"holds 3 bytes, not a multiple of int32"),
-    ({"routed_experts": _b64(np.zeros(4, np.int32))}, dict(num_moe_layers=1, topk=2, dense_layers=(5,)),
+    ({"routed_experts": _b64(np.zeros(4, np.int32))}, dict(num_moe_layers=1, top_k=2, dense_layers=(5,)),
      r"dense_layers \[5\] out of range"),
-    ({"routed_experts": _b64(np.zeros(4, np.int32))}, dict(num_moe_layers=1, topk=2, dense_layers=(0.5,)),
+    ({"routed_experts": _b64(np.zeros(4, np.int32))}, dict(num_moe_layers=1, top_k=2, dense_layers=(0.5,)),
      r"dense_layers must hold decoder layer indices \(ints\), got 0.5"),
-    ({"routed_experts": _b64(np.array([0, 1, -3, 2], np.int32))}, dict(num_moe_layers=1, topk=2, num_experts=4),
+    ({"routed_experts": _b64(np.array([0, 1, -3, 2], np.int32))}, dict(num_moe_layers=1, top_k=2, num_experts=4),
      r"row 1, layer 0, slot 0: expert id -3 out of range"),
     ({"routed_experts": _b64(np.zeros(4, np.int32)), "prompt_tokens": "3", "completion_tokens": 2},
      dict(num_moe_layers=1), r"meta_info\['prompt_tokens'\] must be an int >= 0, got '3'"),
     ({"routed_experts": _b64(np.zeros(4, np.int32)), "prompt_tokens": 1, "completion_tokens": 1,
       "routed_experts_start": 2}, dict(num_moe_layers=1),
      r"prompt_tokens \+ completion_tokens - 1 - routed_experts_start = 1 \+ 1 - 1 - 2 = -1 < 0"),
-    ({"routed_experts": _b64(np.zeros(2, np.int32)), "routed_experts_start": True}, dict(num_moe_layers=1, topk=1),
+    ({"routed_experts": _b64(np.zeros(2, np.int32)), "routed_experts_start": True}, dict(num_moe_layers=1, top_k=1),
      r"meta_info\['routed_experts_start'\] must be an int >= 0, got True"),
     ({"routed_experts": _b64(np.arange(8, dtype=np.int32)), "prompt_tokens": 2, "completion_tokens": 2},
-     dict(num_moe_layers=1, topk=2), r"holds 8 ids, which does not fit rows=3, layers=1, k=2"),
+     dict(num_moe_layers=1, top_k=2), r"holds 8 ids, which does not fit rows=3, layers=1, k=2"),
 ])
 def test_sglang_errors(meta, kwargs, match):
     with pytest.raises(TraceError, match=match):
@@ -95,7 +95,7 @@ def test_vllm_formats_agree():
     for form in (ids, ids.tolist(), b64, b64.decode(), torch.from_numpy(ids)):
         tr = from_vllm(form, prompt_start=11, num_experts=8)
         np.testing.assert_array_equal(tr.experts, ids)
-        assert (tr.start, tr.num_experts, tr.topk) == (11, 8, 2)
+        assert (tr.start, tr.num_experts, tr.top_k) == (11, 8, 2)
     batch = TraceBatch([from_vllm(ids, num_experts=8), from_vllm(ids[:3], 2, num_experts=8)])
     assert batch.num_tokens == 10
 
@@ -141,7 +141,7 @@ def test_sglang_narrow_dtype_and_large_ids():
     """uint16 ids above int16's range stay exact (no wrap), and only the all-ones value means no route."""
     ids = np.array([[[40000, 65534]], [[65535, 1]]], np.int64)  # 65535 = no route
     meta = {"routed_experts": _b64(ids.astype(np.uint16)), "routed_experts_dtype": "uint16"}
-    tr = from_sglang(meta, num_moe_layers=1, topk=2, num_experts=65535)
+    tr = from_sglang(meta, num_moe_layers=1, top_k=2, num_experts=65535)
     assert tr.experts.dtype == np.int32
     np.testing.assert_array_equal(tr.experts, [[[40000, 65534]], [[-1, 1]]])
 

@@ -118,7 +118,7 @@ def _restrict_layers(batch: Any, layers: int | None) -> Any:
     if layers is None or layers >= batch.num_layers:
         return batch
     counts = batch.sample_expert_counts()[:, :layers]
-    return TraceBatch.from_counts(counts, batch.topk, batch.layer_ids[:layers], starts=batch.starts,
+    return TraceBatch.from_counts(counts, batch.top_k, batch.layer_ids[:layers], starts=batch.starts,
                                   micro_batch=batch.micro_batch, source=batch.source,
                                   sample_info=dict(batch.sample_info))
 

@@ -132,10 +132,10 @@ def trace_stats(batch: TraceBatch, micro_batch_size: int | None = None, hot_k: i
 
     Returns:
         A JSON-ready dict: sizes (``num_sequences``, ``num_tokens``, ``num_layers``, ``num_experts``,
-        ``topk``, ``num_micro_batches``, ``tokens_per_sequence``), ``skew_mean`` / ``skew_min`` /
-        ``skew_max`` (dimensionless, over micro-batches of the layer-mean expert skew; None when no
-        micro-batch has a routed token), ``hot_k``, ``intersection_mean`` (None with one micro-batch),
-        ``synthetic`` and ``source``.
+        ``topk`` (k; this key keeps its spelling so saved output stays comparable), ``num_micro_batches``,
+        ``tokens_per_sequence``), ``skew_mean`` / ``skew_min`` / ``skew_max`` (dimensionless, over
+        micro-batches of the layer-mean expert skew; None when no micro-batch has a routed token), ``hot_k``,
+        ``intersection_mean`` (None with one micro-batch), ``synthetic`` and ``source``.
 
     Raises:
         TraceError: a partial micro-batch assignment in the file, or ``hot_k`` > E.
@@ -169,7 +169,7 @@ def trace_stats(batch: TraceBatch, micro_batch_size: int | None = None, hot_k: i
         "num_tokens": batch.num_tokens,
         "num_layers": batch.num_layers,
         "num_experts": batch.num_experts,
-        "topk": batch.topk,
+        "topk": batch.top_k,
         "num_micro_batches": int(counts.shape[0]),
         "micro_batch_rule": rule,
         "tokens_per_sequence": {"min": int(lengths.min()), "mean": float(lengths.mean()),

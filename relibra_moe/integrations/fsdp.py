@@ -57,7 +57,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..layers.dispatch import ep_process_group, is_device_mesh
-from .hf import full_state_dict, moe_blocks, num_experts_topk, replay, swap_moe_blocks
+from .hf import full_state_dict, moe_blocks, num_experts_top_k, replay, swap_moe_blocks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -393,7 +393,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, replica_slots: int = 0, g
     if sharded:
         raise ValueError(f"parallelize needs the unsharded model; fully_shard was already applied to {sharded[0]!r}")
     for _, _, block in moe_blocks(model):
-        check_mesh(mesh, num_experts_topk(block)[0], dp_dim=dp_dim, ep_dim=ep_dim)
+        check_mesh(mesh, num_experts_top_k(block)[0], dp_dim=dp_dim, ep_dim=ep_dim)
     if dense_mesh is None:
         dense_mesh = mesh._flatten(f"{dp_dim}_{ep_dim}")
     elif not is_device_mesh(dense_mesh) or dense_mesh.size() != mesh.size():

@@ -83,7 +83,7 @@ def _is_swapped(mod: nn.Module) -> bool:
     return bool(getattr(type(mod), "swapped_moe_block", False))
 
 
-def num_experts_topk(block: nn.Module) -> tuple[int, int]:
+def num_experts_top_k(block: nn.Module) -> tuple[int, int]:
     fam = block.family if _is_swapped(block) else family_of(block)
     router = getattr(block, fam.router_attr)
     return int(router.num_experts), int(router.top_k)
@@ -125,7 +125,7 @@ class RoutingRecorder:
         blocks = moe_blocks(model)
         self.layer_ids = np.array([i for i, _, _ in blocks], dtype=np.int32)
         self._blocks = [b for _, _, b in blocks]
-        self.num_experts, self.top_k = num_experts_topk(self._blocks[0])
+        self.num_experts, self.top_k = num_experts_top_k(self._blocks[0])
         self._handles: list[Any] = []
         self._sessions: list[list[dict[str, Any]]] = []  # per prefill: list of steps
         self._step: dict[str, Any] | None = None

@@ -530,7 +530,7 @@ def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int 
         raise PlanError(f"rank={rank} is outside the plan's num_gpus={plan.num_gpus}")
     samples = np.flatnonzero((plan.samples.micro_batch == micro_batch) & (plan.samples.gpu == rank)).astype(np.int64)
     _check_layout(layout, batch.lengths[samples])
-    L, k = batch.num_layers, batch.topk
+    L, k = batch.num_layers, batch.top_k
     if len(samples):
         per = [batch.trace(int(i)).experts.astype(np.int64) for i in samples]
         rows = np.stack(per, axis=1).reshape(-1, L, k) if layout == "sbh" else np.concatenate(per)

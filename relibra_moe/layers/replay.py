@@ -103,7 +103,7 @@ def layout_ids(traces: Sequence[RoutingTrace], layer_index: int,
     order (left or right padding); without it sequences are right-padded to the longest. Padding rows
     are ``-1`` (served by no expert).
     """
-    k = traces[0].topk
+    k = traces[0].top_k
     lengths = [t.num_tokens for t in traces]
     if attention_mask is None:
         S = max(lengths)
@@ -162,9 +162,10 @@ def _ids_of_traces(targets: list[ReplayTarget], traces: list[RoutingTrace], batc
     a description of the selection)."""
     t0 = traces[0]
     for i, t in enumerate(traces[1:], 1):
-        if (t.num_experts, t.topk) != (t0.num_experts, t0.topk) or not np.array_equal(t.layer_ids, t0.layer_ids):
-            raise ReplayError(f"replay: trace {i} has E={t.num_experts}, k={t.topk}, layer_ids {t.layer_ids.tolist()}; "
-                              f"trace 0 has E={t0.num_experts}, k={t0.topk}, layer_ids {t0.layer_ids.tolist()}")
+        if (t.num_experts, t.top_k) != (t0.num_experts, t0.top_k) or not np.array_equal(t.layer_ids, t0.layer_ids):
+            raise ReplayError(f"replay: trace {i} has E={t.num_experts}, k={t.top_k}, "
+                              f"layer_ids {t.layer_ids.tolist()}; trace 0 has E={t0.num_experts}, k={t0.top_k}, "
+                              f"layer_ids {t0.layer_ids.tolist()}")
     if all(hasattr(b, "layer_id") for b in targets):
         layer_ids = np.array([b.layer_id for b in targets], dtype=np.int32)
         if not np.array_equal(t0.layer_ids, layer_ids):
@@ -173,8 +174,8 @@ def _ids_of_traces(targets: list[ReplayTarget], traces: list[RoutingTrace], batc
     elif t0.num_layers != len(targets):
         raise ReplayError(f"replay: routing covers {t0.num_layers} MoE layers, the model has {len(targets)}")
     E, k = targets[0].num_experts, targets[0].top_k
-    if (t0.num_experts, t0.topk) != (E, k):
-        raise ReplayError(f"replay: routing has E={t0.num_experts}, k={t0.topk}; the model has E={E}, k={k}")
+    if (t0.num_experts, t0.top_k) != (E, k):
+        raise ReplayError(f"replay: routing has E={t0.num_experts}, k={t0.top_k}; the model has E={E}, k={k}")
     if plan is not None and not isinstance(plan, BatchPlan):
         raise ReplayError(f"replay: plan must be a BatchPlan (it selects each rank's samples), got "
                           f"{type(plan).__name__}")

@@ -34,14 +34,14 @@ __all__ = ["combine", "combine_torch", "permute", "permute_torch", "rowdot", "ro
 # --------------------------------------------------------------------------------------------------
 
 
-def permute_torch(x: torch.Tensor, gather_idx: torch.Tensor, topk: int, scale: torch.Tensor | None) -> torch.Tensor:
+def permute_torch(x: torch.Tensor, gather_idx: torch.Tensor, top_k: int, scale: torch.Tensor | None) -> torch.Tensor:
     """Reference of :func:`permute`: x [T, H], gather_idx int [R], scale [T, k] or None -> [R, H]."""
     pair = gather_idx.long()
     valid = pair >= 0
     pair_c = pair.clamp(min=0)
     if x.shape[0] == 0:
         return x.new_zeros(pair.shape[0], x.shape[1])
-    rows = x[pair_c // topk]
+    rows = x[pair_c // top_k]
     if scale is not None:
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         rows = (rows.to(acc) * scale.reshape(-1)[pair_c].to(acc).unsqueeze(1)).to(x.dtype)
@@ -64,14 +64,14 @@ def combine_torch(y: torch.Tensor, scatter_idx: torch.Tensor, weights: torch.Ten
     return out.to(y.dtype)
 
 
-def rowdot_torch(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, topk: int) -> torch.Tensor:
+def rowdot_torch(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, top_k: int) -> torch.Tensor:
     """Reference of :func:`rowdot`: a [T, H], b [R, H] -> fp32 [T, k], ``<a[t], b[scatter_idx[t*k+j]]>``."""
     T = a.shape[0]
-    row = scatter_idx.long().reshape(T, topk)
+    row = scatter_idx.long().reshape(T, top_k)
     valid = row >= 0
     acc_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
     if b.shape[0] == 0:
-        return torch.zeros(T, topk, dtype=acc_dtype, device=a.device)
+        return torch.zeros(T, top_k, dtype=acc_dtype, device=a.device)
     gathered = b[row.clamp(min=0)].to(acc_dtype)  # [T, k, H]
     dots = (gathered * a.to(acc_dtype).unsqueeze(1)).sum(-1)
     return torch.where(valid, dots, torch.zeros((), dtype=acc_dtype, device=a.device))
@@ -92,7 +92,7 @@ def _permute_kernel(
     H,
     stride_x,
     stride_o,
-    TOPK: tl.constexpr,
+    TOP_K: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     RNE: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -109,7 +109,7 @@ def _permute_kernel(
     cmask = cols < H
     pair = tl.load(gather_ptr + rows, mask=rmask, other=-1)
     valid = pair >= 0
-    tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
+    tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
     v = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
     if HAS_SCALE:
         sc = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)
@@ -128,7 +128,7 @@ def _combine_kernel(
     H,
     stride_y,
     stride_o,
-    TOPK: tl.constexpr,
+    TOP_K: tl.constexpr,
     RNE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -142,10 +142,10 @@ def _combine_kernel(
     tmask = toks < T
     cmask = cols < H
     acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        row = tl.load(scatter_ptr + toks * TOPK + j, mask=tmask, other=-1)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(scatter_ptr + toks * TOP_K + j, mask=tmask, other=-1)
         valid = row >= 0
-        w = tl.load(w_ptr + toks * TOPK + j, mask=valid, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + toks * TOP_K + j, mask=valid, other=0.0).to(tl.float32)
         offs = tl.where(valid, row, 0).to(tl.int64)[:, None] * stride_y + cols[None, :]
         v = tl.load(y_ptr + offs, mask=valid[:, None] & cmask[None, :], other=0.0)
         acc += v.to(tl.float32) * w[:, None]
@@ -163,7 +163,7 @@ def _rowdot_kernel(
     H,
     stride_a,
     stride_b,
-    TOPK: tl.constexpr,
+    TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -174,8 +174,8 @@ def _rowdot_kernel(
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = toks < T
     a_rows = toks.to(tl.int64)[:, None] * stride_a
-    for j in tl.static_range(TOPK):
-        row = tl.load(scatter_ptr + toks * TOPK + j, mask=tmask, other=-1)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(scatter_ptr + toks * TOP_K + j, mask=tmask, other=-1)
         valid = row >= 0
         b_rows = tl.where(valid, row, 0).to(tl.int64)[:, None] * stride_b
         acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -185,7 +185,7 @@ def _rowdot_kernel(
             va = tl.load(a_ptr + a_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
             vb = tl.load(b_ptr + b_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
             acc += tl.sum(va * vb, axis=1)
-        tl.store(out_ptr + toks * TOPK + j, acc.to(out_ptr.dtype.element_ty), mask=tmask)
+        tl.store(out_ptr + toks * TOP_K + j, acc.to(out_ptr.dtype.element_ty), mask=tmask)
 
 
 def _row_blocks(n_cols: int, budget: int) -> tuple[int, int]:
@@ -202,7 +202,7 @@ def _row_blocks(n_cols: int, budget: int) -> tuple[int, int]:
     return max(1, budget // bh), bh
 
 
-def permute_triton(x: torch.Tensor, gather_idx: torch.Tensor, topk: int, scale: torch.Tensor | None) -> torch.Tensor:
+def permute_triton(x: torch.Tensor, gather_idx: torch.Tensor, top_k: int, scale: torch.Tensor | None) -> torch.Tensor:
     """Triton :func:`permute`: x [T, H] (contiguous), gather_idx int32 [R], scale [T, k] | None -> [R, H]."""
     R, H = gather_idx.shape[0], x.shape[1]
     out = x.new_empty(R, H)
@@ -214,7 +214,7 @@ def permute_triton(x: torch.Tensor, gather_idx: torch.Tensor, topk: int, scale: 
     grid = (triton.cdiv(R, br), triton.cdiv(H, bh))
     _permute_kernel[grid](
         x, gather_idx, scale if scale is not None else x, out, R, H, x.stride(0), out.stride(0),
-        TOPK=topk, HAS_SCALE=scale is not None, RNE=bf16_rne(x.dtype), BLOCK_R=br, BLOCK_H=bh, num_warps=4,
+        TOP_K=top_k, HAS_SCALE=scale is not None, RNE=bf16_rne(x.dtype), BLOCK_R=br, BLOCK_H=bh, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -232,15 +232,15 @@ def combine_triton(y: torch.Tensor, scatter_idx: torch.Tensor, weights: torch.Te
     grid = (triton.cdiv(T, bt), triton.cdiv(H, bh))
     _combine_kernel[grid](
         y, scatter_idx, weights, out, T, H, y.stride(0), out.stride(0),
-        TOPK=k, RNE=bf16_rne(y.dtype), BLOCK_T=bt, BLOCK_H=bh, num_warps=4,
+        TOP_K=k, RNE=bf16_rne(y.dtype), BLOCK_T=bt, BLOCK_H=bh, num_warps=4,
     )  # fmt: skip
     return out
 
 
-def rowdot_triton(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, topk: int) -> torch.Tensor:
+def rowdot_triton(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, top_k: int) -> torch.Tensor:
     """Triton :func:`rowdot`: a [T, H], b [R, H] -> fp32 [T, k]."""
     T, H = a.shape
-    out = torch.zeros(T, topk, dtype=torch.float64 if a.dtype == torch.float64 else torch.float32, device=a.device)
+    out = torch.zeros(T, top_k, dtype=torch.float64 if a.dtype == torch.float64 else torch.float32, device=a.device)
     if T == 0 or H == 0 or b.shape[0] == 0:
         return out
     if INTERPRET:
@@ -248,7 +248,7 @@ def rowdot_triton(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, t
     else:
         bt, bh = 16, min(triton.next_power_of_2(H), 256)
     _rowdot_kernel[(triton.cdiv(T, bt),)](
-        a, b, scatter_idx, out, T, H, a.stride(0), b.stride(0), TOPK=topk, BLOCK_T=bt, BLOCK_H=bh, num_warps=4
+        a, b, scatter_idx, out, T, H, a.stride(0), b.stride(0), TOP_K=top_k, BLOCK_T=bt, BLOCK_H=bh, num_warps=4
     )
     return out
 
@@ -259,14 +259,14 @@ def rowdot_triton(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, t
 
 
 @torch.library.custom_op("relibra::permute", mutates_args=())
-def _permute_op(x: torch.Tensor, gather_idx: torch.Tensor, topk: int, scale: torch.Tensor | None) -> torch.Tensor:
+def _permute_op(x: torch.Tensor, gather_idx: torch.Tensor, top_k: int, scale: torch.Tensor | None) -> torch.Tensor:
     if use_triton(x):
-        return permute_triton(x, gather_idx, topk, scale)
-    return permute_torch(x, gather_idx, topk, scale)
+        return permute_triton(x, gather_idx, top_k, scale)
+    return permute_torch(x, gather_idx, top_k, scale)
 
 
 @_permute_op.register_fake
-def _(x, gather_idx, topk, scale):
+def _(x, gather_idx, top_k, scale):
     return x.new_empty(gather_idx.shape[0], x.shape[1])
 
 
@@ -283,22 +283,22 @@ def _(y, scatter_idx, weights):
 
 
 @torch.library.custom_op("relibra::rowdot", mutates_args=())
-def _rowdot_op(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, topk: int) -> torch.Tensor:
+def _rowdot_op(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, top_k: int) -> torch.Tensor:
     if use_triton(a):
-        return rowdot_triton(a, b, scatter_idx, topk)
-    return rowdot_torch(a, b, scatter_idx, topk)
+        return rowdot_triton(a, b, scatter_idx, top_k)
+    return rowdot_torch(a, b, scatter_idx, top_k)
 
 
 @_rowdot_op.register_fake
-def _(a, b, scatter_idx, topk):
+def _(a, b, scatter_idx, top_k):
     dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-    return a.new_empty(a.shape[0], topk, dtype=dtype)
+    return a.new_empty(a.shape[0], top_k, dtype=dtype)
 
 
 def _permute_setup(ctx, inputs, output):
     remember_backend(ctx)
-    x, gather_idx, topk, scale = inputs
-    ctx.topk = topk
+    x, gather_idx, top_k, scale = inputs
+    ctx.top_k = top_k
     ctx.num_tokens = x.shape[0]
     ctx.has_scale = scale is not None
     ctx.x_needs_grad = x.requires_grad
@@ -322,7 +322,7 @@ def _invert_index(index: torch.Tensor, size: int) -> torch.Tensor:
 @keep_backend
 def _permute_backward(ctx, grad):
     gather_idx, x, scale = ctx.saved_tensors
-    T, k = ctx.num_tokens, ctx.topk
+    T, k = ctx.num_tokens, ctx.top_k
     scatter_idx = _invert_index(gather_idx, T * k)
     dx = dscale = None
     if ctx.x_needs_grad:
@@ -383,9 +383,9 @@ def permute(x: torch.Tensor, meta: RoutingMeta, scale: torch.Tensor | None = Non
     """
     if x.dim() != 2 or x.shape[0] != meta.num_tokens:
         raise ReplayError(f"x must be [T={meta.num_tokens}, H], got shape {tuple(x.shape)}")
-    if scale is not None and tuple(scale.shape) != (meta.num_tokens, meta.topk):
-        raise ReplayError(f"scale must be [T, k]=[{meta.num_tokens}, {meta.topk}], got {tuple(scale.shape)}")
-    return _permute_op(x.contiguous(), meta.gather_idx, meta.topk, scale.contiguous() if scale is not None else None)
+    if scale is not None and tuple(scale.shape) != (meta.num_tokens, meta.top_k):
+        raise ReplayError(f"scale must be [T, k]=[{meta.num_tokens}, {meta.top_k}], got {tuple(scale.shape)}")
+    return _permute_op(x.contiguous(), meta.gather_idx, meta.top_k, scale.contiguous() if scale is not None else None)
 
 
 def combine(y: torch.Tensor, meta: RoutingMeta, weights: torch.Tensor) -> torch.Tensor:
@@ -402,8 +402,8 @@ def combine(y: torch.Tensor, meta: RoutingMeta, weights: torch.Tensor) -> torch.
     """
     if y.dim() != 2 or y.shape[0] != meta.num_rows:
         raise ReplayError(f"y must be [R={meta.num_rows}, H], got shape {tuple(y.shape)}")
-    if tuple(weights.shape) != (meta.num_tokens, meta.topk):
-        raise ReplayError(f"weights must be [T, k]=[{meta.num_tokens}, {meta.topk}], got {tuple(weights.shape)}")
+    if tuple(weights.shape) != (meta.num_tokens, meta.top_k):
+        raise ReplayError(f"weights must be [T, k]=[{meta.num_tokens}, {meta.top_k}], got {tuple(weights.shape)}")
     return _combine_op(y.contiguous(), meta.scatter_idx, weights.contiguous())
 
 
@@ -413,4 +413,4 @@ def rowdot(a: torch.Tensor, b: torch.Tensor, meta: RoutingMeta) -> torch.Tensor:
         raise ReplayError(f"a must be [T={meta.num_tokens}, H], got shape {tuple(a.shape)}")
     if b.dim() != 2 or b.shape[0] != meta.num_rows or b.shape[1] != a.shape[1]:
         raise ReplayError(f"b must be [R={meta.num_rows}, H={a.shape[1]}], got shape {tuple(b.shape)}")
-    return _rowdot_op(a.contiguous(), b.contiguous(), meta.scatter_idx, meta.topk)
+    return _rowdot_op(a.contiguous(), b.contiguous(), meta.scatter_idx, meta.top_k)

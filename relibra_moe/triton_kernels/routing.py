@@ -50,7 +50,7 @@ class RoutingMeta:
     Attributes:
         num_slots: S, slots (local expert columns) the pairs are sorted into.
         block_m: rows per tile of the grouped GEMM schedule.
-        topk: k, routed experts per token.
+        top_k: k, routed experts per token.
         num_tokens: T.
         num_rows: R, sorted rows (host upper bound on the routed pairs; see the module docstring when
             it is smaller).
@@ -68,7 +68,7 @@ class RoutingMeta:
 
     num_slots: int
     block_m: int
-    topk: int
+    top_k: int
     num_tokens: int
     num_rows: int
     counts: torch.Tensor
@@ -91,7 +91,7 @@ class RoutingMeta:
 
     def token_idx(self) -> torch.Tensor:
         """int64 [R]: the token of each sorted row (0 for padding rows; mask with ``gather_idx >= 0``)."""
-        return self.gather_idx.clamp(min=0).long() // self.topk
+        return self.gather_idx.clamp(min=0).long() // self.top_k
 
     def slot_of_row(self) -> torch.Tensor:
         """int64 [R]: the slot of each sorted row (S for padding rows)."""
@@ -175,7 +175,7 @@ def routing_metadata(
     return RoutingMeta(
         num_slots=S,
         block_m=block_m,
-        topk=k,
+        top_k=k,
         num_tokens=T,
         num_rows=R,
         counts=counts64.to(torch.int32),
