@@ -25,8 +25,8 @@ from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from ..validate import check_index_range, check_int
-from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
-from .replicate import CellResult, assemble
+from .executor import FallbackLog, TaskExecutor, default_executor
+from .replicate import CellResult, map_cells
 from .split import fast_split, solve_split_lp
 
 if TYPE_CHECKING:
@@ -101,22 +101,9 @@ def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBa
                        for l in range(L)])  # [L, G, r]: the same for every micro-batch
     cells = [(m, l) for l in range(L) for m in range(M)]
     n_chunks = 1 if executor.workers == 1 else min(len(cells), 4 * executor.workers)
-    args, keys = [], []
-    for ch in np.array_split(np.arange(len(cells)), max(1, n_chunks)):
-        if not len(ch):
-            continue
-        ms = np.array([cells[i][0] for i in ch])
-        ls = np.array([cells[i][1] for i in ch])
-        args.append((loads[ms, ls], homes[ls], copies[ls], model, cluster, split))
-        keys.append(("replicate", tuple(cells[i] for i in ch)))
-    results: dict[tuple[int, int], CellResult] = {}
-    for (_, cs), res in zip(keys, executor.map(lplb_cells_task, args, keys)):
-        if isinstance(res, TaskFailed):
-            if fallbacks is not None:
-                fallbacks.replicate.extend([list(c) for c in cs])
-            continue
-        results.update(zip(cs, res))
-    return assemble(results, M, L, G, replica_slots)
+    return map_cells(executor, lplb_cells_task, cells, np.array_split(np.arange(len(cells)), max(1, n_chunks)),
+                     lambda ms, ls: (loads[ms, ls], homes[ls], copies[ls], model, cluster, split),
+                     fallbacks, M, L, G, replica_slots)
 
 
 def lplb_cells_task(loads: np.ndarray, homes: np.ndarray, copies: np.ndarray, model: ModelSpec,

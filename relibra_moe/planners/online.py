@@ -39,8 +39,8 @@ from ..timing import attention_backward, attention_forward, cell_step_seconds, r
 from ..validate import check_int
 from .baselines import static_placement
 from .context import PlanContext, baseline_samples, make_plan
-from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
-from .replicate import CellResult, assemble, cell_step_terms, replicate_cell_greedy
+from .executor import FallbackLog, TaskExecutor, default_executor
+from .replicate import CellResult, cell_step_terms, map_cells, replicate_cell_greedy
 
 REPLICA_FETCH = "after-router"
 """``BatchPlan.stats["replica_fetch"]`` of an online plan: the simulator's replica mode for it (and the
@@ -113,22 +113,9 @@ def online_replicas(placement: Placement, samples: SamplePlacement, x: np.ndarra
     cells = [(m, l) for m in range(M) for l in range(L)]
     homes = placement.expert_gpu
     n_chunks = 1 if executor.workers == 1 else min(len(cells), 4 * executor.workers)
-    args, keys = [], []
-    for ch in np.array_split(np.arange(len(cells)), max(1, n_chunks)):
-        if not len(ch):
-            continue
-        ms = np.array([cells[i][0] for i in ch])
-        ls = np.array([cells[i][1] for i in ch])
-        args.append((x[ms, ls], homes[ls], model, cluster, replica_slots, np.asarray(attn_fwd)[ms]))
-        keys.append(("replicate", tuple(cells[i] for i in ch)))
-    results: dict[tuple[int, int], CellResult] = {}
-    for (_, cs), res in zip(keys, executor.map(online_cells_task, args, keys)):
-        if isinstance(res, TaskFailed):
-            if fallbacks is not None:
-                fallbacks.replicate.extend([list(c) for c in cs])
-            continue
-        results.update(zip(cs, res))
-    return assemble(results, M, L, G, replica_slots)
+    return map_cells(executor, online_cells_task, cells, np.array_split(np.arange(len(cells)), max(1, n_chunks)),
+                     lambda ms, ls: (x[ms, ls], homes[ls], model, cluster, replica_slots, np.asarray(attn_fwd)[ms]),
+                     fallbacks, M, L, G, replica_slots)
 
 
 def strategy_online(ctx: PlanContext) -> BatchPlan:

@@ -24,6 +24,7 @@ the better wins, so the result is never worse than the paper's loop with the sam
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numba as nb
@@ -532,6 +533,36 @@ def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int,
     return ReplicaPlan(rep, split_index, split_share, scope="node")
 
 
+def map_cells(executor: TaskExecutor, task: Callable[..., list[CellResult]], cells: list[tuple[int, int]],
+              chunks: Iterable[np.ndarray], task_args: Callable[[np.ndarray, np.ndarray], tuple],
+              fallbacks: FallbackLog | None, num_micro_batches: int, num_layers: int, num_gpus: int,
+              slots: int) -> ReplicaPlan:
+    """Run ``task`` on ``executor`` once per chunk of ``cells`` and assemble the ReplicaPlan.
+
+    Args:
+        cells: the ``(m, l)`` cells; chunks: index arrays into ``cells``, one per task (empty ones are skipped).
+        task_args: ``(ms, ls) -> args`` of the chunk whose cells are ``zip(ms, ls)``; ``task(*args)`` returns one
+            CellResult per cell, in order. Every task is of kind ``"replicate"`` (keyed by its cells).
+        fallbacks: a chunk that fails (or misses the executor's deadline) leaves its cells without replicas, so
+            every token stays at its home; they are listed in ``fallbacks.replicate``.
+    """
+    args, keys = [], []
+    for ch in chunks:
+        if not len(ch):
+            continue
+        cs = tuple(cells[i] for i in ch)
+        args.append(task_args(np.array([c[0] for c in cs]), np.array([c[1] for c in cs])))
+        keys.append(("replicate", cs))
+    results: dict[tuple[int, int], CellResult] = {}
+    for (_, cs), res in zip(keys, executor.map(task, args, keys)):
+        if isinstance(res, TaskFailed):
+            if fallbacks is not None:
+                fallbacks.replicate.extend([list(c) for c in cs])
+            continue
+        results.update(zip(cs, res))
+    return assemble(results, num_micro_batches, num_layers, num_gpus, slots)
+
+
 def replicate_batch(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
                     cluster: ClusterSpec, replica_slots: int, workers: int = 1, seed: int = 0,
                     attn_fwd: np.ndarray | None = None, *, executor: TaskExecutor | None = None,
@@ -569,19 +600,8 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch: Trace
     cells = [(m, l) for l in range(L) for m in range(M)]
     chunk = check_int("cell_chunk", cell_chunk, 1) if cell_chunk is not None else \
         max(1, math.ceil(len(cells) / (16 * executor.workers)))
-    args, keys = [], []
-    for i in range(0, len(cells), chunk):
-        cs = cells[i:i + chunk]
-        ms = np.array([c[0] for c in cs])
-        ls = np.array([c[1] for c in cs])
-        args.append((loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw,
-                     None if attn_fwd is None else np.asarray(attn_fwd)[ms]))
-        keys.append(("replicate", tuple(cs)))
-    results: dict[tuple[int, int], CellResult] = {}
-    for (_, cs), res in zip(keys, executor.map(replicate_cells_task, args, keys)):
-        if isinstance(res, TaskFailed):
-            if fallbacks is not None:
-                fallbacks.replicate.extend([list(c) for c in cs])
-            continue
-        results.update(zip(cs, res))
-    return assemble(results, M, L, G, replica_slots)
+    chunks = (np.arange(i, min(i + chunk, len(cells))) for i in range(0, len(cells), chunk))
+    return map_cells(executor, replicate_cells_task, cells, chunks,
+                     lambda ms, ls: (loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw,
+                                     None if attn_fwd is None else np.asarray(attn_fwd)[ms]),
+                     fallbacks, M, L, G, replica_slots)
