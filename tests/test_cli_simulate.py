@@ -92,3 +92,37 @@ def test_simulate_bad_previous_and_optimizer_bytes(files, capsys, tmp_path):
     assert "optimizer_bytes_per_param=-1.0 must be a finite number >= 0" in capsys.readouterr().err
     assert main(base + ["--cluster", "nope"]) == 1
     assert "'nope'" in capsys.readouterr().err
+
+
+def test_plan_score_and_simulate_report_the_same_step(tmp_path, capsys):
+    """One evaluation: `relibra plan` and `relibra score` print the simulated step of `relibra simulate` (moves
+    charged against the static placement, or against --previous), next to the moves-free sum of T_MoE."""
+    from relibra_moe.synthetic import rl_batch
+
+    model = model_preset("qwen3-30b-a3b")
+    trace = tmp_path / "t.npz"
+    rl_batch(model, "mixed", 4, seed=3, micro_batch_size=8).save(trace)
+    base = [str(trace), "--model", "qwen3-30b-a3b"]
+    where = ["--nodes", "2", "--gpus-per-node", "8"]
+
+    def run(argv):
+        assert main(argv) == 0
+        return json.loads(capsys.readouterr().out)
+
+    first = run(["plan", *base, *where, "--strategy", "eplb", "--replica-slots", "2", "--out", str(tmp_path / "a.npz"),
+                 "--json"])
+    second = run(["plan", *base, *where, "--strategy", "lpt", "--previous", str(tmp_path / "a.npz"),
+                  "--out", str(tmp_path / "b.npz"), "--json"])
+    for res, plan, prev in ((first, "a.npz", None), (second, "b.npz", "a.npz")):
+        extra = [] if prev is None else ["--previous", str(tmp_path / prev)]
+        score = run(["score", str(trace), str(tmp_path / plan), "--model", "qwen3-30b-a3b", *extra, "--json"])
+        sim = run(["simulate", str(trace), str(tmp_path / plan), "--model", "qwen3-30b-a3b", *extra, "--json"])
+        assert res["moves_charged_against"] == score["moves_charged_against"] == (
+            "static" if prev is None else str(tmp_path / prev))
+        assert res["step_s"] == score["step_s"] == sim["step_s"]
+        assert res["experts_moved"] == score["experts_moved"] == sim["experts_moved"]
+        assert res["t_moe_total_s"] == score["t_moe_total_s"]
+    # EPLB+ moves experts away from static; lpt after it is charged against EPLB+'s placement, not static
+    assert first["experts_moved"] > 0
+    static_charge = run(["score", str(trace), str(tmp_path / "b.npz"), "--model", "qwen3-30b-a3b", "--json"])
+    assert static_charge["experts_moved"] != second["experts_moved"]

@@ -107,6 +107,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--model", required=True, help="model preset")
     s.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
     s.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
+    s.add_argument("--previous", default=None, metavar="PLAN.npz",
+                   help="charge the simulated step's expert moves against this plan's placement (default: static)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=run_score)
 
@@ -228,6 +230,16 @@ def _score(plan, batch, model, cluster, balanced: bool) -> dict[str, Any]:
     return out
 
 
+def _step(plan, batch, model, cluster, previous: Placement | None, previous_path: str | None) -> dict[str, Any]:
+    """The simulated step of ``plan`` (moves charged against ``previous``, else the static placement; replica and
+    reorder traffic charged): the same call and figures as ``relibra simulate``, for every strategy alike."""
+    from ..sim import simulate_step
+
+    step = simulate_step(plan, batch, model, cluster, previous=previous)
+    return {"step_s": step.step_s, "experts_moved": step.experts_moved, "reorder_s": step.reorder_s,
+            "replica_exposed_s": step.replica_exposed_s, "moves_charged_against": previous_path or "static"}
+
+
 def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     """Plan, save, score: the JSON-ready result (what ``relibra plan --json`` prints)."""
     from ..planners.options import HISTORY_STRATEGIES
@@ -249,8 +261,9 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
                         f"--strategy {args.strategy}")
     if args.token_cap is not None and not args.repack:
         raise PlanError(f"--token-cap={args.token_cap} only applies with --repack")
+    previous = None
     if args.previous is not None:
-        args.previous_placement = load_previous(args.previous, model, cluster)
+        previous = args.previous_placement = load_previous(args.previous, model, cluster)
     if args.history:
         if args.strategy not in HISTORY_STRATEGIES:
             raise PlanError(f"--history only applies to --strategy {' and '.join(HISTORY_STRATEGIES)}, not "
@@ -265,6 +278,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
                            "cluster": {"name": cluster.name, "nodes": cluster.nodes,
                                        "gpus_per_node": cluster.gpus_per_node}}
     out.update(_score(plan, batch, model, cluster, args.balanced))
+    out.update(_step(plan, batch, model, cluster, previous, args.previous))
     out["solve_seconds"] = float(plan.stats["solve_seconds"])
     out["replica_slots"] = plan.replica_slots
     out["repack"] = bool(args.repack)
@@ -273,13 +287,16 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def score_file(trace_path: str, plan_path: str, model_name: str, cluster_name: str = "hopper-rail",
-               balanced: bool = False) -> dict[str, Any]:
-    """Load a trace and a plan file, score the plan (what ``relibra score --json`` prints)."""
+               balanced: bool = False, previous_path: str | None = None) -> dict[str, Any]:
+    """Load a trace and a plan file, score the plan (what ``relibra score --json`` prints): Σ T_MoE (moves free)
+    and the simulated step (moves charged against ``previous_path``'s placement, else the static one)."""
     model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name)
+    previous = load_previous(previous_path, model, cluster) if previous_path else None
     out: dict[str, Any] = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
                            "cluster": {"name": cluster.name, "nodes": cluster.nodes,
                                        "gpus_per_node": cluster.gpus_per_node}}
     out.update(_score(plan, batch, model, cluster, balanced))
+    out.update(_step(plan, batch, model, cluster, previous, previous_path))
     return out
 
 
@@ -290,11 +307,14 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{res.get('strategy')} on {res['trace']}")
+    t = Table(title=f"{res.get('strategy')} on {res['trace']}",
+              caption="t_moe_total_s: sum of T_MoE, moves free (the paper's metric); step_s: simulated step, "
+                      f"moves (against {res.get('moves_charged_against', 'static')}), replica and reorder traffic "
+                      "charged (relibra simulate)")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for k in ("t_moe_total_s", "comp_total_s", "comm_total_s", "rank_skew_mean", "rank_skew_max",
-              "percent_of_balanced", "solve_seconds", "num_micro_batches"):
+    for k in ("t_moe_total_s", "step_s", "experts_moved", "comp_total_s", "comm_total_s", "rank_skew_mean",
+              "rank_skew_max", "percent_of_balanced", "solve_seconds", "num_micro_batches"):
         if k in res:
             v = res[k]
             t.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
@@ -309,5 +329,5 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_score(args: argparse.Namespace) -> int:
     """``relibra score``: re-score a plan file; exit status 0."""
-    _print(score_file(args.trace, args.plan, args.model, args.cluster, args.balanced), args.json)
+    _print(score_file(args.trace, args.plan, args.model, args.cluster, args.balanced, args.previous), args.json)
     return 0
