@@ -281,6 +281,19 @@ def _check_info(info: dict[str, Any] | None, n: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _read_starts_source_info(a: Any, n: int) -> tuple[np.ndarray, str, dict[str, np.ndarray]]:
+    """The per-sample ``starts`` (int64 ``[n]``, token offsets >= 0), the ``source`` string and the ``info_*``
+    arrays of a trace file (either version); TraceError naming the field when they are malformed."""
+    starts = as_int_array("starts", a["starts"]).astype(np.int64)
+    if starts.shape != (n,):
+        raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
+    if n and int(starts.min()) < 0:
+        raise TraceError(f"starts must be >= 0, got {int(starts.min())}")
+    source = _string_scalar(a["source"], "source")
+    info = {k[len(_INFO_PREFIX):]: v for k, v in a.items() if k.startswith(_INFO_PREFIX)}
+    return starts, source, info
+
+
 class TraceBatch:
     """A global batch of N sequences with the same MoE layers, E and k.
 
@@ -742,13 +755,7 @@ class TraceBatch:
             i, l = np.argwhere(high)[0]
             raise TraceError(f"counts[{i}, {l}] sums to {int(sums[i, l])} > k x tokens = {top_k} x {int(lengths[i])}")
         counts.setflags(write=False)
-        starts = as_int_array("starts", a["starts"]).astype(np.int64)
-        if starts.shape != (n,):
-            raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
-        if n and int(starts.min()) < 0:
-            raise TraceError(f"starts must be >= 0, got {int(starts.min())}")
-        source = _string_scalar(a["source"], "source")
-        info = {k[len(_INFO_PREFIX):]: v for k, v in a.items() if k.startswith(_INFO_PREFIX)}
+        starts, source, info = _read_starts_source_info(a, n)
         factory = None if counts_only else _StoredIds(path, offsets, layer_ids.size, top_k)
         new = object.__new__(cls)
         new._setup(n=n, layer_ids=layer_ids.astype(np.int32), num_experts=num_experts, top_k=top_k, lengths=lengths,
@@ -776,13 +783,7 @@ class TraceBatch:
             return f"sample {i}, row {t - int(offsets[i])}"
 
         experts, layer_ids, num_experts, top_k = _normalize(experts, a["layer_ids"], num_experts, top_k, where)
-        starts = as_int_array("starts", a["starts"]).astype(np.int64)
-        if starts.shape != (n,):
-            raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
-        if n and int(starts.min()) < 0:
-            raise TraceError(f"starts must be >= 0, got {int(starts.min())}")
-        source = _string_scalar(a["source"], "source")
-        info = {k[len(_INFO_PREFIX):]: v for k, v in a.items() if k.startswith(_INFO_PREFIX)}
+        starts, source, info = _read_starts_source_info(a, n)
         traces = [RoutingTrace._trusted(experts[offsets[i]:offsets[i + 1]], layer_ids, num_experts, top_k,
                                         int(starts[i]), source) for i in range(n)]
         return cls(traces, micro_batch=a["micro_batch"], source=source, sample_info=info)
