@@ -73,6 +73,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="assign sample i to micro-batch i // B (default: the trace's own assignment)")
     p.add_argument("--repack", action="store_true", help="also choose each sample's micro-batch")
+    p.add_argument("--keep-cell-sizes", action="store_true",
+                   help="the sample placement only swaps samples: every (micro-batch, GPU) cell keeps its sample "
+                        "count, so a trainer with a fixed per-rank micro-batch size (verl, slime) can follow the "
+                        "plan (relibra_moe.sample_order)")
     add_sample_owner_flags(p, both=False)
     p.add_argument("--seed", type=int, default=0, help="plan seed (same inputs and seed -> same file)")
     p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
@@ -208,6 +212,8 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
                           "repack": bool(args.repack), "migration": args.migration == "price",
                           "price_replicas": args.replica_pricing == "price",
                           "final_reorder": bool(args.final_reorder)}
+    if getattr(args, "keep_cell_sizes", False):
+        kw["keep_cell_sizes"] = True
     for _, name, _, _ in _OPTION_FLAGS:
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
