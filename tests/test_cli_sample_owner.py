@@ -130,3 +130,21 @@ def test_compare_rejects_a_bad_owner(trace_file, capsys):
     with pytest.raises(SystemExit):
         main(["compare", str(d / "t.npz"), *MODEL2, "--sample-owner", "nobody"])
     assert "invalid choice: 'nobody'" in capsys.readouterr().err
+
+
+def test_demo_runs_both_modes_side_by_side():
+    from relibra_moe.commands.demo import Scenario, run_scenario, strategy_runs
+    from relibra_moe.planners.strategies import plan_batch as pb
+
+    sc = Scenario(name="qwen3-30b-a3b/mixed", model="qwen3-30b-a3b", nodes=2, gpus_per_node=2, data="synthetic",
+                  domain="mixed", num_samples=16, micro_batch_size=8, layers=2, replica_slots=1, repack=True)
+    runs = strategy_runs(sc, ["static", "relibra"], "both")
+    assert [(lab, own) for lab, _, _, own in runs] == [
+        ("static", "planner"), ("relibra", "planner"), ("static+repack", "planner"), ("relibra+repack", "planner"),
+        ("static (trainer)", "trainer"), ("relibra (trainer)", "trainer")]
+    assert all(not rep for _, _, rep, own in runs if own == "trainer")
+    assert [lab for lab, *_ in strategy_runs(sc, ["static", "relibra"], "trainer")] == ["static", "relibra"]
+    res = run_scenario(sc, 0, 1, pb, ["static", "relibra"], sample_owner="both")
+    st = res["strategies"]
+    assert st["relibra (trainer)"]["sample_owner"] == "trainer" and st["relibra"]["sample_owner"] == "planner"
+    assert st["static (trainer)"]["step_s"] == pytest.approx(st["static"]["step_s"], rel=1e-12)
