@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install torchtitan --no-deps spmd_types tyro)")
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install torchtitan --no-deps, spmd_types, "
+                                         "tyro)")
 
 from relibra_moe import RoutingRecorder, replay, swap_moe_blocks  # noqa: E402
 from relibra_moe.integrations.torchtitan import TorchtitanReplayMoE  # noqa: E402
@@ -61,15 +62,30 @@ def qwen3_moe(seed: int = 0, num_experts: int = 8, top_k: int = 2) -> nn.Module:
 
 
 def deepseek_v3(seed: int = 0) -> nn.Module:
-    from torchtitan.models.deepseek_v3 import model_registry
+    """A tiny DeepSeek-V3: MLA attention, a dense first layer, then MoE layers with a shared expert, sigmoid
+    scores with the expert bias and node-limited groups, renormalized and scaled gates."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers, _output_linear_init
+    from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
 
-    cfg = model_registry("debugmodel", attn_backend="flex").model
-    cfg = _shrink_dsv3(cfg)
-    return _finish(cfg.build(), seed)
-
-
-def _shrink_dsv3(cfg):
-    raise NotImplementedError
+    dim, rope = 32, 8
+    layers = _build_dsv3_layers(
+        n_layers=3, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=rope, v_head_dim=8, mscale=0.7, dense_hidden_dim=48, moe_hidden_dim=16, num_experts=8,
+        num_shared_experts=1, router_top_k=2, router_score_func="sigmoid", router_num_expert_groups=4,
+        router_num_limited_groups=2, router_route_scale=2.5, router_route_norm=True, attn_backend="flex",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope, max_seq_len=64, theta=10000.0))
+    cfg = DeepSeekV3Model.Config(
+        vocab_size=V, dim=dim, layers=layers, norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=V, param_init=_output_linear_init(dim)))
+    model = _finish(cfg.build(), seed)
+    for name, buf in model.named_buffers():  # a nonzero load-balancing bias, so the selection uses it
+        if name.endswith("expert_bias_E"):
+            buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    return model
 
 
 def _run(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -118,6 +134,10 @@ def test_qwen3_moe_matches_torchtitan():
     _compare(qwen3_moe, atol=2e-2)
 
 
+def test_deepseek_v3_matches_torchtitan():
+    _compare(deepseek_v3, atol=2e-2)
+
+
 def test_qwen3_moe_fp32_experts_equal_an_fp64_loop():
     """With compute_dtype None (the weights' fp32) the block computes torchtitan's formula without the bf16
     rounding: against a float64 loop over the experts (router, gates renormalized, SwiGLU experts)."""
@@ -145,31 +165,37 @@ def test_qwen3_moe_fp32_experts_equal_an_fp64_loop():
     assert torch.equal(ids.sort(dim=-1).values, torch.topk(scores, 2, dim=-1).indices.sort(dim=-1).values)
 
 
-def test_record_and_replay():
-    model = qwen3_moe()
+@pytest.mark.parametrize("build", [qwen3_moe, deepseek_v3], ids=["qwen3", "deepseek_v3"])
+def test_record_and_replay(build):
+    from relibra_moe.trace import RoutingTrace, TraceBatch
+
+    model = build()
     swap_moe_blocks(model)
+    blocks = [m for m in model.modules() if isinstance(m, TorchtitanReplayMoE)]
     x = _tokens()
     with torch.no_grad(), RoutingRecorder(model) as rec:
         live = _run(model, x)
     batch = rec.trace_batch()
-    assert batch.num_sequences == B and batch.num_layers == 2
-    live_ids = [blk.last_routing.clone() for blk in (model.layers["0"].moe, model.layers["1"].moe)]
-    for b in range(B):
-        np.testing.assert_array_equal(batch.traces[b].experts[:, 0], live_ids[0].reshape(B, S, -1)[b].numpy())
+    assert batch.num_sequences == B and batch.traces[0].layer_ids.tolist() == [blk.layer_id for blk in blocks]
+    live_ids = [blk.last_routing.clone() for blk in blocks]
+    for li, ids in enumerate(live_ids):
+        np.testing.assert_array_equal(np.stack([t.experts[:, li] for t in batch.traces]), ids.reshape(B, S, -1))
     with torch.no_grad(), replay(model, batch):
         replayed = _run(model, x)
     torch.testing.assert_close(replayed, live, atol=0, rtol=0)
-    # changing the recorded ids changes the routing as told: layer 0 now uses experts (e + 1) % E
+    # changed ids route as told: the first MoE layer now uses experts (e + 1) % E, and tokens_per_expert_E
+    # (what torchtitan's bias update reads) counts the replayed routing
     traces = [t.experts.copy() for t in batch.traces]
     for t in traces:
         t[:, 0] = (t[:, 0] + 1) % 8
-    from relibra_moe.trace import RoutingTrace, TraceBatch
-
     moved = TraceBatch([RoutingTrace(t, batch.traces[0].layer_ids, 8, 2) for t in traces])
+    for blk in blocks:
+        blk.tokens_per_expert_E.zero_()
     with torch.no_grad(), replay(model, moved):
         other = _run(model, x)
-    blk = model.layers["0"].moe
-    torch.testing.assert_close(blk.last_routing, (live_ids[0] + 1) % 8, atol=0, rtol=0)
+    want = (live_ids[0] + 1) % 8
+    torch.testing.assert_close(blocks[0].last_routing, want, atol=0, rtol=0)
+    torch.testing.assert_close(blocks[0].tokens_per_expert_E, torch.bincount(want.reshape(-1), minlength=8).float())
     assert not torch.allclose(other, live)
 
 
