@@ -216,27 +216,58 @@ def test_recorder_on_the_plain_torchtitan_model():
 
 
 def _ep_worker(rank: int, world: int) -> None:
-    ref = qwen3_moe()
-    x = _tokens(rank + 5)
-    want = _run(ref, x)
-    want.square().mean().backward()
-    ours = copy.deepcopy(qwen3_moe())
-    swap_moe_blocks(ours, ep_group=None)
-    assert ours.layers["0"].moe.experts.w1_EFD.shape[0] == 8 // world
-    got = _run(ours, x)
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-    got.square().mean().backward()
-    g = ours.layers["0"].moe.experts.w1_EFD.grad
-    g_ref = ref.layers["0"].moe.routed_experts.inner_experts.w1_EFD.grad
-    # each rank's home rows get the gradient of every rank's tokens routed to them: the all-reduced reference
+    """Rank g runs sample g of the batch on the 2-rank swapped model, after a relayout to a random placement and
+    with a replica plan (each layer's hot expert replicated); the one-rank swapped model (itself checked against
+    torchtitan above) on the whole batch is the reference. Expert GEMMs in fp32 (compute_dtype None) on both."""
     import torch.distributed as dist
 
-    ref_sum = g_ref.clone()
-    dist.all_reduce(ref_sum)
-    mine = ref_sum[rank * 4:(rank + 1) * 4]
-    torch.testing.assert_close(g, mine, atol=2e-2, rtol=2e-2)
+    from relibra_moe.integrations.hf import full_state_dict
+    from relibra_moe.layers.relayout import relayout
+    from relibra_moe.layers.testing import hot_replica_plan
+
+    singles = [dist.new_group([r]) for r in range(world)]  # a one-rank EP group for the reference
+    ref = qwen3_moe()
+    swap_moe_blocks(ref, ep_group=singles[rank])
+    for blk in ref.modules():
+        if isinstance(blk, TorchtitanReplayMoE):
+            blk.experts.compute_dtype = None
+    x = _tokens()
+    with RoutingRecorder(ref) as rec:
+        want = _run(ref, x)
+    want.square().mean().backward()
+    traces = rec.traces()
+    counts = sum(t.expert_counts() for t in traces)  # [L, E]
+    plan = hot_replica_plan(2, 8, world, world, counts.argmax(1), seed=1)
+
+    model = qwen3_moe()
+    swap_moe_blocks(model, replica_slots=1, gpus_per_node=world)
+    blocks = [m for m in model.modules() if isinstance(m, TorchtitanReplayMoE)]
+    assert blocks[0].experts.w1_EFD.shape[0] == 8 // world
+    for blk in blocks:
+        blk.experts.compute_dtype = None
+    relayout(model, plan.placement)
+    with replay(model, traces, plan, micro_batch=0) as rows:
+        assert rows == [rank], rows
+        got = _run(model, x[rows])
+    torch.testing.assert_close(got, want[rows], atol=1e-5, rtol=1e-5)
+    (got.square().sum() / want.numel()).backward()  # this rank's share of the reference loss
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g, r = p.grad, ref_params[name].grad
+        if ".inner_experts." in name:  # this rank's home experts' rows (replica gradients added back)
+            home = torch.as_tensor(blocks[int(name.split(".")[1])].home_experts)
+            r = r[home]
+        else:
+            dist.all_reduce(g)
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+    assert blocks[0].replica_buffer.fills >= 2  # the replica slots were used (forward fill, backward refill)
+    full = full_state_dict(model)
+    reference = ref.state_dict()
+    assert list(full) == list(reference)
+    for k, v in reference.items():
+        torch.testing.assert_close(full[k], v, atol=0, rtol=0, msg=k)
 
 
-@pytest.mark.timeout(120)
-def test_expert_parallel_two_ranks():
-    run_group(_ep_worker, 2, backend="gloo", timeout_s=60)
+@pytest.mark.timeout(180)
+def test_expert_parallel_two_ranks_with_replicas():
+    run_group(_ep_worker, 2, backend="gloo", timeout_s=90)

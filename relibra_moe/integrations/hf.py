@@ -534,7 +534,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         home = torch.tensor(block.expert_gpu_host)
         for pname in block.experts.tensor_names:
-            key = f"{name}.experts.{pname}"
+            key = f"{name}.{getattr(block, 'experts_path', 'experts')}.{pname}"
             local = sd[key].contiguous()
             parts = [torch.empty_like(local) for _ in range(block.world_size)]
             dist.all_gather(parts, local, group=block.ep_group)

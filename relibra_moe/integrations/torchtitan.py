@@ -15,7 +15,8 @@ submodules, under torchtitan's names, so ``model.state_dict()`` keys are unchang
   ``w3_EFD [E, F, D]``, ``w2_EDF [E, D, F]`` are the layer's per-expert tensors as they are (the same
   ``Parameter`` objects, no copy on one rank; the grouped GEMMs read transposed views). Like torchtitan it
   computes the GEMMs in bf16 (``compute_dtype``; ``None``: the weights' dtype) and returns the input's dtype.
-  With an EP group of G ranks each rank keeps the rows of its E/G home experts (new, smaller parameters);
+  With an EP group of G ranks each rank keeps the rows of its E/G home experts (new, smaller parameters;
+  ``relibra_moe.integrations.hf.full_state_dict`` gathers them back in expert order);
 - ``shared_experts`` (DeepSeek-V3) is applied to every token and added, as torchtitan does;
 - the buffers ``expert_bias_E`` (persistent) and ``tokens_per_expert_E`` stay on the block under their names;
   in training mode every forward adds the routed ids' per-expert token counts (the replayed ids under
@@ -149,6 +150,7 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
 
     swapped_moe_block = True  # marks the blocks swap_moe_blocks makes
     family = SWAPPED_TITAN_FAMILY
+    experts_path = "routed_experts.inner_experts"  # where full_state_dict finds the expert parameters
 
     def __init__(self, block: nn.Module, layer_id: int, layer_index: int, *, ep_group: Any = None,
                  gpus_per_node: int | None = None, replica_buffer: LayerSharedReplicaBuffer | None = None,
