@@ -55,19 +55,19 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "torch.bfloat16": 2, 
                 "torch.float32": 4}
 
 
-def _qwen_moe_layers(cfg: Callable[[str, Any], Any], n: int) -> list[int]:
-    only = set(cfg("mlp_only_layers", []) or [])
+def _qwen_moe_layers(cfg: _ConfigReader, n: int) -> list[int]:
+    only = set(cfg.get("mlp_only_layers", []) or [])
     step = cfg.int("decoder_sparse_step", 1)
     if step == 0:
-        raise ValueError("field 'decoder_sparse_step' = 0: must be >= 1")
+        raise ValueError(f"{cfg.what}: field 'decoder_sparse_step' = 0 must be >= 1")
     return [i for i in range(n) if i not in only and (i + 1) % step == 0]
 
 
-def _after_dense_layers(cfg: Callable[[str, Any], Any], n: int) -> list[int]:
+def _after_dense_layers(cfg: _ConfigReader, n: int) -> list[int]:
     return list(range(cfg.int("first_k_dense_replace", 0), n))
 
 
-def _all_layers(cfg: Callable[[str, Any], Any], n: int) -> list[int]:
+def _all_layers(cfg: _ConfigReader, n: int) -> list[int]:
     return list(range(n))
 
 
@@ -78,8 +78,7 @@ class HFFamilySpec:
     Attributes:
         ffn_key: key of the routed expert's FFN width h'.
         experts_key: key of the routed expert count E.
-        moe_layers: ``(cfg, num_hidden_layers) -> [decoder indices of the MoE layers]``, ``cfg(key, default)``
-            reading the config.
+        moe_layers: ``(reader, num_hidden_layers) -> [decoder indices of the MoE layers]``.
         shared_count_key: key of the shared-expert count, or ``None``.
         shared_ffn_key: key of the shared expert's width (``None``: h').
         shared_default: shared experts when ``shared_count_key`` is ``None`` (Qwen2-MoE: 1, gated).
@@ -87,7 +86,7 @@ class HFFamilySpec:
 
     ffn_key: str
     experts_key: str
-    moe_layers: Callable[[Callable[[str, Any], Any], int], list[int]]
+    moe_layers: Callable[[_ConfigReader, int], list[int]]
     shared_count_key: str | None = None
     shared_ffn_key: str | None = None
     shared_default: int = 0
@@ -132,35 +131,32 @@ def _load(config: Any) -> tuple[Mapping[str, Any] | Any, str]:
                      f"{type(config).__name__}")
 
 
-def _reader(cfg: Mapping[str, Any] | Any, what: str) -> Callable[..., Any]:
-    """``get(key, default=<required>)``: the value of ``key`` (or an alias), ValueError naming it when missing."""
-    missing = object()
+_MISSING = object()
 
-    def raw(key: str) -> Any:
+
+class _ConfigReader:
+    """Reads fields of a config (a mapping or a config object; aliases of :data:`_ALIASES` tried in order);
+    ``what`` names the config in errors."""
+
+    def __init__(self, cfg: Mapping[str, Any] | Any, what: str) -> None:
+        self.cfg, self.what = cfg, what
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:
+        """The value of ``key`` (``None`` counts as absent); ``default`` when absent, else ValueError naming it."""
         for k in _ALIASES.get(key, (key,)):
-            v = cfg.get(k, missing) if isinstance(cfg, Mapping) else getattr(cfg, k, missing)
-            if v is not missing and v is not None:
+            v = self.cfg.get(k, _MISSING) if isinstance(self.cfg, Mapping) else getattr(self.cfg, k, _MISSING)
+            if v is not _MISSING and v is not None:
                 return v
-        return missing
+        if default is _MISSING:
+            raise ValueError(f"{self.what}: field {key!r} is missing")
+        return default
 
-    def get(key: str, default: Any = missing) -> Any:
-        v = raw(key)
-        if v is missing:
-            if default is missing:
-                raise ValueError(f"{what}: field {key!r} is missing")
-            return default
-        if is_int(default) and not is_int(v):
-            raise ValueError(f"{what}: field {key!r} = {v!r} is not an integer")
-        return v
-
-    def get_int(key: str, default: Any = missing) -> int:
-        v = get(key, default)
+    def int(self, key: str, default: Any = _MISSING) -> int:
+        """``get(key, default)`` as an int >= 0 (bool is not one), else ValueError naming the field and value."""
+        v = self.get(key, default)
         if not is_int(v) or v < 0:
-            raise ValueError(f"{what}: field {key!r} = {v!r} is not an integer >= 0")
+            raise ValueError(f"{self.what}: field {key!r} = {v!r} is not an integer >= 0")
         return int(v)
-
-    get.int = get_int  # type: ignore[attr-defined]
-    return get
 
 
 def model_fields_from_hf_config(config: Any) -> dict[str, Any]:
@@ -181,7 +177,8 @@ def model_fields_from_hf_config(config: Any) -> dict[str, Any]:
             them), a missing or non-integer field (named), a model with no MoE layer.
     """
     cfg, what = _load(config)
-    get = _reader(cfg, what)
+    rd = _ConfigReader(cfg, what)
+    get, gi = rd.get, rd.int
     model_type = get("model_type", "")
     if model_type not in HF_FAMILIES:
         text = get("text_config", None)
@@ -190,9 +187,8 @@ def model_fields_from_hf_config(config: Any) -> dict[str, Any]:
         raise ValueError(f"{what}: model_type={model_type!r} is not a supported MoE family; supported: "
                          f"{', '.join(HF_FAMILIES)}")
     fam = HF_FAMILIES[model_type]
-    gi = get.int
     n = gi("num_hidden_layers")
-    moe_layers = fam.moe_layers(get, n)
+    moe_layers = fam.moe_layers(rd, n)
     if gi(fam.experts_key) == 0 or not moe_layers:
         raise ValueError(f"{what}: {model_type} with {fam.experts_key}={gi(fam.experts_key)} and "
                          f"num_hidden_layers={n} has no MoE layer")
