@@ -271,3 +271,41 @@ def _ep_worker(rank: int, world: int) -> None:
 @pytest.mark.timeout(180)
 def test_expert_parallel_two_ranks_with_replicas():
     run_group(_ep_worker, 2, backend="gloo", timeout_s=90)
+
+
+def _bias_hook_worker(rank: int, world: int) -> None:
+    """torchtitan's own load-balancing hook (register_moe_load_balancing_hook, run before the optimizer step) reads
+    the swapped blocks' tokens_per_expert_E: the expert-bias update equals the plain model's, and it zeroes them."""
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    class Hooks:  # the optimizer container's hook registry is all the hook needs
+        def __init__(self) -> None:
+            self.hooks: list = []
+
+        def register_step_pre_hook(self, hook) -> None:
+            self.hooks.append(hook)
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    biases = []
+    for swap in (False, True):
+        model = deepseek_v3()
+        if swap:
+            swap_moe_blocks(model)
+        hooks = Hooks()
+        register_moe_load_balancing_hook(hooks, [model], dims)
+        assert len(hooks.hooks) == 1
+        before = [layer.moe.expert_bias_E.clone() for layer in model.layers.values() if layer.moe_enabled]
+        _run(model, _tokens()).square().mean().backward()
+        hooks.hooks[0]()
+        moes = [layer.moe for layer in model.layers.values() if layer.moe_enabled]
+        assert all(float(m.tokens_per_expert_E.abs().sum()) == 0 for m in moes)
+        after = torch.stack([m.expert_bias_E for m in moes])
+        assert not torch.equal(after, torch.stack(before))
+        biases.append(after)
+    torch.testing.assert_close(biases[1], biases[0], atol=0, rtol=0)
+
+
+@pytest.mark.timeout(120)
+def test_torchtitan_load_balancing_hook_reads_the_counts():
+    run_group(_bias_hook_worker, 1, backend="gloo", timeout_s=60)

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.dispatch import get_dispatcher
+from ..layers.dispatch import ep_process_group, get_dispatcher
 from ..layers.experts import GroupedExperts, slot_view
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
@@ -162,6 +162,7 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
             raise ValueError("torchtitan's _debug_force_load_balance routing is not supported by the swapped block")
         E, k = int(router.num_experts), int(router.top_k)
         hidden, ffn = int(experts.w1_EFD.shape[2]), int(experts.w1_EFD.shape[1])
+        ep_group = ep_process_group(ep_group)  # a DeviceMesh (1-D, or its "ep" dimension) -> its process group
         if isinstance(dispatcher, str):
             dispatcher = get_dispatcher(ep_group, gpus_per_node, dispatcher)
         G, rank = dispatcher.world_size, dispatcher.rank
