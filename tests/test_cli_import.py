@@ -301,3 +301,12 @@ def test_model_flags_are_exclusive_and_required(gpt_oss, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert main(["compare", str(trace), "--nodes", "1", "--model-config", str(tmp_path / "config.json")]) == 1
     assert "--model-config: model config" in capsys.readouterr().err
+
+
+def test_trace_synth_with_model_config(model_config, tmp_path, capsys):
+    out = tmp_path / "s.npz"
+    assert main(["trace", "synth", "--model-config", str(model_config), "--domain", "math", "--prompts", "2",
+                 "--responses", "2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    batch = TraceBatch.load(out)
+    assert (batch.num_layers, batch.num_experts, batch.top_k, batch.num_sequences) == (L, E, K, 4)
