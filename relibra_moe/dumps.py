@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .adapters import from_megatron, from_nemo_rl, from_sglang, from_verl, from_vllm_rollout
+from .adapters import from_megatron, from_nemo_rl, from_sglang, from_verl, from_vllm, from_vllm_rollout
 from .errors import TraceError
 from .trace import RoutingTrace, TraceBatch, as_int_array
 
@@ -172,43 +172,25 @@ def _load_any(path: Path) -> Any:
     return _torch_load(path)
 
 
-def _vllm(path: Path, num_experts: int | None, layer_ids: Any) -> TraceBatch:
+def _vllm(path: Path, num_experts: int | None, layer_ids: Any) -> TraceBatch | list[RoutingTrace]:
     obj = _load_any(path)
     E = _need_experts(num_experts, "vllm")
-    if isinstance(obj, (list, tuple)):  # per-request outputs: pad them into the batched layout
+    if isinstance(obj, (list, tuple)):  # per-request outputs: each trace is its prompt rows, then its response rows
         if not obj:
             raise TraceError(f"{path}: an empty list of requests")
-        reqs = [_mapping(path, r, f"request {i}") for i, r in enumerate(obj)]
-        resp = [as_int_array(f"[{i}]['routed_experts']", _field(path, r, "routed_experts", f"[{i}]"))
-                for i, r in enumerate(reqs)]
-        has_prompt = ["prompt_routed_experts" in r and r["prompt_routed_experts"] is not None for r in reqs]
-        if any(has_prompt) and not all(has_prompt):
-            i = has_prompt.index(False)
-            raise TraceError(f"{path}: field [{i}]['prompt_routed_experts'] is missing (other requests have one)")
-        prompt = [as_int_array(f"[{i}]['prompt_routed_experts']", r["prompt_routed_experts"])
-                  for i, r in enumerate(reqs)] if all(has_prompt) else None
-        for name, arrs in (("routed_experts", resp), ("prompt_routed_experts", prompt or [])):
-            for i, a in enumerate(arrs):
-                if a.ndim != 3 or a.shape[1:] != resp[0].shape[1:]:
-                    raise TraceError(f"{path}: field [{i}][{name!r}] has shape {a.shape}; expected [rows, "
-                                     f"{resp[0].shape[1]}, {resp[0].shape[2]}] like [0]['routed_experts']")
-
-        def pad(arrs: list[np.ndarray], left: bool) -> tuple[np.ndarray, np.ndarray]:
-            n = max(a.shape[0] for a in arrs)
-            out = np.zeros((len(arrs), n) + arrs[0].shape[1:], np.int64)
-            mask = np.zeros((len(arrs), n), bool)
-            for b, a in enumerate(arrs):
-                sl = slice(n - a.shape[0], n) if left else slice(0, a.shape[0])
-                out[b, sl], mask[b, sl] = a, True
-            return out, mask
-
-        r, rm = pad(resp, left=False)
-        if prompt is None:
-            return _relabel(path, from_vllm_rollout, r, num_experts=E, response_mask=rm, layer_ids=layer_ids,
-                            source=f"vllm {path.name}")
-        p, pm = pad(prompt, left=True)
-        return _relabel(path, from_vllm_rollout, r, p, num_experts=E, response_mask=rm, prompt_mask=pm,
-                        layer_ids=layer_ids, source=f"vllm {path.name}")
+        traces = []
+        for i, r in enumerate(obj):
+            r = _mapping(path, r, f"request {i}")
+            parts = [as_int_array(f"[{i}]['{k}']", r[k]) for k in ("prompt_routed_experts", "routed_experts")
+                     if r.get(k) is not None]
+            _field(path, r, "routed_experts", f"[{i}]")
+            if len(parts) == 2 and (parts[0].ndim != 3 or parts[0].shape[1:] != parts[1].shape[1:]):
+                raise TraceError(f"{path}: field [{i}]['prompt_routed_experts'] has shape {parts[0].shape}, "
+                                 f"[{i}]['routed_experts'] {parts[1].shape}: layers and k must agree")
+            ids = parts[-1] if len(parts) == 1 else np.concatenate(parts)
+            traces.append(_relabel(path, from_vllm, ids, num_experts=E, layer_ids=layer_ids,
+                                   source=f"vllm {path.name}", where=f"request {i}: "))
+        return traces
     data = _mapping(path, obj, "a vLLM rollout")
     opt = {k: data[k] for k in ("response_mask", "prompt_mask", "prompt_lengths") if data.get(k) is not None}
     return _relabel(path, from_vllm_rollout, _field(path, data, "routed_experts"), data.get("prompt_routed_experts"),
@@ -316,7 +298,8 @@ def read_dump(fmt: str, paths: Sequence[str | Path], *, num_experts: int | None 
         elif fmt == "nemo-rl":
             batches.append(_nemo_rl(p, num_experts, layer_ids))
         elif fmt == "vllm":
-            batches.append(_vllm(p, num_experts, layer_ids))
+            got = _vllm(p, num_experts, layer_ids)
+            traces += got if isinstance(got, list) else got.traces
         elif fmt == "sglang":
             traces += _sglang(p, num_experts, top_k, num_layers, dense_layers)
         elif fmt == "megatron":
@@ -326,7 +309,7 @@ def read_dump(fmt: str, paths: Sequence[str | Path], *, num_experts: int | None 
     if len(batches) == 1 and not traces:
         return batches[0]
     traces += [t for b in batches for t in b.traces]
-    if fmt in ("sglang",) and num_experts is None:  # E inferred per response: batch them at the largest
+    if fmt == "sglang" and num_experts is None:  # E inferred per response: batch them at the largest
         e = max(t.num_experts for t in traces)
         traces = [t if t.num_experts == e else RoutingTrace(t.experts, t.layer_ids, e, t.top_k, t.start, t.source)
                   for t in traces]
