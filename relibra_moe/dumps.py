@@ -268,6 +268,24 @@ def _npz(path: Path, num_experts: int | None, layer_ids: Any) -> TraceBatch:
                     source=f"npz {path.name}")
 
 
+def _read_one(fmt: str, p: Path, num_experts: int | None, top_k: int | None, num_layers: int | None,
+              dense_layers: Sequence[int], layer_ids: Any) -> TraceBatch | list[RoutingTrace] | RoutingTrace:
+    """The routing of one dump file ``p`` in format ``fmt``."""
+    if fmt == "verl":
+        return _verl(p, num_experts, layer_ids)
+    if fmt == "slime":
+        return _slime(p, num_experts, dense_layers, layer_ids)
+    if fmt == "nemo-rl":
+        return _nemo_rl(p, num_experts, layer_ids)
+    if fmt == "vllm":
+        return _vllm(p, num_experts, layer_ids)
+    if fmt == "sglang":
+        return _sglang(p, num_experts, top_k, num_layers, dense_layers)
+    if fmt == "megatron":
+        return _megatron(p, num_experts, layer_ids)
+    return _npz(p, num_experts, layer_ids)
+
+
 def read_dump(fmt: str, paths: Sequence[str | Path], *, num_experts: int | None = None, top_k: int | None = None,
               num_layers: int | None = None, dense_layers: Sequence[int] = (), layer_ids: Any = None) -> TraceBatch:
     """The routing of the dump file(s) ``paths`` in format ``fmt`` (one of :data:`FORMATS`) as one TraceBatch.
@@ -291,21 +309,15 @@ def read_dump(fmt: str, paths: Sequence[str | Path], *, num_experts: int | None 
     for p in map(Path, paths):
         if not p.is_file():
             raise TraceError(f"{p}: no such file")
-        if fmt == "verl":
-            batches.append(_verl(p, num_experts, layer_ids))
-        elif fmt == "slime":
-            traces += _slime(p, num_experts, dense_layers, layer_ids)
-        elif fmt == "nemo-rl":
-            batches.append(_nemo_rl(p, num_experts, layer_ids))
-        elif fmt == "vllm":
-            got = _vllm(p, num_experts, layer_ids)
-            traces += got if isinstance(got, list) else got.traces
-        elif fmt == "sglang":
-            traces += _sglang(p, num_experts, top_k, num_layers, dense_layers)
-        elif fmt == "megatron":
-            traces.append(_megatron(p, num_experts, layer_ids))
+        try:
+            got = _read_one(fmt, p, num_experts, top_k, num_layers, dense_layers, layer_ids)
+        except TraceError as exc:  # every message starts with the file
+            msg = str(exc)
+            raise TraceError(msg if msg.startswith(f"{p}:") else f"{p}: {msg}") from None
+        if isinstance(got, TraceBatch):
+            batches.append(got)
         else:
-            batches.append(_npz(p, num_experts, layer_ids))
+            traces += got if isinstance(got, list) else [got]
     if len(batches) == 1 and not traces:
         return batches[0]
     traces += [t for b in batches for t in b.traces]
