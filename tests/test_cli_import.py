@@ -176,6 +176,9 @@ def test_vllm_requests(tmp_path, capsys):
     rc, text = _import(capsys, "vllm", [tmp_path / "rollout.pt"], tmp_path / "out.npz", "--num-experts", str(E))
     assert rc == 0, text
     _check(tmp_path / "out.npz", truth)
+    torch.save([reqs[0], {"prompt_routed_experts": reqs[1]["prompt_routed_experts"]}], tmp_path / "bad.pt")
+    rc, text = _import(capsys, "vllm", [tmp_path / "bad.pt"], tmp_path / "o.npz", "--num-experts", str(E))
+    assert rc == 1 and "bad.pt: field [1]'routed_experts' is missing" in text
     # the batched layout (SkyRL-style), response only, as an .npz
     R = max(r for _, r in LENGTHS)
     resp = np.zeros((3, R, L, K), np.int16)
