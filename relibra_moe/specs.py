@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .spec_sources import group_topology, model_fields_from_hf_config
 from .validate import is_int
 
 LOC, NV, SR, CR = 0, 1, 2, 3
@@ -95,6 +96,17 @@ class ModelSpec:
     def with_(self, **changes: Any) -> ModelSpec:
         """A copy with the given fields changed (validated again)."""
         return replace(self, **changes)
+
+    @classmethod
+    def from_hf_config(cls, config: Any, **overrides: Any) -> ModelSpec:
+        """The ModelSpec of a Hugging Face MoE model: ``config`` is a transformers config object, a
+        ``config.json`` dict, or the path of a ``config.json`` (or of its directory). Every family of
+        :data:`relibra_moe.spec_sources.HF_FAMILIES` (the table of keys there); ``overrides`` set fields
+        (e.g. ``name``, ``dtype_bytes``). ValueError naming the file and the field for a bad config."""
+        fields = model_fields_from_hf_config(config)
+        fields.pop("moe_layer_ids")
+        fields.update(overrides)
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -170,6 +182,16 @@ class ClusterSpec:
     def with_(self, **changes: Any) -> ClusterSpec:
         """A copy with the given fields changed (validated again)."""
         return replace(self, **changes)
+
+    @classmethod
+    def from_process_group(cls, group: Any = None, *, fabric: str = "hopper-rail",
+                           gpus_per_node: int | None = None) -> ClusterSpec:
+        """The ClusterSpec of an EP group: a ``ProcessGroup``, a ``DeviceMesh`` (1-D, or its ``"ep"``
+        dimension) or ``None`` (the world), sized ``nodes x gpus_per_node`` from the ranks' hosts (or
+        ``gpus_per_node`` given), on the links of ``fabric`` (:func:`cluster_preset`). A collective without
+        ``gpus_per_node``: every rank of the group calls it (see :func:`relibra_moe.spec_sources.group_topology`)."""
+        nodes, per_node = group_topology(group, gpus_per_node)
+        return cluster_preset(fabric, nodes=nodes, gpus_per_node=per_node)
 
 
 # Checked against the public config.json of each model (hidden_size, moe_intermediate_size /

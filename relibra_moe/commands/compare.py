@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
-from .plan import add_sample_owner_flags, check_trace_fits, cluster_by_name, load_sample_gpu, model_by_name
+from .plan import (
+    add_model_args,
+    add_sample_owner_flags,
+    check_trace_fits,
+    cluster_by_name,
+    load_sample_gpu,
+    model_by_name,
+    model_from_args,
+)
 
 DEFAULT_COMPARE = "static,eplb,eplb-history,online,relibra"
 
@@ -40,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "T_MoE (moves free), simulated step (moves, replica and reorder traffic charged), experts "
                     "moved, rank skew, solve seconds. --batches K: the steady state of K consecutive batches.")
     p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
-    p.add_argument("--model", required=True, help="model preset, e.g. qwen3-235b-a22b, gpt-oss-20b")
+    add_model_args(p)
     p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
@@ -83,7 +91,7 @@ def parse_strategies(text: str) -> list[str]:
     return names
 
 
-def compare_file(trace_path: str, model_name: str, nodes: int, gpus_per_node: int = 8, *,
+def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: int = 8, *,
                  strategies: str = DEFAULT_COMPARE, cluster_name: str = "hopper-rail", replica_slots: int = 2,
                  micro_batch_size: int | None = None, layers: int | None = None, batches: int = 1,
                  rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1,
@@ -148,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     from ..plan import json_default
     from ..steady import steady_table
 
-    res = compare_file(args.trace, args.model, args.nodes, args.gpus_per_node, strategies=args.strategies,
+    res = compare_file(args.trace, model_from_args(args), args.nodes, args.gpus_per_node, strategies=args.strategies,
                        cluster_name=args.cluster, replica_slots=args.replica_slots,
                        micro_batch_size=args.micro_batch_size, layers=args.layers, batches=args.batches,
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,

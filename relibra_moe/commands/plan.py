@@ -61,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan", help="plan a batch (expert placement, sample placement, replicas) and write a plan file",
         description="Plan the batch in TRACE with a strategy, write the plan (.npz) and print its exact cost.")
     p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
-    p.add_argument("--model", required=True, help="model preset, e.g. qwen3-30b-a3b, gpt-oss-20b")
+    add_model_args(p)
     p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
@@ -109,7 +109,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "`relibra plan` prints).")
     s.add_argument("trace", help="trace file (.npz)")
     s.add_argument("plan", help="plan file (.npz from `relibra plan`)")
-    s.add_argument("--model", required=True, help="model preset")
+    add_model_args(s)
     s.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
     s.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
     s.add_argument("--previous", default=None, metavar="PLAN.npz",
@@ -151,10 +151,36 @@ def load_sample_gpu(path: str | None, owner: str, num_samples: int) -> np.ndarra
     return sg.astype(np.int64)
 
 
-def model_by_name(name: str) -> ModelSpec:
-    """The model preset ``name`` (PlanError naming it and the known ones)."""
-    from ..specs import model_preset
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--model PRESET`` or ``--model-config config.json`` (exactly one) on a command that needs a ModelSpec."""
+    g = parser.add_mutually_exclusive_group(required=True)
+    g.add_argument("--model", default=None, help="model preset, e.g. qwen3-30b-a3b, gpt-oss-20b")
+    g.add_argument("--model-config", default=None, metavar="CONFIG.json",
+                   help="the model's Hugging Face config.json (or its directory) instead of a preset "
+                        "(ModelSpec.from_hf_config)")
 
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The ModelSpec of a command line: the ``--model`` preset, or ``--model-config`` read by
+    ``ModelSpec.from_hf_config`` (PlanError naming the file and the field for a bad one)."""
+    if getattr(args, "model_config", None) is not None:
+        from ..specs import ModelSpec
+
+        try:
+            return ModelSpec.from_hf_config(args.model_config)
+        except ValueError as exc:
+            raise PlanError(f"--model-config: {exc}") from None
+    if getattr(args, "model", None) is None:
+        raise PlanError("pass --model PRESET or --model-config config.json")
+    return model_by_name(args.model)
+
+
+def model_by_name(name: str | ModelSpec) -> ModelSpec:
+    """The model preset ``name`` (PlanError naming it and the known ones); a ModelSpec is returned as is."""
+    from ..specs import ModelSpec, model_preset
+
+    if isinstance(name, ModelSpec):
+        return name
     try:
         return model_preset(name)
     except ValueError as exc:
@@ -247,7 +273,7 @@ def load_history(paths: list[str], model: ModelSpec) -> np.ndarray:
     return np.stack(loads).astype(np.int64)
 
 
-def load_inputs(trace_path: str, plan_path: str, model_name: str, cluster_name: str
+def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str
                 ) -> tuple[ModelSpec, TraceBatch, BatchPlan, ClusterSpec]:
     """``(model, batch, plan, cluster)`` for ``relibra score`` / ``relibra simulate``: the preset, the trace
     (checked against the model), the plan file and the cluster it was made for."""
@@ -290,7 +316,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     from ..planners.strategies import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, plan_with_options
     from ..trace import TraceBatch
 
-    model = model_by_name(args.model)
+    model = model_from_args(args)
     cluster = cluster_by_name(args.cluster, args.nodes, args.gpus_per_node)
     batch = TraceBatch.load(args.trace)
     check_trace_fits(batch, model, args.trace)
@@ -332,7 +358,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def score_file(trace_path: str, plan_path: str, model_name: str, cluster_name: str = "hopper-rail",
+def score_file(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str = "hopper-rail",
                balanced: bool = False, previous_path: str | None = None) -> dict[str, Any]:
     """Load a trace and a plan file, score the plan (what ``relibra score --json`` prints): Σ T_MoE (moves free)
     and the simulated step (moves charged against ``previous_path``'s placement, else the static one)."""
@@ -376,5 +402,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_score(args: argparse.Namespace) -> int:
     """``relibra score``: re-score a plan file; exit status 0."""
-    _print(score_file(args.trace, args.plan, args.model, args.cluster, args.balanced, args.previous), args.json)
+    _print(score_file(args.trace, args.plan, model_from_args(args), args.cluster, args.balanced, args.previous),
+           args.json)
     return 0

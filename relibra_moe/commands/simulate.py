@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from ..timing import REPLICA_MODES
-from .plan import load_inputs, load_previous
+from .plan import add_model_args, load_inputs, load_previous, model_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "replica transfers, reorder traffic) of the batch in TRACE under the plan in PLAN.")
     p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
     p.add_argument("plan", help="plan file (.npz from `relibra plan`)")
-    p.add_argument("--model", required=True, help="model preset, e.g. qwen3-30b-a3b, gpt-oss-20b")
+    add_model_args(p)
     p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
     p.add_argument("--previous", default=None,
                    help="plan file whose placement precedes this one (default: the static placement)")
@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def simulate_files(trace_path: str, plan_path: str, model_name: str, cluster_name: str = "hopper-rail",
+def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_name: str = "hopper-rail",
                    previous_path: str | None = None, optimizer_bytes: float | None = None,
                    replica_mode: str = "auto") -> dict[str, Any]:
     """Load the files, simulate, return the JSON-ready result (what ``--json`` prints)."""
@@ -57,8 +57,8 @@ def simulate_files(trace_path: str, plan_path: str, model_name: str, cluster_nam
 
 def run(args: argparse.Namespace) -> int:
     """``relibra simulate``: print the simulated step (JSON or a table); exit status 0."""
-    res = simulate_files(args.trace, args.plan, args.model, args.cluster, args.previous, args.optimizer_bytes,
-                         args.replica_mode)
+    res = simulate_files(args.trace, args.plan, model_from_args(args), args.cluster, args.previous,
+                         args.optimizer_bytes, args.replica_mode)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

@@ -3,6 +3,8 @@
 - ``relibra trace import gpt-oss [--requests N --seed S --micro-batch-size B] --out FILE``: the real
   GPT-OSS-20B routing of ``../shared/traces``; N requests drawn with seed S, kept in the drawn order;
   with B, micro-batch i holds samples ``i*B .. i*B+B-1``.
+- ``relibra trace import FORMAT FILE ... [--model M | --model-config config.json | --num-experts E] --out FILE``:
+  your own routing dump (verl, slime, nemo-rl, vllm, sglang, megatron, npz; :mod:`relibra_moe.dumps`).
 - ``relibra trace synth --model PRESET --domain D --prompts N --seed S [--micro-batch-size B] [--counts-only]
   --out FILE``: a SYNTHETIC RL batch (``relibra_moe.synthetic``); B defaults to 32, the paper's micro-batch
   size. ``--counts-only`` writes the per-sample expert counts without per-token ids (the file says so in
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import TraceError
+from .plan import add_model_args, model_from_args
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -46,29 +49,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Make routing-trace files (.npz, version 2) from real or synthetic routing, and summarize them.",
         epilog="examples:\n"
                "  relibra trace import gpt-oss --requests 64 --seed 0 --micro-batch-size 8 --out gptoss.npz\n"
+               "  relibra trace import verl step3.pkl --model-config config.json --micro-batch-size 8 --out mine.npz\n"
                "  relibra trace synth --model qwen3-30b-a3b --domain mixed --prompts 256 --out mixed.npz\n"
                "  relibra trace synth --model qwen3-235b-a22b --domain mixed --prompts 256 --counts-only --out b.npz\n"
                "  relibra trace stats mixed.npz --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="trace_command", metavar="ACTION", required=True)
 
-    imp = sub.add_parser("import", help="import a real routing trace into a trace file",
-                         description="Import real routing into a relibra trace file (.npz, version 2).")
-    imp.add_argument("dataset", choices=["gpt-oss"], help="gpt-oss: GPT-OSS-20B decode routing of ../shared/traces")
+    from ..dumps import FORMATS
+
+    imp = sub.add_parser("import", help="import real routing (the bundled GPT-OSS trace, or your own dump)",
+                         description="Import real routing into a relibra trace file (.npz, version 2): the bundled "
+                                     "GPT-OSS-20B trace, or dump files of verl, slime, NeMo-RL, vLLM (SkyRL), SGLang, "
+                                     "Megatron RouterReplay, or a plain ids + offsets .npz (docs/rl-frameworks.md).")
+    imp.add_argument("format", choices=["gpt-oss", *FORMATS],
+                     help="gpt-oss: GPT-OSS-20B decode routing of ../shared/traces; the others: dump files FILE ...")
+    imp.add_argument("files", nargs="*", metavar="FILE", help="dump file(s) of the format (not for gpt-oss)")
     imp.add_argument("--requests", type=_positive, default=None, metavar="N",
-                     help="draw N requests without replacement, kept in the drawn order (default: all 703, in order)")
-    imp.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the draw (default 0)")
+                     help="gpt-oss: draw N requests without replacement, kept in the drawn order (default: all 703)")
+    imp.add_argument("--seed", type=int, default=0, metavar="S", help="gpt-oss: seed of the draw (default 0)")
     imp.add_argument("--micro-batch-size", type=_positive, default=None, metavar="B",
-                     help="micro-batch i holds samples i*B .. i*B+B-1, in the drawn order (default: no assignment)")
-    imp.add_argument("--domains", nargs="+", default=None, help="keep only these request domains")
-    imp.add_argument("--drop-repetition", action="store_true", help="drop requests stuck in a repetition loop")
+                     help="micro-batch i holds samples i*B .. i*B+B-1, in order (default: no assignment)")
+    imp.add_argument("--domains", nargs="+", default=None, help="gpt-oss: keep only these request domains")
+    imp.add_argument("--drop-repetition", action="store_true",
+                     help="gpt-oss: drop requests stuck in a repetition loop")
+    g = imp.add_mutually_exclusive_group()
+    g.add_argument("--model", default=None, help="dumps: model preset giving E and k (and checking L)")
+    g.add_argument("--model-config", default=None, metavar="CONFIG.json",
+                   help="dumps: the model's HF config.json giving E and k (and checking L)")
+    imp.add_argument("--num-experts", type=_positive, default=None, metavar="E",
+                     help="dumps: routed experts per layer (default: from --model / --model-config)")
+    imp.add_argument("--top-k", type=_positive, default=None, metavar="K", help="sglang: ids per token")
+    imp.add_argument("--num-layers", type=_positive, default=None, metavar="L",
+                     help="sglang: decoder layers the payload covers, dense ones included")
+    imp.add_argument("--dense-layers", type=int, nargs="+", default=(), metavar="I",
+                     help="sglang, slime: decoder indices of dense layers in the dump (dropped)")
     imp.add_argument("--out", required=True, help="output .npz file")
     imp.set_defaults(func=run_import)
 
     syn = sub.add_parser("synth", help="write a synthetic RL batch (labelled synthetic)",
                          description="Write a SYNTHETIC RL global batch (GRPO groups, domain hot sets, long-tailed "
                                      "lengths) as a trace file. Not real routing.")
-    syn.add_argument("--model", required=True, help="model preset, e.g. qwen3-30b-a3b")
+    add_model_args(syn)
     syn.add_argument("--domain", required=True, choices=["math", "code", "instruction", "mixed"])
     syn.add_argument("--prompts", type=_positive, required=True, help="prompts N (samples = N x responses)")
     syn.add_argument("--responses", type=_positive, default=4, help="responses per prompt (default 4)")
@@ -98,16 +120,47 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    """``relibra trace import``: write the real GPT-OSS routing (drawn, filtered) to ``args.out``; returns 0."""
-    from ..datasets import gpt_oss_batch
+    """``relibra trace import``: write the real GPT-OSS routing (drawn, filtered), or the routing of the dump files
+    ``args.files`` in ``args.format`` (:func:`relibra_moe.dumps.read_dump`), to ``args.out``; returns 0."""
+    if args.format == "gpt-oss":
+        if args.files:
+            raise TraceError(f"trace import gpt-oss reads the bundled trace and takes no FILE (got {args.files})")
+        from ..datasets import gpt_oss_batch
 
-    batch = gpt_oss_batch(num_requests=args.requests, seed=args.seed, domains=args.domains,
-                          drop_repetition=args.drop_repetition)
+        batch = gpt_oss_batch(num_requests=args.requests, seed=args.seed, domains=args.domains,
+                              drop_repetition=args.drop_repetition)
+    else:
+        batch = import_dump(args)
     if args.micro_batch_size:
         batch = batch.with_micro_batch_size(args.micro_batch_size)
     batch.save(args.out)
-    print(f"wrote {args.out}: {batch.num_sequences} sequences, {batch.num_tokens} tokens ({batch.source})")
+    print(f"wrote {args.out}: {batch.num_sequences} sequences, {batch.num_tokens} tokens, {batch.num_layers} MoE "
+          f"layers, {batch.num_experts} experts, top-{batch.top_k} ({batch.source})")
     return 0
+
+
+def import_dump(args: argparse.Namespace) -> TraceBatch:
+    """The TraceBatch of ``relibra trace import FORMAT FILE ...`` (not gpt-oss); E and k from ``--num-experts`` /
+    ``--top-k`` or the model, whose L, E and k the routing must match (TraceError naming the field)."""
+    from ..dumps import read_dump
+
+    for flag, value in (("--requests", args.requests), ("--domains", args.domains),
+                        ("--drop-repetition", args.drop_repetition or None)):
+        if value is not None:
+            raise TraceError(f"{flag} only applies to trace import gpt-oss, not {args.format}")
+    model = model_from_args(args) if (args.model or args.model_config) else None
+    E = args.num_experts if args.num_experts is not None else (model.num_experts if model else None)
+    k = args.top_k if args.top_k is not None else (model.top_k if model else None)
+    batch = read_dump(args.format, args.files, num_experts=E, top_k=k, num_layers=args.num_layers,
+                      dense_layers=args.dense_layers)
+    if model is not None:
+        for field, have, want in (("MoE layers", batch.num_layers, model.num_layers),
+                                  ("num_experts", batch.num_experts, model.num_experts),
+                                  ("top_k", batch.top_k, model.top_k)):
+            if have != want:
+                raise TraceError(f"the dump ({', '.join(map(str, args.files))}) has {field}={have}, model {model.name} "
+                                 f"has {want}")
+    return batch
 
 
 def run_synth(args: argparse.Namespace) -> int:
@@ -115,8 +168,8 @@ def run_synth(args: argparse.Namespace) -> int:
     from ..synthetic import rl_batch
 
     t0 = time.perf_counter()
-    batch = rl_batch(args.model, args.domain, args.prompts, responses_per_prompt=args.responses, seed=args.seed,
-                     micro_batch_size=args.micro_batch_size)
+    batch = rl_batch(model_from_args(args), args.domain, args.prompts, responses_per_prompt=args.responses,
+                     seed=args.seed, micro_batch_size=args.micro_batch_size)
     batch.save(args.out, compress=args.compress, counts_only=args.counts_only)
     what = "counts only (no per-token ids)" if args.counts_only else "with per-token ids"
     print(f"wrote {args.out}: SYNTHETIC, {batch.num_sequences} sequences, {batch.num_tokens} tokens, {what}, "

@@ -39,6 +39,7 @@ from ..layers.dispatch import ep_process_group
 from ..layers.replay import LayerReplay, layout_ids, replay
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
+from .torchtitan import TITAN_FAMILY, TorchtitanReplayMoE, is_titan_moe, titan_replica_buffer
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -58,7 +59,7 @@ def moe_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
     """
     found = []
     for name, mod in model.named_modules():
-        if _is_swapped(mod) or family_of(mod) is not None:
+        if _is_swapped(mod) or family_of(mod) is not None or is_titan_moe(mod):
             m = _LAYER_RE.search(name + ".")
             if m is None:
                 raise ValueError(f"MoE block {name!r} is not under a 'layers.<i>' module: cannot tell its layer id")
@@ -68,7 +69,7 @@ def moe_blocks(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
                         or "mlp" in type(m).__name__.lower()})
         raise ValueError(f"{type(model).__name__} has no supported MoE block (found {kinds}); supported block "
                          f"classes: {', '.join(SUPPORTED_BLOCKS)} (families: "
-                         f"{', '.join(f.name for f in FAMILIES.values())})")
+                         f"{', '.join(f.name for f in FAMILIES.values())}), and torchtitan's MoE")
     found.sort(key=lambda t: t[0])
     return found
 
@@ -83,8 +84,13 @@ def _is_swapped(mod: nn.Module) -> bool:
     return bool(getattr(type(mod), "swapped_moe_block", False))
 
 
+def _family(block: nn.Module) -> Family:
+    """The family of an MoE block: a swapped block's own, HF's by class name, or torchtitan's."""
+    return block.family if _is_swapped(block) else (family_of(block) or TITAN_FAMILY)
+
+
 def num_experts_top_k(block: nn.Module) -> tuple[int, int]:
-    fam = block.family if _is_swapped(block) else family_of(block)
+    fam = _family(block)
     router = getattr(block, fam.router_attr)
     return int(router.num_experts), int(router.top_k)
 
@@ -144,10 +150,10 @@ class RoutingRecorder:
             self._handles.append(block.register_forward_pre_hook(self._block_pre(li)))
             if isinstance(block, ReplayMoEBlock):
                 self._handles.append(block.add_routing_observer(self._on_ids(li)))
-            else:  # HF block, or HFReplayBalancedMoE (its router returns the ids it used)
-                fam = block.family if _is_swapped(block) else family_of(block)
+            else:  # HF or torchtitan block, or a swapped layer (its router returns the ids it used)
+                fam = _family(block)
                 router = getattr(block, fam.router_attr)
-                self._handles.append(router.register_forward_hook(self._router_hook(li)))
+                self._handles.append(router.register_forward_hook(self._router_hook(li, fam.router_ids_at)))
         return self
 
     def detach(self) -> None:
@@ -244,11 +250,11 @@ class RoutingRecorder:
                 self._step = None
         return observe
 
-    def _router_hook(self, li: int):
+    def _router_hook(self, li: int, ids_at: int = 2):
         observe = self._on_ids(li)
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            observe(output[2])
+            observe(output[ids_at].reshape(-1, output[ids_at].shape[-1]))
         return hook
 
     # -- export
@@ -480,6 +486,15 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
     for index, (layer_id, name, block) in enumerate(blocks):
         if _is_swapped(block):
             continue
+        if is_titan_moe(block):  # torchtitan: always the layer (see integrations/torchtitan.py)
+            if backend == "local":
+                raise ValueError(f"torchtitan's MoE ({name}) runs as a ReplayBalancedMoE only; use backend='layer'")
+            if replica_slots and buffer is None:
+                buffer = titan_replica_buffer(block, replica_slots)
+            new = TorchtitanReplayMoE(block, layer_id, index, ep_group=ep_group, gpus_per_node=gpus_per_node,
+                                      replica_buffer=buffer, dispatcher=dispatcher)
+            _set_submodule(model, name, new)
+            continue
         fam = family_of(block)
         use_layer = backend == "layer" or (backend == "auto" and fam.name in LAYER_FAMILIES)
         if use_layer and fam.name not in LAYER_FAMILIES:
@@ -519,7 +534,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         home = torch.tensor(block.expert_gpu_host)
         for pname in block.experts.tensor_names:
-            key = f"{name}.experts.{pname}"
+            key = f"{name}.{getattr(block, 'experts_path', 'experts')}.{pname}"
             local = sd[key].contiguous()
             parts = [torch.empty_like(local) for _ in range(block.world_size)]
             dist.all_gather(parts, local, group=block.ep_group)

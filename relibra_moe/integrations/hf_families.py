@@ -93,6 +93,7 @@ class Family:
         router_input_3d: the block passes the unflattened ``[B, S, H]`` hidden states to the router.
         returns_scores: the block returns ``(hidden, router_scores)`` (GPT-OSS).
         jitter: the block multiplies its input by uniform jitter noise in training (Mixtral).
+        router_ids_at: index of the top-k ids in the router's output tuple (what the recorder reads).
     """
 
     name: str
@@ -104,6 +105,7 @@ class Family:
     router_input_3d: bool = False
     returns_scores: bool = False
     jitter: bool = False
+    router_ids_at: int = 2
 
 
 _NORM = lambda r: bool(r.norm_topk_prob)

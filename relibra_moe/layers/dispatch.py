@@ -25,7 +25,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+
+from ..spec_sources import ep_process_group, is_device_mesh  # noqa: F401  (re-exported: the layer's EP group)
 
 try:  # optional: DeepEP (https://github.com/deepseek-ai/DeepEP), GPU only
     import deep_ep  # type: ignore[import-not-found]
@@ -265,26 +266,6 @@ _CACHE: dict[tuple, Dispatcher] = {}
 def clear_dispatcher_cache() -> None:
     """Forget cached dispatchers (call after ``destroy_process_group`` before re-initializing)."""
     _CACHE.clear()
-
-
-def is_device_mesh(obj: object) -> bool:
-    """Whether ``obj`` is a ``torch.distributed`` ``DeviceMesh``."""
-    return isinstance(obj, DeviceMesh)
-
-
-def ep_process_group(ep_group: object, ep_dim: str = "ep") -> dist.ProcessGroup | None:
-    """The expert-parallel ``ProcessGroup`` of ``ep_group``: a 1-D ``DeviceMesh`` (its group), a mesh with
-    a dimension named ``ep_dim`` (that dimension's group for this rank), or a ``ProcessGroup`` / ``None``
-    (returned as is). Raises ``ValueError`` for a multi-dimensional mesh without an ``ep_dim`` dimension."""
-    if not is_device_mesh(ep_group):
-        return ep_group
-    if ep_group.ndim == 1:
-        return ep_group.get_group()
-    names = tuple(ep_group.mesh_dim_names or ())
-    if ep_dim not in names:
-        raise ValueError(f"the {ep_group.ndim}-D DeviceMesh has dimensions {names}, none named ep_dim={ep_dim!r}: "
-                         "cannot tell which one is expert parallel")
-    return ep_group[ep_dim].get_group()
 
 
 def get_dispatcher(group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,

@@ -1,0 +1,311 @@
+"""torchtitan 0.3's MoE models with relibra's blocks: a tiny Qwen3 MoE and DeepSeek-V3 in fp32 give torchtitan's own
+outputs and gradients, keep the state-dict keys and the Parameter objects, update ``tokens_per_expert_E`` as
+torchtitan does, record and replay routing (replayed == live; changed ids route as told), and run expert-parallel on
+2 gloo ranks equal to the one-rank model."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install torchtitan --no-deps, spmd_types, "
+                                         "tyro)")
+
+from relibra_moe import RoutingRecorder, replay, swap_moe_blocks  # noqa: E402
+from relibra_moe.integrations.torchtitan import TorchtitanReplayMoE  # noqa: E402
+from relibra_moe.layers.testing import run_group  # noqa: E402
+
+V, S, B = 64, 6, 2
+
+
+class _CausalSDPA(nn.Module):
+    """Causal SDPA in place of torchtitan's flex attention, whose backward has no CPU kernel (test only; the
+    reference and the swapped model run the same attention)."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **_):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             scale=scale, enable_gqa=enable_gqa)
+        return out.transpose(1, 2)
+
+
+def _finish(model: nn.Module, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    model.init_states()
+    for p in model.parameters():  # torchtitan initializes some weights to 0; fill every one for a real test
+        with torch.no_grad():
+            p.copy_(torch.randn_like(p) * 0.2)
+    for layer in model.layers.values():
+        layer.attention.inner_attention = _CausalSDPA()
+    return model.float().train()
+
+
+def qwen3_moe(seed: int = 0, num_experts: int = 8, top_k: int = 2) -> nn.Module:
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers, _qwen3_norm
+    from torchtitan.models.qwen3.model import Qwen3Model
+
+    dim, hd = 32, 8
+    cfg = Qwen3Model.Config(
+        vocab_size=V, dim=dim, norm=_qwen3_norm(dim),
+        tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=V, param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=hd, moe_hidden_dim=16,
+                                       num_experts=num_experts, top_k=top_k, attn_backend="flex",
+                                       moe_comm_backend="standard",
+                                       rope=CosSinRoPE.Config(dim=hd, max_seq_len=64, theta=1e6)))
+    return _finish(cfg.build(), seed)
+
+
+def deepseek_v3(seed: int = 0) -> nn.Module:
+    """A tiny DeepSeek-V3: MLA attention, a dense first layer, then MoE layers with a shared expert, sigmoid
+    scores with the expert bias and node-limited groups, renormalized and scaled gates."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear
+    from torchtitan.models.common.nn_modules import RMSNorm
+    from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT, _NORM_INIT, _build_dsv3_layers, _output_linear_init
+    from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+
+    dim, rope = 32, 8
+    layers = _build_dsv3_layers(
+        n_layers=3, n_dense_layers=1, dim=dim, n_heads=4, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=rope, v_head_dim=8, mscale=0.7, dense_hidden_dim=48, moe_hidden_dim=16, num_experts=8,
+        num_shared_experts=1, router_top_k=2, router_score_func="sigmoid", router_num_expert_groups=4,
+        router_num_limited_groups=2, router_route_scale=2.5, router_route_norm=True, attn_backend="flex",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None,
+        rope=ComplexRoPE.Config(dim=rope, max_seq_len=64, theta=10000.0))
+    cfg = DeepSeekV3Model.Config(
+        vocab_size=V, dim=dim, layers=layers, norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
+        tok_embeddings=Embedding.Config(num_embeddings=V, embedding_dim=dim, param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=V, param_init=_output_linear_init(dim)))
+    model = _finish(cfg.build(), seed)
+    for name, buf in model.named_buffers():  # a nonzero load-balancing bias, so the selection uses it
+        if name.endswith("expert_bias_E"):
+            buf.copy_(torch.randn(buf.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    return model
+
+
+def _run(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, pos, None)
+
+
+def _tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(build, atol: float) -> None:
+    ref = build()
+    ours = copy.deepcopy(ref)
+    keys = list(ref.state_dict())
+    params_before = {n: p for n, p in ours.named_parameters()}
+    swap_moe_blocks(ours)
+    blocks = [m for m in ours.modules() if isinstance(m, TorchtitanReplayMoE)]
+    assert len(blocks) == sum(1 for layer in ref.layers.values() if layer.moe_enabled) > 0
+    assert list(ours.state_dict()) == keys  # torchtitan's keys, same order
+    for n, p in ours.named_parameters():  # the same Parameter objects: nothing copied
+        assert p is params_before[n], n
+    x = _tokens()
+    out_ref, out = _run(ref, x), _run(ours, x)
+    torch.testing.assert_close(out, out_ref, atol=atol, rtol=atol)
+    (out_ref.square().mean()).backward()
+    (out.square().mean()).backward()
+    g_ref, g = _grads(ref), _grads(ours)
+    assert set(g) == set(g_ref)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], atol=atol, rtol=atol, msg=n)
+    # tokens_per_expert_E: what torchtitan counted, per layer
+    for name, mod in ref.named_modules():
+        if type(mod).__name__ == "MoE":
+            mine = ours.get_submodule(name)
+            assert mod.tokens_per_expert_E.sum() == B * S * mod.router.top_k
+            torch.testing.assert_close(mine.tokens_per_expert_E, mod.tokens_per_expert_E, atol=0, rtol=0)
+
+
+def test_qwen3_moe_matches_torchtitan():
+    # torchtitan computes the expert GEMMs in bf16 (so do we, compute_dtype); tolerance at bf16 rounding
+    _compare(qwen3_moe, atol=2e-2)
+
+
+def test_deepseek_v3_matches_torchtitan():
+    _compare(deepseek_v3, atol=2e-2)
+
+
+def test_qwen3_moe_fp32_experts_equal_an_fp64_loop():
+    """With compute_dtype None (the weights' fp32) the block computes torchtitan's formula without the bf16
+    rounding: against a float64 loop over the experts (router, gates renormalized, SwiGLU experts)."""
+    ref = qwen3_moe()
+    ours = copy.deepcopy(ref)
+    swap_moe_blocks(ours)
+    block = ours.layers["0"].moe
+    block.experts.compute_dtype = None
+    x = torch.randn(B, S, 32)
+    y = block(x).double()
+    x = x.double()
+    r = ref.layers["0"].moe.router
+    scores = torch.softmax(x.reshape(-1, 32) @ r.gate.weight.double().T, dim=-1)
+    w = ref.layers["0"].moe.routed_experts.inner_experts
+    want = torch.zeros(B * S, 32, dtype=torch.float64)
+    ids = block.last_routing
+    for t in range(B * S):
+        g = scores[t, ids[t]]
+        g = g / (g.sum() + 1e-20)
+        for j, e in enumerate(ids[t].tolist()):
+            xe = x.reshape(-1, 32)[t]
+            h = F.silu(w.w1_EFD[e].double() @ xe) * (w.w3_EFD[e].double() @ xe)
+            want[t] += g[j] * (w.w2_EDF[e].double() @ h)
+    torch.testing.assert_close(y.reshape(-1, 32), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids.sort(dim=-1).values, torch.topk(scores, 2, dim=-1).indices.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("build", [qwen3_moe, deepseek_v3], ids=["qwen3", "deepseek_v3"])
+def test_record_and_replay(build):
+    from relibra_moe.trace import RoutingTrace, TraceBatch
+
+    model = build()
+    swap_moe_blocks(model)
+    blocks = [m for m in model.modules() if isinstance(m, TorchtitanReplayMoE)]
+    x = _tokens()
+    with torch.no_grad(), RoutingRecorder(model) as rec:
+        live = _run(model, x)
+    batch = rec.trace_batch()
+    assert batch.num_sequences == B and batch.traces[0].layer_ids.tolist() == [blk.layer_id for blk in blocks]
+    live_ids = [blk.last_routing.clone() for blk in blocks]
+    for li, ids in enumerate(live_ids):
+        np.testing.assert_array_equal(np.stack([t.experts[:, li] for t in batch.traces]), ids.reshape(B, S, -1))
+    with torch.no_grad(), replay(model, batch):
+        replayed = _run(model, x)
+    torch.testing.assert_close(replayed, live, atol=0, rtol=0)
+    # changed ids route as told: the first MoE layer now uses experts (e + 1) % E, and tokens_per_expert_E
+    # (what torchtitan's bias update reads) counts the replayed routing
+    traces = [t.experts.copy() for t in batch.traces]
+    for t in traces:
+        t[:, 0] = (t[:, 0] + 1) % 8
+    moved = TraceBatch([RoutingTrace(t, batch.traces[0].layer_ids, 8, 2) for t in traces])
+    for blk in blocks:
+        blk.tokens_per_expert_E.zero_()
+    with torch.no_grad(), replay(model, moved):
+        other = _run(model, x)
+    want = (live_ids[0] + 1) % 8
+    torch.testing.assert_close(blocks[0].last_routing, want, atol=0, rtol=0)
+    torch.testing.assert_close(blocks[0].tokens_per_expert_E, torch.bincount(want.reshape(-1), minlength=8).float())
+    assert not torch.allclose(other, live)
+
+
+def test_recorder_on_the_plain_torchtitan_model():
+    ref = qwen3_moe()
+    x = _tokens()
+    with torch.no_grad(), RoutingRecorder(ref) as rec:
+        _run(ref, x)
+    batch = rec.trace_batch()
+    ours = copy.deepcopy(ref)
+    swap_moe_blocks(ours)
+    with torch.no_grad():
+        _run(ours, x)
+    got = np.stack([t.experts for t in batch.traces])  # [B, S, L, k]
+    want = torch.stack([blk.last_routing.reshape(B, S, -1) for blk in (ours.layers["0"].moe, ours.layers["1"].moe)],
+                       dim=2).numpy()
+    np.testing.assert_array_equal(np.sort(got, -1), np.sort(want, -1))
+
+
+def _ep_worker(rank: int, world: int) -> None:
+    """Rank g runs sample g of the batch on the 2-rank swapped model, after a relayout to a random placement and
+    with a replica plan (each layer's hot expert replicated); the one-rank swapped model (itself checked against
+    torchtitan above) on the whole batch is the reference. Expert GEMMs in fp32 (compute_dtype None) on both."""
+    import torch.distributed as dist
+
+    from relibra_moe.integrations.hf import full_state_dict
+    from relibra_moe.layers.relayout import relayout
+    from relibra_moe.layers.testing import hot_replica_plan
+
+    singles = [dist.new_group([r]) for r in range(world)]  # a one-rank EP group for the reference
+    ref = qwen3_moe()
+    swap_moe_blocks(ref, ep_group=singles[rank])
+    for blk in ref.modules():
+        if isinstance(blk, TorchtitanReplayMoE):
+            blk.experts.compute_dtype = None
+    x = _tokens()
+    with RoutingRecorder(ref) as rec:
+        want = _run(ref, x)
+    want.square().mean().backward()
+    traces = rec.traces()
+    counts = sum(t.expert_counts() for t in traces)  # [L, E]
+    plan = hot_replica_plan(2, 8, world, world, counts.argmax(1), seed=1)
+
+    model = qwen3_moe()
+    swap_moe_blocks(model, replica_slots=1, gpus_per_node=world)
+    blocks = [m for m in model.modules() if isinstance(m, TorchtitanReplayMoE)]
+    assert blocks[0].experts.w1_EFD.shape[0] == 8 // world
+    for blk in blocks:
+        blk.experts.compute_dtype = None
+    relayout(model, plan.placement)
+    with replay(model, traces, plan, micro_batch=0) as rows:
+        assert rows == [rank], rows
+        got = _run(model, x[rows])
+    torch.testing.assert_close(got, want[rows], atol=1e-5, rtol=1e-5)
+    (got.square().sum() / want.numel()).backward()  # this rank's share of the reference loss
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g, r = p.grad, ref_params[name].grad
+        if ".inner_experts." in name:  # this rank's home experts' rows (replica gradients added back)
+            home = torch.as_tensor(blocks[int(name.split(".")[1])].home_experts)
+            r = r[home]
+        else:
+            dist.all_reduce(g)
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+    assert blocks[0].replica_buffer.fills >= 2  # the replica slots were used (forward fill, backward refill)
+    full = full_state_dict(model)
+    reference = ref.state_dict()
+    assert list(full) == list(reference)
+    for k, v in reference.items():
+        torch.testing.assert_close(full[k], v, atol=0, rtol=0, msg=k)
+
+
+@pytest.mark.timeout(180)
+def test_expert_parallel_two_ranks_with_replicas():
+    run_group(_ep_worker, 2, backend="gloo", timeout_s=90)
+
+
+def _bias_hook_worker(rank: int, world: int) -> None:
+    """torchtitan's own load-balancing hook (register_moe_load_balancing_hook, run before the optimizer step) reads
+    the swapped blocks' tokens_per_expert_E: the expert-bias update equals the plain model's, and it zeroes them."""
+    from torchtitan.components.optimizer import register_moe_load_balancing_hook
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    class Hooks:  # the optimizer container's hook registry is all the hook needs
+        def __init__(self) -> None:
+            self.hooks: list = []
+
+        def register_step_pre_hook(self, hook) -> None:
+            self.hooks.append(hook)
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    biases = []
+    for swap in (False, True):
+        model = deepseek_v3()
+        if swap:
+            swap_moe_blocks(model)
+        hooks = Hooks()
+        register_moe_load_balancing_hook(hooks, [model], dims)
+        assert len(hooks.hooks) == 1
+        before = [layer.moe.expert_bias_E.clone() for layer in model.layers.values() if layer.moe_enabled]
+        _run(model, _tokens()).square().mean().backward()
+        hooks.hooks[0]()
+        moes = [layer.moe for layer in model.layers.values() if layer.moe_enabled]
+        assert all(float(m.tokens_per_expert_E.abs().sum()) == 0 for m in moes)
+        after = torch.stack([m.expert_bias_E for m in moes])
+        assert not torch.equal(after, torch.stack(before))
+        biases.append(after)
+    torch.testing.assert_close(biases[1], biases[0], atol=0, rtol=0)
+
+
+@pytest.mark.timeout(120)
+def test_torchtitan_load_balancing_hook_reads_the_counts():
+    run_group(_bias_hook_worker, 1, backend="gloo", timeout_s=60)
