@@ -54,7 +54,8 @@ def member_header(data: np.lib.npyio.NpzFile, key: str, where: str, error: type[
     except KeyError:
         raise error(f"{where}: missing key {key!r}") from None
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        raise error(f"{where}: key {key!r} is truncated or corrupt (unreadable .npy header: {type(exc).__name__}: {exc})") from None
+        raise error(f"{where}: key {key!r} is truncated or corrupt (unreadable .npy header: "
+                    f"{type(exc).__name__}: {exc})") from None
     shape = tuple(int(s) for s in shape)
     if dtype.hasobject:
         raise error(f"{where}: key {key!r} holds Python objects (pickled) of dtype {dtype}; these files hold "

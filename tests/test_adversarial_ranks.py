@@ -48,7 +48,6 @@ def _model(num_layers: int, buf) -> nn.Module:
 def _worker(rank: int, world: int, out_dir: str) -> None:
     from relibra_moe.errors import PlanError, ReplayError
     from relibra_moe.layers.relayout import relayout
-    from relibra_moe.layers.replay import replay
     from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
 
     buf = LayerSharedReplicaBuffer(H, FF, 1)

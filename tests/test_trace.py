@@ -549,7 +549,8 @@ def _v2_arrays(tmp_path) -> dict:
      r"x.npz: field 'experts' is missing, and counts_only=False"),
     (lambda a: {k: v for k, v in a.items() if k != "counts"}, r"x.npz: missing key\(s\) \['counts'\]"),
     (lambda a: a | {"version": np.int64(7)}, r"x.npz: unknown trace format version 7"),
-    (lambda a: a | {"offsets": np.array([0, 3, 2])}, r"x.npz: key 'offsets'\[1:3\] = \[3, 2\]: sample 1 has -1 tokens, outside \[0, "),
+    (lambda a: a | {"offsets": np.array([0, 3, 2])},
+     r"x.npz: key 'offsets'\[1:3\] = \[3, 2\]: sample 1 has -1 tokens, outside \[0, "),
 ])
 def test_v2_rejects_bad_fields(tmp_path, change, match):
     p = tmp_path / "x.npz"
