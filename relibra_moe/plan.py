@@ -44,6 +44,17 @@ SHARE_TOL = 1e-5
 _SCOPES = ("node", "global")
 
 
+def max_replica_slots(num_experts: int, num_gpus: int) -> int:
+    """The ceiling of ``replica_slots`` (r, slots per GPU): ``E - E / G``.
+
+    A GPU never holds a replica of an expert it homes (E / G of them) nor one expert twice, so slots
+    beyond the E - E / G experts homed elsewhere always stay empty; each slot still costs one expert's
+    weights of GPU memory (``specs.replica_buffer_bytes``) and planning work per (micro-batch, layer)
+    cell. A request above it is an error, not a silent clamp.
+    """
+    return int(num_experts) - int(num_experts) // int(num_gpus)
+
+
 def _readonly(a: Any, dtype: Any, name: str) -> np.ndarray:
     """A read-only copy of ``a`` as ``dtype``; PlanError (naming ``name``) instead of a lossy conversion.
 
@@ -245,6 +256,10 @@ class ReplicaPlan:
                             f"[M, L={model.num_layers}, G={cluster.num_gpus}, r]")
         if num_micro_batches is not None and M != num_micro_batches:
             raise PlanError(f"replica_expert covers {M} micro-batches, the plan has {num_micro_batches}")
+        cap = max_replica_slots(E, G)
+        if r > cap:
+            raise PlanError(f"replica_expert has r={r} slots per GPU, over the ceiling E - E/G = {cap} "
+                            f"(E={E}, G={G}: a GPU can hold replicas of only the experts homed elsewhere)")
         self._check_rules(placement.expert_gpu, E, cluster.gpus_per_node)
 
     def validate_layer(self, micro_batch: int, layer: int, expert_gpu: np.ndarray, gpus_per_node: int) -> None:
