@@ -105,7 +105,7 @@ class _PlannerExecutor:
     def warn(self) -> None:
         """One warning per cause (task kind and reason) with its count of tasks."""
         for (kind, reason), n in sorted(self.failures.items()):
-            log.warning("relibra planner: %d %s task(s) %s; fell back (%s)", n, kind, reason,
+            log.warning("relibra planner: %d %s task(s) %s; falling back (%s)", n, kind, reason,
                         _FALLBACK_OF.get(kind, "fallback"))
 
     @property
