@@ -21,7 +21,7 @@ from torch import nn
 from relibra_moe.layers.testing import hot_replica_plan, run_group
 
 H, FF, E, K = 8, 8, 4, 2
-CASE_SECONDS = 5.0  # the bound per case (the group's timeout is 3x larger: a hang shows as a failure)
+CASE_SECONDS = 10.0  # the bound per case, generous for a contended 2-core box (the group times out at 3x)
 
 
 def _two_mb_plan(num_layers: int, seed: int):
@@ -66,6 +66,7 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         "plan_3_layers": lambda: _run(model, ids, x, _two_mb_plan(3, seed=3) if one else plan, 0),
         "plan_on_rank0_only": lambda: _run(model, ids, x, None if one else plan, 0),
         "other_micro_batch": lambda: _run(model, ids, x, plan, 1 if one else 0),
+        "traces_3_layers": lambda: _run_traces(model, 3 if one else 2),
         "valid_plan": lambda: _run(model, ids, x, plan, 1),
         "valid_no_plan": lambda: _run(model, ids, x),
     }
@@ -89,6 +90,18 @@ def _run(model: nn.Module, ids, x: torch.Tensor, plan=None, micro_batch=None) ->
         return model(x)
 
 
+def _run_traces(model: nn.Module, num_layers: int) -> torch.Tensor:
+    """Replay one recorded sequence of 6 tokens; a rank whose routing is refused at entry gets no rows and
+    runs the placeholder forward (one token), which raises with every rank."""
+    from relibra_moe.layers.replay import replay
+    from relibra_moe.trace import RoutingTrace
+
+    tr = RoutingTrace(np.tile(np.array([0, 3], np.int16), (6, num_layers, 1)), np.arange(num_layers), E, K)
+    with replay(model, [tr]) as rows:
+        x = torch.randn(6 if rows else 1, H)
+        return model(x)
+
+
 @pytest.fixture(scope="module")
 def reports() -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="relibra-adv-ranks-") as tmp:
@@ -103,6 +116,7 @@ def reports() -> list[dict]:
     ("ids_3_layers", "ReplayError", "replayed ids cover 3 MoE layers, the model has 2"),
     ("ids_out_of_range", "ReplayError", "replayed id [0, 0] = 4 is outside"),
     ("plan_3_layers", "PlanError", "the plan covers 3 MoE layers, the model has 2"),
+    ("traces_3_layers", "ReplayError", "routing covers 3 MoE layers, the model has 2"),
 ])
 def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(reports, case, cls, found):
     r0, r1 = reports[0][case], reports[1][case]

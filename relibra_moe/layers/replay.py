@@ -290,7 +290,13 @@ def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None 
             the plan does not cover the routing; (at forward time, on every rank) a layer sees a
             different token count or bad ids.
         PlanError: the plan covers a different number of layers, or (at forward time, on every rank) a
-            layer's slice breaks a rule or differs from the layer's homes.
+            layer's slice breaks a rule or differs from the layer's homes, or the ranks follow different
+            slices (``ReplayBalancedMoE.agree``).
+
+    On an EP group of several ranks every error but "no replay target" is deferred: the block is entered
+    (with traces it yields ``[]``, so the rank runs a placeholder forward) and the first layer forward
+    raises it on every rank of the group, naming this rank, through the layer's agreement; an argument
+    bad on one rank only never leaves the others waiting in a collective.
     """
     targets = replay_targets(model)
     if not targets:
@@ -306,6 +312,8 @@ def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None 
         # first forward raises it on every rank through its agreement (no rank waits in a collective)
         exc = exc.with_traceback(None)
         per_layer = [exc] * len(targets)
+        if _as_traces(routing) is not None:  # the caller runs a placeholder forward, which raises
+            sel = np.zeros(0, np.int64)
     states = [_prepare(t, ids, plan, micro_batch, desc) for t, ids in zip(targets, per_layer)]
     previous = [t.replay_state for t in targets]
     for t, state in zip(targets, states):
