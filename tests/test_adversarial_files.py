@@ -251,6 +251,10 @@ def test_replica_slots_ceiling(files, capsys):
     assert time.perf_counter() - t0 < 1.0  # refused up front, not after minutes of planning
     _cli_error(capsys, ["plan", str(files["trace"]), "--model", MODEL, "--nodes", "1", "--strategy", "eplb",
                         "--replica-slots", "1000", "--out", str(files["d"] / "x.npz")], "PlanError", "over the ceiling")
+    from relibra_moe.planners.service import Planner
+
+    with pytest.raises(PlanError, match=r"replica_slots=1000 is over the ceiling E - E/G = 28"):
+        Planner(model, cluster, "eplb", replica_slots=1000, executor="inline")  # refused at construction
     # at the ceiling it plans (every slot could hold a distinct expert homed elsewhere)
     assert plan_batch(batch, model, cluster, "eplb", replica_slots=28).replica_slots == 28
     # a plan file with more slots than the ceiling is refused by validate, naming the file
