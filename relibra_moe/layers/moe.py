@@ -31,8 +31,10 @@ stage 2, since this rank's pair counts per destination travel with its status in
    slice of this layer and micro-batch (:meth:`~ReplayBalancedMoE.plan_slice`, ``PlanError``); a bad
    replay or plan is kept, not raised;
 2. agree on errors across the EP group (:meth:`~ReplayBalancedMoE.agree`): every rank reports its status
-   in the exchange of pair counts, so a bad plan or bad replay data on any rank raises on every rank
-   before any token moves (nothing hangs);
+   (and the message of its error), and the digest of the plan slice it follows (:func:`slice_digest`),
+   in the one exchange of pair counts, so a bad input, bad replay data or a bad plan on any rank (also
+   one found by :func:`relibra_moe.replay` at entry), or ranks following different plan slices, raise the
+   same error on every rank before any token moves (nothing hangs);
 3. destinations (:meth:`~ReplayBalancedMoE.destinations`) of every routed (token, k) pair: its expert's
    home, or for a split expert the home or one of its replicas, with integer counts per destination
    materialized from this rank's actual count of pairs per expert and the plan's shares ``y[j, e, :]``
