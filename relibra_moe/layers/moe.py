@@ -182,8 +182,9 @@ class LayerPlan:
         shares: float64 ``[E, G]``, this source rank's split of each expert's pairs over the GPUs; ``None``
             when every pair goes to its expert's home.
         transfer: the replica slots this rank fills and serves, ``None`` without replicas.
-        digest: int64 ``[4]``: 1 with a plan (0: none), the micro-batch, the layer, then the two words of
-            :func:`slice_digest`; every rank of the EP group must hold the same (checked by ``agree``).
+        digest: int64 ``[5]``: 1 with a plan (0: none), the micro-batch, the layer, then the two words of
+            :func:`slice_digest`; every rank of the EP group must hold the same (checked by ``agree``);
+            ``None`` reads as "no plan" on the layer's current homes.
     """
 
     slot_table: np.ndarray
@@ -551,7 +552,10 @@ class ReplayBalancedMoE(nn.Module):
         if error is None:
             flat = pairs.dest.view(-1)
             send = torch.bincount(flat[flat >= 0], minlength=G).to(torch.int64)
-            row[2:7] = pairs.plan.digest
+            digest = pairs.plan.digest
+            if digest is None:  # a LayerPlan built without one: every expert at its home, no plan
+                digest = np.concatenate([[0, 0, -1], slice_digest(self.expert_gpu_host, None, 0, 0)])
+            row[2:7] = digest
         else:
             row[1] = _REPLAY_BAD if isinstance(error, ReplayError) else _PLAN_BAD
             row[7:] = _encode_message(str(error))
