@@ -189,7 +189,7 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
         reps = replicate_batch(lpt.placement, lpt.samples, batch.with_micro_batch(lpt.samples.micro_batch), model,
                                cluster, 2, workers=workers)
         plan = BatchPlan(lpt.placement, lpt.samples, reps, cluster.num_gpus, cluster.gpus_per_node,
-                         {"strategy": "lpt+replicate", "seed": seed})
+                         {"strategy": "lpt+replicate", "seed": seed, "batch_sha1": lpt.stats["batch_sha1"]})
         sc = score_plan(plan, batch, model, cluster)
         row["lpt+replicate"] = {"rank_skew_mean": float(sc["rank_skew_mean"]),
                                 "t_moe_total_s": float(sc["t_moe_total_s"]), "solve_s": time.perf_counter() - t0}

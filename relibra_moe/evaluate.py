@@ -49,9 +49,13 @@ def check_batch_type(batch: object) -> None:
         raise PlanError(f"batch must be a TraceBatch, got {type(batch).__name__}")
 
 
-def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec) -> None:
+def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, *,
+                     allow_missing_fingerprint: bool = False) -> None:
     """Raise PlanError unless ``plan`` is a BatchPlan and ``batch`` a TraceBatch that fits ``model`` and is the batch
-    ``plan`` was made for: same L and E, same sample count, and (for plans that record it) the same ``batch_sha1``."""
+    ``plan`` was made for: same L and E, same sample count, and the same fingerprint (``stats["batch_sha1"]``,
+    which ``plan_batch`` and ``Planner`` record). A plan without a fingerprint (a hand-built plan, or a file
+    whose ``stats_json`` lost it) cannot prove it was made for ``batch``: ``PlanError`` saying so, unless
+    ``allow_missing_fingerprint=True`` (the CLI's ``--allow-unfingerprinted``)."""
     if not isinstance(plan, BatchPlan):
         raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
     check_batch_type(batch)
@@ -64,6 +68,10 @@ def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec) -> No
     if batch.num_sequences != plan.samples.num_samples:
         raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
     want = plan.stats.get("batch_sha1")
+    if want is None and not allow_missing_fingerprint:
+        at = f"plan file {plan.origin}" if plan.origin is not None else "the plan"
+        raise PlanError(f"{at} has no batch fingerprint (stats batch_sha1), so it cannot be checked against this "
+                        "batch; pass allow_missing_fingerprint=True (CLI: --allow-unfingerprinted) to use it anyway")
     if want is not None and want != batch_sha1(batch):
         raise PlanError(f"plan was made for another batch: its stats batch_sha1={want!r}, this batch's is "
                         f"{batch_sha1(batch)!r} (same {batch.num_sequences} samples, different routing or lengths)")
@@ -82,9 +90,17 @@ def placement_loads(batch: TraceBatch, micro_batch: np.ndarray, sample_gpu: np.n
 
 def plan_loads(plan: BatchPlan, batch: TraceBatch, num_gpus: int) -> np.ndarray:
     """int64 ``[M, L, G, E]``: the batch's loads under the plan's sample placement (M = the plan's; trailing
-    empty micro-batches are zero)."""
+    empty micro-batches are zero). A sample placed outside ``[0, M)`` / ``[0, num_gpus)`` is the plan's
+    fault: ``PlanError`` naming ``sample_micro_batch[i]`` / ``sample_gpu[i]`` (and the plan file)."""
     if batch.num_sequences != plan.samples.num_samples:
         raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
+    at = f"plan file {plan.origin}: " if plan.origin is not None else ""
+    for name, arr, hi in (("sample_micro_batch", plan.samples.micro_batch, plan.num_micro_batches),
+                          ("sample_gpu", plan.samples.gpu, num_gpus)):
+        bad = np.flatnonzero((arr < 0) | (arr >= hi))
+        if len(bad):
+            i = int(bad[0])
+            raise PlanError(f"{at}{name}[{i}] = {int(arr[i])} is outside [0, {int(hi)})")
     return placement_loads(batch, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches, num_gpus)
 
 
@@ -126,7 +142,8 @@ def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
 
 
 def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, *,
-               balanced_total_s: float | None = None, beta: float = DEFAULT_BETA) -> dict[str, Any]:
+               balanced_total_s: float | None = None, beta: float = DEFAULT_BETA,
+               allow_missing_fingerprint: bool = False) -> dict[str, Any]:
     """Exact cost of a plan on a batch.
 
     Args:
@@ -134,6 +151,7 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
         batch: the TraceBatch the plan was made for (same samples; ``check_plan_batch``).
         balanced_total_s: the Balanced ideal's total (``balanced_t_moe``); when given, the
             result has ``percent_of_balanced = 100 * balanced / t_moe_total_s``.
+        allow_missing_fingerprint: score a plan without ``stats["batch_sha1"]`` (``check_plan_batch``).
 
     Returns:
         dict with ``strategy``, ``t_moe_total_s`` (sum over micro-batches and layers of the exact T_MoE,
@@ -145,7 +163,7 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
     Raises:
         PlanError: the plan or batch does not fit the model / cluster, or was made for another batch.
     """
-    check_plan_batch(plan, batch, model)
+    check_plan_batch(plan, batch, model, allow_missing_fingerprint=allow_missing_fingerprint)
     plan.validate(model, cluster, num_samples=batch.num_sequences)
     check_positive("beta", beta)
     if balanced_total_s is not None:

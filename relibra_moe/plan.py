@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PlanError
+from .npzio import read_member
 from .specs import ClusterSpec, ModelSpec
 
 PLAN_VERSION = 1
@@ -41,6 +42,17 @@ PLAN_VERSION = 1
 TIMING_KEYS = ("solve_seconds", "timing")
 SHARE_TOL = 1e-5
 _SCOPES = ("node", "global")
+
+
+def max_replica_slots(num_experts: int, num_gpus: int) -> int:
+    """The ceiling of ``replica_slots`` (r, slots per GPU): ``E - E / G``.
+
+    A GPU never holds a replica of an expert it homes (E / G of them) nor one expert twice, so slots
+    beyond the E - E / G experts homed elsewhere always stay empty; each slot still costs one expert's
+    weights of GPU memory (``specs.replica_buffer_bytes``) and planning work per (micro-batch, layer)
+    cell. A request above it is an error, not a silent clamp.
+    """
+    return int(num_experts) - int(num_experts) // int(num_gpus)
 
 
 def _readonly(a: Any, dtype: Any, name: str) -> np.ndarray:
@@ -244,6 +256,10 @@ class ReplicaPlan:
                             f"[M, L={model.num_layers}, G={cluster.num_gpus}, r]")
         if num_micro_batches is not None and M != num_micro_batches:
             raise PlanError(f"replica_expert covers {M} micro-batches, the plan has {num_micro_batches}")
+        cap = max_replica_slots(E, G)
+        if r > cap:
+            raise PlanError(f"replica_expert has r={r} slots per GPU, over the ceiling E - E/G = {cap} "
+                            f"(E={E}, G={G}: a GPU can hold replicas of only the experts homed elsewhere)")
         self._check_rules(placement.expert_gpu, E, cluster.gpus_per_node)
 
     def validate_layer(self, micro_batch: int, layer: int, expert_gpu: np.ndarray, gpus_per_node: int) -> None:
@@ -293,7 +309,7 @@ class ReplicaPlan:
         if len(bad):
             z, c = bad[0]
             name = "mljeg"[c]
-            raise PlanError(f"split_index[{z}] = {tuple(idx[z])}: {name}={idx[z, c]} is outside [0, {hi[c]})")
+            raise PlanError(f"split_index[{z}] = {tuple(idx[z].tolist())}: {name}={idx[z, c]} is outside [0, {hi[c]})")
         if not np.all(np.isfinite(share)) or (share < 0).any() or (share > 1 + SHARE_TOL).any():
             z = np.flatnonzero(~np.isfinite(share) | (share < 0) | (share > 1 + SHARE_TOL))[0]
             raise PlanError(f"split_share[{z}] = {share[z]} is not a fraction in [0, 1]")
@@ -303,20 +319,20 @@ class ReplicaPlan:
         wrong = np.flatnonzero(~on_home & ~has_rep & (share > 0))
         if len(wrong):
             z = wrong[0]
-            raise PlanError(f"split_index[{z}] = {tuple(idx[z])} sends tokens of expert {e[z]} to GPU {g[z]}, "
+            raise PlanError(f"split_index[{z}] = {tuple(idx[z].tolist())} sends tokens of expert {e[z]} to GPU {g[z]}, "
                             "which is neither its home nor holds a replica of it")
         key = (((m.astype(np.int64) * L + l) * G + j) * E + e) * G + g
         uniq, counts = np.unique(key, return_counts=True)
         if (counts > 1).any():
             z = np.flatnonzero(key == uniq[counts > 1][0])[0]
-            raise PlanError(f"split_index[{z}] = {tuple(idx[z])} appears more than once")
+            raise PlanError(f"split_index[{z}] = {tuple(idx[z].tolist())} appears more than once")
         group = key // G
         ug, inv = np.unique(group, return_inverse=True)
         sums = np.bincount(inv, weights=share.astype(np.float64), minlength=len(ug))
         off = np.flatnonzero(np.abs(sums - 1.0) > SHARE_TOL)
         if len(off):
             z = np.flatnonzero(inv == off[0])[0]
-            raise PlanError(f"split_share of (m, l, j, e) = {tuple(idx[z, :4])} sums to {sums[off[0]]:.6g}, "
+            raise PlanError(f"split_share of (m, l, j, e) = {tuple(idx[z, :4].tolist())} sums to {sums[off[0]]:.6g}, "
                             "not 1: every token must be served exactly once")
 
 
@@ -330,6 +346,8 @@ class BatchPlan:
     num_gpus: int
     gpus_per_node: int
     stats: dict[str, Any] = field(default_factory=dict)
+    #: the file the plan was loaded from (``None``: built in memory); :meth:`validate`'s errors name it
+    origin: str | None = field(default=None, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -352,7 +370,16 @@ class BatchPlan:
         return self.replicas.slots
 
     def validate(self, model: ModelSpec, cluster: ClusterSpec, num_samples: int | None = None) -> None:
-        """Raise PlanError naming the field and the rule if the plan does not fit model and cluster."""
+        """Raise PlanError naming the field and the rule if the plan does not fit model and cluster (and the
+        plan file, for a loaded plan)."""
+        try:
+            self._validate(model, cluster, num_samples)
+        except PlanError as exc:
+            if self.origin is None:
+                raise
+            raise PlanError(f"plan file {self.origin}: {exc}") from None
+
+    def _validate(self, model: ModelSpec, cluster: ClusterSpec, num_samples: int | None) -> None:
         if (self.num_gpus, self.gpus_per_node) != (cluster.num_gpus, cluster.gpus_per_node):
             raise PlanError(f"plan is for {self.num_gpus} GPUs ({self.gpus_per_node} per node), the cluster "
                             f"has {cluster.num_gpus} ({cluster.gpus_per_node} per node)")
@@ -387,44 +414,71 @@ class BatchPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> BatchPlan:
-        """Read a plan file; PlanError names the path and the reason when it cannot."""
+        """Read a plan file; PlanError names the path (and the key, the index) and the reason when it cannot.
+
+        Every member is read only after its ``.npy`` header's dtype, shape and size are checked
+        (:mod:`relibra_moe.npzio`); the scalar fields (``num_gpus``, ``num_layers``, ``num_experts``,
+        ``replica_slots``, ``num_micro_batches``) must agree with the arrays' shapes; ``stats_json`` must be
+        a JSON object. The plan's own rules are checked by :meth:`validate` (its errors name the file too:
+        the plan's ``origin`` is the path).
+        """
+        where = f"plan file {path}"
         try:
             with np.load(path, allow_pickle=False) as f:
-                data = {k: f[k] for k in f.files}
+                if not isinstance(f, np.lib.npyio.NpzFile):
+                    raise PlanError(f"{where}: not an .npz archive (found a single .npy array)")
+                data = {k: read_member(f, k, where, PlanError) for k in f.files}
         except FileNotFoundError:
-            raise PlanError(f"plan file {path}: no such file") from None
+            raise PlanError(f"{where}: no such file") from None
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-            raise PlanError(f"plan file {path}: not a readable .npz ({exc})") from None
+            if isinstance(exc, PlanError):
+                raise
+            raise PlanError(f"{where}: not a readable .npz ({exc})") from None
+
         def scalar(key: str) -> int:
             v = data[key]
             if v.ndim != 0 or v.dtype.kind not in "iu":
-                raise PlanError(f"plan file {path}: key {key!r} must be an integer scalar, got dtype {v.dtype} "
+                raise PlanError(f"{where}: key {key!r} must be an integer scalar, got dtype {v.dtype} "
                                 f"shape {v.shape}")
             return int(v)
 
         version = scalar("version") if "version" in data else None
         if version != PLAN_VERSION:
-            raise PlanError(f"plan file {path}: version {version} is not supported (expected {PLAN_VERSION})")
+            raise PlanError(f"{where}: version {version} is not supported (expected {PLAN_VERSION})")
         need = ("num_gpus", "gpus_per_node", "expert_gpu", "sample_micro_batch", "sample_gpu",
                 "replica_expert", "split_index", "split_share")
         for k in need:
             if k not in data:
-                raise PlanError(f"plan file {path}: missing key {k!r}")
+                raise PlanError(f"{where}: missing key {k!r}")
         try:
             stats = json.loads(str(data["stats_json"])) if "stats_json" in data else {}
         except json.JSONDecodeError as exc:
-            raise PlanError(f"plan file {path}: key 'stats_json' is not valid JSON ({exc})") from None
+            raise PlanError(f"{where}: key 'stats_json' is not valid JSON ({exc})") from None
+        if not isinstance(stats, dict):
+            raise PlanError(f"{where}: key 'stats_json' must hold a JSON object, got a JSON {type(stats).__name__}")
         m = scalar("num_micro_batches") if "num_micro_batches" in data else None
         scope = str(data["replica_scope"]) if "replica_scope" in data else "node"
         num_gpus, gpus_per_node = scalar("num_gpus"), scalar("gpus_per_node")
         try:
-            return cls(
+            plan = cls(
                 placement=Placement(data["expert_gpu"]),
                 samples=SamplePlacement(data["sample_micro_batch"], data["sample_gpu"], m),
                 replicas=ReplicaPlan(data["replica_expert"], data["split_index"], data["split_share"], scope),
-                num_gpus=num_gpus, gpus_per_node=gpus_per_node, stats=stats)
+                num_gpus=num_gpus, gpus_per_node=gpus_per_node, stats=stats, origin=str(path))
         except PlanError as exc:
-            raise PlanError(f"plan file {path}: {exc}") from None
+            raise PlanError(f"{where}: {exc}") from None
+        rep = plan.replicas.replica_expert.shape
+        declared = {"num_layers": plan.num_layers, "num_experts": plan.num_experts, "num_gpus": rep[2],
+                    "replica_slots": rep[3], "num_micro_batches": rep[0]}
+        shapes = {"num_layers": "expert_gpu [L, E]", "num_experts": "expert_gpu [L, E]",
+                  "num_gpus": "replica_expert [M, L, G, r]", "replica_slots": "replica_expert [M, L, G, r]",
+                  "num_micro_batches": "replica_expert [M, L, G, r]"}
+        for key, actual in declared.items():
+            if key in data and scalar(key) != int(actual):
+                raise PlanError(f"{where}: key {key!r} = {scalar(key)}, but {shapes[key]} says {int(actual)}")
+        if rep[1] != plan.num_layers:
+            raise PlanError(f"{where}: replica_expert has shape {list(rep)}, expert_gpu covers L={plan.num_layers}")
+        return plan
 
 
 def json_default(o: Any) -> Any:

@@ -274,14 +274,15 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
 
 
 def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: ClusterSpec, *,
-                  balanced: bool | None = None, **kwargs: Any) -> StepTime:
+                  balanced: bool | None = None, allow_missing_fingerprint: bool = False, **kwargs: Any) -> StepTime:
     """Simulate one step of ``batch`` (a ``TraceBatch``) under ``plan``; keyword args as ``simulate_loads``.
 
     The loads follow the plan's sample placement (``evaluate.plan_loads``). ``balanced`` (default: whether
     ``plan.stats["strategy"] == "balanced"``) replaces them by the Balanced ideal's
     (``evaluate.balanced_plan_loads``), as ``score_plan`` does; attention still runs the real sequences.
+    ``allow_missing_fingerprint``: simulate a plan without ``stats["batch_sha1"]`` (``check_plan_batch``).
     """
-    check_plan_batch(plan, batch, model)
+    check_plan_batch(plan, batch, model, allow_missing_fingerprint=allow_missing_fingerprint)
     if balanced is None:
         balanced = plan.stats.get("strategy") == "balanced"
     if balanced:

@@ -49,7 +49,6 @@ Version 1 (still read) has no ``counts``, ``counts_only`` or ``no_route`` and al
 from __future__ import annotations
 
 import zipfile
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from .errors import TraceError
+from .npzio import member_header, read_member
 
 FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
@@ -66,6 +66,11 @@ REQUIRED_KEYS = ("version", "num_experts", "topk", "layer_ids", "offsets", "star
 REQUIRED_KEYS_V1 = REQUIRED_KEYS + ("experts",)
 REQUIRED_KEYS_V2 = REQUIRED_KEYS + ("counts", "counts_only", "no_route")
 _INFO_PREFIX = "info_"
+#: Most tokens of one sequence in a file (int32 token positions, as every tokenizer and model uses).
+MAX_SEQUENCE_TOKENS = (1 << 31) - 1
+#: Most tokens of one batch in a file: 2^40 (10^12) keeps every derived count (k x T x L pairs, offsets,
+#: byte sizes) far inside int64, and is over a thousand times any RL global batch.
+MAX_BATCH_TOKENS = 1 << 40
 _CHECK_CHUNK = 1 << 23  # ids validated per chunk (keeps the duplicate check's temporaries small)
 
 __all__ = ["FORMAT_VERSION", "READ_VERSIONS", "NO_ROUTE", "RoutingTrace", "TraceBatch", "ids_dtype", "file_ids_dtype",
@@ -700,18 +705,22 @@ class TraceBatch:
                 raise TraceError(f"{path}: missing key(s) {missing} (not a relibra trace file, or a damaged one)")
             lazy = {"experts"} if version == 2 else set()
             arrays = {k: _read_member(data, k, path) for k in data.files if k not in lazy}
+            experts_header = member_header(data, "experts", str(path), TraceError) if lazy & files else None
         try:
             if version == 1:
                 batch = cls._from_arrays(arrays)
                 batch._origin = str(path)
                 return batch
-            return cls._from_v2_arrays(arrays, path, "experts" in files)
+            return cls._from_v2_arrays(arrays, path, experts_header)
         except TraceError as exc:
             raise TraceError(f"{path}: {exc}") from None
 
     @classmethod
-    def _from_v2_arrays(cls, a: dict[str, np.ndarray], path: Path, has_experts: bool) -> TraceBatch:
-        """A lazily-read batch from the arrays of a version-2 file (all but ``experts``)."""
+    def _from_v2_arrays(cls, a: dict[str, np.ndarray], path: Path,
+                        experts_header: tuple[tuple[int, ...], np.dtype] | None) -> TraceBatch:
+        """A lazily-read batch from the arrays of a version-2 file (all but ``experts``, whose declared
+        ``(shape, dtype)`` is ``experts_header``, ``None`` when the file has no ids)."""
+        has_experts = experts_header is not None
         num_experts = positive_int("num_experts", _scalar_int(a["num_experts"], "num_experts"))
         top_k = positive_int("topk", _scalar_int(a["topk"], "topk"))
         if top_k > num_experts:
@@ -730,9 +739,7 @@ class TraceBatch:
         offsets = as_int_array("offsets", a["offsets"]).astype(np.int64)
         if offsets.ndim != 1 or offsets.size < 2:
             raise TraceError(f"empty batch: offsets must be [N+1] with N >= 1, got shape {offsets.shape}")
-        if offsets[0] != 0 or np.any(np.diff(offsets) < 0):
-            raise TraceError(f"offsets must rise from 0, got first {int(offsets[0])} and "
-                             f"{int(np.sum(np.diff(offsets) < 0))} decreasing step(s)")
+        _check_offsets(offsets)
         n = offsets.size - 1
         lengths = np.diff(offsets)
         counts = as_int_array("counts", a["counts"])
@@ -744,6 +751,10 @@ class TraceBatch:
             raise TraceError(f"counts must have shape [N={n}, L={layer_ids.size}, E={num_experts}], got "
                              f"{counts.shape}")
         counts = counts.astype(np.int64)
+        if counts.size and int(counts.min()) < 0:
+            i, l, e = (int(v) for v in np.unravel_index(int(np.argmin(counts)), counts.shape))
+            raise TraceError(f"key 'counts'[{i}, {l}, {e}] = {int(counts[i, l, e])} is negative (sample {i}, "
+                             f"layer {l}, expert {e})")
         over = counts > lengths[:, None, None]
         if over.any():
             i, l, e = np.argwhere(over)[0]
@@ -755,6 +766,12 @@ class TraceBatch:
             i, l = np.argwhere(high)[0]
             raise TraceError(f"counts[{i}, {l}] sums to {int(sums[i, l])} > k x tokens = {top_k} x {int(lengths[i])}")
         counts.setflags(write=False)
+        if has_experts:
+            shape, dtype = experts_header
+            want = (int(offsets[-1]), int(layer_ids.size), top_k)
+            if dtype.kind not in "iu" or shape != want:
+                raise TraceError(f"key 'experts' declares shape {list(shape)} of {dtype}; offsets, layer_ids and "
+                                 f"topk say integers of shape [T, L, k] = {list(want)}")
         starts, source, info = _read_starts_source_info(a, n)
         factory = None if counts_only else _StoredIds(path, offsets, layer_ids.size, top_k)
         new = object.__new__(cls)
@@ -771,6 +788,7 @@ class TraceBatch:
         offsets = as_int_array("offsets", a["offsets"]).astype(np.int64)
         if offsets.ndim != 1 or offsets.size < 2:
             raise TraceError(f"empty batch: offsets must be [N+1] with N >= 1, got shape {offsets.shape}")
+        _check_offsets(offsets)
         n = offsets.size - 1
         if experts.ndim != 3:
             raise TraceError(f"experts must have rank 3 [T, L, k], got shape {experts.shape}")
@@ -794,6 +812,25 @@ class TraceBatch:
                 f"k={self._top_k}, {mb}, source={self.source!r})")
 
 
+def _check_offsets(offsets: np.ndarray) -> None:
+    """TraceError unless ``offsets [N+1]`` (int64) rise from 0 with every sequence at most
+    ``MAX_SEQUENCE_TOKENS`` and the batch at most ``MAX_BATCH_TOKENS`` tokens (checked before any
+    difference is taken, so nothing overflows)."""
+    big = np.flatnonzero((offsets < 0) | (offsets > MAX_BATCH_TOKENS))
+    if len(big):
+        i = int(big[0])
+        raise TraceError(f"key 'offsets'[{i}] = {int(offsets[i])} is outside [0, {MAX_BATCH_TOKENS}] (a batch "
+                         f"holds at most MAX_BATCH_TOKENS = 2^40 tokens)")
+    if offsets[0] != 0:
+        raise TraceError(f"key 'offsets'[0] = {int(offsets[0])}: offsets must rise from 0")
+    steps = np.diff(offsets)
+    bad = np.flatnonzero((steps < 0) | (steps > MAX_SEQUENCE_TOKENS))
+    if len(bad):
+        i = int(bad[0])
+        raise TraceError(f"key 'offsets'[{i}:{i + 2}] = {offsets[i:i + 2].tolist()}: sample {i} has "
+                         f"{int(steps[i])} tokens, outside [0, MAX_SEQUENCE_TOKENS = {MAX_SEQUENCE_TOKENS}]")
+
+
 def _open_trace_file(path: Path) -> np.lib.npyio.NpzFile:
     try:
         data = np.load(path, allow_pickle=False)
@@ -807,16 +844,10 @@ def _open_trace_file(path: Path) -> np.lib.npyio.NpzFile:
 
 
 def _read_member(data: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
-    """One array of an open trace file; a pickled, truncated or corrupt member raises TraceError naming it."""
-    try:
-        return data[key]
-    except ValueError as exc:
-        if "allow_pickle" in str(exc):
-            raise TraceError(f"{path}: key {key!r} holds Python objects (pickled); trace files hold "
-                             "plain numeric / string arrays only") from None
-        raise TraceError(f"{path}: key {key!r} is truncated or corrupt ({exc})") from None
-    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
-        raise TraceError(f"{path}: key {key!r} is truncated or corrupt ({type(exc).__name__}: {exc})") from None
+    """One array of an open trace file, read only after its header's dtype, shape and size are checked
+    (:func:`relibra_moe.npzio.read_member`); a pickled, oversized, truncated or corrupt member raises
+    TraceError naming the file and the member."""
+    return read_member(data, key, path, TraceError)
 
 
 def _scalar_int(v: np.ndarray, key: str, path: Path | None = None) -> int:

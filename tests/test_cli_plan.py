@@ -278,12 +278,16 @@ def test_plan_batch_rejects_bad_arguments(kw, msg):
         plan_batch(_batch(2, n=8), MODEL, CLUSTER, "relibra", micro_batch_size=4, **kw)
 
 
-@pytest.mark.parametrize("nodes, gpn, r", [(1, 1, 1), (4, 8, 1), (1, 8, 0)])
+@pytest.mark.parametrize("nodes, gpn, r", [(1, 1, 0), (4, 8, 1), (1, 8, 0)])
 def test_plan_batch_edge_clusters(nodes, gpn, r):
     """One GPU (everything local: no communication, skew 1), E = G (one expert per GPU) and r = 0 give valid
-    plans whose score equals an independent per-micro-batch ``moe_cost`` of the plan's own routing."""
+    plans whose score equals an independent per-micro-batch ``moe_cost`` of the plan's own routing. One GPU
+    homes every expert, so it can hold no replica: its replica_slots ceiling E - E/G is 0."""
     cluster = cluster_preset(nodes=nodes, gpus_per_node=gpn)
     batch = _batch(5, n=6).with_micro_batch_size(4)  # the last micro-batch holds 2 samples
+    if cluster.num_gpus == 1:
+        with pytest.raises(PlanError, match=r"replica_slots=1 is over the ceiling E - E/G = 0 \(E=32, G=1"):
+            plan_batch(batch, MODEL, cluster, "relibra", replica_slots=1, micro_batch_size=4)
     plan = plan_batch(batch, MODEL, cluster, "relibra", replica_slots=r, micro_batch_size=4, iters=100,
                       locality_iters=100)
     plan.validate(MODEL, cluster, num_samples=6)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from relibra_moe.cli import main
+from relibra_moe.evaluate import batch_sha1
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
 from relibra_moe.sim import simulate_loads
 from relibra_moe.specs import cluster_preset, model_preset
@@ -33,7 +34,7 @@ def files(tmp_path):
     rep[1, 3, 1, 0] = int(np.flatnonzero(expert_gpu[3] == 0)[0])  # a replica inside node 0
     samples = SamplePlacement(np.array([0, 0, 0, 1, 1, 1]), np.array([0, 5, 2, 7, 1, 4]), 2)
     plan = BatchPlan(Placement(expert_gpu), samples, ReplicaPlan(rep, np.zeros((0, 5)), np.zeros(0)), G, 4,
-                     {"strategy": "handmade"})
+                     {"strategy": "handmade", "batch_sha1": batch_sha1(batch)})
     plan_path = tmp_path / "p.npz"
     plan.save(plan_path)
     return batch, plan, trace_path, plan_path, model

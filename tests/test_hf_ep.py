@@ -139,6 +139,14 @@ def _bad_rank_worker(rank: int, world_size: int, out_dir: str) -> None:
         report["hf"] = "no error"
     except ReplayError as exc:
         report["hf"] = str(exc)
+    # the HF layers agree on the plan slice too: a plan on rank 0 only is a PlanError on every rank
+    ids = [torch.tensor([[1, 6]] * 4)] * n_moe
+    try:
+        with replay(model, ids, plan=ReplicaPlan.empty(1, n_moe, 2, 0) if rank == 0 else None), torch.no_grad():
+            model(torch.tensor([[3, 4, 5, 6]]))
+        report["hf_plan"] = "no error"
+    except PlanError as exc:
+        report["hf_plan"] = str(exc)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -154,3 +162,6 @@ def test_bad_replay_data_on_one_rank_raises_on_every_rank():
     assert "micro_batch=2 is outside [0, 2)" in r1["plan"], r1
     assert "rank 1 of the EP group rejected its replay data" in r0["hf"], r0
     assert "attention_mask row has 3 ones" in r1["hf"], r1
+    assert r0["hf_plan"] == r1["hf_plan"], (r0, r1)
+    assert "follow different plan slices: rank 0 follows micro-batch 0 of layer 0 of its plan" in r0["hf_plan"] \
+        and "rank 1 follows no plan" in r0["hf_plan"], r0

@@ -153,16 +153,40 @@ def _bad_input(rank: int, world: int) -> None:
         ok = [torch.stack([torch.randperm(E)[:K] for _ in range(T)]) for _ in range(2)]
 
         # a plan for another expert count / EP size / number of layers
+        # (found by replay_micro_batch, raised by the next forward on every rank: it may be bad on one rank only)
         for plan, setting in ((hot_replica_plan(2, 16, world, world, np.zeros(2, int), 0), "num_moe_experts=8"),
                               (hot_replica_plan(2, E, 4, 4, np.zeros(2, int), 0), "expert_model_parallel_size=2"),
                               (hot_replica_plan(1, E, world, world, np.zeros(1, int), 0), "has 2")):
-            with pytest.raises(PlanError, match=setting):
-                rm.replay_micro_batch(model, ok, plan=plan, micro_batch=0)
+            rm.replay_micro_batch(model, ok, plan=plan, micro_batch=0)
+            with pytest.raises(PlanError, match=f"rank 0 of the EP group rejected its plan: .*{setting}"):
+                model(x)
+            rm.stop_replay(model)
             with pytest.raises(PlanError, match=setting):
                 rm.relayout(model, plan)
         # replay data for the wrong number of layers
-        with pytest.raises(ReplayError, match="covers 1 MoE layers, the model has 2"):
-            rm.replay_micro_batch(model, ok[:1])
+        rm.replay_micro_batch(model, ok[:1])
+        with pytest.raises(ReplayError, match="rank 0 of the EP group rejected its replay data: replay data covers 1 "
+                                              "MoE layers, the model has 2"):
+            model(x)
+        rm.stop_replay(model)
+        # ... on rank 1 only: rank 0 raises the same error, from the same forward
+        rm.replay_micro_batch(model, ok[:1] if rank == 1 else ok)
+        with pytest.raises(ReplayError, match="rank 1 of the EP group rejected its replay data: replay data covers 1 "
+                                              "MoE layers"):
+            model(x)
+        rm.stop_replay(model)
+        # a plan on rank 0 only (new homes, no replicas): the plan-slice digests differ, a PlanError on every rank
+        from relibra_moe.plan import BatchPlan, ReplicaPlan
+
+        hot = hot_replica_plan(2, E, world, world, np.zeros(2, int), 0)
+        plan = BatchPlan(hot.placement, hot.samples, ReplicaPlan.empty(1, 2, world, 0), world, world)
+        rm.relayout(model, plan)
+        rm.replay_micro_batch(model, ok, plan=plan if rank == 0 else None, micro_batch=0)
+        with pytest.raises(PlanError, match="follow different plan slices: rank 0 follows micro-batch 0 of layer 0 of "
+                                            "its plan .* rank 1 follows no plan"):
+            model(x)
+        rm.stop_replay(model)
+        rm.relayout(model, np.arange(E)[None].repeat(2, 0) // (E // world))  # back to the default homes
         # the wrong number of tokens on one rank only: every rank raises, nobody hangs
         bad = [t if rank == 0 else torch.cat([t, t[:1]]) for t in ok]
         rm.replay_micro_batch(model, bad)

@@ -79,7 +79,8 @@ def test_online_never_slower_than_no_replicas_or_all_replicas(setup):
 
     full = replicate_batch(online.placement, online.samples, batch, model, slow, 2)
     full_plan = BatchPlan(online.placement, online.samples, full, slow.num_gpus, slow.gpus_per_node,
-                          {"strategy": "greedy-all", "replica_fetch": "after-router"})
+                          {"strategy": "greedy-all", "replica_fetch": "after-router",
+                           "batch_sha1": online.stats["batch_sha1"]})
     t_online = simulate_step(online, batch, model, slow).step_s
     t_static = simulate_step(static, batch, model, slow).step_s
     t_full = simulate_step(full_plan, batch, model, slow).step_s

@@ -114,6 +114,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
     s.add_argument("--previous", default=None, metavar="PLAN.npz",
                    help="charge the simulated step's expert moves against this plan's placement (default: static)")
+    s.add_argument("--allow-unfingerprinted", action="store_true",
+                   help="score a plan that records no batch fingerprint (stats batch_sha1), which therefore cannot "
+                        "be checked against TRACE")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=run_score)
 
@@ -287,25 +290,28 @@ def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cl
     return model, batch, plan, cluster_of_plan(plan, plan_path, cluster_name)
 
 
-def _score(plan, batch, model, cluster, balanced: bool) -> dict[str, Any]:
+def _score(plan, batch, model, cluster, balanced: bool, allow_unfingerprinted: bool = False) -> dict[str, Any]:
     from ..evaluate import balanced_t_moe, json_summary, score_plan
 
     bal = None
     if balanced:
         bal = balanced_t_moe(batch, model, cluster, seed=int(plan.stats.get("seed", 0)),
                              micro_batch=plan.samples.micro_batch)
-    out = json_summary(score_plan(plan, batch, model, cluster, balanced_total_s=bal))
+    out = json_summary(score_plan(plan, batch, model, cluster, balanced_total_s=bal,
+                                  allow_missing_fingerprint=allow_unfingerprinted))
     if bal is not None:
         out["balanced_total_s"] = bal
     return out
 
 
-def _step(plan, batch, model, cluster, previous: Placement | None, previous_path: str | None) -> dict[str, Any]:
+def _step(plan, batch, model, cluster, previous: Placement | None, previous_path: str | None,
+          allow_unfingerprinted: bool = False) -> dict[str, Any]:
     """The simulated step of ``plan`` (moves charged against ``previous``, else the static placement; replica and
     reorder traffic charged): the same call and figures as ``relibra simulate``, for every strategy alike."""
     from ..sim import simulate_step
 
-    step = simulate_step(plan, batch, model, cluster, previous=previous)
+    step = simulate_step(plan, batch, model, cluster, previous=previous,
+                         allow_missing_fingerprint=allow_unfingerprinted)
     return {"step_s": step.step_s, "experts_moved": step.experts_moved, "reorder_s": step.reorder_s,
             "replica_exposed_s": step.replica_exposed_s, "moves_charged_against": previous_path or "static"}
 
@@ -359,16 +365,18 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def score_file(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str = "hopper-rail",
-               balanced: bool = False, previous_path: str | None = None) -> dict[str, Any]:
+               balanced: bool = False, previous_path: str | None = None,
+               allow_unfingerprinted: bool = False) -> dict[str, Any]:
     """Load a trace and a plan file, score the plan (what ``relibra score --json`` prints): Σ T_MoE (moves free)
-    and the simulated step (moves charged against ``previous_path``'s placement, else the static one)."""
+    and the simulated step (moves charged against ``previous_path``'s placement, else the static one).
+    ``allow_unfingerprinted``: accept a plan without a batch fingerprint (``check_plan_batch``)."""
     model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name)
     previous = load_previous(previous_path, model, cluster) if previous_path else None
     out: dict[str, Any] = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
                            "cluster": {"name": cluster.name, "nodes": cluster.nodes,
                                        "gpus_per_node": cluster.gpus_per_node}}
-    out.update(_score(plan, batch, model, cluster, balanced))
-    out.update(_step(plan, batch, model, cluster, previous, previous_path))
+    out.update(_score(plan, batch, model, cluster, balanced, allow_unfingerprinted))
+    out.update(_step(plan, batch, model, cluster, previous, previous_path, allow_unfingerprinted))
     out["sample_owner"] = plan.stats.get("sample_owner", "planner")
     return out
 
@@ -402,6 +410,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_score(args: argparse.Namespace) -> int:
     """``relibra score``: re-score a plan file; exit status 0."""
-    _print(score_file(args.trace, args.plan, model_from_args(args), args.cluster, args.balanced, args.previous),
-           args.json)
+    _print(score_file(args.trace, args.plan, model_from_args(args), args.cluster, args.balanced, args.previous,
+                      args.allow_unfingerprinted), args.json)
     return 0

@@ -31,14 +31,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-mode", choices=REPLICA_MODES, default="auto",
                    help="how replica weights travel (see relibra_moe.sim; default auto: after-router for online "
                         "plans, persistent for replicas fixed over the batch, else per-layer)")
+    p.add_argument("--allow-unfingerprinted", action="store_true",
+                   help="simulate a plan that records no batch fingerprint (stats batch_sha1), which therefore "
+                        "cannot be checked against TRACE")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
 
 def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_name: str = "hopper-rail",
                    previous_path: str | None = None, optimizer_bytes: float | None = None,
-                   replica_mode: str = "auto") -> dict[str, Any]:
-    """Load the files, simulate, return the JSON-ready result (what ``--json`` prints)."""
+                   replica_mode: str = "auto", allow_unfingerprinted: bool = False) -> dict[str, Any]:
+    """Load the files, simulate, return the JSON-ready result (what ``--json`` prints); ``allow_unfingerprinted``
+    accepts a plan without a batch fingerprint (``check_plan_batch``)."""
     from ..sim import simulate_step
     from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
 
@@ -46,7 +50,7 @@ def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_nam
     previous = load_previous(previous_path, model, cluster) if previous_path else None
     opt = DEFAULT_OPTIMIZER_BYTES_PER_PARAM if optimizer_bytes is None else optimizer_bytes
     step = simulate_step(plan, batch, model, cluster, previous=previous, optimizer_bytes_per_param=opt,
-                         replica_mode=replica_mode)
+                         replica_mode=replica_mode, allow_missing_fingerprint=allow_unfingerprinted)
     out = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
            "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
            "strategy": plan.stats.get("strategy"), "num_micro_batches": plan.num_micro_batches,
@@ -58,7 +62,7 @@ def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_nam
 def run(args: argparse.Namespace) -> int:
     """``relibra simulate``: print the simulated step (JSON or a table); exit status 0."""
     res = simulate_files(args.trace, args.plan, model_from_args(args), args.cluster, args.previous,
-                         args.optimizer_bytes, args.replica_mode)
+                         args.optimizer_bytes, args.replica_mode, args.allow_unfingerprinted)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

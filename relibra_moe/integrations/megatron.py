@@ -60,7 +60,7 @@ from ..errors import PlanError, ReplayError
 from ..layers.experts import GroupedSwiGLUExperts
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.relayout import relayout as _relayout_layers
-from ..layers.replay import replay
+from ..layers.replay import LayerReplay, replay
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import RouterOutput, check_replay_ids
 from ..plan import BatchPlan, Placement
@@ -251,6 +251,9 @@ class RelibraMoELayer(MoELayer):
         self._call = _Call(torch.Size(), None, None)
         self._replaying = False
         self._pending: tuple[BatchPlan | None, int | None] = (None, None)
+        # an error replay_micro_batch found on this rank (maybe on it alone): the next forward raises it on every
+        # rank of the EP group through the layer's agreement, instead of this rank raising before a collective
+        self._pending_error: ReplayError | PlanError | None = None
         self._recompute: collections.deque[tuple[BatchPlan | None, int | None, bool]] = collections.deque()
 
     @property
@@ -293,6 +296,8 @@ class RelibraMoELayer(MoELayer):
         shared = self.shared_experts_compute(hidden_states)
         try:
             with replay(self.relibra, None, plan=plan, micro_batch=m):
+                if self._pending_error is not None:
+                    self.relibra.replay_state = LayerReplay(error=self._pending_error)
                 out = self.relibra(hidden_states)
         finally:
             self._call = _Call(torch.Size(), None, None)
@@ -557,18 +562,32 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
     replica plan slice of this micro-batch (``plan.placement`` must be applied with :func:`relayout`).
     The layers switch ``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` themselves.
 
-    Raises ``ReplayError`` (wrong number of layers, or a router without ``RouterReplay``) and
-    ``PlanError`` (a plan for another EP size, number of experts or layers) here, on every rank alike;
-    per-layer token counts and ids are checked by each layer's forward, on every rank of the EP group.
+    ``ReplayError`` (wrong number of layers, or a router without ``RouterReplay``) and ``PlanError`` (a plan
+    for another EP size, number of experts or layers): raised here on a one-rank group; on an EP group of
+    several ranks (where the argument may be bad on this rank only) the next forward raises it on every
+    rank, through the first layer's agreement. Per-layer token counts and ids are checked by each layer's
+    forward, on every rank of the EP group.
     """
     layers = _relibra_layers(model)
     L = len(layers)
-    if per_layer_ids is not None:
-        ids = list(per_layer_ids)
-        if len(ids) != L:
-            raise ReplayError(f"replay data covers {len(ids)} MoE layers, the model has {L}")
-    if plan is not None:
-        _check_plan(layers, plan)
+    for layer in layers:
+        layer._pending_error = None
+    try:
+        if per_layer_ids is not None:
+            ids = list(per_layer_ids)
+            if len(ids) != L:
+                raise ReplayError(f"replay data covers {len(ids)} MoE layers, the model has {L}")
+        if plan is not None:
+            _check_plan(layers, plan)
+    except (ReplayError, PlanError) as exc:
+        if not layers or layers[0].relibra.world_size <= 1:
+            raise
+        exc = exc.with_traceback(None)
+        for layer in layers:
+            layer._replaying = False
+            layer._pending = (None, None)
+            layer._pending_error = exc
+        return
     for i, layer in enumerate(layers):
         rr = layer.router.router_replay
         if per_layer_ids is not None:
@@ -582,6 +601,7 @@ def stop_replay(model: nn.Module) -> None:
     for layer in _relibra_layers(model):
         layer._replaying = False
         layer._pending = (None, None)
+        layer._pending_error = None
         layer._recompute.clear()
         layer.router.router_replay.clear_indices()
         layer.router.router_replay.clear_router_replay_action()

@@ -31,8 +31,10 @@ stage 2, since this rank's pair counts per destination travel with its status in
    slice of this layer and micro-batch (:meth:`~ReplayBalancedMoE.plan_slice`, ``PlanError``); a bad
    replay or plan is kept, not raised;
 2. agree on errors across the EP group (:meth:`~ReplayBalancedMoE.agree`): every rank reports its status
-   in the exchange of pair counts, so a bad plan or bad replay data on any rank raises on every rank
-   before any token moves (nothing hangs);
+   (and the message of its error), and the digest of the plan slice it follows (:func:`slice_digest`),
+   in the one exchange of pair counts, so a bad input, bad replay data or a bad plan on any rank (also
+   one found by :func:`relibra_moe.replay` at entry), or ranks following different plan slices, raise the
+   same error on every rank before any token moves (nothing hangs);
 3. destinations (:meth:`~ReplayBalancedMoE.destinations`) of every routed (token, k) pair: its expert's
    home, or for a split expert the home or one of its replicas, with integer counts per destination
    materialized from this rank's actual count of pairs per expert and the plan's shares ``y[j, e, :]``
@@ -50,6 +52,7 @@ outputs and gradients equal the plain layer's with the same routing (up to fp32 
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,9 +70,60 @@ from .replay import LayerReplay
 from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
 from .router import RouterOutput, TopKRouter
 
-__all__ = ["LayerPlan", "ReplayBalancedMoE", "RoutedPairs", "materialize_counts", "moe_layers"]
+__all__ = ["LayerPlan", "ReplayBalancedMoE", "RoutedPairs", "materialize_counts", "moe_layers", "slice_digest"]
 
 _OK, _REPLAY_BAD, _PLAN_BAD = 0, 1, 2
+_MSG_WORDS = 48  # int64 words of an error message in the agreement row (384 UTF-8 bytes, longer ones cut)
+#: Columns of one row of the agreement exchange: pairs sent, status, slice kind, micro-batch, layer, two digest
+#: words, message length in bytes, then the message.
+_AGREE_COLS = 8 + _MSG_WORDS
+
+
+def _encode_message(text: str) -> np.ndarray:
+    """``text`` as int64 words ``[1 + _MSG_WORDS]`` (byte length, then UTF-8 bytes zero-padded; cut to fit)."""
+    raw = text.encode("utf-8")
+    cap = 8 * _MSG_WORDS
+    if len(raw) > cap:
+        raw = raw[:cap - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
+    out = np.zeros(1 + _MSG_WORDS, np.int64)
+    out[0] = len(raw)
+    out[1:] = np.frombuffer(raw.ljust(cap, b"\0"), dtype=np.int64)
+    return out
+
+
+def _decode_message(words: np.ndarray) -> str:
+    """Inverse of :func:`_encode_message` (a length out of range reads as the whole field)."""
+    n = int(words[0])
+    raw = np.ascontiguousarray(words[1:], dtype=np.int64).tobytes()
+    return raw[:n if 0 <= n <= len(raw) else len(raw)].decode("utf-8", "replace")
+
+
+def _describe_slice(words: np.ndarray) -> str:
+    """Words 2-6 of an agreement row (``LayerPlan.digest``) in words, for a ``PlanError``."""
+    digest = np.asarray(words[3:5], np.int64).tobytes().hex()
+    if int(words[0]) == 0:
+        return f"follows no plan (homes digest {digest})"
+    return f"follows micro-batch {int(words[1])} of layer {int(words[2])} of its plan (digest {digest})"
+
+
+def slice_digest(home: np.ndarray, plan: ReplicaPlan | None, micro_batch: int, layer: int) -> np.ndarray:
+    """A 128-bit digest of what one layer follows in one forward, as two int64 words ``[2]``.
+
+    It covers the homes ``home [E]`` and, with ``plan``, the replica slots ``replica_expert[m, l]`` and
+    the split rows (``split_index``, ``split_share``) of micro-batch ``m`` = ``micro_batch`` and layer
+    ``l`` = ``layer`` (all rank-independent: every rank of the EP group must get the same digest).
+    ``plan=None`` ("no plan") hashes the homes alone, under another tag.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.ascontiguousarray(home, dtype=np.int64).tobytes())
+    if plan is None:
+        h.update(b"no plan")
+    else:
+        rows = plan.rows_of(micro_batch, layer)
+        for part in (plan.replica_expert[micro_batch, layer], plan.split_index[rows], plan.split_share[rows]):
+            h.update(np.asarray(part.shape, np.int64).tobytes())
+            h.update(np.ascontiguousarray(part).tobytes())
+    return np.frombuffer(h.digest(), dtype=np.int64).copy()
 
 
 def materialize_counts(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
@@ -128,11 +182,15 @@ class LayerPlan:
         shares: float64 ``[E, G]``, this source rank's split of each expert's pairs over the GPUs; ``None``
             when every pair goes to its expert's home.
         transfer: the replica slots this rank fills and serves, ``None`` without replicas.
+        digest: int64 ``[5]``: 1 with a plan (0: none), the micro-batch, the layer, then the two words of
+            :func:`slice_digest`; every rank of the EP group must hold the same (checked by ``agree``);
+            ``None`` reads as "no plan" on the layer's current homes.
     """
 
     slot_table: np.ndarray
     shares: np.ndarray | None
     transfer: ReplicaTransfer | None
+    digest: np.ndarray | None = None
 
 
 @dataclass
@@ -382,7 +440,9 @@ class ReplayBalancedMoE(nn.Module):
         slot_table = np.full((E, G), -1, np.int64)
         slot_table[np.arange(E), home] = self.local_index()
         if state is None or state.replicas is None:
-            return LayerPlan(slot_table, None, None)
+            digest = np.concatenate([[0, 0, -1 if self.layer_index is None else self.layer_index],
+                                     slice_digest(home, None, 0, 0)])
+            return LayerPlan(slot_table, None, None, digest)
         l, m, name = self.layer_index, state.micro_batch, self.name
         if state.expert_gpu is not None and not np.array_equal(state.expert_gpu, home):
             raise PlanError(f"layer {name}: the plan's placement {np.asarray(state.expert_gpu).tolist()} differs "
@@ -422,14 +482,18 @@ class ReplayBalancedMoE(nn.Module):
             shares[e_rows] = 0.0
             np.add.at(shares, (e_rows, idx[mine, 4]), plan.split_share[rows][mine].astype(np.float64))
             shares[slot_table < 0] = 0.0  # share-0 rows to non-holders passed validation; drop them
-        return LayerPlan(slot_table, shares, transfer)
+        return LayerPlan(slot_table, shares, transfer, np.concatenate([[1, m, l], slice_digest(home, plan, m, l)]))
 
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``: the stages of the module docstring, in order."""
-        x2 = self._tokens(x)
-        pairs = self.route_and_place(x2, self.replay_state)
+        try:
+            x2 = self._tokens(x)
+        except ReplayError as exc:  # may be bad on this rank only: agree raises it on every rank
+            x2, pairs = None, RoutedPairs(None, None, None, None, exc)
+        else:
+            pairs = self.route_and_place(x2, self.replay_state)
         send_splits, recv_splits = self.agree(pairs, x.device)
         x_recv, slot_recv, meta_send = self.dispatch(x2, pairs, send_splits, recv_splits)
         y_recv = self.compute_experts(x_recv, slot_recv, pairs.plan)
@@ -440,11 +504,12 @@ class ReplayBalancedMoE(nn.Module):
         return out.to(x.dtype).reshape(x.shape)
 
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., H]`` as ``[T, H]`` (``ValueError`` for another hidden size or a non-float dtype)."""
-        if x.shape[-1] != self.hidden:
-            raise ValueError(f"layer {self.name}: x has hidden size {x.shape[-1]}, expected {self.hidden}")
+        """``x [..., H]`` as ``[T, H]`` (``ReplayError``, a ``ValueError``, for another hidden size or a
+        non-float dtype: :meth:`forward` hands it to :meth:`agree`, which raises it on every rank)."""
+        if x.dim() == 0 or x.shape[-1] != self.hidden:
+            raise ReplayError(f"layer {self.name}: x has shape {tuple(x.shape)}, expected [..., hidden={self.hidden}]")
         if not x.is_floating_point():
-            raise ValueError(f"layer {self.name}: x has dtype {x.dtype}, expected a floating-point tensor")
+            raise ReplayError(f"layer {self.name}: x has dtype {x.dtype}, expected a floating-point tensor")
         return x.reshape(-1, self.hidden)
 
     def route_and_place(self, x2: torch.Tensor, state: LayerReplay | None) -> RoutedPairs:
@@ -464,36 +529,55 @@ class ReplayBalancedMoE(nn.Module):
         return RoutedPairs(route, plan, dest, slot)
 
     def agree(self, pairs: RoutedPairs, device: torch.device) -> tuple[list[int], list[int]]:
-        """Stage 2 across the EP group: exchange every rank's pair counts and status (a collective).
+        """Stage 2 across the EP group: one exchange of every rank's pair counts, status and plan slice.
 
-        Raises this rank's error, or a ``ReplayError`` / ``PlanError`` naming the first rank that rejected
-        its data, on every rank before any token moves. Returns ``(send_splits, recv_splits)``: pairs this
-        rank sends to / receives from each rank, two lists of ``G`` ints.
+        Each rank sends every other rank one row of ``_AGREE_COLS`` int64: its pair count for that rank,
+        its status (ok / bad replay data or input / bad plan), the digest of the plan slice it follows
+        (``LayerPlan.digest``: micro-batch, layer and :func:`slice_digest`, or "no plan") and, when it
+        found an error, the error's message. Then every rank raises the same error before any token
+        moves:
+
+        * a rank found an error (its ``x``, its replayed ids, its plan, or a check of
+          :func:`relibra_moe.replay` deferred to here): ``ReplayError`` / ``PlanError`` naming the
+          lowest such rank and its message;
+        * the ranks follow different plan slices (another micro-batch, a plan on some ranks only,
+          other homes): ``PlanError`` naming two ranks, what each follows and its digest.
+
+        Returns ``(send_splits, recv_splits)``: pairs this rank sends to / receives from each rank, two
+        lists of ``G`` ints.
         """
         G = self.world_size
         error, pairs.error = pairs.error, None
+        row = np.zeros(_AGREE_COLS, np.int64)
         if error is None:
-            status = _OK
             flat = pairs.dest.view(-1)
-            send = torch.bincount(flat[flat >= 0], minlength=G)
+            send = torch.bincount(flat[flat >= 0], minlength=G).to(torch.int64)
+            digest = pairs.plan.digest
+            if digest is None:  # a LayerPlan built without one: every expert at its home, no plan
+                digest = np.concatenate([[0, 0, -1], slice_digest(self.expert_gpu_host, None, 0, 0)])
+            row[2:7] = digest
         else:
-            status = _REPLAY_BAD if isinstance(error, ReplayError) else _PLAN_BAD
+            row[1] = _REPLAY_BAD if isinstance(error, ReplayError) else _PLAN_BAD
+            row[7:] = _encode_message(str(error))
             send = torch.zeros(G, dtype=torch.int64, device=device)
-        meta = torch.stack([send.to(torch.int64), torch.full_like(send, status, dtype=torch.int64)], dim=1)
-        recv_meta = self.dispatcher.exchange(meta.to(device)).cpu()
-        if error is not None:
-            try:
-                raise error
-            finally:
-                # break the cycle frame -> error -> traceback -> frame, which would pin this forward's
-                # activations until the next garbage collection (and at exit races the process group)
-                error = None
-        bad = np.flatnonzero(recv_meta[:, 1].numpy())
+        meta = torch.from_numpy(np.tile(row, (G, 1)))
+        meta[:, 0] = send.cpu()
+        recv_meta = self.dispatcher.exchange(meta.to(device)).cpu().numpy()
+        bad = np.flatnonzero(recv_meta[:, 1])
         if len(bad):
             other = int(bad[0])
             cls = ReplayError if int(recv_meta[other, 1]) == _REPLAY_BAD else PlanError
-            raise cls(f"layer {self.name}: rank {other} of the EP group rejected its "
-                      f"{'replay data' if cls is ReplayError else 'plan'} (see that rank's error)")
+            what = "replay data" if cls is ReplayError else "plan"
+            text = (f"layer {self.name}: rank {other} of the EP group rejected its {what}: "
+                    f"{_decode_message(recv_meta[other, 7:])}")
+            cause, error = error, None  # no frame -> error -> traceback -> frame cycle (it pins activations)
+            raise cls(text) from cause
+        digests = recv_meta[:, 2:7]
+        differ = np.flatnonzero((digests[:, 3:] != digests[:1, 3:]).any(axis=1))
+        if len(differ):
+            a, b = 0, int(differ[0])
+            raise PlanError(f"layer {self.name}: the ranks of the EP group follow different plan slices: "
+                            f"rank {a} {_describe_slice(digests[a])}, rank {b} {_describe_slice(digests[b])}")
         return send.cpu().tolist(), recv_meta[:, 0].tolist()
 
     def destinations(self, ids: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -220,12 +220,34 @@ def _ids_per_layer(routing: Any, num_layers: int) -> list[torch.Tensor | None]:
     return ids
 
 
-def _prepare(target: ReplayTarget, ids: torch.Tensor | ReplayError | None, plan: Any, micro_batch: int | None,
-             desc: str) -> LayerReplay:
+def _entry_ids(targets: list[ReplayTarget], routing: Any, plan: Any, micro_batch: int | None,
+               attention_mask: torch.Tensor | None, rank: int | None
+               ) -> tuple[np.ndarray | None, list[torch.Tensor | ReplayError | None], str]:
+    """The checks of :func:`replay` before any layer: ``(selected samples or None, per-layer ids, description)``;
+    raises ``ReplayError`` / ``PlanError`` (the caller defers them into the forward on an EP group)."""
+    L = len(targets)
+    traces = _as_traces(routing)
+    sel, desc = None, ""
+    if traces is not None:
+        sel, per_layer, desc = _ids_of_traces(targets, *traces, plan, micro_batch, attention_mask, rank)
+    else:
+        if isinstance(routing, Sequence) and not isinstance(routing, str) and len(routing) == 0:
+            raise ReplayError("replay: no traces given")
+        per_layer = _ids_per_layer(routing, L)
+    # a single layer reads its own slice (its layer_index), checked by the layer; another type: prepare_replay
+    if isinstance(plan, (BatchPlan, ReplicaPlan)) and L > 1:
+        n = plan.num_layers if isinstance(plan, BatchPlan) else plan.replica_expert.shape[1]
+        if n != L:
+            raise PlanError(f"the plan covers {n} MoE layers, the model has {L}")
+    return sel, per_layer, desc
+
+
+def _prepare(target: ReplayTarget, ids: torch.Tensor | ReplayError | PlanError | None, plan: Any,
+             micro_batch: int | None, desc: str) -> LayerReplay:
     """The target's replay state; on an EP group of several ranks a bad argument becomes the state's
     ``error`` (it may be bad on this rank only: the forward raises it on every rank, no rank waits)."""
     try:
-        if isinstance(ids, ReplayError):
+        if isinstance(ids, (ReplayError, PlanError)):
             raise ids
         state = target.prepare_replay(ids, plan=plan, micro_batch=micro_batch)
     except (ReplayError, PlanError) as exc:
@@ -268,25 +290,30 @@ def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None 
             the plan does not cover the routing; (at forward time, on every rank) a layer sees a
             different token count or bad ids.
         PlanError: the plan covers a different number of layers, or (at forward time, on every rank) a
-            layer's slice breaks a rule or differs from the layer's homes.
+            layer's slice breaks a rule or differs from the layer's homes, or the ranks follow different
+            slices (``ReplayBalancedMoE.agree``).
+
+    On an EP group of several ranks every error but "no replay target" is deferred: the block is entered
+    (with traces it yields ``[]``, so the rank runs a placeholder forward) and the first layer forward
+    raises it on every rank of the group, naming this rank, through the layer's agreement; an argument
+    bad on one rank only never leaves the others waiting in a collective.
     """
     targets = replay_targets(model)
     if not targets:
         raise ReplayError(f"replay: {type(model).__name__} has no MoE layer that replays (ReplayBalancedMoE, or a "
                           "block of swap_moe_blocks): for a Hugging Face model call swap_moe_blocks(model) first")
-    L = len(targets)
-    traces = _as_traces(routing)
     sel, desc = None, ""
-    if traces is not None:
-        sel, per_layer, desc = _ids_of_traces(targets, *traces, plan, micro_batch, attention_mask, rank)
-    else:
-        if isinstance(routing, Sequence) and not isinstance(routing, str) and len(routing) == 0:
-            raise ReplayError("replay: no traces given")
-        per_layer = _ids_per_layer(routing, L)
-    if plan is not None and L > 1:  # a single layer reads its own slice (its layer_index), checked by the layer
-        n = plan.num_layers if isinstance(plan, BatchPlan) else plan.replica_expert.shape[1]
-        if n != L:
-            raise PlanError(f"the plan covers {n} MoE layers, the model has {L}")
+    try:
+        sel, per_layer, desc = _entry_ids(targets, routing, plan, micro_batch, attention_mask, rank)
+    except (ReplayError, PlanError) as exc:
+        if all(getattr(t, "world_size", 1) <= 1 for t in targets):
+            raise
+        # on an EP group the argument may be bad on this rank only: every layer carries the error, and the
+        # first forward raises it on every rank through its agreement (no rank waits in a collective)
+        exc = exc.with_traceback(None)
+        per_layer = [exc] * len(targets)
+        if _as_traces(routing) is not None:  # the caller runs a placeholder forward, which raises
+            sel = np.zeros(0, np.int64)
     states = [_prepare(t, ids, plan, micro_batch, desc) for t, ids in zip(targets, per_layer)]
     previous = [t.replay_state for t in targets]
     for t, state in zip(targets, states):

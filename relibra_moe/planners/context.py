@@ -19,11 +19,12 @@ from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_rob
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
 from . import baselines
-from .executor import FallbackLog, TaskExecutor
+from .executor import FallbackLog, TaskExecutor, TaskFailed
 from .locality import anneal_locality
 from .options import PlanOptions
 
-__all__ = ["PlanContext", "make_plan", "baseline_samples", "previous_expert_gpu", "start_sample_gpu"]
+__all__ = ["PlanContext", "make_plan", "baseline_samples", "previous_expert_gpu", "start_sample_gpu", "eplb_task",
+           "fallback_homes"]
 
 
 @dataclass
@@ -150,3 +151,22 @@ def previous_expert_gpu(options: PlanOptions, model: ModelSpec, cluster: Cluster
     except PlanError as exc:
         raise PlanError(f"previous placement: {exc}") from None
     return prev
+
+
+def eplb_task(ctx: PlanContext, weights: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """``baselines.eplb(weights [L, E], ...)`` as one task on ``ctx.executor`` (so ``deadline_s`` holds for the
+    EPLB strategies too): ``(expert_gpu [L, E], slots [L, G, r])``, or ``None`` when the task failed (counted in
+    ``ctx.fallbacks.strategy``; the caller keeps the fallback homes)."""
+    args = (weights, ctx.cluster.num_gpus, ctx.cluster.gpus_per_node, ctx.replica_slots, ctx.options.num_groups)
+    (res,) = ctx.executor.map(baselines.eplb, [args], [(kind, 0)])
+    if isinstance(res, TaskFailed):
+        ctx.fallbacks.strategy += 1
+        return None
+    return res
+
+
+def fallback_homes(ctx: PlanContext) -> np.ndarray:
+    """int64 ``[L, E]``: the homes a whole-strategy fallback keeps (``ctx.fallback_expert_gpu``, else static)."""
+    if ctx.fallback_expert_gpu is not None:
+        return np.asarray(ctx.fallback_expert_gpu, dtype=np.int64)
+    return baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)

@@ -98,17 +98,24 @@ def default_executor(workers: int) -> InlineExecutor | PoolExecutor:
 
 @dataclass
 class FallbackLog:
-    """Cells that fell back because their task failed: reorder layers, locality passes, replication cells."""
+    """Cells that fell back because their task failed: reorder layers, locality passes, replication cells,
+    and whole-strategy tasks (``eplb``, ``eplb-history``: their layout is one task; on failure the plan
+    keeps the previous homes, else the static ones, without replicas)."""
 
     reorder: list[int] = field(default_factory=list)
     locality: int = 0
     replicate: list[list[int]] = field(default_factory=list)
+    strategy: int = 0
 
     @property
     def count(self) -> int:
         """Fallen-back cells in all."""
-        return len(self.reorder) + self.locality + len(self.replicate)
+        return len(self.reorder) + self.locality + len(self.replicate) + self.strategy
 
     def as_dict(self) -> dict[str, Any]:
-        """``stats["fallback_cells"]`` of a Planner plan."""
-        return {"reorder": list(self.reorder), "locality": self.locality, "replicate": list(self.replicate)}
+        """``stats["fallback_cells"]`` of a Planner plan (``"strategy"`` only when a whole-strategy task fell back)."""
+        out: dict[str, Any] = {"reorder": list(self.reorder), "locality": self.locality,
+                               "replicate": list(self.replicate)}
+        if self.strategy:
+            out["strategy"] = self.strategy
+        return out

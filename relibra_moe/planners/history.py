@@ -39,7 +39,7 @@ from ..errors import PlanError
 from ..plan import BatchPlan
 from ..validate import check_int, check_token_counts
 from . import baselines
-from .context import PlanContext, baseline_samples, make_plan, previous_expert_gpu
+from .context import PlanContext, baseline_samples, eplb_task, fallback_homes, make_plan, previous_expert_gpu
 from .migration import relabel_to_previous
 
 
@@ -67,7 +67,7 @@ def history_weights(history: Any, num_layers: int, num_experts: int) -> np.ndarr
 
 def strategy_eplb_history(ctx: PlanContext) -> BatchPlan:
     """EPLB on the window's loads (option ``history``), r redundant experts per GPU; module docstring."""
-    L, E, G, P = ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus, ctx.cluster.gpus_per_node
+    L, E, G = ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus
     history = ctx.options.history
     w = history_weights(history, L, E)
     r = ctx.replica_slots
@@ -76,7 +76,12 @@ def strategy_eplb_history(ctx: PlanContext) -> BatchPlan:
         slots = np.full((L, G, r), -1, np.int32)
         ctx.stats["eplb_history"] = {"window": 0, "layout": "trivial (no history yet)"}
     else:
-        eg, slots = baselines.eplb(w, G, P, r, ctx.options.num_groups)
+        res = eplb_task(ctx, w, "eplb-history")
+        if res is None:  # past the deadline (or lost its worker): the fallback homes, no replicas
+            eg = fallback_homes(ctx)
+            ctx.stats["eplb_history"] = {"window": 0, "layout": "fallback (the eplb task failed)"}
+            return make_plan(ctx, eg, *baseline_samples(ctx, eg))
+        eg, slots = res
         window = 1 if np.ndim(history) == 2 else int(np.shape(history)[0])
         ctx.stats["eplb_history"] = {"window": window, "layout": "eplb"}
     prev = previous_expert_gpu(ctx.options, ctx.model, ctx.cluster)

@@ -70,7 +70,8 @@ class PlanOptions:
     """Every option of a planning call (``plan_batch``, ``Planner``, ``relibra plan``), validated on construction.
 
     Attributes:
-        replica_slots: r replica slots per GPU (``REPLICA_STRATEGIES``), int >= 0.
+        replica_slots: r replica slots per GPU (``REPLICA_STRATEGIES``), int >= 0, at most ``E - E/G``
+            (``plan.max_replica_slots``, checked when the model and cluster are known).
         seed: plan seed, int >= 0 (same inputs and seed -> same plan).
         workers: processes for the parallel parts, int >= 1.
         repack: let samples change micro-batch (equal sample counts per micro-batch unless ``token_cap``).

@@ -13,13 +13,30 @@ which the loop hands independent tasks:
 Executors: ``"inline"`` (this process, in order), ``"process"`` (a process pool of ``workers``) and
 ``"ray"`` (Ray tasks; ``ray.init()`` locally unless ``ray_address`` is given or Ray is already up).
 
+Connecting to Ray runs under a time limit (``ray_connect_timeout_s``, and never past the deadline): a
+cluster address is first probed over TCP, then ``ray.init`` runs on a helper thread that is waited for at
+most that long. On failure ``on_ray_failure="raise"`` (default) raises ``PlanError`` naming the address;
+``"process"`` logs one warning and plans on a process pool instead (``stats["executor"]`` says
+``"process"`` and ``stats["executor_fallback"]`` why). A connection that timed out may still complete on
+its thread later; the planner does not use it.
+
+Deadlines per executor: "process" and "ray" stop waiting for unfinished tasks at the deadline (their
+workers are killed / the tasks cancelled); "inline" cannot interrupt a running task: it checks the
+deadline before starting each task, so a plan can return up to one task's duration late. Every plan made
+with a deadline reports it: ``stats["deadline"]`` = ``{"deadline_s", "interrupts_tasks"}`` (False for
+"inline") and ``stats["timing"]["deadline_overrun_s"]`` (seconds past the deadline when the plan returned,
+0 when on time; wall clock, so kept out of saved files like all of ``timing``). Every strategy honours the
+deadline: the EPLB strategies run their layout as one task (``context.eplb_task``); static, lpt and
+balanced do no search (milliseconds).
+
 Fallbacks keep results correct, only slower: when a task misses ``deadline_s`` (measured from the
 start of ``plan``) or its worker dies, each of its cells falls back: a reorder layer keeps the
 previous placement (option ``previous``, else the last plan's, else its start), locality keeps the samples
 where the previous round left them, a replication cell gets no replicas; past the deadline the final
 reorder and the migration pricing are skipped. Each fallen-back cell counts in ``plan.stats["fallbacks"]``
-(details in ``stats["fallback_cells"]``) and is logged as a warning. Any other exception in a task is
-a bug or bad input and propagates.
+(details in ``stats["fallback_cells"]``); warnings are aggregated: one line per cause (task kind and
+reason) per ``plan`` call, with the count of tasks. Any other exception in a task is a bug or bad input
+and propagates.
 
 ``submit(batch)`` runs ``plan`` on a background thread and returns a ``concurrent.futures.Future``, so a
 trainer can plan while rewards are computed.
@@ -29,7 +46,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -39,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlanError
-from ..plan import BatchPlan, Placement
+from ..plan import BatchPlan, Placement, max_replica_slots
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
 from ..validate import check_choice, check_int, check_positive
@@ -50,6 +70,11 @@ from .strategies import check_batch_fits, check_strategy, make_context, run_stra
 log = logging.getLogger(__name__)
 
 EXECUTORS = ("inline", "process", "ray")
+RAY_FAILURE_MODES = ("raise", "process")
+"""``on_ray_failure``: what a failed Ray connection does (raise ``PlanError``, or plan on a process pool)."""
+_FALLBACK_OF = {"reorder": "previous placement", "locality": "samples kept where they were",
+                "replicate": "no replicas", "eplb": "previous (else static) homes, no replicas",
+                "eplb-history": "previous (else static) homes, no replicas"}
 
 __all__ = ["Planner", "EXECUTORS"]
 
@@ -68,9 +93,20 @@ class _PlannerExecutor:
         self.planner = planner
         self.deadline = deadline
         self.workers = planner.workers
+        self.failures: Counter[tuple[str, str]] = Counter()  # (task kind, reason) -> tasks, for one warning each
 
     def map(self, fn: Callable[..., Any], args: Sequence[tuple], keys: Sequence[Key]) -> list[Any]:
-        return self.planner._run([(fn, a) for a in args], keys, self.deadline)
+        res = self.planner._run([(fn, a) for a in args], keys, self.deadline)
+        for (kind, _), r in zip(keys, res):
+            if isinstance(r, TaskFailed):
+                self.failures[kind, r.reason] += 1
+        return res
+
+    def warn(self) -> None:
+        """One warning per cause (task kind and reason) with its count of tasks."""
+        for (kind, reason), n in sorted(self.failures.items()):
+            log.warning("relibra planner: %d %s task(s) %s; falling back (%s)", n, kind, reason,
+                        _FALLBACK_OF.get(kind, "fallback"))
 
     @property
     def expired(self) -> bool:
@@ -90,6 +126,10 @@ class Planner:
         deadline_s: seconds from the start of ``plan`` after which unfinished tasks fall back (None: wait).
         seed: plan seed (same inputs, seed and no fallback -> same plan, whatever the executor).
         ray_address: Ray cluster address (executor="ray"); None starts or reuses a local Ray.
+        ray_connect_timeout_s: seconds a Ray connection (``ray.init``) may take, > 0 (also capped by the
+            deadline); see the module docstring.
+        on_ray_failure: ``"raise"`` (``PlanError`` naming the address) or ``"process"`` (plan on a process
+            pool, with one warning) when Ray cannot be reached in time.
         task_hook: called as ``hook(kind, key)`` inside the worker before each task (tests use it to kill
             a worker); must be picklable for "process" / "ray".
         options: the other fields of ``options.PlanOptions`` (``iters``, ``num_seeds``, ``repack``, ``skew_cap``,
@@ -98,10 +138,13 @@ class Planner:
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, strategy: str = "relibra", replica_slots: int = 2,
                  workers: int | None = None, executor: str = "process", deadline_s: float | None = None,
-                 seed: int = 0, *, ray_address: str | None = None,
-                 task_hook: Callable[[str, Any], None] | None = None, **options: Any) -> None:
+                 seed: int = 0, *, ray_address: str | None = None, ray_connect_timeout_s: float = 30.0,
+                 on_ray_failure: str = "raise", task_hook: Callable[[str, Any], None] | None = None,
+                 **options: Any) -> None:
         check_strategy(strategy)
         check_choice("executor", executor, EXECUTORS)
+        check_choice("on_ray_failure", on_ray_failure, RAY_FAILURE_MODES)
+        check_positive("ray_connect_timeout_s", ray_connect_timeout_s)
         if deadline_s is not None:
             check_positive("deadline_s", deadline_s)
         if workers is not None:
@@ -113,11 +156,18 @@ class Planner:
         self.options = PlanOptions.from_kwargs(replica_slots=replica_slots, seed=seed, workers=self.workers,
                                                **options)
         self.options.check_for(strategy)
+        cap = max_replica_slots(model.num_experts, cluster.num_gpus)
+        if self.options.replica_slots > cap:
+            raise PlanError(f"replica_slots={self.options.replica_slots} is over the ceiling E - E/G = {cap} "
+                            f"(E={model.num_experts}, G={cluster.num_gpus}; plan.max_replica_slots)")
         self.replica_slots = self.options.replica_slots
         self.seed = self.options.seed
         self.executor = executor
         self.deadline_s = deadline_s
         self.ray_address = ray_address
+        self.ray_connect_timeout_s = float(ray_connect_timeout_s)
+        self.on_ray_failure = on_ray_failure
+        self.executor_fallback: str | None = None  # why "ray" became "process" (on_ray_failure="process")
         self.task_hook = task_hook
         self.previous: Placement | None = None
         self._pool: ProcessPoolExecutor | None = None
@@ -160,6 +210,8 @@ class Planner:
         """
         check_batch_fits(batch, self.model, self.cluster)
         deadline = None if self.deadline_s is None else time.monotonic() + float(self.deadline_s)
+        if self.executor == "ray":
+            self._connect_ray(deadline)
         L, E = self.model.num_layers, self.model.num_experts
         last = self.previous.expert_gpu.astype(np.int64) if self.previous is not None and \
             self.previous.expert_gpu.shape == (L, E) else None
@@ -172,10 +224,61 @@ class Planner:
                            micro_batch_size, fallback_expert_gpu=fallback)
         ctx.stats.update({"options": base.strategy_options(), "executor": self.executor,
                           "workers": self.workers})
-        plan = run_strategy(ctx, self.strategy)
+        if self.executor_fallback is not None:
+            ctx.stats["executor_fallback"] = self.executor_fallback
+        if deadline is not None:
+            ctx.stats["deadline"] = {"deadline_s": float(self.deadline_s),
+                                     "interrupts_tasks": self.executor != "inline"}
+        try:
+            plan = run_strategy(ctx, self.strategy)
+        finally:
+            ctx.executor.warn()
         plan.stats["fallback_cells"] = ctx.fallbacks.as_dict()
+        if deadline is not None:
+            plan.stats.setdefault("timing", {})["deadline_overrun_s"] = max(0.0, time.monotonic() - deadline)
         self.previous = plan.placement
         return plan
+
+    def _connect_ray(self, deadline: float | None) -> None:
+        """Make sure Ray is up (module docstring): ``PlanError`` naming the address, or a switch to the process
+        executor (``on_ray_failure="process"``), when it is not reachable within the time limit."""
+        import ray
+
+        if ray.is_initialized():
+            return
+        limit = self.ray_connect_timeout_s
+        if deadline is not None:
+            limit = max(0.0, min(limit, deadline - time.monotonic()))
+        where = self.ray_address if self.ray_address is not None else "a new local Ray"
+        try:
+            _probe_ray_address(self.ray_address, limit)
+            done: dict[str, BaseException | None] = {}
+
+            def connect() -> None:
+                try:
+                    if self.ray_address is not None:
+                        ray.init(address=self.ray_address, ignore_reinit_error=True, log_to_driver=False)
+                    else:
+                        ray.init(num_cpus=self.workers, ignore_reinit_error=True, log_to_driver=False,
+                                 include_dashboard=False)
+                    done["error"] = None
+                except BaseException as exc:  # reported below, in the caller's thread
+                    done["error"] = exc
+
+            t = threading.Thread(target=connect, name="relibra-ray-connect", daemon=True)
+            t.start()
+            t.join(limit)
+            if "error" not in done:
+                raise TimeoutError(f"ray.init did not return within {limit:.3g} s")
+            if done["error"] is not None:
+                raise done["error"]
+        except Exception as exc:
+            reason = f"cannot connect to Ray at {where} ({type(exc).__name__}: {exc})"
+            if self.on_ray_failure == "raise":
+                raise PlanError(f"Planner(executor='ray'): {reason}") from None
+            log.warning("relibra planner: %s; planning on a process pool of %d workers instead", reason,
+                        self.workers)
+            self.executor, self.executor_fallback = "process", reason
 
     # ------------------------------------------------------------------ executors
     def _run(self, tasks: Sequence[tuple[Callable, tuple]], keys: Sequence[tuple[str, Any]],
@@ -191,13 +294,7 @@ class Planner:
             res = self._run_process(tasks, keys, deadline)
         else:
             res = self._run_ray(tasks, keys, deadline)
-        for (kind, key), r in zip(keys, res):
-            if isinstance(r, TaskFailed):
-                what = f"{len(key)} cells" if kind == "replicate" else f"{key}"
-                log.warning("relibra planner: %s task %s %s; falling back (%s)", kind, what, r.reason,
-                            "previous placement" if kind == "reorder" else
-                            "round-robin samples" if kind == "locality" else "no replicas")
-        return res
+        return res  # failures are counted by the caller's _PlannerExecutor, one warning per cause
 
     def _run_inline(self, tasks, keys, deadline) -> list[Any]:
         out = []
@@ -258,12 +355,9 @@ class Planner:
     def _run_ray(self, tasks, keys, deadline) -> list[Any]:
         import ray
 
-        if not ray.is_initialized():
-            if self.ray_address is not None:
-                ray.init(address=self.ray_address, ignore_reinit_error=True, log_to_driver=False)
-            else:
-                ray.init(num_cpus=self.workers, ignore_reinit_error=True, log_to_driver=False,
-                         include_dashboard=False)
+        self._connect_ray(deadline)
+        if self.executor != "ray":  # the connection failed and on_ray_failure="process"
+            return self._run_process(tasks, keys, deadline)
         if self._ray_fn is None:
             self._ray_fn = ray.remote(max_retries=0)(_call)
         refs = [self._ray_fn.remote(self.task_hook, kind, key, fn, args)
@@ -286,6 +380,22 @@ class Planner:
                 cause = exc.as_instanceof_cause() if hasattr(exc, "as_instanceof_cause") else exc
                 raise cause from None
         return out
+
+
+def _probe_ray_address(address: str | None, timeout_s: float) -> None:
+    """Fail fast (``ConnectionError``) when ``address`` names a ``host:port`` (optionally ``ray://``) where nothing
+    accepts a TCP connection within ``timeout_s``; other addresses (``None``, ``"auto"``, ``"local"``) pass."""
+    if address is None or address in ("auto", "local"):
+        return
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=max(timeout_s, 1e-3)):
+            pass
+    except OSError as exc:
+        raise ConnectionError(f"nothing accepts connections at {host}:{port} ({exc})") from None
 
 
 def _cpus() -> int:

@@ -48,12 +48,20 @@ import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import batch_sha1, check_batch_type, placement_loads
-from ..plan import BatchPlan, Placement, SamplePlacement
+from ..plan import BatchPlan, Placement, SamplePlacement, max_replica_slots
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import attention_forward
 from ..trace import TraceBatch
 from . import baselines
-from .context import PlanContext, baseline_samples, make_plan, previous_expert_gpu, start_sample_gpu
+from .context import (
+    PlanContext,
+    baseline_samples,
+    eplb_task,
+    fallback_homes,
+    make_plan,
+    previous_expert_gpu,
+    start_sample_gpu,
+)
 from .executor import TaskExecutor, TaskFailed, default_executor
 from .history import strategy_eplb_history
 from .locality import anneal_locality, default_locality_iters
@@ -83,10 +91,14 @@ def strategy_lpt(ctx: PlanContext) -> BatchPlan:
 
 
 def strategy_eplb(ctx: PlanContext) -> BatchPlan:
-    """EPLB+ on the true per-layer loads; with r > 0, r redundant experts per GPU split evenly per copy."""
+    """EPLB+ on the true per-layer loads; with r > 0, r redundant experts per GPU split evenly per copy.
+    The layout is one executor task: past the deadline the plan keeps ``fallback_homes`` without replicas."""
     x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
-    eg, slots = baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node,
-                               ctx.replica_slots, ctx.options.num_groups)
+    res = eplb_task(ctx, x.sum(axis=(0, 2)), "eplb")
+    if res is None:
+        eg = fallback_homes(ctx)
+        return make_plan(ctx, eg, *baseline_samples(ctx, eg))
+    eg, slots = res
     mb, sg = baseline_samples(ctx, eg)
     replicas = None
     if ctx.replica_slots > 0:
@@ -325,6 +337,11 @@ def make_context(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, stra
     """The ``PlanContext`` of one call: the batch (re-assigned to micro-batches of ``micro_batch_size`` when
     given), its per-sample counts, the samples' start (round-robin, or the trainer's ranks with
     ``sample_owner="trainer"``: ``context.start_sample_gpu``) and the first ``stats``."""
+    cap = max_replica_slots(model.num_experts, cluster.num_gpus)
+    if options.replica_slots > cap:
+        raise PlanError(f"replica_slots={options.replica_slots} is over the ceiling E - E/G = {cap} (E="
+                        f"{model.num_experts}, G={cluster.num_gpus}: a GPU holds replicas of only the experts "
+                        "homed elsewhere; more slots always stay empty and cost memory and planning time)")
     if micro_batch_size is not None:
         batch = batch.with_micro_batch_size(int(micro_batch_size))
     mb = batch.resolve_micro_batch()
