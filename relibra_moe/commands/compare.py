@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
-from .plan import check_trace_fits, cluster_by_name, model_by_name
+from ..specs import DEFAULT_CLUSTER
+from .plan import add_cluster_args, check_trace_fits, cluster_by_name, model_by_name
 
 DEFAULT_COMPARE = "static,eplb,eplb-history,online,relibra"
 
@@ -36,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "moved, rank skew, solve seconds. --batches K: the steady state of K consecutive batches.")
     p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
     p.add_argument("--model", required=True, help="model preset, e.g. qwen3-235b-a22b, gpt-oss-20b")
-    p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
+    add_cluster_args(p)
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--strategies", default=DEFAULT_COMPARE,
@@ -78,9 +79,10 @@ def parse_strategies(text: str) -> list[str]:
 
 
 def compare_file(trace_path: str, model_name: str, nodes: int, gpus_per_node: int = 8, *,
-                 strategies: str = DEFAULT_COMPARE, cluster_name: str = "hopper-rail", replica_slots: int = 2,
+                 strategies: str = DEFAULT_COMPARE, cluster_name: str = DEFAULT_CLUSTER, replica_slots: int = 2,
                  micro_batch_size: int | None = None, layers: int | None = None, batches: int = 1,
-                 rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1) -> dict[str, Any]:
+                 rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1,
+                 cluster_profile: str | None = None, dispatcher: str | None = None) -> dict[str, Any]:
     """Load the trace, run the comparison, return the JSON-ready result (what ``--json OUT`` writes).
 
     Raises:
@@ -101,7 +103,7 @@ def compare_file(trace_path: str, model_name: str, nodes: int, gpus_per_node: in
     if layers is not None and layers < 1:
         raise PlanError(f"--layers={layers} must be >= 1")
     model = model_by_name(model_name)
-    cluster = cluster_by_name(cluster_name, nodes, gpus_per_node)
+    cluster = cluster_by_name(cluster_name, nodes, gpus_per_node, cluster_profile, dispatcher)
     batch = TraceBatch.load(trace_path)
     check_trace_fits(batch, model, trace_path)
     if micro_batch_size is not None:
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
                        cluster_name=args.cluster, replica_slots=args.replica_slots,
                        micro_batch_size=args.micro_batch_size, layers=args.layers, batches=args.batches,
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
-                       workers=args.workers)
+                       workers=args.workers, cluster_profile=args.cluster_profile, dispatcher=args.dispatcher)
     console = Console()
     if not console.is_terminal:  # a pipe or a file: keep the table's rows and title unwrapped
         console = Console(width=max(console.width, 160))
