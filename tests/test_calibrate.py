@@ -90,3 +90,21 @@ def test_plan_and_compare_accept_the_profile(tmp_path, capsys):
                  "--strategies", "static", "--layers", "1", "--cluster-profile", str(prof), "--json",
                  str(tmp_path / "c.json")]) == 0
     assert json.loads((tmp_path / "c.json").read_text())["strategies"]["static"]["steady"]["step_s"] > 0
+
+
+def test_planner_accepts_a_profile(tmp_path):
+    """The library path: Planner on load_cluster_profile's ClusterSpec plans under the profile's rates."""
+    from relibra_moe import Planner, load_cluster_profile
+    from relibra_moe.evaluate import score_plan
+
+    prof = tmp_path / "p.json"
+    assert main(["calibrate", "--model", "qwen3-30b-a3b", "--preset", "h800", "--gpus-per-node", "4", "--dry-run",
+                 "--out", str(prof)]) == 0
+    model = model_preset("qwen3-30b-a3b").with_(num_layers=1)
+    cluster = load_cluster_profile(prof, nodes=2)
+    batch = rl_batch(model, "math", 4, seed=0, micro_batch_size=8, max_len=128)
+    plan = Planner(model, cluster, strategy="relibra-inter", replica_slots=0).plan(batch)
+    plan.validate(model, cluster)
+    s = score_plan(plan, batch, model, cluster)["t_moe_total_s"]
+    assert s == pytest.approx(score_plan(plan, batch, model, cluster_preset("h800", nodes=2, gpus_per_node=4))
+                              ["t_moe_total_s"])
