@@ -150,7 +150,7 @@ def _a2a_worker(rank: int, world: int, nbytes: int, iters: int, port: int, backe
             dist.all_to_all_single(dst, src)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+        t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)  # NCCL: on the GPU
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if rank == 0:
             result.put({"world": world, "bytes_per_gpu": 2 * n, "seconds": float(t.item()),
