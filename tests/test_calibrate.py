@@ -86,6 +86,14 @@ def test_plan_and_compare_accept_the_profile(tmp_path, capsys):
     ref = score_plan(BatchPlan.load(plan_path), TraceBatch.load(trace), full, cluster)
     assert out["t_moe_total_s"] == pytest.approx(ref["t_moe_total_s"])
     assert out["cluster"]["dispatcher"] == "deepep" and out["cluster"]["name"] == "h800"
+    assert main(["score", str(trace), str(plan_path), "--model", "qwen3-30b-a3b", "--cluster-profile", str(prof),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["t_moe_total_s"] == pytest.approx(ref["t_moe_total_s"])
+    assert main(["score", str(trace), str(plan_path), "--model", "qwen3-30b-a3b", "--json"]) == 0
+    default = score_plan(BatchPlan.load(plan_path), TraceBatch.load(trace), full, cluster_preset(nodes=2,
+                                                                                                 gpus_per_node=4))
+    assert json.loads(capsys.readouterr().out)["t_moe_total_s"] == pytest.approx(default["t_moe_total_s"])
+    assert default["t_moe_total_s"] != pytest.approx(ref["t_moe_total_s"], rel=1e-3)
     assert main(["compare", str(trace), "--model", "qwen3-30b-a3b", "--nodes", "2", "--gpus-per-node", "4",
                  "--strategies", "static", "--layers", "1", "--cluster-profile", str(prof), "--json",
                  str(tmp_path / "c.json")]) == 0
