@@ -80,7 +80,7 @@ def load_scenario(name: str) -> tuple[TraceBatch, ModelSpec, ClusterSpec]:
 
         batch = rl_batch(sc["model"], "mixed", sc["prompts"], 4, seed=0, micro_batch_size=sc["mb"])
     model = model_preset(sc["model"])
-    cluster = cluster_preset(nodes=sc["nodes"], gpus_per_node=sc["gpus_per_node"])
+    cluster = cluster_preset("hopper-rail", nodes=sc["nodes"], gpus_per_node=sc["gpus_per_node"])
     return batch, model, cluster
 
 

@@ -65,7 +65,7 @@ def bench_gap(n: int, seed: int = 0, time_limit: float = 60.0) -> dict:
     """Optimality gap of each replication flavour vs the exact MILP on ``n`` random skewed cells (G = 8 as 2 x 4,
     E = 32, r in {1, 2}); returns the gap distribution and solve seconds."""
     model = model_preset("gpt-oss-20b")
-    cluster = cluster_preset(nodes=2, gpus_per_node=4)
+    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=4)
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):
@@ -120,7 +120,7 @@ def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
     from relibra_moe.planners.strategies import plan_batch
 
     model = model_preset("gpt-oss-20b")
-    cluster = cluster_preset(nodes=2, gpus_per_node=4)
+    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=4)
     batch = gpt_oss_batch(num_requests=num_requests, seed=seed).with_micro_batch_size(8)
     # The sum of T_MoE prices no re-layout or replica traffic, so relibra runs here with migration=False and
     # price_replicas=False (as the baselines); "(priced)" rows run the defaults (the step simulator's view).
@@ -160,7 +160,7 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
     batch = rl_batch(model, "mixed", num_prompts, responses_per_prompt=4, seed=seed, micro_batch_size=32)
     out = {"num_samples": batch.num_sequences, "micro_batch_size": 32, "synthetic": True, "ep": {}}
     for ep in eps:
-        cluster = cluster_preset(nodes=ep // 8, gpus_per_node=8)
+        cluster = cluster_preset("hopper-rail", nodes=ep // 8, gpus_per_node=8)
         row = {}
         for name, strategy, r, kw in (("static", "static", 0, {}), ("relibra-inter", "relibra-inter", 0, {}),
                                       ("relibra", "relibra", 2, {}),
@@ -205,7 +205,7 @@ def bench_time(num_prompts: int, seed: int = 0, workers: int = 2, **options) -> 
     from relibra_moe.synthetic import rl_batch
 
     model = model_preset("qwen3-235b-a22b")
-    cluster = cluster_preset(nodes=4, gpus_per_node=8)
+    cluster = cluster_preset("hopper-rail", nodes=4, gpus_per_node=8)
     # warm-up: numba kernels compile (or load from their cache) once, outside the timed call
     t0 = time.perf_counter()
     warm = rl_batch(model, "mixed", 8, responses_per_prompt=4, seed=seed + 1, micro_batch_size=32)

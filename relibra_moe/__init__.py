@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "ClusterSpec": "relibra_moe.specs",
     "model_preset": "relibra_moe.specs",
     "cluster_preset": "relibra_moe.specs",
+    "load_cluster_profile": "relibra_moe.specs",
     "moe_cost": "relibra_moe.cost",
     "Placement": "relibra_moe.plan",
     "SamplePlacement": "relibra_moe.plan",

@@ -12,7 +12,9 @@ them on GPU g. Everything below follows from the flow matrix
   NVLink carries {nv, cr}, RDMA carries {sr, cr} (a cross-rail token is counted on both, at its
   source and at its target, literally as the paper's formulas do):
   ``nvlink_tx[j] = sum_{g: nv|cr} F[j, g]``, ``nvlink_rx[g] = sum_{j: nv|cr} F[j, g]``, and the
-  same for RDMA with {sr, cr}. A token moves ``h x dtype_bytes`` bytes.
+  same for RDMA with {sr, cr}. A pair on a link moves ``h x dtype_bytes x copies`` bytes, ``copies`` from the
+  cluster's dispatcher (``specs.dispatch_copies_per_pair``: 1 for Megatron's all-to-all, the expected
+  per-node / per-GPU deduplication of DeepEP below 1). All rates come from ``ClusterSpec.rates``.
 - ``dispatch_g = max(nvlink_tx/B_nv, nvlink_rx/B_nv, rdma_tx/B_rdma, rdma_rx/B_rdma)``. The combine
   mirrors the dispatch (tx and rx swapped), so it costs the same: ``comm_g = 2 dispatch_g``.
 - ``T_MoE = max_g comp_g + max_g comm_g``.
@@ -141,15 +143,17 @@ def cost_from_flow(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
     cls = cluster.link_classes
     nv_mask = ((cls == NV) | (cls == CR)).astype(np.float64)
     rdma_mask = ((cls == SR) | (cls == CR)).astype(np.float64)
+    rates = cluster.rates(model)
     tb = float(model.token_bytes)
+    nv_b, rdma_b = tb * rates.nvlink_copies, tb * rates.rdma_copies
     load = flow.sum(axis=-2)
-    nvlink_tx = (flow * nv_mask).sum(axis=-1) * tb
-    nvlink_rx = (flow * nv_mask).sum(axis=-2) * tb
-    rdma_tx = (flow * rdma_mask).sum(axis=-1) * tb
-    rdma_rx = (flow * rdma_mask).sum(axis=-2) * tb
-    comp = load * (model.flops_per_token_expert / cluster.flops)
-    terms = np.stack([nvlink_tx / cluster.nvlink_bw, nvlink_rx / cluster.nvlink_bw,
-                      rdma_tx / cluster.rdma_bw, rdma_rx / cluster.rdma_bw], axis=-1)
+    nvlink_tx = (flow * nv_mask).sum(axis=-1) * nv_b
+    nvlink_rx = (flow * nv_mask).sum(axis=-2) * nv_b
+    rdma_tx = (flow * rdma_mask).sum(axis=-1) * rdma_b
+    rdma_rx = (flow * rdma_mask).sum(axis=-2) * rdma_b
+    comp = load * rates.sec_per_pair
+    terms = np.stack([nvlink_tx / rates.nvlink_bw, nvlink_rx / rates.nvlink_bw,
+                      rdma_tx / rates.rdma_bw, rdma_rx / rates.rdma_bw], axis=-1)
     comm = 2.0 * terms.max(axis=-1)
     t_moe = comp.max(axis=-1) + comm.max(axis=-1)
 

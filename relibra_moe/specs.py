@@ -18,17 +18,24 @@ code  name meaning
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
+from .errors import PlanError
 from .spec_sources import group_topology, model_fields_from_hf_config
 from .validate import is_int
 
 LOC, NV, SR, CR = 0, 1, 2, 3
 LINK_NAMES = ("loc", "nv", "sr", "cr")
+
+DISPATCHERS = ("alltoall", "deepep")
+"""How the token dispatch moves tokens: Megatron's all-to-all (one copy per (token, expert) pair) or DeepEP's
+normal kernels (one RDMA copy per (token, remote node), NVLink forwarding, one copy per (token, GPU))."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,116 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class Rates:
+    """The effective rates of one (model, cluster), as the cost model and ``timing`` charge them
+    (``ClusterSpec.rates``). Units: FLOP/s, bytes/s, copies, seconds.
+
+    Attributes:
+        expert_flops: expert-GEMM FLOP/s (``F``).
+        attention_flops: attention FLOP/s (``F_attn``).
+        nvlink_bw, rdma_bw: bytes/s per GPU per direction the dispatcher achieves (``B_nv``, ``B_rdma``).
+        nvlink_copies, rdma_copies: token copies the dispatcher puts on NVLink / RDMA per (token, expert) pair
+            that crosses that link (1 for ``alltoall``; below 1 for ``deepep``, see ``dispatch_copies_per_pair``).
+        sec_per_pair: compute seconds of one (token, expert) pair, ``6 h h' / F``.
+        nvlink_sec_per_pair, rdma_sec_per_pair: dispatch seconds of one pair on the link,
+            ``h x dtype_bytes x copies / B``.
+    """
+
+    expert_flops: float
+    attention_flops: float
+    nvlink_bw: float
+    rdma_bw: float
+    nvlink_copies: float
+    rdma_copies: float
+    sec_per_pair: float
+    nvlink_sec_per_pair: float
+    rdma_sec_per_pair: float
+
+
+def _hit_probability(num_experts: int, top_k: int, group: float) -> float:
+    """Probability that a token's ``top_k`` distinct experts (drawn uniformly from ``num_experts``) include at
+    least one of ``group`` given experts: ``1 - prod_{i<k} (E - m - i) / (E - i)``."""
+    miss = 1.0
+    for i in range(top_k):
+        miss *= max(num_experts - group - i, 0.0) / (num_experts - i)
+    return 1.0 - miss
+
+
+def dispatch_copies_per_pair(model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
+    """``(nvlink_copies, rdma_copies)``: token copies per (token, expert) pair on NVLink / RDMA.
+
+    ``alltoall`` (Megatron): ``(1, 1)``, every pair is a copy. ``deepep`` (DeepEP normal kernels): a token goes once
+    to every remote node that holds one of its experts (RDMA, to the GPU of its own rail there) and once to every
+    GPU that holds one (NVLink, from the source inside its node, from the rail GPU in a remote node). With the
+    token's k experts uniform over E and spread evenly (E / N per node, E / G per GPU), a pair lands on a given
+    node with probability 1 / N and the token reaches that node with probability ``q(E / N)``
+    (``_hit_probability``), so ``rdma_copies = q(E / N) N / k`` and ``nvlink_copies = q(E / G) G / k``: the
+    expected copies of the token-level count (``dispatch_traffic``) per pair. Exact in expectation over uniform
+    routing (tests/test_dispatch.py enumerates it); skewed routing and co-located hot experts dedup more.
+    """
+    if cluster.dispatcher == "alltoall":
+        return 1.0, 1.0
+    E, k = model.num_experts, model.top_k
+    G, N = cluster.num_gpus, cluster.nodes
+    nv = _hit_probability(E, k, E / G) * G / k
+    rdma = _hit_probability(E, k, E / N) * N / k if N > 1 else 1.0
+    return float(nv), float(rdma)
+
+
+def dispatch_traffic(src_gpu: np.ndarray, target_gpus: np.ndarray, cluster: ClusterSpec) -> dict[str, np.ndarray]:
+    """Token copies each GPU sends and receives on NVLink and RDMA for one dispatch, counted token by token.
+
+    Args:
+        src_gpu: int ``[T]`` GPU whose attention produced each token.
+        target_gpus: int ``[T, k]`` GPU serving each of the token's k (token, expert) pairs.
+        cluster: the fabric and its ``dispatcher``.
+
+    Returns:
+        ``{"nvlink_tx", "nvlink_rx", "rdma_tx", "rdma_rx"}``, float64 ``[G]`` copies (multiply by the token bytes).
+        ``alltoall``: every pair with target g is one copy, counted on the links of class (j, g) at j's tx and
+        g's rx (nv: NVLink; sr: RDMA; cr: both), as the cost model counts it. ``deepep``: one NVLink copy from j
+        to every distinct other target GPU in j's node; one RDMA copy from j to the rail-``rail(j)`` GPU r of every
+        other node holding a target, then one NVLink copy from r to every distinct target GPU there other than r.
+    """
+    src = np.asarray(src_gpu, dtype=np.int64).reshape(-1)
+    tg = np.asarray(target_gpus, dtype=np.int64)
+    if tg.ndim != 2 or tg.shape[0] != src.shape[0]:
+        raise PlanError(f"target_gpus has shape {tg.shape}, expected [{src.shape[0]}, k] for {src.shape[0]} tokens")
+    G, P = cluster.num_gpus, cluster.gpus_per_node
+    for name, a in (("src_gpu", src), ("target_gpus", tg)):
+        if a.size and (a.min() < 0 or a.max() >= G):
+            raise PlanError(f"{name} holds GPU {int(a[(a < 0) | (a >= G)].flat[0])}, outside [0, {G})")
+    out = {k: np.zeros(G) for k in ("nvlink_tx", "nvlink_rx", "rdma_tx", "rdma_rx")}
+    cls = cluster.link_classes
+    for j, row in zip(src.tolist(), tg.tolist()):
+        if cluster.dispatcher == "alltoall":
+            for g in row:
+                c = cls[j, g]
+                if c in (NV, CR):
+                    out["nvlink_tx"][j] += 1
+                    out["nvlink_rx"][g] += 1
+                if c in (SR, CR):
+                    out["rdma_tx"][j] += 1
+                    out["rdma_rx"][g] += 1
+            continue
+        for g in sorted(set(row)):
+            if g == j:
+                continue
+            if g // P == j // P:
+                out["nvlink_tx"][j] += 1
+                out["nvlink_rx"][g] += 1
+            else:
+                r = (g // P) * P + j % P
+                if g != r:
+                    out["nvlink_tx"][r] += 1
+                    out["nvlink_rx"][g] += 1
+        for n in sorted({g // P for g in row} - {j // P}):
+            out["rdma_tx"][j] += 1
+            out["rdma_rx"][n * P + j % P] += 1
+    return out
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """An expert-parallel group on a rail-optimized cluster.
 
@@ -122,6 +239,13 @@ class ClusterSpec:
         flops: effective dense FLOP/s of one GPU for the expert GEMMs (bf16).
         attn_flops: effective FLOP/s for attention (defaults to ``flops``).
         name: preset name.
+        dispatcher: how the token dispatch moves tokens (``DISPATCHERS``): ``alltoall`` (Megatron's all-to-all
+            dispatcher: one copy per (token, expert) pair) or ``deepep`` (DeepEP normal kernels: one RDMA copy per
+            (token, remote node), forwarded over NVLink to each target GPU, one copy per (token, GPU)).
+            ``nvlink_bw`` / ``rdma_bw`` are the bandwidths that dispatcher achieves (docs/method.md, "Rates").
+        gemm_curve: measured expert-GEMM throughput ``((rows_per_expert, FLOP/s), ...)`` sorted by rows (empty when
+            not measured); ``expert_flops_at`` interpolates it. The cost model charges ``flops`` (the rate at the
+            profile's rows per expert), see :meth:`rates`.
     """
 
     nodes: int
@@ -131,6 +255,8 @@ class ClusterSpec:
     flops: float = 700e12
     attn_flops: float | None = None
     name: str = "custom"
+    dispatcher: str = "alltoall"
+    gemm_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for f in ("nodes", "gpus_per_node"):
@@ -143,6 +269,37 @@ class ClusterSpec:
             if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
                     or not np.isfinite(v) or not v > 0:
                 raise ValueError(f"ClusterSpec.{f} must be a finite number > 0, got {v!r}")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"ClusterSpec.dispatcher must be one of {list(DISPATCHERS)}, got {self.dispatcher!r}")
+        curve = tuple((float(r), float(f)) for r, f in self.gemm_curve)
+        for r, f in curve:
+            if not (np.isfinite(r) and r > 0 and np.isfinite(f) and f > 0):
+                raise ValueError(f"ClusterSpec.gemm_curve point ({r}, {f}) must hold a finite rows > 0 and "
+                                 f"FLOP/s > 0")
+        if any(b[0] <= a[0] for a, b in zip(curve, curve[1:])):
+            raise ValueError(f"ClusterSpec.gemm_curve must be sorted by strictly increasing rows, got "
+                             f"{[r for r, _ in curve]}")
+        object.__setattr__(self, "gemm_curve", curve)
+
+    def expert_flops_at(self, rows_per_expert: float) -> float:
+        """Expert-GEMM FLOP/s with ``rows_per_expert`` rows per expert: the measured ``gemm_curve`` interpolated
+        linearly in log(rows) and held constant beyond its ends; ``flops`` when there is no curve."""
+        if not self.gemm_curve:
+            return float(self.flops)
+        rows = np.log([r for r, _ in self.gemm_curve])
+        fl = [f for _, f in self.gemm_curve]
+        return float(np.interp(np.log(max(float(rows_per_expert), 1e-12)), rows, fl))
+
+    def rates(self, model: ModelSpec) -> Rates:
+        """The effective rates the cost model, the planners and ``timing`` charge for ``model`` on this cluster:
+        the one accessor of the rates (a cluster profile overrides them by building the ClusterSpec)."""
+        nv_copies, rdma_copies = dispatch_copies_per_pair(model, self)
+        return Rates(expert_flops=float(self.flops), attention_flops=float(self.attention_flops),
+                     nvlink_bw=float(self.nvlink_bw), rdma_bw=float(self.rdma_bw),
+                     nvlink_copies=nv_copies, rdma_copies=rdma_copies,
+                     sec_per_pair=model.flops_per_token_expert / float(self.flops),
+                     nvlink_sec_per_pair=model.token_bytes * nv_copies / float(self.nvlink_bw),
+                     rdma_sec_per_pair=model.token_bytes * rdma_copies / float(self.rdma_bw))
 
     @property
     def num_gpus(self) -> int:
@@ -217,19 +374,105 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                              num_heads=16, num_kv_heads=16, head_dim=128),
 }
 
-# hopper-rail: 8 GPUs per node, NVLink 900 GB/s bidirectional (450 GB/s per direction effective),
-# 8 x 400 Gb/s rail-optimized RDMA per node (50 GB/s per GPU per direction), 700 TFLOP/s bf16.
-_HOPPER = dict(nvlink_bw=450e9, rdma_bw=50e9, flops=700e12)
+# Every rate below cites its source in docs/method.md ("Rates"); bandwidths are bytes/s per GPU per direction.
+# "links" maps a dispatcher to the (NVLink, RDMA) bandwidth it achieves.
+_H100_LIKE = dict(flops=413e12, attn_flops=520e12,
+                  links={"alltoall": (370e9, 48e9), "deepep": (370e9, 43e9)})
+CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
+    # raw link rates of the paper's cluster (the project's first preset): NVLink 900 GB/s bidirectional (450 per
+    # direction), 8 x 400 Gb/s rail-optimized RDMA per node (50 GB/s per GPU), 700 TFLOP/s (71% of dense bf16 peak)
+    "hopper-rail": dict(flops=700e12, attn_flops=None, links={"alltoall": (450e9, 50e9), "deepep": (450e9, 50e9)}),
+    # H100 SXM, NVLink 4, one CX-7 400 Gb/s NIC per GPU on its rail: achieved rates from public measurements
+    "h100": _H100_LIKE,
+    # H200 SXM: the H100's tensor cores, NVLink 4 and NICs (more and faster HBM); no separate public MoE figures
+    "h200": _H100_LIKE,
+    # H800: the H100's tensor cores, NVLink cut to 400 GB/s bidirectional (DeepEP: ~160 GB/s achievable)
+    "h800": dict(flops=413e12, attn_flops=520e12, links={"alltoall": (160e9, 48e9), "deepep": (153e9, 43e9)}),
+}
+
+DEFAULT_CLUSTER = "h100"
+"""The preset ``relibra`` commands and ``cluster_preset`` use by default: the paper's cluster class (Hopper, NVLink
+900 GB/s, 8 x 400 Gb/s rails) at the rates public kernels achieve on it (docs/method.md, "Rates");
+``hopper-rail`` (the raw link rates) stays available by name."""
 
 
-def cluster_preset(name: str = "hopper-rail", nodes: int = 1, gpus_per_node: int = 8) -> ClusterSpec:
+def cluster_preset(name: str = DEFAULT_CLUSTER, nodes: int = 1, gpus_per_node: int = 8,
+                   dispatcher: str = "alltoall") -> ClusterSpec:
     """A ClusterSpec from a named fabric; ``nodes`` x ``gpus_per_node`` sizes the EP group.
 
-    Known fabrics: ``hopper-rail`` (the paper's cluster, the ReLibra paper's evaluation setup).
+    Known fabrics (``CLUSTER_PRESETS``): ``h100`` (default), ``h200``, ``h800`` (achieved rates of public
+    measurements) and ``hopper-rail`` (the raw link rates of the paper's cluster). ``dispatcher`` (``DISPATCHERS``)
+    picks the token traffic and the bandwidths that dispatcher achieves.
     """
-    if name != "hopper-rail":
-        raise ValueError(f"unknown cluster preset {name!r}; known: ['hopper-rail']")
-    return ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, name=name, **_HOPPER)
+    if name not in CLUSTER_PRESETS:
+        raise ValueError(f"unknown cluster preset {name!r}; known: {sorted(CLUSTER_PRESETS)}")
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"dispatcher must be one of {list(DISPATCHERS)}, got {dispatcher!r}")
+    p = CLUSTER_PRESETS[name]
+    nv, rdma = p["links"][dispatcher]
+    return ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, name=name, nvlink_bw=nv, rdma_bw=rdma,
+                       flops=p["flops"], attn_flops=p["attn_flops"], dispatcher=dispatcher)
+
+
+PROFILE_FORMAT = "relibra-cluster-profile"
+PROFILE_VERSION = 1
+_PROFILE_RATES = ("flops", "attn_flops", "nvlink_bw", "rdma_bw")
+
+
+def cluster_profile(cluster: ClusterSpec, source: str, measurements: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON-able cluster profile of ``cluster`` (``relibra calibrate`` writes it; ``load_cluster_profile``
+    reads it): its rates, dispatcher, GPUs per node and GEMM curve, where they came from (``source``) and the raw
+    ``measurements``. The EP group size (nodes) is not part of a profile: the run picks it."""
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": cluster.name, "source": source,
+            "dispatcher": cluster.dispatcher, "gpus_per_node": cluster.gpus_per_node,
+            "flops": float(cluster.flops), "attn_flops": float(cluster.attention_flops),
+            "nvlink_bw": float(cluster.nvlink_bw), "rdma_bw": float(cluster.rdma_bw),
+            "gemm_curve": [[float(r), float(f)] for r, f in cluster.gemm_curve],
+            "measurements": measurements or {}}
+
+
+def cluster_from_profile(profile: dict[str, Any], nodes: int, gpus_per_node: int | None = None,
+                         where: str = "cluster profile") -> ClusterSpec:
+    """The ClusterSpec of a profile dict (see ``cluster_profile``) with ``nodes`` nodes.
+
+    ``gpus_per_node`` (optional) must match the profile's: its NVLink rate was measured inside such a node.
+    Raises PlanError naming the field and value for a malformed profile.
+    """
+    if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
+        got = profile.get("format") if isinstance(profile, dict) else type(profile).__name__
+        raise PlanError(f"{where}: format is {got!r}, expected {PROFILE_FORMAT!r}")
+    if profile.get("version") != PROFILE_VERSION:
+        raise PlanError(f"{where}: version is {profile.get('version')!r}, expected {PROFILE_VERSION}")
+    missing = [k for k in (*_PROFILE_RATES, "dispatcher", "gpus_per_node") if k not in profile]
+    if missing:
+        raise PlanError(f"{where}: missing field(s) {missing}")
+    gpn = profile["gpus_per_node"]
+    if gpus_per_node is not None and gpn != gpus_per_node:
+        raise PlanError(f"{where}: gpus_per_node is {gpn!r} in the profile, the run asks for {gpus_per_node}")
+    try:
+        return ClusterSpec(nodes=nodes, gpus_per_node=gpn, name=str(profile.get("name", "profile")),
+                           dispatcher=profile["dispatcher"],
+                           gemm_curve=tuple(tuple(p) for p in profile.get("gemm_curve", ())),
+                           **{k: profile[k] for k in _PROFILE_RATES})
+    except (ValueError, TypeError) as e:
+        raise PlanError(f"{where}: {e}") from None
+
+
+def save_cluster_profile(path: str | os.PathLike, profile: dict[str, Any]) -> None:
+    """Write a profile dict as JSON (sorted keys, so the file is byte-stable)."""
+    with open(path, "w") as f:
+        json.dump(profile, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+def load_cluster_profile(path: str | os.PathLike, nodes: int, gpus_per_node: int | None = None) -> ClusterSpec:
+    """The ClusterSpec of the cluster profile file ``path`` with ``nodes`` nodes (PlanError for a bad file)."""
+    try:
+        with open(path) as f:
+            profile = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"cluster profile {os.fspath(path)!r}: {e}") from None
+    return cluster_from_profile(profile, nodes, gpus_per_node, where=f"cluster profile {os.fspath(path)!r}")
 
 
 def model_preset(name: str) -> ModelSpec:

@@ -1,7 +1,7 @@
 """Step-time arithmetic, each formula defined once: attention, transfers, move bytes, the MoE step formula.
 
-Every constant comes from ``ModelSpec`` and ``ClusterSpec`` (``F`` = ``cluster.flops``, ``F_attn`` =
-``cluster.attention_flops``, ``B_nv`` = ``cluster.nvlink_bw``, ``B_rdma`` = ``cluster.rdma_bw``). The
+Every constant comes from ``ModelSpec`` and ``ClusterSpec.rates`` (``F`` = ``expert_flops``, ``F_attn`` =
+``attention_flops``, ``B_nv`` = ``nvlink_bw``, ``B_rdma`` = ``rdma_bw``; a cluster profile overrides them). The
 simulator (``relibra_moe.sim``), the replication pass and the migration pricing of the planners all
 charge time through these functions; docs/method.md ("Step time") derives them.
 
@@ -65,12 +65,13 @@ def local_stage(lengths: np.ndarray, micro_batch: np.ndarray, gpu: np.ndarray, n
     gpu = np.asarray(gpu, dtype=np.int64)
     M, G = int(num_micro_batches), cluster.num_gpus
     attn = np.zeros((M, G))
-    np.add.at(attn, (mb, gpu), attention_flops(lengths, model) / cluster.attention_flops)
+    rates = cluster.rates(model)
+    np.add.at(attn, (mb, gpu), attention_flops(lengths, model) / rates.attention_flops)
     if model.shared_experts:
         toks = np.zeros((M, G))
         np.add.at(toks, (mb, gpu), lengths.astype(np.float64))
         shared_ffn = model.shared_ffn or model.ffn
-        attn += 6.0 * model.hidden * shared_ffn * model.shared_experts * toks / cluster.flops
+        attn += 6.0 * model.hidden * shared_ffn * model.shared_experts * toks / rates.expert_flops
     return attn
 
 

@@ -54,7 +54,7 @@ def test_compare_single_batch_matches_library(trace_file, tmp_path, capsys):
         assert name in text
     assert "sum T_MoE" in text and "moves free" in text
     model = model_preset("gpt-oss-20b").with_(num_layers=2)
-    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=2)
+    cluster = cluster_preset(nodes=2, gpus_per_node=2)  # the default preset
     small = restrict_layers(TraceBatch.load(path), 2)
     for name, v in res["strategies"].items():
         r = 1 if name != "static" else 0

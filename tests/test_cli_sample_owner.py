@@ -13,7 +13,7 @@ from relibra_moe.cli import main
 from relibra_moe.plan import BatchPlan
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.sim import simulate_step
-from relibra_moe.specs import cluster_preset, model_preset
+from relibra_moe.specs import DEFAULT_CLUSTER, cluster_preset, model_preset
 from relibra_moe.steady import consecutive_batches, restrict_layers
 from relibra_moe.trace import RoutingTrace, TraceBatch
 
@@ -45,7 +45,7 @@ MODEL2 = ["--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2"]
 
 def _model(layers=None):
     model = model_preset("gpt-oss-20b")
-    return (model.with_(num_layers=layers) if layers else model), cluster_preset("hopper-rail", nodes=2,
+    return (model.with_(num_layers=layers) if layers else model), cluster_preset(DEFAULT_CLUSTER, nodes=2,
                                                                                  gpus_per_node=2)
 
 

@@ -44,13 +44,13 @@ def test_simulate_json_matches_library(files, capsys):
     batch, plan, trace_path, plan_path, model = files
     assert main(["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=4)
+    cluster = cluster_preset(nodes=2, gpus_per_node=4)  # the default preset (h100, Megatron's all-to-all)
     x = batch.loads(plan.samples.gpu, 8, plan.samples.micro_batch)
     ref = simulate_loads(plan, batch.lengths, x, model, cluster)
     assert out["step_s"] == pytest.approx(ref.step_s)
     assert out["tokens"] == batch.num_tokens
     assert out["tokens_per_s"] == pytest.approx(batch.num_tokens / ref.step_s)
-    assert out["cluster"] == {"name": "hopper-rail", "nodes": 2, "gpus_per_node": 4}
+    assert out["cluster"] == {"name": "h100", "nodes": 2, "gpus_per_node": 4, "dispatcher": "alltoall"}
     assert out["strategy"] == "handmade" and out["replica_mode"] == "per-layer"
     assert out["experts_moved"] == ref.experts_moved > 0
     assert sum(out["breakdown"].values()) == pytest.approx(out["step_s"])
@@ -127,3 +127,33 @@ def test_plan_score_and_simulate_report_the_same_step(tmp_path, capsys):
     assert first["experts_moved"] > 0
     static_charge = run(["score", str(trace), str(tmp_path / "b.npz"), "--model", "qwen3-30b-a3b", "--json"])
     assert static_charge["experts_moved"] != second["experts_moved"]
+
+
+def test_simulate_cluster_profile_and_dispatcher(files, capsys, tmp_path):
+    """--cluster-profile FILE charges the profile's rates and dispatcher; --dispatcher deepep the preset's DeepEP
+    rates and traffic; a --dispatcher that contradicts the profile is refused."""
+    from relibra_moe.specs import cluster_profile, save_cluster_profile
+
+    batch, plan, trace_path, plan_path, model = files
+    x = batch.loads(plan.samples.gpu, 8, plan.samples.micro_batch)
+    prof = cluster_preset("h800", nodes=1, gpus_per_node=4, dispatcher="deepep").with_(flops=123e12)
+    path = tmp_path / "p.json"
+    save_cluster_profile(path, cluster_profile(prof, "test"))
+    assert main(["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b", "--json",
+                 "--cluster-profile", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = simulate_loads(plan, batch.lengths, x, model, prof.with_(nodes=2))
+    assert out["step_s"] == pytest.approx(ref.step_s)
+    assert out["cluster"] == {"name": "h800", "nodes": 2, "gpus_per_node": 4, "dispatcher": "deepep"}
+    assert main(["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b", "--json",
+                 "--dispatcher", "deepep"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ref = simulate_loads(plan, batch.lengths, x, model, cluster_preset(nodes=2, gpus_per_node=4, dispatcher="deepep"))
+    assert out["step_s"] == pytest.approx(ref.step_s)
+    assert main(["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b", "--cluster-profile",
+                 str(path), "--dispatcher", "alltoall"]) == 1
+    assert "--dispatcher alltoall differs from the profile" in capsys.readouterr().err
+    path.write_text("{}")
+    assert main(["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b", "--cluster-profile",
+                 str(path)]) == 1
+    assert "PlanError" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-STAGES = ("env", "tests", "kernels", "layer", "graph")
+STAGES = ("env", "tests", "kernels", "layer", "graph", "calibrate")
 
 
 def _summary(out: Path) -> dict[str, str]:
@@ -40,6 +40,9 @@ def test_dry_run_passes_every_stage(tmp_path):
     graph = json.loads((tmp_path / "graph.json").read_text())
     assert graph["ok"] and graph["eager_bitwise_deterministic"] and graph["capture"].startswith("not run")
     assert (tmp_path / "tests.xml").exists() and (tmp_path / "tests.log").exists()
+    prof = json.loads((tmp_path / "cluster_profile.json").read_text())
+    assert prof["name"] == "h200" and prof["measurements"] == {"dry_run": True}
+    assert "dry run: nothing measured" in (tmp_path / "calibrate.log").read_text()
 
 
 def test_a_failing_stage_does_not_stop_the_others(tmp_path):

@@ -9,4 +9,5 @@ COMMAND_MODULES = (
     "relibra_moe.commands.simulate",  # relibra simulate
     "relibra_moe.commands.demo",      # relibra demo
     "relibra_moe.commands.compare",   # relibra compare
+    "relibra_moe.commands.calibrate",  # relibra calibrate
 )

@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
+from ..specs import DEFAULT_CLUSTER
 from .plan import (
+    add_cluster_args,
     add_model_args,
     add_sample_owner_flags,
     check_trace_fits,
@@ -49,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "moved, rank skew, solve seconds. --batches K: the steady state of K consecutive batches.")
     p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
     add_model_args(p)
-    p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
+    add_cluster_args(p)
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--strategies", default=DEFAULT_COMPARE,
@@ -92,10 +94,11 @@ def parse_strategies(text: str) -> list[str]:
 
 
 def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: int = 8, *,
-                 strategies: str = DEFAULT_COMPARE, cluster_name: str = "hopper-rail", replica_slots: int = 2,
+                 strategies: str = DEFAULT_COMPARE, cluster_name: str = DEFAULT_CLUSTER, replica_slots: int = 2,
                  micro_batch_size: int | None = None, layers: int | None = None, batches: int = 1,
                  rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1,
-                 sample_owner: str = "planner", sample_gpu_path: str | None = None) -> dict[str, Any]:
+                 sample_owner: str = "planner", sample_gpu_path: str | None = None,
+                 cluster_profile: str | None = None, dispatcher: str | None = None) -> dict[str, Any]:
     """Load the trace, run the comparison, return the JSON-ready result (what ``--json OUT`` writes).
 
     ``sample_owner``: "planner", "trainer" or "both" (``steady.run_steady``); ``sample_gpu_path``: the trainer's
@@ -121,7 +124,7 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     if layers is not None and layers < 1:
         raise PlanError(f"--layers={layers} must be >= 1")
     model = model_by_name(model_name)
-    cluster = cluster_by_name(cluster_name, nodes, gpus_per_node)
+    cluster = cluster_by_name(cluster_name, nodes, gpus_per_node, cluster_profile, dispatcher)
     batch = TraceBatch.load(trace_path)
     check_trace_fits(batch, model, trace_path)
     if micro_batch_size is not None:
@@ -160,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
                        cluster_name=args.cluster, replica_slots=args.replica_slots,
                        micro_batch_size=args.micro_batch_size, layers=args.layers, batches=args.batches,
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
-                       workers=args.workers, sample_owner=args.sample_owner, sample_gpu_path=args.sample_gpu)
+                       workers=args.workers, sample_owner=args.sample_owner, sample_gpu_path=args.sample_gpu,
+                       cluster_profile=args.cluster_profile, dispatcher=args.dispatcher)
     console = Console()
     if not console.is_terminal:  # a pipe or a file: keep the table's rows and title unwrapped
         console = Console(width=max(console.width, 160))

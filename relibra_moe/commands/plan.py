@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import PlanError
+from ..specs import DEFAULT_CLUSTER
 
 if TYPE_CHECKING:
     from ..plan import BatchPlan, Placement
@@ -62,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Plan the batch in TRACE with a strategy, write the plan (.npz) and print its exact cost.")
     p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
     add_model_args(p)
-    p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
+    add_cluster_args(p)
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--strategy", required=True, choices=_strategy_registry(), help="planning strategy")
@@ -110,7 +111,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("trace", help="trace file (.npz)")
     s.add_argument("plan", help="plan file (.npz from `relibra plan`)")
     add_model_args(s)
-    s.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
+    add_cluster_args(s)
     s.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
     s.add_argument("--previous", default=None, metavar="PLAN.npz",
                    help="charge the simulated step's expert moves against this plan's placement (default: static)")
@@ -190,14 +191,37 @@ def model_by_name(name: str | ModelSpec) -> ModelSpec:
         raise PlanError(str(exc)) from None
 
 
-def cluster_by_name(name: str, nodes: int, gpus_per_node: int) -> ClusterSpec:
-    """The cluster fabric preset ``name`` with ``nodes`` x ``gpus_per_node`` GPUs (PlanError for a bad one)."""
-    from ..specs import cluster_preset
+def cluster_by_name(name: str, nodes: int, gpus_per_node: int, profile: str | None = None,
+                    dispatcher: str | None = None) -> ClusterSpec:
+    """The cluster of a command: the cluster profile file ``profile`` (``relibra calibrate``) when given, else the
+    fabric preset ``name``, with ``nodes`` x ``gpus_per_node`` GPUs; ``dispatcher`` overrides the preset's
+    (``alltoall``) and must match a profile's. PlanError for a bad name, file or mismatch."""
+    from ..specs import cluster_preset, load_cluster_profile
 
+    if profile is not None:
+        cluster = load_cluster_profile(profile, nodes, gpus_per_node)
+        if dispatcher is not None and dispatcher != cluster.dispatcher:
+            raise PlanError(f"--dispatcher {dispatcher} differs from the profile {profile}'s dispatcher "
+                            f"{cluster.dispatcher!r} (its bandwidths were measured for that one)")
+        return cluster
     try:
-        return cluster_preset(name, nodes=nodes, gpus_per_node=gpus_per_node)
+        return cluster_preset(name, nodes=nodes, gpus_per_node=gpus_per_node, dispatcher=dispatcher or "alltoall")
     except ValueError as exc:
         raise PlanError(str(exc)) from None
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """``--cluster``, ``--cluster-profile`` and ``--dispatcher``: the flags ``cluster_by_name`` reads."""
+    from ..specs import CLUSTER_PRESETS, DEFAULT_CLUSTER, DISPATCHERS
+
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER,
+                   help=f"cluster fabric preset: {', '.join(sorted(CLUSTER_PRESETS))} (default: {DEFAULT_CLUSTER}; "
+                        "rates and sources in docs/method.md)")
+    p.add_argument("--cluster-profile", default=None, metavar="FILE",
+                   help="cluster profile JSON from `relibra calibrate` (replaces --cluster's rates)")
+    p.add_argument("--dispatcher", default=None, choices=DISPATCHERS,
+                   help="token dispatcher whose traffic and bandwidths are charged (default: alltoall, or the "
+                        "profile's)")
 
 
 def check_trace_fits(batch: TraceBatch, model: ModelSpec, path: str) -> None:
@@ -207,12 +231,14 @@ def check_trace_fits(batch: TraceBatch, model: ModelSpec, path: str) -> None:
                         f"model {model.name} has {model.num_layers} and {model.num_experts}")
 
 
-def cluster_of_plan(plan: BatchPlan, plan_path: str, cluster_name: str) -> ClusterSpec:
-    """The ClusterSpec a plan file was made for: its ``num_gpus`` / ``gpus_per_node`` on fabric ``cluster_name``."""
+def cluster_of_plan(plan: BatchPlan, plan_path: str, cluster_name: str, profile: str | None = None,
+                    dispatcher: str | None = None) -> ClusterSpec:
+    """The ClusterSpec a plan file was made for: its ``num_gpus`` / ``gpus_per_node`` on fabric ``cluster_name``
+    (or the cluster profile ``profile``, see ``cluster_by_name``)."""
     if plan.num_gpus % plan.gpus_per_node:
         raise PlanError(f"plan {plan_path}: num_gpus={plan.num_gpus} is not a multiple of "
                         f"gpus_per_node={plan.gpus_per_node}")
-    return cluster_by_name(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node)
+    return cluster_by_name(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node, profile, dispatcher)
 
 
 def load_previous(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str = "--previous") -> Placement:
@@ -276,7 +302,8 @@ def load_history(paths: list[str], model: ModelSpec) -> np.ndarray:
     return np.stack(loads).astype(np.int64)
 
 
-def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str
+def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str,
+                profile: str | None = None, dispatcher: str | None = None
                 ) -> tuple[ModelSpec, TraceBatch, BatchPlan, ClusterSpec]:
     """``(model, batch, plan, cluster)`` for ``relibra score`` / ``relibra simulate``: the preset, the trace
     (checked against the model), the plan file and the cluster it was made for."""
@@ -287,7 +314,7 @@ def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cl
     batch = TraceBatch.load(trace_path)
     check_trace_fits(batch, model, trace_path)
     plan = BatchPlan.load(plan_path)
-    return model, batch, plan, cluster_of_plan(plan, plan_path, cluster_name)
+    return model, batch, plan, cluster_of_plan(plan, plan_path, cluster_name, profile, dispatcher)
 
 
 def _score(plan, batch, model, cluster, balanced: bool, allow_unfingerprinted: bool = False) -> dict[str, Any]:
@@ -323,7 +350,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     from ..trace import TraceBatch
 
     model = model_from_args(args)
-    cluster = cluster_by_name(args.cluster, args.nodes, args.gpus_per_node)
+    cluster = cluster_by_name(args.cluster, args.nodes, args.gpus_per_node, args.cluster_profile, args.dispatcher)
     batch = TraceBatch.load(args.trace)
     check_trace_fits(batch, model, args.trace)
     if args.replica_slots and args.strategy not in REPLICA_STRATEGIES:
@@ -353,7 +380,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
         batch = batch.with_micro_batch_size(args.micro_batch_size)
     out: dict[str, Any] = {"trace": str(args.trace), "plan": str(args.out), "model": model.name,
                            "cluster": {"name": cluster.name, "nodes": cluster.nodes,
-                                       "gpus_per_node": cluster.gpus_per_node}}
+                                       "gpus_per_node": cluster.gpus_per_node, "dispatcher": cluster.dispatcher}}
     out.update(_score(plan, batch, model, cluster, args.balanced))
     out.update(_step(plan, batch, model, cluster, previous, args.previous))
     out["solve_seconds"] = float(plan.stats["solve_seconds"])
@@ -364,17 +391,18 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def score_file(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str = "hopper-rail",
-               balanced: bool = False, previous_path: str | None = None,
-               allow_unfingerprinted: bool = False) -> dict[str, Any]:
+def score_file(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str = DEFAULT_CLUSTER,
+               balanced: bool = False, previous_path: str | None = None, allow_unfingerprinted: bool = False,
+               cluster_profile: str | None = None, dispatcher: str | None = None) -> dict[str, Any]:
     """Load a trace and a plan file, score the plan (what ``relibra score --json`` prints): Σ T_MoE (moves free)
     and the simulated step (moves charged against ``previous_path``'s placement, else the static one).
     ``allow_unfingerprinted``: accept a plan without a batch fingerprint (``check_plan_batch``)."""
-    model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name)
+    model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name, cluster_profile,
+                                              dispatcher)
     previous = load_previous(previous_path, model, cluster) if previous_path else None
     out: dict[str, Any] = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
                            "cluster": {"name": cluster.name, "nodes": cluster.nodes,
-                                       "gpus_per_node": cluster.gpus_per_node}}
+                                       "gpus_per_node": cluster.gpus_per_node, "dispatcher": cluster.dispatcher}}
     out.update(_score(plan, batch, model, cluster, balanced, allow_unfingerprinted))
     out.update(_step(plan, batch, model, cluster, previous, previous_path, allow_unfingerprinted))
     out["sample_owner"] = plan.stats.get("sample_owner", "planner")
@@ -411,5 +439,5 @@ def run_plan(args: argparse.Namespace) -> int:
 def run_score(args: argparse.Namespace) -> int:
     """``relibra score``: re-score a plan file; exit status 0."""
     _print(score_file(args.trace, args.plan, model_from_args(args), args.cluster, args.balanced, args.previous,
-                      args.allow_unfingerprinted), args.json)
+                      args.allow_unfingerprinted, args.cluster_profile, args.dispatcher), args.json)
     return 0

@@ -10,8 +10,9 @@ import argparse
 import json
 from typing import Any
 
+from ..specs import DEFAULT_CLUSTER
 from ..timing import REPLICA_MODES
-from .plan import add_model_args, load_inputs, load_previous, model_from_args
+from .plan import add_cluster_args, add_model_args, load_inputs, load_previous, model_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
     p.add_argument("plan", help="plan file (.npz from `relibra plan`)")
     add_model_args(p)
-    p.add_argument("--cluster", default="hopper-rail", help="cluster fabric preset (default: hopper-rail)")
+    add_cluster_args(p)
     p.add_argument("--previous", default=None,
                    help="plan file whose placement precedes this one (default: the static placement)")
     p.add_argument("--optimizer-bytes", type=float, default=None,
@@ -38,21 +39,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_name: str = "hopper-rail",
+def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_name: str = DEFAULT_CLUSTER,
                    previous_path: str | None = None, optimizer_bytes: float | None = None,
-                   replica_mode: str = "auto", allow_unfingerprinted: bool = False) -> dict[str, Any]:
+                   replica_mode: str = "auto", allow_unfingerprinted: bool = False,
+                   cluster_profile: str | None = None, dispatcher: str | None = None) -> dict[str, Any]:
     """Load the files, simulate, return the JSON-ready result (what ``--json`` prints); ``allow_unfingerprinted``
     accepts a plan without a batch fingerprint (``check_plan_batch``)."""
     from ..sim import simulate_step
     from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
 
-    model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name)
+    model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name, cluster_profile,
+                                              dispatcher)
     previous = load_previous(previous_path, model, cluster) if previous_path else None
     opt = DEFAULT_OPTIMIZER_BYTES_PER_PARAM if optimizer_bytes is None else optimizer_bytes
     step = simulate_step(plan, batch, model, cluster, previous=previous, optimizer_bytes_per_param=opt,
                          replica_mode=replica_mode, allow_missing_fingerprint=allow_unfingerprinted)
     out = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
-           "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
+           "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
+                       "dispatcher": cluster.dispatcher},
            "strategy": plan.stats.get("strategy"), "num_micro_batches": plan.num_micro_batches,
            "replica_slots": plan.replica_slots, "sample_owner": plan.stats.get("sample_owner", "planner")}
     out.update(step.to_dict())
@@ -62,7 +66,8 @@ def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_nam
 def run(args: argparse.Namespace) -> int:
     """``relibra simulate``: print the simulated step (JSON or a table); exit status 0."""
     res = simulate_files(args.trace, args.plan, model_from_args(args), args.cluster, args.previous,
-                         args.optimizer_bytes, args.replica_mode, args.allow_unfingerprinted)
+                         args.optimizer_bytes, args.replica_mode, args.allow_unfingerprinted, args.cluster_profile,
+                         args.dispatcher)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

@@ -36,15 +36,14 @@ def cluster_constants(model: ModelSpec, cluster: ClusterSpec) -> tuple[np.ndarra
     """``(nvm [G, G], rdm [G, G], cc, tnv, trd)`` for the numba kernels.
 
     nvm / rdm: float64 masks of source -> target pairs carried by NVLink ({nv, cr}) / RDMA ({sr, cr});
-    cc: seconds of expert compute per (token, expert) pair; tnv / trd: seconds per token on NVLink / RDMA.
+    cc: seconds of expert compute per (token, expert) pair; tnv / trd: seconds per pair on NVLink / RDMA (the
+    dispatcher's copies per pair included), all from ``ClusterSpec.rates``.
     """
     cls = cluster.link_classes
     nvm = ((cls == NV) | (cls == CR)).astype(np.float64)
     rdm = ((cls == SR) | (cls == CR)).astype(np.float64)
-    cc = model.flops_per_token_expert / cluster.flops
-    tnv = model.token_bytes / cluster.nvlink_bw
-    trd = model.token_bytes / cluster.rdma_bw
-    return nvm, rdm, float(cc), float(tnv), float(trd)
+    r = cluster.rates(model)
+    return nvm, rdm, float(r.sec_per_pair), float(r.nvlink_sec_per_pair), float(r.rdma_sec_per_pair)
 
 
 def lpt_placement(expert_load: np.ndarray, num_gpus: int) -> np.ndarray:

@@ -65,9 +65,9 @@ class CellWeights:
 
 def cell_weights(model: ModelSpec, cluster: ClusterSpec) -> CellWeights:
     """Token-unit weights of the cost model for ``model`` on ``cluster``."""
-    spt = model.flops_per_token_expert / cluster.flops
-    tb = float(model.token_bytes)
-    return CellWeights(spt, 2.0 * tb / cluster.nvlink_bw / spt, 2.0 * tb / cluster.rdma_bw / spt)
+    r = cluster.rates(model)
+    spt = r.sec_per_pair
+    return CellWeights(spt, 2.0 * r.nvlink_sec_per_pair / spt, 2.0 * r.rdma_sec_per_pair / spt)
 
 
 @dataclass(frozen=True)
