@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import placement_loads
-from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
 from . import baselines
@@ -23,7 +23,7 @@ from .executor import FallbackLog, TaskExecutor
 from .locality import anneal_locality
 from .options import PlanOptions
 
-__all__ = ["PlanContext", "make_plan", "baseline_samples", "previous_expert_gpu"]
+__all__ = ["PlanContext", "make_plan", "baseline_samples", "previous_expert_gpu", "start_sample_gpu"]
 
 
 @dataclass
@@ -35,7 +35,8 @@ class PlanContext:
         counts: int64 ``[N, L, E]`` tokens per sample, layer and expert.
         lengths: int64 ``[N]`` tokens per sample.
         micro_batch: int64 ``[N]``; num_micro_batches: M.
-        sample_gpu: int64 ``[N]`` round-robin start.
+        sample_gpu: int64 ``[N]`` the start (round-robin), or the trainer's ranks when it owns the samples
+            (``options.sample_owner == "trainer"``: kept as given by every strategy).
         options: the call's ``PlanOptions``.
         executor: where the planning tasks run.
         fallback_expert_gpu: int64 ``[L, E]`` homes a reorder layer keeps when its tasks fail (None: its start).
@@ -72,6 +73,11 @@ class PlanContext:
     def repack(self) -> bool:
         return self.options.repack
 
+    @property
+    def trainer_owned(self) -> bool:
+        """Whether the trainer owns the sample placement (``micro_batch`` / ``sample_gpu`` are kept as given)."""
+        return self.options.sample_owner == "trainer"
+
     def loads(self, micro_batch: np.ndarray, sample_gpu: np.ndarray) -> np.ndarray:
         """int64 ``[M, L, G, E]`` for a sample placement."""
         return placement_loads(self.batch, micro_batch, sample_gpu, self.num_micro_batches, self.cluster.num_gpus)
@@ -91,6 +97,29 @@ def make_plan(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray,
     return BatchPlan(placement=Placement(expert_gpu),
                      samples=SamplePlacement(micro_batch, sample_gpu, ctx.num_micro_batches),
                      replicas=replicas, num_gpus=G, gpus_per_node=ctx.cluster.gpus_per_node, stats=ctx.stats)
+
+
+def start_sample_gpu(options: PlanOptions, micro_batch: np.ndarray, num_gpus: int) -> np.ndarray:
+    """int64 ``[N]``: every sample's GPU before planning: the trainer's ranks (option ``sample_gpu``, checked
+    here against the batch) when ``sample_owner="trainer"``, else round-robin within each micro-batch.
+
+    Raises:
+        PlanError: ``sample_gpu`` of another length than the batch's N, or a rank outside ``[0, G)`` (naming
+            the index and the value).
+    """
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    if options.sample_owner != "trainer" or options.sample_gpu is None:
+        return round_robin_gpus(mb, num_gpus)
+    sg = np.asarray(options.sample_gpu)
+    if sg.shape != mb.shape:
+        raise PlanError(f"sample_gpu has {sg.shape[0] if sg.ndim == 1 else sg.shape} entries, the batch has "
+                        f"N={mb.shape[0]} samples: give the trainer's rank of every sample")
+    bad = np.flatnonzero((sg < 0) | (sg >= num_gpus))
+    if len(bad):
+        i = int(bad[0])
+        raise PlanError(f"sample_gpu[{i}] = {int(sg[i])} is outside [0, {num_gpus}): the trainer's rank of every "
+                        f"sample must be a GPU of the EP group")
+    return sg.astype(np.int64)
 
 
 def baseline_samples(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -20,7 +20,9 @@ The model here (docs/baselines.md, "eplb-history"):
   default static; ``migration.relabel_to_previous``): the cost is unchanged and fewer experts move, which an
   engine is free to do, so the baseline is never worse for it;
 - samples run round-robin (no routing replay, so nothing to plan them from); ``repack=True`` repacks them
-  as for the other baselines.
+  as for the other baselines; with ``sample_owner="trainer"`` they stay on the trainer's ranks and only the
+  experts are relabelled (the relabelling is then not cost-free, but EPLB never saw this batch's samples,
+  so no labelling of its layout is better informed than another).
 
 Re-balancing every ``n`` batches is the caller's schedule (``EplbSchedule``): between re-balances it hands
 the same history, so the plan, and therefore the placement, is unchanged and nothing moves.
@@ -84,7 +86,7 @@ def strategy_eplb_history(ctx: PlanContext) -> BatchPlan:
     moved_slots[:, perm] = slots
     slots = moved_slots
     mb, sg = baseline_samples(ctx, eg)
-    if not ctx.repack:
+    if not ctx.repack and not ctx.trainer_owned:  # the trainer's samples stay on its ranks
         sg = perm[np.asarray(sg, dtype=np.int64)]
     ctx.stats["eplb_history"]["relabel"] = perm.tolist()
     replicas = None

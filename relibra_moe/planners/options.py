@@ -32,11 +32,14 @@ from ..validate import (
     check_token_counts,
 )
 
-__all__ = ["PlanOptions", "OBJECTIVES", "BALANCED_SOURCES", "DEFAULT_ROUNDS", "DEFAULT_TOL", "FINAL_ITERS_FACTOR",
-           "RELIBRA_STRATEGIES", "REPLICA_STRATEGIES", "HISTORY_STRATEGIES"]
+__all__ = ["PlanOptions", "OBJECTIVES", "BALANCED_SOURCES", "SAMPLE_OWNERS", "DEFAULT_ROUNDS", "DEFAULT_TOL",
+           "FINAL_ITERS_FACTOR", "RELIBRA_STRATEGIES", "REPLICA_STRATEGIES", "HISTORY_STRATEGIES"]
 
 OBJECTIVES = ("batch", "aggregate")
 BALANCED_SOURCES = ("batch", "even")
+SAMPLE_OWNERS = ("planner", "trainer")
+"""Who places the samples: the planner (micro-batch and GPU of every sample are planned) or the trainer (its
+assignment is an input; the planner chooses only expert homes, replicas and splits for it)."""
 DEFAULT_ROUNDS = 2
 """Reorder + locality rounds of relibra / relibra-inter."""
 DEFAULT_TOL = 0.05
@@ -97,6 +100,13 @@ class PlanOptions:
         final_iters: proposals of that pass, int >= 0 (None: ``FINAL_ITERS_FACTOR`` x a round's ``iters``).
         cell_chunk: replication cells per executor task, int >= 1 (None: about 16 tasks per worker).
         replicate: keywords of ``replicate.replicate_cell`` (e.g. ``candidates``, ``polish``).
+        sample_owner: who places the samples (``SAMPLE_OWNERS``): "planner" (default: the strategy chooses every
+            sample's GPU, and its micro-batch with ``repack``) or "trainer" (the trainer's assignment is kept as
+            given: ``micro_batch`` of the batch and ``sample_gpu``; the strategy chooses expert homes, replicas
+            and splits only; ``repack`` is refused).
+        sample_gpu: with ``sample_owner="trainer"``, the trainer's rank of every sample, int ``[N]`` in ``[0, G)``
+            (None: ``plan.round_robin_gpus`` of the micro-batches, what a trainer that does not reorder does);
+            must be None with "planner". Length and range are checked against the batch when planning.
     """
 
     replica_slots: int = 0
@@ -126,6 +136,8 @@ class PlanOptions:
     final_iters: int | None = None
     cell_chunk: int | None = None
     replicate: Mapping[str, Any] = field(default_factory=dict)
+    sample_owner: str = "planner"
+    sample_gpu: Any = None
 
     def __post_init__(self) -> None:
         check_int("replica_slots", self.replica_slots, 0)
@@ -159,6 +171,18 @@ class PlanOptions:
                 raise PlanError(f"history must be [L, E] or [W, L, E] expert loads (numbers, W >= 1), got shape "
                                 f"{h.shape} of dtype {h.dtype}")
             check_token_counts("history", h)
+        check_choice("sample_owner", self.sample_owner, SAMPLE_OWNERS)
+        if self.sample_owner == "trainer" and self.repack:
+            raise PlanError("repack=True lets the planner move samples between micro-batches; with "
+                            "sample_owner='trainer' the trainer's assignment is kept as given: drop one of them")
+        if self.sample_gpu is not None:
+            if self.sample_owner != "trainer":
+                raise PlanError(f"sample_gpu= (the trainer's rank of each sample, shape {np.shape(self.sample_gpu)}) "
+                                f"only applies with sample_owner='trainer', not {self.sample_owner!r}")
+            sg = np.asarray(self.sample_gpu)
+            if sg.ndim != 1 or (sg.size and sg.dtype.kind not in "iu"):
+                raise PlanError(f"sample_gpu must be an int [N] array of ranks, got shape {sg.shape} of dtype "
+                                f"{sg.dtype}")
         if self.previous is not None and not isinstance(self.previous, (Placement, np.ndarray, list, tuple)):
             raise PlanError(f"previous must be a Placement or an int [L, E] array (or None), got "
                             f"{type(self.previous).__name__}")
@@ -218,6 +242,9 @@ class PlanOptions:
             if f.name == "previous":
                 homes = np.asarray(getattr(v, "expert_gpu", v), dtype=np.int64)
                 v = "sha1:" + hashlib.sha1(np.ascontiguousarray(homes).data).hexdigest()
+            elif f.name == "sample_gpu":
+                sg = np.ascontiguousarray(v, dtype=np.int64)
+                v = f"sha1:{hashlib.sha1(sg.data).hexdigest()} shape {list(sg.shape)}"
             elif f.name == "history":
                 h = np.ascontiguousarray(v, dtype=np.float64)
                 v = f"sha1:{hashlib.sha1(h.data).hexdigest()} shape {list(h.shape)}"

@@ -138,16 +138,22 @@ class Planner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def submit(self, batch: TraceBatch, micro_batch_size: int | None = None) -> Future:
-        """Plan ``batch`` on a background thread; returns a ``Future[BatchPlan]``."""
+    def submit(self, batch: TraceBatch, micro_batch_size: int | None = None, *, sample_gpu: Any = None) -> Future:
+        """Plan ``batch`` on a background thread (arguments as ``plan``); returns a ``Future[BatchPlan]``."""
+        if sample_gpu is not None:  # a bad value raises here, in the caller's thread
+            self.options.replace(sample_gpu=sample_gpu)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relibra-planner")
-        return self._thread.submit(self.plan, batch, micro_batch_size)
+        return self._thread.submit(self.plan, batch, micro_batch_size, sample_gpu=sample_gpu)
 
     # ------------------------------------------------------------------ planning
-    def plan(self, batch: TraceBatch, micro_batch_size: int | None = None) -> BatchPlan:
+    def plan(self, batch: TraceBatch, micro_batch_size: int | None = None, *, sample_gpu: Any = None) -> BatchPlan:
         """Plan one global batch; returns a validated BatchPlan (``stats["fallbacks"]`` counts fallen-back cells,
         ``stats["fallback_cells"]`` names them).
+
+        ``sample_gpu``: with ``sample_owner="trainer"``, this batch's trainer ranks, int ``[N]`` in ``[0, G)``
+        (replaces the option ``sample_gpu`` for this call; None: the option's, else round-robin). With the
+        default ``sample_owner="planner"`` it must be None (PlanError).
 
         Moves are priced against the option ``previous`` if given, else this planner's last placement (the
         first call: the static one); a reorder layer whose tasks all fail keeps that placement.
@@ -157,14 +163,14 @@ class Planner:
         L, E = self.model.num_layers, self.model.num_experts
         last = self.previous.expert_gpu.astype(np.int64) if self.previous is not None and \
             self.previous.expert_gpu.shape == (L, E) else None
-        opts = self.options
+        opts = base = self.options if sample_gpu is None else self.options.replace(sample_gpu=sample_gpu)
         if last is not None and opts.previous is None:
             opts = opts.replace(previous=last)
         fallback = last if opts.previous is None else np.asarray(getattr(opts.previous, "expert_gpu", opts.previous),
                                                                  dtype=np.int64)
         ctx = make_context(batch, self.model, self.cluster, self.strategy, opts, _PlannerExecutor(self, deadline),
                            micro_batch_size, fallback_expert_gpu=fallback)
-        ctx.stats.update({"options": self.options.strategy_options(), "executor": self.executor,
+        ctx.stats.update({"options": base.strategy_options(), "executor": self.executor,
                           "workers": self.workers})
         plan = run_strategy(ctx, self.strategy)
         plan.stats["fallback_cells"] = ctx.fallbacks.as_dict()

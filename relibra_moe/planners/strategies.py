@@ -48,17 +48,17 @@ import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import batch_sha1, check_batch_type, placement_loads
-from ..plan import BatchPlan, Placement, SamplePlacement, round_robin_gpus
+from ..plan import BatchPlan, Placement, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import attention_forward
 from ..trace import TraceBatch
 from . import baselines
-from .context import PlanContext, baseline_samples, make_plan, previous_expert_gpu
+from .context import PlanContext, baseline_samples, make_plan, previous_expert_gpu, start_sample_gpu
 from .executor import TaskExecutor, TaskFailed, default_executor
 from .history import strategy_eplb_history
 from .locality import anneal_locality, default_locality_iters
 from .lplb import lplb_replicas
-from .migration import keep_previous_layers, relabel_to_previous
+from .migration import keep_previous_layers, relabel_to_previous, step_moe_seconds
 from .online import strategy_online
 from .options import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, PlanOptions
 from .reorder import default_iters, lpt_placement, reorder
@@ -160,6 +160,10 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
         eg, rinfo = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, seed=ctx.seed + rnd, init=eg, iters=iters,
                             **reorder_kw)
         t1 = time.perf_counter()
+        if ctx.trainer_owned:  # the trainer's samples stay where it put them: reorder rounds only
+            timing[f"reorder_s_{rnd}"] = t1 - t0
+            objectives.append({"reorder": rinfo, "locality": {"skipped": "sample_owner=trainer"}})
+            continue
         lkw = dict(num_micro_batches=ctx.num_micro_batches, repack=ctx.repack, token_cap=o.token_cap, tol=o.tol,
                    seed=ctx.seed + rnd, iters=loc_iters, beta=o.beta, smooth=o.locality_smooth)
         (res,) = ctx.executor.map(locality_task, [(ctx.counts, ctx.lengths, mb, sg, eg, ctx.model, ctx.cluster, lkw)],
@@ -182,17 +186,22 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     t0 = time.perf_counter()
     mo = o.replace(migration=False) if ctx.executor.expired else o  # past the deadline: the fallbacks stand
     eg, sg, ctx.stats["migration"] = migrate(eg, mb, sg, ctx.batch, ctx.num_micro_batches, ctx.model, ctx.cluster,
-                                             mo, node_comp or replicated)
+                                             mo, node_comp or replicated, samples_fixed=ctx.trainer_owned)
     timing["migration_s"] = time.perf_counter() - t0
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
 
 
 def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, batch: TraceBatch,
-            num_micro_batches: int, model: ModelSpec, cluster: ClusterSpec, options: PlanOptions, node_comp: bool
-            ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+            num_micro_batches: int, model: ModelSpec, cluster: ClusterSpec, options: PlanOptions, node_comp: bool,
+            samples_fixed: bool = False) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """Migration-aware finish of relibra-inter (``planners.migration``): relabel GPUs by the fabric's
     symmetries to keep the most experts at their previous homes (cost unchanged), then keep a layer's
     previous homes where the new ones do not pay for their move. Option ``migration=False`` skips both.
+
+    ``samples_fixed`` (the trainer owns the samples): the relabelling may not move samples, so it is no longer
+    free. Both the identity and the relabelling of the experts alone go through ``keep_previous_layers``; the
+    one with the lower ``sum_l step_moe_seconds + relayout_s`` (forward + backward MoE seconds of the kept
+    homes plus the re-layout) wins, the identity on ties. ``sample_gpu`` is returned unchanged.
 
     Returns (expert_gpu [L, E], sample_gpu [N], info).
     """
@@ -200,11 +209,28 @@ def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndar
         return expert_gpu, sample_gpu, {"enabled": False}
     prev = previous_expert_gpu(options, model, cluster)
     perm = relabel_to_previous(expert_gpu, prev, cluster)
-    eg, sg = perm[expert_gpu], perm[np.asarray(sample_gpu, dtype=np.int64)]
-    x = placement_loads(batch, micro_batch, sg, num_micro_batches, cluster.num_gpus)
-    moved_before = int((eg != prev).sum())
-    eg, info = keep_previous_layers(x, eg, prev, model, cluster, node_comp=node_comp,
-                                    optimizer_bytes_per_param=float(options.optimizer_bytes_per_param))
+    obpp = float(options.optimizer_bytes_per_param)
+    if samples_fixed:
+        sg = np.asarray(sample_gpu, dtype=np.int64)
+        x = placement_loads(batch, micro_batch, sg, num_micro_batches, cluster.num_gpus)
+        best: tuple[float, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]] | None = None
+        for p in (np.arange(cluster.num_gpus), perm):
+            eg_p = p[expert_gpu]
+            kept, inf = keep_previous_layers(x, eg_p, prev, model, cluster, node_comp=node_comp,
+                                             optimizer_bytes_per_param=obpp)
+            total = sum(step_moe_seconds(x[:, l], kept[l], model, cluster, node_comp) for l in range(x.shape[1]))
+            total += inf["relayout_s"]
+            if best is None or total < best[0] * (1 - 1e-12):
+                best = (total, p, eg_p, kept, inf)
+        _, perm, eg_p, eg, info = best
+        moved_before = int((eg_p != prev).sum())
+        info["samples_fixed"] = True
+    else:
+        eg, sg = perm[expert_gpu], perm[np.asarray(sample_gpu, dtype=np.int64)]
+        x = placement_loads(batch, micro_batch, sg, num_micro_batches, cluster.num_gpus)
+        moved_before = int((eg != prev).sum())
+        eg, info = keep_previous_layers(x, eg, prev, model, cluster, node_comp=node_comp,
+                                        optimizer_bytes_per_param=obpp)
     info.update({"enabled": True, "relabel": perm.tolist(), "moved_after_relabel": moved_before,
                  "moved": int((eg != prev).sum())})
     return eg, sg, info
@@ -296,16 +322,19 @@ def make_context(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, stra
                  executor: TaskExecutor, micro_batch_size: int | None = None,
                  fallback_expert_gpu: np.ndarray | None = None) -> PlanContext:
     """The ``PlanContext`` of one call: the batch (re-assigned to micro-batches of ``micro_batch_size`` when
-    given), its per-sample counts, the round-robin start and the first ``stats``."""
+    given), its per-sample counts, the samples' start (round-robin, or the trainer's ranks with
+    ``sample_owner="trainer"``: ``context.start_sample_gpu``) and the first ``stats``."""
     if micro_batch_size is not None:
         batch = batch.with_micro_batch_size(int(micro_batch_size))
     mb = batch.resolve_micro_batch()
     ctx = PlanContext(batch=batch, model=model, cluster=cluster, counts=batch.sample_expert_counts(),
                       lengths=np.asarray(batch.lengths, dtype=np.int64), micro_batch=mb,
-                      num_micro_batches=int(mb.max()) + 1, sample_gpu=round_robin_gpus(mb, cluster.num_gpus),
+                      num_micro_batches=int(mb.max()) + 1, sample_gpu=start_sample_gpu(options, mb, cluster.num_gpus),
                       options=options, executor=executor, fallback_expert_gpu=fallback_expert_gpu)
     ctx.stats.update({"strategy": strategy, "seed": options.seed, "replica_slots": options.replica_slots,
                       "repack": options.repack, "fallbacks": 0, "options": options.strategy_options()})
+    if ctx.trainer_owned:  # absent in planner mode: its plans stay byte-identical to before the option existed
+        ctx.stats["sample_owner"] = "trainer"
     return ctx
 
 
