@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import ReplayError
+from ..layers.data_parallel import mark_experts_for_ddp
 from ..layers.dispatch import ep_process_group
 from ..layers.replay import LayerReplay, layout_ids, replay
 from ..layers.router import merge_live
@@ -489,6 +490,13 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
 
     Swap after moving the model to its final device and dtype: the replica buffer is allocated here.
 
+    With an EP group of several ranks the expert parameters are listed in
+    ``_ddp_params_and_buffers_to_ignore`` of the model and its submodules down to the blocks
+    (:func:`relibra_moe.layers.data_parallel.mark_experts_for_ddp`), so ``DistributedDataParallel`` (also
+    through accelerate / the HF ``Trainer``) leaves them alone; under DDP the layers scale their expert
+    gradients by 1 / world size like DDP's averaging of the dense ones (docs/hf.md, "Several ranks: DDP,
+    accelerate").
+
     Returns:
         ``model`` (modified in place). Already swapped blocks are left as they are.
 
@@ -525,6 +533,7 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
             new = ReplayMoEBlock(block, layer_id)
         new.train(block.training)
         _set_submodule(model, name, new)
+    mark_experts_for_ddp(model)  # DDP / accelerate must never average experts sharded by expert parallelism
     return model
 
 

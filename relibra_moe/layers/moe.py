@@ -61,6 +61,7 @@ from ..plan import BatchPlan, ReplicaPlan
 from ..triton_kernels.permute import combine as combine_pairs
 from ..triton_kernels.permute import permute
 from ..triton_kernels.routing import RoutingMeta, routing_metadata
+from .data_parallel import check_data_parallel
 from .dispatch import Dispatcher, ep_process_group, get_dispatcher
 from .experts import GroupedExperts, GroupedSwiGLUExperts, experts_forward
 from .replay import LayerReplay
@@ -428,6 +429,7 @@ class ReplayBalancedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``: the stages of the module docstring, in order."""
+        check_data_parallel(self)  # DDP: refuse a reducer over the experts, scale expert grads by 1 / D
         x2 = self._tokens(x)
         pairs = self.route_and_place(x2, self.replay_state)
         send_splits, recv_splits = self.agree(pairs, x.device)
