@@ -185,41 +185,55 @@ def _replay_worker(rank: int, world: int, out_dir: str) -> None:
             Path(out_dir, f"replay{int(gc)}_rank{rank}.json").write_text(json.dumps(rep))
 
 
+class _Reorder:
+    """Test mixin: the generation batch's micro-batches become ``self.order`` (lists of global rows, here the
+    2-rank run's micro-batches) instead of TRL's random split."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        out["row"] = torch.arange(out["prompt_ids"].shape[0])
+        return out
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if self._step == 0:  # the generation step
+            whole = {k: (torch.cat([b[k] for b in self._buffered_inputs]) if v.dim() else v)
+                     for k, v in self._buffered_inputs[0].items() if isinstance(v, torch.Tensor)}
+            pos = {int(r): i for i, r in enumerate(whole["row"])}
+            self._buffered_inputs = [{k: (v[[pos[r] for r in rows]] if v.dim() else v) for k, v in whole.items()}
+                                     for rows in self.order]
+            inputs = self._buffered_inputs[0]
+        return inputs
+
+
 def _reference_worker(rank: int, world: int, out_dir: str) -> None:
+    """One process: the plain GRPOTrainer (checkpointing off and on) and, with TRL's default checkpointing,
+    ReplayGRPOTrainer on one rank (replay without a plan), each on the 2-rank run's micro-batches."""
     from trl import GRPOTrainer
 
+    from relibra_moe.integrations.trl import ReplayGRPOTrainer
+
     _env(0, 1)
-    for gc in (False, True):
+
+    class Reference(_Probe, _Reorder, GRPOTrainer):
+        pass
+
+    class Single(_Probe, ReplayGRPOTrainer, _Reorder, GRPOTrainer):  # MRO: _Reorder between the two trainers,
+        pass                                                          # so the split is reordered before planning
+
+    for cls, gc in ((Reference, False), (Reference, True), (Single, True)):
         micro = [json.loads(Path(out_dir, f"replay{int(gc)}_rank{r}.json").read_text())["micro"] for r in range(2)]
-        order = [micro[0]["0"], micro[1]["0"], micro[0]["1"], micro[1]["1"]]
-
-        class Reference(_Probe, GRPOTrainer):
-            def _generate_and_score_completions(self, inputs):
-                out = super()._generate_and_score_completions(inputs)
-                out["row"] = torch.arange(out["prompt_ids"].shape[0])
-                return out
-
-            def _prepare_inputs(self, generation_batch):
-                inputs = super()._prepare_inputs(generation_batch)
-                if self._step == 0:  # the generation step: the 2-rank run's micro-batches, in its row order
-                    whole = {k: (torch.cat([b[k] for b in self._buffered_inputs]) if v.dim() else v)
-                             for k, v in self._buffered_inputs[0].items() if isinstance(v, torch.Tensor)}
-                    pos = {int(r): i for i, r in enumerate(whole["row"])}
-                    self._buffered_inputs = [{k: (v[[pos[r] for r in rows]] if v.dim() else v)
-                                              for k, v in whole.items()} for rows in self.order]
-                    inputs = self._buffered_inputs[0]
-                return inputs
-
         grads: dict = {}
-        trainer = Reference(model=_model(), reward_funcs=_reward, args=_config(out_dir, gc, 2, 4),
-                            train_dataset=_dataset(), processing_class=_tokenizer(),
-                            callbacks=[_grads_callback(grads)])
-        trainer.losses, trainer.order = [], order
+        trainer = cls(model=_model(), reward_funcs=_reward, args=_config(out_dir, gc, 2, 4),
+                      train_dataset=_dataset(), processing_class=_tokenizer(), callbacks=[_grads_callback(grads)])
+        trainer.losses = []
+        trainer.order = [micro[0]["0"], micro[1]["0"], micro[0]["1"], micro[1]["1"]]
         trainer.train()
         rep = {"losses": trainer.losses, "prompts": trainer.seen_prompts,
                "grads": {k: v.tolist() for k, v in grads.items()},
                "state": {k: v.tolist() for k, v in trainer.model.state_dict().items()}}
-        Path(out_dir, f"reference{int(gc)}.json").write_text(json.dumps(rep))
+        name = "reference" if cls is Reference else "single"
+        Path(out_dir, f"{name}{int(gc)}.json").write_text(json.dumps(rep))
 
 
 @pytest.mark.timeout(300)
@@ -231,6 +245,16 @@ def test_replay_grpo_two_ranks_equals_single_process_grpo():
             reps = [json.loads(Path(tmp, f"replay{gc}_rank{r}.json").read_text()) for r in range(2)]
             ref = json.loads(Path(tmp, f"reference{gc}.json").read_text())
             _compare(reps, ref, gc)
+        # one process: ReplayGRPOTrainer (replay, live routing of never-fed tokens, no plan) = GRPOTrainer
+        single = json.loads(Path(tmp, "single1.json").read_text())
+        ref = json.loads(Path(tmp, "reference1.json").read_text())
+        assert single["prompts"] == ref["prompts"]
+        assert abs(sum(single["losses"]) - sum(ref["losses"])) <= 1e-5 * max(1.0, abs(sum(ref["losses"])))
+        for name, g in ref["grads"].items():
+            want, got = torch.tensor(g), torch.tensor(single["grads"][name])
+            assert float((got - want).abs().max()) <= 1e-4 * (float(want.abs().max()) + 1e-12), name
+        for name, v in ref["state"].items():
+            torch.testing.assert_close(torch.tensor(single["state"][name]), torch.tensor(v), rtol=1e-5, atol=2e-5)
 
 
 def _compare(reps, ref, gc):
