@@ -31,11 +31,12 @@ generation batch (docs/rl-frameworks.md, "TRL"):
 4. **Relayout** the experts with their gradients and optimizer state to the plan's homes
    (:func:`relibra_moe.relayout`).
 5. **Replay** every micro-step: :func:`relibra_moe.replay` is open from the micro-step's input
-   preparation until after its backward, so activation checkpointing (TRL's default, reentrant or
-   not) recomputes with the same routing; each micro-batch's rows follow the plan's sample order.
+   preparation until after its backward, so activation checkpointing (TRL's default) recomputes with
+   the same routing; each micro-batch's rows follow the plan's sample order.
 
 Rollouts through vLLM, transformers' continuous batching, ``rollout_func`` or tools are not recorded by
-this trainer and are refused in ``__init__`` (``ReplayError``).
+this trainer, and DeepSpeed / FSDP launches are not its layout: all are refused in ``__init__``
+(``ReplayError``).
 """
 
 from __future__ import annotations
@@ -139,10 +140,13 @@ class ReplayGRPOTrainer(GRPOTrainer):
                                          ("use_transformers_continuous_batching",
                                           self.use_transformers_continuous_batching),
                                          ("rollout_func", self.rollout_func is not None),
-                                         ("tools", bool(self.tools))) if on]
+                                         ("tools", bool(self.tools)),
+                                         ("DeepSpeed", bool(getattr(self, "is_deepspeed_enabled", False))),
+                                         ("FSDP", bool(getattr(self, "is_fsdp_enabled", False)))) if on]
         if refused:
-            raise ReplayError(f"ReplayGRPOTrainer records routing during transformers generate(); {refused[0]} "
-                              "rollouts are not recorded by it (use GRPOTrainer with relibra_moe.replay by hand)")
+            raise ReplayError(f"ReplayGRPOTrainer records routing during transformers generate() and runs expert "
+                              f"parallelism under DDP; {refused[0]} is not supported by it (use GRPOTrainer with "
+                              "relibra_moe.replay by hand, or docs/fsdp.md for FSDP2)")
         self.unrouted = unrouted
         self.world = int(self.accelerator.num_processes)
         self.rank = int(self.accelerator.process_index)
