@@ -169,7 +169,17 @@ def _replay_worker(rank: int, world: int, out_dir: str) -> None:
             plan, batch = trainer.last_plan, trainer.last_batch
             homes = {name: b.home_experts.tolist() for _, name, b in moe_blocks(trainer.model)}
             state = {k: v.tolist() for k, v in full_state_dict(trainer.model).items()}
-            rep = {"losses": trainer.losses, "prompts": trainer.seen_prompts, "homes": homes,
+            if not gc:  # save_model writes the whole experts: the checkpoint loads into the plain HF class
+                trainer.save_model(str(Path(out_dir, "saved")))
+                if rank == 0:
+                    from transformers import AutoModelForCausalLM
+
+                    loaded = AutoModelForCausalLM.from_pretrained(str(Path(out_dir, "saved"))).state_dict()
+                    assert set(loaded) == set(state)
+                    for k, v in loaded.items():
+                        assert torch.equal(v, torch.tensor(state[k])), k
+            norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+            rep = {"losses": trainer.losses, "prompts": trainer.seen_prompts, "homes": homes, "grad_norm": norms,
                    "replicas": int((plan.replicas.replica_expert >= 0).sum()),
                    "sample_owner": plan.stats.get("sample_owner"),
                    "micro": {int(m): [int(n) for n in range(batch.num_sequences)
@@ -230,6 +240,7 @@ def _reference_worker(rank: int, world: int, out_dir: str) -> None:
         trainer.order = [micro[0]["0"], micro[1]["0"], micro[0]["1"], micro[1]["1"]]
         trainer.train()
         rep = {"losses": trainer.losses, "prompts": trainer.seen_prompts,
+               "grad_norm": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
                "grads": {k: v.tolist() for k, v in grads.items()},
                "state": {k: v.tolist() for k, v in trainer.model.state_dict().items()}}
         name = "reference" if cls is Reference else "single"
@@ -267,6 +278,10 @@ def _compare(reps, ref, gc):
     # loss of the step: DDP's mean over ranks of each rank's micro-step sum = the reference's sum
     loss = (sum(reps[0]["losses"]) + sum(reps[1]["losses"])) / 2
     assert abs(loss - sum(ref["losses"])) <= 1e-5 * max(1.0, abs(sum(ref["losses"]))), (gc, loss, ref["losses"])
+    # the Trainer's max_grad_norm clip is active and saw the global norm (expert norms summed over the ranks)
+    assert len(ref["grad_norm"]) == 1 and ref["grad_norm"][0] > 2 * 0.1
+    for rep in reps:
+        assert abs(rep["grad_norm"][0] - ref["grad_norm"][0]) <= 1e-5 * ref["grad_norm"][0], (rep["grad_norm"], ref)
     rg, rs = ref["grads"], ref["state"]
     checked = 0
     for r, rep in enumerate(reps):

@@ -60,7 +60,7 @@ from ..plan import BatchPlan
 from ..planners.service import Planner
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import RoutingTrace, TraceBatch
-from .hf import RoutingRecorder, moe_blocks, swap_moe_blocks
+from .hf import RoutingRecorder, full_state_dict, moe_blocks, swap_moe_blocks
 
 __all__ = ["ReplayGRPOTrainer", "model_spec"]
 
@@ -230,6 +230,23 @@ class ReplayGRPOTrainer(GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
             self._replay.close()
+
+    # ---------------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """TRL's / the Trainer's save, with the whole experts: every rank gathers the full HF state dict
+        (:func:`~relibra_moe.integrations.hf.full_state_dict`, a collective), the main process writes it, so
+        the checkpoint loads into the plain HF class. (Optimizer state is saved as the Trainer does, by the
+        main process only: the other ranks' expert AdamW state is not in it.)"""
+        self._full_state = full_state_dict(self.model) if self.world > 1 else None
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._full_state = None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None and getattr(self, "_full_state", None) is not None:
+            state_dict = self._full_state
+        super()._save(output_dir, state_dict)
 
     def _plan_generation(self) -> None:
         """Gather every rank's traces and TRL's micro-batch of each sample, plan (rank 0), relayout."""
