@@ -61,16 +61,11 @@ def restrict_layers(batch: TraceBatch, layers: int | None) -> TraceBatch:
                                   sample_info=dict(batch.sample_info))
 
 
-def consecutive_batches(batch: TraceBatch, num_batches: int) -> list[TraceBatch]:
-    """Split ``batch`` (with a micro-batch assignment) into ``num_batches`` consecutive global batches.
-
-    The micro-batches ``0 .. M-1`` are cut into ``num_batches`` contiguous runs of ``M // K`` or
-    ``M // K + 1`` (``np.array_split``); batch k holds the samples of its run in their order, its micro-batches
-    renumbered from 0. With the assignment ``i // B`` of a trace in arrival order this is the trace in arrival
-    order, K batches after one another; every sample lands in exactly one batch.
+def consecutive_indices(batch: TraceBatch, num_batches: int) -> list[np.ndarray]:
+    """int64 sample indices ``[N_k]`` of each of the ``num_batches`` batches ``consecutive_batches`` cuts (in order).
 
     Raises:
-        TraceError: no assignment, ``num_batches`` not an int >= 1, or more batches than micro-batches.
+        TraceError: as ``consecutive_batches``.
     """
     if isinstance(num_batches, bool) or not isinstance(num_batches, (int, np.integer)) or num_batches < 1:
         raise TraceError(f"num_batches={num_batches!r} must be an int >= 1")
@@ -79,13 +74,33 @@ def consecutive_batches(batch: TraceBatch, num_batches: int) -> list[TraceBatch]
     if num_batches > M:
         raise TraceError(f"num_batches={num_batches} exceeds the {M} micro-batches of the trace: a global batch "
                          "needs at least one micro-batch")
-    if num_batches == 1:
-        return [batch]
     out = []
     for run in np.array_split(np.arange(M), int(num_batches)):
         idx = np.flatnonzero((mb >= run[0]) & (mb <= run[-1]))
         if idx.size == 0:
             raise TraceError(f"micro-batches {int(run[0])}..{int(run[-1])} hold no sample")
+        out.append(idx.astype(np.int64))
+    return out
+
+
+def consecutive_batches(batch: TraceBatch, num_batches: int) -> list[TraceBatch]:
+    """Split ``batch`` (with a micro-batch assignment) into ``num_batches`` consecutive global batches.
+
+    The micro-batches ``0 .. M-1`` are cut into ``num_batches`` contiguous runs of ``M // K`` or
+    ``M // K + 1`` (``np.array_split``); batch k holds the samples of its run in their order
+    (``consecutive_indices``), its micro-batches renumbered from 0. With the assignment ``i // B`` of a trace in
+    arrival order this is the trace in arrival order, K batches after one another; every sample lands in exactly
+    one batch.
+
+    Raises:
+        TraceError: no assignment, ``num_batches`` not an int >= 1, or more batches than micro-batches.
+    """
+    runs = consecutive_indices(batch, num_batches)
+    if len(runs) == 1:
+        return [batch]
+    mb = batch.resolve_micro_batch()
+    out = []
+    for idx in runs:
         # micro-batches renumbered densely (a gap in the assignment would leave an empty micro-batch)
         _, dense = np.unique(mb[idx], return_inverse=True)
         out.append(batch.subset(idx, micro_batch=dense.astype(np.int32)))
@@ -188,7 +203,8 @@ def evaluate_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster:
 
 def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: ClusterSpec, strategy: str, *,
                 replica_slots: int = 2, seed: int = 0, workers: int = 1, rebalance_every: int = 1, window: int = 1,
-                progress: Callable[[str, int], None] | None = None,
+                progress: Callable[[str, int], None] | None = None, sample_owner: str = "planner",
+                sample_gpu: Sequence[Any] | None = None,
                 **options: Any) -> tuple[list[BatchPlan], list[dict[str, Any]]]:
     """Plan and simulate ``batches`` one after another with one strategy; the chain of plans and evaluations.
 
@@ -197,6 +213,8 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
     (static before batch 0). eplb-history sees the loads of the last ``window`` batches every
     ``rebalance_every`` batches (``EplbSchedule``). ``replica_slots`` applies to the strategies that place
     replicas (``REPLICA_STRATEGIES``), 0 elsewhere. ``options`` go to ``plan_batch``.
+    ``sample_owner="trainer"``: every batch keeps the trainer's samples (``PlanOptions.sample_owner``), batch k's
+    ranks ``sample_gpu[k]`` (int ``[N_k]``; None: round-robin in every batch).
 
     Returns:
         (plans ``[K]``, evaluations ``[K]`` of ``evaluate`` with ``batch`` k and ``previous_moved``: the experts
@@ -205,6 +223,9 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
     check_strategy(strategy)
     if not batches:
         raise PlanError("no batches to plan: the steady state needs at least one")
+    if sample_gpu is not None and len(sample_gpu) != len(batches):
+        raise PlanError(f"sample_gpu holds the ranks of {len(sample_gpu)} batches, the steady state has "
+                        f"{len(batches)}: give one int [N] array per batch")
     schedule = EplbSchedule(rebalance_every=rebalance_every, window=window)
     r = int(replica_slots) if strategy in REPLICA_STRATEGIES else 0
     plans: list[BatchPlan] = []
@@ -214,6 +235,10 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
         if progress is not None:
             progress(strategy, k)
         opts = dict(options)
+        if sample_owner != "planner":
+            opts["sample_owner"] = sample_owner
+            if sample_gpu is not None:
+                opts["sample_gpu"] = sample_gpu[k]
         if prev is not None and strategy in PRICED_STRATEGIES + HISTORY_STRATEGIES:
             opts["previous"] = prev.placement
         if strategy in HISTORY_STRATEGIES:
@@ -250,36 +275,61 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: ClusterSpec,
                strategies: Sequence[str] = DEFAULT_STRATEGIES, *, replica_slots: int = 2, seed: int = 0,
                workers: int = 1, rebalance_every: int = 1, window: int = 1, reference: str = "relibra",
-               progress: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+               progress: Callable[[str, int], None] | None = None, sample_owner: str = "planner",
+               sample_gpu: Sequence[Any] | None = None) -> dict[str, Any]:
     """The steady-state comparison (JSON-ready): every strategy through ``plan_steady`` on the same batches.
 
+    ``sample_owner``: "planner" (the strategies place the samples), "trainer" (every strategy keeps the trainer's
+    ranks ``sample_gpu``, one int ``[N_k]`` per batch, default round-robin) or "both" (every strategy in both
+    modes on the same batches: the planner-owned rows, then the trainer-owned ones).
+
     Returns:
-        ``{"num_batches", "tokens_per_batch", "replica_slots", "rebalance_every", "window", "strategies":
-        {name: {"per_step": [...evaluate rows], "first": {...}, "steady": {...}}}, "speedup": {name: steady
-        tokens/s of ``reference`` over that of name}, "speedup_first": the same on the first step}``.
+        ``{"num_batches", "tokens_per_batch", "replica_slots", "rebalance_every", "window", "sample_owner",
+        "strategies": {name: {"per_step": [...evaluate rows], "first": {...}, "steady": {...}}}, "speedup":
+        {name: steady tokens/s of ``reference`` over that of name}, "speedup_first": the same on the first step}``;
+        with "both", ``strategies`` holds the planner-owned runs and ``trainer`` the trainer-owned ones (same
+        layout), ``speedup`` / ``trainer_speedup`` are both against the planner-owned ``reference``, and
+        ``trainer_gap`` gives, per strategy, the trainer-owned steady ``step_s`` and ``t_moe_s`` over the
+        planner-owned ones (> 1: what the trainer's placement costs).
     """
+    from .validate import check_choice
+
+    check_choice("sample_owner", sample_owner, ("planner", "trainer", "both"))
     out: dict[str, Any] = {
         "num_batches": len(batches), "tokens_per_batch": [int(b.num_tokens) for b in batches],
         "samples_per_batch": [int(b.num_sequences) for b in batches],
         "model": model.name, "layers": model.num_layers,
         "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         "replica_slots": int(replica_slots), "rebalance_every": int(rebalance_every), "window": int(window),
-        "seed": int(seed), "strategies": {},
+        "seed": int(seed), "sample_owner": sample_owner, "strategies": {},
         "metrics": {"t_moe_s": "sum of the forward T_MoE over micro-batches and layers, moves free (the paper's "
                                "metric)",
                     "step_s": "simulated training step: attention + MoE forward/backward, replica traffic and the "
                               "re-layout from the strategy's previous placement charged to every strategy"},
     }
-    for s in strategies:
-        _, rows = plan_steady(batches, model, cluster, s, replica_slots=replica_slots, seed=seed, workers=workers,
-                              rebalance_every=rebalance_every, window=window, progress=progress)
-        out["strategies"][s] = {"per_step": rows, **summarize(rows)}
+    modes = {"planner": ("planner",), "trainer": ("trainer",), "both": ("planner", "trainer")}[sample_owner]
+    runs: dict[str, dict[str, Any]] = {m: {} for m in modes}
+    for mode in modes:
+        for s in strategies:
+            _, rows = plan_steady(batches, model, cluster, s, replica_slots=replica_slots, seed=seed, workers=workers,
+                                  rebalance_every=rebalance_every, window=window, progress=progress,
+                                  sample_owner=mode, sample_gpu=sample_gpu if mode == "trainer" else None)
+            runs[mode][s] = {"per_step": rows, **summarize(rows)}
+    out["strategies"] = runs[modes[0]]
     st = out["strategies"]
     if reference in st:
         ref = st[reference]
         out["reference"] = reference
         out["speedup"] = {s: ref["steady"]["tokens_per_s"] / v["steady"]["tokens_per_s"] for s, v in st.items()}
         out["speedup_first"] = {s: v["first"]["step_s"] / ref["first"]["step_s"] for s, v in st.items()}
+    if sample_owner == "both":
+        tr = out["trainer"] = runs["trainer"]
+        if reference in st:
+            ref = st[reference]
+            out["trainer_speedup"] = {s: ref["steady"]["tokens_per_s"] / v["steady"]["tokens_per_s"]
+                                      for s, v in tr.items()}
+        out["trainer_gap"] = {s: {k: tr[s]["steady"][k] / st[s]["steady"][k] for k in ("step_s", "t_moe_s")}
+                              for s in strategies}
     return out
 
 
@@ -293,31 +343,49 @@ def steady_table(res: dict[str, Any], title: str | None = None) -> Any:
     c = res["cluster"]
     ref = res.get("reference", "?")
     steady = res["num_batches"] > 1
+    owner = res.get("sample_owner", "planner")
+    both = owner == "both"
     if title is None:
         title = (f"{res['model']} on {c['nodes']} x {c['gpus_per_node']} GPUs, r = {res['replica_slots']}, "
                  f"{res['layers']} MoE layers"
                  + (f" of {res['layers_total']}" if res.get("layers_total", res["layers"]) > res["layers"] else "")
                  + (f", steady state of {res['num_batches']} consecutive batches (first step apart)" if steady
-                    else ", one batch from the static placement"))
+                    else ", one batch from the static placement")
+                 + {"planner": "", "trainer": ", samples placed by the trainer",
+                    "both": ", samples placed by the planner / by the trainer"}[owner])
     t = Table(title=title, caption="sum T_MoE: forward T_MoE summed over micro-batches and layers, moves free (the "
                                    "paper's metric). step: simulated training step, moves from the previous "
                                    "placement, replica and reorder traffic charged to every strategy. "
                                    f"x {ref}: {ref}'s throughput over the row's" + (" (steady state)." if steady
-                                                                                     else "."))
+                                                                                     else ".")
+                      + (f" samples: who placed them (planner: the strategy chose every sample's rank; trainer: "
+                         f"the trainer's ranks kept, only homes, replicas and splits planned; x {ref} of both "
+                         f"blocks is against the planner-placed {ref}); trainer/planner: the trainer-placed "
+                         f"step over the planner-placed one." if both else ""))
     t.add_column("strategy")
+    if both:
+        t.add_column("samples")
     if steady:
         t.add_column("first step s", justify="right")
     suffix = " (steady)" if steady else ""
     for name in ("sum T_MoE s", "step s", "experts moved", "rank skew", "solve s"):
         t.add_column(name + (suffix if name in ("sum T_MoE s", "step s", "experts moved") else ""), justify="right")
     t.add_column(f"x {ref}", justify="right")
-    for name, v in res["strategies"].items():
-        s = v["steady"]
-        row = [name] + ([f"{v['first']['step_s']:.4f}"] if steady else [])
-        row += [f"{s['t_moe_s']:.4f}", f"{s['step_s']:.4f}", f"{s['experts_moved']:.0f}",
-                f"{s['rank_skew_mean']:.3f}", f"{s['solve_s']:.2f}",
-                f"{res['speedup'][name]:.3f}" if "speedup" in res else "-"]
-        t.add_row(*row)
+    if both:
+        t.add_column("trainer/planner step", justify="right")
+    blocks = [("planner" if both else None, res["strategies"], res.get("speedup"))]
+    if both:
+        blocks.append(("trainer", res["trainer"], res.get("trainer_speedup")))
+    for mode, runs, speedup in blocks:
+        for name, v in runs.items():
+            s = v["steady"]
+            row = [name] + ([mode] if both else []) + ([f"{v['first']['step_s']:.4f}"] if steady else [])
+            row += [f"{s['t_moe_s']:.4f}", f"{s['step_s']:.4f}", f"{s['experts_moved']:.0f}",
+                    f"{s['rank_skew_mean']:.3f}", f"{s['solve_s']:.2f}",
+                    f"{speedup[name]:.3f}" if speedup else "-"]
+            if both:
+                row.append(f"{res['trainer_gap'][name]['step_s']:.3f}" if mode == "trainer" else "")
+            t.add_row(*row, end_section=both and mode == "planner" and name == list(runs)[-1])
     return t
 
 
@@ -388,10 +456,11 @@ def steady_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def demo_steady_state(ran: Sequence[str], *, quick: bool = False, seed: int = 0, workers: int = 1,
-                      console: Any = None) -> dict[str, Any]:
+                      console: Any = None, sample_owner: str = "planner") -> dict[str, Any]:
     """The demo's steady-state section: the cases of ``demo_steady_cases`` whose single-batch scenario is in
-    ``ran``, each through ``run_steady`` with its strategies; prints a table per case and the targets;
-    returns ``{"cases": {name: run_steady result + case}, "targets": [...]}`` (JSON-ready)."""
+    ``ran``, each through ``run_steady`` with its strategies (and ``sample_owner``: "planner", "trainer" or
+    "both"); prints a table per case and the targets; returns ``{"cases": {name: run_steady result + case},
+    "targets": [...]}`` (JSON-ready)."""
     results: dict[str, dict[str, Any]] = {}
     for case in demo_steady_cases(quick):
         if case["after"] not in ran:
@@ -399,7 +468,7 @@ def demo_steady_state(ran: Sequence[str], *, quick: bool = False, seed: int = 0,
         t0 = time.perf_counter()
         batches, model, cluster = case_batches(case, seed)
         res = run_steady(batches, model, cluster, case.get("strategies", DEMO_STRATEGIES), replica_slots=2, seed=seed,
-                         workers=workers)
+                         workers=workers, sample_owner=sample_owner)
         res.update({"case": case, "layers_total": _layers_total(case["model"]), "wall_s": time.perf_counter() - t0,
                     "data": "real (GPT-OSS-20B routing trace, arrival order)" if case["data"] == "real"
                     else "synthetic (relibra_moe.synthetic, not real routing; drifting domain mix)"})

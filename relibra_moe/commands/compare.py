@@ -10,6 +10,11 @@ strategy alike), the experts moved, the rank skew and the solve seconds.
 (``relibra_moe.steady``); the table shows the first step and the steady-state mean of steps 2..K.
 ``eplb-history`` plans from past batches' loads, so on one batch (no history yet) it is the static layout; it
 needs ``--batches`` >= 2 to re-balance. The baselines' models: docs/baselines.md.
+
+``--sample-owner trainer`` plans every strategy for the trainer's own sample placement (``--sample-gpu FILE.npy``,
+default round-robin within each micro-batch): only expert homes, replicas and splits are planned.
+``--sample-owner both`` prints both modes on one table, the trainer-owned rows under the planner-owned ones, with
+the trainer-owned step over the planner-owned one per strategy (what the trainer's placement costs).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
-from .plan import check_trace_fits, cluster_by_name, model_by_name
+from .plan import add_sample_owner_flags, check_trace_fits, cluster_by_name, load_sample_gpu, model_by_name
 
 DEFAULT_COMPARE = "static,eplb,eplb-history,online,relibra"
 
@@ -55,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "and keeps the static layout")
     p.add_argument("--window", type=int, default=1,
                    help="eplb-history: batches of load history EPLB sees (default 1: the previous batch)")
+    add_sample_owner_flags(p, both=True)
     p.add_argument("--seed", type=int, default=0, help="plan seed")
     p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the full result as JSON to OUT")
@@ -80,8 +86,12 @@ def parse_strategies(text: str) -> list[str]:
 def compare_file(trace_path: str, model_name: str, nodes: int, gpus_per_node: int = 8, *,
                  strategies: str = DEFAULT_COMPARE, cluster_name: str = "hopper-rail", replica_slots: int = 2,
                  micro_batch_size: int | None = None, layers: int | None = None, batches: int = 1,
-                 rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1) -> dict[str, Any]:
+                 rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1,
+                 sample_owner: str = "planner", sample_gpu_path: str | None = None) -> dict[str, Any]:
     """Load the trace, run the comparison, return the JSON-ready result (what ``--json OUT`` writes).
+
+    ``sample_owner``: "planner", "trainer" or "both" (``steady.run_steady``); ``sample_gpu_path``: the trainer's
+    ranks, an int ``[N]`` .npy file over the trace's samples (default round-robin within each micro-batch).
 
     Raises:
         PlanError / TraceError: a bad argument (named with its value), a trace for another model, a trace
@@ -89,10 +99,12 @@ def compare_file(trace_path: str, model_name: str, nodes: int, gpus_per_node: in
     """
     import numpy as np
 
-    from ..steady import consecutive_batches, restrict_layers, run_steady
+    from ..steady import consecutive_batches, consecutive_indices, restrict_layers, run_steady
     from ..trace import TraceBatch
+    from ..validate import check_choice
 
     names = parse_strategies(strategies)
+    check_choice("--sample-owner", sample_owner, ("planner", "trainer", "both"))
     for flag, v, lo in (("--replica-slots", replica_slots, 0), ("--batches", batches, 1),
                         ("--rebalance-every", rebalance_every, 1), ("--window", window, 1), ("--seed", seed, 0),
                         ("--workers", workers, 1), ("--nodes", nodes, 1), ("--gpus-per-node", gpus_per_node, 1)):
@@ -116,9 +128,14 @@ def compare_file(trace_path: str, model_name: str, nodes: int, gpus_per_node: in
     batch = restrict_layers(batch, layers)
     model = model.with_(num_layers=batch.num_layers)
     seq = consecutive_batches(batch, batches)
+    ranks = load_sample_gpu(sample_gpu_path, sample_owner, batch.num_sequences)
+    per_batch = None if ranks is None else [ranks[idx] for idx in consecutive_indices(batch, batches)]
     res = run_steady(seq, model, cluster, names, replica_slots=replica_slots, seed=seed, workers=workers,
                      rebalance_every=rebalance_every, window=window,
-                     reference="relibra" if "relibra" in names else names[0])
+                     reference="relibra" if "relibra" in names else names[0], sample_owner=sample_owner,
+                     sample_gpu=per_batch)
+    if sample_owner != "planner":
+        res["sample_gpu"] = "round-robin" if sample_gpu_path is None else str(sample_gpu_path)
     res.update({"trace": str(trace_path), "mode": "steady" if batches > 1 else "single",
                 "layers_total": model_by_name(model_name).num_layers})
     return res
@@ -135,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                        cluster_name=args.cluster, replica_slots=args.replica_slots,
                        micro_batch_size=args.micro_batch_size, layers=args.layers, batches=args.batches,
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
-                       workers=args.workers)
+                       workers=args.workers, sample_owner=args.sample_owner, sample_gpu_path=args.sample_gpu)
     console = Console()
     if not console.is_terminal:  # a pipe or a file: keep the table's rows and title unwrapped
         console = Console(width=max(console.width, 160))

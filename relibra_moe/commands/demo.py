@@ -151,19 +151,35 @@ def _strategies_available() -> tuple[Any, list[str]]:
     return plan_batch, [s for s in COMPARED_STRATEGIES if s in STRATEGIES]
 
 
-def strategy_runs(sc: Scenario, strategies: list[str]) -> list[tuple[str, str, bool]]:
-    """``(label, strategy, repack)`` of every plan the scenario needs."""
+SAMPLE_OWNERS = ("planner", "trainer", "both")
+"""``relibra demo --sample-owner``: who places the samples (``PlanOptions.sample_owner``); "both" runs every
+strategy in both modes (the trainer-owned runs labelled ``"<strategy> (trainer)"``)."""
+
+
+def strategy_runs(sc: Scenario, strategies: list[str], sample_owner: str = "planner"
+                  ) -> list[tuple[str, str, bool, str]]:
+    """``(label, strategy, repack, sample_owner)`` of every plan the scenario needs. The ``+repack`` runs move
+    samples between micro-batches, so they are planner-owned only."""
     from ..planners.strategies import REPACK_COMPARED
 
-    runs = [(s, s, False) for s in strategies]
-    if sc.repack and len(strategies) > 1:
-        runs += [(f"{s}+repack", s, True) for s in REPACK_COMPARED if s in strategies]
+    runs: list[tuple[str, str, bool, str]] = []
+    if sample_owner in ("planner", "both"):
+        runs += [(s, s, False, "planner") for s in strategies]
+        if sc.repack and len(strategies) > 1:
+            runs += [(f"{s}+repack", s, True, "planner") for s in REPACK_COMPARED if s in strategies]
+    if sample_owner == "trainer":
+        runs += [(s, s, False, "trainer") for s in strategies]
+    elif sample_owner == "both":
+        runs += [(f"{s} (trainer)", s, False, "trainer") for s in strategies]
     return runs
 
 
 def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strategies: list[str],
-                 advance: Any = None, starting: Any = None) -> dict[str, Any]:
+                 advance: Any = None, starting: Any = None, sample_owner: str = "planner") -> dict[str, Any]:
     """Plan the scenario's batch with every strategy and simulate each step; the JSON-ready result.
+
+    ``sample_owner`` (``SAMPLE_OWNERS``): with "trainer" every strategy keeps the round-robin samples of each
+    micro-batch (the trainer's), with "both" the trainer-owned runs are added under ``"<strategy> (trainer)"``.
 
     ``starting(label)`` is called before each plan and ``advance()`` after it (progress reporting).
     """
@@ -192,17 +208,18 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
     }
     results: dict[str, Any] = {}
     details: dict[str, Any] = {}
-    for label, strategy, repack in strategy_runs(sc, strategies):
+    for label, strategy, repack, owner in strategy_runs(sc, strategies, sample_owner):
         if starting is not None:
             starting(label)
         t1 = time.perf_counter()
         r = sc.replica_slots if strategy in REPLICA_STRATEGIES else 0
+        owner_kw = {"sample_owner": owner} if owner != "planner" else {}
         plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers,
-                          repack=repack)
+                          repack=repack, **owner_kw)
         solve_s = time.perf_counter() - t1
         step = simulate_step(plan, batch, model, cluster, balanced=strategy == "balanced")
         results[label] = {
-            "strategy": strategy, "repack": repack, "replica_slots": plan.replica_slots,
+            "strategy": strategy, "repack": repack, "sample_owner": owner, "replica_slots": plan.replica_slots,
             "step_s": step.step_s, "tokens_per_s": step.tokens_per_s, "t_moe_fwd_s": float(step.t_moe.sum()),
             "rank_skew_mean": float(step.rank_skew.mean()), "solve_s": solve_s,
             "experts_moved": step.experts_moved, "replica_mode": step.replica_mode,
@@ -212,7 +229,7 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
         details[label] = step
         if advance is not None:
             advance()
-    base = results["static"]["tokens_per_s"]
+    base = results["static" if "static" in results else "static (trainer)"]["tokens_per_s"]
     bal = results.get("balanced", {}).get("tokens_per_s")
     bal_moe = results.get("balanced", {}).get("t_moe_fwd_s")
     for r in results.values():
@@ -315,8 +332,9 @@ def write_plots(out: Path, scenarios: list[dict[str, Any]]) -> list[str]:
 
 
 def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: int = 1, console: Any = None,
-             progress: bool = True, quick: bool = False) -> dict[str, Any]:
-    """Run the scenarios, print tables, write plots and ``report.json`` under ``out``; return the report."""
+             progress: bool = True, quick: bool = False, sample_owner: str = "planner") -> dict[str, Any]:
+    """Run the scenarios, print tables, write plots and ``report.json`` under ``out``; return the report.
+    ``sample_owner``: who places the samples (``SAMPLE_OWNERS``), for the scenarios and the steady state."""
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -349,7 +367,7 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     if reduced:
         console.print(f"To fit the time budget these scenarios simulate fewer MoE layers than the model has: "
                       f"{', '.join(reduced)} (see layers_simulated in the JSON).")
-    total = sum(len(strategy_runs(sc, strategies)) for sc in todo)
+    total = sum(len(strategy_runs(sc, strategies, sample_owner)) for sc in todo)
     results: list[dict[str, Any]] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not progress, transient=False) as bar:
@@ -358,7 +376,8 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
             bar.update(task, description=f"planning {sc.name}")
             results.append(run_scenario(
                 sc, seed, workers, plan_batch, strategies, advance=lambda: bar.advance(task),
-                starting=lambda label, name=sc.name: bar.update(task, description=f"planning {name}: {label}")))
+                starting=lambda label, name=sc.name: bar.update(task, description=f"planning {name}: {label}"),
+                sample_owner=sample_owner))
     for sc in results:
         console.print(report.scenario_table(sc))
     abl = ablation(results)
@@ -374,12 +393,12 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     plots = write_plots(out, results) if results else []
     from ..steady import demo_steady_state  # the steady state of consecutive batches (relibra_moe.steady)
     rep = {
-        "version": REPORT_VERSION, "quick": quick, "seed": seed, "workers": workers,
+        "version": REPORT_VERSION, "quick": quick, "seed": seed, "workers": workers, "sample_owner": sample_owner,
         "strategies": strategies, "cluster_fabric": "hopper-rail", "simulator": "relibra_moe.sim",
         "scenarios": [{k: v for k, v in sc.items() if not k.startswith("_")} for sc in results],
         "ablation": abl, "targets": targets, "notes": caveats, "skipped": skipped,
         "steady_state": demo_steady_state([sc["name"] for sc in results], quick=quick, seed=seed, workers=workers,
-                                          console=console),
+                                          console=console, sample_owner=sample_owner),
         "plots": [os.path.relpath(p, out) for p in plots], "wall_s": time.perf_counter() - t0,
     }
     (out / "report.json").write_text(json.dumps(rep, indent=2, default=json_default))
@@ -402,6 +421,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=None, help="planner processes (default: the CPU count)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--sample-owner", choices=SAMPLE_OWNERS, default="planner",
+                   help="who places the samples: the planner (default), the trainer (round-robin within each "
+                        "micro-batch kept; only homes, replicas and splits planned), or both (every strategy in "
+                        "both modes, side by side)")
     p.set_defaults(func=run)
 
 
@@ -421,5 +444,5 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"--seed={args.seed} must be >= 0")
     workers = args.workers if args.workers else max(1, min(os.cpu_count() or 1, 4))
     run_demo(scenarios, Path(args.out), seed=args.seed, workers=workers, progress=not args.no_progress,
-             quick=args.quick)
+             quick=args.quick, sample_owner=args.sample_owner)
     return 0

@@ -73,6 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="assign sample i to micro-batch i // B (default: the trace's own assignment)")
     p.add_argument("--repack", action="store_true", help="also choose each sample's micro-batch")
+    p.add_argument("--keep-cell-sizes", action="store_true",
+                   help="the sample placement only swaps samples: every (micro-batch, GPU) cell keeps its sample "
+                        "count, so a trainer with a fixed per-rank micro-batch size (verl, slime) can follow the "
+                        "plan (relibra_moe.sample_order)")
+    add_sample_owner_flags(p, both=False)
     p.add_argument("--seed", type=int, default=0, help="plan seed (same inputs and seed -> same file)")
     p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
     p.add_argument("--objective", choices=OBJECTIVES, default=None,
@@ -111,6 +116,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="charge the simulated step's expert moves against this plan's placement (default: static)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(func=run_score)
+
+
+SAMPLE_GPU_HELP = ("with --sample-owner trainer: the trainer's rank of every sample of the trace, an int [N] .npy "
+                   "file (after --micro-batch-size; default: round-robin within each micro-batch, k-th sample on "
+                   "rank k mod G, what a trainer that does not reorder its micro-batches does)")
+
+
+def add_sample_owner_flags(p: argparse.ArgumentParser, both: bool) -> None:
+    """``--sample-owner`` (``both``: also the value "both") and ``--sample-gpu FILE.npy``."""
+    choices = ("planner", "trainer", "both") if both else ("planner", "trainer")
+    p.add_argument("--sample-owner", choices=choices, default="planner",
+                   help="who places the samples: the planner chooses every sample's rank (default), or the trainer "
+                        "owns them and only expert homes, replicas and splits are planned"
+                        + ("; both: every strategy in both modes, one table" if both else ""))
+    p.add_argument("--sample-gpu", default=None, metavar="FILE.npy", help=SAMPLE_GPU_HELP)
+
+
+def load_sample_gpu(path: str | None, owner: str, num_samples: int) -> np.ndarray | None:
+    """The trainer's ranks of ``--sample-gpu FILE.npy`` (int ``[N]``; None without a file); PlanError naming the
+    file when it is unreadable, not an int ``[N]`` array of the trace's N, or given with ``--sample-owner
+    planner``. The ranks' range is checked by the planner (``PlanOptions.sample_gpu``)."""
+    if path is None:
+        return None
+    if owner == "planner":
+        raise PlanError(f"--sample-gpu {path} only applies with --sample-owner trainer (or both), not planner")
+    try:
+        sg = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"--sample-gpu {path}: not a readable .npy file ({type(exc).__name__}: {exc})") from None
+    if sg.ndim != 1 or sg.shape[0] != num_samples or (sg.size and sg.dtype.kind not in "iu"):
+        raise PlanError(f"--sample-gpu {path}: must be an int [N={num_samples}] array of ranks (one per sample of "
+                        f"the trace), got shape {sg.shape} of dtype {sg.dtype}")
+    return sg.astype(np.int64)
 
 
 def model_by_name(name: str) -> ModelSpec:
@@ -174,6 +212,8 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
                           "repack": bool(args.repack), "migration": args.migration == "price",
                           "price_replicas": args.replica_pricing == "price",
                           "final_reorder": bool(args.final_reorder)}
+    if getattr(args, "keep_cell_sizes", False):
+        kw["keep_cell_sizes"] = True
     for _, name, _, _ in _OPTION_FLAGS:
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
@@ -184,6 +224,10 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
         kw["previous"] = args.previous_placement
     if getattr(args, "history_loads", None) is not None:
         kw["history"] = args.history_loads
+    if getattr(args, "sample_owner", "planner") != "planner":
+        kw["sample_owner"] = args.sample_owner
+    if getattr(args, "sample_gpu_ranks", None) is not None:
+        kw["sample_gpu"] = args.sample_gpu_ranks
     return PlanOptions.from_kwargs(**kw)
 
 
@@ -269,6 +313,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
             raise PlanError(f"--history only applies to --strategy {' and '.join(HISTORY_STRATEGIES)}, not "
                             f"--strategy {args.strategy}")
         args.history_loads = load_history(args.history, model)
+    args.sample_gpu_ranks = load_sample_gpu(args.sample_gpu, args.sample_owner, batch.num_sequences)
     plan = plan_with_options(batch, model, cluster, args.strategy, plan_options(args),
                              micro_batch_size=args.micro_batch_size)
     plan.save(args.out)
@@ -283,6 +328,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     out["replica_slots"] = plan.replica_slots
     out["repack"] = bool(args.repack)
     out["seed"] = args.seed
+    out["sample_owner"] = plan.stats.get("sample_owner", "planner")
     return out
 
 
@@ -297,6 +343,7 @@ def score_file(trace_path: str, plan_path: str, model_name: str, cluster_name: s
                                        "gpus_per_node": cluster.gpus_per_node}}
     out.update(_score(plan, batch, model, cluster, balanced))
     out.update(_step(plan, batch, model, cluster, previous, previous_path))
+    out["sample_owner"] = plan.stats.get("sample_owner", "planner")
     return out
 
 
@@ -314,7 +361,7 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k in ("t_moe_total_s", "step_s", "experts_moved", "comp_total_s", "comm_total_s", "rank_skew_mean",
-              "rank_skew_max", "percent_of_balanced", "solve_seconds", "num_micro_batches"):
+              "rank_skew_max", "percent_of_balanced", "solve_seconds", "num_micro_batches", "sample_owner"):
         if k in res:
             v = res[k]
             t.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))

@@ -50,7 +50,7 @@ def simulate_files(trace_path: str, plan_path: str, model_name: str, cluster_nam
     out = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
            "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
            "strategy": plan.stats.get("strategy"), "num_micro_batches": plan.num_micro_batches,
-           "replica_slots": plan.replica_slots}
+           "replica_slots": plan.replica_slots, "sample_owner": plan.stats.get("sample_owner", "planner")}
     out.update(step.to_dict())
     return out
 
@@ -78,5 +78,5 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"tokens {res['tokens']:,}  throughput {res['tokens_per_s']:,.0f} tokens/s  "
                   f"rank skew {res['rank_skew_mean']:.3f}  experts moved {res['experts_moved']}  "
-                  f"replica mode {res['replica_mode']}")
+                  f"replica mode {res['replica_mode']}  samples placed by the {res['sample_owner']}")
     return 0

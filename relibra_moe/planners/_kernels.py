@@ -392,7 +392,7 @@ def rows_objective_exact(st, cf, n_plus, n_minus, j1, j2, nvm, rdm, cc, tnv, trd
 
 @njit(cache=True)
 def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, smooth, repack, cap1, cap2,
-                   token_cap, t0_frac, eps_frac, iters, seed):
+                   token_cap, t0_frac, eps_frac, iters, seed, swap_only=False):
     """Simulated annealing of where samples run, experts frozen.
 
     Moves: swap the GPUs of two samples of one micro-batch; move one sample to another GPU of its
@@ -400,7 +400,8 @@ def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, s
     GPU) slots), and with ``token_cap > 0`` also move one sample to another micro-batch whose tokens stay
     within ``token_cap``. A move is allowed only if every touched (micro-batch, GPU) cell keeps its
     attention work (sum of tokens ``tok1``, sum of squares ``tok2``) within ``cap1`` / ``cap2`` or does
-    not increase it.
+    not increase it. ``swap_only``: a drawn move becomes the swap of its kind (in / across micro-batches), so
+    every (micro-batch, GPU) cell keeps its number of samples (the random stream of the default is unchanged).
 
     Args:
         cf: float64 ``[N, L, G]`` tokens of sample n in layer l routed to experts homed on GPU g.
@@ -459,6 +460,8 @@ def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, s
         j1 = gpu[n1]
         kind = np.random.randint(4) if repack else np.random.randint(2)
         # kinds: 0 swap in micro-batch, 1 move in micro-batch, 2 swap across, 3 move across (token_cap)
+        if swap_only and (kind == 1 or kind == 3):
+            kind -= 1
         n2 = -1
         m2 = m1
         j2 = j1

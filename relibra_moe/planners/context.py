@@ -129,7 +129,8 @@ def baseline_samples(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarr
     o = ctx.options
     mb, sg, info = anneal_locality(ctx.counts, ctx.lengths, ctx.micro_batch, ctx.sample_gpu, expert_gpu, ctx.model,
                                    ctx.cluster, num_micro_batches=ctx.num_micro_batches, repack=True,
-                                   token_cap=o.token_cap, tol=o.tol, seed=ctx.seed, iters=o.locality_iters)
+                                   token_cap=o.token_cap, tol=o.tol, seed=ctx.seed, iters=o.locality_iters,
+                                   keep_cell_sizes=o.keep_cell_sizes)
     ctx.stats["locality"] = info
     return mb, sg
 

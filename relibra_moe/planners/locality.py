@@ -76,7 +76,8 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
                     expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, num_micro_batches: int | None
                     = None, repack: bool = False, token_cap: int | None = None, tol: float = 0.05, seed: int = 0,
                     iters: int | None = None, beta: float = DEFAULT_BETA, t0_frac: float = 0.002,
-                    eps_frac: float = 1e-6, smooth: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+                    eps_frac: float = 1e-6, smooth: bool = False, keep_cell_sizes: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray, dict]:
     """Anneal sample -> GPU (and with ``repack`` sample -> micro-batch) for frozen expert homes.
 
     Args:
@@ -89,6 +90,9 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
         tol: attention-work tolerance over the mean (see the module docstring).
         smooth: anneal on the LSE-smoothed objective (True) or the exact one (default: the sum over
             M x L cells has no plateaus, and the exact evaluation is ~2.5x cheaper at the same result).
+        keep_cell_sizes: swaps only, so every (micro-batch, GPU) cell keeps its number of samples (what a
+            trainer with a fixed per-rank micro-batch size needs to follow the plan; ``sample_order``). Not
+            with ``token_cap`` (its moves change the micro-batches' sample counts).
 
     Returns:
         (micro_batch int64 [N], sample_gpu int64 [N], info) with info ``objective_start`` / ``objective``
@@ -107,6 +111,9 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
     if iters is not None:
         check_int("iters", iters, 0)
     check_positive("beta", beta)
+    if keep_cell_sizes and token_cap is not None:
+        raise PlanError(f"token_cap={token_cap} moves samples between micro-batches of different sizes; "
+                        "keep_cell_sizes=True keeps every cell's sample count: drop one of them")
     if token_cap is not None and token_cap < lengths.max(initial=0):
         raise PlanError(f"token_cap={token_cap} is below the longest sample ({int(lengths.max())} tokens)")
     mb0 = np.asarray(micro_batch, dtype=np.int64)
@@ -132,7 +139,8 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
     nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
     mb, sg, _, _ = _kernels.anneal_samples(
         cf, lengths, lengths * lengths, mb0, sg0, M, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth), bool(repack),
-        cap1, cap2, float(token_cap or 0), float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF)
+        cap1, cap2, float(token_cap or 0), float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF,
+        bool(keep_cell_sizes))
     obj = _exact_total(cf, mb, sg, M, model, cluster)
     if obj < start:
         info["objective"] = obj

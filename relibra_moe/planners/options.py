@@ -54,7 +54,7 @@ RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
 HISTORY_STRATEGIES = ("eplb-history",)
 """The strategies that plan from past batches' loads (read ``history``)."""
 
-_BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas")
+_BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "keep_cell_sizes")
 _OPTIONAL_BOOLS = ("node_comp", "smooth")
 
 
@@ -104,6 +104,10 @@ class PlanOptions:
             sample's GPU, and its micro-batch with ``repack``) or "trainer" (the trainer's assignment is kept as
             given: ``micro_batch`` of the batch and ``sample_gpu``; the strategy chooses expert homes, replicas
             and splits only; ``repack`` is refused).
+        keep_cell_sizes: the sample placement only swaps samples, so every (micro-batch, GPU) cell keeps the
+            number of samples of the start (round-robin: B / G each): what a trainer with a fixed per-rank
+            micro-batch size (verl, slime without dynamic batching) needs to follow the plan through
+            ``sample_order``. Not with ``token_cap``.
         sample_gpu: with ``sample_owner="trainer"``, the trainer's rank of every sample, int ``[N]`` in ``[0, G)``
             (None: ``plan.round_robin_gpus`` of the micro-batches, what a trainer that does not reorder does);
             must be None with "planner". Length and range are checked against the batch when planning.
@@ -138,6 +142,7 @@ class PlanOptions:
     replicate: Mapping[str, Any] = field(default_factory=dict)
     sample_owner: str = "planner"
     sample_gpu: Any = None
+    keep_cell_sizes: bool = False
 
     def __post_init__(self) -> None:
         check_int("replica_slots", self.replica_slots, 0)
@@ -161,6 +166,9 @@ class PlanOptions:
             if self.node_comp is False:
                 raise PlanError(f"skew_cap={self.skew_cap!r} caps the node-level compute skew of node_comp: it "
                                 "needs node_comp=True (or leave node_comp unset)")
+        if self.keep_cell_sizes and self.token_cap is not None:
+            raise PlanError(f"token_cap={self.token_cap!r} lets micro-batches change their sample counts; "
+                            "keep_cell_sizes=True keeps every (micro-batch, GPU) cell's count: drop one of them")
         if self.token_cap is not None and not self.repack:
             raise PlanError(f"token_cap={self.token_cap!r} only applies with repack=True (--repack)")
         if not isinstance(self.replicate, Mapping):

@@ -165,7 +165,8 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
             objectives.append({"reorder": rinfo, "locality": {"skipped": "sample_owner=trainer"}})
             continue
         lkw = dict(num_micro_batches=ctx.num_micro_batches, repack=ctx.repack, token_cap=o.token_cap, tol=o.tol,
-                   seed=ctx.seed + rnd, iters=loc_iters, beta=o.beta, smooth=o.locality_smooth)
+                   seed=ctx.seed + rnd, iters=loc_iters, beta=o.beta, smooth=o.locality_smooth,
+                   keep_cell_sizes=o.keep_cell_sizes)
         (res,) = ctx.executor.map(locality_task, [(ctx.counts, ctx.lengths, mb, sg, eg, ctx.model, ctx.cluster, lkw)],
                                   [("locality", rnd)])
         if isinstance(res, TaskFailed):
