@@ -92,6 +92,9 @@ def _worker(rank: int, world_size: int, out_dir: str) -> None:
         total = clip_grad_norm_(ddp, MAX_NORM)
         report["norm"] = [float(total), float(total_ref)]
         report["clipped_grad_err"] = max(grad_errors().values())
+        inf = float("inf")  # the max-norm: a max over the EP group, nothing clipped (max_norm = inf)
+        report["inf_norm"] = [float(clip_grad_norm_(ddp, inf, norm_type=inf)),
+                              float(torch.nn.utils.clip_grad_norm_(ref.parameters(), inf, norm_type=inf))]
 
         # a DDP wrapper around a new container manages the experts: refused by name on every rank
         other = swap_moe_blocks(tiny_model("qwen3_moe", seed=7)).train()
@@ -121,6 +124,7 @@ def test_ddp_wrapped_swapped_model_equals_single_process_reference():
         assert total_ref > 2 * MAX_NORM  # the clip is active
         assert abs(total - total_ref) <= 1e-5 * total_ref, rep["norm"]
         assert rep["clipped_grad_err"] <= 1e-5
+        assert abs(rep["inf_norm"][0] - rep["inf_norm"][1]) <= 1e-5 * rep["inf_norm"][1], rep["inf_norm"]
         assert "DistributedDataParallel manages the expert parameters ['inner.model.layers.0.mlp.experts." \
             in rep["refused"], rep["refused"]
         assert "mark_experts_for_ddp(wrapper)" in rep["refused"]

@@ -300,3 +300,13 @@ def _compare(reps, ref, gc):
             torch.testing.assert_close(torch.tensor(v), torch.tensor(rs[name]), rtol=1e-5, atol=2e-5,
                                        msg=f"gc={gc} rank {r} {name}")
     assert checked >= 2 * 20
+
+
+def test_bad_planning_options_are_named_before_trl_loads_anything():
+    from relibra_moe.errors import ReplayError
+    from relibra_moe.integrations.trl import ReplayGRPOTrainer
+
+    with pytest.raises(ReplayError, match=r"unrouted='skip' is not one of \('live', 'none', 'error'\)"):
+        ReplayGRPOTrainer(model="never-loaded", unrouted="skip")
+    with pytest.raises(ReplayError, match=r"replica_slots=-1 must be an integer >= 0"):
+        ReplayGRPOTrainer(model="never-loaded", replica_slots=-1)

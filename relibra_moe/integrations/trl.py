@@ -133,9 +133,11 @@ class ReplayGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, replica_slots: int = 2, strategy: str = "relibra", gpus_per_node: int | None = None,
                  cluster: ClusterSpec | None = None, planner: Planner | None = None,
                  planner_options: dict[str, Any] | None = None, unrouted: str = "live", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if unrouted not in UNROUTED:
+        if unrouted not in UNROUTED:  # checked before TRL loads anything
             raise ReplayError(f"ReplayGRPOTrainer: unrouted={unrouted!r} is not one of {UNROUTED}")
+        if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
+            raise ReplayError(f"ReplayGRPOTrainer: replica_slots={replica_slots!r} must be an integer >= 0")
+        super().__init__(*args, **kwargs)
         refused = [name for name, on in (("use_vllm", self.use_vllm),
                                          ("use_transformers_continuous_batching",
                                           self.use_transformers_continuous_batching),
