@@ -138,7 +138,8 @@ def test_replay_padding_gets_zero_gate():
     (torch.zeros(4, 2, dtype=torch.long) + torch.tensor([0, 1]), "cover 4 tokens, the batch has 5"),
     (torch.zeros(5, 3, dtype=torch.long) + torch.tensor([0, 1, 2]), "k=3, the router has top_k=2"),
     (torch.tensor([[0, 1]] * 4 + [[0, 8]]), r"\[4, 1\] = 8 is outside \[-1, 8\)"),
-    (torch.tensor([[0, 1]] * 4 + [[-2, 1]]), "is outside"),
+    (torch.tensor([[0, 1]] * 4 + [[-3, 1]]), "is outside"),
+    (torch.tensor([[0, 1]] * 4 + [[-2, 1]]), r"row 4 = \[-2, 1\] mixes -2 \(route live\)"),  # -2 = LIVE
     (torch.tensor([[0, 1]] * 3 + [[3, 3]] + [[0, 1]]), "row 3 .* repeats expert 3"),
     (torch.zeros(5, 2), "integer"),
     (torch.zeros(10, dtype=torch.long), r"\[T, k\]"),

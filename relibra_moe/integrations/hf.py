@@ -19,8 +19,11 @@ and Qwen3-Next; their differences live in :mod:`relibra_moe.integrations.hf_fami
 
 Recorded trace rows are the tokens the engine *fed* to the model, in order, with padding removed: the
 prompt and every generated token but the last one (which is returned, never fed). That is exactly the
-input of the usual shifted causal-LM training forward (``input_ids = seq[:-1]``, ``labels = seq[1:]``),
-which is what ``replay`` feeds.
+input of the usual shifted causal-LM training forward (``input_ids = seq[:-1]``, ``labels = seq[1:]``).
+A trainer that feeds the whole sequence (TRL: prompt + completion up to its EOS) trims the traces with
+``rec.traces(lengths=attention_mask.sum(1))`` (this also drops the pad steps ``generate()`` runs after a
+sequence's EOS); the one token never fed during the rollout is routed live by ``replay`` (its
+``unrouted`` rule), so every token is served as in the plain model.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ import torch
 from torch import nn
 
 from ..errors import ReplayError
+from ..layers.data_parallel import mark_experts_for_ddp
 from ..layers.dispatch import ep_process_group
 from ..layers.replay import LayerReplay, layout_ids, replay
+from ..layers.router import merge_live
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
 from .torchtitan import TITAN_FAMILY, TorchtitanReplayMoE, is_titan_moe, titan_replica_buffer
@@ -258,8 +263,17 @@ class RoutingRecorder:
         return hook
 
     # -- export
-    def sequences(self) -> list[np.ndarray]:
-        """The recorded ids of every sequence: one int ``[S_n, L, k]`` array each (padding removed)."""
+    def sequences(self, lengths: Any = None) -> list[np.ndarray]:
+        """The recorded ids of every sequence: one int ``[S_n, L, k]`` array each (padding removed).
+
+        ``lengths``: optional int ``[N]``, the tokens the training forward feeds for each recorded sequence
+        (a trainer that feeds the whole sequence: prompt + completion up to and including its EOS, e.g.
+        the ones of its ``attention_mask``). Each sequence is trimmed to its first ``lengths[n]`` rows,
+        which drops the pad steps ``generate()`` runs after a sequence's EOS while others continue. The
+        forward may feed one token more than was recorded (the last generated token is returned, never
+        fed): that token is left to :func:`replay`'s ``unrouted`` rule (routed live by default). A length
+        below 1 or more than one past the recorded rows raises ``ReplayError``.
+        """
         out: list[np.ndarray] = []
         dtype = np.int16 if self.num_experts <= np.iinfo(np.int16).max else np.int32
         for session in self._sessions:
@@ -275,21 +289,32 @@ class RoutingRecorder:
             keep = torch.cat([s["keep"] for s in steps], dim=1).cpu()                     # [B, S_tot]
             for b in range(ids.shape[0]):
                 out.append(ids[b][keep[b]].numpy().astype(dtype))
-        return out
+        if lengths is None:
+            return out
+        want = np.asarray(lengths)
+        if want.ndim != 1 or want.shape[0] != len(out) or not (np.issubdtype(want.dtype, np.integer) or want.size == 0):
+            raise ReplayError(f"RoutingRecorder: lengths must be integers [N={len(out)}] (one per recorded "
+                              f"sequence), got dtype {want.dtype} shape {tuple(want.shape)}")
+        for n, (seq, m) in enumerate(zip(out, want.tolist())):
+            if not 1 <= m <= len(seq) + 1:
+                raise ReplayError(f"RoutingRecorder: lengths[{n}] = {m}, sequence {n} recorded {len(seq)} fed "
+                                  f"tokens; a training forward feeds between 1 and {len(seq) + 1} of them")
+        return [seq[:m] for seq, m in zip(out, want.tolist())]
 
-    def traces(self) -> list:
-        """One :class:`relibra_moe.trace.RoutingTrace` per recorded sequence, in recording order."""
+    def traces(self, lengths: Any = None) -> list:
+        """One :class:`relibra_moe.trace.RoutingTrace` per recorded sequence, in recording order
+        (``lengths``: trim as in :meth:`sequences`)."""
         from ..trace import RoutingTrace
 
         return [RoutingTrace(seq, self.layer_ids, self.num_experts, self.top_k, 0, self.source)
-                for seq in self.sequences()]
+                for seq in self.sequences(lengths)]
 
-    def trace_batch(self, micro_batch: np.ndarray | None = None) -> TraceBatch:
+    def trace_batch(self, micro_batch: np.ndarray | None = None, *, lengths: Any = None) -> TraceBatch:
         """All recorded sequences as a :class:`relibra_moe.trace.TraceBatch` (``micro_batch``: int32 ``[N]``
-        micro-batch of each sequence, or ``None``)."""
+        micro-batch of each sequence, or ``None``; ``lengths``: trim as in :meth:`sequences`)."""
         from ..trace import TraceBatch
 
-        return TraceBatch(self.traces(), micro_batch, source=self.source)
+        return TraceBatch(self.traces(lengths), micro_batch, source=self.source)
 
 
 # ------------------------------------------------------------------------------------- swapped block
@@ -306,7 +331,8 @@ class ReplayMoEBlock(nn.Module):
     ``forward(hidden [B, S, H])`` returns what the HF block returns (GPT-OSS: ``(hidden, router_scores)``).
     Without replay it routes live and is numerically the HF block. Under :func:`replay` the ids come
     from the trace and the gate values are recomputed from the live logits with the family's gate
-    function (so the router gets gradients); ``-1`` ids (padding) are served by no expert.
+    function (so the router gets gradients); ``-1`` ids (padding) are served by no expert, ``LIVE`` rows
+    (tokens the rollout never routed) are routed live.
 
     Experts run as a loop over the experts that have tokens, in ascending id order (HF's eager order).
 
@@ -362,7 +388,7 @@ class ReplayMoEBlock(nn.Module):
 
             ids = torch.as_tensor(ids)
             ids = check_replay_ids(ids, int(ids.shape[0]) if ids.dim() else 0, self.top_k, self.num_experts,
-                                   f"{self.layer_id}")
+                                   f"{self.layer_id}", allow_live=True)
         return LayerReplay(ids=ids)
 
     # -- routing observers (the recorder uses them)
@@ -394,7 +420,8 @@ class ReplayMoEBlock(nn.Module):
             if rids.shape[0] != T:
                 raise ReplayError(f"layer {self.layer_id}: replayed routing covers {rids.shape[0]} tokens "
                                   f"({state.desc}), the forward has {T} tokens (hidden {tuple(hidden.shape)})")
-            ids = rids.to(logits.device)
+            live_ids = ids
+            ids = merge_live(rids.to(logits.device), lambda: live_ids)  # never-routed tokens: live top-k
             gates = fam.gates(router, logits, ids)
         return logits, gates, ids.long()
 
@@ -469,6 +496,13 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
 
     Swap after moving the model to its final device and dtype: the replica buffer is allocated here.
 
+    With an EP group of several ranks the expert parameters are listed in
+    ``_ddp_params_and_buffers_to_ignore`` of the model and its submodules down to the blocks
+    (:func:`relibra_moe.layers.data_parallel.mark_experts_for_ddp`), so ``DistributedDataParallel`` (also
+    through accelerate / the HF ``Trainer``) leaves them alone; under DDP the layers scale their expert
+    gradients by 1 / world size like DDP's averaging of the dense ones (docs/hf.md, "Several ranks: DDP,
+    accelerate").
+
     Returns:
         ``model`` (modified in place). Already swapped blocks are left as they are.
 
@@ -514,6 +548,7 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
             new = ReplayMoEBlock(block, layer_id)
         new.train(block.training)
         _set_submodule(model, name, new)
+    mark_experts_for_ddp(model)  # DDP / accelerate must never average experts sharded by expert parallelism
     return model
 
 

@@ -8,7 +8,8 @@ G ranks each rank holds the rows of its E/G home experts under the same names):
   (parameters, buffers and the ``output_router_logits`` hooks stay; ``isinstance`` still holds). Its
   ``forward(x, replay_ids=None)`` returns HF's ``(logits, gates, ids)`` tuple (what the aux-loss hooks
   record) that also reads as the layer's ``RouterOutput`` (``.logits``, ``.gates``, ``.ids``); with
-  replayed ids the gates are recomputed from the live logits with the family's gate function;
+  replayed ids the gates are recomputed from the live logits with the family's gate function (rows of
+  ``LIVE``, tokens the rollout never routed, take HF's live top-k first);
 - the experts are HF's fused parameters (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), again
   the same instance with a subclass that makes it a :class:`~relibra_moe.layers.experts.GroupedExperts`
   whose per-expert tensors are those parameters (expert dim first, so relayout moves rows of them and
@@ -37,7 +38,7 @@ from ..layers.dispatch import get_dispatcher
 from ..layers.experts import GroupedExperts, biased_gated_mlp, gpt_oss_activation, slot_view
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
-from ..layers.router import check_replay_ids
+from ..layers.router import check_replay_ids, merge_live
 from ..triton_kernels.grouped_gemm import swiglu_experts
 from ..triton_kernels.routing import RoutingMeta
 from .hf_families import Family, family_of
@@ -72,8 +73,10 @@ class _ReplayRouterMixin:
     def forward(self, hidden_states: torch.Tensor, replay_ids: torch.Tensor | None = None) -> _RouterTuple:
         logits, gates, ids = super().forward(hidden_states)
         if replay_ids is not None:
+            live_ids = ids
             ids = check_replay_ids(replay_ids.to(logits.device), logits.shape[0], self.top_k, self.num_experts,
-                                   self.name)
+                                   self.name, allow_live=True)
+            ids = merge_live(ids, lambda: live_ids)  # tokens the rollout never routed: HF's own top-k
             gates = self._family.gates(self, logits, ids)
         if self._family.returns_scores:  # the block returns them (GPT-OSS); it pops them after its forward
             self.__dict__["_last_gates"] = gates

@@ -11,6 +11,8 @@
 - ``replay``: ``replay`` (``relibra_moe.replay``, the one replay context manager: recorded traces or ids and
   the plan of one micro-batch for every layer), ``LayerReplay``, ``layout_ids``.
 - ``relayout``: ``relayout`` (move experts, grads and optimizer state to a new placement).
+- ``data_parallel``: EP layers under DDP / accelerate (experts kept out of the reducer, expert gradients
+  scaled like DDP's average, ``clip_grad_norm_`` over the global norm).
 - ``testing``: ``run_group`` (spawn a local process group; tests and benchmarks).
 
 Submodules are imported on use (``relibra_moe.layers.moe``, ...); the package itself stays light.

@@ -64,6 +64,7 @@ from ..plan import BatchPlan, ReplicaPlan
 from ..triton_kernels.permute import combine as combine_pairs
 from ..triton_kernels.permute import permute
 from ..triton_kernels.routing import RoutingMeta, routing_metadata
+from .data_parallel import check_data_parallel
 from .dispatch import Dispatcher, ep_process_group, get_dispatcher
 from .experts import GroupedExperts, GroupedSwiGLUExperts, experts_forward
 from .replay import LayerReplay
@@ -488,6 +489,7 @@ class ReplayBalancedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., H]`` -> ``[..., H]``: the stages of the module docstring, in order."""
+        check_data_parallel(self)  # DDP: refuse a reducer over the experts, scale expert grads by 1 / D
         try:
             x2 = self._tokens(x)
         except ReplayError as exc:  # may be bad on this rank only: agree raises it on every rank

@@ -45,8 +45,9 @@ from torch import nn
 from ..errors import PlanError, ReplayError
 from ..plan import BatchPlan, ReplicaPlan
 from ..trace import RoutingTrace, TraceBatch
+from .router import LIVE
 
-__all__ = ["LayerReplay", "ReplayTarget", "layout_ids", "replay", "replay_targets"]
+__all__ = ["LIVE", "UNROUTED", "LayerReplay", "ReplayTarget", "layout_ids", "replay", "replay_targets"]
 
 
 @dataclass(frozen=True)
@@ -95,14 +96,25 @@ def replay_targets(model: nn.Module) -> list[ReplayTarget]:
     return targets
 
 
+UNROUTED = ("live", "none", "error")
+
+
 def layout_ids(traces: Sequence[RoutingTrace], layer_index: int,
-               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+               attention_mask: torch.Tensor | None = None, *, unrouted: str = "live") -> torch.Tensor:
     """The ``[B*S, k]`` int64 ids of one MoE layer for a batch of sequences (row b = ``traces[b]``).
 
     With ``attention_mask [B, S]`` the rows of sequence b fill its positions where the mask is 1, in
     order (left or right padding); without it sequences are right-padded to the longest. Padding rows
     are ``-1`` (served by no expert).
+
+    A mask row with more ones than the trace has rows feeds tokens the rollout never routed (a trainer
+    that feeds prompt + completion: ``generate()`` returns the last completion token but never feeds it).
+    ``unrouted`` says what they get: ``"live"`` (default): :data:`~relibra_moe.layers.router.LIVE` rows,
+    the layer routes them live as the plain model does; ``"none"``: ``-1``, served by no expert;
+    ``"error"``: a ``ReplayError``. A mask row with fewer ones than the trace is always an error.
     """
+    if unrouted not in UNROUTED:
+        raise ReplayError(f"replay: unrouted={unrouted!r} is not one of {UNROUTED}")
     k = traces[0].top_k
     lengths = [t.num_tokens for t in traces]
     if attention_mask is None:
@@ -115,11 +127,16 @@ def layout_ids(traces: Sequence[RoutingTrace], layer_index: int,
         if mask.ndim != 2 or mask.shape[0] != len(traces):
             raise ReplayError(f"replay: attention_mask has shape {mask.shape}, expected [B={len(traces)}, S]")
         out = np.full(mask.shape + (k,), -1, dtype=np.int64)
+        fill = LIVE if unrouted == "live" else -1
         for b, t in enumerate(traces):
-            if int(mask[b].sum()) != lengths[b]:
+            ones = int(mask[b].sum())
+            if ones < lengths[b] or (ones > lengths[b] and unrouted == "error"):
                 raise ReplayError(f"replay: sequence {b} of the micro-batch has {lengths[b]} routed tokens, "
-                                  f"its attention_mask row has {int(mask[b].sum())} ones")
-            out[b, mask[b]] = t.experts[:, layer_index]
+                                  f"its attention_mask row has {ones} ones"
+                                  + (" (unrouted='error')" if ones > lengths[b] else ""))
+            pos = np.flatnonzero(mask[b])
+            out[b, pos[: lengths[b]]] = t.experts[:, layer_index]
+            out[b, pos[lengths[b]:]] = fill
     return torch.from_numpy(out.reshape(-1, k))
 
 
@@ -157,7 +174,8 @@ def _select(n: int, batch_mb: np.ndarray | None, plan: BatchPlan | None, micro_b
 
 def _ids_of_traces(targets: list[ReplayTarget], traces: list[RoutingTrace], batch_mb: np.ndarray | None,
                    plan: Any, micro_batch: int | None, attention_mask: torch.Tensor | None,
-                   rank: int | None) -> tuple[np.ndarray, list[torch.Tensor | ReplayError], str]:
+                   rank: int | None, unrouted: str = "live"
+                   ) -> tuple[np.ndarray, list[torch.Tensor | ReplayError], str]:
     """Trace input -> (selected sample indices, per-layer ids or the ``ReplayError`` of laying them out,
     a description of the selection)."""
     t0 = traces[0]
@@ -193,7 +211,7 @@ def _ids_of_traces(targets: list[ReplayTarget], traces: list[RoutingTrace], batc
             per_layer.append(torch.full((n, k), -1, dtype=torch.int64))
             continue
         try:
-            per_layer.append(layout_ids(chosen, li, attention_mask))
+            per_layer.append(layout_ids(chosen, li, attention_mask, unrouted=unrouted))
         except ReplayError as exc:
             per_layer.append(exc.with_traceback(None))
     return sel, per_layer, desc
@@ -221,7 +239,7 @@ def _ids_per_layer(routing: Any, num_layers: int) -> list[torch.Tensor | None]:
 
 
 def _entry_ids(targets: list[ReplayTarget], routing: Any, plan: Any, micro_batch: int | None,
-               attention_mask: torch.Tensor | None, rank: int | None
+               attention_mask: torch.Tensor | None, rank: int | None, unrouted: str
                ) -> tuple[np.ndarray | None, list[torch.Tensor | ReplayError | None], str]:
     """The checks of :func:`replay` before any layer: ``(selected samples or None, per-layer ids, description)``;
     raises ``ReplayError`` / ``PlanError`` (the caller defers them into the forward on an EP group)."""
@@ -229,7 +247,9 @@ def _entry_ids(targets: list[ReplayTarget], routing: Any, plan: Any, micro_batch
     traces = _as_traces(routing)
     sel, desc = None, ""
     if traces is not None:
-        sel, per_layer, desc = _ids_of_traces(targets, *traces, plan, micro_batch, attention_mask, rank)
+        if unrouted not in UNROUTED:
+            raise ReplayError(f"replay: unrouted={unrouted!r} is not one of {UNROUTED}")
+        sel, per_layer, desc = _ids_of_traces(targets, *traces, plan, micro_batch, attention_mask, rank, unrouted)
     else:
         if isinstance(routing, Sequence) and not isinstance(routing, str) and len(routing) == 0:
             raise ReplayError("replay: no traces given")
@@ -261,7 +281,7 @@ def _prepare(target: ReplayTarget, ids: torch.Tensor | ReplayError | PlanError |
 @contextlib.contextmanager
 def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None = None,
            micro_batch: int | None = None, *, attention_mask: torch.Tensor | None = None,
-           rank: int | None = None) -> Iterator[list[int] | None]:
+           rank: int | None = None, unrouted: str = "live") -> Iterator[list[int] | None]:
     """Replay recorded routing (and follow ``plan`` for ``micro_batch``) in every MoE layer of ``model``.
 
     Args:
@@ -277,6 +297,10 @@ def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None 
             padding to the longest sequence.
         rank: traces with a plan: the rank whose samples this process runs; default: the EP group rank of
             the layers when they have one, else every sample of the micro-batch.
+        unrouted: traces with ``attention_mask``: what tokens past a trace's end get (the forward feeds
+            more tokens than the rollout routed, e.g. prompt + completion): ``"live"`` (default, routed
+            live as the plain model does), ``"none"`` (served by no expert) or ``"error"`` (see
+            :func:`layout_ids`).
 
     Yields:
         With traces, the sample indices (into ``routing``) in the order the forward's batch rows must
@@ -304,7 +328,8 @@ def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None 
                           "block of swap_moe_blocks): for a Hugging Face model call swap_moe_blocks(model) first")
     sel, desc = None, ""
     try:
-        sel, per_layer, desc = _entry_ids(targets, routing, plan, micro_batch, attention_mask, rank)
+        sel, per_layer, desc = _entry_ids(targets, routing, plan, micro_batch, attention_mask, rank,
+                                            unrouted)
     except (ReplayError, PlanError) as exc:
         if all(getattr(t, "world_size", 1) <= 1 for t in targets):
             raise

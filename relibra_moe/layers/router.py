@@ -11,7 +11,9 @@ Two scoring functions, as in the models the library targets:
 
 Replay (docs/method.md, "Routing replay"): given recorded ids ``[T, k]`` the router uses them as the selection and
 gathers the gate values from the live logits, so the router weight still gets gradients. ``-1`` in a
-replayed row means "no expert" (padding): that pair gets gate 0 and is not dispatched. A replayed
+replayed row means "no expert" (padding): that pair gets gate 0 and is not dispatched. A row of
+:data:`LIVE` (``-2``) marks a token the rollout never routed (e.g. the last completion token, which
+``generate()`` returns but never feeds): the router computes its live top-k for that token. A replayed
 batch that does not fit raises ``ReplayError`` naming the layer and the mismatch.
 """
 
@@ -27,6 +29,10 @@ from torch import nn
 from ..errors import ReplayError
 
 SCORINGS = ("softmax", "sigmoid")
+
+#: Replayed id of a token the rollout never routed: the whole row is ``LIVE`` and the router routes the
+#: token live (its own top-k), as the plain model would.
+LIVE = -2
 
 
 @dataclass
@@ -46,11 +52,12 @@ class RouterOutput:
 
 
 def check_replay_ids(ids: torch.Tensor, num_tokens: int, top_k: int, num_experts: int,
-                     layer: str = "moe") -> torch.Tensor:
+                     layer: str = "moe", *, allow_live: bool = False) -> torch.Tensor:
     """Validate replayed ids for one layer and return them as int64 ``[T, k]`` on their device.
 
     Raises ``ReplayError`` naming ``layer`` when the token count or k differ from the batch, an id is
-    outside ``[-1, E)``, or a row repeats an expert.
+    outside ``[-1, E)`` (``[-2, E)`` with ``allow_live``: rows of :data:`LIVE` are routed live by the
+    caller; a row mixing ``LIVE`` with other ids is an error), or a row repeats an expert.
     """
     if not isinstance(ids, torch.Tensor):
         ids = torch.as_tensor(ids)
@@ -64,11 +71,20 @@ def check_replay_ids(ids: torch.Tensor, num_tokens: int, top_k: int, num_experts
         raise ReplayError(f"layer {layer}: replayed ids have k={ids.shape[1]}, the router has top_k={top_k}")
     ids = ids.long()
     if ids.numel():
-        bad = (ids < -1) | (ids >= num_experts)
+        low = LIVE if allow_live else -1
+        bad = (ids < low) | (ids >= num_experts)
         if bool(bad.any()):
             t, j = (int(v) for v in bad.nonzero()[0])
+            hint = " (or -2: route live)" if allow_live else \
+                " (-2 = route live is not supported by this router)" if int(ids[t, j]) == LIVE else ""
             raise ReplayError(f"layer {layer}: replayed id [{t}, {j}] = {int(ids[t, j])} is outside "
-                              f"[-1, {num_experts})")
+                              f"[-1, {num_experts}){hint}")
+        live = ids == LIVE
+        mixed = live.any(dim=1) & ~live.all(dim=1)
+        if allow_live and bool(mixed.any()):
+            t = int(mixed.nonzero()[0])
+            raise ReplayError(f"layer {layer}: replayed row {t} = {ids[t].tolist()} mixes {LIVE} (route live) "
+                              "with expert ids; a token is either replayed or routed live")
         srt = ids.sort(dim=1).values
         dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
         if bool(dup.any()):
@@ -76,6 +92,15 @@ def check_replay_ids(ids: torch.Tensor, num_tokens: int, top_k: int, num_experts
             e = int(srt[t, 1:][dup[t]][0])
             raise ReplayError(f"layer {layer}: replayed row {t} = {ids[t].tolist()} repeats expert {e}")
     return ids
+
+
+def merge_live(ids: torch.Tensor, select, *args) -> torch.Tensor:
+    """``ids [T, k]`` with every :data:`LIVE` row replaced by the live top-k ``select(*args)`` ``[T, k]``
+    (called only when such a row exists). The one rule for tokens the rollout never routed."""
+    live = ids == LIVE
+    if not bool(live.any()):
+        return ids
+    return torch.where(live, select(*args).to(ids.device, ids.dtype), ids)
 
 
 class TopKRouter(nn.Module):
@@ -174,7 +199,9 @@ class TopKRouter(nn.Module):
             gates = scores.gather(1, ids)
             valid = None
         else:
-            ids = check_replay_ids(replay_ids, x.shape[0], self.top_k, self.num_experts, self.name).to(x.device)
+            ids = check_replay_ids(replay_ids, x.shape[0], self.top_k, self.num_experts, self.name,
+                                   allow_live=True).to(x.device)
+            ids = merge_live(ids, self.select, scores)
             valid = ids >= 0
             gates = scores.gather(1, ids.clamp_min(0)) * valid
         if self.renormalize:

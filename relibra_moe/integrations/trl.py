@@ -1,0 +1,285 @@
+"""TRL integration: :class:`ReplayGRPOTrainer`, a ``trl.GRPOTrainer`` that trains with routing replay and
+ReLibra plans (``pip install 'relibra-moe[trl]'``; TRL >= 1.16).
+
+A plain GRPO script becomes a relibra one by changing the class name (planning options are extra
+keyword arguments)::
+
+    from relibra_moe.integrations.trl import ReplayGRPOTrainer
+
+    trainer = ReplayGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...),
+                                train_dataset=dataset, processing_class=tokenizer, replica_slots=2)
+    trainer.train()
+
+Launch on several ranks as any TRL script (``accelerate launch --num_processes G train.py`` or
+``torchrun --nproc-per-node G train.py``); expert parallelism spans all ranks. What the trainer does per
+generation batch (docs/rl-frameworks.md, "TRL"):
+
+1. **Swap** (once, in ``__init__``): :func:`~relibra_moe.integrations.hf.swap_moe_blocks` over the world
+   (E/G experts per rank, ``replica_slots`` slots); the experts are kept out of DDP's reducer, their
+   gradients scaled like DDP's average, and the accelerator's ``clip_grad_norm_`` (the ``Trainer``'s
+   ``max_grad_norm`` path) clips by the global norm (:mod:`relibra_moe.layers.data_parallel`).
+2. **Record** during TRL's ``generate()`` (:class:`~relibra_moe.integrations.hf.RoutingRecorder`), with
+   ``synced_gpus=True`` on several ranks: the EP layers are collectives, so a rank whose sequences all
+   finished keeps stepping until every rank is done (no deadlock, no ``min_new_tokens`` workaround).
+   Traces are trimmed to what the training forward feeds (prompt + completion up to its EOS, TRL's
+   masks); the last completion token, never fed during the rollout, is routed live (``unrouted``).
+3. **Plan** once TRL has shuffled and split the generation batch into micro-batches: every row carries
+   its sample index (``relibra_row``) through TRL's shuffle and split, so the plan is made for TRL's
+   own assignment (``sample_owner="trainer"``: accelerate keeps each rank's samples on that rank and
+   each micro-step's rows are TRL's); rank 0 plans with :class:`~relibra_moe.planners.service.Planner`
+   (``submit``: on its background thread) and broadcasts the plan.
+4. **Relayout** the experts with their gradients and optimizer state to the plan's homes
+   (:func:`relibra_moe.relayout`).
+5. **Replay** every micro-step: :func:`relibra_moe.replay` is open from the micro-step's input
+   preparation until after its backward, so activation checkpointing (TRL's default) recomputes with
+   the same routing; each micro-batch's rows follow the plan's sample order.
+
+Rollouts through vLLM, transformers' continuous batching, ``rollout_func`` or tools are not recorded by
+this trainer, and DeepSpeed / FSDP launches are not its layout: all are refused in ``__init__``
+(``ReplayError``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from trl import GRPOTrainer
+
+from ..errors import PlanError, ReplayError, TraceError
+from ..layers.data_parallel import use_global_clip
+from ..layers.relayout import relayout
+from ..layers.replay import UNROUTED, replay
+from ..plan import BatchPlan
+from ..planners.service import Planner
+from ..specs import ClusterSpec, ModelSpec
+from ..trace import RoutingTrace, TraceBatch
+from .hf import RoutingRecorder, full_state_dict, moe_blocks, swap_moe_blocks
+
+__all__ = ["ReplayGRPOTrainer", "model_spec"]
+
+ROW = "relibra_row"
+"""Key of the sample index every row of TRL's generation batch carries through its shuffle and split."""
+
+
+def model_spec(model: nn.Module, name: str = "") -> ModelSpec:
+    """The :class:`~relibra_moe.specs.ModelSpec` of a swapped HF model (hidden, expert FFN width, E, k, MoE
+    layers, attention shape and dtype from its blocks and config), for the planner's cost model."""
+    blocks = [b for _, _, b in moe_blocks(model)]
+    b0 = blocks[0]
+    cfg = getattr(model, "config", None)
+    heads = int(getattr(cfg, "num_attention_heads", 32) or 32)
+    hidden = int(b0.hidden)
+    dtype = b0.experts.expert_tensors()[0].dtype
+    return ModelSpec(name or f"hf:{type(model).__name__}", hidden=hidden, ffn=int(b0.ffn),
+                     num_experts=int(b0.num_experts), top_k=int(b0.top_k), num_layers=len(blocks),
+                     dtype_bytes=torch.empty((), dtype=dtype).element_size(), num_heads=heads,
+                     num_kv_heads=int(getattr(cfg, "num_key_value_heads", heads) or heads),
+                     head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads))
+
+
+@contextlib.contextmanager
+def _synced_generate(model: nn.Module, on: bool) -> Iterator[None]:
+    """Within the block, ``model.generate`` runs with ``synced_gpus=True`` (this instance only)."""
+    if not on:
+        yield
+        return
+    had = "generate" in model.__dict__
+    previous = model.__dict__.get("generate")
+    model.generate = functools.partial(model.generate, synced_gpus=True)
+    try:
+        yield
+    finally:
+        if had:
+            model.generate = previous
+        else:
+            del model.generate
+
+
+class ReplayGRPOTrainer(GRPOTrainer):
+    """``trl.GRPOTrainer`` with routing replay, ReLibra plans and expert parallelism over all ranks (see
+    the module docstring for what it does).
+
+    Args:
+        *args, **kwargs: every ``GRPOTrainer`` argument, unchanged. The model must be a supported HF MoE
+            model (``relibra_moe.integrations.hf.SUPPORTED_BLOCKS``, layer families).
+        replica_slots: r replica slots per rank (the plan's replicas); 0: placement only.
+        strategy: the planning strategy (``relibra_moe.planners.strategies.STRATEGIES``).
+        gpus_per_node: ranks per node (replicas stay inside a node); default: all ranks are one node.
+        cluster: the :class:`~relibra_moe.specs.ClusterSpec` the planner prices (default: ``nodes x
+            gpus_per_node`` with the default link and FLOP figures).
+        planner: a ready :class:`~relibra_moe.planners.service.Planner` (built with
+            ``sample_owner="trainer"``); default: one with ``strategy``, ``replica_slots``, one inline worker,
+            the run's seed and ``planner_options``.
+        planner_options: further :class:`~relibra_moe.planners.options.PlanOptions` fields for the default
+            planner (e.g. ``{"migration": False}``).
+        unrouted: what a token the rollout never routed gets in the training forward (``"live"``: routed
+            live, the plain model's math; ``"none"``: no expert; ``"error"``).
+
+    Attributes:
+        recorder: the :class:`~relibra_moe.integrations.hf.RoutingRecorder` of the rollouts.
+        last_batch: the :class:`~relibra_moe.trace.TraceBatch` of the last generation batch (all ranks'
+            samples, sample ``n`` = row ``n % N_local`` of rank ``n // N_local``, ``micro_batch`` = TRL's
+            micro-step of the sample).
+        last_plan: its :class:`~relibra_moe.plan.BatchPlan` (``None`` on one rank: replay without a plan).
+    """
+
+    def __init__(self, *args: Any, replica_slots: int = 2, strategy: str = "relibra", gpus_per_node: int | None = None,
+                 cluster: ClusterSpec | None = None, planner: Planner | None = None,
+                 planner_options: dict[str, Any] | None = None, unrouted: str = "live", **kwargs: Any) -> None:
+        if unrouted not in UNROUTED:  # checked before TRL loads anything
+            raise ReplayError(f"ReplayGRPOTrainer: unrouted={unrouted!r} is not one of {UNROUTED}")
+        if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
+            raise ReplayError(f"ReplayGRPOTrainer: replica_slots={replica_slots!r} must be an integer >= 0")
+        super().__init__(*args, **kwargs)
+        refused = [name for name, on in (("use_vllm", self.use_vllm),
+                                         ("use_transformers_continuous_batching",
+                                          self.use_transformers_continuous_batching),
+                                         ("rollout_func", self.rollout_func is not None),
+                                         ("tools", bool(self.tools)),
+                                         ("DeepSpeed", bool(getattr(self, "is_deepspeed_enabled", False))),
+                                         ("FSDP", bool(getattr(self, "is_fsdp_enabled", False)))) if on]
+        if refused:
+            raise ReplayError(f"ReplayGRPOTrainer records routing during transformers generate() and runs expert "
+                              f"parallelism under DDP; {refused[0]} is not supported by it (use GRPOTrainer with "
+                              "relibra_moe.replay by hand, or docs/fsdp.md for FSDP2)")
+        self.unrouted = unrouted
+        self.world = int(self.accelerator.num_processes)
+        self.rank = int(self.accelerator.process_index)
+        swap_moe_blocks(self.model, replica_slots=replica_slots if self.world > 1 else 0,
+                        gpus_per_node=gpus_per_node)
+        if self.world > 1:
+            use_global_clip(self.accelerator, self.model)
+            if planner is None:
+                per_node = self.world if gpus_per_node is None else int(gpus_per_node)
+                cluster = cluster or ClusterSpec(nodes=self.world // per_node, gpus_per_node=per_node)
+                planner = Planner(model_spec(self.model), cluster, strategy=strategy, replica_slots=replica_slots,
+                                  workers=1, executor="inline", seed=int(self.args.seed), sample_owner="trainer",
+                                  **(planner_options or {}))
+        self.planner = planner
+        self.recorder = RoutingRecorder(self.model, source="trl")
+        self.last_batch: TraceBatch | None = None
+        self.last_plan: BatchPlan | None = None
+        self._local_traces: list[RoutingTrace] | None = None
+        self._new_generation = False
+        self._replay = contextlib.ExitStack()
+
+    # ---------------------------------------------------------------------------------- rollout
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generation, recorded, with ``synced_gpus=True`` on several ranks."""
+        if not self.model.training:  # evaluation: nothing to replay, but the EP layers still need every rank
+            with _synced_generate(self.model, self.world > 1):
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     has_tool_images)
+        self.recorder.clear()
+        with self.recorder, _synced_generate(self.model, self.world > 1):
+            out = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                has_tool_images)
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's batch, plus each row's sample index (``relibra_row``) and this rank's trimmed traces."""
+        out = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return out
+        lengths = (out["prompt_mask"].sum(1) + out["completion_mask"].sum(1)).cpu().numpy()
+        traces = self.recorder.traces(lengths=lengths)
+        if len(traces) != len(lengths):
+            raise ReplayError(f"ReplayGRPOTrainer: recorded {len(traces)} sequences for {len(lengths)} rows")
+        n = len(traces)
+        out[ROW] = torch.arange(n, device=out["prompt_ids"].device) + self.rank * n
+        self._local_traces = traces
+        self._new_generation = True
+        return out
+
+    # ---------------------------------------------------------------------------------- training
+    def _prepare_inputs(self, generation_batch):
+        """TRL's micro-batch, its rows in the plan's sample order, with :func:`relibra_moe.replay` opened
+        for it (closed by :meth:`training_step` after the backward)."""
+        inputs = super()._prepare_inputs(generation_batch)
+        if not self.model.training:
+            return inputs
+        if self._new_generation:
+            self._new_generation = False
+            self._plan_generation()
+        m = self._step % self.args.steps_per_generation
+        rows = inputs[ROW]
+        order = torch.argsort(rows)
+        B = int(rows.shape[0])
+        inputs = {k: (v[order] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B else v)
+                  for k, v in inputs.items()}
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        self._replay.close()
+        selected = self._replay.enter_context(replay(self.model, self.last_batch, self.last_plan, micro_batch=m,
+                                                     attention_mask=mask, rank=self.rank if self.last_plan else None,
+                                                     unrouted=self.unrouted))
+        want = inputs[ROW].cpu().tolist()
+        if selected != want:
+            self._replay.close()
+            raise ReplayError(f"ReplayGRPOTrainer: micro-step {m} holds samples {want}, the plan runs {selected} "
+                              "on this rank")
+        return inputs
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's micro-step (generation when due, forward, backward) with replay open until its end."""
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._replay.close()
+
+    # ---------------------------------------------------------------------------------- saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """TRL's / the Trainer's save, with the whole experts: every rank gathers the full HF state dict
+        (:func:`~relibra_moe.integrations.hf.full_state_dict`, a collective), the main process writes it, so
+        the checkpoint loads into the plain HF class. (Optimizer state is saved as the Trainer does, by the
+        main process only: the other ranks' expert AdamW state is not in it.)"""
+        self._full_state = full_state_dict(self.model) if self.world > 1 else None
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._full_state = None
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None and getattr(self, "_full_state", None) is not None:
+            state_dict = self._full_state
+        super()._save(output_dir, state_dict)
+
+    def _plan_generation(self) -> None:
+        """Gather every rank's traces and TRL's micro-batch of each sample, plan (rank 0), relayout."""
+        local = self._local_traces
+        n = len(local)
+        micro = np.full(n, -1, dtype=np.int64)
+        for m, mb in enumerate(self._buffered_inputs):
+            micro[mb[ROW].cpu().numpy() - self.rank * n] = m
+        if (micro < 0).any():
+            raise ReplayError(f"ReplayGRPOTrainer: samples {np.flatnonzero(micro < 0).tolist()} of rank {self.rank} "
+                              "are in no micro-batch of TRL's split")
+        if self.world == 1:
+            self.last_batch = TraceBatch(local, micro.astype(np.int32), source="trl")
+            self.last_plan = None
+            return
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, (local, micro))
+        traces = [t for part in parts for t in part[0]]
+        micro_batch = np.concatenate([part[1] for part in parts]).astype(np.int32)
+        batch = TraceBatch(traces, micro_batch, source="trl")
+        sample_gpu = np.repeat(np.arange(self.world), [len(part[0]) for part in parts])
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = self.planner.submit(batch, sample_gpu=sample_gpu).result()
+            except (PlanError, TraceError) as exc:  # every rank raises, none waits in the broadcast
+                box[0] = exc.with_traceback(None)
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        plan: BatchPlan = box[0]
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        relayout(self.model, plan.placement, optimizer)
+        self.last_batch, self.last_plan = batch, plan

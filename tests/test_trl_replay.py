@@ -1,0 +1,312 @@
+"""ReplayGRPOTrainer (TRL 1.16) on 2 gloo ranks equals a single-process plain GRPOTrainer step.
+
+Setup: a tiny random Qwen3-MoE (8 experts, top-2, hidden 32; 2 MoE layers and one dense) with a character
+tokenizer built with ``tokenizers``, 4 prompts x 2 generations, ``max_completion_length=4``, 2 micro-steps
+per rank (``gradient_accumulation_steps=2``), AdamW, ``max_grad_norm=0.1`` (the clip is active), fp32, the
+router aux loss at the model's default coefficient; with and without activation checkpointing.
+
+Identity of inputs: both runs build the model from the same seed and read the same 8 prompts in the same
+order (TRL's ``RepeatSampler`` with the same seed; rank r's rows are global rows 4r..4r+3, checked
+through the prompts each run reports). Completions are fed, not sampled: a logits processor forces the
+token table ``FORCED`` (row g's completion, ending in EOS or truncated at 4 tokens), so both runs train
+on the same tokens and rewards. TRL shuffles each rank's rows into micro-batches at random; the
+reference (one process, ``per_device_train_batch_size=2``, 4 micro-steps) is given exactly the 2-rank
+run's micro-batches (rank 0 m0, rank 1 m0, rank 0 m1, rank 1 m1), which makes its per-micro-batch aux loss
+and loss normalization the same as DDP's average over ranks.
+
+Checked: the step's loss, every gradient after the global-norm clip (expert rows at their plan homes),
+and every parameter after the optimizer step (the full state dict), plus that the plan placed replicas
+and that the replayed ids equal the ids the rollout routed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+
+from relibra_moe.layers.testing import run_group  # noqa: E402
+
+PROMPTS = ["abc", "hello", "moe", "xyzzy"]
+EOS, PAD = 2, 0
+# completion of global row g (4 prompts x 2 generations): rank 0's rows (0-3) all end by step 3, rank 1 runs
+# to max_completion_length (rows 4 and 7 are truncated): generation must not deadlock in the EP collectives
+FORCED = [[5, 6, EOS], [7, EOS], [11, EOS], [12, 13, EOS], [15, 16, 17, 18], [19, EOS],
+          [20, 21, 22, EOS], [23, 24, 25, 26]]
+CHARS = "abcdefghijklmnopqrstuvwxyz"
+def _slow_cluster():
+    """A cluster whose expert compute is slow next to its links: at this toy size the planner replicates."""
+    from relibra_moe.specs import ClusterSpec
+
+    return ClusterSpec(nodes=1, gpus_per_node=2, flops=1e6, attn_flops=1e6)
+
+
+def _tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<s>": 1, "</s>": EOS, "<unk>": 3}
+    vocab.update({c: i + 4 for i, c in enumerate(CHARS)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) + 0.5 * c.count("f") for c in completions]
+
+
+def _config(out_dir: str, gc: bool, per_device: int, accumulation: int):
+    from trl import GRPOConfig
+
+    return GRPOConfig(output_dir=out_dir, per_device_train_batch_size=per_device,
+                      gradient_accumulation_steps=accumulation, num_generations=2, max_completion_length=4,
+                      max_steps=1, learning_rate=1e-2, max_grad_norm=0.1, logging_steps=1, report_to="none",
+                      use_cpu=True, bf16=False, gradient_checkpointing=gc, save_strategy="no", seed=0,
+                      disable_tqdm=True, dataloader_num_workers=0)
+
+
+class _Force:
+    """Logits processor: row b emits ``rows[b]`` (then EOS), whatever the model prefers."""
+
+    def __init__(self, rows):
+        self.rows, self.start = rows, None
+
+    def __call__(self, input_ids, scores):
+        if self.start is None:
+            self.start = input_ids.shape[1]
+        t = input_ids.shape[1] - self.start
+        out = torch.full_like(scores, float("-inf"))
+        for b, row in enumerate(self.rows):
+            out[b, row[t] if t < len(row) else EOS] = 0.0
+        return out
+
+
+class _Probe:
+    """Test mixin: forced completions, the prompts / losses / clipped grads each run saw."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        from transformers import LogitsProcessorList
+
+        offset = self.accelerator.process_index * len(prompt_ids)
+        self.seen_prompts = {offset + i: list(p) for i, p in enumerate(prompt_ids)}
+        model = self.model
+        model.generate = functools.partial(model.generate, logits_processor=LogitsProcessorList(
+            [_Force(FORCED[offset:offset + len(prompt_ids)])]))
+        try:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        finally:
+            del model.generate
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.losses.append(float(loss))
+        return loss
+
+
+def _grads_callback(store: dict):
+    from transformers import TrainerCallback
+
+    class Grab(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            m = getattr(model, "module", model)
+            store.update({n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None})
+
+    return Grab()
+
+
+def _model():
+    from relibra_moe.integrations.hf_tiny import tiny_model
+
+    model = tiny_model("qwen3_moe", seed=11).train()
+    assert model.config.router_aux_loss_coef > 0
+    return model
+
+
+def _dataset():
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": PROMPTS})
+
+
+def _env(rank: int, world: int) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"})
+
+
+def _replay_worker(rank: int, world: int, out_dir: str) -> None:
+    from relibra_moe.integrations.hf import RoutingRecorder, full_state_dict, moe_blocks
+    from relibra_moe.integrations.trl import ReplayGRPOTrainer
+    from relibra_moe.triton_kernels.backend import force_backend
+
+    _env(rank, world)
+
+    class Trainer(_Probe, ReplayGRPOTrainer):
+        pass
+
+    with force_backend("torch"):
+        for gc in (False, True):
+            grads: dict = {}
+            trainer = Trainer(model=_model(), reward_funcs=_reward, args=_config(out_dir, gc, 2, 2),
+                              train_dataset=_dataset(), processing_class=_tokenizer(), replica_slots=1,
+                              cluster=_slow_cluster(), planner_options={"migration": False},
+                              callbacks=[_grads_callback(grads)])
+            trainer.losses = []
+            rollout = RoutingRecorder(trainer.model)  # the ids every forward used, rollout and training
+            with rollout:
+                trainer.train()
+            plan, batch = trainer.last_plan, trainer.last_batch
+            homes = {name: b.home_experts.tolist() for _, name, b in moe_blocks(trainer.model)}
+            state = {k: v.tolist() for k, v in full_state_dict(trainer.model).items()}
+            if not gc:  # save_model writes the whole experts: the checkpoint loads into the plain HF class
+                trainer.save_model(str(Path(out_dir, "saved")))
+                if rank == 0:
+                    from transformers import AutoModelForCausalLM
+
+                    loaded = AutoModelForCausalLM.from_pretrained(str(Path(out_dir, "saved"))).state_dict()
+                    assert set(loaded) == set(state)
+                    for k, v in loaded.items():
+                        assert torch.equal(v, torch.tensor(state[k])), k
+            norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+            rep = {"losses": trainer.losses, "prompts": trainer.seen_prompts, "homes": homes, "grad_norm": norms,
+                   "replicas": int((plan.replicas.replica_expert >= 0).sum()),
+                   "sample_owner": plan.stats.get("sample_owner"),
+                   "micro": {int(m): [int(n) for n in range(batch.num_sequences)
+                                      if plan.samples.micro_batch[n] == m and plan.samples.gpu[n] == rank]
+                             for m in range(2)},
+                   "grads": {k: v.tolist() for k, v in grads.items()}, "state": state}
+            # rollout routing (trimmed as replayed) vs what the training forwards used for the same rows
+            seqs = rollout.sequences()
+            n_gen = len(batch.traces) // world
+            rec = seqs[:n_gen]
+            local = batch.traces[rank * n_gen:(rank + 1) * n_gen]
+            rep["rollout_match"] = all((a.experts == b[:a.num_tokens]).all() for a, b in zip(local, rec))
+            Path(out_dir, f"replay{int(gc)}_rank{rank}.json").write_text(json.dumps(rep))
+
+
+class _Reorder:
+    """Test mixin: the generation batch's micro-batches become ``self.order`` (lists of global rows, here the
+    2-rank run's micro-batches) instead of TRL's random split."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        out["row"] = torch.arange(out["prompt_ids"].shape[0])
+        return out
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if self._step == 0:  # the generation step
+            whole = {k: (torch.cat([b[k] for b in self._buffered_inputs]) if v.dim() else v)
+                     for k, v in self._buffered_inputs[0].items() if isinstance(v, torch.Tensor)}
+            pos = {int(r): i for i, r in enumerate(whole["row"])}
+            self._buffered_inputs = [{k: (v[[pos[r] for r in rows]] if v.dim() else v) for k, v in whole.items()}
+                                     for rows in self.order]
+            inputs = self._buffered_inputs[0]
+        return inputs
+
+
+def _reference_worker(rank: int, world: int, out_dir: str) -> None:
+    """One process: the plain GRPOTrainer (checkpointing off and on) and, with TRL's default checkpointing,
+    ReplayGRPOTrainer on one rank (replay without a plan), each on the 2-rank run's micro-batches."""
+    from trl import GRPOTrainer
+
+    from relibra_moe.integrations.trl import ReplayGRPOTrainer
+
+    _env(0, 1)
+
+    class Reference(_Probe, _Reorder, GRPOTrainer):
+        pass
+
+    class Single(_Probe, ReplayGRPOTrainer, _Reorder, GRPOTrainer):  # MRO: _Reorder between the two trainers,
+        pass                                                          # so the split is reordered before planning
+
+    for cls, gc in ((Reference, False), (Reference, True), (Single, True)):
+        micro = [json.loads(Path(out_dir, f"replay{int(gc)}_rank{r}.json").read_text())["micro"] for r in range(2)]
+        grads: dict = {}
+        trainer = cls(model=_model(), reward_funcs=_reward, args=_config(out_dir, gc, 2, 4),
+                      train_dataset=_dataset(), processing_class=_tokenizer(), callbacks=[_grads_callback(grads)])
+        trainer.losses = []
+        trainer.order = [micro[0]["0"], micro[1]["0"], micro[0]["1"], micro[1]["1"]]
+        trainer.train()
+        rep = {"losses": trainer.losses, "prompts": trainer.seen_prompts,
+               "grad_norm": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+               "grads": {k: v.tolist() for k, v in grads.items()},
+               "state": {k: v.tolist() for k, v in trainer.model.state_dict().items()}}
+        name = "reference" if cls is Reference else "single"
+        Path(out_dir, f"{name}{int(gc)}.json").write_text(json.dumps(rep))
+
+
+@pytest.mark.timeout(300)
+def test_replay_grpo_two_ranks_equals_single_process_grpo():
+    with tempfile.TemporaryDirectory(prefix="relibra-trl-") as tmp:
+        run_group(_replay_worker, 2, tmp, timeout_s=90)
+        run_group(_reference_worker, 1, tmp, timeout_s=90)
+        for gc in (0, 1):
+            reps = [json.loads(Path(tmp, f"replay{gc}_rank{r}.json").read_text()) for r in range(2)]
+            ref = json.loads(Path(tmp, f"reference{gc}.json").read_text())
+            _compare(reps, ref, gc)
+        # one process: ReplayGRPOTrainer (replay, live routing of never-fed tokens, no plan) = GRPOTrainer
+        single = json.loads(Path(tmp, "single1.json").read_text())
+        ref = json.loads(Path(tmp, "reference1.json").read_text())
+        assert single["prompts"] == ref["prompts"]
+        assert abs(sum(single["losses"]) - sum(ref["losses"])) <= 1e-5 * max(1.0, abs(sum(ref["losses"])))
+        for name, g in ref["grads"].items():
+            want, got = torch.tensor(g), torch.tensor(single["grads"][name])
+            assert float((got - want).abs().max()) <= 1e-4 * (float(want.abs().max()) + 1e-12), name
+        for name, v in ref["state"].items():
+            torch.testing.assert_close(torch.tensor(single["state"][name]), torch.tensor(v), rtol=1e-5, atol=2e-5)
+
+
+def _compare(reps, ref, gc):
+    prompts = {**reps[0]["prompts"], **reps[1]["prompts"]}
+    assert prompts == ref["prompts"], "the two runs did not see the same prompts in the same rows"
+    assert len(prompts) == 8
+    for rep in reps:
+        assert rep["replicas"] > 0 and rep["sample_owner"] == "trainer", rep["replicas"]
+        assert rep["rollout_match"]
+    # loss of the step: DDP's mean over ranks of each rank's micro-step sum = the reference's sum
+    loss = (sum(reps[0]["losses"]) + sum(reps[1]["losses"])) / 2
+    assert abs(loss - sum(ref["losses"])) <= 1e-5 * max(1.0, abs(sum(ref["losses"]))), (gc, loss, ref["losses"])
+    # the Trainer's max_grad_norm clip is active and saw the global norm (expert norms summed over the ranks)
+    assert len(ref["grad_norm"]) == 1 and ref["grad_norm"][0] > 2 * 0.1
+    for rep in reps:
+        assert abs(rep["grad_norm"][0] - ref["grad_norm"][0]) <= 1e-5 * ref["grad_norm"][0], (rep["grad_norm"], ref)
+    rg, rs = ref["grads"], ref["state"]
+    checked = 0
+    for r, rep in enumerate(reps):
+        assert set(rep["grads"]) == set(rg)
+        for name, g in rep["grads"].items():
+            want = torch.tensor(rg[name])
+            if ".experts." in name:
+                want = want[rep["homes"][name.split(".experts.")[0]]]
+            got = torch.tensor(g)
+            err = float((got - want).abs().max()) / (float(want.abs().max()) + 1e-12)
+            assert err <= 1e-4, (gc, r, name, err)
+            checked += 1
+        for name, v in rep["state"].items():
+            # AdamW's first step moves every weight by about lr * g / (|g| + eps) = 1e-2: gradients that are
+            # ~0 turn their fp32 summation-order noise into update noise; 2e-5 is 0.2% of one step
+            torch.testing.assert_close(torch.tensor(v), torch.tensor(rs[name]), rtol=1e-5, atol=2e-5,
+                                       msg=f"gc={gc} rank {r} {name}")
+    assert checked >= 2 * 20
+
+
+def test_bad_planning_options_are_named_before_trl_loads_anything():
+    from relibra_moe.errors import ReplayError
+    from relibra_moe.integrations.trl import ReplayGRPOTrainer
+
+    with pytest.raises(ReplayError, match=r"unrouted='skip' is not one of \('live', 'none', 'error'\)"):
+        ReplayGRPOTrainer(model="never-loaded", unrouted="skip")
+    with pytest.raises(ReplayError, match=r"replica_slots=-1 must be an integer >= 0"):
+        ReplayGRPOTrainer(model="never-loaded", replica_slots=-1)
