@@ -372,6 +372,7 @@ def test_dw_hot_slot_split_over_rows(dtype, monkeypatch):
     the result matches float64 loops, is bitwise reproducible, and cold / empty / shared-row
     destinations next to it are unaffected."""
     from relibra_moe.triton_kernels import grouped_gemm as gg
+    from relibra_moe.triton_kernels._details import grouped_gemm as gg_kernels
     from relibra_moe.triton_kernels.heuristics import DwConfig, override
 
     T, k, S, K, N = 60, 1, 4, 32, 16
@@ -388,14 +389,14 @@ def test_dw_hot_slot_split_over_rows(dtype, monkeypatch):
     for r, s in enumerate(row_slots(meta)):
         ref[s] += torch.outer(x[r].double(), dy[r].double())
     launches = []
-    reduce_kernel = gg._dw_reduce_kernel
+    reduce_kernel = gg_kernels.dw_reduce_kernel
 
     class Counting:  # counts the launches of the split reduction, so the test knows the split ran
         def __getitem__(self, grid):
             launches.append(grid)
             return reduce_kernel[grid]
 
-    monkeypatch.setattr(gg, "_dw_reduce_kernel", Counting())
+    monkeypatch.setattr(gg_kernels, "dw_reduce_kernel", Counting())
     outs = []
     for split_rows in (16, 16, 0):  # forced split twice, then the automatic policy (no split here)
         with force_backend("triton"), override(dw=DwConfig(16, 16, 16, 4, 1, split_rows=split_rows)):

@@ -30,7 +30,8 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
-    from relibra_moe.triton_kernels import grouped_gemm as gg, permute as pm, replica_copy as rc
+    from relibra_moe.triton_kernels import grouped_gemm as gg, replica_copy as rc
+    from relibra_moe.triton_kernels._details import grouped_gemm as ggk, permute as pmk, replica_copy as rck
     from relibra_moe.triton_kernels.heuristics import DW_CONFIGS, GEMM_CONFIGS
 
     target = GPUTarget("cuda", 90, 32)
@@ -71,7 +72,7 @@ SCRIPT = textwrap.dedent(
 
     gemm_div = ["x_ptr", "w_ptr", "out_ptr", "h_ptr", "a_ptr", "N", "K", "stride_xm", "stride_ws", "stride_wk",
                 "stride_wn", "stride_om", "stride_hm", "stride_am"]
-    gmm = gg._grouped_mm_kernel
+    gmm = ggk.grouped_mm_kernel
     # every forward config of the table, with each epilogue, as the layer runs it: ExpertWeights (home +
     # replica slots) in the HF layout
     for name, c in GEMM_CONFIGS.items():
@@ -80,17 +81,17 @@ SCRIPT = textwrap.dedent(
         base = dict(INDIRECT=True, W_ALIGNED=True, UPCAST=False, RNE=False, PRECISION="tf32" if f32 else None,
                     EVEN_K=True, STORE_H=True, BLOCK_M=c.block_m, BLOCK_K=c.block_k, GROUP_M=c.group_m, stride_wk=1)
         opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
-        build(f"gemm:{name}:plain", gmm, gemm_sig(t), dict(base, EPILOGUE=gg.EPI_PLAIN, BLOCK_N=c.block_n), gemm_div,
+        build(f"gemm:{name}:plain", gmm, gemm_sig(t), dict(base, EPILOGUE=ggk.EPI_PLAIN, BLOCK_N=c.block_n), gemm_div,
               **opts)
-        for epi, ename in ((gg.EPI_SWIGLU, "swiglu"), (gg.EPI_SWIGLU_BWD, "swiglu_bwd")):
-            if epi == gg.EPI_SWIGLU_BWD and not c.swiglu_bwd:
+        for epi, ename in ((ggk.EPI_SWIGLU, "swiglu"), (ggk.EPI_SWIGLU_BWD, "swiglu_bwd")):
+            if epi == ggk.EPI_SWIGLU_BWD and not c.swiglu_bwd:
                 continue
             build(f"gemm:{name}:{ename}", gmm, gemm_sig(t), dict(base, EPILOGUE=epi, BLOCK_N=c.block_n // 2),
                   gemm_div, **opts)
     c = GEMM_CONFIGS["m128_n256"]
     build("gemm:m128_n256:plain_row_major_dense", gmm, gemm_sig("*bf16"),
           dict(INDIRECT=False, W_ALIGNED=False, UPCAST=False, RNE=False, PRECISION=None, EVEN_K=True, STORE_H=False,
-               EPILOGUE=gg.EPI_PLAIN, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+               EPILOGUE=ggk.EPI_PLAIN, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
                stride_wn=1), gemm_div, num_warps=c.num_warps, num_stages=c.num_stages)
 
     def dw_sig(t):
@@ -105,27 +106,27 @@ SCRIPT = textwrap.dedent(
         base = dict(UPCAST=False, RNE=False, PRECISION="tf32" if f32 else None, SPLIT_MAX=gg.DW_SPLIT_MAX,
                     BLOCK_M=c.block_m, BLOCK_K=c.block_k, BLOCK_N=c.block_n)
         opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
-        build(f"dw:{name}:hf_layout", gg._grouped_mm_dw_kernel, dw_sig(t), dict(base, stride_gk=1), dw_div, **opts)
-        build(f"dw:{name}:row_major", gg._grouped_mm_dw_kernel, dw_sig(t), dict(base, stride_gn=1), dw_div, **opts)
+        build(f"dw:{name}:hf_layout", ggk.grouped_mm_dw_kernel, dw_sig(t), dict(base, stride_gk=1), dw_div, **opts)
+        build(f"dw:{name}:row_major", ggk.grouped_mm_dw_kernel, dw_sig(t), dict(base, stride_gn=1), dw_div, **opts)
     for t in ("*bf16", "*fp32"):
         rk, rn = gg.DW_REDUCE_TILE
-        build(f"dw_reduce:{t[1:]}", gg._dw_reduce_kernel, dict(hot_ptr="*i32", nsplit_ptr="*i32", part_ptr="*i32",
+        build(f"dw_reduce:{t[1:]}", ggk.dw_reduce_kernel, dict(hot_ptr="*i32", nsplit_ptr="*i32", part_ptr="*i32",
               dest_off_ptr="*i64", ws_ptr="*fp32", dw_ptr=t, N=I, K=I, stride_gk=I, stride_gn=I),
               dict(RNE=False, BLOCK_K=rk, BLOCK_N=rn, stride_gk=1), ["ws_ptr", "dw_ptr", "N", "K"], num_warps=4)
-    build("permute", pm._permute_kernel, dict(x_ptr="*bf16", gather_ptr="*i32", scale_ptr="*fp32", out_ptr="*bf16", R=I,
+    build("permute", pmk.permute_kernel, dict(x_ptr="*bf16", gather_ptr="*i32", scale_ptr="*fp32", out_ptr="*bf16", R=I,
           H=I, stride_x=I, stride_o=I), dict(TOP_K=8, HAS_SCALE=True, RNE=False, BLOCK_R=4, BLOCK_H=1024),
           ["x_ptr", "out_ptr", "H", "stride_x", "stride_o"], num_warps=4)
-    build("combine", pm._combine_kernel, dict(y_ptr="*bf16", scatter_ptr="*i32", w_ptr="*fp32", out_ptr="*bf16", T=I,
+    build("combine", pmk.combine_kernel, dict(y_ptr="*bf16", scatter_ptr="*i32", w_ptr="*fp32", out_ptr="*bf16", T=I,
           H=I, stride_y=I, stride_o=I), dict(TOP_K=8, RNE=False, BLOCK_T=2, BLOCK_H=1024),
           ["y_ptr", "out_ptr", "H", "stride_y", "stride_o"], num_warps=4)
-    build("rowdot", pm._rowdot_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", scatter_ptr="*i32", out_ptr="*fp32", T=I, H=I,
+    build("rowdot", pmk.rowdot_kernel, dict(a_ptr="*bf16", b_ptr="*bf16", scatter_ptr="*i32", out_ptr="*fp32", T=I, H=I,
           stride_a=I, stride_b=I), dict(TOP_K=8, BLOCK_T=16, BLOCK_H=256), ["a_ptr", "b_ptr", "H"], num_warps=4)
     warps = rc.COMPILED_WARPS
-    build("copy_rows", rc._copy_rows_kernel, dict(src_ptr="*bf16", src_idx_ptr="*i64", dst_ptr="*bf16",
+    build("copy_rows", rck.copy_rows_kernel, dict(src_ptr="*bf16", src_idx_ptr="*i64", dst_ptr="*bf16",
           dst_idx_ptr="*i64", D=I, stride_src=I, stride_dst=I, num_items=I, chunks_per_row=I),
           dict(NUM_PROGRAMS=16, NUM_STAGES=rc.COMPILED_STAGES, BLOCK=rc.COPY_BLOCK),
           ["src_ptr", "dst_ptr", "D", "stride_src", "stride_dst"], num_warps=warps)
-    build("add_rows", rc._add_rows_kernel, dict(slot_ptr="*bf16", slot_idx_ptr="*i32", home_ptr="*bf16",
+    build("add_rows", rck.add_rows_kernel, dict(slot_ptr="*bf16", slot_idx_ptr="*i32", home_ptr="*bf16",
           home_idx_ptr="*i32", run_ptr="*i32", D=I, stride_slot=I, stride_home=I, num_items=I, chunks_per_row=I,
           num_pairs=I), dict(NUM_PROGRAMS=16, NUM_STAGES=rc.COMPILED_STAGES, RUN=rc.ADD_RUN, RNE=False,
           BLOCK=rc.ADD_BLOCK),

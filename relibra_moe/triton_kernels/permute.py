@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from relibra_moe.errors import ReplayError
-from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, cast_out, keep_backend, remember_backend, use_triton
+from relibra_moe.triton_kernels._details import permute as _k
+from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, keep_backend, remember_backend, use_triton
 from relibra_moe.triton_kernels.routing import RoutingMeta
 
 __all__ = ["combine", "combine_torch", "permute", "permute_torch", "rowdot", "rowdot_torch"]
@@ -77,116 +77,6 @@ def rowdot_torch(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, to
     return torch.where(valid, dots, torch.zeros((), dtype=acc_dtype, device=a.device))
 
 
-# --------------------------------------------------------------------------------------------------
-# Triton kernels
-# --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _permute_kernel(
-    x_ptr,  # [T, H] token rows (row stride stride_x, unit column stride)
-    gather_ptr,  # [R] int32, sorted row -> flat pair t * k + j (-1: padding row)
-    scale_ptr,  # [T * k] per-pair scale (read only if HAS_SCALE)
-    out_ptr,  # [R, H] sorted rows (row stride stride_o)
-    R,
-    H,
-    stride_x,
-    stride_o,
-    TOP_K: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    RNE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Gather: program (i, h) writes rows [i*BLOCK_R, +BLOCK_R) x columns [h*BLOCK_H, +BLOCK_H) of out.
-
-    out[r] = x[pair // k] * scale[pair] with pair = gather[r]; padding rows are written as zeros, so
-    the output needs no memset.
-    """
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    rmask = rows < R
-    cmask = cols < H
-    pair = tl.load(gather_ptr + rows, mask=rmask, other=-1)
-    valid = pair >= 0
-    tok = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
-    v = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-    if HAS_SCALE:
-        sc = tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-        v = v.to(tl.float32) * sc[:, None]
-    out_offs = rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
-    tl.store(out_ptr + out_offs, cast_out(v, out_ptr.dtype.element_ty, RNE), mask=rmask[:, None] & cmask[None, :])
-
-
-@triton.jit
-def _combine_kernel(
-    y_ptr,  # [R, H] expert outputs in slot order (row stride stride_y)
-    scatter_ptr,  # [T * k] int32, flat pair -> sorted row (-1: not routed)
-    w_ptr,  # [T * k] routing weights (any float dtype, read in fp32)
-    out_ptr,  # [T, H] combined tokens (row stride stride_o)
-    T,
-    H,
-    stride_y,
-    stride_o,
-    TOP_K: tl.constexpr,
-    RNE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Weighted sum without atomics: program (i, h) owns tokens [i*BLOCK_T, +BLOCK_T) x one column block.
-
-    acc = sum_{j=0..k-1} w[t, j] * y[scatter[t*k+j]] in fp32, in increasing j (deterministic).
-    """
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    tmask = toks < T
-    cmask = cols < H
-    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        row = tl.load(scatter_ptr + toks * TOP_K + j, mask=tmask, other=-1)
-        valid = row >= 0
-        w = tl.load(w_ptr + toks * TOP_K + j, mask=valid, other=0.0).to(tl.float32)
-        offs = tl.where(valid, row, 0).to(tl.int64)[:, None] * stride_y + cols[None, :]
-        v = tl.load(y_ptr + offs, mask=valid[:, None] & cmask[None, :], other=0.0)
-        acc += v.to(tl.float32) * w[:, None]
-    out_offs = toks.to(tl.int64)[:, None] * stride_o + cols[None, :]
-    tl.store(out_ptr + out_offs, cast_out(acc, out_ptr.dtype.element_ty, RNE), mask=tmask[:, None] & cmask[None, :])
-
-
-@triton.jit
-def _rowdot_kernel(
-    a_ptr,  # [T, H] token rows (row stride stride_a)
-    b_ptr,  # [R, H] sorted rows (row stride stride_b)
-    scatter_ptr,  # [T * k] int32, flat pair -> sorted row (-1: not routed)
-    out_ptr,  # [T * k] fp32 row dots
-    T,
-    H,
-    stride_a,
-    stride_b,
-    TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Routing-weight gradient: out[t, j] = <a[t], b[scatter[t*k+j]]> in fp32 (0 if not routed).
-
-    One program per block of tokens, looping over H in BLOCK_H chunks (deterministic order).
-    """
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tmask = toks < T
-    a_rows = toks.to(tl.int64)[:, None] * stride_a
-    for j in tl.static_range(TOP_K):
-        row = tl.load(scatter_ptr + toks * TOP_K + j, mask=tmask, other=-1)
-        valid = row >= 0
-        b_rows = tl.where(valid, row, 0).to(tl.int64)[:, None] * stride_b
-        acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            m = valid[:, None] & (cols < H)[None, :]
-            va = tl.load(a_ptr + a_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            vb = tl.load(b_ptr + b_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += tl.sum(va * vb, axis=1)
-        tl.store(out_ptr + toks * TOP_K + j, acc.to(out_ptr.dtype.element_ty), mask=tmask)
-
 
 def _row_blocks(n_cols: int, budget: int) -> tuple[int, int]:
     """(rows per program, columns per program) for a row-wise kernel over n_cols columns.
@@ -212,7 +102,7 @@ def permute_triton(x: torch.Tensor, gather_idx: torch.Tensor, top_k: int, scale:
         return out.zero_()
     br, bh = _row_blocks(H, 4096)
     grid = (triton.cdiv(R, br), triton.cdiv(H, bh))
-    _permute_kernel[grid](
+    _k.permute_kernel[grid](
         x, gather_idx, scale if scale is not None else x, out, R, H, x.stride(0), out.stride(0),
         TOP_K=top_k, HAS_SCALE=scale is not None, RNE=bf16_rne(x.dtype), BLOCK_R=br, BLOCK_H=bh, num_warps=4,
     )  # fmt: skip
@@ -230,7 +120,7 @@ def combine_triton(y: torch.Tensor, scatter_idx: torch.Tensor, weights: torch.Te
         return out.zero_()
     bt, bh = _row_blocks(H, 2048)
     grid = (triton.cdiv(T, bt), triton.cdiv(H, bh))
-    _combine_kernel[grid](
+    _k.combine_kernel[grid](
         y, scatter_idx, weights, out, T, H, y.stride(0), out.stride(0),
         TOP_K=k, RNE=bf16_rne(y.dtype), BLOCK_T=bt, BLOCK_H=bh, num_warps=4,
     )  # fmt: skip
@@ -247,7 +137,7 @@ def rowdot_triton(a: torch.Tensor, b: torch.Tensor, scatter_idx: torch.Tensor, t
         bt, bh = max(1, 8192 // min(triton.next_power_of_2(H), 4096)), min(triton.next_power_of_2(H), 4096)
     else:
         bt, bh = 16, min(triton.next_power_of_2(H), 256)
-    _rowdot_kernel[(triton.cdiv(T, bt),)](
+    _k.rowdot_kernel[(triton.cdiv(T, bt),)](
         a, b, scatter_idx, out, T, H, a.stride(0), b.stride(0), TOP_K=top_k, BLOCK_T=bt, BLOCK_H=bh, num_warps=4
     )
     return out
