@@ -12,43 +12,12 @@ A batch may also be built from per-sample expert counts alone (``TraceBatch.from
 per-token ids produced on demand by a callback: synthetic batches at the paper's scale plan from the
 counts and never hold billions of ids in memory.
 
-File format (``.npz``, ``allow_pickle=False``), version 2 (written), versions 1 and 2 (read):
-
-================ ============ ============ =====================================================
-key              dtype        shape        meaning
-================ ============ ============ =====================================================
-``version``      int64        ``[]``       2
-``num_experts``  int64        ``[]``       E
-``topk``         int64        ``[]``       k (read into ``top_k``; the key keeps its spelling)
-``layer_ids``    int32        ``[L]``      global decoder layer index of each MoE layer
-``offsets``      int64        ``[N+1]``    sequence i is rows ``offsets[i]:offsets[i+1]``
-``starts``       int64        ``[N]``      absolute token position of each sequence's row 0
-``micro_batch``  int32        ``[N]``      micro-batch of each sequence, -1 = not assigned
-``source``       str          ``[]``       free text (where the routing came from)
-``counts``       uint8..64    ``[N, L, E]`` tokens of sequence n routed to expert e at layer l
-                                           (the smallest unsigned dtype that holds the largest)
-``counts_only``  bool         ``[]``       True: the file holds no per-token ids (no ``experts``)
-``no_route``     int64        ``[]``       the id meaning "no route" in ``experts``: -1
-``experts``      int8/16/32   ``[T, L, k]`` all sequences' ids concatenated, absent when
-                                           ``counts_only``: int8 when E <= 128, int16 when
-                                           E <= 32768, else int32 (:func:`file_ids_dtype`)
-``info_<name>``  any          ``[N]``      optional per-sample metadata (e.g. ``info_domain``)
-================ ============ ============ =====================================================
-
-Reading a version-2 file reads the counts, lengths and metadata only: planning, scoring and
-simulating (everything that calls :meth:`TraceBatch.sample_expert_counts`, ``micro_batch_expert_counts``
-or ``loads``) never decodes the per-token ids. The ids are read from the file the first time a
-sequence is asked for (:meth:`TraceBatch.trace`, replay, saving again) and checked then against the
-stored counts. A counts-only file (``relibra trace synth --counts-only``) raises TraceError naming
-the file and the ``experts`` field when ids are asked for.
-
-Version 1 (still read) has no ``counts``, ``counts_only`` or ``no_route`` and always holds
-``experts`` (int16, int32 when E > 32767); its ids are decoded and checked on load.
+The file format (``.npz``, versions 1 and 2) and its reading and writing: :mod:`relibra_moe.trace_files`;
+``TraceBatch.save`` / ``TraceBatch.load`` delegate there.
 """
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,23 +26,28 @@ from typing import Any
 import numpy as np
 
 from .errors import TraceError
-from .npzio import member_header, read_member
+from .trace_files import (
+    FORMAT_VERSION,
+    NO_ROUTE,
+    READ_VERSIONS,
+    REQUIRED_KEYS,
+    as_int_array,
+    check_layer_ids,
+    counts_dtype,
+    file_ids_dtype,
+    read_offsets,
+    read_starts_source_info,
+    read_trace_file,
+    read_v2_fields,
+    scalar_int,
+    write_trace_file,
+)
+from .validate import check_bool, is_int
 
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
-NO_ROUTE = -1  # the id of a row slot that no expert serves (padding, an unrecorded route)
-REQUIRED_KEYS = ("version", "num_experts", "topk", "layer_ids", "offsets", "starts", "micro_batch", "source")
-REQUIRED_KEYS_V1 = REQUIRED_KEYS + ("experts",)
-REQUIRED_KEYS_V2 = REQUIRED_KEYS + ("counts", "counts_only", "no_route")
-_INFO_PREFIX = "info_"
-#: Most tokens of one sequence in a file (int32 token positions, as every tokenizer and model uses).
-MAX_SEQUENCE_TOKENS = (1 << 31) - 1
-#: Most tokens of one batch in a file: 2^40 (10^12) keeps every derived count (k x T x L pairs, offsets,
-#: byte sizes) far inside int64, and is over a thousand times any RL global batch.
-MAX_BATCH_TOKENS = 1 << 40
 _CHECK_CHUNK = 1 << 23  # ids validated per chunk (keeps the duplicate check's temporaries small)
 
-__all__ = ["FORMAT_VERSION", "READ_VERSIONS", "NO_ROUTE", "RoutingTrace", "TraceBatch", "ids_dtype", "file_ids_dtype",
+__all__ = ["FORMAT_VERSION", "READ_VERSIONS", "NO_ROUTE", "REQUIRED_KEYS", "RoutingTrace", "TraceBatch", "ids_dtype",
+           "file_ids_dtype",
            "counts_dtype"]
 
 
@@ -82,32 +56,16 @@ def ids_dtype(num_experts: int) -> np.dtype:
     return np.dtype(np.int16) if num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
 
 
-def file_ids_dtype(num_experts: int) -> np.dtype:
-    """The smallest signed dtype holding ids ``0..num_experts-1`` and ``NO_ROUTE`` (-1): the trace file's."""
-    for dt in (np.int8, np.int16, np.int32):
-        if num_experts - 1 <= np.iinfo(dt).max:
-            return np.dtype(dt)
-    return np.dtype(np.int64)
-
-
-def counts_dtype(max_count: int) -> np.dtype:
-    """The smallest unsigned dtype holding ``max_count`` (the trace file's ``counts``)."""
-    for dt in (np.uint8, np.uint16, np.uint32):
-        if max_count <= np.iinfo(dt).max:
-            return np.dtype(dt)
-    return np.dtype(np.uint64)
-
-
 def positive_int(name: str, value: Any) -> int:
     """``value`` as an int > 0 (bool is not an int); else TraceError naming ``name`` and the value."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise TraceError(f"{name} must be a positive int, got {value!r}")
     return int(value)
 
 
 def nonnegative_int(name: str, value: Any) -> int:
     """``value`` as an int >= 0 (bool is not an int); else TraceError naming ``name`` and the value."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not is_int(value) or value < 0:
         raise TraceError(f"{name} must be an int >= 0, got {value!r}")
     return int(value)
 
@@ -140,24 +98,6 @@ def check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str]
                                  f"{part[t, l].tolist()} (a row holds k distinct ids)")
 
 
-def as_int_array(name: str, value: Any) -> np.ndarray:
-    """``value`` (ndarray, tensor, nested lists) as an integer ndarray; else TraceError naming ``name``."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch tensor, without importing torch
-        value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "iu":
-        raise TraceError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr
-
-
-def _check_layer_ids(layer_ids: np.ndarray) -> None:
-    """Raise TraceError unless the int ``[L]`` layer ids are distinct and fit int32 (>= 0)."""
-    if layer_ids.size and (int(layer_ids.min()) < 0 or int(layer_ids.max()) > np.iinfo(np.int32).max):
-        raise TraceError(f"layer_ids must lie in [0, {np.iinfo(np.int32).max}], got {layer_ids.tolist()}")
-    if np.unique(layer_ids).size != layer_ids.size:
-        raise TraceError(f"layer_ids must be distinct, got {layer_ids.tolist()}")
-
-
 def _normalize(experts: Any, layer_ids: Any, num_experts: Any, top_k: Any,
                where: Callable[[int], str]) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Validate one sequence's fields; returns (experts in ``ids_dtype``, layer_ids int32, E, k)."""
@@ -176,7 +116,7 @@ def _normalize(experts: Any, layer_ids: Any, num_experts: Any, top_k: Any,
     if layer_ids.ndim != 1 or layer_ids.shape[0] != experts.shape[1]:
         raise TraceError(f"layer count mismatch: layer_ids has shape {layer_ids.shape}, experts has "
                          f"{experts.shape[1]} layers (shape {experts.shape})")
-    _check_layer_ids(layer_ids)
+    check_layer_ids(layer_ids)
     check_ids(experts, num_experts, where)
     experts = experts.astype(ids_dtype(num_experts), copy=False)
     return experts, layer_ids.astype(np.int32, copy=False), num_experts, top_k
@@ -212,9 +152,7 @@ class RoutingTrace:
     def __post_init__(self) -> None:
         experts, layer_ids, e, k = _normalize(self.experts, self.layer_ids, self.num_experts, self.top_k,
                                               lambda t: f"row {t}")
-        if isinstance(self.start, (bool, np.bool_)) or not isinstance(self.start, (int, np.integer)) \
-                or self.start < 0:
-            raise TraceError(f"start must be an int >= 0, got {self.start!r}")
+        nonnegative_int("start", self.start)
         object.__setattr__(self, "experts", experts)
         object.__setattr__(self, "layer_ids", layer_ids)
         object.__setattr__(self, "num_experts", e)
@@ -284,19 +222,6 @@ def _check_info(info: dict[str, Any] | None, n: int) -> dict[str, np.ndarray]:
             raise TraceError(f"sample_info[{key!r}] has dtype object; use numbers or strings")
         out[str(key)] = arr
     return out
-
-
-def _read_starts_source_info(a: Any, n: int) -> tuple[np.ndarray, str, dict[str, np.ndarray]]:
-    """The per-sample ``starts`` (int64 ``[n]``, token offsets >= 0), the ``source`` string and the ``info_*``
-    arrays of a trace file (either version); TraceError naming the field when they are malformed."""
-    starts = as_int_array("starts", a["starts"]).astype(np.int64)
-    if starts.shape != (n,):
-        raise TraceError(f"starts must have shape [{n}], got {starts.shape}")
-    if n and int(starts.min()) < 0:
-        raise TraceError(f"starts must be >= 0, got {int(starts.min())}")
-    source = _string_scalar(a["source"], "source")
-    info = {k[len(_INFO_PREFIX):]: v for k, v in a.items() if k.startswith(_INFO_PREFIX)}
-    return starts, source, info
 
 
 class TraceBatch:
@@ -640,7 +565,7 @@ class TraceBatch:
 
     # ------------------------------------------------------------------------------------------- io
     def save(self, path: str | Path, compress: bool = False, *, counts_only: bool = False) -> None:
-        """Write the batch to ``path`` in the version-2 ``.npz`` format (see the module docstring).
+        """Write the batch to ``path`` in the version-2 ``.npz`` format (:mod:`relibra_moe.trace_files`).
 
         Args:
             path: output file.
@@ -654,141 +579,47 @@ class TraceBatch:
         Raises:
             TraceError: ids asked for (``counts_only=False``) from a batch that has none.
         """
-        if not isinstance(counts_only, (bool, np.bool_)):
-            raise TraceError(f"counts_only must be a bool, got {counts_only!r}")
+        check_bool("counts_only", counts_only, error=TraceError)
         if not counts_only and not self.has_ids:
             self.trace(0)  # raises the counts-only TraceError
-        counts = self.sample_expert_counts()
-        offsets = np.zeros(self._n + 1, dtype=np.int64)
-        np.cumsum(self._lengths, out=offsets[1:])
-        mb = self.micro_batch if self.micro_batch is not None else np.full(self._n, -1, np.int32)
-        arrays: dict[str, np.ndarray] = dict(
-            version=np.int64(FORMAT_VERSION), num_experts=np.int64(self._num_experts), topk=np.int64(self._top_k),
-            layer_ids=self._layer_ids.astype(np.int32), offsets=offsets, starts=self._starts.astype(np.int64),
-            micro_batch=mb.astype(np.int32), source=np.str_(self.source),
-            counts=counts.astype(counts_dtype(int(counts.max()) if counts.size else 0)),
-            counts_only=np.bool_(counts_only), no_route=np.int64(NO_ROUTE))
-        if not counts_only:
-            experts = np.empty((int(offsets[-1]), self.num_layers, self._top_k),
-                               dtype=file_ids_dtype(self._num_experts))
-            for i, tr in enumerate(self.iter_traces()):
-                experts[offsets[i]:offsets[i + 1]] = tr.experts
-            arrays["experts"] = experts
-        for key, value in self.sample_info.items():
-            arrays[_INFO_PREFIX + key] = value
-        with open(path, "wb") as f:
-            (np.savez_compressed if compress else np.savez)(f, **arrays)
+        experts = None if counts_only else (tr.experts for tr in self.iter_traces())
+        write_trace_file(path, num_experts=self._num_experts, top_k=self._top_k, layer_ids=self._layer_ids,
+                         lengths=self._lengths, starts=self._starts, micro_batch=self.micro_batch, source=self.source,
+                         counts=self.sample_expert_counts(), experts=experts, info=self.sample_info, compress=compress)
 
     @classmethod
     def load(cls, path: str | Path) -> TraceBatch:
         """Read a batch written by :meth:`save` (format version 2, or version 1 of older releases).
 
-        A version-2 file is read without its per-token ids: they are read on first use (see the
-        module docstring), so planning a batch from a file reads its counts only.
+        A version-2 file is read without its per-token ids: they are read on first use (see
+        :mod:`relibra_moe.trace_files`), so planning a batch from a file reads its counts only.
 
         Raises:
             TraceError: missing file, not an ``.npz`` archive, truncated file, missing key, unknown
                 version, or any validation failure; the message names the path and the reason.
         """
         path = Path(path)
-        with _open_trace_file(path) as data:
-            files = set(data.files)
-            if "version" not in files:
-                raise TraceError(f"{path}: missing key(s) ['version'] (not a relibra trace file, or a damaged one)")
-            version = _scalar_int(_read_member(data, "version", path), "version", path)
-            if version not in READ_VERSIONS:
-                raise TraceError(f"{path}: unknown trace format version {version} (this library reads versions "
-                                 f"{', '.join(str(v) for v in READ_VERSIONS)})")
-            required = REQUIRED_KEYS_V1 if version == 1 else REQUIRED_KEYS_V2
-            missing = [k for k in required if k not in files]
-            if missing:
-                raise TraceError(f"{path}: missing key(s) {missing} (not a relibra trace file, or a damaged one)")
-            lazy = {"experts"} if version == 2 else set()
-            arrays = {k: _read_member(data, k, path) for k in data.files if k not in lazy}
-            experts_header = member_header(data, "experts", str(path), TraceError) if lazy & files else None
+        version, arrays, experts_header = read_trace_file(path)
         try:
             if version == 1:
                 batch = cls._from_arrays(arrays)
                 batch._origin = str(path)
                 return batch
-            return cls._from_v2_arrays(arrays, path, experts_header)
+            f = read_v2_fields(arrays, path, experts_header)
         except TraceError as exc:
             raise TraceError(f"{path}: {exc}") from None
-
-    @classmethod
-    def _from_v2_arrays(cls, a: dict[str, np.ndarray], path: Path,
-                        experts_header: tuple[tuple[int, ...], np.dtype] | None) -> TraceBatch:
-        """A lazily-read batch from the arrays of a version-2 file (all but ``experts``, whose declared
-        ``(shape, dtype)`` is ``experts_header``, ``None`` when the file has no ids)."""
-        has_experts = experts_header is not None
-        num_experts = positive_int("num_experts", _scalar_int(a["num_experts"], "num_experts"))
-        top_k = positive_int("topk", _scalar_int(a["topk"], "topk"))
-        if top_k > num_experts:
-            raise TraceError(f"top_k={top_k} exceeds num_experts={num_experts}")
-        flag = a["counts_only"]
-        if flag.ndim != 0 or flag.dtype != bool:
-            raise TraceError(f"key 'counts_only' must be a bool scalar, got dtype {flag.dtype} shape {flag.shape}")
-        counts_only = bool(flag)
-        if counts_only and has_experts:
-            raise TraceError("counts_only=True, but the file holds field 'experts' (a file is one or the other)")
-        if not counts_only and not has_experts:
-            raise TraceError("field 'experts' is missing, and counts_only=False says the file holds ids")
-        no_route = _scalar_int(a["no_route"], "no_route")
-        if no_route != NO_ROUTE:
-            raise TraceError(f"no_route={no_route}: this library's 'no route' id is {NO_ROUTE}")
-        offsets = as_int_array("offsets", a["offsets"]).astype(np.int64)
-        if offsets.ndim != 1 or offsets.size < 2:
-            raise TraceError(f"empty batch: offsets must be [N+1] with N >= 1, got shape {offsets.shape}")
-        _check_offsets(offsets)
-        n = offsets.size - 1
-        lengths = np.diff(offsets)
-        counts = as_int_array("counts", a["counts"])
-        layer_ids = as_int_array("layer_ids", a["layer_ids"])
-        if layer_ids.ndim != 1 or layer_ids.size == 0:
-            raise TraceError(f"layer_ids must be [L] with L >= 1, got shape {layer_ids.shape}")
-        _check_layer_ids(layer_ids)
-        if counts.shape != (n, layer_ids.size, num_experts):
-            raise TraceError(f"counts must have shape [N={n}, L={layer_ids.size}, E={num_experts}], got "
-                             f"{counts.shape}")
-        counts = counts.astype(np.int64)
-        if counts.size and int(counts.min()) < 0:
-            i, l, e = (int(v) for v in np.unravel_index(int(np.argmin(counts)), counts.shape))
-            raise TraceError(f"key 'counts'[{i}, {l}, {e}] = {int(counts[i, l, e])} is negative (sample {i}, "
-                             f"layer {l}, expert {e})")
-        over = counts > lengths[:, None, None]
-        if over.any():
-            i, l, e = np.argwhere(over)[0]
-            raise TraceError(f"counts[{i}, {l}, {e}] = {int(counts[i, l, e])} > the {int(lengths[i])} tokens of "
-                             f"sample {i} (a token picks an expert at most once)")
-        sums = counts.sum(axis=2)
-        high = sums > top_k * lengths[:, None]
-        if high.any():
-            i, l = np.argwhere(high)[0]
-            raise TraceError(f"counts[{i}, {l}] sums to {int(sums[i, l])} > k x tokens = {top_k} x {int(lengths[i])}")
-        counts.setflags(write=False)
-        if has_experts:
-            shape, dtype = experts_header
-            want = (int(offsets[-1]), int(layer_ids.size), top_k)
-            if dtype.kind not in "iu" or shape != want:
-                raise TraceError(f"key 'experts' declares shape {list(shape)} of {dtype}; offsets, layer_ids and "
-                                 f"topk say integers of shape [T, L, k] = {list(want)}")
-        starts, source, info = _read_starts_source_info(a, n)
-        factory = None if counts_only else _StoredIds(path, offsets, layer_ids.size, top_k)
         new = object.__new__(cls)
-        new._setup(n=n, layer_ids=layer_ids.astype(np.int32), num_experts=num_experts, top_k=top_k, lengths=lengths,
-                   starts=starts, source=source, traces=None, factory=factory, counts=counts,
-                   micro_batch=a["micro_batch"], sample_info=info, origin=str(path))
+        new._setup(n=f.lengths.size, layer_ids=f.layer_ids, num_experts=f.num_experts, top_k=f.top_k,
+                   lengths=f.lengths, starts=f.starts, source=f.source, traces=None, factory=f.ids, counts=f.counts,
+                   micro_batch=f.micro_batch, sample_info=f.info, origin=str(path))
         return new
 
     @classmethod
     def _from_arrays(cls, a: dict[str, np.ndarray]) -> TraceBatch:
         """A batch from the arrays of a version-1 file (ids decoded and checked here)."""
-        num_experts, top_k = _scalar_int(a["num_experts"], "num_experts"), _scalar_int(a["topk"], "topk")
+        num_experts, top_k = scalar_int(a["num_experts"], "num_experts"), scalar_int(a["topk"], "topk")
         experts = a["experts"]
-        offsets = as_int_array("offsets", a["offsets"]).astype(np.int64)
-        if offsets.ndim != 1 or offsets.size < 2:
-            raise TraceError(f"empty batch: offsets must be [N+1] with N >= 1, got shape {offsets.shape}")
-        _check_offsets(offsets)
+        offsets = read_offsets(a)
         n = offsets.size - 1
         if experts.ndim != 3:
             raise TraceError(f"experts must have rank 3 [T, L, k], got shape {experts.shape}")
@@ -801,7 +632,7 @@ class TraceBatch:
             return f"sample {i}, row {t - int(offsets[i])}"
 
         experts, layer_ids, num_experts, top_k = _normalize(experts, a["layer_ids"], num_experts, top_k, where)
-        starts, source, info = _read_starts_source_info(a, n)
+        starts, source, info = read_starts_source_info(a, n)
         traces = [RoutingTrace._trusted(experts[offsets[i]:offsets[i + 1]], layer_ids, num_experts, top_k,
                                         int(starts[i]), source) for i in range(n)]
         return cls(traces, micro_batch=a["micro_batch"], source=source, sample_info=info)
@@ -810,83 +641,6 @@ class TraceBatch:
         mb = "none" if self.micro_batch is None else f"{int(self.micro_batch.max()) + 1} micro-batches"
         return (f"TraceBatch(N={self._n}, tokens={self.num_tokens}, L={self.num_layers}, E={self._num_experts}, "
                 f"k={self._top_k}, {mb}, source={self.source!r})")
-
-
-def _check_offsets(offsets: np.ndarray) -> None:
-    """TraceError unless ``offsets [N+1]`` (int64) rise from 0 with every sequence at most
-    ``MAX_SEQUENCE_TOKENS`` and the batch at most ``MAX_BATCH_TOKENS`` tokens (checked before any
-    difference is taken, so nothing overflows)."""
-    big = np.flatnonzero((offsets < 0) | (offsets > MAX_BATCH_TOKENS))
-    if len(big):
-        i = int(big[0])
-        raise TraceError(f"key 'offsets'[{i}] = {int(offsets[i])} is outside [0, {MAX_BATCH_TOKENS}] (a batch "
-                         f"holds at most MAX_BATCH_TOKENS = 2^40 tokens)")
-    if offsets[0] != 0:
-        raise TraceError(f"key 'offsets'[0] = {int(offsets[0])}: offsets must rise from 0")
-    steps = np.diff(offsets)
-    bad = np.flatnonzero((steps < 0) | (steps > MAX_SEQUENCE_TOKENS))
-    if len(bad):
-        i = int(bad[0])
-        raise TraceError(f"key 'offsets'[{i}:{i + 2}] = {offsets[i:i + 2].tolist()}: sample {i} has "
-                         f"{int(steps[i])} tokens, outside [0, MAX_SEQUENCE_TOKENS = {MAX_SEQUENCE_TOKENS}]")
-
-
-def _open_trace_file(path: Path) -> np.lib.npyio.NpzFile:
-    try:
-        data = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such trace file") from None
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise TraceError(f"{path}: not a readable .npz trace file ({type(exc).__name__}: {exc})") from None
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise TraceError(f"{path}: not an .npz archive (found a single .npy array)")
-    return data
-
-
-def _read_member(data: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
-    """One array of an open trace file, read only after its header's dtype, shape and size are checked
-    (:func:`relibra_moe.npzio.read_member`); a pickled, oversized, truncated or corrupt member raises
-    TraceError naming the file and the member."""
-    return read_member(data, key, path, TraceError)
-
-
-def _scalar_int(v: np.ndarray, key: str, path: Path | None = None) -> int:
-    if v.ndim != 0 or v.dtype.kind not in "iu":
-        at = f"{path}: " if path is not None else ""
-        raise TraceError(f"{at}key {key!r} must be an integer scalar, got dtype {v.dtype} shape {v.shape}")
-    return int(v)
-
-
-def _string_scalar(v: np.ndarray, key: str) -> str:
-    if v.dtype.kind not in "US" or v.ndim != 0:
-        raise TraceError(f"key {key!r} must be a string scalar, got dtype {v.dtype}")
-    return str(v)
-
-
-class _StoredIds:
-    """The per-token ids of a version-2 trace file, read from it when a sequence is first asked for.
-
-    Calling it with sample ``i`` returns the rows ``offsets[i]:offsets[i+1]`` of the file's
-    ``experts`` ``[T, L, k]`` (read once, then kept); :meth:`TraceBatch.trace` checks them.
-    """
-
-    def __init__(self, path: Path, offsets: np.ndarray, num_layers: int, top_k: int) -> None:
-        self._path, self._offsets, self._shape = path, offsets, (int(offsets[-1]), num_layers, top_k)
-        self._ids: np.ndarray | None = None
-
-    def __call__(self, i: int) -> np.ndarray:
-        if self._ids is None:
-            with _open_trace_file(self._path) as data:
-                if "experts" not in data.files:
-                    raise TraceError(f"{self._path}: field 'experts' is gone (the file changed after it was loaded)")
-                ids = _read_member(data, "experts", self._path)
-            if ids.dtype.kind not in "iu":
-                raise TraceError(f"{self._path}: field 'experts' must hold integers, got dtype {ids.dtype}")
-            if ids.shape != self._shape:
-                raise TraceError(f"{self._path}: field 'experts' has shape {ids.shape}, the file's offsets, layers "
-                                 f"and topk say [T, L, k] = {list(self._shape)}")
-            self._ids = ids
-        return self._ids[self._offsets[i]:self._offsets[i + 1]]
 
 
 def _segment_sum(rows: np.ndarray, seg: np.ndarray, num_segments: int) -> np.ndarray:

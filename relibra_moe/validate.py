@@ -15,7 +15,7 @@ import numpy as np
 from .errors import PlanError
 
 __all__ = ["is_int", "is_number", "check_int", "check_optional_int", "check_positive", "check_nonnegative",
-           "check_choice", "check_token_counts", "check_index_range"]
+           "check_bool", "check_choice", "check_token_counts", "check_index_range"]
 
 
 def is_int(value: object) -> bool:
@@ -40,6 +40,13 @@ def check_int(name: str, value: object, lo: int = 0, hi: int | None = None, *,
 def check_optional_int(name: str, value: object, lo: int = 0, *, error: type[Exception] = PlanError) -> int | None:
     """``check_int`` for a value that may also be None (returned as None)."""
     return None if value is None else check_int(name, value, lo, error=error)
+
+
+def check_bool(name: str, value: object, *, error: type[Exception] = PlanError) -> bool:
+    """``bool(value)``; ``error`` naming ``name`` and the value unless it is a ``bool`` or ``np.bool_``."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise error(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def check_positive(name: str, value: object, *, error: type[Exception] = PlanError) -> float:
