@@ -112,7 +112,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from relibra_moe.datasets import gpt_oss_batch
-    from relibra_moe.planners.scoring import score_plan
+    from relibra_moe.evaluate import score_plan
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.specs import ClusterSpec, ModelSpec
     from relibra_moe.trace import RoutingTrace, TraceBatch

@@ -62,7 +62,7 @@ def _plan_sha(plan: Any) -> str:
 def compute() -> dict[str, Any]:
     """The oracle matrix as a JSON-ready dict ``{"cases": {key: {...}}, "skipped": [...]}``."""
     from relibra_moe import Planner
-    from relibra_moe.planners.scoring import score_plan
+    from relibra_moe.evaluate import score_plan
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.sim import simulate_step
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import PlanError
 from .spec_sources import group_topology, model_fields_from_hf_config
-from .validate import is_int
+from .validate import check_int, is_int
 
 LOC, NV, SR, CR = 0, 1, 2, 3
 LINK_NAMES = ("loc", "nv", "sr", "cr")
@@ -483,6 +483,17 @@ def model_preset(name: str) -> ModelSpec:
         raise ValueError(f"unknown model preset {name!r}; known: {sorted(MODEL_PRESETS)}") from None
 
 
-def replica_buffer_bytes(model: ModelSpec, replica_slots: int) -> int:
-    """Bytes per GPU of the layer-shared replica buffer: r slots of one expert, whatever L is."""
-    return replica_slots * model.expert_bytes
+def replica_buffer_bytes(model: ModelSpec | str, replica_slots: int = 2, dtype_bytes: int | None = None) -> int:
+    """Bytes per GPU of the layer-shared (SwiGLU, bias-free) replica buffer: ``r x 3 x h x h' x dtype_bytes``
+    (r slots of one expert), whatever the number of layers.
+
+    ``model`` is a ``ModelSpec`` or a preset name; ``dtype_bytes`` overrides the model's. E.g. 18 MiB for
+    ``"qwen3-30b-a3b"`` and 72 MiB for ``"qwen3-235b-a22b"`` at r = 2 in bf16.
+
+    Raises:
+        ValueError: an unknown preset, or ``replica_slots`` not an int >= 0 (naming the value).
+    """
+    spec = model_preset(model) if isinstance(model, str) else model
+    if dtype_bytes is not None:
+        spec = spec.with_(dtype_bytes=dtype_bytes)
+    return check_int("replica_slots", replica_slots, error=ValueError) * spec.expert_bytes

@@ -27,7 +27,7 @@ def test_paper_memory_figures():
     with pytest.raises(ValueError):
         replica_buffer_bytes("no-such-model", 2)
     for bad in (True, -1, 1.5):  # never reinterpreted as a slot count
-        with pytest.raises(ValueError, match=f"replica_slots must be an integer >= 0, got {bad!r}"):
+        with pytest.raises(ValueError, match=f"replica_slots={bad!r} must be an int >= 0"):
             replica_buffer_bytes("qwen3-30b-a3b", bad)
 
 

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import specs
 from ..errors import PlanError
-from ..specs import ModelSpec, model_preset
+from ..specs import replica_buffer_bytes
 from ..triton_kernels.replica_copy import add_slot_grads, copy_into_slots
 from .dispatch import Dispatcher
 
@@ -245,18 +244,3 @@ class LayerSharedReplicaBuffer:
             n = g[0].numel()
             add_slot_grads(recv[:, col:col + n].view((len(idx),) + tuple(g.shape[1:])), rows, g, idx)
             col += n
-
-
-def replica_buffer_bytes(model: ModelSpec | str, replica_slots: int = 2, dtype_bytes: int | None = None) -> int:
-    """Bytes per rank of the layer-shared (SwiGLU, bias-free) replica buffer for a model (a preset name or a
-    ``ModelSpec``): the adapter of :func:`relibra_moe.specs.replica_buffer_bytes` (the formula,
-    ``r x 3 x h x h' x dtype_bytes`` whatever the number of layers) that also takes a preset name and a
-    ``dtype_bytes`` override; e.g. 18 MiB for ``"qwen3-30b-a3b"`` and 72 MiB for ``"qwen3-235b-a22b"`` at
-    r = 2 in bf16.
-    """
-    spec = model_preset(model) if isinstance(model, str) else model
-    if dtype_bytes is not None:
-        spec = spec.with_(dtype_bytes=dtype_bytes)
-    if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
-        raise ValueError(f"replica_slots must be an integer >= 0, got {replica_slots!r}")
-    return specs.replica_buffer_bytes(spec, int(replica_slots))
