@@ -35,6 +35,7 @@ import numpy as np
 
 from .errors import TraceError
 from .trace import RoutingTrace, TraceBatch, as_int_array, check_ids, ids_dtype, nonnegative_int, positive_int
+from .validate import is_int
 
 __all__ = ["from_sglang", "from_vllm", "from_megatron", "from_padded", "from_verl", "from_nemo_rl",
            "from_vllm_rollout"]
@@ -103,7 +104,7 @@ def from_sglang(meta_info: dict, num_moe_layers: int | None = None, dense_layers
         ids[flat == np.iinfo(dtype).max] = -1
     start = nonnegative_int("meta_info['routed_experts_start']", meta_info.get("routed_experts_start", 0))
     for d in dense_layers:
-        if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+        if not is_int(d):
             raise TraceError(f"dense_layers must hold decoder layer indices (ints), got {d!r}")
     dense = sorted({int(d) for d in dense_layers})
     rows = None

@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import TraceError
 from .trace import RoutingTrace, TraceBatch, as_int_array, check_ids
+from .validate import check_count
 
 __all__ = [
     "TracesNotFoundError", "traces_dir", "gpt_oss_requests", "gpt_oss_domains", "gpt_oss_batch", "DomainCounts",
@@ -152,8 +153,7 @@ def gpt_oss_batch(num_requests: int | None = None, seed: int = 0, domains: str |
     if eligible.size == 0:
         raise TraceError(f"no GPT-OSS request left after filtering ({', '.join(what)})")
     if num_requests is not None:
-        if isinstance(num_requests, bool) or not isinstance(num_requests, (int, np.integer)) or num_requests <= 0:
-            raise TraceError(f"num_requests must be a positive int, got {num_requests!r}")
+        check_count("num_requests", num_requests, error=TraceError)
         if num_requests > eligible.size:
             raise TraceError(f"num_requests={num_requests} exceeds the {eligible.size} eligible GPT-OSS requests")
         eligible = np.random.default_rng(seed).choice(eligible, size=int(num_requests), replace=False)

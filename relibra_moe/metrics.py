@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .errors import TraceError
-from .validate import is_int
+from .validate import check_count, is_int
 
 __all__ = [
     "default_hot_k", "expert_skewness", "rank_skew", "gpu_loads", "hot_sets", "hot_set_intersection",
@@ -107,8 +107,7 @@ def gpu_loads(expert_load: Any, home: Any, num_gpus: int) -> np.ndarray:
         ``[..., G]`` (dtype of ``expert_load``, promoted to at least int64 / float64).
     """
     load = _counts("expert_load", expert_load)
-    if not is_int(num_gpus) or num_gpus <= 0:
-        raise TraceError(f"num_gpus must be a positive int, got {num_gpus!r}")
+    check_count("num_gpus", num_gpus, error=TraceError)
     home = np.asarray(home)
     if home.dtype.kind not in "iu":
         raise TraceError(f"home must hold integer GPU ids, got dtype {home.dtype}")

@@ -33,6 +33,7 @@ import numpy as np
 
 from .errors import PlanError
 from .plan import BatchPlan, SamplePlacement
+from .validate import check_int
 
 __all__ = ["FRAMEWORKS", "sample_order", "cell_samples"]
 
@@ -104,8 +105,7 @@ def _placement(samples: Any, num_gpus: int | None) -> tuple[SamplePlacement, int
         G = num_gpus
     else:
         raise PlanError(f"samples must be a BatchPlan or a SamplePlacement, got {type(samples).__name__}")
-    if isinstance(G, bool) or not isinstance(G, (int, np.integer)) or G < 1:
-        raise PlanError(f"num_gpus={G!r} must be an int >= 1")
+    check_int("num_gpus", G, 1)
     gpu = samples.gpu
     if gpu.size and (int(gpu.min()) < 0 or int(gpu.max()) >= G):
         i = int(np.flatnonzero((gpu < 0) | (gpu >= G))[0])

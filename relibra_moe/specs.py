@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import PlanError
 from .spec_sources import group_topology, model_fields_from_hf_config
-from .validate import check_int, is_int
+from .validate import check_count, check_int, is_int, is_number
 
 LOC, NV, SR, CR = 0, 1, 2, 3
 LINK_NAMES = ("loc", "nv", "sr", "cr")
@@ -71,10 +71,8 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for f in ("hidden", "ffn", "num_experts", "top_k", "num_layers", "dtype_bytes", "num_heads", "num_kv_heads",
                   "head_dim"):
-            if not is_int(v := getattr(self, f)) or v <= 0:
-                raise ValueError(f"ModelSpec.{f} must be a positive int, got {v!r}")
-        if not is_int(self.shared_experts) or self.shared_experts < 0:
-            raise ValueError(f"ModelSpec.shared_experts must be an int >= 0, got {self.shared_experts!r}")
+            check_count(f"ModelSpec.{f}", getattr(self, f), error=ValueError)
+        check_count("ModelSpec.shared_experts", self.shared_experts, 0, error=ValueError)
         if self.shared_ffn is not None and (not is_int(self.shared_ffn) or self.shared_ffn <= 0):
             raise ValueError(f"ModelSpec.shared_ffn must be a positive int or None, got {self.shared_ffn!r}")
         if self.top_k > self.num_experts:
@@ -260,14 +258,12 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         for f in ("nodes", "gpus_per_node"):
-            if not is_int(v := getattr(self, f)) or v <= 0:
-                raise ValueError(f"ClusterSpec.{f} must be a positive int, got {v!r}")
+            check_count(f"ClusterSpec.{f}", getattr(self, f), error=ValueError)
         for f in ("nvlink_bw", "rdma_bw", "flops", "attn_flops"):
             v = getattr(self, f)
             if f == "attn_flops" and v is None:
                 continue
-            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
-                    or not np.isfinite(v) or not v > 0:
+            if not is_number(v) or not np.isfinite(v) or not v > 0:
                 raise ValueError(f"ClusterSpec.{f} must be a finite number > 0, got {v!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"ClusterSpec.dispatcher must be one of {list(DISPATCHERS)}, got {self.dispatcher!r}")

@@ -41,6 +41,7 @@ import numpy as np
 from .errors import TraceError
 from .specs import ModelSpec, model_preset
 from .trace import TraceBatch, ids_dtype, positive_int
+from .validate import check_count
 
 __all__ = ["DOMAINS", "BASE_DOMAINS", "DomainStyle", "STYLES", "rl_batch", "domain_sequence"]
 
@@ -253,8 +254,7 @@ def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_pe
     r = positive_int("responses_per_prompt", responses_per_prompt)
     if micro_batch_size is not None:
         micro_batch_size = positive_int("micro_batch_size", micro_batch_size)
-    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 2:
-        raise TraceError(f"max_len must be an int >= 2, got {max_len!r}")
+    check_count("max_len", max_len, 2, error=TraceError)
     n = num_prompts * r
     num_layers, e, k = spec.num_layers, spec.num_experts, spec.top_k
     rng = np.random.default_rng(_stable_seed("relibra-synthetic-batch", seed))

@@ -42,7 +42,7 @@ from .trace_files import (
     scalar_int,
     write_trace_file,
 )
-from .validate import check_bool, is_int
+from .validate import check_bool, check_count
 
 _CHECK_CHUNK = 1 << 23  # ids validated per chunk (keeps the duplicate check's temporaries small)
 
@@ -58,16 +58,12 @@ def ids_dtype(num_experts: int) -> np.dtype:
 
 def positive_int(name: str, value: Any) -> int:
     """``value`` as an int > 0 (bool is not an int); else TraceError naming ``name`` and the value."""
-    if not is_int(value) or value <= 0:
-        raise TraceError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    return check_count(name, value, 1, error=TraceError)
 
 
 def nonnegative_int(name: str, value: Any) -> int:
     """``value`` as an int >= 0 (bool is not an int); else TraceError naming ``name`` and the value."""
-    if not is_int(value) or value < 0:
-        raise TraceError(f"{name} must be an int >= 0, got {value!r}")
-    return int(value)
+    return check_count(name, value, 0, error=TraceError)
 
 
 def check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str]) -> None:

@@ -14,8 +14,8 @@ import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["is_int", "is_number", "check_int", "check_optional_int", "check_positive", "check_nonnegative",
-           "check_bool", "check_choice", "check_token_counts", "check_index_range"]
+__all__ = ["is_int", "is_number", "check_int", "check_count", "check_optional_int", "check_positive",
+           "check_nonnegative", "check_bool", "check_choice", "check_token_counts", "check_index_range"]
 
 
 def is_int(value: object) -> bool:
@@ -34,6 +34,15 @@ def check_int(name: str, value: object, lo: int = 0, hi: int | None = None, *,
     if not is_int(value) or value < lo or (hi is not None and value > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise error(f"{name}={value!r} must be an int {bound}")
+    return int(value)
+
+
+def check_count(name: str, value: object, lo: int = 1, *, error: type[Exception] = PlanError) -> int:
+    """``check_int`` with the message of a count field: ``"NAME must be a positive int, got VALUE"`` (``lo`` = 1),
+    ``"NAME must be an int >= LO, got VALUE"`` otherwise (trace, spec and layer-shape fields)."""
+    if not is_int(value) or value < lo:
+        bound = "a positive int" if lo == 1 else f"an int >= {lo}"
+        raise error(f"{name} must be {bound}, got {value!r}")
     return int(value)
 
 

@@ -66,8 +66,8 @@ def test_all_to_all_measurement_gloo():
 @pytest.mark.timeout(300)
 def test_plan_and_compare_accept_the_profile(tmp_path, capsys):
     """plan --cluster-profile charges the profile's rates: its T_MoE is the library's under that ClusterSpec."""
-    from relibra_moe.plan import BatchPlan
     from relibra_moe.evaluate import score_plan
+    from relibra_moe.plan import BatchPlan
     from relibra_moe.trace import TraceBatch
 
     trace = tmp_path / "t.npz"

@@ -379,7 +379,7 @@ def test_bad_swap_and_replay_arguments_are_named():
 
     model = tiny_model("qwen3_moe")
     for bad in (1.5, True, "2", -1):
-        with pytest.raises(ValueError, match=f"replica_slots must be an integer >= 0, got {bad!r}"):
+        with pytest.raises(ValueError, match=f"replica_slots={bad!r} must be an int >= 0"):
             swap_moe_blocks(model, replica_slots=bad)
     swap_moe_blocks(model)
     tr0 = RoutingTrace(np.zeros((4, 2, 2), np.int16) + np.array([0, 1], np.int16), [0, 2], 8, 2)

@@ -82,9 +82,9 @@ def test_errors():
         copy_into_slots(torch.zeros(2, 3), torch.tensor([0, -3]), torch.zeros(2, 3), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match=r"slot_index must be an integer tensor, got torch.float32"):
         copy_into_slots(torch.zeros(2, 3), torch.tensor([0]), torch.zeros(2, 3), torch.tensor([0.0]))
-    with pytest.raises(ValueError, match=r"num_programs must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_programs must be a positive int, got 0"):
         copy_into_slots(torch.zeros(2, 3), torch.tensor([0]), torch.zeros(2, 3), torch.tensor([0]), num_programs=0)
-    with pytest.raises(ValueError, match=r"num_programs must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_programs must be a positive int, got 0"):
         add_slot_grads(torch.zeros(2, 3), torch.tensor([0]), torch.zeros(2, 3), torch.tensor([0]), num_programs=0)
 
 

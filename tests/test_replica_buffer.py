@@ -134,7 +134,7 @@ def test_48_layers_share_one_buffer_on_two_ranks():
 
 def test_bad_buffer_sizes_are_named():
     for bad in (1.5, True, -1):
-        with pytest.raises(ValueError, match=f"slots must be an integer >= 0, got {bad!r}"):
+        with pytest.raises(ValueError, match=f"slots={bad!r} must be an int >= 0"):
             LayerSharedReplicaBuffer(8, 12, bad)
-    with pytest.raises(ValueError, match="hidden=0 must be a positive integer"):
+    with pytest.raises(ValueError, match="hidden=0 must be an int >= 1"):
         LayerSharedReplicaBuffer(0, 12, 1)

@@ -308,5 +308,5 @@ def test_bad_planning_options_are_named_before_trl_loads_anything():
 
     with pytest.raises(ReplayError, match=r"unrouted='skip' is not one of \('live', 'none', 'error'\)"):
         ReplayGRPOTrainer(model="never-loaded", unrouted="skip")
-    with pytest.raises(ReplayError, match=r"replica_slots=-1 must be an integer >= 0"):
+    with pytest.raises(ReplayError, match=r"replica_slots=-1 must be an int >= 0"):
         ReplayGRPOTrainer(model="never-loaded", replica_slots=-1)

@@ -35,6 +35,7 @@ from ..specs import (
     cluster_profile,
     save_cluster_profile,
 )
+from ..validate import check_positive
 from .plan import model_by_name
 
 DEFAULT_ROWS = (64, 256, 1024, 2048, 8192)
@@ -203,8 +204,8 @@ def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str =
         raise PlanError(f"--preset {preset!r} is unknown; known: {sorted(CLUSTER_PRESETS)}")
     if dispatcher not in DISPATCHERS:
         raise PlanError(f"--dispatcher {dispatcher!r} is not one of {list(DISPATCHERS)}")
-    if rdma_bw is not None and not rdma_bw > 0:
-        raise PlanError(f"--rdma-bw={rdma_bw} must be > 0")
+    if rdma_bw is not None:
+        check_positive("--rdma-bw", rdma_bw)
     if not rows or any(r < 1 for r in rows):
         raise PlanError(f"--rows={list(rows)} must be positive row counts")
     base = cluster_preset(preset, nodes=1, gpus_per_node=gpus_per_node, dispatcher=dispatcher)

@@ -42,6 +42,7 @@ from ..layers.data_parallel import mark_experts_for_ddp
 from ..layers.dispatch import ep_process_group
 from ..layers.replay import LayerReplay, layout_ids, replay
 from ..layers.router import merge_live
+from ..validate import check_int
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
 from .torchtitan import TITAN_FAMILY, TorchtitanReplayMoE, is_titan_moe, titan_replica_buffer
@@ -513,8 +514,7 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
     ep_group = ep_process_group(ep_group)  # a DeviceMesh (1-D, or with an "ep" dimension) -> its process group
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
-    if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
-        raise ValueError(f"replica_slots must be an integer >= 0, got {replica_slots!r}")
+    check_int("replica_slots", replica_slots, error=ValueError)
     blocks = moe_blocks(model)
     buffer = None
     for index, (layer_id, name, block) in enumerate(blocks):

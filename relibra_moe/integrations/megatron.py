@@ -65,6 +65,7 @@ from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import RouterOutput, check_replay_ids
 from ..plan import BatchPlan, Placement
 from ..trace import TraceBatch
+from ..validate import is_int
 
 try:  # optional dependency: megatron-core
     from megatron.core.tensor_parallel.random import checkpoint as _mcore_checkpoint
@@ -526,8 +527,7 @@ def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int 
     if plan.num_layers != batch.num_layers:
         raise PlanError(f"the plan covers {plan.num_layers} MoE layers, the batch {batch.num_layers}")
     M = plan.num_micro_batches
-    if isinstance(micro_batch, bool) or not isinstance(micro_batch, (int, np.integer)) \
-            or not 0 <= micro_batch < M:
+    if not is_int(micro_batch) or not 0 <= micro_batch < M:
         raise PlanError(f"micro_batch={micro_batch!r} is outside [0, {M})")
     if rank is None:
         rank = _expert_parallel_rank()

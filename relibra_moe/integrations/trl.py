@@ -60,6 +60,7 @@ from ..plan import BatchPlan
 from ..planners.service import Planner
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import RoutingTrace, TraceBatch
+from ..validate import check_int
 from .hf import RoutingRecorder, full_state_dict, moe_blocks, swap_moe_blocks
 
 __all__ = ["ReplayGRPOTrainer", "model_spec"]
@@ -135,8 +136,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
                  planner_options: dict[str, Any] | None = None, unrouted: str = "live", **kwargs: Any) -> None:
         if unrouted not in UNROUTED:  # checked before TRL loads anything
             raise ReplayError(f"ReplayGRPOTrainer: unrouted={unrouted!r} is not one of {UNROUTED}")
-        if not isinstance(replica_slots, (int, np.integer)) or isinstance(replica_slots, bool) or replica_slots < 0:
-            raise ReplayError(f"ReplayGRPOTrainer: replica_slots={replica_slots!r} must be an integer >= 0")
+        check_int("ReplayGRPOTrainer: replica_slots", replica_slots, error=ReplayError)
         super().__init__(*args, **kwargs)
         refused = [name for name, on in (("use_vllm", self.use_vllm),
                                          ("use_transformers_continuous_batching",

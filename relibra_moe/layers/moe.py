@@ -64,6 +64,7 @@ from ..plan import BatchPlan, ReplicaPlan
 from ..triton_kernels.permute import combine as combine_pairs
 from ..triton_kernels.permute import permute
 from ..triton_kernels.routing import RoutingMeta, routing_metadata
+from ..validate import check_int, is_int
 from .data_parallel import check_data_parallel
 from .dispatch import Dispatcher, ep_process_group, get_dispatcher
 from .experts import GroupedExperts, GroupedSwiGLUExperts, experts_forward
@@ -161,17 +162,6 @@ def materialize_counts(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
     # rem < support in exact arithmetic; the modulo keeps float rounding from leaking to share-0 GPUs
     extra = rem[:, None] // np.maximum(support, 1)[:, None] + (rank < (rem % np.maximum(support, 1))[:, None])
     return base + np.where(s > 0, extra, 0)
-
-
-def _is_int(value: object) -> bool:
-    """True for Python and numpy integers (not ``bool``)."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
-def _check_positive_int(field: str, value: object) -> None:
-    """``ValueError`` naming ``field`` and ``value`` unless ``value`` is an integer >= 1."""
-    if not _is_int(value) or value < 1:
-        raise ValueError(f"{field}={value!r} must be a positive integer")
 
 
 @dataclass(frozen=True)
@@ -285,12 +275,12 @@ class ReplayBalancedMoE(nn.Module):
                  router_attr: str = "router") -> None:
         super().__init__()
         for field, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("top_k", top_k)):
-            _check_positive_int(field, value)
+            check_int(field, value, 1, error=ValueError)
         if block_m is not None:
-            _check_positive_int("block_m", block_m)
+            check_int("block_m", block_m, 1, error=ValueError)
         if gpus_per_node is not None:
-            _check_positive_int("gpus_per_node", gpus_per_node)
-        if layer_index is not None and (not _is_int(layer_index) or layer_index < 0):
+            check_int("gpus_per_node", gpus_per_node, 1, error=ValueError)
+        if layer_index is not None and (not is_int(layer_index) or layer_index < 0):
             raise ValueError(f"layer_index={layer_index!r} must be a non-negative integer or None")
         if not isinstance(router, (nn.Module, dict, str)):
             raise ValueError(f"router={router!r}: expected a TopKRouter (or another nn.Module), a dict of "
@@ -402,7 +392,7 @@ class ReplayBalancedMoE(nn.Module):
         the ids and the plan's rules are checked by the forward, on every rank of the EP group.
         """
         replicas, expert_gpu = None, None
-        if micro_batch is not None and not _is_int(micro_batch):
+        if micro_batch is not None and not is_int(micro_batch):
             raise PlanError(f"micro_batch={micro_batch!r} must be an integer micro-batch index")
         if plan is not None:
             if self.layer_index is None:

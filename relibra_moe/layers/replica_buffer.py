@@ -26,6 +26,7 @@ import torch
 from ..errors import PlanError
 from ..specs import replica_buffer_bytes
 from ..triton_kernels.replica_copy import add_slot_grads, copy_into_slots
+from ..validate import check_int
 from .dispatch import Dispatcher
 
 __all__ = ["LayerSharedReplicaBuffer", "ReplicaTransfer", "replica_buffer_bytes"]
@@ -114,12 +115,10 @@ class LayerSharedReplicaBuffer:
     def __init__(self, hidden: int, ffn: int, slots: int, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None,
                  shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-        if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 0:
-            raise ValueError(f"slots must be an integer >= 0, got {slots!r}")
+        check_int("slots", slots, error=ValueError)
         if shapes is None:
             for field, value in (("hidden", hidden), ("ffn", ffn)):
-                if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"{field}={value!r} must be a positive integer")
+                check_int(field, value, 1, error=ValueError)
         self.hidden, self.ffn, self.slots = hidden, ffn, slots
         if shapes is None:
             shapes = {"w_gate_up": (hidden, 2 * ffn), "w_down": (ffn, hidden)}

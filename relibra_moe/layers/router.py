@@ -21,12 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ReplayError
+from ..validate import is_int
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -131,7 +131,7 @@ class TopKRouter(nn.Module):
             raise ValueError(f"scoring={scoring!r} is not one of {SCORINGS}")
         for field, value in (("hidden", hidden), ("num_experts", num_experts), ("top_k", top_k),
                              ("num_groups", num_groups), ("topk_group", topk_group)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            if not is_int(value):
                 raise ValueError(f"{field}={value!r} must be an integer")
         if hidden < 1:
             raise ValueError(f"hidden={hidden} must be >= 1")

@@ -39,6 +39,7 @@ import triton
 
 from relibra_moe.triton_kernels._details import replica_copy as _k
 from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, use_triton
+from relibra_moe.validate import check_count
 
 __all__ = [
     "ADD_BLOCK",
@@ -87,8 +88,7 @@ def _check_pairs(a: torch.Tensor, a_index: torch.Tensor, b: torch.Tensor, b_inde
     _check_index(a_index, b_index, nai, nbi)
     _check_range(a_index, a.shape[0], nai)
     _check_range(b_index, b.shape[0], nbi)
-    if isinstance(num_programs, bool) or not isinstance(num_programs, int) or num_programs < 1:
-        raise ValueError(f"num_programs must be an int >= 1, got {num_programs!r}")
+    check_count("num_programs", num_programs, error=ValueError)
 
 
 def copy_into_slots_torch(
