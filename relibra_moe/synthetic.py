@@ -226,6 +226,17 @@ def _lengths(rng: np.random.Generator, median: np.ndarray, sigma: np.ndarray, lo
     return np.clip(np.round(median * np.exp(sigma * rng.standard_normal(median.shape))), lo, hi).astype(np.int64)
 
 
+def _prompt_domains(domain: str, num_prompts: int, r: int, micro_batch_size: int | None, seed: int) -> np.ndarray:
+    """The base domain of each of the ``num_prompts`` prompts (str ``[P]``): ``domain`` itself, or for ``mixed``
+    the domain of the block (micro-batch, else ``DEFAULT_BLOCK`` samples) holding the prompt's first response."""
+    if domain != "mixed":
+        return np.full(num_prompts, domain)
+    block = int(micro_batch_size or DEFAULT_BLOCK)
+    sample_block = np.arange(num_prompts * r) // block
+    seq = np.array(domain_sequence(int(sample_block.max()) + 1, seed))
+    return seq[sample_block[::r]]
+
+
 def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_per_prompt: int = 4, seed: int = 0,
              micro_batch_size: int | None = None, *, max_len: int = MAX_LEN, profile_seed: int = 0) -> TraceBatch:
     """A synthetic RL global batch of ``num_prompts * responses_per_prompt`` samples (labelled synthetic).
@@ -259,14 +270,7 @@ def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_pe
     num_layers, e, k = spec.num_layers, spec.num_experts, spec.top_k
     rng = np.random.default_rng(_stable_seed("relibra-synthetic-batch", seed))
 
-    # domain of each prompt
-    if domain == "mixed":
-        block = int(micro_batch_size or DEFAULT_BLOCK)
-        sample_block = np.arange(n) // block
-        seq = np.array(domain_sequence(int(sample_block.max()) + 1, seed))
-        prompt_domain = seq[sample_block[::r]]  # a prompt takes the domain of its first response's block
-    else:
-        prompt_domain = np.full(num_prompts, domain)
+    prompt_domain = _prompt_domains(domain, num_prompts, r, micro_batch_size, seed)
     dom_idx = np.array([BASE_DOMAINS.index(d) for d in prompt_domain])
     styles = [STYLES[d] for d in BASE_DOMAINS]
 
