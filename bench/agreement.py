@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 import torch
+from common import time_ms
 
 
 def _median_us(fn, iters: int) -> float:
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return float(np.median(out) * 1e6)
+    """Median host wall time of ``fn`` in microseconds (``common.time_ms`` on the host clock)."""
+    return 1e3 * time_ms(fn, iters, 0, cuda=False)
 
 
 def _worker(rank: int, world: int, iters: int, out_path: str) -> None:

@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 
 import torch
-from kernels import JsonReport, environment, expert_weights, routing_ids  # noqa: E402 - sets TRITON_INTERPRET
+from common import JsonReport, bench_ms, environment, expert_weights, routing_ids, select_kernel_mode
+
+select_kernel_mode()  # before Triton is imported
 
 from relibra_moe.triton_kernels.grouped_gemm import swiglu_experts  # noqa: E402
 from relibra_moe.triton_kernels.permute import combine, permute  # noqa: E402
@@ -101,11 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             same = torch.equal(static_out, eager[i])
             rep.set("replay_bitwise_equal", f"input{i}", same)
             ok &= same
-        import triton.testing
-
-        rep.set("replay_ms", float(triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median")))
-        rep.set("eager_ms", float(triton.testing.do_bench(lambda: chain(*static), warmup=10, rep=50,
-                                                          return_mode="median")))
+        rep.set("replay_ms", bench_ms(graph.replay))
+        rep.set("eager_ms", bench_ms(lambda: chain(*static)))
     rep.set("ok", ok)
     print(f"capture ok; replays bitwise equal to eager: {rep.data['replay_bitwise_equal']}; "
           f"replay {rep.data['replay_ms']:.3f} ms, eager {rep.data['eager_ms']:.3f} ms")

@@ -82,8 +82,8 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under `timeout`, log to OUTDIR/N
 
 ENV_PY='import json, sys
 sys.path.insert(0, "bench")
-import kernels  # noqa: E402 - its environment(): device, python, torch, triton, CUDA runtime
-info = kernels.environment()
+import common  # noqa: E402 - its environment(): device, python, torch, triton, CUDA runtime
+info = common.environment()
 for mod in ("transformers", "numpy", "hypothesis", "pytest"):
     try:
         info[mod] = __import__(mod).__version__

@@ -25,8 +25,8 @@ import json
 import platform
 from pathlib import Path
 
-import numpy as np
 import torch
+from common import routing_ids, time_ms
 
 import relibra_moe.integrations.hf_experts  # noqa: F401  (registers "relibra")
 from relibra_moe.integrations.hf_tiny import FAMILIES, tiny_config, tiny_model
@@ -53,13 +53,11 @@ def make_experts(family: str, hidden: int, ffn: int, experts: int, top_k: int, s
 
 
 def routing(tokens: int, experts: int, top_k: int, skew: float, seed: int, device: torch.device):
-    """``top_k_index [T, k]`` (distinct experts per token, popularity ~ rank^-skew) and softmax weights."""
-    rng = np.random.default_rng(seed)
-    pop = 1.0 / np.arange(1, experts + 1) ** skew
-    pop = rng.permutation(pop / pop.sum())
-    ids = np.stack([rng.choice(experts, size=top_k, replace=False, p=pop) for _ in range(tokens)])
-    w = torch.softmax(torch.from_numpy(rng.standard_normal((tokens, top_k))).float(), dim=-1)
-    return torch.from_numpy(ids).to(device), w.to(device)
+    """``top_k_index [T, k]`` (distinct experts per token, popularity ~ rank^-skew: ``common.routing_ids``
+    ``"zipf"``) and softmax routing weights ``[T, k]``."""
+    ids = routing_ids(tokens, top_k, experts, device, "zipf", seed=seed, skew=skew)
+    g = torch.Generator().manual_seed(seed)
+    return ids, torch.softmax(torch.randn(tokens, top_k, generator=g), dim=-1).to(device)
 
 
 def run_impl(mod: torch.nn.Module, impl: str, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -75,22 +73,14 @@ def run_impl(mod: torch.nn.Module, impl: str, x: torch.Tensor, ids: torch.Tensor
 
 
 def time_impl(mod, impl, x, ids, w, dy, iters: int, warmup: int) -> dict[str, float]:
-    """Median CUDA ms of the forward and of forward + backward."""
+    """Median CUDA ms of the forward and of forward + backward (``common.time_ms``)."""
     mod.config._experts_implementation = impl
-    fwd, both = [], []
-    for i in range(warmup + iters):
-        xi = x.detach().requires_grad_(True)
-        s, m, e = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        s.record()
-        y = mod(xi, ids, w)
-        m.record()
-        (y.float() * dy).sum().backward()
-        e.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            fwd.append(s.elapsed_time(m))
-            both.append(s.elapsed_time(e))
-    return {"fwd_ms": float(np.median(fwd)), "fwd_bwd_ms": float(np.median(both))}
+
+    def fwd():
+        return mod(x.detach().requires_grad_(True), ids, w)
+
+    return {"fwd_ms": time_ms(fwd, iters, warmup), "fwd_bwd_ms": time_ms(lambda: (fwd().float() * dy).sum().backward(),
+                                                                           iters, warmup)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,21 +32,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
-import json
-import os
-import platform
 import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from common import (
+    JsonReport,
+    bench_ms,
+    environment,
+    expert_weights,
+    rel_err,
+    replica_slot_ids,
+    routing_ids,
+    select_kernel_mode,
+)
 
-# The interpreter is a CPU mode: compiled kernels on CUDA whatever the environment, the interpreter without.
-os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
-
-import torch.nn.functional as F  # noqa: E402
+select_kernel_mode()  # before Triton is imported
 
 from relibra_moe.layers.experts import GroupedSwiGLUExperts  # noqa: E402
 from relibra_moe.triton_kernels import grouped_gemm as gg_mod  # noqa: E402
@@ -54,7 +58,6 @@ from relibra_moe.triton_kernels import permute as permute_mod  # noqa: E402
 from relibra_moe.triton_kernels import replica_copy as replica_mod  # noqa: E402
 from relibra_moe.triton_kernels.backend import force_backend  # noqa: E402
 from relibra_moe.triton_kernels.grouped_gemm import (  # noqa: E402
-    ExpertWeights,
     grouped_mm,
     grouped_mm_dw,
     grouped_mm_dx,
@@ -86,87 +89,8 @@ TOLERANCE = {"float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
 
 
 # --------------------------------------------------------------------------------------------------
-# shared helpers (also used by the other GPU-check stages under bench/)
+# helpers of this benchmark (the shared ones: bench/common.py)
 # --------------------------------------------------------------------------------------------------
-
-
-class JsonReport:
-    """A JSON document rewritten (atomically) at ``path`` after every change."""
-
-    def __init__(self, path: Path, **header) -> None:
-        self.path = Path(path)
-        self.data: dict = {"date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), **header}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.save()
-
-    def set(self, *keys_and_value) -> None:
-        """``set("a", "b", v)``: ``data["a"]["b"] = v`` (creating the dicts), then write the file."""
-        *keys, value = keys_and_value
-        d = self.data
-        for k in keys[:-1]:
-            d = d.setdefault(k, {})
-        d[keys[-1]] = value
-        self.save()
-
-    def get(self, *keys):
-        """``data[k0][k1]...``."""
-        d = self.data
-        for k in keys:
-            d = d[k]
-        return d
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
-
-
-def environment() -> dict:
-    """Device and package versions of this run."""
-    import triton
-
-    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-           "cuda_runtime": torch.version.cuda, "triton_interpret": os.environ.get("TRITON_INTERPRET")}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        env.update(device=torch.cuda.get_device_name(0), capability=f"{p.major}.{p.minor}",
-                   sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1))
-    else:
-        env["device"] = "cpu (Triton interpreter)"
-    return env
-
-
-def routing_ids(T: int, k: int, E: int, device, routing: str = "uniform", hot_share: float = 0.3,
-                seed: int = 0) -> torch.Tensor:
-    """int64 ``[T, k]`` expert ids: ``uniform`` (k distinct experts per token, balanced load) or ``skewed``
-    (the uniform ids with a random ``hot_share`` of all pairs moved to expert 0)."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    ids = torch.rand(T, E, generator=g, device=device).topk(k, dim=1).indices
-    if routing == "skewed":
-        n = T * k
-        hot = torch.randperm(n, generator=g, device=device)[: round(hot_share * n)]
-        ids.view(-1)[hot] = 0
-    elif routing != "uniform":
-        raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
-    return ids
-
-
-def replica_slot_ids(ids: torch.Tensor, E: int, replicated: torch.Tensor) -> torch.Tensor:
-    """Slot ids over ``E + r`` slots: every second pair of expert ``replicated[j]`` goes to slot ``E + j``."""
-    flat = ids.reshape(-1)
-    out = flat.clone()
-    pos = torch.arange(flat.numel(), device=ids.device)
-    for j, e in enumerate(replicated.tolist()):
-        out = torch.where((flat == e) & (pos % 2 == 1), torch.full_like(out, E + j), out)
-    return out.view(ids.shape)
-
-
-def expert_weights(home: torch.Tensor, replica: torch.Tensor) -> ExpertWeights:
-    """``ExpertWeights`` over ``E + r`` slots: slots ``< E`` the home rows, slot ``E + j`` replica row j."""
-    E, r, dev = home.shape[0], replica.shape[0], home.device
-    src = torch.cat([torch.zeros(E, dtype=torch.long, device=dev), torch.ones(r, dtype=torch.long, device=dev)])
-    idx = torch.cat([torch.arange(E, device=dev), torch.arange(r, device=dev)])
-    return ExpertWeights((home, replica), src, idx)
 
 
 @contextlib.contextmanager
@@ -189,12 +113,6 @@ def triton_launches() -> Iterator[dict[str, int]]:
     finally:
         for mod, name, fn in saved:
             setattr(mod, name, fn)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / max |b| (float64)."""
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12)) if b.numel() else 0.0
 
 
 def swiglu_experts_module(E: int, H: int, inter: int, dtype: torch.dtype, device) -> GroupedSwiGLUExperts:
@@ -343,12 +261,6 @@ def print_correctness(checks: dict[str, dict[str, dict]]) -> bool:
 # --------------------------------------------------------------------------------------------------
 # timing (CUDA)
 # --------------------------------------------------------------------------------------------------
-
-
-def bench_ms(fn: Callable[[], object]) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
 def copy_gbps(nbytes: int, device) -> float:

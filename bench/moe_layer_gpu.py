@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F  # noqa: E402
-from kernels import JsonReport, environment, rel_err, routing_ids  # noqa: E402 - sets TRITON_INTERPRET first
+from common import JsonReport, environment, rel_err, routing_ids, select_kernel_mode, time_ms
+
+select_kernel_mode()  # before Triton is imported
 
 from relibra_moe.layers.experts import GroupedSwiGLUExperts  # noqa: E402
 from relibra_moe.layers.moe import ReplayBalancedMoE  # noqa: E402
@@ -37,26 +38,6 @@ from relibra_moe.layers.replay import replay  # noqa: E402
 # the shape goes into the result JSON as written: its key "topk" (k) keeps the spelling of earlier results
 SHAPE_30B = dict(tokens=32768, topk=8, experts=128, hidden=2048, ffn=768)
 SHAPE_TINY = dict(tokens=48, topk=2, experts=8, hidden=32, ffn=16)
-
-
-def time_ms(fn, iters: int, warmup: int) -> float:
-    """Median wall time of ``fn`` in ms (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        if torch.cuda.is_available():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(1e3 * (time.perf_counter() - t0))
-    return sorted(ts)[len(ts) // 2]
 
 
 def eager_experts(x, slot_ids, w1, w2, inter):
