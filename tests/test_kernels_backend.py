@@ -130,7 +130,8 @@ _PROBE = """
 import json, runpy, sys
 runpy.run_path(sys.argv[1])  # the test harness, as pytest imports it first
 import torch
-from relibra_moe.triton_kernels import backend, grouped_gemm, permute, replica_copy, routing
+from relibra_moe.triton_kernels import backend, routing
+from relibra_moe.triton_kernels._details import grouped_gemm, permute, replica_copy  # the @triton.jit kernels
 try:
     mode = backend.kernel_mode(torch.device("cuda"))
 except RuntimeError as exc:
