@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from relibra_moe.triton_kernels import backend as kernel_backend
-from relibra_moe.triton_kernels import grouped_gemm as gg_module
 from relibra_moe.triton_kernels.backend import force_backend, kernel_mode
 from relibra_moe.triton_kernels.grouped_gemm import ExpertWeights, grouped_mm, grouped_mm_dw, swiglu_experts
 from relibra_moe.triton_kernels.permute import combine, permute
@@ -47,11 +46,12 @@ def test_compiled_suite_in_a_child_process():
 
 
 def test_kernels_are_compiled():
-    from relibra_moe.triton_kernels import permute as pm
-    from relibra_moe.triton_kernels import replica_copy as rc
+    from relibra_moe.triton_kernels._details import grouped_gemm as gg_kernels  # the @triton.jit kernels
+    from relibra_moe.triton_kernels._details import permute as pm
+    from relibra_moe.triton_kernels._details import replica_copy as rc
 
     assert kernel_mode(torch.device("cuda")) == "compiled"
-    kinds = {type(v).__name__ for m in (gg_module, pm, rc) for v in vars(m).values()
+    kinds = {type(v).__name__ for m in (gg_kernels, pm, rc) for v in vars(m).values()
              if type(v).__name__ in ("JITFunction", "InterpretedFunction")}
     assert kinds == {"JITFunction"}
 
