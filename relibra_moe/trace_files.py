@@ -49,7 +49,7 @@ import numpy as np
 
 from .errors import TraceError
 from .npzio import member_header, read_member
-from .validate import check_int
+from .validate import check_count
 
 FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
@@ -314,8 +314,8 @@ def read_v2_fields(a: dict[str, np.ndarray], path: Path,
                    experts_header: tuple[tuple[int, ...], np.dtype] | None) -> V2Fields:
     """The checked fields of a version-2 file from its arrays (all but ``experts``, whose declared
     ``(shape, dtype)`` is ``experts_header``, ``None`` when the file has no ids); TraceError naming the field."""
-    num_experts = check_int("num_experts", scalar_int(a["num_experts"], "num_experts"), 1, error=TraceError)
-    top_k = check_int("topk", scalar_int(a["topk"], "topk"), 1, error=TraceError)
+    num_experts = check_count("num_experts", scalar_int(a["num_experts"], "num_experts"), error=TraceError)
+    top_k = check_count("topk", scalar_int(a["topk"], "topk"), error=TraceError)
     if top_k > num_experts:
         raise TraceError(f"top_k={top_k} exceeds num_experts={num_experts}")
     counts_only = _counts_only_flag(a, experts_header is not None)
