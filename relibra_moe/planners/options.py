@@ -48,10 +48,10 @@ REPLICA_STRATEGIES = ("eplb", "lplb", "relibra", "eplb-history", "online")
 """The strategies that place replicas (read ``replica_slots``)."""
 RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
 """The ReLibra strategies: reorder + locality (+ replication); they read ``skew_cap`` / ``node_comp``."""
-HISTORY_STRATEGIES = ("eplb-history",)
+HISTORY_STRATEGIES = ("eplb-history", "relibra")
 """The strategies that plan from past batches' loads (read ``history``)."""
 
-_BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas")
+_BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "portfolio")
 _OPTIONAL_BOOLS = ("node_comp", "smooth")
 
 
@@ -97,6 +97,8 @@ class PlanOptions:
         final_iters: proposals of that pass, int >= 0 (None: ``FINAL_ITERS_FACTOR`` x a round's ``iters``).
         cell_chunk: replication cells per executor task, int >= 1 (None: about 16 tasks per worker).
         replicate: keywords of ``replicate.replicate_cell`` (e.g. ``candidates``, ``polish``).
+        portfolio: relibra ends with a portfolio (its plan, the previous homes with replicas, relibra-inter and the
+            cheap baselines, each simulated with the moves charged against ``previous``; the fastest wins).
     """
 
     replica_slots: int = 0
@@ -126,6 +128,7 @@ class PlanOptions:
     final_iters: int | None = None
     cell_chunk: int | None = None
     replicate: Mapping[str, Any] = field(default_factory=dict)
+    portfolio: bool = True
 
     def __post_init__(self) -> None:
         check_int("replica_slots", self.replica_slots, 0)

@@ -40,6 +40,7 @@ fallbacks; wall-clock values go under ``stats["timing"]`` / ``stats["solve_secon
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,8 @@ import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import batch_sha1, check_batch_type, placement_loads
-from ..plan import BatchPlan, Placement, SamplePlacement, round_robin_gpus
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
+from ..sim import simulate_step
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import attention_forward
 from ..trace import TraceBatch
@@ -112,6 +114,14 @@ def locality_task(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.ndarr
 
 
 def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """relibra-inter's plan: ``anneal_inter`` (reorder + locality rounds) then ``finish_inter`` (migration
+    pricing, with ``node_comp`` or ``replicated``, and locality for the final homes). Returns (homes [L, E],
+    micro_batch [N], gpu [N]), int64."""
+    eg, mb, sg = anneal_inter(ctx)
+    return finish_inter(ctx, eg, mb, sg, ctx.options.rank_balance[0] or replicated, ctx.stats)
+
+
+def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reorder + locality (+ repacking), ``rounds`` times: returns (homes [L, E], micro_batch [N], gpu [N]).
 
     The one planning loop: ``plan_batch`` and the ``Planner`` service both run it, on ``ctx.executor``.
@@ -128,10 +138,10 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     Option ``final_reorder`` re-anneals the homes once more after the last
     locality pass (useful with ``repack``), with ``final_iters`` proposals.
 
-    ``replicated``: replicas follow (relibra with r > 0), so the migration pricing judges each layer's move
-    by the replication-aware step estimate (compute levelled inside each node), whatever the reorder's
-    objective: without it, a move looks worth its traffic for compute imbalance that the replicas would
-    remove anyway (BENCHMARKS.md, "Planner defaults").
+    ``finish_inter``'s ``node_comp`` (``replicated`` in ``relibra_inter``: replicas follow, relibra with r > 0):
+    the migration pricing judges each layer's move by the replication-aware step estimate (compute levelled
+    inside each node), whatever the reorder's objective: without it, a move looks worth its traffic for compute
+    imbalance that the replicas would remove anyway (BENCHMARKS.md, "Planner defaults").
 
     Fallbacks (a task the executor reports as ``TaskFailed``): a reorder layer keeps ``ctx.fallback_expert_gpu``
     (else its start), a locality pass keeps the samples where they are; both go to ``ctx.fallbacks``. Past
@@ -179,12 +189,68 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
                                                  init=eg, iters=o.final_iters_for(iters), **reorder_kw)
         timing["reorder_s_final"] = time.perf_counter() - t0
     ctx.stats["rounds"] = objectives
+    return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
+
+
+def samples_fixed(ctx: PlanContext) -> bool:
+    """Whether the samples' GPUs are fixed by the caller (a trainer-owned sample placement: ``ctx.samples_fixed``
+    when the context carries it), so that no pass may move a sample."""
+    return bool(getattr(ctx, "samples_fixed", False))
+
+
+def finish_inter(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
+                 node_comp: bool, stats: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The end of relibra-inter for annealed homes ``[L, E]`` and samples ``[N]``: ``migrate``, then, where the
+    migration pricing put some layers back on their previous homes, the sample placement re-annealed for the
+    homes actually used (``relocate``). Writes ``stats["migration"]`` (and ``stats["relocate"]``); returns
+    (homes [L, E], micro_batch [N], gpu [N]), int64."""
+    o = ctx.options
+    timing = ctx.stats.setdefault("timing", {})
     t0 = time.perf_counter()
     mo = o.replace(migration=False) if ctx.executor.expired else o  # past the deadline: the fallbacks stand
-    eg, sg, ctx.stats["migration"] = migrate(eg, mb, sg, ctx.batch, ctx.num_micro_batches, ctx.model, ctx.cluster,
-                                             mo, node_comp or replicated)
-    timing["migration_s"] = time.perf_counter() - t0
+    eg, sg, info = migrate(expert_gpu, micro_batch, sample_gpu, ctx.batch, ctx.num_micro_batches, ctx.model,
+                           ctx.cluster, mo, node_comp)
+    stats["migration"] = info
+    timing["migration_s"] = timing.get("migration_s", 0.0) + time.perf_counter() - t0
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    if info.get("enabled") and not ctx.executor.expired and not samples_fixed(ctx):
+        perm = np.asarray(info["relabel"], dtype=np.int64)
+        if (eg != perm[np.asarray(expert_gpu, dtype=np.int64)]).any():
+            t0 = time.perf_counter()
+            mb, sg, stats["relocate"] = relocate(ctx, eg, mb, sg)
+            timing["relocate_s"] = timing.get("relocate_s", 0.0) + time.perf_counter() - t0
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
+
+
+def relocate(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Sample locality for the final homes ``expert_gpu [L, E]``: one locality pass from the given samples (the
+    annealed ones, permuted with the homes by the migration's relabelling) and one from the round-robin start;
+    the lower exact objective wins (ties: the given samples). Returns (micro_batch [N], gpu [N], info)."""
+    o = ctx.options
+    iters = o.locality_iters
+    if iters is None:
+        iters = max(default_locality_iters(len(ctx.lengths), ctx.model.num_layers, ctx.cluster.num_gpus,
+                                           ctx.repack) // o.rounds, 100)
+    lkw = dict(num_micro_batches=ctx.num_micro_batches, repack=ctx.repack, token_cap=o.token_cap, tol=o.tol,
+               seed=ctx.seed + o.rounds + 1, iters=iters, beta=o.beta, smooth=o.locality_smooth)
+    starts = [("annealed", micro_batch, sample_gpu), ("round-robin", ctx.micro_batch, ctx.sample_gpu)]
+    args = [(ctx.counts, ctx.lengths, m, g, expert_gpu, ctx.model, ctx.cluster, lkw) for _, m, g in starts]
+    res = ctx.executor.map(locality_task, args, [("locality", ("relocate", n)) for n, _, _ in starts])
+    best: tuple[np.ndarray, np.ndarray] = (micro_batch, sample_gpu)
+    best_obj, chosen = np.inf, "annealed"
+    info: dict[str, Any] = {}
+    for (name, _, _), r in zip(starts, res):
+        if isinstance(r, TaskFailed):
+            ctx.fallbacks.locality += 1
+            info[name] = {"fallback": r.reason}
+            continue
+        rm, rg, li = r
+        info[name] = li["objective"]
+        if li["objective"] < best_obj:
+            best, best_obj, chosen = (rm, rg), li["objective"], name
+    info["chosen"] = chosen
+    return best[0], best[1], info
 
 
 def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, batch: TraceBatch,
@@ -218,18 +284,97 @@ def strategy_relibra_inter(ctx: PlanContext) -> BatchPlan:
 def strategy_relibra(ctx: PlanContext) -> BatchPlan:
     """relibra-inter's reorder and locality (its migration pricing aware that replicas follow), then Algorithm 2
     per micro-batch and layer on ``ctx.executor``, replicas priced for their exposed push / pull
-    (``replica_pricing``). Replication only lowers each cell's T_MoE, so without migration pricing the plan is
-    relibra-inter's plus replicas, never slower; ``skew_cap`` asks for rank-level balance instead."""
-    eg, mb, sg = relibra_inter(ctx, replicated=ctx.replica_slots > 0)
-    placement = Placement(eg)
-    samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
+    (``replica_pricing``), then the portfolio (``portfolio``, option ``portfolio``): the fastest of this plan and
+    the cheap alternatives under the simulator's step, so relibra is never slower than static, online or (with
+    ``history``) eplb-history on the same evaluation. ``skew_cap`` asks for rank-level balance instead."""
+    eg0, mb0, sg0 = anneal_inter(ctx)
+    node_comp = ctx.options.rank_balance[0]
+    eg, mb, sg = finish_inter(ctx, eg0, mb0, sg0, node_comp or ctx.replica_slots > 0, ctx.stats)
     t0 = time.perf_counter()
-    replicas = replicate_batch(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster, ctx.replica_slots,
-                               attn_fwd=replica_pricing(ctx.options, ctx.lengths, samples, ctx.model, ctx.cluster),
-                               executor=ctx.executor, cell_chunk=ctx.options.cell_chunk, fallbacks=ctx.fallbacks,
-                               **dict(ctx.options.replicate))
+    replicas = relibra_replicas(ctx, eg, mb, sg)
     ctx.stats.setdefault("timing", {})["replicate_s"] = time.perf_counter() - t0
-    return make_plan(ctx, eg, mb, sg, replicas)
+    if not ctx.options.portfolio or ctx.executor.expired:
+        return make_plan(ctx, eg, mb, sg, replicas)
+    t0 = time.perf_counter()
+    plan = portfolio(ctx, {"relibra": (eg, mb, sg, replicas)}, (eg0, mb0, sg0, node_comp))
+    ctx.stats["timing"]["portfolio_s"] = time.perf_counter() - t0
+    return plan
+
+
+def relibra_replicas(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
+                     ) -> ReplicaPlan:
+    """Algorithm 2 per micro-batch and layer for homes ``[L, E]`` and samples ``[N]``, on ``ctx.executor``, priced
+    with ``replica_pricing`` (the one fetch window of ``timing.replica_push_overlap``)."""
+    samples = SamplePlacement(micro_batch, sample_gpu, ctx.num_micro_batches)
+    return replicate_batch(Placement(expert_gpu), samples, ctx.batch_for(micro_batch), ctx.model, ctx.cluster,
+                           ctx.replica_slots,
+                           attn_fwd=replica_pricing(ctx.options, ctx.lengths, samples, ctx.model, ctx.cluster),
+                           executor=ctx.executor, cell_chunk=ctx.options.cell_chunk, fallbacks=ctx.fallbacks,
+                           **dict(ctx.options.replicate))
+
+
+PORTFOLIO_BASELINES = ("static", "online", "eplb", "lplb", "eplb-history")
+"""The baselines whose plans relibra's portfolio also simulates (``portfolio``)."""
+
+Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]
+"""A portfolio candidate: (homes [L, E], micro_batch [N], gpu [N], replicas or None)."""
+
+
+def portfolio(ctx: PlanContext, own: dict[str, Candidate],
+              annealed: tuple[np.ndarray, np.ndarray, np.ndarray, bool]) -> BatchPlan:
+    """The end of ``relibra``: the fastest of ``own`` and the cheap alternatives, each simulated the way
+    ``relibra compare`` / ``relibra simulate`` charge a plan (``sim.simulate_step``, moves charged against
+    ``previous``, replica traffic by the one fetch rule of ``timing.replica_push_overlap``; the replicas of every
+    candidate are fetched as relibra's, known from the replay).
+
+    Candidates, in order (ties keep the earlier): ``own`` (relibra's plan); ``relibra-inter`` (the annealed homes
+    finished without the replication-aware migration pricing, no replicas); ``previous`` (the previous homes,
+    round-robin samples, relibra's priced replicas); the plans of ``PORTFOLIO_BASELINES`` on the same batch and
+    options (eplb-history only with option ``history``; online and lplb only with replica slots). The replay
+    shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are
+    charged as relibra's (fetched per layer, ``timing.replica_push_overlap``), never more than the baseline's own
+    after-router fetch. ``annealed`` is ``anneal_inter``'s (homes, micro_batch, gpu) and the option ``node_comp``.
+    Writes ``stats["portfolio"]``: ``chosen`` and every candidate's simulated ``step_s``.
+    """
+    L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
+    prev = previous_expert_gpu(ctx.options, ctx.model, ctx.cluster)
+    rr = (ctx.micro_batch, ctx.sample_gpu)
+    cands: dict[str, Candidate] = dict(own)
+    eg0, mb0, sg0, node_comp = annealed
+    cands["relibra-inter"] = (*finish_inter(ctx, eg0, mb0, sg0, node_comp, {}), None)
+    cands["previous"] = (prev, *rr, relibra_replicas(ctx, prev, *rr) if ctx.replica_slots else None)
+    for name in PORTFOLIO_BASELINES:
+        if name == "eplb-history" and ctx.options.history is None:
+            continue
+        if name in ("online", "lplb") and not ctx.replica_slots:
+            continue  # without replica slots: the static plan
+        bp = STRATEGIES[name](dataclasses.replace(ctx, stats={}))
+        cands[name] = (bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas)
+    previous = Placement(prev)
+    steps: dict[str, float] = {}
+    for name, (eg, mb, sg, reps) in cands.items():
+        plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M),
+                         replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
+                         gpus_per_node=ctx.cluster.gpus_per_node, stats={})
+        steps[name] = simulate_step(plan, ctx.batch, ctx.model, ctx.cluster, balanced=False, previous=previous,
+                                    optimizer_bytes_per_param=float(ctx.options.optimizer_bytes_per_param)).step_s
+    chosen = min(steps, key=lambda k: steps[k])  # dict order: ties keep the earlier candidate
+    ctx.stats["portfolio"] = {"chosen": chosen, "step_s": steps}
+    eg, mb, sg, reps = cands[chosen]
+    return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
+
+
+def padded(replicas: ReplicaPlan | None, num_micro_batches: int, num_layers: int, num_gpus: int, slots: int
+           ) -> ReplicaPlan:
+    """``replicas`` with ``slots`` slots per GPU (empty ones appended; None: no replicas), so that every portfolio
+    candidate has the ``[M, L, G, r]`` shape of relibra's plans."""
+    if replicas is None:
+        return ReplicaPlan.empty(num_micro_batches, num_layers, num_gpus, slots)
+    rep = replicas.replica_expert
+    if rep.shape[-1] >= slots:
+        return replicas
+    pad = np.full(rep.shape[:-1] + (slots - rep.shape[-1],), -1, np.int32)
+    return dataclasses.replace(replicas, replica_expert=np.concatenate([rep, pad], axis=-1))
 
 
 def strategy_lplb(ctx: PlanContext) -> BatchPlan:
