@@ -38,7 +38,8 @@ from .specs import CR, NV, SR, ClusterSpec, ModelSpec
 
 __all__ = ["DEFAULT_OPTIMIZER_BYTES_PER_PARAM", "BACKWARD_FACTOR", "attention_flops", "local_stage",
            "attention_forward", "attention_backward", "moe_forward_seconds", "moe_backward_seconds",
-           "moe_step_seconds", "exposed_seconds", "REPLICA_FETCHES", "REPLICA_MODES", "replica_push_overlap",
+           "moe_step_seconds", "STEP_COMP_WEIGHT", "exposed_seconds", "REPLICA_FETCHES", "REPLICA_MODES",
+           "replica_push_overlap",
            "cell_step_seconds", "transfer_seconds", "move_bytes"]
 
 DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 12.0
@@ -104,6 +105,11 @@ def moe_backward_seconds(comp: np.ndarray | float, comm: np.ndarray | float) -> 
 def moe_step_seconds(comp: np.ndarray | float, comm: np.ndarray | float) -> np.ndarray | float:
     """Forward + backward MoE seconds of a cell: ``3 max_g comp + 2 max_g comm``."""
     return (1.0 + BACKWARD_FACTOR) * comp + 2.0 * comm
+
+
+STEP_COMP_WEIGHT = (1.0 + BACKWARD_FACTOR) / 2.0
+"""Compute weight of the planners' step objective ``STEP_COMP_WEIGHT x max_g comp + max_g comm``: half of
+``moe_step_seconds`` (``3 comp + 2 comm``), so it ranks plans as the step's MoE time does; 1 gives T_MoE."""
 
 
 def exposed_seconds(transfer: np.ndarray | float, overlap: np.ndarray | float) -> np.ndarray | float:

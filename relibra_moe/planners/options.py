@@ -22,7 +22,7 @@ import numpy as np
 from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..plan import Placement
-from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
+from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, STEP_COMP_WEIGHT
 from ..validate import (
     check_choice,
     check_int,
@@ -51,7 +51,8 @@ RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
 HISTORY_STRATEGIES = ("eplb-history", "relibra")
 """The strategies that plan from past batches' loads (read ``history``)."""
 
-_BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "portfolio")
+_BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "portfolio",
+          "step_objective")
 _OPTIONAL_BOOLS = ("node_comp", "smooth")
 
 
@@ -97,6 +98,8 @@ class PlanOptions:
         final_iters: proposals of that pass, int >= 0 (None: ``FINAL_ITERS_FACTOR`` x a round's ``iters``).
         cell_chunk: replication cells per executor task, int >= 1 (None: about 16 tasks per worker).
         replicate: keywords of ``replicate.replicate_cell`` (e.g. ``candidates``, ``polish``).
+        step_objective: relibra*'s reorder and locality anneal the simulated step's MoE weighting,
+            ``timing.STEP_COMP_WEIGHT x comp + comm`` (3 comp + 2 comm, halved); False: T_MoE (comp + comm).
         portfolio: relibra ends with a portfolio (its plan, the previous homes with replicas, relibra-inter and the
             cheap baselines, each simulated with the moves charged against ``previous``; the fastest wins).
     """
@@ -129,6 +132,7 @@ class PlanOptions:
     cell_chunk: int | None = None
     replicate: Mapping[str, Any] = field(default_factory=dict)
     portfolio: bool = True
+    step_objective: bool = True
 
     def __post_init__(self) -> None:
         check_int("replica_slots", self.replica_slots, 0)
@@ -185,6 +189,11 @@ class PlanOptions:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def comp_weight(self) -> float:
+        """Compute weight of relibra*'s reorder and locality objectives (``step_objective``)."""
+        return STEP_COMP_WEIGHT if self.step_objective else 1.0
+
     @property
     def rank_balance(self) -> tuple[bool, float | None]:
         """``(node_comp, skew_cap)`` of the reorder: node_comp defaults to "on exactly when skew_cap is set"."""

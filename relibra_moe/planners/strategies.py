@@ -164,14 +164,15 @@ def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     num_seeds = max(1, ctx.executor.workers) if o.num_seeds is None else o.num_seeds
     reorder_kw = dict(num_seeds=num_seeds, executor=ctx.executor, objective=o.objective, beta=o.beta,
                       smooth=o.smooth, node_comp=node_comp, skew_cap=skew_cap, fallback=ctx.fallback_expert_gpu,
-                      fallbacks=ctx.fallbacks)
+                      fallbacks=ctx.fallbacks, comp_weight=o.comp_weight)
     for rnd in range(rounds):
         t0 = time.perf_counter()
         eg, rinfo = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, seed=ctx.seed + rnd, init=eg, iters=iters,
                             **reorder_kw)
         t1 = time.perf_counter()
         lkw = dict(num_micro_batches=ctx.num_micro_batches, repack=ctx.repack, token_cap=o.token_cap, tol=o.tol,
-                   seed=ctx.seed + rnd, iters=loc_iters, beta=o.beta, smooth=o.locality_smooth)
+                   seed=ctx.seed + rnd, iters=loc_iters, beta=o.beta, smooth=o.locality_smooth,
+                   comp_weight=o.comp_weight)
         (res,) = ctx.executor.map(locality_task, [(ctx.counts, ctx.lengths, mb, sg, eg, ctx.model, ctx.cluster, lkw)],
                                   [("locality", rnd)])
         if isinstance(res, TaskFailed):
@@ -233,7 +234,8 @@ def relocate(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, 
         iters = max(default_locality_iters(len(ctx.lengths), ctx.model.num_layers, ctx.cluster.num_gpus,
                                            ctx.repack) // o.rounds, 100)
     lkw = dict(num_micro_batches=ctx.num_micro_batches, repack=ctx.repack, token_cap=o.token_cap, tol=o.tol,
-               seed=ctx.seed + o.rounds + 1, iters=iters, beta=o.beta, smooth=o.locality_smooth)
+               seed=ctx.seed + o.rounds + 1, iters=iters, beta=o.beta, smooth=o.locality_smooth,
+               comp_weight=o.comp_weight)
     starts = [("annealed", micro_batch, sample_gpu), ("round-robin", ctx.micro_batch, ctx.sample_gpu)]
     args = [(ctx.counts, ctx.lengths, m, g, expert_gpu, ctx.model, ctx.cluster, lkw) for _, m, g in starts]
     res = ctx.executor.map(locality_task, args, [("locality", ("relocate", n)) for n, _, _ in starts])
