@@ -6,9 +6,10 @@ relibra-inter, relibra and balanced, and records the step the table reports: the
 for K = 4 consecutive batches, the single step for K = 1.
 
 Cells (33): real GPT-OSS-20B batches (``datasets.gpt_oss_batch``: requests drawn with a seed, 128-703 requests,
-micro-batches of 8-44, EP 2x4, 2x8, 4x4, r = 1, 2, 4; all 24 MoE layers, ``GPTOSS_LAYERS``) and synthetic qwen3-30b, glm4.5 and qwen3-235b batches (``synthetic.rl_batch``,
-labelled synthetic) at 2-4 layers. Steady-state cells cut one draw into 4 consecutive batches
-(``steady.consecutive_batches``; synthetic: seeds seed .. seed + 3).
+micro-batches of 8-44, EP 2x4, 2x8, 4x4, r = 1, 2, 4; all 24 MoE layers, ``GPTOSS_LAYERS``) and synthetic
+qwen3-30b, glm4.5 and qwen3-235b batches (``synthetic.rl_batch``, labelled synthetic) at 2-4 layers.
+Steady-state cells cut one draw into 4 consecutive batches (``steady.consecutive_batches``; synthetic: seeds
+seed .. seed + 3).
 
 Per cell: every strategy's step, the fastest non-balanced strategy, and relibra's share of the static-to-balanced
 headroom ``(static - relibra) / (static - balanced)`` (in %; balanced is the ideal of uniform routing).

@@ -178,7 +178,8 @@ def test_cli_history_is_the_option(tmp_path, capsys):
     assert not (got.placement.expert_gpu == static_placement(24, 32, 4)).all()  # it re-balanced on the past
     capsys.readouterr()
     assert main(argv + ["--strategy", "eplb", "--history", str(past_f)]) == 1
-    assert "--history only applies to --strategy eplb-history and relibra, not --strategy eplb" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--history only applies to --strategy eplb-history and relibra, not --strategy eplb" in err
 
 
 @pytest.mark.parametrize("history, match", [
