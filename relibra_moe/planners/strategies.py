@@ -50,9 +50,9 @@ import numpy as np
 from ..errors import PlanError
 from ..evaluate import batch_sha1, check_batch_type, placement_loads
 from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
-from ..sim import simulate_step
+from ..sim import reorder_traffic, simulate_loads
 from ..specs import ClusterSpec, ModelSpec
-from ..timing import attention_forward
+from ..timing import attention_backward, attention_forward, moe_step_seconds
 from ..trace import TraceBatch
 from . import baselines
 from .context import PlanContext, baseline_samples, make_plan, previous_expert_gpu
@@ -65,6 +65,7 @@ from .online import strategy_online
 from .options import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, PlanOptions
 from .reorder import default_iters, lpt_placement, reorder
 from .replicate import replicate_batch
+from .split import lower_bound_terms
 
 __all__ = ["STRATEGIES", "COMPARED_STRATEGIES", "REPACK_COMPARED", "REPLICA_STRATEGIES", "RELIBRA_STRATEGIES",
            "PlanContext", "make_context", "run_strategy", "plan_batch", "plan_with_options", "relibra_inter",
@@ -315,8 +316,10 @@ def relibra_replicas(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.n
                            **dict(ctx.options.replicate))
 
 
-PORTFOLIO_BASELINES = ("static", "online", "eplb", "lplb", "eplb-history")
-"""The baselines whose plans relibra's portfolio also simulates (``portfolio``)."""
+PORTFOLIO_BASELINES = ("static", "online", "eplb-history")
+"""The baselines whose plans relibra's portfolio also simulates (``portfolio``). eplb and lplb (EPLB+ / LPLB+,
+re-planned from scratch, moves not priced) are left out: they never came near relibra on the never-lose grid
+(BENCHMARKS.md, "Never lose"), and lplb's LP splits cost ~10x relibra's whole plan on the paper-scale batch."""
 
 Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]
 """A portfolio candidate: (homes [L, E], micro_batch [N], gpu [N], replicas or None)."""
@@ -325,45 +328,104 @@ Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]
 def portfolio(ctx: PlanContext, own: dict[str, Candidate],
               annealed: tuple[np.ndarray, np.ndarray, np.ndarray, bool]) -> BatchPlan:
     """The end of ``relibra``: the fastest of ``own`` and the cheap alternatives, each simulated the way
-    ``relibra compare`` / ``relibra simulate`` charge a plan (``sim.simulate_step``, moves charged against
+    ``relibra compare`` / ``relibra simulate`` charge a plan (``sim.simulate_loads`` on the plan's loads, as
+    ``sim.simulate_step`` and ``steady.evaluate_plan`` run it, moves charged against
     ``previous``, replica traffic by the one fetch rule of ``timing.replica_push_overlap``; the replicas of every
     candidate are fetched as relibra's, known from the replay).
 
     Candidates, in order (ties keep the earlier): ``own`` (relibra's plan); ``relibra-inter`` (the annealed homes
-    finished without the replication-aware migration pricing, no replicas); ``previous`` (the previous homes,
-    round-robin samples, relibra's priced replicas); the plans of ``PORTFOLIO_BASELINES`` on the same batch and
-    options (eplb-history only with option ``history``; online and lplb only with replica slots). The replay
+    finished without the replication-aware migration pricing, no replicas); the plans of ``PORTFOLIO_BASELINES``
+    on the same batch and options: eplb-history (with option ``history``), static; then ``previous`` (the previous
+    homes, round-robin samples, relibra's priced replicas) and online (with replica slots and a previous
+    placement other than static, where "previous" already dominates it), each built only when its lower bound
+    (``replicated_step_lower_bound``) is below the best step so far (else ``stats["portfolio"]["pruned"]``
+    holds the bound). The replay
     shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are
     charged as relibra's (fetched per layer, ``timing.replica_push_overlap``), never more than the baseline's own
     after-router fetch. ``annealed`` is ``anneal_inter``'s (homes, micro_batch, gpu) and the option ``node_comp``.
-    Writes ``stats["portfolio"]``: ``chosen`` and every candidate's simulated ``step_s``.
+    Writes ``stats["portfolio"]``: ``chosen``, every simulated candidate's ``step_s`` and ``pruned``. Wall seconds
+    per candidate go to ``stats["timing"]``.
     """
     L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
     prev = previous_expert_gpu(ctx.options, ctx.model, ctx.cluster)
     rr = (ctx.micro_batch, ctx.sample_gpu)
     cands: dict[str, Candidate] = dict(own)
     eg0, mb0, sg0, node_comp = annealed
-    cands["relibra-inter"] = (*finish_inter(ctx, eg0, mb0, sg0, node_comp, {}), None)
-    cands["previous"] = (prev, *rr, relibra_replicas(ctx, prev, *rr) if ctx.replica_slots else None)
-    for name in PORTFOLIO_BASELINES:
-        if name == "eplb-history" and ctx.options.history is None:
-            continue
-        if name in ("online", "lplb") and not ctx.replica_slots:
-            continue  # without replica slots: the static plan
+    timing = ctx.stats.setdefault("timing", {})
+
+    def timed(name: str, make: Callable[[], Candidate]) -> None:
+        t0 = time.perf_counter()
+        cands[name] = make()
+        timing[f"portfolio_{name}_s"] = time.perf_counter() - t0
+
+    def baseline(name: str) -> Candidate:
         bp = STRATEGIES[name](dataclasses.replace(ctx, stats={}))
-        cands[name] = (bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas)
+        return bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas
+
+    timed("relibra-inter", lambda: (*finish_inter(ctx, eg0, mb0, sg0, node_comp, {}), None))
+    static = baselines.static_placement(L, ctx.model.num_experts, G)
+    if ctx.options.history is not None:
+        timed("eplb-history", lambda: baseline("eplb-history"))
+    timed("static", lambda: baseline("static"))
     previous = Placement(prev)
+    opb = float(ctx.options.optimizer_bytes_per_param)
     steps: dict[str, float] = {}
-    for name, (eg, mb, sg, reps) in cands.items():
+    loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x): each placement once
+
+    def loads_of(mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
+        x = next((x for m, g, x in loads if np.array_equal(m, mb) and np.array_equal(g, sg)), None)
+        if x is None:
+            x = ctx.loads(mb, sg)
+            loads.append((mb, sg, x))
+        return x
+
+    def simulate(name: str) -> None:
+        t0 = time.perf_counter()
+        eg, mb, sg, reps = cands[name]
         plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M),
                          replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
                          gpus_per_node=ctx.cluster.gpus_per_node, stats={})
-        steps[name] = simulate_step(plan, ctx.batch, ctx.model, ctx.cluster, balanced=False, previous=previous,
-                                    optimizer_bytes_per_param=float(ctx.options.optimizer_bytes_per_param)).step_s
+        steps[name] = simulate_loads(plan, ctx.lengths, loads_of(mb, sg), ctx.model, ctx.cluster, previous=previous,
+                                     optimizer_bytes_per_param=opb).step_s
+        timing["portfolio_simulate_s"] = timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
+
+    for name in list(cands):
+        simulate(name)
+    # The candidates with replicas on fixed homes and round-robin samples cost a replication pass each; one whose
+    # lower bound (attention + 3 comp_lb + 2 comm_lb per cell under any intra-node replication, + its moves)
+    # already reaches the best step cannot win and is not built ("pruned": its bound).
+    pruned: dict[str, float] = {}
+    late = [("previous", prev)]
+    if ctx.replica_slots and not np.array_equal(prev, static):
+        # with the static homes as previous, "previous" is online's homes and samples with relibra's priced
+        # replicas: per cell the same greedy with 0 .. r slots, chosen by a window never shorter than online's
+        late.append(("online", static))
+    for name, homes in late:
+        bound = replicated_step_lower_bound(ctx, homes, loads_of(*rr), previous, opb)
+        if bound >= min(steps.values()) and not (name == "online" and ctx.repack):  # repack: online's own samples
+            pruned[name] = bound
+            continue
+        timed(name, (lambda: (prev, *rr, relibra_replicas(ctx, prev, *rr) if ctx.replica_slots else None))
+              if name == "previous" else (lambda: baseline("online")))
+        simulate(name)
     chosen = min(steps, key=lambda k: steps[k])  # dict order: ties keep the earlier candidate
-    ctx.stats["portfolio"] = {"chosen": chosen, "step_s": steps}
+    ctx.stats["portfolio"] = {"chosen": chosen, "step_s": steps, **({"pruned": pruned} if pruned else {})}
     eg, mb, sg, reps = cands[chosen]
     return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
+
+
+def replicated_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, x: np.ndarray, previous: Placement,
+                                optimizer_bytes_per_param: float) -> float:
+    """A lower bound (seconds) on the simulated step of any plan with homes ``expert_gpu [L, E]``, round-robin
+    samples (loads ``x [M, L, G, E]``) and any intra-node replicas: ``L sum_m (A_fwd + A_bwd)`` + ``sum_{m, l}
+    (3 comp_lb + 2 comm_lb)`` (``split.lower_bound_terms``; ``timing.moe_step_seconds``) + the re-layout from
+    ``previous`` (``sim.reorder_traffic``); replica traffic counts 0."""
+    a_fwd = attention_forward(ctx.lengths, ctx.micro_batch, ctx.sample_gpu, ctx.num_micro_batches, ctx.model,
+                              ctx.cluster)
+    comp, comm = lower_bound_terms(x, np.asarray(expert_gpu)[None], ctx.model, ctx.cluster)
+    relayout = reorder_traffic(previous, Placement(expert_gpu), ctx.model, ctx.cluster, optimizer_bytes_per_param)[0]
+    return float(ctx.model.num_layers * (a_fwd + attention_backward(a_fwd)).sum()
+                 + moe_step_seconds(comp, comm).sum() + relayout)
 
 
 def padded(replicas: ReplicaPlan | None, num_micro_batches: int, num_layers: int, num_gpus: int, slots: int
