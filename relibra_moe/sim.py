@@ -189,7 +189,7 @@ def _resolve_replica_mode(plan: BatchPlan, mode: str) -> str:
 def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
                    *, previous: Placement | None = None,
                    optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM,
-                   replica_mode: ReplicaMode = "auto") -> StepTime:
+                   replica_mode: ReplicaMode = "auto", validate: bool = True) -> StepTime:
     """Simulate one step from sequence lengths and loads (see the module docstring for the formulas).
 
     Args:
@@ -201,6 +201,8 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
         previous: placement before this batch (default: static); the re-layout moves the difference.
         optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter.
         replica_mode: "auto", "per-layer", "persistent" or "after-router" (see the module docstring).
+        validate: check the plan against the specs (``BatchPlan.validate``); False only for plans the caller
+            built and validates itself (relibra's portfolio candidates: the one it returns is validated).
     """
     G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
     lengths = np.asarray(lengths)
@@ -213,7 +215,8 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
     if x.shape != (M, L, G, E):
         raise PlanError(f"loads x has shape {x.shape}, expected [M={M}, L={L}, G={G}, E={E}] for this plan")
     check_token_counts("x", x)
-    plan.validate(model, cluster, lengths.shape[0])
+    if validate:
+        plan.validate(model, cluster, lengths.shape[0])
     check_nonnegative("optimizer_bytes_per_param", optimizer_bytes_per_param)
     if previous is not None:
         if not isinstance(previous, Placement):

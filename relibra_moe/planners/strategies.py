@@ -386,7 +386,7 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
                          replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
                          gpus_per_node=ctx.cluster.gpus_per_node, stats={})
         steps[name] = simulate_loads(plan, ctx.lengths, loads_of(mb, sg), ctx.model, ctx.cluster, previous=previous,
-                                     optimizer_bytes_per_param=opb).step_s
+                                     optimizer_bytes_per_param=opb, validate=False).step_s
         timing["portfolio_simulate_s"] = timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
 
     for name in list(cands):
