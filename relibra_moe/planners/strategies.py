@@ -370,6 +370,7 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     previous = Placement(prev)
     opb = float(ctx.options.optimizer_bytes_per_param)
     steps: dict[str, float] = {}
+    modes: dict[str, str] = {}
     loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x): each placement once
 
     def loads_of(mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
@@ -385,8 +386,9 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
         plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M),
                          replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
                          gpus_per_node=ctx.cluster.gpus_per_node, stats={})
-        steps[name] = simulate_loads(plan, ctx.lengths, loads_of(mb, sg), ctx.model, ctx.cluster, previous=previous,
-                                     optimizer_bytes_per_param=opb, validate=False).step_s
+        st = simulate_loads(plan, ctx.lengths, loads_of(mb, sg), ctx.model, ctx.cluster, previous=previous,
+                            optimizer_bytes_per_param=opb, validate=False)
+        steps[name], modes[name] = st.step_s, st.replica_mode
         timing["portfolio_simulate_s"] = timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
 
     for name in list(cands):
@@ -395,12 +397,13 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     # lower bound (attention + 3 comp_lb + 2 comm_lb per cell under any intra-node replication, + its moves)
     # already reaches the best step cannot win and is not built ("pruned": its bound).
     pruned: dict[str, float] = {}
-    late = [("previous", prev)]
-    if ctx.replica_slots and not np.array_equal(prev, static):
-        # with the static homes as previous, "previous" is online's homes and samples with relibra's priced
-        # replicas: per cell the same greedy with 0 .. r slots, chosen by a window never shorter than online's
-        late.append(("online", static))
-    for name, homes in late:
+    for name, homes in (("previous", prev), ("online", static)):
+        if name == "online" and (not ctx.replica_slots or (np.array_equal(prev, static) and not ctx.repack and (
+                "previous" in pruned or modes.get("previous") == "per-layer"))):
+            # without slots online is the static plan; with the static homes as previous, "previous" is online's
+            # homes and samples with relibra's priced replicas: per cell the same greedy with 0 .. r slots, chosen
+            # by a window never shorter than online's and charged per layer, so never slower than online
+            continue
         bound = replicated_step_lower_bound(ctx, homes, loads_of(*rr), previous, opb)
         if bound >= min(steps.values()) and not (name == "online" and ctx.repack):  # repack: online's own samples
             pruned[name] = bound
