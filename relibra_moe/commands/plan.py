@@ -88,7 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: the static placement)")
     p.add_argument("--history", action="append", default=None, metavar="TRACE.npz",
                    help="eplb-history: a past batch's trace whose expert loads EPLB re-balances on (repeat for a "
-                        "window, oldest first; default: none, the trivial layout)")
+                        "window, oldest first; default: none, the trivial layout); relibra: its portfolio then "
+                        "includes that eplb-history plan")
     p.add_argument("--migration", choices=PRICE_CHOICES, default="price",
                    help="expert moves: priced against the previous placement (default) or free (relibra*)")
     p.add_argument("--replica-pricing", choices=PRICE_CHOICES, default="price",
