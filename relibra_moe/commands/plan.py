@@ -93,7 +93,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--migration", choices=PRICE_CHOICES, default="price",
                    help="expert moves: priced against the previous placement (default) or free (relibra*)")
     p.add_argument("--replica-pricing", choices=PRICE_CHOICES, default="price",
-                   help="replica pushes / pulls not hidden behind attention: priced (default) or free (relibra)")
+                   help="replica pushes / pulls not hidden behind their window (max(attention, dispatch)): priced "
+                        "(default) or free (relibra)")
     p.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
     p.add_argument("--out", required=True, help="plan file to write (.npz)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -91,7 +91,8 @@ class PlanOptions:
             of a window of W >= 1 batches (finite, >= 0; None: no batch seen yet, the trivial layout). The
             shape against the model is checked by the strategy (``history.history_weights``).
         optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter, >= 0.
-        price_replicas: replicas must pay for their push / pull not hidden behind attention (relibra).
+        price_replicas: replicas must pay for their push / pull not hidden behind their window
+            (``timing.replica_push_overlap``; relibra).
         node_comp: replication-aware reorder cost (None: on exactly when ``skew_cap`` is set).
         skew_cap: rank-balance mode, soft cap on the node-level compute skew (fraction, >= 0; None: off).
         final_reorder: re-anneal the homes once more after the last locality pass.

@@ -30,8 +30,10 @@ the effect of packing can be measured on its own.
 Pricing what the plan moves (options, defaults on): ``migration`` (``migrate``: relabel GPUs by the fabric's
 symmetries towards the ``previous`` placement, default static, and keep a layer's previous homes where the
 new ones do not pay for their move in step time) and ``price_replicas`` (``replica_pricing``: a cell's
-replicas must pay for their push / pull not hidden behind attention). The sum of T_MoE alone charges
-neither; ``migration=False, price_replicas=False`` plan for it (bench/planners.py's cost-model rows).
+replicas must pay for their push / pull not hidden behind their window, ``timing.replica_push_overlap``).
+The sum of T_MoE alone charges neither; ``migration=False, price_replicas=False, portfolio=False,
+step_objective=False`` plan for it (bench/planners.py's cost-model rows). relibra ends with the portfolio
+(``portfolio``: docs/method.md, "The portfolio").
 
 ``stats`` hold strategy, seed, objective values and
 fallbacks; wall-clock values go under ``stats["timing"]`` / ``stats["solve_seconds"]``, which
