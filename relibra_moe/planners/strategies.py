@@ -10,7 +10,8 @@ name                      plan
 ``relibra-inter``         reorder (LPT + annealing) + sample locality (+ repacking), migration-aware
 ``lplb``                  LPLB+: EPLB+ reorder, per-micro-batch LP split over <= 1 copy per expert
 ``relibra``               relibra-inter + intra-node replication and token split (Algorithm 2), replicas
-                          priced for their exposed push / pull; ``skew_cap``: rank-balance mode
+                          priced for their exposed push / pull, then the fastest of a portfolio
+                          (``portfolio``); ``skew_cap``: rank-balance mode
 ``eplb-history``          EPLB from past batches' loads (option ``history``), as engines run it (``history``)
 ``online``                static homes + per-micro-batch replicas from the live loads, fetched after the
                           router (``online``; no replay)
