@@ -11,10 +11,11 @@ Scenarios (issue 3):
   32 micro-batches of 32 (256 prompts x 4 responses);
 - qwen3-235b-mixed-ep32: the same on qwen3-235b-a22b (94 layers), EP32 = 4 x 8.
 
-Cost-model rows price no expert re-layout, so the ReLibra rows here run with ``migration=False`` and
-``price_replicas=False`` (like every baseline, they are not charged for moving experts or replica
-traffic); the ``(priced)`` rows run the defaults, which trade some T_MoE for less traffic in the step
-(``relibra demo`` / ``relibra simulate`` charge that traffic).
+Cost-model rows price no expert re-layout, so the ReLibra rows here run with ``migration=False``,
+``price_replicas=False``, ``portfolio=False`` and ``step_objective=False`` (like every baseline, they are not
+charged for moving experts or replica traffic, and anneal T_MoE itself); the ``(priced)`` rows run the
+defaults, which trade some T_MoE for less traffic in the step (``relibra demo`` / ``relibra simulate`` charge that
+traffic).
 
 Sections imported from bench/replication.py (issue 4): ``--gap N`` the greedy-vs-MILP optimality gap on N
 random small cells, ``--solve-time`` the whole qwen3-235b-a22b relibra plan wall time.
@@ -94,7 +95,7 @@ def run_scenario(name: str, rows: list[tuple[str, str, dict]], workers: int, see
     bal_even = balanced_t_moe(batch, model, cluster, seed=seed, mode="even")
     rows = list(rows)
     if replicas:
-        free = {"migration": False, "price_replicas": False}
+        free = {"migration": False, "price_replicas": False, "portfolio": False, "step_objective": False}
         rows += [(f"EPLB+ r={replicas}", "eplb", {"replica_slots": replicas}),
                  (f"LPLB+ r={replicas}", "lplb", {"replica_slots": replicas}),
                  (f"relibra r={replicas}", "relibra", {"replica_slots": replicas, **free}),

@@ -122,9 +122,10 @@ def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
     model = model_preset("gpt-oss-20b")
     cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=4)
     batch = gpt_oss_batch(num_requests=num_requests, seed=seed).with_micro_batch_size(8)
-    # The sum of T_MoE prices no re-layout or replica traffic, so relibra runs here with migration=False and
-    # price_replicas=False (as the baselines); "(priced)" rows run the defaults (the step simulator's view).
-    free = {"migration": False, "price_replicas": False}
+    # The sum of T_MoE prices no re-layout or replica traffic, so relibra runs here with migration=False,
+    # price_replicas=False, portfolio=False and step_objective=False (as the baselines: T_MoE itself); "(priced)"
+    # rows run the defaults (the step simulator's view).
+    free = {"migration": False, "price_replicas": False, "portfolio": False, "step_objective": False}
     runs = [("balanced", "balanced", 0, {}), ("static", "static", 0, {}), ("lpt", "lpt", 0, {}),
             ("eplb", "eplb", 2, {}), ("lplb", "lplb", 2, {}), ("relibra-inter", "relibra-inter", 0, free),
             ("relibra", "relibra", 2, free), ("relibra (priced)", "relibra", 2, {})]

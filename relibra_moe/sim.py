@@ -26,9 +26,11 @@ time of a group of transfers is ``max_g max(nv_tx/B_nv, nv_rx/B_nv, rdma_tx/B_rd
 (``timing.transfer_seconds``).
 Two modes:
 
-- ``per-layer`` (the layer-shared replica buffer): the slots are refilled for every (m, l); the push
-  overlaps with that layer's attention forward and the gradient pull with its attention backward,
-  so only the excess counts: ``max(0, push[m, l] - A_fwd[m])`` and ``max(0, pull[m, l] - A_bwd[m])``.
+- ``per-layer`` (the layer-shared replica buffer, replicas known from the replay): the slots are refilled for
+  every (m, l); the push overlaps ``max(A_fwd[m], comm[m, l] / 2)`` (``timing.replica_push_overlap``: the
+  attention forward, or where the dispatch is longer the after-router window, so a replayed fetch is never
+  charged more than an after-router one) and the gradient pull the attention backward, so only the excess
+  counts: ``max(0, push[m, l] - max(A_fwd[m], comm[m, l] / 2))`` and ``max(0, pull[m, l] - A_bwd[m])``.
 - ``persistent`` (EPLB-style redundant experts that stay resident for the whole batch): every
   layer's replicas are pushed once before the first micro-batch and their gradients pulled once after
   the last: ``2 x transfer(all replicas of all layers)``, not overlapped.
@@ -116,8 +118,8 @@ class StepTime:
         moe_fwd_comp_s, moe_fwd_comm_s: ``sum max_g comp`` and ``sum max_g comm`` of the forward MoE.
         moe_bwd_comp_s, moe_bwd_comm_s: the same for the backward (2x compute, mirrored all-to-all).
         replica_push_s, replica_pull_s: per-layer replica transfers before overlap (0 when persistent).
-        replica_exposed_s: the part of the replica transfers not hidden behind attention (per-layer
-            mode) or the whole once-per-batch transfer (persistent mode).
+        replica_exposed_s: the part of the replica transfers not hidden behind their window (per-layer and
+            after-router modes) or the whole once-per-batch transfer (persistent mode).
         reorder_s: once-per-batch expert re-layout (weights + optimizer state).
         experts_moved, reorder_bytes: what the re-layout moves.
         replica_mode: "per-layer", "persistent" or "after-router".
@@ -187,7 +189,7 @@ def _resolve_replica_mode(plan: BatchPlan, mode: str) -> str:
 def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
                    *, previous: Placement | None = None,
                    optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM,
-                   replica_mode: ReplicaMode = "auto") -> StepTime:
+                   replica_mode: ReplicaMode = "auto", validate: bool = True) -> StepTime:
     """Simulate one step from sequence lengths and loads (see the module docstring for the formulas).
 
     Args:
@@ -199,6 +201,8 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
         previous: placement before this batch (default: static); the re-layout moves the difference.
         optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter.
         replica_mode: "auto", "per-layer", "persistent" or "after-router" (see the module docstring).
+        validate: check the plan against the specs (``BatchPlan.validate``); False only for plans the caller
+            built and validates itself (relibra's portfolio candidates: the one it returns is validated).
     """
     G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
     lengths = np.asarray(lengths)
@@ -211,7 +215,8 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
     if x.shape != (M, L, G, E):
         raise PlanError(f"loads x has shape {x.shape}, expected [M={M}, L={L}, G={G}, E={E}] for this plan")
     check_token_counts("x", x)
-    plan.validate(model, cluster, lengths.shape[0])
+    if validate:
+        plan.validate(model, cluster, lengths.shape[0])
     check_nonnegative("optimizer_bytes_per_param", optimizer_bytes_per_param)
     if previous is not None:
         if not isinstance(previous, Placement):

@@ -190,6 +190,7 @@ def evaluate(plan: BatchPlan, step: StepTime, solve_s: float | None = None) -> d
         "replica_mode": step.replica_mode,
         "solve_s": float(plan.stats.get("solve_seconds", float("nan")) if solve_s is None else solve_s),
         "breakdown": step.breakdown,
+        **({"portfolio": plan.stats["portfolio"]["chosen"]} if "portfolio" in plan.stats else {}),
     }
 
 

@@ -16,12 +16,17 @@ charge time through these functions; docs/method.md ("Step time") derives them.
   ``max(rdma_tx, rdma_rx) / B_rdma``, whichever is larger.
 - **Expert moves** carry weights and optimizer state: ``3 h h' (dtype_bytes + optimizer_bytes_per_param)``
   bytes, ``DEFAULT_OPTIMIZER_BYTES_PER_PARAM`` = 12 (fp32 master weights, Adam's exp_avg and exp_avg_sq).
-- **Replica transfers**: the gradient pull (same bytes as the push, other direction) hides behind the
-  attention backward; the push hides behind the forward work it overlaps, which depends on when it can start
-  (``REPLICA_FETCHES``): ``per-layer`` (replay: the plan is known before the layer runs) behind the attention
-  forward; ``after-router`` (online replication without replay: the replicas are chosen from the router's
-  output) behind the token dispatch only, half of ``max_g comm`` (dispatch and combine cost the same). Only
-  the excess is exposed.
+- **Replica transfers** (one rule, ``replica_push_overlap``, for the planners' pricing and the simulator
+  alike): the gradient pull (same bytes as the push, other direction) hides behind the attention backward;
+  the push hides behind the forward work it overlaps, which depends on when it can start
+  (``REPLICA_FETCHES``): ``after-router`` (online replication without replay: the replicas are chosen from
+  the router's output) behind the token dispatch only, half of ``max_g comm`` (dispatch and combine cost the
+  same); ``per-layer`` (replay: the plan is known before the layer runs) behind
+  ``max(attention forward, comm / 2)``: the push may start with the layer's attention, and a fetch known
+  in advance can always be issued at least as late as the router's, so it is never charged more than an
+  after-router fetch of the same bytes. The window is a max, not the sum ``A_fwd + comm / 2``: the weights
+  must have arrived before the expert GEMMs, which start when the dispatch has delivered the tokens, and the
+  dispatch shares the links the push uses. Only the excess is exposed.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from .specs import CR, NV, SR, ClusterSpec, ModelSpec
 
 __all__ = ["DEFAULT_OPTIMIZER_BYTES_PER_PARAM", "BACKWARD_FACTOR", "attention_flops", "local_stage",
            "attention_forward", "attention_backward", "moe_forward_seconds", "moe_backward_seconds",
-           "moe_step_seconds", "exposed_seconds", "REPLICA_FETCHES", "REPLICA_MODES", "replica_push_overlap",
+           "moe_step_seconds", "STEP_COMP_WEIGHT", "exposed_seconds", "REPLICA_FETCHES", "REPLICA_MODES",
+           "replica_push_overlap",
            "cell_step_seconds", "transfer_seconds", "move_bytes"]
 
 DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 12.0
@@ -102,6 +108,11 @@ def moe_step_seconds(comp: np.ndarray | float, comm: np.ndarray | float) -> np.n
     return (1.0 + BACKWARD_FACTOR) * comp + 2.0 * comm
 
 
+STEP_COMP_WEIGHT = (1.0 + BACKWARD_FACTOR) / 2.0
+"""Compute weight of the planners' step objective ``STEP_COMP_WEIGHT x max_g comp + max_g comm``: half of
+``moe_step_seconds`` (``3 comp + 2 comm``), so it ranks plans as the step's MoE time does; 1 gives T_MoE."""
+
+
 def exposed_seconds(transfer: np.ndarray | float, overlap: np.ndarray | float) -> np.ndarray | float:
     """The part of a transfer not hidden behind work it overlaps: ``max(0, transfer - overlap)`` (seconds)."""
     return np.maximum(0.0, transfer - overlap)
@@ -119,11 +130,17 @@ above, refilled per (micro-batch, layer); ``persistent`` (EPLB-style redundant e
 
 def replica_push_overlap(attn_fwd: np.ndarray | float, comm: np.ndarray | float,
                          fetch: str = "per-layer") -> np.ndarray | float:
-    """Seconds of forward work a cell's replica push hides behind (any shape, broadcast): the attention forward
-    ``attn_fwd`` (``per-layer``), or the token dispatch ``comm / 2`` (``after-router``: the push starts after the
-    router, so it cannot overlap the attention; ``comm`` is ``max_g comm``, dispatch + combine)."""
+    """Seconds of forward work a cell's replica push hides behind (any shape, broadcast): the one fetch-window
+    rule of the planners and the simulator.
+
+    ``after-router`` (the push starts after the router, so it cannot overlap the attention): the token dispatch,
+    ``comm / 2`` (``comm`` is ``max_g comm``, dispatch + combine). ``per-layer`` (replay: the replicas are known
+    before the layer runs): ``max(attn_fwd, comm / 2)``, the attention forward or, where the dispatch is longer,
+    the same window as the after-router fetch (a fetch known in advance can start at least as late as the
+    router's), so a replay-driven fetch is never charged more than an after-router one of the same bytes.
+    """
     if fetch == "per-layer":
-        return attn_fwd
+        return np.maximum(attn_fwd, 0.5 * comm)
     if fetch == "after-router":
         return 0.5 * comm
     raise PlanError(f"replica fetch {fetch!r} is not one of {REPLICA_FETCHES}")

@@ -137,7 +137,7 @@ def test_bad_inputs(setup):
         EplbSchedule(window=0)
     with pytest.raises(PlanError, match="observed loads must be"):
         EplbSchedule().observe(np.ones(3))
-    with pytest.raises(PlanError, match="only applies to strategy 'eplb-history', not 'eplb'"):
+    with pytest.raises(PlanError, match="only applies to strategy 'eplb-history' and 'relibra', not 'eplb'"):
         plan_batch(batch, model, cluster, "eplb", history=np.ones((2, 32)))
     with pytest.raises(PlanError, match=r"history must be \[L=2, E=32\]"):
         plan_batch(batch, model, cluster, "eplb-history", history=np.ones((3, 32)))
@@ -178,7 +178,8 @@ def test_cli_history_is_the_option(tmp_path, capsys):
     assert not (got.placement.expert_gpu == static_placement(24, 32, 4)).all()  # it re-balanced on the past
     capsys.readouterr()
     assert main(argv + ["--strategy", "eplb", "--history", str(past_f)]) == 1
-    assert "--history only applies to --strategy eplb-history, not --strategy eplb" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--history only applies to --strategy eplb-history and relibra, not --strategy eplb" in err
 
 
 @pytest.mark.parametrize("history, match", [

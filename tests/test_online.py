@@ -115,7 +115,10 @@ def test_after_router_mode_hand_computed():
     assert push > comm / 2, "the test needs an exposed fetch"
     assert st.replica_exposed_s == pytest.approx(expected, rel=1e-9)
     per_layer = simulate_loads(plan, lengths, x, model, cluster, replica_mode="per-layer")
-    assert per_layer.replica_exposed_s == pytest.approx(max(0.0, push - a_fwd) + max(0.0, push - 2 * a_fwd))
+    # replayed: the push hides behind max(A_fwd, comm / 2), never less than after the router
+    window = max(a_fwd, comm / 2)
+    assert per_layer.replica_exposed_s == pytest.approx(max(0.0, push - window) + max(0.0, push - 2 * a_fwd))
+    assert per_layer.replica_exposed_s <= st.replica_exposed_s
     assert st.step_s - st.replica_exposed_s == pytest.approx(per_layer.step_s - per_layer.replica_exposed_s)
     with pytest.raises(PlanError, match="after-router"):
         simulate_loads(plan, lengths, x, model, cluster, replica_mode="later")
@@ -149,9 +152,12 @@ def test_the_fetch_formula_is_timings_hand_computed():
     # the gradient pull behind the attention backward 1 -> 2 exposed
     assert cell_step_seconds(1.0, 2.0, 3.0, 0.5, fetch="after-router") == pytest.approx(11.0)
     assert online_step_seconds(1.0, 2.0, 3.0, 0.5) == pytest.approx(11.0)
-    # replayed (per-layer): the push hides behind the attention forward 0.5 -> 2.5 exposed
-    assert cell_step_seconds(1.0, 2.0, 3.0, 0.5) == pytest.approx(11.5)
-    assert replica_push_overlap(0.5, 2.0, "after-router") == 1.0 and replica_push_overlap(0.5, 2.0) == 0.5
+    # replayed (per-layer): the push hides behind max(attention forward 0.5, dispatch 1) = 1 -> 2 exposed
+    assert cell_step_seconds(1.0, 2.0, 3.0, 0.5) == pytest.approx(11.0)
+    assert replica_push_overlap(0.5, 2.0, "after-router") == 1.0 and replica_push_overlap(0.5, 2.0) == 1.0
+    # where the attention forward is the longer window (1.5 > 1), it is the one: 3 - 1.5 exposed, pull 0
+    assert cell_step_seconds(1.0, 2.0, 3.0, 1.5) == pytest.approx(7.0 + 1.5)
+    assert replica_push_overlap(1.5, 2.0) == 1.5
     with pytest.raises(PlanError, match="replica fetch 'later' is not one of"):
         replica_push_overlap(0.5, 2.0, "later")
 

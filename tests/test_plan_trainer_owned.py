@@ -108,12 +108,21 @@ def test_relibra_plans_homes_and_replicas_for_the_given_samples():
     kw = dict(sample_owner="trainer", sample_gpu=sg, replica_slots=1)
     static = score_plan(plan_batch(batch, MODEL, CLUSTER, "static", **kw), batch, MODEL, CLUSTER)
     inter = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", migration=False, **kw, **FAST)
-    rel = plan_batch(batch, MODEL, CLUSTER, "relibra", migration=False, price_replicas=False, **kw, **FAST)
+    # without the portfolio, relibra is relibra-inter's homes plus replicas, which only lower T_MoE
+    rel = plan_batch(batch, MODEL, CLUSTER, "relibra", migration=False, price_replicas=False, portfolio=False,
+                     **kw, **FAST)
     assert all(r["locality"] == {"skipped": "sample_owner=trainer"} for r in inter.stats["rounds"])
     t_inter = score_plan(inter, batch, MODEL, CLUSTER)["t_moe_total_s"]
     t_rel = score_plan(rel, batch, MODEL, CLUSTER)["t_moe_total_s"]
     assert t_inter < static["t_moe_total_s"]
     assert len(rel.replicas.split_index) > 0 and t_rel <= t_inter * (1 + 1e-9)
+    # with it (the default), the trainer's samples are kept by every candidate and the simulated step (moves
+    # charged) is never above relibra-inter's or static's
+    full = plan_batch(batch, MODEL, CLUSTER, "relibra", **kw, **FAST)
+    np.testing.assert_array_equal(full.samples.gpu, sg)
+    step = simulate_step(full, batch, MODEL, CLUSTER).step_s
+    for other in (inter, plan_batch(batch, MODEL, CLUSTER, "static", **kw)):
+        assert step <= simulate_step(other, batch, MODEL, CLUSTER).step_s * (1 + 1e-9)
 
 
 def test_migration_never_relabels_the_trainers_samples():

@@ -18,7 +18,8 @@ from relibra_moe.trace import RoutingTrace, TraceBatch
 MODEL = ModelSpec("tiny", hidden=1024, ffn=512, num_experts=8, top_k=2, num_layers=3)
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)
 # tiny cells: priced replicas would never pay for their transfers, so price_replicas=False keeps the replica path
-FAST = dict(iters=300, locality_iters=200, num_seeds=2, rounds=1, price_replicas=False)
+# (and portfolio=False keeps relibra's own plan, which the portfolio would swap for one without replicas)
+FAST = dict(iters=300, locality_iters=200, num_seeds=2, rounds=1, price_replicas=False, portfolio=False)
 
 
 def make_batch(seed=0, n=16, M=2):

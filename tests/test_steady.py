@@ -114,14 +114,20 @@ def test_previous_plan_chain_is_what_the_simulator_charges(chain, strategy):
             other = simulate_step(plan, batches[k], model, cluster, previous=None if k else prev)
             from_static = int((plan.placement.expert_gpu != static.expert_gpu).sum())
             assert other.experts_moved == from_static
-        if strategy == "relibra" and k > 0:
+        if strategy == "relibra":
+            # the portfolio's figure of the chosen candidate is the simulator's step against the same previous
+            pf = plan.stats["portfolio"]
+            assert pf["step_s"][pf["chosen"]] == pytest.approx(row["step_s"], rel=1e-12)
+            assert row["step_s"] == pytest.approx(min(pf["step_s"].values()), rel=1e-12)
+        if strategy == "relibra" and k > 0 and plan.stats["portfolio"]["chosen"] == "relibra":
             # the planner priced its moves against the same placement the simulator charges
             assert plan.stats["migration"]["moved"] == moved
+        if strategy == "relibra" and k > 0:
             # stats record the previous placement by its fingerprint (PlanOptions.strategy_options)
             assert plan.stats["options"]["previous"] == PlanOptions(previous=prev).strategy_options()["previous"]
     if strategy in ("static", "online"):
         assert all(r["experts_moved"] == 0 and r["reorder_s"] == 0.0 for r in rows)
-    if strategy in ("eplb", "relibra"):
+    if strategy == "eplb":
         assert any(r["experts_moved"] > 0 for r in rows[1:]), "the chain should exercise a move after batch 0"
 
 

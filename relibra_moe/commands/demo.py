@@ -296,7 +296,7 @@ def notes(scenarios: list[dict[str, Any]]) -> list[str]:
                        f"{sc['num_tokens']:,} tokens; the planner moves a layer only where its step-time gain pays "
                        "for the move, and the cost is per batch (paper: 1.4-2.1%).")
         if r["replica_share"] > 0.05:
-            out.append(f"{sc['name']}: replica pushes/pulls not hidden behind attention take "
+            out.append(f"{sc['name']}: replica pushes/pulls not hidden behind their window take "
                        f"{100 * r['replica_share']:.0f}% of relibra's step (expert of "
                        f"{sc['expert_mib']:.0f} MiB, short attention per layer); relibra keeps a replica set only "
                        "where its forward + backward gain pays for this exposed traffic.")

@@ -94,11 +94,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: the static placement)")
     p.add_argument("--history", action="append", default=None, metavar="TRACE.npz",
                    help="eplb-history: a past batch's trace whose expert loads EPLB re-balances on (repeat for a "
-                        "window, oldest first; default: none, the trivial layout)")
+                        "window, oldest first; default: none, the trivial layout); relibra: its portfolio then "
+                        "includes that eplb-history plan")
     p.add_argument("--migration", choices=PRICE_CHOICES, default="price",
                    help="expert moves: priced against the previous placement (default) or free (relibra*)")
     p.add_argument("--replica-pricing", choices=PRICE_CHOICES, default="price",
-                   help="replica pushes / pulls not hidden behind attention: priced (default) or free (relibra)")
+                   help="replica pushes / pulls not hidden behind their window (max(attention, dispatch)): priced "
+                        "(default) or free (relibra)")
     p.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
     p.add_argument("--out", required=True, help="plan file to write (.npz)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -52,8 +52,10 @@ def flows_from_samples(cf: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.n
     return out
 
 
-def _exact_total(cf, mb, sg, M, model, cluster) -> float:
-    return float(cost_from_flow(flows_from_samples(cf, mb, sg, M, cluster.num_gpus), model, cluster).t_moe.sum())
+def _exact_total(cf, mb, sg, M, model, cluster, comp_weight: float = 1.0) -> float:
+    """Sum over cells of ``comp_weight x max_g comp + max_g comm`` (seconds; 1: the sum of T_MoE)."""
+    c = cost_from_flow(flows_from_samples(cf, mb, sg, M, cluster.num_gpus), model, cluster)
+    return float((comp_weight * c.comp.max(axis=-1, initial=0.0) + c.comm.max(axis=-1, initial=0.0)).sum())
 
 
 def attention_caps(lengths: np.ndarray, num_cells: int, tol: float) -> tuple[float, float]:
@@ -76,7 +78,8 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
                     expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, num_micro_batches: int | None
                     = None, repack: bool = False, token_cap: int | None = None, tol: float = 0.05, seed: int = 0,
                     iters: int | None = None, beta: float = DEFAULT_BETA, t0_frac: float = 0.002,
-                    eps_frac: float = 1e-6, smooth: bool = False, keep_cell_sizes: bool = False
+                    eps_frac: float = 1e-6, smooth: bool = False, keep_cell_sizes: bool = False,
+                    comp_weight: float = 1.0
                     ) -> tuple[np.ndarray, np.ndarray, dict]:
     """Anneal sample -> GPU (and with ``repack`` sample -> micro-batch) for frozen expert homes.
 
@@ -93,6 +96,8 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
         keep_cell_sizes: swaps only, so every (micro-batch, GPU) cell keeps its number of samples (what a
             trainer with a fixed per-rank micro-batch size needs to follow the plan; ``sample_order``). Not
             with ``token_cap`` (its moves change the micro-batches' sample counts).
+        comp_weight: weight of the compute term (``reorder.cluster_constants``): 1 anneals the sum of T_MoE,
+            ``timing.STEP_COMP_WEIGHT`` the step's 3 comp + 2 comm (halved).
 
     Returns:
         (micro_batch int64 [N], sample_gpu int64 [N], info) with info ``objective_start`` / ``objective``
@@ -129,19 +134,19 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
                         f"E={model.num_experts}]")
     check_index_range("expert_gpu", expert_gpu, 0, G)
     cf = sample_flows(counts, expert_gpu, G)
-    start = _exact_total(cf, mb0, sg0, M, model, cluster)
+    start = _exact_total(cf, mb0, sg0, M, model, cluster, comp_weight)
     info = {"objective_start": start, "objective": start, "repack": bool(repack)}
     if N < 2:
         return mb0.copy(), sg0.copy(), info
     if iters is None:
         iters = default_locality_iters(N, model.num_layers, G, repack)
     cap1, cap2 = attention_caps(lengths, M * G, tol)
-    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
+    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster, comp_weight)
     mb, sg, _, _ = _kernels.anneal_samples(
         cf, lengths, lengths * lengths, mb0, sg0, M, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth), bool(repack),
         cap1, cap2, float(token_cap or 0), float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF,
         bool(keep_cell_sizes))
-    obj = _exact_total(cf, mb, sg, M, model, cluster)
+    obj = _exact_total(cf, mb, sg, M, model, cluster, comp_weight)
     if obj < start:
         info["objective"] = obj
         return mb, sg, info

@@ -22,7 +22,7 @@ import numpy as np
 from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..plan import Placement
-from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
+from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, STEP_COMP_WEIGHT
 from ..validate import (
     check_choice,
     check_int,
@@ -51,10 +51,11 @@ REPLICA_STRATEGIES = ("eplb", "lplb", "relibra", "eplb-history", "online")
 """The strategies that place replicas (read ``replica_slots``)."""
 RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
 """The ReLibra strategies: reorder + locality (+ replication); they read ``skew_cap`` / ``node_comp``."""
-HISTORY_STRATEGIES = ("eplb-history",)
+HISTORY_STRATEGIES = ("eplb-history", "relibra")
 """The strategies that plan from past batches' loads (read ``history``)."""
 
-_BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "keep_cell_sizes")
+_BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "keep_cell_sizes", "portfolio",
+          "step_objective")
 _OPTIONAL_BOOLS = ("node_comp", "smooth")
 
 
@@ -94,7 +95,8 @@ class PlanOptions:
             of a window of W >= 1 batches (finite, >= 0; None: no batch seen yet, the trivial layout). The
             shape against the model is checked by the strategy (``history.history_weights``).
         optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter, >= 0.
-        price_replicas: replicas must pay for their push / pull not hidden behind attention (relibra).
+        price_replicas: replicas must pay for their push / pull not hidden behind their window
+            (``timing.replica_push_overlap``; relibra).
         node_comp: replication-aware reorder cost (None: on exactly when ``skew_cap`` is set).
         skew_cap: rank-balance mode, soft cap on the node-level compute skew (fraction, >= 0; None: off).
         final_reorder: re-anneal the homes once more after the last locality pass.
@@ -112,6 +114,10 @@ class PlanOptions:
         sample_gpu: with ``sample_owner="trainer"``, the trainer's rank of every sample, int ``[N]`` in ``[0, G)``
             (None: ``plan.round_robin_gpus`` of the micro-batches, what a trainer that does not reorder does);
             must be None with "planner". Length and range are checked against the batch when planning.
+        step_objective: relibra*'s reorder and locality anneal the simulated step's MoE weighting,
+            ``timing.STEP_COMP_WEIGHT x comp + comm`` (3 comp + 2 comm, halved); False: T_MoE (comp + comm).
+        portfolio: relibra ends with a portfolio (its plan, the previous homes with replicas, relibra-inter and the
+            cheap baselines, each simulated with the moves charged against ``previous``; the fastest wins).
     """
 
     replica_slots: int = 0
@@ -144,6 +150,8 @@ class PlanOptions:
     sample_owner: str = "planner"
     sample_gpu: Any = None
     keep_cell_sizes: bool = False
+    portfolio: bool = True
+    step_objective: bool = True
 
     def __post_init__(self) -> None:
         check_int("replica_slots", self.replica_slots, 0)
@@ -215,6 +223,11 @@ class PlanOptions:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ derived values
+    @property
+    def comp_weight(self) -> float:
+        """Compute weight of relibra*'s reorder and locality objectives (``step_objective``)."""
+        return STEP_COMP_WEIGHT if self.step_objective else 1.0
+
     @property
     def rank_balance(self) -> tuple[bool, float | None]:
         """``(node_comp, skew_cap)`` of the reorder: node_comp defaults to "on exactly when skew_cap is set"."""

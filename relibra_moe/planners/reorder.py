@@ -32,18 +32,21 @@ from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 OBJECTIVES = ("batch", "aggregate")
 
 
-def cluster_constants(model: ModelSpec, cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, float, float, float]:
+def cluster_constants(model: ModelSpec, cluster: ClusterSpec, comp_weight: float = 1.0
+                      ) -> tuple[np.ndarray, np.ndarray, float, float, float]:
     """``(nvm [G, G], rdm [G, G], cc, tnv, trd)`` for the numba kernels.
 
     nvm / rdm: float64 masks of source -> target pairs carried by NVLink ({nv, cr}) / RDMA ({sr, cr});
-    cc: seconds of expert compute per (token, expert) pair; tnv / trd: seconds per pair on NVLink / RDMA (the
-    dispatcher's copies per pair included), all from ``ClusterSpec.rates``.
+    cc: seconds of expert compute per (token, expert) pair, times ``comp_weight`` (1: the kernels' objective is
+    T_MoE = comp + comm; ``timing.STEP_COMP_WEIGHT``: the step's 3 comp + 2 comm, halved); tnv / trd: seconds
+    per pair on NVLink / RDMA (the dispatcher's copies per pair included), all from ``ClusterSpec.rates``.
     """
     cls = cluster.link_classes
     nvm = ((cls == NV) | (cls == CR)).astype(np.float64)
     rdm = ((cls == SR) | (cls == CR)).astype(np.float64)
     r = cluster.rates(model)
-    return nvm, rdm, float(r.sec_per_pair), float(r.nvlink_sec_per_pair), float(r.rdma_sec_per_pair)
+    return (nvm, rdm, float(comp_weight * r.sec_per_pair), float(r.nvlink_sec_per_pair),
+            float(r.rdma_sec_per_pair))
 
 
 def lpt_placement(expert_load: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -90,7 +93,7 @@ def _as_layer_loads(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec)
 
 
 def batch_cost(x_layer: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
-               node_comp: bool = False, skew_cap: float | None = None) -> float:
+               node_comp: bool = False, skew_cap: float | None = None, comp_weight: float = 1.0) -> float:
     """Exact batch cost of one layer: sum over micro-batches of T_MoE (seconds) for ``x_layer [M, G, E]``.
 
     Computed by the numba evaluator (the same formulas as ``cost.moe_cost``; the tests check they agree).
@@ -98,13 +101,14 @@ def batch_cost(x_layer: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cl
     (``cc max_n mean_{g in n} load[g]``) instead of the busiest GPU's: what intra-node replicas can level
     the compute down to (used when replication follows the reorder). ``skew_cap`` (with ``node_comp``): a
     soft cap on that node-level compute skew: each micro-batch's compute term gains
-    ``SKEW_PENALTY x max(0, node max - (1 + skew_cap) x GPU mean)``.
+    ``SKEW_PENALTY x max(0, node max - (1 + skew_cap) x GPU mean)``. ``comp_weight``: the compute term's weight
+    (``cluster_constants``; ``timing.STEP_COMP_WEIGHT`` ranks as the simulated step's MoE time).
     """
     x = _as_layer_loads(x_layer, model, cluster)
     eg = np.asarray(expert_gpu, dtype=np.int64)
     if eg.shape != (model.num_experts,) or eg.min() < 0 or eg.max() >= cluster.num_gpus:
         raise PlanError(f"expert_gpu must be [E={model.num_experts}] GPUs in [0, {cluster.num_gpus}), got {eg}")
-    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
+    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster, comp_weight)
     return float(_kernels.batch_objective_exact(x, eg, nvm, rdm, cc, tnv, trd, *_comp_model(cluster, node_comp,
                                                                                                skew_cap)))
 
@@ -173,7 +177,7 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
                  init: np.ndarray | None = None, objective: str = "batch", beta: float = DEFAULT_BETA,
                  iters: int | None = None, t0_frac: float = 0.005, eps_frac: float = 1e-5,
                  smooth: bool | None = None, node_comp: bool = False,
-                 skew_cap: float | None = None) -> tuple[np.ndarray, float]:
+                 skew_cap: float | None = None, comp_weight: float = 1.0) -> tuple[np.ndarray, float]:
     """Anneal the expert homes of one layer from ``init`` (default: LPT on the layer's expert loads).
 
     Args:
@@ -187,6 +191,7 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
         iters: proposals (default ``default_iters``); t0_frac / eps_frac: start / end temperature as
             fractions of the starting objective (geometric cooling in between).
         node_comp, skew_cap: anneal on (and return) the replication-aware cost of ``batch_cost``.
+        comp_weight: weight of the compute term (``batch_cost``).
 
     Returns:
         (int64 ``[E]`` home GPU of each expert, exact batch cost in seconds = sum over micro-batches of
@@ -207,22 +212,22 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
     check_positive("beta", beta)
     if smooth is None:
         smooth = objective == "aggregate"
-    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster)
+    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster, comp_weight)
     xa = x if objective == "batch" else np.ascontiguousarray(x.sum(axis=0)[None])
     best, obj, _ = _kernels.anneal_experts(xa, init, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth),
                                            float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF,
                                            *_comp_model(cluster, node_comp, skew_cap))
     if objective == "batch" and not smooth:
         return best, float(obj)  # the kernel's objective is already the exact batch cost
-    return best, batch_cost(x, best, model, cluster, node_comp, skew_cap)
+    return best, batch_cost(x, best, model, cluster, node_comp, skew_cap, comp_weight)
 
 
 def better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
-                  layer: int, skew_cap: float | None = None) -> np.ndarray:
+                  layer: int, skew_cap: float | None = None, comp_weight: float = 1.0) -> np.ndarray:
     """The better of ``lpt`` (any start) and ``node_balanced_start`` under the replication-aware batch cost."""
     nb = node_balanced_start(x_layer, cluster, seed=layer_seeds(seed, 1, layer)[0])
-    if batch_cost(x_layer, nb, model, cluster, True, skew_cap) < batch_cost(x_layer, lpt, model, cluster, True,
-                                                                              skew_cap):
+    if batch_cost(x_layer, nb, model, cluster, True, skew_cap, comp_weight) < \
+            batch_cost(x_layer, lpt, model, cluster, True, skew_cap, comp_weight):
         return nb
     return lpt
 
@@ -245,7 +250,8 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
             eps_frac: float = 1e-5, smooth: bool | None = None,
             layers: Sequence[int] | None = None, node_comp: bool = False,
             skew_cap: float | None = None, executor: TaskExecutor | None = None,
-            fallback: np.ndarray | None = None, fallbacks: FallbackLog | None = None) -> tuple[np.ndarray, dict]:
+            fallback: np.ndarray | None = None, fallbacks: FallbackLog | None = None,
+            comp_weight: float = 1.0) -> tuple[np.ndarray, dict]:
     """Algorithm 1 on every layer: LPT start, ``num_seeds`` annealing runs, best by exact batch cost.
 
     Args:
@@ -261,6 +267,7 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         executor: runs the layer x seed tasks (``executor.TaskExecutor``; default ``default_executor(workers)``).
         fallback: ``[L, E]`` homes a layer keeps when none of its tasks finished (default: its start).
         fallbacks: records those layers (``FallbackLog.reorder``).
+        comp_weight: weight of the compute term of every cost (``batch_cost``; 1: T_MoE).
 
     Returns:
         (int64 ``[L, E]`` homes, info dict with ``objective_start`` / ``objective`` = exact sum of
@@ -286,16 +293,18 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         if start.shape != (L, E):
             raise PlanError(f"init has shape {start.shape}, expected [L={L}, E={E}]")
     if node_comp and cluster.nodes > 1:
-        start = np.stack([better_start(xl[l], start[l], model, cluster, seed, l, skew_cap) for l in range(L)])
+        start = np.stack([better_start(xl[l], start[l], model, cluster, seed, l, skew_cap, comp_weight)
+                          for l in range(L)])
     if num_seeds is None:
         num_seeds = max(1, executor.workers)
     if iters is None:
         iters = default_iters(E, G, M if objective == "batch" else 1, L)
     kw = dict(objective=objective, beta=beta, iters=iters, t0_frac=t0_frac, eps_frac=eps_frac, smooth=smooth,
-              node_comp=node_comp, skew_cap=skew_cap)
+              node_comp=node_comp, skew_cap=skew_cap, comp_weight=comp_weight)
     todo = list(range(L)) if layers is None else [int(l) for l in layers]
     best = start.copy()
-    best_obj = np.array([batch_cost(xl[l], start[l], model, cluster, node_comp, skew_cap) for l in range(L)])
+    best_obj = np.array([batch_cost(xl[l], start[l], model, cluster, node_comp, skew_cap, comp_weight)
+                         for l in range(L)])
     obj_start = float(best_obj.sum())
     keys = [("reorder", (l, s)) for l in todo for s in layer_seeds(seed, num_seeds, l)]
     results = executor.map(anneal_layer_task, [(xl[l], model, cluster, s, start[l], kw) for _, (l, s) in keys], keys)
@@ -311,7 +320,7 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
     for l in sorted(set(todo) - done):  # no seed of the layer finished: keep the fallback homes
         if fallback is not None:
             best[l] = np.asarray(fallback, dtype=np.int64)[l]
-            best_obj[l] = batch_cost(xl[l], best[l], model, cluster, node_comp, skew_cap)
+            best_obj[l] = batch_cost(xl[l], best[l], model, cluster, node_comp, skew_cap, comp_weight)
         if fallbacks is not None:
             fallbacks.reorder.append(int(l))
     info = {"objective_name": objective, "objective_start": obj_start, "objective": float(best_obj.sum()),

@@ -34,7 +34,7 @@ from ..cost import cost_from_flow, moe_cost
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
-from ..timing import cell_step_seconds, transfer_seconds
+from ..timing import attention_backward, cell_step_seconds, replica_push_overlap, transfer_seconds
 from ..validate import check_int
 from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 from .split import (
@@ -356,8 +356,9 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     """Greedy replication + token split of one cell (Algorithm 2), priced for its replica traffic.
 
     Without ``attn_fwd`` this is ``replicate_cell_greedy``. With ``attn_fwd`` (seconds of the micro-batch's
-    attention forward, which the per-layer replica push overlaps; the gradient pull overlaps the 2x longer
-    backward), a replica set whose transfers are not hidden is accepted only where it pays: the greedy is
+    attention forward; the per-layer replica push overlaps ``timing.replica_push_overlap(attn_fwd, comm)`` =
+    ``max(attn_fwd, comm / 2)``, the gradient pull the backward), a replica set whose transfers are not hidden
+    is accepted only where it pays: the greedy is
     re-run with 0 .. r slots per GPU and the result with the lowest ``timing.cell_step_seconds`` (forward + backward
     MoE time + exposed transfers) wins; ties keep more replicas.
     """
@@ -367,8 +368,8 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     x = np.ascontiguousarray(x, dtype=np.float64)
     eg = np.ascontiguousarray(expert_gpu, dtype=np.int64)
     comp, comm, push = cell_step_terms(x, eg, res, model, cluster)
-    if push <= attn_fwd:
-        return res  # fully hidden: nothing to trade
+    if push <= replica_push_overlap(attn_fwd, comm) and push <= attention_backward(attn_fwd):
+        return res  # push and gradient pull fully hidden: nothing to trade
     best, best_t = res, cell_step_seconds(comp, comm, push, attn_fwd)
     for c in range(slots - 1, -1, -1):
         if c == 0:

@@ -414,6 +414,26 @@ def lower_bound(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster
     return float((comp + w.w_rdma * max(tx, rx)) * w.sec_per_token)
 
 
+def lower_bound_terms(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """``(comp_lb, comm_lb)`` seconds ``[...]``: the two terms of ``lower_bound`` apart, for cells ``x [..., G, E]``
+    with homes ``expert_gpu [..., E]`` (broadcast over the leading axes), so that a weighted sum such as the
+    step's ``3 comp + 2 comm`` can be bounded too: ``max_g comp >= comp_lb`` and ``max_g comm >= comm_lb`` under
+    any intra-node replication and split."""
+    x = np.asarray(x, dtype=np.float64)
+    eg = np.broadcast_to(np.asarray(expert_gpu, dtype=np.int64), x.shape[:-2] + x.shape[-1:])
+    G, P = cluster.num_gpus, cluster.gpus_per_node
+    w = cell_weights(model, cluster)
+    nodes = G // P
+    onehot = (eg[..., None] // P == np.arange(nodes)).astype(np.float64)  # [..., E, nodes]
+    xn = x @ onehot  # [..., G, nodes]: tokens of source j for experts homed in node n
+    comp = xn.sum(axis=-2).max(axis=-1) / P
+    remote = xn * (np.arange(G)[:, None] // P != np.arange(nodes)[None, :])
+    tx = remote.sum(axis=-1).max(axis=-1)
+    rx = remote.sum(axis=-2).max(axis=-1) / P
+    return comp * w.sec_per_token, w.w_rdma * np.maximum(tx, rx) * w.sec_per_token
+
+
 # ----------------------------------------------------------------------------------------------
 # exact LP
 # ----------------------------------------------------------------------------------------------

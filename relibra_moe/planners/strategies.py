@@ -10,7 +10,8 @@ name                      plan
 ``relibra-inter``         reorder (LPT + annealing) + sample locality (+ repacking), migration-aware
 ``lplb``                  LPLB+: EPLB+ reorder, per-micro-batch LP split over <= 1 copy per expert
 ``relibra``               relibra-inter + intra-node replication and token split (Algorithm 2), replicas
-                          priced for their exposed push / pull; ``skew_cap``: rank-balance mode
+                          priced for their exposed push / pull, then the fastest of a portfolio
+                          (``portfolio``); ``skew_cap``: rank-balance mode
 ``eplb-history``          EPLB from past batches' loads (option ``history``), as engines run it (``history``)
 ``online``                static homes + per-micro-batch replicas from the live loads, fetched after the
                           router (``online``; no replay)
@@ -30,8 +31,10 @@ the effect of packing can be measured on its own.
 Pricing what the plan moves (options, defaults on): ``migration`` (``migrate``: relabel GPUs by the fabric's
 symmetries towards the ``previous`` placement, default static, and keep a layer's previous homes where the
 new ones do not pay for their move in step time) and ``price_replicas`` (``replica_pricing``: a cell's
-replicas must pay for their push / pull not hidden behind attention). The sum of T_MoE alone charges
-neither; ``migration=False, price_replicas=False`` plan for it (bench/planners.py's cost-model rows).
+replicas must pay for their push / pull not hidden behind their window, ``timing.replica_push_overlap``).
+The sum of T_MoE alone charges neither; ``migration=False, price_replicas=False, portfolio=False,
+step_objective=False`` plan for it (bench/planners.py's cost-model rows). relibra ends with the portfolio
+(``portfolio``: docs/method.md, "The portfolio").
 
 ``stats`` hold strategy, seed, objective values and
 fallbacks; wall-clock values go under ``stats["timing"]`` / ``stats["solve_seconds"]``, which
@@ -40,6 +43,7 @@ fallbacks; wall-clock values go under ``stats["timing"]`` / ``stats["solve_secon
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,9 +52,10 @@ import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import batch_sha1, check_batch_type, placement_loads
-from ..plan import BatchPlan, Placement, SamplePlacement, max_replica_slots
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, max_replica_slots
+from ..sim import reorder_traffic, simulate_loads
 from ..specs import ClusterSpec, ModelSpec
-from ..timing import attention_forward
+from ..timing import attention_backward, attention_forward, moe_step_seconds
 from ..trace import TraceBatch
 from . import baselines
 from .context import (
@@ -71,6 +76,7 @@ from .online import strategy_online
 from .options import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, PlanOptions
 from .reorder import default_iters, lpt_placement, reorder
 from .replicate import replicate_batch
+from .split import lower_bound_terms
 
 __all__ = ["STRATEGIES", "COMPARED_STRATEGIES", "REPACK_COMPARED", "REPLICA_STRATEGIES", "RELIBRA_STRATEGIES",
            "PlanContext", "make_context", "run_strategy", "plan_batch", "plan_with_options", "relibra_inter",
@@ -124,6 +130,14 @@ def locality_task(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.ndarr
 
 
 def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """relibra-inter's plan: ``anneal_inter`` (reorder + locality rounds) then ``finish_inter`` (migration
+    pricing, with ``node_comp`` or ``replicated``, and locality for the final homes). Returns (homes [L, E],
+    micro_batch [N], gpu [N]), int64."""
+    eg, mb, sg = anneal_inter(ctx)
+    return finish_inter(ctx, eg, mb, sg, ctx.options.rank_balance[0] or replicated, ctx.stats)
+
+
+def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reorder + locality (+ repacking), ``rounds`` times: returns (homes [L, E], micro_batch [N], gpu [N]).
 
     The one planning loop: ``plan_batch`` and the ``Planner`` service both run it, on ``ctx.executor``.
@@ -140,10 +154,10 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     Option ``final_reorder`` re-anneals the homes once more after the last
     locality pass (useful with ``repack``), with ``final_iters`` proposals.
 
-    ``replicated``: replicas follow (relibra with r > 0), so the migration pricing judges each layer's move
-    by the replication-aware step estimate (compute levelled inside each node), whatever the reorder's
-    objective: without it, a move looks worth its traffic for compute imbalance that the replicas would
-    remove anyway (BENCHMARKS.md, "Planner defaults").
+    ``finish_inter``'s ``node_comp`` (``replicated`` in ``relibra_inter``: replicas follow, relibra with r > 0):
+    the migration pricing judges each layer's move by the replication-aware step estimate (compute levelled
+    inside each node), whatever the reorder's objective: without it, a move looks worth its traffic for compute
+    imbalance that the replicas would remove anyway (BENCHMARKS.md, "Planner defaults").
 
     Fallbacks (a task the executor reports as ``TaskFailed``): a reorder layer keeps ``ctx.fallback_expert_gpu``
     (else its start), a locality pass keeps the samples where they are; both go to ``ctx.fallbacks``. Past
@@ -166,7 +180,7 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     num_seeds = max(1, ctx.executor.workers) if o.num_seeds is None else o.num_seeds
     reorder_kw = dict(num_seeds=num_seeds, executor=ctx.executor, objective=o.objective, beta=o.beta,
                       smooth=o.smooth, node_comp=node_comp, skew_cap=skew_cap, fallback=ctx.fallback_expert_gpu,
-                      fallbacks=ctx.fallbacks)
+                      fallbacks=ctx.fallbacks, comp_weight=o.comp_weight)
     for rnd in range(rounds):
         t0 = time.perf_counter()
         eg, rinfo = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, seed=ctx.seed + rnd, init=eg, iters=iters,
@@ -178,7 +192,7 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
             continue
         lkw = dict(num_micro_batches=ctx.num_micro_batches, repack=ctx.repack, token_cap=o.token_cap, tol=o.tol,
                    seed=ctx.seed + rnd, iters=loc_iters, beta=o.beta, smooth=o.locality_smooth,
-                   keep_cell_sizes=o.keep_cell_sizes)
+                   keep_cell_sizes=o.keep_cell_sizes, comp_weight=o.comp_weight)
         (res,) = ctx.executor.map(locality_task, [(ctx.counts, ctx.lengths, mb, sg, eg, ctx.model, ctx.cluster, lkw)],
                                   [("locality", rnd)])
         if isinstance(res, TaskFailed):
@@ -196,12 +210,69 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
                                                  init=eg, iters=o.final_iters_for(iters), **reorder_kw)
         timing["reorder_s_final"] = time.perf_counter() - t0
     ctx.stats["rounds"] = objectives
+    return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
+
+
+def samples_fixed(ctx: PlanContext) -> bool:
+    """Whether the samples' GPUs are fixed by the caller (a trainer-owned sample placement, ``sample_owner=
+    "trainer"``), so that no pass may move a sample."""
+    return bool(ctx.trainer_owned)
+
+
+def finish_inter(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
+                 node_comp: bool, stats: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The end of relibra-inter for annealed homes ``[L, E]`` and samples ``[N]``: ``migrate``, then, where the
+    migration pricing put some layers back on their previous homes, the sample placement re-annealed for the
+    homes actually used (``relocate``). Writes ``stats["migration"]`` (and ``stats["relocate"]``); returns
+    (homes [L, E], micro_batch [N], gpu [N]), int64."""
+    o = ctx.options
+    timing = ctx.stats.setdefault("timing", {})
     t0 = time.perf_counter()
     mo = o.replace(migration=False) if ctx.executor.expired else o  # past the deadline: the fallbacks stand
-    eg, sg, ctx.stats["migration"] = migrate(eg, mb, sg, ctx.batch, ctx.num_micro_batches, ctx.model, ctx.cluster,
-                                             mo, node_comp or replicated, samples_fixed=ctx.trainer_owned)
-    timing["migration_s"] = time.perf_counter() - t0
+    eg, sg, info = migrate(expert_gpu, micro_batch, sample_gpu, ctx.batch, ctx.num_micro_batches, ctx.model,
+                           ctx.cluster, mo, node_comp, samples_fixed=samples_fixed(ctx))
+    stats["migration"] = info
+    timing["migration_s"] = timing.get("migration_s", 0.0) + time.perf_counter() - t0
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    if info.get("enabled") and not ctx.executor.expired and not samples_fixed(ctx):
+        perm = np.asarray(info["relabel"], dtype=np.int64)
+        if (eg != perm[np.asarray(expert_gpu, dtype=np.int64)]).any():
+            t0 = time.perf_counter()
+            mb, sg, stats["relocate"] = relocate(ctx, eg, mb, sg)
+            timing["relocate_s"] = timing.get("relocate_s", 0.0) + time.perf_counter() - t0
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
+
+
+def relocate(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Sample locality for the final homes ``expert_gpu [L, E]``: one locality pass from the given samples (the
+    annealed ones, permuted with the homes by the migration's relabelling) and one from the round-robin start;
+    the lower exact objective wins (ties: the given samples). Returns (micro_batch [N], gpu [N], info)."""
+    o = ctx.options
+    iters = o.locality_iters
+    if iters is None:
+        iters = max(default_locality_iters(len(ctx.lengths), ctx.model.num_layers, ctx.cluster.num_gpus,
+                                           ctx.repack) // o.rounds, 100)
+    lkw = dict(num_micro_batches=ctx.num_micro_batches, repack=ctx.repack, token_cap=o.token_cap, tol=o.tol,
+               seed=ctx.seed + o.rounds + 1, iters=iters, beta=o.beta, smooth=o.locality_smooth,
+               keep_cell_sizes=o.keep_cell_sizes, comp_weight=o.comp_weight)
+    starts = [("annealed", micro_batch, sample_gpu), ("round-robin", ctx.micro_batch, ctx.sample_gpu)]
+    args = [(ctx.counts, ctx.lengths, m, g, expert_gpu, ctx.model, ctx.cluster, lkw) for _, m, g in starts]
+    res = ctx.executor.map(locality_task, args, [("locality", ("relocate", n)) for n, _, _ in starts])
+    best: tuple[np.ndarray, np.ndarray] = (micro_batch, sample_gpu)
+    best_obj, chosen = np.inf, "annealed"
+    info: dict[str, Any] = {}
+    for (name, _, _), r in zip(starts, res):
+        if isinstance(r, TaskFailed):
+            ctx.fallbacks.locality += 1
+            info[name] = {"fallback": r.reason}
+            continue
+        rm, rg, li = r
+        info[name] = li["objective"]
+        if li["objective"] < best_obj:
+            best, best_obj, chosen = (rm, rg), li["objective"], name
+    info["chosen"] = chosen
+    return best[0], best[1], info
 
 
 def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, batch: TraceBatch,
@@ -257,18 +328,161 @@ def strategy_relibra_inter(ctx: PlanContext) -> BatchPlan:
 def strategy_relibra(ctx: PlanContext) -> BatchPlan:
     """relibra-inter's reorder and locality (its migration pricing aware that replicas follow), then Algorithm 2
     per micro-batch and layer on ``ctx.executor``, replicas priced for their exposed push / pull
-    (``replica_pricing``). Replication only lowers each cell's T_MoE, so without migration pricing the plan is
-    relibra-inter's plus replicas, never slower; ``skew_cap`` asks for rank-level balance instead."""
-    eg, mb, sg = relibra_inter(ctx, replicated=ctx.replica_slots > 0)
-    placement = Placement(eg)
-    samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
+    (``replica_pricing``), then the portfolio (``portfolio``, option ``portfolio``): the fastest of this plan and
+    the cheap alternatives under the simulator's step, so relibra is never slower than static, online or (with
+    ``history``) eplb-history on the same evaluation. ``skew_cap`` asks for rank-level balance instead."""
+    eg0, mb0, sg0 = anneal_inter(ctx)
+    node_comp = ctx.options.rank_balance[0]
+    eg, mb, sg = finish_inter(ctx, eg0, mb0, sg0, node_comp or ctx.replica_slots > 0, ctx.stats)
     t0 = time.perf_counter()
-    replicas = replicate_batch(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster, ctx.replica_slots,
-                               attn_fwd=replica_pricing(ctx.options, ctx.lengths, samples, ctx.model, ctx.cluster),
-                               executor=ctx.executor, cell_chunk=ctx.options.cell_chunk, fallbacks=ctx.fallbacks,
-                               **dict(ctx.options.replicate))
+    replicas = relibra_replicas(ctx, eg, mb, sg)
     ctx.stats.setdefault("timing", {})["replicate_s"] = time.perf_counter() - t0
-    return make_plan(ctx, eg, mb, sg, replicas)
+    if not ctx.options.portfolio or ctx.executor.expired:
+        return make_plan(ctx, eg, mb, sg, replicas)
+    t0 = time.perf_counter()
+    plan = portfolio(ctx, {"relibra": (eg, mb, sg, replicas)}, (eg0, mb0, sg0, node_comp))
+    ctx.stats["timing"]["portfolio_s"] = time.perf_counter() - t0
+    return plan
+
+
+def relibra_replicas(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
+                     ) -> ReplicaPlan:
+    """Algorithm 2 per micro-batch and layer for homes ``[L, E]`` and samples ``[N]``, on ``ctx.executor``, priced
+    with ``replica_pricing`` (the one fetch window of ``timing.replica_push_overlap``)."""
+    samples = SamplePlacement(micro_batch, sample_gpu, ctx.num_micro_batches)
+    return replicate_batch(Placement(expert_gpu), samples, ctx.batch_for(micro_batch), ctx.model, ctx.cluster,
+                           ctx.replica_slots,
+                           attn_fwd=replica_pricing(ctx.options, ctx.lengths, samples, ctx.model, ctx.cluster),
+                           executor=ctx.executor, cell_chunk=ctx.options.cell_chunk, fallbacks=ctx.fallbacks,
+                           **dict(ctx.options.replicate))
+
+
+PORTFOLIO_BASELINES = ("static", "online", "eplb-history")
+"""The baselines whose plans relibra's portfolio also simulates (``portfolio``). eplb and lplb (EPLB+ / LPLB+,
+re-planned from scratch, moves not priced) are left out: they never came near relibra on the never-lose grid
+(BENCHMARKS.md, "Never lose"), and lplb's LP splits cost ~10x relibra's whole plan on the paper-scale batch."""
+
+Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]
+"""A portfolio candidate: (homes [L, E], micro_batch [N], gpu [N], replicas or None)."""
+
+
+def portfolio(ctx: PlanContext, own: dict[str, Candidate],
+              annealed: tuple[np.ndarray, np.ndarray, np.ndarray, bool]) -> BatchPlan:
+    """The end of ``relibra``: the fastest of ``own`` and the cheap alternatives, each simulated the way
+    ``relibra compare`` / ``relibra simulate`` charge a plan (``sim.simulate_loads`` on the plan's loads, as
+    ``sim.simulate_step`` and ``steady.evaluate_plan`` run it, moves charged against
+    ``previous``, replica traffic by the one fetch rule of ``timing.replica_push_overlap``; the replicas of every
+    candidate are fetched as relibra's, known from the replay).
+
+    Candidates, in order (ties keep the earlier): ``own`` (relibra's plan); ``relibra-inter`` (the annealed homes
+    finished without the replication-aware migration pricing, no replicas); the plans of ``PORTFOLIO_BASELINES``
+    on the same batch and options: eplb-history (with option ``history``), static; then ``previous`` (the previous
+    homes, round-robin samples, relibra's priced replicas) and online (with replica slots and a previous
+    placement other than static, where "previous" already dominates it), each built only when its lower bound
+    (``replicated_step_lower_bound``) is below the best step so far (else ``stats["portfolio"]["pruned"]``
+    holds the bound). The replay
+    shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are
+    charged as relibra's (fetched per layer, ``timing.replica_push_overlap``), never more than the baseline's own
+    after-router fetch. ``annealed`` is ``anneal_inter``'s (homes, micro_batch, gpu) and the option ``node_comp``.
+    Writes ``stats["portfolio"]``: ``chosen``, every simulated candidate's ``step_s`` and ``pruned``. Wall seconds
+    per candidate go to ``stats["timing"]``.
+    """
+    L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
+    prev = previous_expert_gpu(ctx.options, ctx.model, ctx.cluster)
+    rr = (ctx.micro_batch, ctx.sample_gpu)
+    cands: dict[str, Candidate] = dict(own)
+    eg0, mb0, sg0, node_comp = annealed
+    timing = ctx.stats.setdefault("timing", {})
+
+    def timed(name: str, make: Callable[[], Candidate]) -> None:
+        t0 = time.perf_counter()
+        cands[name] = make()
+        timing[f"portfolio_{name}_s"] = time.perf_counter() - t0
+
+    def baseline(name: str) -> Candidate:
+        bp = STRATEGIES[name](dataclasses.replace(ctx, stats={}))
+        return bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas
+
+    timed("relibra-inter", lambda: (*finish_inter(ctx, eg0, mb0, sg0, node_comp, {}), None))
+    static = baselines.static_placement(L, ctx.model.num_experts, G)
+    if ctx.options.history is not None:
+        timed("eplb-history", lambda: baseline("eplb-history"))
+    timed("static", lambda: baseline("static"))
+    previous = Placement(prev)
+    opb = float(ctx.options.optimizer_bytes_per_param)
+    steps: dict[str, float] = {}
+    modes: dict[str, str] = {}
+    loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x): each placement once
+
+    def loads_of(mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
+        x = next((x for m, g, x in loads if np.array_equal(m, mb) and np.array_equal(g, sg)), None)
+        if x is None:
+            x = ctx.loads(mb, sg)
+            loads.append((mb, sg, x))
+        return x
+
+    def simulate(name: str) -> None:
+        t0 = time.perf_counter()
+        eg, mb, sg, reps = cands[name]
+        plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M),
+                         replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
+                         gpus_per_node=ctx.cluster.gpus_per_node, stats={})
+        st = simulate_loads(plan, ctx.lengths, loads_of(mb, sg), ctx.model, ctx.cluster, previous=previous,
+                            optimizer_bytes_per_param=opb, validate=False)
+        steps[name], modes[name] = st.step_s, st.replica_mode
+        timing["portfolio_simulate_s"] = timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
+
+    for name in list(cands):
+        simulate(name)
+    # The candidates with replicas on fixed homes and round-robin samples cost a replication pass each; one whose
+    # lower bound (attention + 3 comp_lb + 2 comm_lb per cell under any intra-node replication, + its moves)
+    # already reaches the best step cannot win and is not built ("pruned": its bound).
+    pruned: dict[str, float] = {}
+    for name, homes in (("previous", prev), ("online", static)):
+        if name == "online" and (not ctx.replica_slots or (np.array_equal(prev, static) and not ctx.repack and (
+                "previous" in pruned or modes.get("previous") == "per-layer"))):
+            # without slots online is the static plan; with the static homes as previous, "previous" is online's
+            # homes and samples with relibra's priced replicas: per cell the same greedy with 0 .. r slots, chosen
+            # by a window never shorter than online's and charged per layer, so never slower than online
+            continue
+        bound = replicated_step_lower_bound(ctx, homes, loads_of(*rr), previous, opb)
+        if bound >= min(steps.values()) and not (name == "online" and ctx.repack):  # repack: online's own samples
+            pruned[name] = bound
+            continue
+        timed(name, (lambda: (prev, *rr, relibra_replicas(ctx, prev, *rr) if ctx.replica_slots else None))
+              if name == "previous" else (lambda: baseline("online")))
+        simulate(name)
+    chosen = min(steps, key=lambda k: steps[k])  # dict order: ties keep the earlier candidate
+    ctx.stats["portfolio"] = {"chosen": chosen, "step_s": steps, **({"pruned": pruned} if pruned else {})}
+    eg, mb, sg, reps = cands[chosen]
+    return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
+
+
+def replicated_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, x: np.ndarray, previous: Placement,
+                                optimizer_bytes_per_param: float) -> float:
+    """A lower bound (seconds) on the simulated step of any plan with homes ``expert_gpu [L, E]``, round-robin
+    samples (loads ``x [M, L, G, E]``) and any intra-node replicas: ``L sum_m (A_fwd + A_bwd)`` + ``sum_{m, l}
+    (3 comp_lb + 2 comm_lb)`` (``split.lower_bound_terms``; ``timing.moe_step_seconds``) + the re-layout from
+    ``previous`` (``sim.reorder_traffic``); replica traffic counts 0."""
+    a_fwd = attention_forward(ctx.lengths, ctx.micro_batch, ctx.sample_gpu, ctx.num_micro_batches, ctx.model,
+                              ctx.cluster)
+    comp, comm = lower_bound_terms(x, np.asarray(expert_gpu)[None], ctx.model, ctx.cluster)
+    relayout = reorder_traffic(previous, Placement(expert_gpu), ctx.model, ctx.cluster, optimizer_bytes_per_param)[0]
+    return float(ctx.model.num_layers * (a_fwd + attention_backward(a_fwd)).sum()
+                 + moe_step_seconds(comp, comm).sum() + relayout)
+
+
+def padded(replicas: ReplicaPlan | None, num_micro_batches: int, num_layers: int, num_gpus: int, slots: int
+           ) -> ReplicaPlan:
+    """``replicas`` with ``slots`` slots per GPU (empty ones appended; None: no replicas), so that every portfolio
+    candidate has the ``[M, L, G, r]`` shape of relibra's plans."""
+    if replicas is None:
+        return ReplicaPlan.empty(num_micro_batches, num_layers, num_gpus, slots)
+    rep = replicas.replica_expert
+    if rep.shape[-1] >= slots:
+        return replicas
+    pad = np.full(rep.shape[:-1] + (slots - rep.shape[-1],), -1, np.int32)
+    return dataclasses.replace(replicas, replica_expert=np.concatenate([rep, pad], axis=-1))
 
 
 def strategy_lplb(ctx: PlanContext) -> BatchPlan:

@@ -1,0 +1,167 @@
+"""The never-lose grid (issue 22): relibra against every non-balanced strategy on held-out cells.
+
+Each cell runs ``relibra_moe.steady.run_steady`` (the evaluation of ``relibra compare``: every plan simulated with
+its moves charged against the strategy's own previous placement) for static, eplb, lplb, eplb-history, online,
+relibra-inter, relibra and balanced, and records the step the table reports: the steady-state mean (steps 2..K)
+for K = 4 consecutive batches, the single step for K = 1.
+
+Cells (33): real GPT-OSS-20B batches (``datasets.gpt_oss_batch``: requests drawn with a seed, 128-703 requests,
+micro-batches of 8-44, EP 2x4, 2x8, 4x4, r = 1, 2, 4; all 24 MoE layers, ``GPTOSS_LAYERS``) and synthetic
+qwen3-30b, glm4.5 and qwen3-235b batches (``synthetic.rl_batch``, labelled synthetic) at 2-4 layers.
+Steady-state cells cut one draw into 4 consecutive batches (``steady.consecutive_batches``; synthetic: seeds
+seed .. seed + 3).
+
+Per cell: every strategy's step, the fastest non-balanced strategy, and relibra's share of the static-to-balanced
+headroom ``(static - relibra) / (static - balanced)`` (in %; balanced is the ideal of uniform routing).
+
+Resumable: one JSON per cell in ``bench/results/never_lose/``; a cell whose file exists is skipped.
+
+Usage::
+
+    python bench/never_lose.py                 # run the missing cells, then print the table
+    python bench/never_lose.py --table         # the table only (markdown), from the files
+    python bench/never_lose.py --cells 0 5     # only these cells
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+from relibra_moe.plan import json_default
+from relibra_moe.specs import cluster_preset, model_preset
+from relibra_moe.steady import consecutive_batches, restrict_layers, run_steady
+
+OUT = Path(__file__).resolve().parent / "results" / "never_lose"
+STRATEGIES = ("static", "eplb", "lplb", "eplb-history", "online", "relibra-inter", "relibra", "balanced")
+GPTOSS_LAYERS = 24
+
+# (model, requests | prompts, seed, micro-batch size, (nodes, gpus per node), r, batches K, domain | None, layers)
+GPTOSS = "gpt-oss-20b"
+CELLS: list[tuple[str, int, int, int, tuple[int, int], int, int, str | None, int]] = [
+    (GPTOSS, 256, 2027, 8, (2, 4), 2, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 256, 1, 8, (2, 4), 1, 1, None, GPTOSS_LAYERS),
+    (GPTOSS, 128, 2, 8, (2, 4), 4, 1, None, GPTOSS_LAYERS),
+    (GPTOSS, 128, 3, 16, (2, 8), 2, 1, None, GPTOSS_LAYERS),
+    (GPTOSS, 384, 4, 16, (4, 4), 2, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 512, 5, 32, (2, 4), 2, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 703, 0, 44, (2, 4), 2, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 703, 0, 44, (2, 8), 4, 1, None, GPTOSS_LAYERS),
+    (GPTOSS, 703, 0, 44, (4, 4), 1, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 192, 6, 12, (2, 8), 1, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 320, 7, 20, (4, 4), 4, 1, None, GPTOSS_LAYERS),
+    (GPTOSS, 448, 8, 28, (2, 4), 4, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 256, 9, 8, (4, 4), 2, 1, None, GPTOSS_LAYERS),
+    (GPTOSS, 640, 10, 40, (2, 8), 2, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 160, 11, 10, (2, 4), 1, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 576, 12, 36, (4, 4), 2, 1, None, GPTOSS_LAYERS),
+    (GPTOSS, 128, 13, 8, (2, 8), 2, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 352, 14, 22, (2, 4), 2, 1, None, GPTOSS_LAYERS),
+    (GPTOSS, 224, 15, 14, (4, 4), 4, 4, None, GPTOSS_LAYERS),
+    (GPTOSS, 480, 16, 24, (2, 8), 1, 1, None, GPTOSS_LAYERS),
+    (GPTOSS, 703, 2027, 44, (2, 4), 1, 1, None, GPTOSS_LAYERS),
+    ("qwen3-30b-a3b", 32, 0, 16, (2, 4), 2, 1, "mixed", 2),
+    ("qwen3-30b-a3b", 48, 1, 16, (2, 8), 1, 4, "math", 3),
+    ("qwen3-30b-a3b", 32, 2, 32, (4, 4), 4, 1, "code", 4),
+    ("qwen3-30b-a3b", 64, 3, 32, (2, 8), 2, 4, "instruction", 2),
+    ("glm4.5-106b-a12b", 32, 0, 16, (2, 4), 2, 4, "mixed", 2),
+    ("glm4.5-106b-a12b", 48, 1, 24, (2, 8), 2, 1, "instruction", 3),
+    ("glm4.5-106b-a12b", 32, 2, 32, (4, 4), 1, 1, "math", 4),
+    ("glm4.5-106b-a12b", 64, 3, 32, (2, 4), 4, 4, "code", 2),
+    ("qwen3-235b-a22b", 64, 0, 32, (4, 4), 2, 4, "mixed", 2),
+    ("qwen3-235b-a22b", 32, 1, 16, (2, 8), 4, 1, "code", 3),
+    ("qwen3-235b-a22b", 48, 2, 24, (2, 4), 2, 1, "mixed", 4),
+    ("qwen3-235b-a22b", 32, 3, 16, (4, 4), 1, 4, "math", 2),
+]
+
+
+def cell_name(i: int) -> str:
+    model, n, seed, b, (nodes, gpn), r, k, domain, layers = CELLS[i]
+    what = f"{n}req" if domain is None else f"{domain}-{n}x4"
+    return f"{i:02d}-{model}-L{layers}-{what}-s{seed}-b{b}-{nodes}x{gpn}-r{r}-k{k}"
+
+
+def build(i: int):
+    """``(batches, model, cluster)`` of cell ``i``."""
+    model_name, n, seed, b, (nodes, gpn), _r, k, domain, layers = CELLS[i]
+    cluster = cluster_preset("hopper-rail", nodes=nodes, gpus_per_node=gpn)
+    model = model_preset(model_name).with_(num_layers=layers)
+    if domain is None:
+        from relibra_moe.datasets import gpt_oss_batch
+
+        batch = restrict_layers(gpt_oss_batch(num_requests=n, seed=seed), layers).with_micro_batch_size(b)
+        return (consecutive_batches(batch, k) if k > 1 else [batch]), model, cluster
+    from relibra_moe.synthetic import rl_batch
+
+    return [rl_batch(model, domain, n, 4, seed=seed + j, micro_batch_size=b) for j in range(k)], model, cluster
+
+
+def step_of(res: dict[str, Any], s: str) -> float:
+    """The step the table reports: steady mean for K > 1, the single step for K = 1."""
+    return float(res["strategies"][s]["steady"]["step_s"])
+
+
+def run_cell(i: int) -> dict[str, Any]:
+    batches, model, cluster = build(i)
+    t0 = time.perf_counter()
+    res = run_steady(batches, model, cluster, STRATEGIES, replica_slots=CELLS[i][5], seed=0, workers=1)
+    steps = {s: step_of(res, s) for s in STRATEGIES}
+    rivals = {s: v for s, v in steps.items() if s != "balanced"}
+    best = min(rivals, key=lambda s: (rivals[s], s != "relibra"))  # a tie is reported as relibra
+    head = steps["static"] - steps["balanced"]
+    chosen = [row.get("portfolio") for row in res["strategies"]["relibra"]["per_step"]]
+    return {"cell": cell_name(i), "steps": steps, "fastest_non_balanced": best,
+            "relibra_fastest": steps["relibra"] <= min(rivals.values()),
+            "relibra_vs_best_other": steps["relibra"] / min(v for s, v in rivals.items() if s != "relibra"),
+            "headroom_share_pct": 100.0 * (steps["static"] - steps["relibra"]) / head if head > 0 else None,
+            "portfolio": chosen, "seconds": time.perf_counter() - t0, "machine": platform.machine(),
+            "detail": res}
+
+
+def table() -> str:
+    lines = ["| cell | static | online | eplb-history | eplb | lplb | relibra-inter | relibra | balanced | "
+             "fastest non-balanced | relibra / best other | headroom share |",
+             "|---|" + "---:|" * 8 + "---|---:|---:|"]
+    for i in range(len(CELLS)):
+        f = OUT / f"{cell_name(i)}.json"
+        if not f.exists():
+            lines.append(f"| {cell_name(i)} | (not run) |")
+            continue
+        d = json.loads(f.read_text())
+        st = d["steps"]
+        hs = d["headroom_share_pct"]
+        lines.append(f"| {d['cell']} | " + " | ".join(f"{st[s]:.4f}" for s in ("static", "online", "eplb-history",
+                                                                                   "eplb", "lplb", "relibra-inter",
+                                                                                   "relibra", "balanced"))
+                     + f" | {d['fastest_non_balanced']} | {d['relibra_vs_best_other']:.4f} | "
+                     + ("-" if hs is None else f"{hs:.1f}%") + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cells", type=int, nargs="*", help="cell indices (default: all)")
+    ap.add_argument("--table", action="store_true", help="print the markdown table from the files and exit")
+    args = ap.parse_args()
+    if not args.table:
+        OUT.mkdir(parents=True, exist_ok=True)
+        for i in args.cells if args.cells else range(len(CELLS)):
+            f = OUT / f"{cell_name(i)}.json"
+            if f.exists():
+                continue
+            d = run_cell(i)
+            f.write_text(json.dumps(d, default=json_default, indent=1))
+            print(f"{d['cell']}: relibra {d['steps']['relibra']:.4f} s, fastest non-balanced "
+                  f"{d['fastest_non_balanced']}, relibra / best other {d['relibra_vs_best_other']:.4f}, "
+                  f"{d['seconds']:.0f} s", flush=True)
+    print(table())
+    done = [json.loads(f.read_text()) for f in sorted(OUT.glob("*.json"))]
+    print(f"\nrelibra fastest non-balanced in {sum(d['relibra_fastest'] for d in done)} of {len(done)} cells")
+
+
+if __name__ == "__main__":
+    main()
