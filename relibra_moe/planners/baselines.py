@@ -18,16 +18,11 @@ micro-batch (EPLB's replicas are fixed for the batch), as EPLB-based serving sys
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan
 from ..validate import check_int, check_token_counts
-
-if TYPE_CHECKING:
-    pass
 
 
 def static_placement(num_layers: int, num_experts: int, num_gpus: int) -> np.ndarray:
