@@ -24,6 +24,7 @@ from ..errors import PlanError
 from ..plan import Placement
 from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, STEP_COMP_WEIGHT
 from ..validate import (
+    check_bool,
     check_choice,
     check_int,
     check_nonnegative,
@@ -57,13 +58,6 @@ HISTORY_STRATEGIES = ("eplb-history", "relibra")
 _BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "keep_cell_sizes", "portfolio",
           "step_objective")
 _OPTIONAL_BOOLS = ("node_comp", "smooth")
-
-
-def _check_bool(name: str, value: Any, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, (bool, np.bool_)):
-        raise PlanError(f"{name}={value!r} must be True or False{' (or None)' if optional else ''}")
 
 
 @dataclass(frozen=True)
@@ -164,9 +158,10 @@ class PlanOptions:
         check_choice("objective", self.objective, OBJECTIVES)
         check_choice("balanced_sources", self.balanced_sources, BALANCED_SOURCES)
         for name in _BOOLS:
-            _check_bool(name, getattr(self, name))
+            check_bool(name, getattr(self, name))
         for name in _OPTIONAL_BOOLS:
-            _check_bool(name, getattr(self, name), optional=True)
+            if getattr(self, name) is not None:
+                check_bool(name, getattr(self, name))
         check_positive("beta", self.beta)
         check_nonnegative("tol", self.tol)
         check_nonnegative("optimizer_bytes_per_param", self.optimizer_bytes_per_param)
