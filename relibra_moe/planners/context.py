@@ -22,6 +22,7 @@ from . import baselines
 from .executor import FallbackLog, TaskExecutor, TaskFailed
 from .locality import anneal_locality
 from .options import PlanOptions
+from .params import LocalityParams, ReorderParams, baseline_locality_params, locality_params, reorder_params
 
 __all__ = ["PlanContext", "make_plan", "baseline_samples", "previous_expert_gpu", "start_sample_gpu", "eplb_task",
            "fallback_homes"]
@@ -79,6 +80,18 @@ class PlanContext:
         """Whether the trainer owns the sample placement (``micro_batch`` / ``sample_gpu`` are kept as given)."""
         return self.options.sample_owner == "trainer"
 
+    @property
+    def reorder_params(self) -> ReorderParams:
+        """The reorder parameters of one round of the planning loop (``params.reorder_params`` of the options)."""
+        return reorder_params(self.options, self.model.num_experts, self.cluster.num_gpus, self.num_micro_batches,
+                              self.model.num_layers)
+
+    @property
+    def locality_params(self) -> LocalityParams:
+        """The sample-placement parameters of one round of the planning loop and of ``relocate``
+        (``params.locality_params`` of the options)."""
+        return locality_params(self.options, len(self.lengths), self.model.num_layers, self.cluster.num_gpus)
+
     def loads(self, micro_batch: np.ndarray, sample_gpu: np.ndarray) -> np.ndarray:
         """int64 ``[M, L, G, E]`` for a sample placement."""
         return placement_loads(self.batch, micro_batch, sample_gpu, self.num_micro_batches, self.cluster.num_gpus)
@@ -127,11 +140,9 @@ def baseline_samples(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarr
     """Samples for a baseline: round-robin, or annealed with repacking when ``ctx.repack``."""
     if not ctx.repack:
         return ctx.micro_batch, ctx.sample_gpu
-    o = ctx.options
     mb, sg, info = anneal_locality(ctx.counts, ctx.lengths, ctx.micro_batch, ctx.sample_gpu, expert_gpu, ctx.model,
-                                   ctx.cluster, num_micro_batches=ctx.num_micro_batches, repack=True,
-                                   token_cap=o.token_cap, tol=o.tol, seed=ctx.seed, iters=o.locality_iters,
-                                   keep_cell_sizes=o.keep_cell_sizes)
+                                   ctx.cluster, baseline_locality_params(ctx.options),
+                                   num_micro_batches=ctx.num_micro_batches, seed=ctx.seed)
     ctx.stats["locality"] = info
     return mb, sg
 

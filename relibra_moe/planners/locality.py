@@ -20,13 +20,16 @@ The objective is the sum over micro-batches and layers of T_MoE (exact by defaul
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from ..cost import DEFAULT_BETA, cost_from_flow
+from ..cost import cost_from_flow
 from ..errors import PlanError
 from ..specs import ClusterSpec, ModelSpec
-from ..validate import check_index_range, check_int, check_nonnegative, check_positive
+from ..validate import check_index_range
 from . import _kernels
+from .params import LocalityParams, params_or_fields
 from .reorder import cluster_constants
 
 
@@ -66,20 +69,10 @@ def attention_caps(lengths: np.ndarray, num_cells: int, tol: float) -> tuple[flo
     return cap1, cap2
 
 
-def default_locality_iters(num_samples: int, num_layers: int, num_gpus: int, repack: bool,
-                           budget: float = 4.5e7) -> int:
-    """Default proposals: 60 per sample (120 with repack), at most ``budget / (L G)`` (a proposal costs
-    O(L G)), at least 200."""
-    want = (120 if repack else 60) * num_samples
-    return int(max(min(want, budget / max(1, num_layers * num_gpus)), 200))
-
-
 def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
-                    expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, num_micro_batches: int | None
-                    = None, repack: bool = False, token_cap: int | None = None, tol: float = 0.05, seed: int = 0,
-                    iters: int | None = None, beta: float = DEFAULT_BETA, t0_frac: float = 0.002,
-                    eps_frac: float = 1e-6, smooth: bool = False, keep_cell_sizes: bool = False,
-                    comp_weight: float = 1.0
+                    expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                    params: LocalityParams | None = None, *, num_micro_batches: int | None = None, seed: int = 0,
+                    **param_fields: Any
                     ) -> tuple[np.ndarray, np.ndarray, dict]:
     """Anneal sample -> GPU (and with ``repack`` sample -> micro-batch) for frozen expert homes.
 
@@ -88,21 +81,23 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
         lengths: ``[N]`` tokens per sample (attention work).
         micro_batch, sample_gpu: ``[N]`` starting placement.
         expert_gpu: ``[L, E]`` frozen homes.
-        token_cap: with repack, lets micro-batches change their sample counts while their tokens stay
-            at most ``token_cap``.
-        tol: attention-work tolerance over the mean (see the module docstring).
-        smooth: anneal on the LSE-smoothed objective (True) or the exact one (default: the sum over
-            M x L cells has no plateaus, and the exact evaluation is ~2.5x cheaper at the same result).
-        keep_cell_sizes: swaps only, so every (micro-batch, GPU) cell keeps its number of samples (what a
-            trainer with a fixed per-rank micro-batch size needs to follow the plan; ``sample_order``). Not
-            with ``token_cap`` (its moves change the micro-batches' sample counts).
-        comp_weight: weight of the compute term (``reorder.cluster_constants``): 1 anneals the sum of T_MoE,
-            ``timing.STEP_COMP_WEIGHT`` the step's 3 comp + 2 comm (halved).
+        params: the annealing parameters (``params.LocalityParams``: ``repack``, ``token_cap`` (with repack,
+            micro-batches may change their sample counts while their tokens stay at most ``token_cap``),
+            ``tol`` (attention-work tolerance over the mean, see the module docstring), ``iters`` (None:
+            ``LocalityParams.iters_for``), ``smooth`` (the LSE-smoothed objective; default exact: the sum over
+            M x L cells has no plateaus, and the exact evaluation is ~2.5x cheaper at the same result),
+            ``keep_cell_sizes`` (swaps only, so every (micro-batch, GPU) cell keeps its number of samples, what a
+            trainer with a fixed per-rank micro-batch size needs; ``sample_order``), ``comp_weight`` (1 anneals
+            the sum of T_MoE, ``timing.STEP_COMP_WEIGHT`` the step's 3 comp + 2 comm, halved)); or give its
+            fields as keywords (``param_fields``).
+        num_micro_batches: M (default: ``micro_batch.max() + 1``).
+        seed: RNG seed (same inputs and seed -> same result).
 
     Returns:
         (micro_batch int64 [N], sample_gpu int64 [N], info) with info ``objective_start`` / ``objective``
         = exact sum of T_MoE (seconds) before / after.
     """
+    p = params_or_fields(LocalityParams, params, param_fields)
     counts = np.asarray(counts)
     if counts.ndim != 3 or counts.shape[1:] != (model.num_layers, model.num_experts):
         raise PlanError(f"counts has shape {counts.shape}, expected [N, L={model.num_layers}, "
@@ -112,15 +107,8 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
     lengths = np.asarray(lengths, dtype=np.float64)
     if lengths.shape != (N,):
         raise PlanError(f"lengths has shape {lengths.shape}, expected [N={N}]")
-    check_nonnegative("tol", tol)
-    if iters is not None:
-        check_int("iters", iters, 0)
-    check_positive("beta", beta)
-    if keep_cell_sizes and token_cap is not None:
-        raise PlanError(f"token_cap={token_cap} moves samples between micro-batches of different sizes; "
-                        "keep_cell_sizes=True keeps every cell's sample count: drop one of them")
-    if token_cap is not None and token_cap < lengths.max(initial=0):
-        raise PlanError(f"token_cap={token_cap} is below the longest sample ({int(lengths.max())} tokens)")
+    if p.token_cap is not None and p.token_cap < lengths.max(initial=0):
+        raise PlanError(f"token_cap={p.token_cap} is below the longest sample ({int(lengths.max())} tokens)")
     mb0 = np.asarray(micro_batch, dtype=np.int64)
     sg0 = np.asarray(sample_gpu, dtype=np.int64)
     M = int(num_micro_batches if num_micro_batches is not None else (mb0.max() + 1 if N else 0))
@@ -134,19 +122,18 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
                         f"E={model.num_experts}]")
     check_index_range("expert_gpu", expert_gpu, 0, G)
     cf = sample_flows(counts, expert_gpu, G)
-    start = _exact_total(cf, mb0, sg0, M, model, cluster, comp_weight)
-    info = {"objective_start": start, "objective": start, "repack": bool(repack)}
+    start = _exact_total(cf, mb0, sg0, M, model, cluster, p.comp_weight)
+    info = {"objective_start": start, "objective": start, "repack": bool(p.repack)}
     if N < 2:
         return mb0.copy(), sg0.copy(), info
-    if iters is None:
-        iters = default_locality_iters(N, model.num_layers, G, repack)
-    cap1, cap2 = attention_caps(lengths, M * G, tol)
-    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster, comp_weight)
+    iters = p.iters_for(N, model.num_layers, G)
+    cap1, cap2 = attention_caps(lengths, M * G, p.tol)
+    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster, p.comp_weight)
     mb, sg, _, _ = _kernels.anneal_samples(
-        cf, lengths, lengths * lengths, mb0, sg0, M, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth), bool(repack),
-        cap1, cap2, float(token_cap or 0), float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF,
-        bool(keep_cell_sizes))
-    obj = _exact_total(cf, mb, sg, M, model, cluster, comp_weight)
+        cf, lengths, lengths * lengths, mb0, sg0, M, nvm, rdm, cc, tnv, trd, float(p.beta), bool(p.smooth),
+        bool(p.repack), cap1, cap2, float(p.token_cap or 0), float(p.t0_frac), float(p.eps_frac), int(iters),
+        int(seed) & 0x7FFFFFFF, bool(p.keep_cell_sizes))
+    obj = _exact_total(cf, mb, sg, M, model, cluster, p.comp_weight)
     if obj < start:
         info["objective"] = obj
         return mb, sg, info

@@ -70,8 +70,9 @@ class PlanOptions:
         seed: plan seed, int >= 0 (same inputs and seed -> same plan).
         workers: processes for the parallel parts, int >= 1.
         repack: let samples change micro-batch (equal sample counts per micro-batch unless ``token_cap``).
-        iters: annealing proposals per layer, seed and round (None: ``reorder.default_iters`` over ``rounds``).
-        locality_iters: sample-placement proposals per round (None: ``locality.default_locality_iters``).
+        iters: annealing proposals per layer, seed and round (None: ``params.default_iters`` over ``rounds``).
+        locality_iters: sample-placement proposals per round (None: ``params.default_locality_iters`` over
+            ``rounds``).
         num_seeds: annealing runs per layer, int >= 1 (None: one per worker).
         rounds: reorder + locality rounds of relibra*, int >= 1.
         objective: reorder objective, "batch" (sum over micro-batches of T_MoE) or "aggregate".

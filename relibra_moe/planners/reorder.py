@@ -18,18 +18,18 @@ most bench scenarios (BENCHMARKS.md, "Planner defaults").
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
-from ..validate import check_int, check_nonnegative, check_positive, check_token_counts
+from ..validate import check_int, check_nonnegative, check_token_counts
 from . import _kernels
 from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
-
-OBJECTIVES = ("batch", "aggregate")
+from .params import ReorderParams, params_or_fields
 
 
 def cluster_constants(model: ModelSpec, cluster: ClusterSpec, comp_weight: float = 1.0
@@ -161,44 +161,25 @@ def node_balanced_start(x_layer: np.ndarray, cluster: ClusterSpec, seed: int = 0
     return out
 
 
-def default_iters(num_experts: int, num_gpus: int, num_micro_batches: int = 1, num_layers: int = 1,
-                  budget: float = 5e7) -> int:
-    """Default annealing proposals per layer and seed.
-
-    40 per expert pair on different GPUs, but at most ``budget / (L M G)`` (a proposal costs O(M G); the
-    budget bounds the whole reorder at a few seconds per seed), and at least 1000.
-    """
-    pairs = num_experts * (num_experts - num_experts // num_gpus) // 2
-    cap = budget / max(1, num_layers * num_micro_batches * num_gpus)
-    return int(max(min(40 * pairs, cap), 1000))
-
-
 def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
-                 init: np.ndarray | None = None, objective: str = "batch", beta: float = DEFAULT_BETA,
-                 iters: int | None = None, t0_frac: float = 0.005, eps_frac: float = 1e-5,
-                 smooth: bool | None = None, node_comp: bool = False,
-                 skew_cap: float | None = None, comp_weight: float = 1.0) -> tuple[np.ndarray, float]:
+                 init: np.ndarray | None = None, params: ReorderParams | None = None, **param_fields: Any
+                 ) -> tuple[np.ndarray, float]:
     """Anneal the expert homes of one layer from ``init`` (default: LPT on the layer's expert loads).
 
     Args:
         x_layer: ``[M, G, E]`` (or ``[G, E]``) tokens per micro-batch, source GPU and expert.
         seed: RNG seed of this run (same inputs and seed -> same result).
-        objective: "batch" (sum over micro-batches of T_MoE) or "aggregate" (T_MoE of ``x.sum(0)``).
-        beta: LSE sharpness of the smoothed objective.
-        smooth: anneal on the LSE-smoothed T_MoE (True) or the exact one (False). Default: smoothed for
-            "aggregate" (one max, plateaus), exact for "batch": the sum over micro-batches already has no
-            plateaus, and the exact evaluation is ~4x cheaper at the same final cost (measured).
-        iters: proposals (default ``default_iters``); t0_frac / eps_frac: start / end temperature as
-            fractions of the starting objective (geometric cooling in between).
-        node_comp, skew_cap: anneal on (and return) the replication-aware cost of ``batch_cost``.
-        comp_weight: weight of the compute term (``batch_cost``).
+        params: the annealing parameters (``params.ReorderParams``: objective, beta, iters, temperatures,
+            smoothing, ``node_comp`` / ``skew_cap``, ``comp_weight``); or give its fields as keywords
+            (``param_fields``). ``iters`` None: ``ReorderParams.iters_for`` this layer's M. Smoothing default:
+            smoothed for "aggregate" (one max, plateaus), exact for "batch": the sum over micro-batches already
+            has no plateaus, and the exact evaluation is ~4x cheaper at the same final cost (measured).
 
     Returns:
         (int64 ``[E]`` home GPU of each expert, exact batch cost in seconds = sum over micro-batches of
         the exact T_MoE, or of its node-compute variant with ``node_comp``).
     """
-    if objective not in OBJECTIVES:
-        raise PlanError(f"objective={objective!r} is not one of {OBJECTIVES}")
+    p = params_or_fields(ReorderParams, params, param_fields)
     x = _as_layer_loads(x_layer, model, cluster)
     G, E = cluster.num_gpus, model.num_experts
     if init is None:
@@ -206,20 +187,16 @@ def anneal_layer(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, se
     init = np.asarray(init, dtype=np.int64)
     if init.shape != (E,):
         raise PlanError(f"init has shape {init.shape}, expected [E={E}]")
-    if iters is None:
-        iters = default_iters(E, G, x.shape[0])
-    check_int("iters", iters, 0)
-    check_positive("beta", beta)
-    if smooth is None:
-        smooth = objective == "aggregate"
-    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster, comp_weight)
-    xa = x if objective == "batch" else np.ascontiguousarray(x.sum(axis=0)[None])
-    best, obj, _ = _kernels.anneal_experts(xa, init, nvm, rdm, cc, tnv, trd, float(beta), bool(smooth),
-                                           float(t0_frac), float(eps_frac), int(iters), int(seed) & 0x7FFFFFFF,
-                                           *_comp_model(cluster, node_comp, skew_cap))
-    if objective == "batch" and not smooth:
+    iters = p.iters_for(E, G, x.shape[0])
+    smooth = p.smoothed
+    nvm, rdm, cc, tnv, trd = cluster_constants(model, cluster, p.comp_weight)
+    xa = x if p.objective == "batch" else np.ascontiguousarray(x.sum(axis=0)[None])
+    best, obj, _ = _kernels.anneal_experts(xa, init, nvm, rdm, cc, tnv, trd, float(p.beta), smooth,
+                                           float(p.t0_frac), float(p.eps_frac), int(iters), int(seed) & 0x7FFFFFFF,
+                                           *_comp_model(cluster, p.node_comp, p.skew_cap))
+    if p.objective == "batch" and not smooth:
         return best, float(obj)  # the kernel's objective is already the exact batch cost
-    return best, batch_cost(x, best, model, cluster, node_comp, skew_cap, comp_weight)
+    return best, batch_cost(x, best, model, cluster, p.node_comp, p.skew_cap, p.comp_weight)
 
 
 def better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int,
@@ -233,9 +210,9 @@ def better_start(x_layer: np.ndarray, lpt: np.ndarray, model: ModelSpec, cluster
 
 
 def anneal_layer_task(x_layer: np.ndarray, model: ModelSpec, cluster: ClusterSpec, seed: int, init: np.ndarray,
-                      kw: dict) -> tuple[np.ndarray, float]:
-    """One reorder task for an executor: ``anneal_layer(x_layer, model, cluster, seed, init=init, **kw)``."""
-    return anneal_layer(x_layer, model, cluster, seed, init=init, **kw)
+                      params: ReorderParams) -> tuple[np.ndarray, float]:
+    """One reorder task for an executor: ``anneal_layer(x_layer, model, cluster, seed, init, params)``."""
+    return anneal_layer(x_layer, model, cluster, seed, init, params)
 
 
 def layer_seeds(seed: int, num_seeds: int, layer: int) -> list[int]:
@@ -244,30 +221,28 @@ def layer_seeds(seed: int, num_seeds: int, layer: int) -> list[int]:
     return [int(v) for v in ss.generate_state(num_seeds, dtype=np.uint32) & 0x7FFFFFFF]
 
 
-def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int = 0, num_seeds: int | None = None,
-            workers: int = 1, init: np.ndarray | None = None, objective: str = "batch",
-            beta: float = DEFAULT_BETA, iters: int | None = None, t0_frac: float = 0.005,
-            eps_frac: float = 1e-5, smooth: bool | None = None,
-            layers: Sequence[int] | None = None, node_comp: bool = False,
-            skew_cap: float | None = None, executor: TaskExecutor | None = None,
+def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, params: ReorderParams | None = None, *,
+            seed: int = 0, num_seeds: int | None = None, workers: int = 1, init: np.ndarray | None = None,
+            layers: Sequence[int] | None = None, executor: TaskExecutor | None = None,
             fallback: np.ndarray | None = None, fallbacks: FallbackLog | None = None,
-            comp_weight: float = 1.0) -> tuple[np.ndarray, dict]:
+            **param_fields: Any) -> tuple[np.ndarray, dict]:
     """Algorithm 1 on every layer: LPT start, ``num_seeds`` annealing runs, best by exact batch cost.
 
     Args:
         x: ``[M, L, G, E]`` tokens per micro-batch, layer, source GPU and expert.
+        params: the annealing parameters (``params.ReorderParams``; the planning loop passes
+            ``params.reorder_params(options, ...)``), or give its fields as keywords (``param_fields``:
+            ``objective``, ``beta``, ``iters``, ...). ``iters`` None: ``ReorderParams.iters_for`` with the
+            whole-reorder budget. With ``node_comp`` (replication-aware objective, ``batch_cost``) the start of
+            a layer is the better of ``init`` (default LPT) and ``node_balanced_start`` under that objective.
         seed: plan seed (per-layer seeds derive from it).
         num_seeds: annealing runs per layer (default: one per worker of the executor).
         workers: processes (1 = in this process) when no ``executor`` is given.
-        iters: proposals per run (default ``default_iters`` with the whole-reorder budget).
         init: optional ``[L, E]`` starting homes (default: LPT per layer); it is always a candidate.
         layers: restrict to these layers (others keep ``init``/LPT).
-        node_comp, skew_cap: replication-aware objective (``batch_cost``); the start of a layer is then the
-            better of ``init`` (default LPT) and ``node_balanced_start`` under that objective.
         executor: runs the layer x seed tasks (``executor.TaskExecutor``; default ``default_executor(workers)``).
         fallback: ``[L, E]`` homes a layer keeps when none of its tasks finished (default: its start).
         fallbacks: records those layers (``FallbackLog.reorder``).
-        comp_weight: weight of the compute term of every cost (``batch_cost``; 1: T_MoE).
 
     Returns:
         (int64 ``[L, E]`` homes, info dict with ``objective_start`` / ``objective`` = exact sum of
@@ -282,9 +257,8 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
         executor = default_executor(workers)
     if num_seeds is not None:
         check_int("num_seeds", num_seeds, 1)
-    if iters is not None:
-        check_int("iters", iters, 0)
-    check_positive("beta", beta)
+    p = params_or_fields(ReorderParams, params, param_fields)
+    node_comp, skew_cap, comp_weight = p.node_comp, p.skew_cap, p.comp_weight
     xl = np.ascontiguousarray(np.moveaxis(x, 1, 0), dtype=np.float64)  # [L, M, G, E]
     if init is None:
         start = np.stack([lpt_placement(xl[l].sum(axis=(0, 1)), G) for l in range(L)])
@@ -297,17 +271,14 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
                           for l in range(L)])
     if num_seeds is None:
         num_seeds = max(1, executor.workers)
-    if iters is None:
-        iters = default_iters(E, G, M if objective == "batch" else 1, L)
-    kw = dict(objective=objective, beta=beta, iters=iters, t0_frac=t0_frac, eps_frac=eps_frac, smooth=smooth,
-              node_comp=node_comp, skew_cap=skew_cap, comp_weight=comp_weight)
+    p = dataclasses.replace(p, iters=p.iters_for(E, G, M, L))
     todo = list(range(L)) if layers is None else [int(l) for l in layers]
     best = start.copy()
     best_obj = np.array([batch_cost(xl[l], start[l], model, cluster, node_comp, skew_cap, comp_weight)
                          for l in range(L)])
     obj_start = float(best_obj.sum())
     keys = [("reorder", (l, s)) for l in todo for s in layer_seeds(seed, num_seeds, l)]
-    results = executor.map(anneal_layer_task, [(xl[l], model, cluster, s, start[l], kw) for _, (l, s) in keys], keys)
+    results = executor.map(anneal_layer_task, [(xl[l], model, cluster, s, start[l], p) for _, (l, s) in keys], keys)
     done = set()
     for (_, (l, _s)), res in zip(keys, results):  # task order is deterministic: ties keep the earlier candidate
         if isinstance(res, TaskFailed):
@@ -323,6 +294,6 @@ def reorder(x: np.ndarray, model: ModelSpec, cluster: ClusterSpec, *, seed: int 
             best_obj[l] = batch_cost(xl[l], best[l], model, cluster, node_comp, skew_cap, comp_weight)
         if fallbacks is not None:
             fallbacks.reorder.append(int(l))
-    info = {"objective_name": objective, "objective_start": obj_start, "objective": float(best_obj.sum()),
-            "num_seeds": num_seeds, "iters": int(iters)}
+    info = {"objective_name": p.objective, "objective_start": obj_start, "objective": float(best_obj.sum()),
+            "num_seeds": num_seeds, "iters": int(p.iters)}
     return best, info

@@ -69,12 +69,13 @@ from .context import (
 )
 from .executor import TaskExecutor, TaskFailed, default_executor
 from .history import strategy_eplb_history
-from .locality import anneal_locality, default_locality_iters
+from .locality import anneal_locality
 from .lplb import lplb_replicas
 from .migration import keep_previous_layers, relabel_to_previous, step_moe_seconds
 from .online import strategy_online
 from .options import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, PlanOptions
-from .reorder import default_iters, lpt_placement, reorder
+from .params import LocalityParams
+from .reorder import lpt_placement, reorder
 from .replicate import replicate_batch
 from .split import lower_bound_terms
 
@@ -123,10 +124,19 @@ def strategy_balanced(ctx: PlanContext) -> BatchPlan:
 
 
 def locality_task(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
-                  expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, kw: dict
-                  ) -> tuple[np.ndarray, np.ndarray, dict]:
-    """One locality task for an executor: ``anneal_locality(...)`` with keywords ``kw``."""
-    return anneal_locality(counts, lengths, micro_batch, sample_gpu, expert_gpu, model, cluster, **kw)
+                  expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, num_micro_batches: int, seed: int,
+                  params: LocalityParams) -> tuple[np.ndarray, np.ndarray, dict]:
+    """One locality task for an executor (picklable arguments): ``anneal_locality`` with ``params``."""
+    return anneal_locality(counts, lengths, micro_batch, sample_gpu, expert_gpu, model, cluster, params,
+                           num_micro_batches=num_micro_batches, seed=seed)
+
+
+def locality_args(ctx: PlanContext, micro_batch: np.ndarray, sample_gpu: np.ndarray, expert_gpu: np.ndarray,
+                  seed: int) -> tuple:
+    """The ``locality_task`` arguments of one pass of the planning loop: the call's samples from ``micro_batch`` /
+    ``sample_gpu [N]`` for homes ``expert_gpu [L, E]``, with ``ctx.locality_params``."""
+    return (ctx.counts, ctx.lengths, micro_batch, sample_gpu, expert_gpu, ctx.model, ctx.cluster,
+            ctx.num_micro_batches, seed, ctx.locality_params)
 
 
 def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -142,9 +152,9 @@ def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
     The one planning loop: ``plan_batch`` and the ``Planner`` service both run it, on ``ctx.executor``.
     Each round re-anneals the experts for the sample placement of the previous round (``reorder``: layer x
-    seed tasks), then the samples for the new homes (one locality task). The default budgets
-    (``default_iters``, ``default_locality_iters``) are split over the rounds (why: BENCHMARKS.md, "Planner
-    defaults").
+    seed tasks), then the samples for the new homes (one locality task), with the parameters derived once from the
+    options (``ctx.reorder_params``, ``ctx.locality_params``: ``params.reorder_params`` / ``locality_params``,
+    whose default budgets are split over the rounds; why: BENCHMARKS.md, "Planner defaults").
 
     Rank-balance mode (options ``skew_cap`` / ``node_comp``, ``PlanOptions.rank_balance``; off by default):
     the reorder anneals the replication-aware cost (compute term = the busiest node's mean GPU load, with a
@@ -164,37 +174,23 @@ def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     the executor's deadline the final reorder and the migration pricing are skipped.
     """
     o = ctx.options
-    node_comp, skew_cap = o.rank_balance
     mb, sg = ctx.micro_batch, ctx.sample_gpu
     eg = None
     objectives: list[dict[str, Any]] = []
     timing = ctx.stats.setdefault("timing", {})
-    rounds = o.rounds
-    L, E, G = ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus
-    iters = o.iters
-    if iters is None:
-        iters = max(default_iters(E, G, ctx.num_micro_batches if o.objective == "batch" else 1, L) // rounds, 300)
-    loc_iters = o.locality_iters
-    if loc_iters is None:
-        loc_iters = max(default_locality_iters(len(ctx.lengths), L, G, ctx.repack) // rounds, 100)
-    num_seeds = max(1, ctx.executor.workers) if o.num_seeds is None else o.num_seeds
-    reorder_kw = dict(num_seeds=num_seeds, executor=ctx.executor, objective=o.objective, beta=o.beta,
-                      smooth=o.smooth, node_comp=node_comp, skew_cap=skew_cap, fallback=ctx.fallback_expert_gpu,
-                      fallbacks=ctx.fallbacks, comp_weight=o.comp_weight)
-    for rnd in range(rounds):
+    params = ctx.reorder_params
+    reorder_kw = dict(num_seeds=o.num_seeds, executor=ctx.executor, fallback=ctx.fallback_expert_gpu,
+                      fallbacks=ctx.fallbacks)
+    for rnd in range(o.rounds):
         t0 = time.perf_counter()
-        eg, rinfo = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, seed=ctx.seed + rnd, init=eg, iters=iters,
+        eg, rinfo = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, params, seed=ctx.seed + rnd, init=eg,
                             **reorder_kw)
         t1 = time.perf_counter()
         if ctx.trainer_owned:  # the trainer's samples stay where it put them: reorder rounds only
             timing[f"reorder_s_{rnd}"] = t1 - t0
             objectives.append({"reorder": rinfo, "locality": {"skipped": "sample_owner=trainer"}})
             continue
-        lkw = dict(num_micro_batches=ctx.num_micro_batches, repack=ctx.repack, token_cap=o.token_cap, tol=o.tol,
-                   seed=ctx.seed + rnd, iters=loc_iters, beta=o.beta, smooth=o.locality_smooth,
-                   keep_cell_sizes=o.keep_cell_sizes, comp_weight=o.comp_weight)
-        (res,) = ctx.executor.map(locality_task, [(ctx.counts, ctx.lengths, mb, sg, eg, ctx.model, ctx.cluster, lkw)],
-                                  [("locality", rnd)])
+        (res,) = ctx.executor.map(locality_task, [locality_args(ctx, mb, sg, eg, ctx.seed + rnd)], [("locality", rnd)])
         if isinstance(res, TaskFailed):
             ctx.fallbacks.locality += 1
             linfo: dict[str, Any] = {"fallback": res.reason}
@@ -206,8 +202,9 @@ def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         objectives.append({"reorder": rinfo, "locality": linfo})
     if o.final_reorder and not ctx.executor.expired:
         t0 = time.perf_counter()
-        eg, ctx.stats["final_reorder"] = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, seed=ctx.seed + rounds,
-                                                 init=eg, iters=o.final_iters_for(iters), **reorder_kw)
+        final = dataclasses.replace(params, iters=o.final_iters_for(params.iters))
+        eg, ctx.stats["final_reorder"] = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, final,
+                                                 seed=ctx.seed + o.rounds, init=eg, **reorder_kw)
         timing["reorder_s_final"] = time.perf_counter() - t0
     ctx.stats["rounds"] = objectives
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
@@ -248,16 +245,8 @@ def relocate(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, 
     """Sample locality for the final homes ``expert_gpu [L, E]``: one locality pass from the given samples (the
     annealed ones, permuted with the homes by the migration's relabelling) and one from the round-robin start;
     the lower exact objective wins (ties: the given samples). Returns (micro_batch [N], gpu [N], info)."""
-    o = ctx.options
-    iters = o.locality_iters
-    if iters is None:
-        iters = max(default_locality_iters(len(ctx.lengths), ctx.model.num_layers, ctx.cluster.num_gpus,
-                                           ctx.repack) // o.rounds, 100)
-    lkw = dict(num_micro_batches=ctx.num_micro_batches, repack=ctx.repack, token_cap=o.token_cap, tol=o.tol,
-               seed=ctx.seed + o.rounds + 1, iters=iters, beta=o.beta, smooth=o.locality_smooth,
-               keep_cell_sizes=o.keep_cell_sizes, comp_weight=o.comp_weight)
     starts = [("annealed", micro_batch, sample_gpu), ("round-robin", ctx.micro_batch, ctx.sample_gpu)]
-    args = [(ctx.counts, ctx.lengths, m, g, expert_gpu, ctx.model, ctx.cluster, lkw) for _, m, g in starts]
+    args = [locality_args(ctx, m, g, expert_gpu, ctx.seed + ctx.options.rounds + 1) for _, m, g in starts]
     res = ctx.executor.map(locality_task, args, [("locality", ("relocate", n)) for n, _, _ in starts])
     best: tuple[np.ndarray, np.ndarray] = (micro_batch, sample_gpu)
     best_obj, chosen = np.inf, "annealed"
