@@ -131,7 +131,7 @@ def test_low_level_planners_name_bad_arguments():
     from relibra_moe.specs import ClusterSpec, ModelSpec
 
     eg = np.repeat(np.arange(4), 2)
-    with pytest.raises(PlanError, match="slots=-1 must be an int >= 0"):
+    with pytest.raises(PlanError, match="^replica_slots=-1 must be an int >= 0"):
         lplb_copies(eg, np.ones(8), 4, 2, -1)
     with pytest.raises(PlanError, match="replica_slots=-1 must be an int >= 0"):
         eplb(np.ones((2, 8)), 4, 2, -1)

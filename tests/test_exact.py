@@ -39,7 +39,7 @@ def test_milp_equals_brute_force(seed):
     rng = np.random.default_rng(seed)
     x = skewed(rng, 4, 8)
     eg = rng.permutation(np.repeat(np.arange(4), 2))
-    sol = solve_milp(x, eg, MODEL, CLUSTER, slots=1)
+    sol = solve_milp(x, eg, MODEL, CLUSTER, replica_slots=1)
     assert sol.optimal
     assert sol.t_moe == pytest.approx(brute_force(x, eg, MODEL, CLUSTER), rel=1e-6)
     # its replicas with the exact split reproduce its value
@@ -54,7 +54,7 @@ def test_greedy_close_to_milp(seed):
     x = skewed(rng, 8, 16, tokens=300)
     eg = rng.permutation(np.repeat(np.arange(8), 2))
     r = 1 + seed % 2
-    opt = solve_milp(x, eg, model, cluster, slots=r)
+    opt = solve_milp(x, eg, model, cluster, replica_slots=r)
     got = replicate_cell(x, eg, model, cluster, r)
     base = float(moe_cost(x, eg, model, cluster).t_moe)
     assert opt.t_moe <= got.t_moe * (1 + 1e-6)  # nothing beats the optimum
@@ -74,10 +74,10 @@ def test_split_reference_hand_case():
 
 
 def test_milp_rejects_bad_input():
-    with pytest.raises(PlanError, match="slots=-1 must be an int >= 0"):
-        solve_milp(np.ones((4, 8)), np.repeat(np.arange(4), 2), MODEL, CLUSTER, slots=-1)
+    with pytest.raises(PlanError, match="replica_slots=-1 must be an int >= 0"):
+        solve_milp(np.ones((4, 8)), np.repeat(np.arange(4), 2), MODEL, CLUSTER, replica_slots=-1)
     with pytest.raises(PlanError, match=r"x \(3, 8\) / expert_gpu \(8,\) do not match G=4"):
-        solve_milp(np.ones((3, 8)), np.repeat(np.arange(4), 2), MODEL, CLUSTER, slots=1)
+        solve_milp(np.ones((3, 8)), np.repeat(np.arange(4), 2), MODEL, CLUSTER, replica_slots=1)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -91,7 +91,7 @@ def test_literal_paper_loop_is_valid_and_bounded(seed):
     x = skewed(rng, 8, 16, tokens=300)
     eg = rng.permutation(np.repeat(np.arange(8), 2))
     lit = replicate_cell_lp(x, eg, model, cluster, 2)
-    opt = solve_milp(x, eg, model, cluster, slots=2)
+    opt = solve_milp(x, eg, model, cluster, replica_slots=2)
     base = float(moe_cost(x, eg, model, cluster).t_moe)
     assert opt.t_moe * (1 - 1e-6) <= lit.t_moe <= base * (1 + 1e-12)
     assert split_cost(x, eg, lit.rows, lit.share, model, cluster) == pytest.approx(lit.t_moe, rel=1e-9)

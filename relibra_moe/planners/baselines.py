@@ -161,23 +161,24 @@ def eplb(weights: np.ndarray, num_gpus: int, gpus_per_node: int, replica_slots: 
     return np.stack([o[0] for o in out]), np.stack([o[1] for o in out])
 
 
-def even_split_replicas(expert_gpu: np.ndarray, slots: np.ndarray, x: np.ndarray) -> ReplicaPlan:
+def even_split_replicas(expert_gpu: np.ndarray, replica_expert: np.ndarray, x: np.ndarray) -> ReplicaPlan:
     """ReplicaPlan (scope "global") with the same replica slots in every micro-batch and the tokens of a
     replicated expert split evenly over its copies (home included).
 
     Args:
-        expert_gpu: ``[L, E]`` homes; slots: ``[L, G, r]`` replica slots (-1 empty).
+        expert_gpu: ``[L, E]`` homes; replica_expert: ``[L, G, r]`` expert in each replica slot (-1 empty), the
+            same in every micro-batch.
         x: ``[M, L, G, E]`` loads; split rows are written only where ``x > 0`` (other sources send nothing).
     """
     x = np.asarray(x)
     M, L, G, E = x.shape
-    r = slots.shape[2]
-    rep = np.broadcast_to(slots[None], (M, L, G, r)).copy()
+    r = replica_expert.shape[2]
+    rep = np.broadcast_to(replica_expert[None], (M, L, G, r)).copy()
     rows: list[np.ndarray] = []
     shares: list[np.ndarray] = []
     for l in range(L):
-        for e in np.unique(slots[l][slots[l] >= 0]):
-            holders = np.concatenate([[expert_gpu[l, e]], np.flatnonzero((slots[l] == e).any(axis=1))])
+        for e in np.unique(replica_expert[l][replica_expert[l] >= 0]):
+            holders = np.concatenate([[expert_gpu[l, e]], np.flatnonzero((replica_expert[l] == e).any(axis=1))])
             ms, js = np.nonzero(x[:, l, :, e] > 0)
             if len(ms) == 0:
                 continue

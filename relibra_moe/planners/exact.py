@@ -103,13 +103,13 @@ def split_lp_reference(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np
     return float(prob.value) * scale * w.sec_per_token, shares
 
 
-def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
+def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, replica_slots: int,
                time_limit: float = 60.0, mip_rel_gap: float = 1e-4) -> MilpSolution:
     """The full replication MILP of one cell (docs/method.md, "Replication and the token split"), by HiGHS via cvxpy.
 
     Args:
         x: ``[G, E]`` tokens per (source GPU, expert); expert_gpu: ``[E]`` homes.
-        slots: r, replica slots per GPU.
+        replica_slots: r, replica slots per GPU.
         time_limit: seconds HiGHS may spend; when hit, ``optimal`` is False and ``bound`` is the best bound.
         mip_rel_gap: relative gap at which HiGHS stops.
     """
@@ -120,7 +120,7 @@ def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster:
     G, E = x.shape
     if G != cluster.num_gpus or expert_gpu.shape != (E,):
         raise PlanError(f"x {x.shape} / expert_gpu {expert_gpu.shape} do not match G={cluster.num_gpus}")
-    check_int("slots", slots, 0)
+    check_int("replica_slots", replica_slots, 0)
     P = cluster.gpus_per_node
     node = np.arange(G) // P
     in_node = (node[expert_gpu][:, None] == node[None, :]).astype(np.float64)  # [E, G]
@@ -129,7 +129,7 @@ def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster:
     Z = cp.Variable((E, G), boolean=True)
     R = np.kron(np.ones((G, 1)), np.eye(E))  # row (j, e) -> e
     cons += [Y <= R @ Z, Z >= home, cp.multiply(Z, 1.0 - in_node) == 0,
-             cp.sum(cp.multiply(Z, 1.0 - home), axis=0) <= slots]
+             cp.sum(cp.multiply(Z, 1.0 - home), axis=0) <= replica_slots]
     prob = cp.Problem(cp.Minimize(a + b), cons)
     prob.solve(solver=cp.HIGHS, time_limit=float(time_limit), mip_rel_gap=float(mip_rel_gap))
     if Y.value is None:
@@ -139,9 +139,9 @@ def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster:
     # a time-limited solve may hand back rows that serve nothing: send those tokens home
     shares = np.where(tot > 1e-9, shares / np.where(tot > 1e-9, tot, 1.0), home[None, :, :])
     zr = np.round(Z.value) * (1.0 - home)
-    rep = np.full((G, max(slots, 0)), -1, np.int32)
+    rep = np.full((G, max(replica_slots, 0)), -1, np.int32)
     for g in range(G):
-        es = np.flatnonzero(zr[:, g] > 0.5)[:slots]
+        es = np.flatnonzero(zr[:, g] > 0.5)[:replica_slots]
         rep[g, :len(es)] = es
     t = _shares_cost(x, shares, model, cluster)
     bound = t

@@ -36,31 +36,31 @@ __all__ = ["lplb_copies", "lplb_replicas", "lplb_cells_task"]
 
 
 def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, gpus_per_node: int,
-                slots: int) -> np.ndarray:
+                replica_slots: int) -> np.ndarray:
     """int32 ``[G, r]`` the ring topology's copies for one layer.
 
     Args:
         expert_gpu: ``[E]`` homes; expert_load: ``[E]`` tokens of each expert in the batch.
         num_gpus: G; gpus_per_node: P (with P = 1 there is nowhere to copy: every slot stays empty).
-        slots: r copies per GPU (fewer when the predecessor homes fewer experts).
+        replica_slots: r copies per GPU (fewer when the predecessor homes fewer experts).
     """
     expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
     expert_load = np.asarray(expert_load, dtype=np.float64)
     if expert_load.shape != expert_gpu.shape:
         raise PlanError(f"expert_load has shape {expert_load.shape}, expected {expert_gpu.shape}")
-    check_int("slots", slots, 0)
+    check_int("replica_slots", replica_slots, 0)
     G = int(num_gpus)
     if G % gpus_per_node:
         raise PlanError(f"num_gpus={G} is not a multiple of gpus_per_node={gpus_per_node}")
     check_index_range("expert_gpu", expert_gpu, 0, G)
-    out = np.full((G, slots), -1, np.int32)
-    if gpus_per_node < 2 or slots <= 0:
+    out = np.full((G, replica_slots), -1, np.int32)
+    if gpus_per_node < 2 or replica_slots <= 0:
         return out
     for g in range(G):
         node, rail = divmod(g, gpus_per_node)
         pred = node * gpus_per_node + (rail - 1) % gpus_per_node
         mine = np.flatnonzero(expert_gpu == pred)
-        mine = mine[np.argsort(-expert_load[mine], kind="stable")][:slots]
+        mine = mine[np.argsort(-expert_load[mine], kind="stable")][:replica_slots]
         mine = mine[expert_load[mine] > 0]
         out[g, :len(mine)] = mine
     return out
@@ -106,13 +106,13 @@ def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBa
                      fallbacks, M, L, G, replica_slots)
 
 
-def lplb_cells_task(loads: np.ndarray, homes: np.ndarray, copies: np.ndarray, model: ModelSpec,
+def lplb_cells_task(loads: np.ndarray, expert_gpu: np.ndarray, copies: np.ndarray, model: ModelSpec,
                     cluster: ClusterSpec, split: str) -> list[CellResult]:
-    """One executor task: the split of cells ``loads [C, G, E]`` (tokens) with homes ``[C, E]`` and their layer's
-    fixed copies ``[C, G, r]``; ``split`` "lp" (``split.solve_split_lp``) or "fast" (``split.fast_split``)."""
+    """One executor task: the split of cells ``loads [C, G, E]`` (tokens) with homes ``expert_gpu [C, E]`` and their
+    layer's fixed copies ``[C, G, r]``; ``split`` "lp" (``split.solve_split_lp``) or "fast" (``split.fast_split``)."""
     solve = solve_split_lp if split == "lp" else fast_split
     out = []
     for i in range(len(loads)):
-        sol = solve(loads[i], homes[i], copies[i], model, cluster)
+        sol = solve(loads[i], expert_gpu[i], copies[i], model, cluster)
         out.append(CellResult(copies[i], sol.rows, sol.share, sol.t_moe))
     return out

@@ -55,10 +55,10 @@ def online_step_seconds(comp: float, comm: float, push: float, attn_fwd: float) 
     return cell_step_seconds(comp, comm, push, attn_fwd, fetch=REPLICA_FETCH)
 
 
-def online_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
-                attn_fwd: float) -> CellResult:
-    """One micro-batch and layer: the greedy + split with 0 .. ``slots`` slots per GPU, the one with the lowest
-    ``online_step_seconds`` (ties keep more replicas).
+def online_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                replica_slots: int, attn_fwd: float) -> CellResult:
+    """One micro-batch and layer: the greedy + split with 0 .. ``replica_slots`` slots per GPU, the one with the
+    lowest ``online_step_seconds`` (ties keep more replicas).
 
     Args:
         x: ``[G, E]`` true tokens per (source GPU, expert) of the cell; expert_gpu: ``[E]`` homes.
@@ -68,12 +68,13 @@ def online_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster
     eg = np.ascontiguousarray(expert_gpu, dtype=np.int64)
     G = cluster.num_gpus
     best, best_t = None, np.inf
-    for c in range(slots, -1, -1):
+    for c in range(replica_slots, -1, -1):
         if c == 0:
-            cand = CellResult(np.full((G, slots), -1, np.int32), np.zeros((0, 3), np.int32), np.zeros(0), 0.0)
+            cand = CellResult(np.full((G, replica_slots), -1, np.int32), np.zeros((0, 3), np.int32), np.zeros(0),
+                              0.0)
         else:
             r = replicate_cell_greedy(x, eg, model, cluster, c)
-            pad = np.full((G, slots), -1, np.int32)
+            pad = np.full((G, replica_slots), -1, np.int32)
             pad[:, :c] = r.replica_expert
             cand = CellResult(pad, r.rows, r.share, r.t_moe)
         comp, comm, push = cell_step_terms(x, eg, cand, model, cluster)
@@ -82,17 +83,19 @@ def online_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster
             cand = cand._replace(t_moe=comp + comm)
         if t < best_t * (1 - 1e-12):
             best, best_t = cand, t
-        if (c == slots and push <= replica_push_overlap(attn_fwd, comm, REPLICA_FETCH)
+        if (c == replica_slots and push <= replica_push_overlap(attn_fwd, comm, REPLICA_FETCH)
                 and push <= attention_backward(attn_fwd)):
             break  # fully hidden: fewer replicas cannot be faster
     assert best is not None
     return best
 
 
-def online_cells_task(loads: np.ndarray, homes: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
-                      attn: np.ndarray) -> list[CellResult]:
-    """One executor task: ``online_cell`` on cells ``loads [C, G, E]`` with homes ``[C, E]`` and ``attn [C]`` s."""
-    return [online_cell(loads[i], homes[i], model, cluster, slots, float(attn[i])) for i in range(len(loads))]
+def online_cells_task(loads: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                      replica_slots: int, attn: np.ndarray) -> list[CellResult]:
+    """One executor task: ``online_cell`` on cells ``loads [C, G, E]`` with homes ``expert_gpu [C, E]`` and
+    ``attn [C]`` seconds."""
+    return [online_cell(loads[i], expert_gpu[i], model, cluster, replica_slots, float(attn[i]))
+            for i in range(len(loads))]
 
 
 def online_replicas(placement: Placement, samples: SamplePlacement, x: np.ndarray, model: ModelSpec,

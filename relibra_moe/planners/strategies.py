@@ -461,16 +461,16 @@ def replicated_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, x: np.
                  + moe_step_seconds(comp, comm).sum() + relayout)
 
 
-def padded(replicas: ReplicaPlan | None, num_micro_batches: int, num_layers: int, num_gpus: int, slots: int
-           ) -> ReplicaPlan:
-    """``replicas`` with ``slots`` slots per GPU (empty ones appended; None: no replicas), so that every portfolio
-    candidate has the ``[M, L, G, r]`` shape of relibra's plans."""
+def padded(replicas: ReplicaPlan | None, num_micro_batches: int, num_layers: int, num_gpus: int,
+           replica_slots: int) -> ReplicaPlan:
+    """``replicas`` with ``replica_slots`` slots per GPU (empty ones appended; None: no replicas), so that every
+    portfolio candidate has the ``[M, L, G, r]`` shape of relibra's plans."""
     if replicas is None:
-        return ReplicaPlan.empty(num_micro_batches, num_layers, num_gpus, slots)
+        return ReplicaPlan.empty(num_micro_batches, num_layers, num_gpus, replica_slots)
     rep = replicas.replica_expert
-    if rep.shape[-1] >= slots:
+    if rep.shape[-1] >= replica_slots:
         return replicas
-    pad = np.full(rep.shape[:-1] + (slots - rep.shape[-1],), -1, np.int32)
+    pad = np.full(rep.shape[:-1] + (replica_slots - rep.shape[-1],), -1, np.int32)
     return dataclasses.replace(replicas, replica_expert=np.concatenate([rep, pad], axis=-1))
 
 
