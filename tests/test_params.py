@@ -72,6 +72,12 @@ def test_round_params_split_the_budget_over_the_rounds():
     (lambda: LocalityParams(tol=-1), "tol=-1 must be a finite number >= 0"),
     (lambda: LocalityParams(iters=True), "iters=True must be an int >= 0"),
     (lambda: LocalityParams(token_cap=100, keep_cell_sizes=True), "token_cap=100 moves samples"),
+    (lambda: LocalityParams(token_cap=0), "token_cap=0 must be an int >= 1"),
+    (lambda: LocalityParams(repack="yes"), "repack must be a bool, got 'yes'"),
+    (lambda: ReorderParams(smooth=1), "smooth must be a bool, got 1"),
+    (lambda: ReorderParams(skew_cap=-0.1), "skew_cap=-0.1 must be a finite number >= 0"),
+    (lambda: ReorderParams(t0_frac=0.0), "t0_frac=0.0 must be a finite number > 0"),
+    (lambda: LocalityParams(comp_weight=float("inf")), "comp_weight=inf must be a finite number > 0"),
 ])
 def test_bad_params_name_the_field(make, match):
     with pytest.raises(PlanError, match=match):

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from ..cost import DEFAULT_BETA
 from ..errors import PlanError
-from ..validate import check_choice, check_nonnegative, check_optional_int, check_positive
+from ..validate import check_bool, check_choice, check_nonnegative, check_optional_int, check_positive
 from .options import DEFAULT_TOL, OBJECTIVES, PlanOptions
 
 __all__ = ["ReorderParams", "LocalityParams", "default_iters", "default_locality_iters", "reorder_params",
@@ -53,6 +53,13 @@ def default_locality_iters(num_samples: int, num_layers: int, num_gpus: int, rep
     return int(max(min(want, budget / max(1, num_layers * num_gpus)), 200))
 
 
+def _check_annealing(t0_frac: float, eps_frac: float, comp_weight: float) -> None:
+    """The checks both parameter objects share: temperatures and the compute weight finite and > 0."""
+    check_positive("t0_frac", t0_frac)
+    check_positive("eps_frac", eps_frac)
+    check_positive("comp_weight", comp_weight)
+
+
 @dataclass(frozen=True)
 class ReorderParams:
     """How the expert homes are annealed (``reorder.anneal_layer``, one layer and seed), validated on construction.
@@ -82,6 +89,12 @@ class ReorderParams:
         check_choice("objective", self.objective, OBJECTIVES)
         check_positive("beta", self.beta)
         check_optional_int("iters", self.iters, 0)
+        _check_annealing(self.t0_frac, self.eps_frac, self.comp_weight)
+        if self.smooth is not None:
+            check_bool("smooth", self.smooth)
+        check_bool("node_comp", self.node_comp)
+        if self.skew_cap is not None:
+            check_nonnegative("skew_cap", self.skew_cap)
 
     @property
     def smoothed(self) -> bool:
@@ -127,7 +140,11 @@ class LocalityParams:
     def __post_init__(self) -> None:
         check_nonnegative("tol", self.tol)
         check_optional_int("iters", self.iters, 0)
+        check_optional_int("token_cap", self.token_cap, 1)
         check_positive("beta", self.beta)
+        _check_annealing(self.t0_frac, self.eps_frac, self.comp_weight)
+        for name in ("repack", "smooth", "keep_cell_sizes"):
+            check_bool(name, getattr(self, name))
         if self.keep_cell_sizes and self.token_cap is not None:
             raise PlanError(f"token_cap={self.token_cap} moves samples between micro-batches of different sizes; "
                             "keep_cell_sizes=True keeps every cell's sample count: drop one of them")
