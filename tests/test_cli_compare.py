@@ -12,7 +12,6 @@ from relibra_moe.cli import main
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.sim import simulate_step
 from relibra_moe.specs import cluster_preset, model_preset
-from relibra_moe.steady import restrict_layers
 from relibra_moe.trace import RoutingTrace, TraceBatch
 
 
@@ -55,7 +54,7 @@ def test_compare_single_batch_matches_library(trace_file, tmp_path, capsys):
     assert "sum T_MoE" in text and "moves free" in text
     model = model_preset("gpt-oss-20b").with_(num_layers=2)
     cluster = cluster_preset(nodes=2, gpus_per_node=2)  # the default preset
-    small = restrict_layers(TraceBatch.load(path), 2)
+    small = TraceBatch.load(path).restrict_layers(2)
     for name, v in res["strategies"].items():
         r = 1 if name != "static" else 0
         plan = plan_batch(small, model, cluster, name, replica_slots=r)

@@ -200,8 +200,8 @@ def test_bad_inputs(chain):
 def test_demo_section_quick_synthetic_only():
     import json
 
+    from relibra_moe.commands.demo_steady import DEMO_STRATEGIES, demo_steady_state
     from relibra_moe.plan import json_default
-    from relibra_moe.steady import DEMO_STRATEGIES, demo_steady_state
 
     rep = demo_steady_state(["qwen3-30b-a3b/mixed"], quick=True)
     assert list(rep["cases"]) == ["qwen3-30b-a3b/drift/steady"] and rep["targets"] == []
@@ -213,7 +213,7 @@ def test_demo_section_quick_synthetic_only():
 
 
 def test_steady_targets_thresholds():
-    from relibra_moe.steady import steady_targets
+    from relibra_moe.commands.demo_steady import steady_targets
 
     res = {"qwen3-235b-a22b/drift/steady": {"reference": "relibra", "speedup": {
                "relibra": 1.0, "eplb-history": 1.12, "online": 1.04, "static": 1.3}},

@@ -110,7 +110,7 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     """
     import numpy as np
 
-    from ..steady import consecutive_batches, consecutive_indices, restrict_layers, run_steady
+    from ..steady import consecutive_batches, consecutive_indices, run_steady
     from ..trace import TraceBatch
     from ..validate import check_choice
 
@@ -136,7 +136,7 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
                         "--micro-batch-size B")
     if layers is not None and layers > model.num_layers:
         raise PlanError(f"--layers={layers} exceeds the {model.num_layers} MoE layers of {model.name}")
-    batch = restrict_layers(batch, layers)
+    batch = batch.restrict_layers(layers)
     model = model.with_(num_layers=batch.num_layers)
     seq = consecutive_batches(batch, batches)
     ranks = load_sample_gpu(sample_gpu_path, sample_owner, batch.num_sequences)

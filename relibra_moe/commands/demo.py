@@ -31,6 +31,7 @@ import numpy as np
 from .. import report
 from ..errors import PlanError, RelibraError
 from ..plan import json_default
+from .demo_steady import demo_steady_state
 
 DOMAINS = ("math", "code", "instruction", "mixed")
 PAPER_CLUSTERS = {"qwen3-30b-a3b": (2, 8), "glm4.5-106b-a12b": (4, 8), "qwen3-235b-a22b": (4, 8)}
@@ -111,18 +112,6 @@ def select_scenarios(scenarios: list[Scenario], patterns: list[str] | None) -> l
 
 
 # ---------------------------------------------------------------------------------------- batches
-def _restrict_layers(batch: Any, layers: int | None) -> Any:
-    """The batch with only its first ``layers`` MoE layers (count-built; enough to plan and simulate)."""
-    from ..trace import TraceBatch
-
-    if layers is None or layers >= batch.num_layers:
-        return batch
-    counts = batch.sample_expert_counts()[:, :layers]
-    return TraceBatch.from_counts(counts, batch.top_k, batch.layer_ids[:layers], starts=batch.starts,
-                                  micro_batch=batch.micro_batch, source=batch.source,
-                                  sample_info=dict(batch.sample_info))
-
-
 def build_batch(sc: Scenario, seed: int) -> Any:
     """The scenario's TraceBatch (micro-batches assigned; layers restricted as the scenario says)."""
     from ..specs import model_preset
@@ -140,7 +129,7 @@ def build_batch(sc: Scenario, seed: int) -> Any:
                          sc.num_samples // responses, responses_per_prompt=responses, seed=seed,
                          micro_batch_size=sc.micro_batch_size)
     batch = batch.with_micro_batch_size(sc.micro_batch_size)
-    return _restrict_layers(batch, sc.layers)
+    return batch.restrict_layers(sc.layers)
 
 
 # --------------------------------------------------------------------------------------- planning
@@ -391,7 +380,6 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     for n in caveats:
         console.print(f"[yellow]note[/] {n}")
     plots = write_plots(out, results) if results else []
-    from ..steady import demo_steady_state  # the steady state of consecutive batches (relibra_moe.steady)
     rep = {
         "version": REPORT_VERSION, "quick": quick, "seed": seed, "workers": workers, "sample_owner": sample_owner,
         "strategies": strategies, "cluster_fabric": "hopper-rail", "simulator": "relibra_moe.sim",
