@@ -10,10 +10,10 @@ the simulator on that chain:
   (``planners.migration``), eplb-history relabels towards it and re-balances on its schedule
   (``planners.history.EplbSchedule``), eplb and lplb re-plan from scratch, static, balanced and online never
   move;
-- ``evaluate`` is the one evaluation used for everyone: the paper's metric, the sum of the forward T_MoE over
-  micro-batches and layers with moves free (``t_moe_s``), and the simulated step with the moves, the replica
-  traffic and the reorder traffic charged to every strategy alike (``step_s``, ``sim.simulate_step`` with
-  ``previous`` = the strategy's last placement);
+- ``evaluate_plan`` is the one evaluation used for everyone (a ``sim.StepResult``): the paper's metric, the sum
+  of the forward T_MoE over micro-batches and layers with moves free (``t_moe_s``), and the simulated step with
+  the moves, the replica traffic and the reorder traffic charged to every strategy alike (``step_s``,
+  ``sim.simulate_step`` with ``previous`` = the strategy's last placement);
 - the first step (from the static placement) is reported apart from the steady state (steps 2..K).
 
 Batch sequences: ``consecutive_batches`` splits a trace in arrival (file) order into K consecutive batches
@@ -35,7 +35,7 @@ from .plan import BatchPlan
 from .planners.history import EplbSchedule
 from .planners.options import HISTORY_STRATEGIES, RELIBRA_STRATEGIES, REPLICA_STRATEGIES
 from .planners.strategies import check_strategy, plan_batch
-from .sim import StepTime, simulate_step
+from .sim import StepResult, simulate_step
 from .specs import ClusterSpec, ModelSpec
 from .trace import TraceBatch
 from .validate import check_choice, check_int
@@ -161,32 +161,15 @@ def drifting_batches(model: ModelSpec, num_batches: int, num_prompts: int, *, re
 
 
 # ------------------------------------------------------------------------------------- evaluation
-def evaluate(plan: BatchPlan, step: StepTime, solve_s: float | None = None) -> dict[str, Any]:
-    """The row of the one evaluation of a plan (JSON-ready), read off its simulated step ``step``
-    (``sim.simulate_step``; ``evaluate_plan`` runs it): ``t_moe_s`` (sum of the forward T_MoE, moves free: the
-    paper's metric; the simulator builds it from ``evaluate.plan_loads`` / ``plan_flow`` and the cost model, so it
-    equals ``evaluate.score_plan``'s ``t_moe_total_s``), ``step_s`` (the simulated step, moves / replica / reorder
-    traffic charged: what ``relibra simulate`` prints), ``tokens``, ``tokens_per_s``, ``experts_moved``,
-    ``reorder_s``, ``replica_exposed_s``, ``rank_skew_mean`` (mean over cells of max GPU load / mean),
-    ``replica_mode``, ``solve_s`` (seconds, wall clock) and the ``breakdown``. Nothing is computed here."""
-    return {
-        "strategy": plan.stats.get("strategy"), "replica_slots": plan.replica_slots,
-        "t_moe_s": float(step.t_moe.sum()), "step_s": step.step_s, "tokens": step.tokens,
-        "tokens_per_s": step.tokens_per_s, "experts_moved": step.experts_moved, "reorder_s": step.reorder_s,
-        "replica_exposed_s": step.replica_exposed_s, "rank_skew_mean": float(step.rank_skew.mean()),
-        "replica_mode": step.replica_mode,
-        "solve_s": float(plan.stats.get("solve_seconds", float("nan")) if solve_s is None else solve_s),
-        "breakdown": step.breakdown,
-        **({"portfolio": plan.stats["portfolio"]["chosen"]} if "portfolio" in plan.stats else {}),
-    }
-
-
 def evaluate_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, *,
-                  previous: BatchPlan | None = None, solve_s: float | None = None) -> dict[str, Any]:
-    """``evaluate`` of ``simulate_step(plan, batch, ...)`` with the moves charged against ``previous``'s placement
-    (None: the static one), the same call as ``relibra simulate TRACE PLAN [--previous PREV]``."""
+                  previous: BatchPlan | None = None, solve_s: float | None = None) -> StepResult:
+    """The one evaluation of a plan: ``sim.StepResult`` of ``simulate_step(plan, batch, ...)`` with the moves
+    charged against ``previous``'s placement (None: the static one), the same call as
+    ``relibra simulate TRACE PLAN [--previous PREV]``. Its ``step.t_moe_s`` (sum of the forward T_MoE, moves
+    free: the paper's metric) equals ``evaluate.score_plan``'s ``t_moe_s``; ``step.step_s`` charges the moves,
+    replica and reorder traffic."""
     step = simulate_step(plan, batch, model, cluster, previous=None if previous is None else previous.placement)
-    return evaluate(plan, step, solve_s)
+    return StepResult.of(plan, step, solve_s)
 
 
 def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: ClusterSpec, strategy: str, *,
@@ -205,8 +188,9 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
     ranks ``sample_gpu[k]`` (int ``[N_k]``; None: round-robin in every batch).
 
     Returns:
-        (plans ``[K]``, evaluations ``[K]`` of ``evaluate`` with ``batch`` k and ``previous_moved``: the experts
-        whose home differs from the previous plan's, what the simulator charged).
+        (plans ``[K]``, evaluations ``[K]``: the ``StepResult.to_dict`` row of ``evaluate_plan`` with ``batch`` k
+        and ``num_micro_batches``; its ``experts_moved`` counts the experts whose home differs from the previous
+        plan's, what the simulator charged).
     """
     check_strategy(strategy)
     if not batches:
@@ -234,7 +218,7 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
         t0 = time.perf_counter()
         plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers, **opts)
         solve_s = time.perf_counter() - t0
-        row = evaluate_plan(plan, batch, model, cluster, previous=prev, solve_s=solve_s)
+        row = evaluate_plan(plan, batch, model, cluster, previous=prev, solve_s=solve_s).to_dict()
         schedule.observe(batch.sample_expert_counts().sum(axis=0))
         row["batch"] = k
         row["num_micro_batches"] = plan.num_micro_batches
@@ -273,7 +257,7 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
 
     Returns:
         ``{"num_batches", "tokens_per_batch", "replica_slots", "rebalance_every", "window", "sample_owner",
-        "strategies": {name: {"per_step": [...evaluate rows], "first": {...}, "steady": {...}}}, "speedup":
+        "strategies": {name: {"per_step": [...StepResult rows], "first": {...}, "steady": {...}}}, "speedup":
         {name: steady tokens/s of ``reference`` over that of name}, "speedup_first": the same on the first step}``;
         with "both", ``strategies`` holds the planner-owned runs and ``trainer`` the trainer-owned ones (same
         layout), ``speedup`` / ``trainer_speedup`` are both against the planner-owned ``reference``, and

@@ -268,7 +268,7 @@ def test_simulate_step_matches_score_plan_including_balanced():
     for strategy in ("static", "balanced", "relibra"):
         plan = plan_batch(batch, model, CLUSTER, strategy, replica_slots=1, seed=5)
         st_ = simulate_step(plan, batch, model, CLUSTER)
-        assert st_.t_moe.sum() == pytest.approx(score_plan(plan, batch, model, CLUSTER)["t_moe_total_s"])
+        assert st_.t_moe.sum() == pytest.approx(score_plan(plan, batch, model, CLUSTER).t_moe_s)
         assert st_.tokens == int(counts[:, 0].sum() // 2)
     with pytest.raises(PlanError, match=r"batch has L=2, E=8; model tiny has L=2, E=16"):
         simulate_step(plan, batch, model.with_(num_experts=16), CLUSTER)

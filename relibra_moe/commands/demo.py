@@ -174,7 +174,7 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
     """
     from ..metrics import load_summary
     from ..planners.strategies import REPLICA_STRATEGIES
-    from ..sim import simulate_step
+    from ..sim import StepResult, simulate_step
     from ..specs import cluster_preset, model_preset
 
     t0 = time.perf_counter()
@@ -208,24 +208,20 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
         solve_s = time.perf_counter() - t1
         step = simulate_step(plan, batch, model, cluster, balanced=strategy == "balanced")
         results[label] = {
-            "strategy": strategy, "repack": repack, "sample_owner": owner, "replica_slots": plan.replica_slots,
-            "step_s": step.step_s, "tokens_per_s": step.tokens_per_s, "t_moe_fwd_s": float(step.t_moe.sum()),
-            "rank_skew_mean": float(step.rank_skew.mean()), "solve_s": solve_s,
-            "experts_moved": step.experts_moved, "replica_mode": step.replica_mode,
-            "breakdown": step.breakdown,
-            "rank_skew_per_micro_batch": step.rank_skew.mean(axis=1).tolist(),
+            **StepResult.of(plan, step, solve_s).to_dict(), "strategy": strategy, "repack": repack,
+            "sample_owner": owner, "rank_skew_per_micro_batch": step.rank_skew.mean(axis=1).tolist(),
         }
         details[label] = step
         if advance is not None:
             advance()
     base = results["static" if "static" in results else "static (trainer)"]["tokens_per_s"]
     bal = results.get("balanced", {}).get("tokens_per_s")
-    bal_moe = results.get("balanced", {}).get("t_moe_fwd_s")
+    bal_moe = results.get("balanced", {}).get("t_moe_s")
     for r in results.values():
         r["speedup_vs_static"] = r["tokens_per_s"] / base
-        r["pct_of_balanced"] = 100.0 * r["tokens_per_s"] / bal if bal else float("nan")
+        r["percent_of_balanced_throughput"] = 100.0 * r["tokens_per_s"] / bal if bal else float("nan")
         # The cost-model view (what `relibra score` reports): sum of the forward T_MoE only.
-        r["pct_of_balanced_moe"] = 100.0 * bal_moe / r["t_moe_fwd_s"] if bal_moe else float("nan")
+        r["percent_of_balanced"] = 100.0 * bal_moe / r["t_moe_s"] if bal_moe else float("nan")
         r["reorder_share"] = r["breakdown"]["reorder"] / r["step_s"]
         r["replica_share"] = r["breakdown"]["replica_exposed"] / r["step_s"]
     res["strategies"] = results
@@ -262,12 +258,13 @@ def check_targets(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
             add("qwen3-235b-a22b/mixed: relibra vs eplb", mixed["relibra"]["tokens_per_s"]
                 / mixed["eplb"]["tokens_per_s"], 1.05, "x")
         if "balanced" in mixed:
-            add("qwen3-235b-a22b/mixed: relibra % of balanced", mixed["relibra"]["pct_of_balanced"], 90.0, "%")
+            add("qwen3-235b-a22b/mixed: relibra % of balanced",
+                mixed["relibra"]["percent_of_balanced_throughput"], 90.0, "%")
     ep8 = by.get("gpt-oss-ep8", {})
     if "relibra" in ep8 and "balanced" in ep8:
-        add("gpt-oss-ep8 (r=2): relibra % of balanced", ep8["relibra"]["pct_of_balanced"], 90.0, "%")
+        add("gpt-oss-ep8 (r=2): relibra % of balanced", ep8["relibra"]["percent_of_balanced_throughput"], 90.0, "%")
         # For reference, the same on the cost model alone (sum of T_MoE, no reorder or replica traffic).
-        add("gpt-oss-ep8 (r=2): relibra % of balanced, sum T_MoE only", ep8["relibra"]["pct_of_balanced_moe"],
+        add("gpt-oss-ep8 (r=2): relibra % of balanced, sum T_MoE only", ep8["relibra"]["percent_of_balanced"],
             90.0, "%")
     return out
 

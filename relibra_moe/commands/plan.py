@@ -320,29 +320,31 @@ def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cl
 
 
 def _score(plan, batch, model, cluster, balanced: bool, allow_unfingerprinted: bool = False) -> dict[str, Any]:
-    from ..evaluate import balanced_t_moe, json_summary, score_plan
+    """``PlanScore.to_dict`` of ``plan`` on ``batch`` (with ``balanced``: ``percent_of_balanced`` and the Balanced
+    ideal's ``balanced_t_moe_s``)."""
+    from ..evaluate import balanced_t_moe, score_plan
 
     bal = None
     if balanced:
         bal = balanced_t_moe(batch, model, cluster, seed=int(plan.stats.get("seed", 0)),
                              micro_batch=plan.samples.micro_batch)
-    out = json_summary(score_plan(plan, batch, model, cluster, balanced_total_s=bal,
-                                  allow_missing_fingerprint=allow_unfingerprinted))
+    out = score_plan(plan, batch, model, cluster, balanced_total_s=bal,
+                     allow_missing_fingerprint=allow_unfingerprinted).to_dict()
     if bal is not None:
-        out["balanced_total_s"] = bal
+        out["balanced_t_moe_s"] = bal
     return out
 
 
 def _step(plan, batch, model, cluster, previous: Placement | None, previous_path: str | None,
           allow_unfingerprinted: bool = False) -> dict[str, Any]:
-    """The simulated step of ``plan`` (moves charged against ``previous``, else the static placement; replica and
-    reorder traffic charged): the same call and figures as ``relibra simulate``, for every strategy alike."""
+    """``StepTime.to_dict`` of ``plan``'s simulated step (moves charged against ``previous``, else the static
+    placement; replica and reorder traffic charged) and ``moves_charged_against``: the same call and figures as
+    ``relibra simulate``, for every strategy alike."""
     from ..sim import simulate_step
 
     step = simulate_step(plan, batch, model, cluster, previous=previous,
                          allow_missing_fingerprint=allow_unfingerprinted)
-    return {"step_s": step.step_s, "experts_moved": step.experts_moved, "reorder_s": step.reorder_s,
-            "replica_exposed_s": step.replica_exposed_s, "moves_charged_against": previous_path or "static"}
+    return {**step.to_dict(), "moves_charged_against": previous_path or "static"}
 
 
 def plan_file(args: argparse.Namespace) -> dict[str, Any]:
@@ -385,7 +387,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
                                        "gpus_per_node": cluster.gpus_per_node, "dispatcher": cluster.dispatcher}}
     out.update(_score(plan, batch, model, cluster, args.balanced))
     out.update(_step(plan, batch, model, cluster, previous, args.previous))
-    out["solve_seconds"] = float(plan.stats["solve_seconds"])
+    out["solve_s"] = float(plan.stats["solve_seconds"])
     out["replica_slots"] = plan.replica_slots
     out["repack"] = bool(args.repack)
     out["seed"] = args.seed
@@ -419,13 +421,13 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
     from rich.table import Table
 
     t = Table(title=f"{res.get('strategy')} on {res['trace']}",
-              caption="t_moe_total_s: sum of T_MoE, moves free (the paper's metric); step_s: simulated step, "
+              caption="t_moe_s: sum of T_MoE, moves free (the paper's metric); step_s: simulated step, "
                       f"moves (against {res.get('moves_charged_against', 'static')}), replica and reorder traffic "
                       "charged (relibra simulate)")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for k in ("t_moe_total_s", "step_s", "experts_moved", "comp_total_s", "comm_total_s", "rank_skew_mean",
-              "rank_skew_max", "percent_of_balanced", "solve_seconds", "num_micro_batches", "sample_owner"):
+    for k in ("t_moe_s", "step_s", "experts_moved", "moe_fwd_comp_s", "moe_fwd_comm_s", "rank_skew_mean",
+              "rank_skew_max", "percent_of_balanced", "solve_s", "num_micro_batches", "sample_owner"):
         if k in res:
             v = res[k]
             t.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
