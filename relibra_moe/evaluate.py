@@ -28,8 +28,8 @@ from .specs import ClusterSpec, ModelSpec
 from .trace import TraceBatch
 from .validate import check_positive
 
-__all__ = ["batch_sha1", "check_batch_type", "check_plan_batch", "placement_loads", "plan_loads", "plan_flow",
-           "balanced_loads", "balanced_sources", "balanced_plan_loads", "balanced_t_moe", "uniform_loads",
+__all__ = ["batch_sha1", "check_batch_type", "check_batch_model", "check_plan_batch", "placement_loads", "plan_loads",
+           "plan_flow", "balanced_loads", "balanced_sources", "balanced_plan_loads", "balanced_t_moe", "uniform_loads",
            "PlanScore", "score_plan"]
 
 
@@ -50,6 +50,14 @@ def check_batch_type(batch: object) -> None:
         raise PlanError(f"batch must be a TraceBatch, got {type(batch).__name__}")
 
 
+def check_batch_model(batch: TraceBatch, model: ModelSpec, where: str = "batch") -> None:
+    """Raise PlanError unless ``batch``'s L and E are ``model``'s; ``where`` names the batch in the message
+    (e.g. ``"trace FILE"``)."""
+    if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
+        raise PlanError(f"{where} has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
+                        f"L={model.num_layers}, E={model.num_experts}")
+
+
 def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, *,
                      allow_missing_fingerprint: bool = False) -> None:
     """Raise PlanError unless ``plan`` is a BatchPlan and ``batch`` a TraceBatch that fits ``model`` and is the batch
@@ -60,9 +68,7 @@ def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, *,
     if not isinstance(plan, BatchPlan):
         raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
     check_batch_type(batch)
-    if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
-        raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
-                        f"L={model.num_layers}, E={model.num_experts}")
+    check_batch_model(batch, model)
     if (plan.num_layers, plan.num_experts) != (model.num_layers, model.num_experts):
         raise PlanError(f"plan has L={plan.num_layers}, E={plan.num_experts}; model {model.name} has "
                         f"L={model.num_layers}, E={model.num_experts}")

@@ -103,7 +103,7 @@ def test_compare_bad_arguments(trace_file, capsys, args, message):
 def test_compare_trace_for_another_model_and_no_assignment(trace_file, tmp_path, capsys):
     path, batch = trace_file
     rc, _, err = _run(["compare", str(path), "--model", "qwen3-30b-a3b", "--nodes", "2"], capsys)
-    assert rc == 1 and "model qwen3-30b-a3b has 48 and 128" in err
+    assert rc == 1 and "model qwen3-30b-a3b has L=48, E=128" in err
     bare = tmp_path / "bare.npz"
     TraceBatch(batch.traces).save(bare)
     rc, _, err = _run(["compare", str(bare), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2"],

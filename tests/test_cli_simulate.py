@@ -72,7 +72,7 @@ def test_simulate_model_mismatch_is_an_error(files, capsys):
     _, _, trace_path, plan_path, _ = files
     assert main(["simulate", str(trace_path), str(plan_path), "--model", "qwen3-30b-a3b"]) == 1
     err = capsys.readouterr().err
-    assert "PlanError" in err and "24 MoE layers and 32 experts" in err
+    assert "PlanError" in err and "has L=24, E=32" in err
     assert main(["simulate", str(trace_path), str(plan_path), "--model", "nope"]) == 1
     assert "unknown model preset 'nope'" in capsys.readouterr().err
 
