@@ -105,7 +105,7 @@ def run_scenario(name: str, rows: list[tuple[str, str, dict]], workers: int, see
     static_total = None
     for label, strategy, kw in rows:
         plan = plan_batch(batch, model, cluster, strategy, seed=seed, workers=workers, **kw)
-        s = score_plan(plan, batch, model, cluster, balanced_total_s=bal)
+        s = score_plan(plan, batch, model, cluster, balanced_t_moe_s=bal)
         if strategy == "static" and not kw:
             static_total = s.t_moe_s
         results.append({

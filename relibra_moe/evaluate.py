@@ -185,14 +185,14 @@ class PlanScore:
 
 
 def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, *,
-               balanced_total_s: float | None = None, beta: float = DEFAULT_BETA,
+               balanced_t_moe_s: float | None = None, beta: float = DEFAULT_BETA,
                allow_missing_fingerprint: bool = False) -> PlanScore:
     """Exact cost of a plan on a batch.
 
     Args:
         plan: a BatchPlan for ``model`` and ``cluster`` (validated here).
         batch: the TraceBatch the plan was made for (same samples; ``check_plan_batch``).
-        balanced_total_s: the Balanced ideal's sum of T_MoE (``balanced_t_moe``); when given, the result's
+        balanced_t_moe_s: the Balanced ideal's sum of T_MoE (``balanced_t_moe``); when given, the result's
             ``percent_of_balanced = 100 * balanced / t_moe_s``.
         allow_missing_fingerprint: score a plan without ``stats["batch_sha1"]`` (``check_plan_batch``).
 
@@ -205,8 +205,8 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
     check_plan_batch(plan, batch, model, allow_missing_fingerprint=allow_missing_fingerprint)
     plan.validate(model, cluster, num_samples=batch.num_sequences)
     check_positive("beta", beta)
-    if balanced_total_s is not None:
-        check_positive("balanced_total_s", balanced_total_s)
+    if balanced_t_moe_s is not None:
+        check_positive("balanced_t_moe_s", balanced_t_moe_s)
     G = cluster.num_gpus
     if plan.stats.get("strategy") == "balanced":
         x = balanced_plan_loads(plan, batch, model, G)
@@ -220,7 +220,7 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
         moe_fwd_comp_s=float(cost.comp.max(axis=-1).sum()), moe_fwd_comm_s=float(cost.comm.max(axis=-1).sum()),
         rank_skew_mean=float(cost.rank_skew.mean()), rank_skew_max=float(cost.rank_skew.max()),
         num_micro_batches=plan.num_micro_batches,
-        percent_of_balanced=None if balanced_total_s is None else 100.0 * float(balanced_total_s) / t_moe_s,
+        percent_of_balanced=None if balanced_t_moe_s is None else 100.0 * float(balanced_t_moe_s) / t_moe_s,
         t_moe=cost.t_moe)
 
 

@@ -182,7 +182,7 @@ def test_plan_batch_scores_match_reference_and_ordering():
     bal = balanced_t_moe(batch, MODEL, CLUSTER, seed=0)
     pb = plan_batch(batch, MODEL, CLUSTER, "balanced", seed=0)
     assert score_plan(pb, batch, MODEL, CLUSTER).t_moe_s == pytest.approx(bal, rel=1e-12)
-    s = score_plan(plans["static"], batch, MODEL, CLUSTER, balanced_total_s=bal)
+    s = score_plan(plans["static"], batch, MODEL, CLUSTER, balanced_t_moe_s=bal)
     assert s.percent_of_balanced == pytest.approx(100 * bal / scores["static"])
 
 
@@ -333,5 +333,5 @@ def test_score_plan_rejects_bad_beta_and_balanced_total():
     plan = plan_batch(batch, MODEL, CLUSTER, "static")
     with pytest.raises(PlanError, match="beta=-1.0 must be a finite number > 0"):
         score_plan(plan, batch, MODEL, CLUSTER, beta=-1.0)
-    with pytest.raises(PlanError, match="balanced_total_s=0.0 must be a finite number > 0"):
-        score_plan(plan, batch, MODEL, CLUSTER, balanced_total_s=0.0)
+    with pytest.raises(PlanError, match="balanced_t_moe_s=0.0 must be a finite number > 0"):
+        score_plan(plan, batch, MODEL, CLUSTER, balanced_t_moe_s=0.0)

@@ -329,7 +329,7 @@ def _score(plan, batch, model, cluster, balanced: bool, allow_unfingerprinted: b
     if balanced:
         bal = balanced_t_moe(batch, model, cluster, seed=int(plan.stats.get("seed", 0)),
                              micro_batch=plan.samples.micro_batch)
-    out = score_plan(plan, batch, model, cluster, balanced_total_s=bal,
+    out = score_plan(plan, batch, model, cluster, balanced_t_moe_s=bal,
                      allow_missing_fingerprint=allow_unfingerprinted).to_dict()
     if bal is not None:
         out["balanced_t_moe_s"] = bal
