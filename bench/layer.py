@@ -142,7 +142,7 @@ def main() -> None:
                       backend=backend, timeout_s=300)
             res = json.loads(Path(d, "result.json").read_text())
         res.update(name=name, strategy=strategy, replica_slots=slots,
-                   t_moe_model_ms=1e3 * float(score["t_moe_total_s"]) / max(plan.num_micro_batches, 1),
+                   t_moe_model_ms=1e3 * score.t_moe_s / max(plan.num_micro_batches, 1),
                    model_rank_skew=float(score["rank_skew_mean"]))
         rows.append(res)
     device = torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu"

@@ -34,7 +34,7 @@ from typing import Any
 
 from relibra_moe.plan import json_default
 from relibra_moe.specs import cluster_preset, model_preset
-from relibra_moe.steady import consecutive_batches, restrict_layers, run_steady
+from relibra_moe.steady import consecutive_batches, run_steady
 
 OUT = Path(__file__).resolve().parent / "results" / "never_lose"
 STRATEGIES = ("static", "eplb", "lplb", "eplb-history", "online", "relibra-inter", "relibra", "balanced")
@@ -93,7 +93,7 @@ def build(i: int):
     if domain is None:
         from relibra_moe.datasets import gpt_oss_batch
 
-        batch = restrict_layers(gpt_oss_batch(num_requests=n, seed=seed), layers).with_micro_batch_size(b)
+        batch = gpt_oss_batch(num_requests=n, seed=seed).restrict_layers(layers).with_micro_batch_size(b)
         return (consecutive_batches(batch, k) if k > 1 else [batch]), model, cluster
     from relibra_moe.synthetic import rl_batch
 

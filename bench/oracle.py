@@ -27,9 +27,13 @@ from typing import Any
 
 STRATEGY_NAMES = ("static", "lpt", "eplb", "lplb", "relibra-inter", "relibra", "balanced")
 SEEDS = (0, 1)
-SCORE_KEYS = ("t_moe_total_s", "t_moe_smooth_total_s", "comp_total_s", "comm_total_s", "rank_skew_mean",
-              "rank_skew_max")
-STEP_KEYS = ("step_s", "t_moe_fwd_s", "experts_moved", "reorder_bytes", "replica_push_s", "replica_pull_s")
+SCORE_KEYS = {"t_moe_total_s": "t_moe_s", "t_moe_smooth_total_s": "t_moe_smooth_s", "comp_total_s": "moe_fwd_comp_s",
+              "comm_total_s": "moe_fwd_comm_s", "rank_skew_mean": "rank_skew_mean", "rank_skew_max": "rank_skew_max"}
+STEP_KEYS = {"step_s": "step_s", "t_moe_fwd_s": "t_moe_s", "experts_moved": "experts_moved",
+             "reorder_bytes": "reorder_bytes", "replica_push_s": "replica_push_s", "replica_pull_s": "replica_pull_s"}
+"""The recorded figures: the key in the oracle file (the names the figures had when it was recorded, kept so that
+the record stays valid) -> the ``PlanScore`` field / ``StepTime.to_dict`` key of today (docs/architecture.md,
+"One name per figure")."""
 
 
 def _scenarios(seed: int) -> dict[str, tuple[Any, Any, Any]]:
@@ -80,12 +84,12 @@ def compute() -> dict[str, Any]:
                     # workers fixed: the Planner's default (the CPU count) sets num_seeds
                     plan = Planner(model, cluster, strategy=strategy, replica_slots=r, seed=seed, workers=2,
                                    executor="inline").plan(batch)
-                score = score_plan(plan, batch, model, cluster)
+                score = score_plan(plan, batch, model, cluster).to_dict()
                 step = simulate_step(plan, batch, model, cluster).to_dict()
                 cases[f"{name}/{strategy}/{via}/seed{seed}"] = {
                     "plan_sha256": _plan_sha(plan),
-                    "score": {k: score[k] for k in SCORE_KEYS},
-                    "step": {k: step[k] for k in STEP_KEYS},
+                    "score": {k: score[f] for k, f in SCORE_KEYS.items()},
+                    "step": {k: step[f] for k, f in STEP_KEYS.items()},
                 }
     skipped = [] if "gpt-oss-ep8" in have else ["gpt-oss-ep8 (traces absent)"]
     return {"cases": cases, "skipped": skipped}

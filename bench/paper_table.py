@@ -36,7 +36,7 @@ REPLICA_SLOTS = {"relibra": 2, "eplb": 2}
 PAPER = {
     "speedup_vs_static": "1.21-1.58x (Megatron-LM)",
     "speedup_vs_eplb_lplb": "1.06-1.21x",
-    "pct_of_balanced": "90-94%",
+    "percent_of_balanced_throughput": "90-94%",
     "ablation_qwen3_235b": {"reasoning": {"reorder": 1.12, "total": 1.46},
                             "mixed": {"reorder": 1.15, "total": 1.39}},
     "push_fwd_ms": "1-3 (attention fwd 3-6)",
@@ -55,11 +55,10 @@ def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any,
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.sim import simulate_step
     from relibra_moe.specs import model_preset
-    from relibra_moe.steady import restrict_layers
     from relibra_moe.synthetic import rl_batch
 
     full = model_preset(model_name)
-    batch = restrict_layers(rl_batch(full, domain[1], prompts, 4, seed=seed, micro_batch_size=32), layers)
+    batch = rl_batch(full, domain[1], prompts, 4, seed=seed, micro_batch_size=32).restrict_layers(layers)
     model = full.with_(num_layers=batch.num_layers)
     out: dict[str, Any] = {"model": model_name, "domain": domain[0], "synthetic_domain": domain[1],
                            "nodes": nodes, "gpus_per_node": cluster.gpus_per_node, "layers": layers,
@@ -126,7 +125,7 @@ def table(tag: str) -> str:
                  f"total "
                  f"{a['reasoning']['total']:.2f}x / {a['mixed']['total']:.2f}x (reasoning / mixed); over Megatron "
                  f"{PAPER['speedup_vs_static']}; over EPLB+/LPLB+ {PAPER['speedup_vs_eplb_lplb']}; "
-                 f"{PAPER['pct_of_balanced']} of Balanced; push {PAPER['push_fwd_ms']} ms; "
+                 f"{PAPER['percent_of_balanced_throughput']} of Balanced; push {PAPER['push_fwd_ms']} ms; "
                  f"pull {PAPER['pull_bwd_ms']} ms")
     return "\n".join(lines)
 

@@ -105,17 +105,17 @@ def run_scenario(name: str, rows: list[tuple[str, str, dict]], workers: int, see
     static_total = None
     for label, strategy, kw in rows:
         plan = plan_batch(batch, model, cluster, strategy, seed=seed, workers=workers, **kw)
-        s = score_plan(plan, batch, model, cluster, balanced_total_s=bal)
+        s = score_plan(plan, batch, model, cluster, balanced_t_moe_s=bal)
         if strategy == "static" and not kw:
-            static_total = s["t_moe_total_s"]
+            static_total = s.t_moe_s
         results.append({
-            "row": label, "strategy": strategy, "options": kw, "t_moe_total_ms": 1e3 * s["t_moe_total_s"],
-            "percent_of_balanced": s["percent_of_balanced"],
-            "percent_of_balanced_even": 100.0 * bal_even / s["t_moe_total_s"],
-            "rank_skew_mean": s["rank_skew_mean"], "solve_seconds": plan.stats["solve_seconds"],
+            "row": label, "strategy": strategy, "options": kw, "t_moe_total_ms": 1e3 * s.t_moe_s,
+            "percent_of_balanced": s.percent_of_balanced,
+            "percent_of_balanced_even": 100.0 * bal_even / s.t_moe_s,
+            "rank_skew_mean": s.rank_skew_mean, "solve_s": plan.stats["solve_seconds"],
             "timing": plan.stats.get("timing", {}),
         })
-        print(f"  {name}: {label:38s} {1e3 * s['t_moe_total_s']:9.2f} ms  {plan.stats['solve_seconds']:7.2f} s",
+        print(f"  {name}: {label:38s} {1e3 * s.t_moe_s:9.2f} ms  {plan.stats['solve_seconds']:7.2f} s",
               flush=True)
     for r in results:
         r["speedup_vs_static"] = static_total / (r["t_moe_total_ms"] / 1e3) if static_total else None
@@ -134,7 +134,7 @@ def print_table(res: dict) -> None:
     for r in res["rows"]:
         print(f"| {r['row']:38s} | {r['t_moe_total_ms']:12.2f} | {r['speedup_vs_static']:8.3f}x | "
               f"{r['percent_of_balanced']:9.1f}% | {r['percent_of_balanced_even']:10.1f}% | {r['rank_skew_mean']:9.3f} "
-              f"| {r['solve_seconds']:7.2f} |")
+              f"| {r['solve_s']:7.2f} |")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -111,7 +111,7 @@ def bench_gap(n: int, seed: int = 0, time_limit: float = 60.0) -> dict:
 def _score(plan, batch, model, cluster) -> float:
     from relibra_moe.evaluate import score_plan
 
-    return float(score_plan(plan, batch, model, cluster)["t_moe_total_s"])
+    return float(score_plan(plan, batch, model, cluster).t_moe_s)
 
 
 def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
@@ -134,14 +134,14 @@ def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
         t0 = time.perf_counter()
         plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers, **kw)
         dt = time.perf_counter() - t0
-        res[name] = {"replica_slots": r, "options": kw, "t_moe_total_s": _score(plan, batch, model, cluster),
+        res[name] = {"replica_slots": r, "options": kw, "t_moe_s": _score(plan, batch, model, cluster),
                      "solve_s": dt,
                      "timing": plan.stats.get("timing", {})}
-    bal = res["balanced"]["t_moe_total_s"]
+    bal = res["balanced"]["t_moe_s"]
     for v in res.values():
-        v["of_balanced"] = bal / v["t_moe_total_s"]
-    res["relibra_vs_eplb"] = res["eplb"]["t_moe_total_s"] / res["relibra"]["t_moe_total_s"]
-    res["relibra_vs_lplb"] = res["lplb"]["t_moe_total_s"] / res["relibra"]["t_moe_total_s"]
+        v["of_balanced"] = bal / v["t_moe_s"]
+    res["relibra_vs_eplb"] = res["eplb"]["t_moe_s"] / res["relibra"]["t_moe_s"]
+    res["relibra_vs_lplb"] = res["lplb"]["t_moe_s"] / res["relibra"]["t_moe_s"]
     return {"num_requests": num_requests, "micro_batches": batch.num_sequences // 8, "ep": "2x4", "results": res}
 
 
@@ -173,7 +173,7 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
             plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers,
                               **{**options, **kw})
             sc = score_plan(plan, batch, model, cluster)
-            row[name] = {"rank_skew_mean": float(sc["rank_skew_mean"]), "t_moe_total_s": float(sc["t_moe_total_s"]),
+            row[name] = {"rank_skew_mean": sc.rank_skew_mean, "t_moe_s": sc.t_moe_s,
                          "solve_s": time.perf_counter() - t0}
             if name == "static":
                 continue
@@ -192,8 +192,8 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
         plan = BatchPlan(lpt.placement, lpt.samples, reps, cluster.num_gpus, cluster.gpus_per_node,
                          {"strategy": "lpt+replicate", "seed": seed, "batch_sha1": lpt.stats["batch_sha1"]})
         sc = score_plan(plan, batch, model, cluster)
-        row["lpt+replicate"] = {"rank_skew_mean": float(sc["rank_skew_mean"]),
-                                "t_moe_total_s": float(sc["t_moe_total_s"]), "solve_s": time.perf_counter() - t0}
+        row["lpt+replicate"] = {"rank_skew_mean": sc.rank_skew_mean,
+                                "t_moe_s": sc.t_moe_s, "solve_s": time.perf_counter() - t0}
         out["ep"][str(ep)] = row
     return out
 
@@ -230,8 +230,8 @@ def bench_time(num_prompts: int, seed: int = 0, workers: int = 2, **options) -> 
     out["loadavg_after"] = os.getloadavg()
     out["timing"] = plan.stats.get("timing", {})
     sc = score_plan(plan, batch, model, cluster)
-    out["t_moe_total_s"] = float(sc["t_moe_total_s"])
-    out["rank_skew_mean"] = float(sc["rank_skew_mean"])
+    out["t_moe_s"] = sc.t_moe_s
+    out["rank_skew_mean"] = sc.rank_skew_mean
     # the same plan through the Planner service (one persistent process pool for every phase)
     from relibra_moe.planners.service import Planner
 
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'strategy':14s} {'r':>2s} {'sum T_MoE s':>12s} {'of Balanced':>12s} {'solve s':>8s}")
         for k, v in res.items():
             if isinstance(v, dict):
-                print(f"{k:16s} {v['replica_slots']:2d} {v['t_moe_total_s']:12.5f} {v['of_balanced']:12.1%} "
+                print(f"{k:16s} {v['replica_slots']:2d} {v['t_moe_s']:12.5f} {v['of_balanced']:12.1%} "
                       f"{v['solve_s']:8.1f}")
         print(f"relibra vs EPLB+ (r=2): {res['relibra_vs_eplb']:.3f}x; vs LPLB+: {res['relibra_vs_lplb']:.3f}x")
     if "skew" in only:
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in names:
                 v = row[k]
                 node = f"  node {v['node_skew_mean']:.3f}" if "node_skew_mean" in v else ""
-                print(f"  {k:20s} {v['rank_skew_mean']:7.3f} {v['t_moe_total_s']:9.4f} {v['solve_s']:7.1f}{node}")
+                print(f"  {k:20s} {v['rank_skew_mean']:7.3f} {v['t_moe_s']:9.4f} {v['solve_s']:7.1f}{node}")
     if "time" in only:
         out["time"] = bench_time(32 if q else 256, seed=args.seed, workers=args.workers, **opts)
         t = out["time"]

@@ -15,6 +15,7 @@ Importable without the planners: the planners, the simulator and the CLI all eva
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -27,9 +28,9 @@ from .specs import ClusterSpec, ModelSpec
 from .trace import TraceBatch
 from .validate import check_positive
 
-__all__ = ["batch_sha1", "check_batch_type", "check_plan_batch", "placement_loads", "plan_loads", "plan_flow",
-           "balanced_loads", "balanced_sources", "balanced_plan_loads", "balanced_t_moe", "uniform_loads",
-           "score_plan", "json_summary"]
+__all__ = ["batch_sha1", "check_batch_type", "check_batch_model", "check_plan_batch", "placement_loads", "plan_loads",
+           "plan_flow", "balanced_loads", "balanced_sources", "balanced_plan_loads", "balanced_t_moe", "uniform_loads",
+           "PlanScore", "score_plan"]
 
 
 def batch_sha1(batch: TraceBatch) -> str:
@@ -49,6 +50,14 @@ def check_batch_type(batch: object) -> None:
         raise PlanError(f"batch must be a TraceBatch, got {type(batch).__name__}")
 
 
+def check_batch_model(batch: TraceBatch, model: ModelSpec, where: str = "batch") -> None:
+    """Raise PlanError unless ``batch``'s L and E are ``model``'s; ``where`` names the batch in the message
+    (e.g. ``"trace FILE"``)."""
+    if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
+        raise PlanError(f"{where} has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
+                        f"L={model.num_layers}, E={model.num_experts}")
+
+
 def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, *,
                      allow_missing_fingerprint: bool = False) -> None:
     """Raise PlanError unless ``plan`` is a BatchPlan and ``batch`` a TraceBatch that fits ``model`` and is the batch
@@ -59,9 +68,7 @@ def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, *,
     if not isinstance(plan, BatchPlan):
         raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
     check_batch_type(batch)
-    if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
-        raise PlanError(f"batch has L={batch.num_layers}, E={batch.num_experts}; model {model.name} has "
-                        f"L={model.num_layers}, E={model.num_experts}")
+    check_batch_model(batch, model)
     if (plan.num_layers, plan.num_experts) != (model.num_layers, model.num_experts):
         raise PlanError(f"plan has L={plan.num_layers}, E={plan.num_experts}; model {model.name} has "
                         f"L={model.num_layers}, E={model.num_experts}")
@@ -141,24 +148,56 @@ def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
     return flow
 
 
+@dataclass(frozen=True)
+class PlanScore:
+    """The cost-model score of one plan on its batch (``score_plan``). Seconds; sums run over (m, l).
+
+    Attributes:
+        strategy: ``plan.stats["strategy"]`` ("unknown" when absent).
+        t_moe_s: sum over micro-batches and layers of the exact forward T_MoE (the paper's metric; the
+            simulator's ``StepTime.t_moe_s`` is the same figure).
+        t_moe_smooth_s: the same sum of the smooth (log-sum-exp, ``beta``) T_MoE.
+        moe_fwd_comp_s, moe_fwd_comm_s: ``sum max_g comp`` and ``sum max_g comm`` (the simulator's names).
+        rank_skew_mean, rank_skew_max: max GPU load / mean GPU load, mean and max over cells.
+        num_micro_batches: M of the plan.
+        percent_of_balanced: ``100 * balanced / t_moe_s`` (the Balanced ideal's sum over the plan's), None when
+            the Balanced total was not given.
+        t_moe: float64 ``[M, L]`` forward T_MoE per cell.
+    """
+
+    strategy: str
+    t_moe_s: float
+    t_moe_smooth_s: float
+    moe_fwd_comp_s: float
+    moe_fwd_comm_s: float
+    rank_skew_mean: float
+    rank_skew_max: float
+    num_micro_batches: int
+    percent_of_balanced: float | None = None
+    t_moe: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready figures (``t_moe`` left out; ``percent_of_balanced`` only when known)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "t_moe"}
+        if out["percent_of_balanced"] is None:
+            del out["percent_of_balanced"]
+        return out
+
+
 def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, *,
-               balanced_total_s: float | None = None, beta: float = DEFAULT_BETA,
-               allow_missing_fingerprint: bool = False) -> dict[str, Any]:
+               balanced_t_moe_s: float | None = None, beta: float = DEFAULT_BETA,
+               allow_missing_fingerprint: bool = False) -> PlanScore:
     """Exact cost of a plan on a batch.
 
     Args:
         plan: a BatchPlan for ``model`` and ``cluster`` (validated here).
         batch: the TraceBatch the plan was made for (same samples; ``check_plan_batch``).
-        balanced_total_s: the Balanced ideal's total (``balanced_t_moe``); when given, the
-            result has ``percent_of_balanced = 100 * balanced / t_moe_total_s``.
+        balanced_t_moe_s: the Balanced ideal's sum of T_MoE (``balanced_t_moe``); when given, the result's
+            ``percent_of_balanced = 100 * balanced / t_moe_s``.
         allow_missing_fingerprint: score a plan without ``stats["batch_sha1"]`` (``check_plan_batch``).
 
     Returns:
-        dict with ``strategy``, ``t_moe_total_s`` (sum over micro-batches and layers of the exact T_MoE,
-        seconds), ``t_moe`` float64 ``[M, L]`` seconds, ``t_moe_smooth_total_s``, ``comp_total_s`` /
-        ``comm_total_s`` (sums of the max-GPU compute / communication terms), ``rank_skew_mean`` /
-        ``rank_skew_max`` (max GPU load / mean GPU load over cells), ``num_micro_batches``, and
-        ``percent_of_balanced`` when asked.
+        the ``PlanScore``.
 
     Raises:
         PlanError: the plan or batch does not fit the model / cluster, or was made for another batch.
@@ -166,33 +205,23 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
     check_plan_batch(plan, batch, model, allow_missing_fingerprint=allow_missing_fingerprint)
     plan.validate(model, cluster, num_samples=batch.num_sequences)
     check_positive("beta", beta)
-    if balanced_total_s is not None:
-        check_positive("balanced_total_s", balanced_total_s)
+    if balanced_t_moe_s is not None:
+        check_positive("balanced_t_moe_s", balanced_t_moe_s)
     G = cluster.num_gpus
     if plan.stats.get("strategy") == "balanced":
         x = balanced_plan_loads(plan, batch, model, G)
     else:
         x = plan_loads(plan, batch, G)
     cost = cost_from_flow(plan_flow(plan, x), model, cluster, beta)
-    out: dict[str, Any] = {
-        "strategy": plan.stats.get("strategy", "unknown"),
-        "t_moe_total_s": float(cost.t_moe.sum()),
-        "t_moe": cost.t_moe,
-        "t_moe_smooth_total_s": float(cost.t_moe_smooth.sum()),
-        "comp_total_s": float(cost.comp.max(axis=-1).sum()),
-        "comm_total_s": float(cost.comm.max(axis=-1).sum()),
-        "rank_skew_mean": float(cost.rank_skew.mean()),
-        "rank_skew_max": float(cost.rank_skew.max()),
-        "num_micro_batches": plan.num_micro_batches,
-    }
-    if balanced_total_s is not None:
-        out["percent_of_balanced"] = 100.0 * float(balanced_total_s) / out["t_moe_total_s"]
-    return out
-
-
-def json_summary(score: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-serializable part of a ``score_plan`` result (arrays dropped)."""
-    return {k: v for k, v in score.items() if not isinstance(v, np.ndarray)}
+    t_moe_s = float(cost.t_moe.sum())
+    return PlanScore(
+        strategy=plan.stats.get("strategy", "unknown"), t_moe_s=t_moe_s,
+        t_moe_smooth_s=float(cost.t_moe_smooth.sum()),
+        moe_fwd_comp_s=float(cost.comp.max(axis=-1).sum()), moe_fwd_comm_s=float(cost.comm.max(axis=-1).sum()),
+        rank_skew_mean=float(cost.rank_skew.mean()), rank_skew_max=float(cost.rank_skew.max()),
+        num_micro_batches=plan.num_micro_batches,
+        percent_of_balanced=None if balanced_t_moe_s is None else 100.0 * float(balanced_t_moe_s) / t_moe_s,
+        t_moe=cost.t_moe)
 
 
 def uniform_loads(x: np.ndarray) -> np.ndarray:

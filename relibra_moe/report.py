@@ -135,10 +135,10 @@ def scenario_table(scenario: Mapping[str, Any]) -> Table:
     for name, r in scenario["strategies"].items():
         bd = r["breakdown"]
         style = "bold" if name.startswith("relibra") and "inter" not in name else None
-        pct, pct_moe = r["pct_of_balanced"], r.get("pct_of_balanced_moe", float("nan"))
+        pct, pct_moe = r["percent_of_balanced_throughput"], r.get("percent_of_balanced", float("nan"))
         t.add_row(name, f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_static']:.3f}x",
                   f"{pct:.1f}%" if np.isfinite(pct) else "-", f"{r['rank_skew_mean']:.3f}", f"{r['step_s']:.3f}",
-                  f"{r['t_moe_fwd_s']:.3f}", f"{pct_moe:.1f}%" if np.isfinite(pct_moe) else "-",
+                  f"{r['t_moe_s']:.3f}", f"{pct_moe:.1f}%" if np.isfinite(pct_moe) else "-",
                   f"{100 * bd['reorder'] / r['step_s']:.1f}%", f"{100 * bd['replica_exposed'] / r['step_s']:.1f}%",
                   f"{r['solve_s']:.2f}", style=style)
     t.caption = (f"batch: {sc['num_tokens']:,} tokens; expert skew {sc['expert_skew_mean']:.2f} (max/mean per "

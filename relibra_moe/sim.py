@@ -161,16 +161,65 @@ class StepTime:
             "replica_exposed": self.replica_exposed_s, "reorder": self.reorder_s,
         }
 
+    @property
+    def t_moe_s(self) -> float:
+        """Sum of the forward T_MoE over micro-batches and layers (moves free: the paper's metric; the same
+        figure as ``evaluate.PlanScore.t_moe_s``)."""
+        return float(self.t_moe.sum())
+
+    @property
+    def rank_skew_mean(self) -> float:
+        """Mean over cells of max GPU load / mean GPU load."""
+        return float(self.rank_skew.mean())
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (arrays as lists, ``breakdown`` included)."""
         return {
             "step_s": self.step_s, "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
             "breakdown": self.breakdown, "replica_mode": self.replica_mode,
             "replica_push_s": self.replica_push_s, "replica_pull_s": self.replica_pull_s,
+            "replica_exposed_s": self.replica_exposed_s, "reorder_s": self.reorder_s,
             "experts_moved": self.experts_moved, "reorder_bytes": self.reorder_bytes,
-            "t_moe_fwd_s": float(self.t_moe.sum()), "rank_skew_mean": float(self.rank_skew.mean()),
+            "t_moe_s": self.t_moe_s, "rank_skew_mean": self.rank_skew_mean,
             "micro_batch_s": self.micro_batch_s.tolist(),
         }
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One plan's simulated step beside the facts of the plan that made it: the row of every step evaluation
+    (``relibra simulate``, ``relibra compare``, the demo, ``steady.plan_steady``).
+
+    Attributes:
+        strategy: ``plan.stats["strategy"]`` (None when absent).
+        replica_slots: the plan's r.
+        solve_s: seconds the planner took (wall clock; nan when unknown).
+        step: the simulated ``StepTime``.
+        portfolio: relibra's chosen portfolio candidate (``plan.stats["portfolio"]["chosen"]``), None elsewhere.
+    """
+
+    strategy: str | None
+    replica_slots: int
+    solve_s: float
+    step: StepTime
+    portfolio: str | None = None
+
+    @classmethod
+    def of(cls, plan: BatchPlan, step: StepTime, solve_s: float | None = None) -> StepResult:
+        """The result of ``plan``'s simulated ``step``; ``solve_s`` defaults to ``plan.stats["solve_seconds"]``."""
+        return cls(strategy=plan.stats.get("strategy"), replica_slots=plan.replica_slots,
+                   solve_s=float(plan.stats.get("solve_seconds", float("nan")) if solve_s is None else solve_s),
+                   step=step,
+                   portfolio=plan.stats["portfolio"]["chosen"] if "portfolio" in plan.stats else None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``strategy``, ``replica_slots``, ``solve_s``, the step's ``StepTime.to_dict`` figures and
+        ``portfolio`` where set."""
+        out = {"strategy": self.strategy, "replica_slots": self.replica_slots, "solve_s": self.solve_s,
+               **self.step.to_dict()}
+        if self.portfolio is not None:
+            out["portfolio"] = self.portfolio
+        return out
 
 
 def _resolve_replica_mode(plan: BatchPlan, mode: str) -> str:

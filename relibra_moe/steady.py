@@ -10,10 +10,10 @@ the simulator on that chain:
   (``planners.migration``), eplb-history relabels towards it and re-balances on its schedule
   (``planners.history.EplbSchedule``), eplb and lplb re-plan from scratch, static, balanced and online never
   move;
-- ``evaluate`` is the one evaluation used for everyone: the paper's metric, the sum of the forward T_MoE over
-  micro-batches and layers with moves free (``t_moe_s``), and the simulated step with the moves, the replica
-  traffic and the reorder traffic charged to every strategy alike (``step_s``, ``sim.simulate_step`` with
-  ``previous`` = the strategy's last placement);
+- ``evaluate_plan`` is the one evaluation used for everyone (a ``sim.StepResult``): the paper's metric, the sum
+  of the forward T_MoE over micro-batches and layers with moves free (``t_moe_s``), and the simulated step with
+  the moves, the replica traffic and the reorder traffic charged to every strategy alike (``step_s``,
+  ``sim.simulate_step`` with ``previous`` = the strategy's last placement);
 - the first step (from the static placement) is reported apart from the steady state (steps 2..K).
 
 Batch sequences: ``consecutive_batches`` splits a trace in arrival (file) order into K consecutive batches
@@ -35,9 +35,10 @@ from .plan import BatchPlan
 from .planners.history import EplbSchedule
 from .planners.options import HISTORY_STRATEGIES, RELIBRA_STRATEGIES, REPLICA_STRATEGIES
 from .planners.strategies import check_strategy, plan_batch
-from .sim import StepTime, simulate_step
-from .specs import ClusterSpec, ModelSpec, cluster_preset, model_preset
+from .sim import StepResult, simulate_step
+from .specs import ClusterSpec, ModelSpec
 from .trace import TraceBatch
+from .validate import check_choice, check_int
 
 DEFAULT_STRATEGIES = ("static", "eplb", "eplb-history", "online", "relibra")
 """The strategies of a steady-state comparison by default: Megatron-LM, EPLB+ (oracle loads), EPLB from
@@ -48,27 +49,13 @@ PRICED_STRATEGIES = RELIBRA_STRATEGIES
 
 
 # ---------------------------------------------------------------------------------------- batches
-def restrict_layers(batch: TraceBatch, layers: int | None) -> TraceBatch:
-    """The batch with only its first ``layers`` MoE layers (count-built: it plans and simulates, it cannot be
-    saved); the batch itself when ``layers`` is None or covers them all."""
-    if layers is None or layers >= batch.num_layers:
-        return batch
-    if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)) or layers < 1:
-        raise TraceError(f"layers={layers!r} must be an int >= 1 (or None for all)")
-    counts = batch.sample_expert_counts()[:, :layers]
-    return TraceBatch.from_counts(counts, batch.top_k, batch.layer_ids[:layers], starts=batch.starts,
-                                  micro_batch=batch.micro_batch, source=batch.source,
-                                  sample_info=dict(batch.sample_info))
-
-
 def consecutive_indices(batch: TraceBatch, num_batches: int) -> list[np.ndarray]:
     """int64 sample indices ``[N_k]`` of each of the ``num_batches`` batches ``consecutive_batches`` cuts (in order).
 
     Raises:
         TraceError: as ``consecutive_batches``.
     """
-    if isinstance(num_batches, bool) or not isinstance(num_batches, (int, np.integer)) or num_batches < 1:
-        raise TraceError(f"num_batches={num_batches!r} must be an int >= 1")
+    num_batches = check_int("num_batches", num_batches, 1, error=TraceError)
     mb = batch.resolve_micro_batch()
     M = int(mb.max()) + 1
     if num_batches > M:
@@ -138,10 +125,10 @@ def drifting_batches(model: ModelSpec, num_batches: int, num_prompts: int, *, re
     """
     from .synthetic import BASE_DOMAINS, _stable_seed, rl_batch
 
-    for name, v, lo in (("num_batches", num_batches, 1), ("num_prompts", num_prompts, 1),
-                        ("responses_per_prompt", responses_per_prompt, 1), ("micro_batch_size", micro_batch_size, 1)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-            raise TraceError(f"{name}={v!r} must be an int >= {lo}")
+    num_batches, num_prompts, responses_per_prompt, micro_batch_size = (
+        check_int(name, v, 1, error=TraceError)
+        for name, v in (("num_batches", num_batches), ("num_prompts", num_prompts),
+                        ("responses_per_prompt", responses_per_prompt), ("micro_batch_size", micro_batch_size)))
     n = num_prompts * responses_per_prompt
     if micro_batch_size % responses_per_prompt or n % micro_batch_size:
         raise TraceError(f"micro_batch_size={micro_batch_size} must be a multiple of responses_per_prompt="
@@ -174,32 +161,15 @@ def drifting_batches(model: ModelSpec, num_batches: int, num_prompts: int, *, re
 
 
 # ------------------------------------------------------------------------------------- evaluation
-def evaluate(plan: BatchPlan, step: StepTime, solve_s: float | None = None) -> dict[str, Any]:
-    """The row of the one evaluation of a plan (JSON-ready), read off its simulated step ``step``
-    (``sim.simulate_step``; ``evaluate_plan`` runs it): ``t_moe_s`` (sum of the forward T_MoE, moves free: the
-    paper's metric; the simulator builds it from ``evaluate.plan_loads`` / ``plan_flow`` and the cost model, so it
-    equals ``evaluate.score_plan``'s ``t_moe_total_s``), ``step_s`` (the simulated step, moves / replica / reorder
-    traffic charged: what ``relibra simulate`` prints), ``tokens``, ``tokens_per_s``, ``experts_moved``,
-    ``reorder_s``, ``replica_exposed_s``, ``rank_skew_mean`` (mean over cells of max GPU load / mean),
-    ``replica_mode``, ``solve_s`` (seconds, wall clock) and the ``breakdown``. Nothing is computed here."""
-    return {
-        "strategy": plan.stats.get("strategy"), "replica_slots": plan.replica_slots,
-        "t_moe_s": float(step.t_moe.sum()), "step_s": step.step_s, "tokens": step.tokens,
-        "tokens_per_s": step.tokens_per_s, "experts_moved": step.experts_moved, "reorder_s": step.reorder_s,
-        "replica_exposed_s": step.replica_exposed_s, "rank_skew_mean": float(step.rank_skew.mean()),
-        "replica_mode": step.replica_mode,
-        "solve_s": float(plan.stats.get("solve_seconds", float("nan")) if solve_s is None else solve_s),
-        "breakdown": step.breakdown,
-        **({"portfolio": plan.stats["portfolio"]["chosen"]} if "portfolio" in plan.stats else {}),
-    }
-
-
 def evaluate_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, *,
-                  previous: BatchPlan | None = None, solve_s: float | None = None) -> dict[str, Any]:
-    """``evaluate`` of ``simulate_step(plan, batch, ...)`` with the moves charged against ``previous``'s placement
-    (None: the static one), the same call as ``relibra simulate TRACE PLAN [--previous PREV]``."""
+                  previous: BatchPlan | None = None, solve_s: float | None = None) -> StepResult:
+    """The one evaluation of a plan: ``sim.StepResult`` of ``simulate_step(plan, batch, ...)`` with the moves
+    charged against ``previous``'s placement (None: the static one), the same call as
+    ``relibra simulate TRACE PLAN [--previous PREV]``. Its ``step.t_moe_s`` (sum of the forward T_MoE, moves
+    free: the paper's metric) equals ``evaluate.score_plan``'s ``t_moe_s``; ``step.step_s`` charges the moves,
+    replica and reorder traffic."""
     step = simulate_step(plan, batch, model, cluster, previous=None if previous is None else previous.placement)
-    return evaluate(plan, step, solve_s)
+    return StepResult.of(plan, step, solve_s)
 
 
 def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: ClusterSpec, strategy: str, *,
@@ -218,8 +188,9 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
     ranks ``sample_gpu[k]`` (int ``[N_k]``; None: round-robin in every batch).
 
     Returns:
-        (plans ``[K]``, evaluations ``[K]`` of ``evaluate`` with ``batch`` k and ``previous_moved``: the experts
-        whose home differs from the previous plan's, what the simulator charged).
+        (plans ``[K]``, evaluations ``[K]``: the ``StepResult.to_dict`` row of ``evaluate_plan`` with ``batch`` k
+        and ``num_micro_batches``; its ``experts_moved`` counts the experts whose home differs from the previous
+        plan's, what the simulator charged).
     """
     check_strategy(strategy)
     if not batches:
@@ -247,7 +218,7 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
         t0 = time.perf_counter()
         plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers, **opts)
         solve_s = time.perf_counter() - t0
-        row = evaluate_plan(plan, batch, model, cluster, previous=prev, solve_s=solve_s)
+        row = evaluate_plan(plan, batch, model, cluster, previous=prev, solve_s=solve_s).to_dict()
         schedule.observe(batch.sample_expert_counts().sum(axis=0))
         row["batch"] = k
         row["num_micro_batches"] = plan.num_micro_batches
@@ -286,15 +257,13 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
 
     Returns:
         ``{"num_batches", "tokens_per_batch", "replica_slots", "rebalance_every", "window", "sample_owner",
-        "strategies": {name: {"per_step": [...evaluate rows], "first": {...}, "steady": {...}}}, "speedup":
+        "strategies": {name: {"per_step": [...StepResult rows], "first": {...}, "steady": {...}}}, "speedup":
         {name: steady tokens/s of ``reference`` over that of name}, "speedup_first": the same on the first step}``;
         with "both", ``strategies`` holds the planner-owned runs and ``trainer`` the trainer-owned ones (same
         layout), ``speedup`` / ``trainer_speedup`` are both against the planner-owned ``reference``, and
         ``trainer_gap`` gives, per strategy, the trainer-owned steady ``step_s`` and ``t_moe_s`` over the
         planner-owned ones (> 1: what the trainer's placement costs).
     """
-    from .validate import check_choice
-
     check_choice("sample_owner", sample_owner, ("planner", "trainer", "both"))
     out: dict[str, Any] = {
         "num_batches": len(batches), "tokens_per_batch": [int(b.num_tokens) for b in batches],
@@ -388,104 +357,3 @@ def steady_table(res: dict[str, Any], title: str | None = None) -> Any:
                 row.append(f"{res['trainer_gap'][name]['step_s']:.3f}" if mode == "trainer" else "")
             t.add_row(*row, end_section=both and mode == "planner" and name == list(runs)[-1])
     return t
-
-
-# ------------------------------------------------------------------------------------------- demo
-DEMO_STRATEGIES = ("static", "eplb", "lplb", "eplb-history", "online", "relibra")
-
-
-def demo_steady_cases(quick: bool = False) -> list[dict[str, Any]]:
-    """The demo's steady-state runs, each tied to the single-batch scenario (``after``) whose run enables it.
-
-    Default: the whole GPT-OSS-20B trace in 4 consecutive batches of 4 micro-batches x 44 requests on EP8 = 2 x 4
-    (all 24 layers), and 4 qwen3-235b-a22b batches of 256 prompts x 4 responses with a drifting domain mix on
-    EP32 = 4 x 8 (4 of its 94 MoE layers, as the single-batch demo, to stay within the 2-core budget).
-    ``quick``: small versions of both for tests. A case's ``strategies`` (default ``DEMO_STRATEGIES``) are those
-    it runs.
-    """
-    if quick:
-        return [
-            {"name": "gpt-oss-ep8/steady", "after": "gpt-oss-ep8", "model": "gpt-oss-20b", "nodes": 2,
-             "gpus_per_node": 4, "data": "real", "num_requests": 64, "micro_batch_size": 16, "num_batches": 2,
-             "layers": 4},
-            {"name": "qwen3-30b-a3b/drift/steady", "after": "qwen3-30b-a3b/mixed", "model": "qwen3-30b-a3b",
-             "nodes": 2, "gpus_per_node": 8, "data": "synthetic", "num_prompts": 16, "micro_batch_size": 16,
-             "num_batches": 2, "layers": 2, "drift": 0.25},
-        ]
-    return [
-        {"name": "gpt-oss-ep8/steady", "after": "gpt-oss-ep8", "model": "gpt-oss-20b", "nodes": 2, "gpus_per_node": 4,
-         "data": "real", "num_requests": 0, "micro_batch_size": 44, "num_batches": 4, "layers": None},
-        # without lplb: its per-cell LP takes about 2/3 of this case's time (bench/steady.py has the row)
-        {"name": "qwen3-235b-a22b/drift/steady", "after": "qwen3-235b-a22b/mixed", "model": "qwen3-235b-a22b",
-         "nodes": 4, "gpus_per_node": 8, "data": "synthetic", "num_prompts": 256, "micro_batch_size": 32,
-         "num_batches": 4, "layers": 4, "drift": 0.25,
-         "strategies": tuple(s for s in DEMO_STRATEGIES if s != "lplb")},
-    ]
-
-
-def case_batches(case: dict[str, Any], seed: int = 0) -> tuple[list[TraceBatch], ModelSpec, ClusterSpec]:
-    """``(batches, model restricted to the case's layers, cluster)`` of a ``demo_steady_cases`` entry."""
-    full = model_preset(case["model"])
-    model = full.with_(num_layers=case["layers"]) if case.get("layers") else full
-    cluster = cluster_preset("hopper-rail", nodes=case["nodes"], gpus_per_node=case["gpus_per_node"])
-    if case["data"] == "real":
-        from .datasets import gpt_oss_batch
-
-        batch = gpt_oss_batch(num_requests=case.get("num_requests") or None, seed=seed)
-        batch = restrict_layers(batch.with_micro_batch_size(case["micro_batch_size"]), case.get("layers"))
-        return consecutive_batches(batch, case["num_batches"]), model, cluster
-    return (drifting_batches(model, case["num_batches"], case["num_prompts"],
-                             micro_batch_size=case["micro_batch_size"], drift=case.get("drift", 0.25), seed=seed),
-            model, cluster)
-
-
-def steady_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's steady-state targets on the runs present: relibra's steady throughput over each baseline's."""
-    out = []
-    for name, need in (("qwen3-235b-a22b/drift/steady", {"eplb-history": 1.10, "online": 1.05}),
-                       ("gpt-oss-ep8/steady", None)):
-        res = results.get(name)
-        if not res or "speedup" not in res or res.get("reference") != "relibra":
-            continue
-        for s, v in res["speedup"].items():
-            if s == "relibra" or (need is not None and s not in need):
-                continue
-            th = 1.05 if need is None else need[s]
-            out.append({"target": f"{name}: relibra vs {s} per step", "value": v, "threshold": th, "unit": "x",
-                        "met": bool(v >= th)})
-    return out
-
-
-def demo_steady_state(ran: Sequence[str], *, quick: bool = False, seed: int = 0, workers: int = 1,
-                      console: Any = None, sample_owner: str = "planner") -> dict[str, Any]:
-    """The demo's steady-state section: the cases of ``demo_steady_cases`` whose single-batch scenario is in
-    ``ran``, each through ``run_steady`` with its strategies (and ``sample_owner``: "planner", "trainer" or
-    "both"); prints a table per case and the targets; returns ``{"cases": {name: run_steady result + case},
-    "targets": [...]}`` (JSON-ready)."""
-    results: dict[str, dict[str, Any]] = {}
-    for case in demo_steady_cases(quick):
-        if case["after"] not in ran:
-            continue
-        t0 = time.perf_counter()
-        batches, model, cluster = case_batches(case, seed)
-        res = run_steady(batches, model, cluster, case.get("strategies", DEMO_STRATEGIES), replica_slots=2, seed=seed,
-                         workers=workers, sample_owner=sample_owner)
-        res.update({"case": case, "layers_total": _layers_total(case["model"]), "wall_s": time.perf_counter() - t0,
-                    "data": "real (GPT-OSS-20B routing trace, arrival order)" if case["data"] == "real"
-                    else "synthetic (relibra_moe.synthetic, not real routing; drifting domain mix)"})
-        results[case["name"]] = res
-        if console is not None:
-            console.print(steady_table(res, title=f"steady state {case['name']} [{res['data']}]: "
-                                                  f"{res['num_batches']} consecutive batches, "
-                                                  f"{model.num_layers} MoE layers, r = 2 (first step apart)"))
-    targets = [] if quick else steady_targets(results)  # the quick cases are not the targets' batches
-    if console is not None:
-        for t in targets:
-            mark = "[green]met[/]" if t["met"] else "[red]NOT met[/]"
-            console.print(f"target {t['target']}: {t['value']:.3f}{t['unit']} (>= {t['threshold']}{t['unit']}) "
-                          f"{mark}")
-    return {"cases": results, "targets": targets}
-
-
-def _layers_total(model_name: str) -> int:
-    return model_preset(model_name).num_layers

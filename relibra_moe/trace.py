@@ -42,7 +42,7 @@ from .trace_files import (
     scalar_int,
     write_trace_file,
 )
-from .validate import check_bool, check_count
+from .validate import check_bool, check_count, check_int
 
 _CHECK_CHUNK = 1 << 23  # ids validated per chunk (keeps the duplicate check's temporaries small)
 
@@ -497,6 +497,23 @@ class TraceBatch:
         if int(idx.min()) < 0 or int(idx.max()) >= self._n:
             raise TraceError(f"subset index out of range [0, {self._n}): {idx[(idx < 0) | (idx >= self._n)][:5]}")
         return self._derive(micro_batch=micro_batch, index=idx)
+
+    def restrict_layers(self, layers: int | None) -> TraceBatch:
+        """The batch with only its first ``layers`` MoE layers (count-built: it plans and simulates, it cannot be
+        saved with token ids); the batch itself when ``layers`` is None or covers them all.
+
+        Raises:
+            TraceError: ``layers`` not an int >= 1 (nor None).
+        """
+        if layers is None:
+            return self
+        layers = check_int("layers", layers, 1, error=TraceError)
+        if layers >= self.num_layers:
+            return self
+        counts = self.sample_expert_counts()[:, :layers]
+        return TraceBatch.from_counts(counts, self.top_k, self.layer_ids[:layers], starts=self.starts,
+                                      micro_batch=self.micro_batch, source=self.source,
+                                      sample_info=dict(self.sample_info))
 
     def resolve_micro_batch(self, micro_batch: Any = None) -> np.ndarray:
         """int64 ``[N]``: ``micro_batch`` if given, else the batch's assignment; every entry must be >= 0."""

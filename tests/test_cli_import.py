@@ -274,7 +274,7 @@ def test_model_config_matches_preset(gpt_oss, tmp_path, capsys):
     a = _json(capsys, ["plan", str(trace), "--model", "gpt-oss-20b", "--out", str(tmp_path / "a.npz"), *common])
     b = _json(capsys, ["plan", str(trace), "--model-config", str(cfg), "--out", str(tmp_path / "b.npz"), *common])
     for d in (a, b):
-        d.pop("plan"), d.pop("model"), d.pop("solve_seconds")
+        d.pop("plan"), d.pop("model"), d.pop("solve_s")
     assert a == b
     for cmd in ("score", "simulate"):
         x = _json(capsys, [cmd, str(trace), str(tmp_path / "a.npz"), "--model", "gpt-oss-20b", "--json"])

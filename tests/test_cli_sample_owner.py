@@ -14,7 +14,7 @@ from relibra_moe.plan import BatchPlan
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.sim import simulate_step
 from relibra_moe.specs import DEFAULT_CLUSTER, cluster_preset, model_preset
-from relibra_moe.steady import consecutive_batches, restrict_layers
+from relibra_moe.steady import consecutive_batches
 from relibra_moe.trace import RoutingTrace, TraceBatch
 
 FAST = ["--iters", "200", "--locality-iters", "100", "--num-seeds", "1", "--rounds", "1"]
@@ -100,7 +100,7 @@ def test_compare_both_modes_on_one_table(trace_file, tmp_path, capsys):
     assert res["sample_owner"] == "both" and res["sample_gpu"].endswith("ranks.npy")
     assert "trainer/planner step" in text and "trainer" in text and "planner" in text
     model, cluster = _model(2)
-    seq = consecutive_batches(restrict_layers(batch, 2), 2)
+    seq = consecutive_batches(batch.restrict_layers(2), 2)
     # the trainer rows: every batch keeps its slice of the trainer's ranks; the figures are the library's
     prev = None
     for k, b in enumerate(seq):

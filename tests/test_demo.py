@@ -14,9 +14,9 @@ from relibra_moe.planners.strategies import COMPARED_STRATEGIES
 SCENARIO_FIELDS = {"name", "model", "nodes", "gpus_per_node", "num_gpus", "data", "num_sequences", "num_tokens",
                    "num_micro_batches", "layers_simulated", "layers_total", "reduced", "replica_slots",
                    "expert_skew_mean", "intersection_mean", "strategies"}
-RESULT_FIELDS = {"step_s", "tokens_per_s", "speedup_vs_static", "pct_of_balanced", "rank_skew_mean", "solve_s",
-                 "t_moe_fwd_s", "breakdown", "rank_skew_per_micro_batch", "experts_moved", "pct_of_balanced_moe",
-                 "reorder_share", "replica_share"}
+RESULT_FIELDS = {"step_s", "tokens_per_s", "speedup_vs_static", "percent_of_balanced_throughput", "rank_skew_mean",
+                 "solve_s", "t_moe_s", "breakdown", "rank_skew_per_micro_batch", "experts_moved",
+                 "percent_of_balanced", "reorder_share", "replica_share"}
 
 
 def _expected_strategies() -> list[str]:
@@ -47,7 +47,7 @@ def test_demo_quick_report(tmp_path, capsys):
             assert len(r["rank_skew_per_micro_batch"]) == sc["num_micro_batches"]
         assert sc["strategies"]["static"]["speedup_vs_static"] == pytest.approx(1.0)
         if "balanced" in sc["strategies"]:
-            assert sc["strategies"]["balanced"]["pct_of_balanced"] == pytest.approx(100.0)
+            assert sc["strategies"]["balanced"]["percent_of_balanced_throughput"] == pytest.approx(100.0)
         if sc["data"].startswith("synthetic"):
             assert "synthetic" in text.lower()
     for p in rep["plots"]:
@@ -91,8 +91,8 @@ def test_scenario_selection_and_list(capsys):
 def test_ablation_and_targets_from_results():
     def sc(name, rel):
         return {"name": name, "strategies": {k: {"speedup_vs_static": v, "tokens_per_s": 100 * v,
-                                                 "pct_of_balanced": 100 * v / rel["balanced"],
-                                                 "pct_of_balanced_moe": 95.0}
+                                                 "percent_of_balanced_throughput": 100 * v / rel["balanced"],
+                                                 "percent_of_balanced": 95.0}
                                              for k, v in rel.items()}}
     res = [sc("qwen3-235b-a22b/mixed", {"static": 1.0, "eplb": 1.1, "relibra-inter": 1.15, "relibra": 1.3,
                                         "balanced": 1.4}),

@@ -179,7 +179,7 @@ def test_cli_history_is_the_option(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv + ["--strategy", "eplb", "--history", str(past_f)]) == 1
     err = capsys.readouterr().err
-    assert "--history only applies to --strategy eplb-history and relibra, not --strategy eplb" in err
+    assert "only applies to strategy 'eplb-history' and 'relibra', not 'eplb'" in err
 
 
 @pytest.mark.parametrize("history, match", [

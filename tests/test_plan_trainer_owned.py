@@ -80,7 +80,7 @@ def test_every_strategy_keeps_the_trainers_samples(strategy):
     s = score_plan(plan, batch, MODEL, CLUSTER)
     if strategy != "balanced":  # balanced is scored on uniform routing (its own loads)
         want = cost_from_flow(plan_flow(plan, x_hand), MODEL, CLUSTER).t_moe.sum()
-        assert s["t_moe_total_s"] == pytest.approx(float(want), rel=1e-12)
+        assert s.t_moe_s == pytest.approx(float(want), rel=1e-12)
     step = simulate_step(plan, batch, MODEL, CLUSTER)
     assert step.step_s > 0
 
@@ -112,9 +112,9 @@ def test_relibra_plans_homes_and_replicas_for_the_given_samples():
     rel = plan_batch(batch, MODEL, CLUSTER, "relibra", migration=False, price_replicas=False, portfolio=False,
                      **kw, **FAST)
     assert all(r["locality"] == {"skipped": "sample_owner=trainer"} for r in inter.stats["rounds"])
-    t_inter = score_plan(inter, batch, MODEL, CLUSTER)["t_moe_total_s"]
-    t_rel = score_plan(rel, batch, MODEL, CLUSTER)["t_moe_total_s"]
-    assert t_inter < static["t_moe_total_s"]
+    t_inter = score_plan(inter, batch, MODEL, CLUSTER).t_moe_s
+    t_rel = score_plan(rel, batch, MODEL, CLUSTER).t_moe_s
+    assert t_inter < static.t_moe_s
     assert len(rel.replicas.split_index) > 0 and t_rel <= t_inter * (1 + 1e-9)
     # with it (the default), the trainer's samples are kept by every candidate and the simulated step (moves
     # charged) is never above relibra-inter's or static's

@@ -253,7 +253,7 @@ def test_simulate_step_matches_score_plan_including_balanced():
     # The simulator's forward T_MoE is the planners' exact score, for a real plan and for Balanced.
     from relibra_moe.evaluate import score_plan
     from relibra_moe.planners.strategies import plan_batch
-    from relibra_moe.sim import simulate_step
+    from relibra_moe.sim import StepResult, simulate_step
     from relibra_moe.trace import TraceBatch
 
     rng = np.random.default_rng(3)
@@ -268,8 +268,21 @@ def test_simulate_step_matches_score_plan_including_balanced():
     for strategy in ("static", "balanced", "relibra"):
         plan = plan_batch(batch, model, CLUSTER, strategy, replica_slots=1, seed=5)
         st_ = simulate_step(plan, batch, model, CLUSTER)
-        assert st_.t_moe.sum() == pytest.approx(score_plan(plan, batch, model, CLUSTER)["t_moe_total_s"])
+        score = score_plan(plan, batch, model, CLUSTER)
+        assert st_.t_moe.sum() == pytest.approx(score.t_moe_s) and st_.t_moe_s == pytest.approx(score.t_moe_s)
         assert st_.tokens == int(counts[:, 0].sum() // 2)
+        # one name per figure: the score's and the step's shared figures agree under the same names
+        assert score.moe_fwd_comp_s == pytest.approx(st_.moe_fwd_comp_s)
+        assert score.moe_fwd_comm_s == pytest.approx(st_.moe_fwd_comm_s)
+        assert score.rank_skew_mean == pytest.approx(st_.rank_skew_mean)
+        d = score.to_dict()
+        assert "t_moe" not in d and "percent_of_balanced" not in d and d["t_moe_s"] == score.t_moe_s
+        row = StepResult.of(plan, st_, 1.5).to_dict()
+        assert row["solve_s"] == 1.5 and row["strategy"] == strategy and row["replica_slots"] == plan.replica_slots
+        assert {k: v for k, v in row.items() if k in st_.to_dict()} == st_.to_dict()
+        assert ("portfolio" in row) == ("portfolio" in plan.stats)
+    half = score_plan(plan, batch, model, CLUSTER, balanced_t_moe_s=score.t_moe_s / 2)
+    assert half.percent_of_balanced == pytest.approx(50.0) and half.to_dict()["percent_of_balanced"] == 50.0
     with pytest.raises(PlanError, match=r"batch has L=2, E=8; model tiny has L=2, E=16"):
         simulate_step(plan, batch, model.with_(num_experts=16), CLUSTER)
     with pytest.raises(PlanError, match=r"plan has L=2, E=8; model tiny has L=2, E=16"):

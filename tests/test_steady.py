@@ -10,13 +10,12 @@ from relibra_moe.errors import PlanError, TraceError
 from relibra_moe.evaluate import score_plan
 from relibra_moe.planners.options import PlanOptions
 from relibra_moe.planners.strategies import plan_batch
-from relibra_moe.sim import simulate_step
+from relibra_moe.sim import StepResult, simulate_step
 from relibra_moe.specs import cluster_preset, model_preset
 from relibra_moe.steady import (
     consecutive_batches,
     domain_mix,
     drifting_batches,
-    evaluate,
     plan_steady,
     run_steady,
     summarize,
@@ -107,7 +106,7 @@ def test_previous_plan_chain_is_what_the_simulator_charges(chain, strategy):
         ref = simulate_step(plan, batches[k], model, cluster, previous=prev)
         assert row["step_s"] == pytest.approx(ref.step_s) and row["t_moe_s"] == pytest.approx(ref.t_moe.sum())
         # one evaluation: the steady state's moves-free sum of T_MoE is score_plan's (relibra score)
-        assert row["t_moe_s"] == pytest.approx(score_plan(plan, batches[k], model, cluster)["t_moe_total_s"],
+        assert row["t_moe_s"] == pytest.approx(score_plan(plan, batches[k], model, cluster).t_moe_s,
                                                rel=1e-12)
         if moved:
             # charged against the previous plan, not the static placement
@@ -183,7 +182,7 @@ def test_evaluate_matches_the_simulator(chain):
     model, cluster, batches = chain
     plan = plan_batch(batches[0], model, cluster, "eplb", replica_slots=1)
     step = simulate_step(plan, batches[0], model, cluster)
-    ev = evaluate(plan, step)
+    ev = StepResult.of(plan, step).to_dict()
     assert ev["t_moe_s"] == pytest.approx(float(step.t_moe.sum())) and ev["step_s"] == step.step_s
     assert ev["experts_moved"] == step.experts_moved and ev["solve_s"] == plan.stats["solve_seconds"]
     assert sum(ev["breakdown"].values()) == pytest.approx(ev["step_s"])
@@ -200,8 +199,8 @@ def test_bad_inputs(chain):
 def test_demo_section_quick_synthetic_only():
     import json
 
+    from relibra_moe.commands.demo_steady import DEMO_STRATEGIES, demo_steady_state
     from relibra_moe.plan import json_default
-    from relibra_moe.steady import DEMO_STRATEGIES, demo_steady_state
 
     rep = demo_steady_state(["qwen3-30b-a3b/mixed"], quick=True)
     assert list(rep["cases"]) == ["qwen3-30b-a3b/drift/steady"] and rep["targets"] == []
@@ -213,7 +212,7 @@ def test_demo_section_quick_synthetic_only():
 
 
 def test_steady_targets_thresholds():
-    from relibra_moe.steady import steady_targets
+    from relibra_moe.commands.demo_steady import steady_targets
 
     res = {"qwen3-235b-a22b/drift/steady": {"reference": "relibra", "speedup": {
                "relibra": 1.0, "eplb-history": 1.12, "online": 1.04, "static": 1.3}},

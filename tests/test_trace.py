@@ -577,3 +577,23 @@ def test_planning_from_a_file_gives_the_plan_of_the_batch_in_memory(tmp_path):
             plan_batch(b, model, cluster, strategy, replica_slots=r, seed=0).save(out)
             shas.append(out.read_bytes())
         assert shas[0] == shas[1] == shas[2], strategy
+
+
+def test_restrict_layers_keeps_the_first_layers_counts():
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng, [5, 0, 7], num_layers=3).with_micro_batch_size(2)
+    cut = batch.restrict_layers(2)
+    ref = np.zeros((3, 2, 8), np.int64)  # float-free reference: count every (token, layer, slot) id by hand
+    for i in range(3):
+        for row in batch.trace(i).experts[:, :2]:
+            for layer, ids in enumerate(row):
+                for e in ids:
+                    ref[i, layer, e] += 1
+    np.testing.assert_array_equal(cut.sample_expert_counts(), ref)
+    np.testing.assert_array_equal(cut.layer_ids, batch.layer_ids[:2])
+    np.testing.assert_array_equal(cut.micro_batch, batch.micro_batch)
+    np.testing.assert_array_equal(cut.lengths, batch.lengths)
+    assert batch.restrict_layers(None) is batch and batch.restrict_layers(3) is batch
+    for bad in (0, True, 1.5, "2"):
+        with pytest.raises(TraceError, match=f"layers={bad!r} must be an int >= 1"):
+            batch.restrict_layers(bad)

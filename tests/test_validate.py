@@ -104,11 +104,9 @@ def test_check_bool():
 # ----------------------------------------------------------------------------------- no hand-written checks
 PKG = Path(__file__).resolve().parents[1] / "relibra_moe"
 
-HAND_CHECKS_ALLOWED: set[str] = {"timing.py", "sim.py", "evaluate.py", "steady.py", "commands/compare.py",
-                                 "commands/demo.py"}
+HAND_CHECKS_ALLOWED: set[str] = set()
 """Files (a trailing ``/``: a folder) that may still hold hand-written ``isinstance(..., int / bool)`` argument
-checks: the simulation side, converted in a later pass (today: steady.py). Shrink this set, never grow it;
-everything else checks its arguments through validate.py."""
+checks. Empty: every module checks its arguments through validate.py; keep it so."""
 
 
 def allowed(rel: str, allow: set[str]) -> bool:

@@ -30,7 +30,7 @@ from .plan import (
     add_cluster_args,
     add_model_args,
     add_sample_owner_flags,
-    check_trace_fits,
+    check_micro_batches,
     cluster_by_name,
     load_sample_gpu,
     model_by_name,
@@ -108,9 +108,8 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
         PlanError / TraceError: a bad argument (named with its value), a trace for another model, a trace
             without micro-batch assignment and no ``micro_batch_size``.
     """
-    import numpy as np
-
-    from ..steady import consecutive_batches, consecutive_indices, restrict_layers, run_steady
+    from ..evaluate import check_batch_model
+    from ..steady import consecutive_batches, consecutive_indices, run_steady
     from ..trace import TraceBatch
     from ..validate import check_choice
 
@@ -126,17 +125,15 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     model = model_by_name(model_name)
     cluster = cluster_by_name(cluster_name, nodes, gpus_per_node, cluster_profile, dispatcher)
     batch = TraceBatch.load(trace_path)
-    check_trace_fits(batch, model, trace_path)
+    check_batch_model(batch, model, f"trace {trace_path}")  # before --layers cuts both to their first layers
+    check_micro_batches(batch, trace_path, micro_batch_size)
     if micro_batch_size is not None:
         if micro_batch_size < 1:
             raise PlanError(f"--micro-batch-size={micro_batch_size} must be >= 1")
         batch = batch.with_micro_batch_size(micro_batch_size)
-    elif batch.micro_batch is None or int(np.min(batch.micro_batch)) < 0:
-        raise PlanError(f"trace {trace_path} has no micro-batch assignment (for every sample): pass "
-                        "--micro-batch-size B")
     if layers is not None and layers > model.num_layers:
         raise PlanError(f"--layers={layers} exceeds the {model.num_layers} MoE layers of {model.name}")
-    batch = restrict_layers(batch, layers)
+    batch = batch.restrict_layers(layers)
     model = model.with_(num_layers=batch.num_layers)
     seq = consecutive_batches(batch, batches)
     ranks = load_sample_gpu(sample_gpu_path, sample_owner, batch.num_sequences)

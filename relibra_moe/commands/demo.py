@@ -31,6 +31,7 @@ import numpy as np
 from .. import report
 from ..errors import PlanError, RelibraError
 from ..plan import json_default
+from .demo_steady import demo_steady_state
 
 DOMAINS = ("math", "code", "instruction", "mixed")
 PAPER_CLUSTERS = {"qwen3-30b-a3b": (2, 8), "glm4.5-106b-a12b": (4, 8), "qwen3-235b-a22b": (4, 8)}
@@ -111,18 +112,6 @@ def select_scenarios(scenarios: list[Scenario], patterns: list[str] | None) -> l
 
 
 # ---------------------------------------------------------------------------------------- batches
-def _restrict_layers(batch: Any, layers: int | None) -> Any:
-    """The batch with only its first ``layers`` MoE layers (count-built; enough to plan and simulate)."""
-    from ..trace import TraceBatch
-
-    if layers is None or layers >= batch.num_layers:
-        return batch
-    counts = batch.sample_expert_counts()[:, :layers]
-    return TraceBatch.from_counts(counts, batch.top_k, batch.layer_ids[:layers], starts=batch.starts,
-                                  micro_batch=batch.micro_batch, source=batch.source,
-                                  sample_info=dict(batch.sample_info))
-
-
 def build_batch(sc: Scenario, seed: int) -> Any:
     """The scenario's TraceBatch (micro-batches assigned; layers restricted as the scenario says)."""
     from ..specs import model_preset
@@ -140,7 +129,7 @@ def build_batch(sc: Scenario, seed: int) -> Any:
                          sc.num_samples // responses, responses_per_prompt=responses, seed=seed,
                          micro_batch_size=sc.micro_batch_size)
     batch = batch.with_micro_batch_size(sc.micro_batch_size)
-    return _restrict_layers(batch, sc.layers)
+    return batch.restrict_layers(sc.layers)
 
 
 # --------------------------------------------------------------------------------------- planning
@@ -185,7 +174,7 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
     """
     from ..metrics import load_summary
     from ..planners.strategies import REPLICA_STRATEGIES
-    from ..sim import simulate_step
+    from ..sim import StepResult, simulate_step
     from ..specs import cluster_preset, model_preset
 
     t0 = time.perf_counter()
@@ -219,24 +208,20 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
         solve_s = time.perf_counter() - t1
         step = simulate_step(plan, batch, model, cluster, balanced=strategy == "balanced")
         results[label] = {
-            "strategy": strategy, "repack": repack, "sample_owner": owner, "replica_slots": plan.replica_slots,
-            "step_s": step.step_s, "tokens_per_s": step.tokens_per_s, "t_moe_fwd_s": float(step.t_moe.sum()),
-            "rank_skew_mean": float(step.rank_skew.mean()), "solve_s": solve_s,
-            "experts_moved": step.experts_moved, "replica_mode": step.replica_mode,
-            "breakdown": step.breakdown,
-            "rank_skew_per_micro_batch": step.rank_skew.mean(axis=1).tolist(),
+            **StepResult.of(plan, step, solve_s).to_dict(), "strategy": strategy, "repack": repack,
+            "sample_owner": owner, "rank_skew_per_micro_batch": step.rank_skew.mean(axis=1).tolist(),
         }
         details[label] = step
         if advance is not None:
             advance()
     base = results["static" if "static" in results else "static (trainer)"]["tokens_per_s"]
     bal = results.get("balanced", {}).get("tokens_per_s")
-    bal_moe = results.get("balanced", {}).get("t_moe_fwd_s")
+    bal_moe = results.get("balanced", {}).get("t_moe_s")
     for r in results.values():
         r["speedup_vs_static"] = r["tokens_per_s"] / base
-        r["pct_of_balanced"] = 100.0 * r["tokens_per_s"] / bal if bal else float("nan")
+        r["percent_of_balanced_throughput"] = 100.0 * r["tokens_per_s"] / bal if bal else float("nan")
         # The cost-model view (what `relibra score` reports): sum of the forward T_MoE only.
-        r["pct_of_balanced_moe"] = 100.0 * bal_moe / r["t_moe_fwd_s"] if bal_moe else float("nan")
+        r["percent_of_balanced"] = 100.0 * bal_moe / r["t_moe_s"] if bal_moe else float("nan")
         r["reorder_share"] = r["breakdown"]["reorder"] / r["step_s"]
         r["replica_share"] = r["breakdown"]["replica_exposed"] / r["step_s"]
     res["strategies"] = results
@@ -273,12 +258,13 @@ def check_targets(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
             add("qwen3-235b-a22b/mixed: relibra vs eplb", mixed["relibra"]["tokens_per_s"]
                 / mixed["eplb"]["tokens_per_s"], 1.05, "x")
         if "balanced" in mixed:
-            add("qwen3-235b-a22b/mixed: relibra % of balanced", mixed["relibra"]["pct_of_balanced"], 90.0, "%")
+            add("qwen3-235b-a22b/mixed: relibra % of balanced",
+                mixed["relibra"]["percent_of_balanced_throughput"], 90.0, "%")
     ep8 = by.get("gpt-oss-ep8", {})
     if "relibra" in ep8 and "balanced" in ep8:
-        add("gpt-oss-ep8 (r=2): relibra % of balanced", ep8["relibra"]["pct_of_balanced"], 90.0, "%")
+        add("gpt-oss-ep8 (r=2): relibra % of balanced", ep8["relibra"]["percent_of_balanced_throughput"], 90.0, "%")
         # For reference, the same on the cost model alone (sum of T_MoE, no reorder or replica traffic).
-        add("gpt-oss-ep8 (r=2): relibra % of balanced, sum T_MoE only", ep8["relibra"]["pct_of_balanced_moe"],
+        add("gpt-oss-ep8 (r=2): relibra % of balanced, sum T_MoE only", ep8["relibra"]["percent_of_balanced"],
             90.0, "%")
     return out
 
@@ -391,7 +377,6 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     for n in caveats:
         console.print(f"[yellow]note[/] {n}")
     plots = write_plots(out, results) if results else []
-    from ..steady import demo_steady_state  # the steady state of consecutive batches (relibra_moe.steady)
     rep = {
         "version": REPORT_VERSION, "quick": quick, "seed": seed, "workers": workers, "sample_owner": sample_owner,
         "strategies": strategies, "cluster_fabric": "hopper-rail", "simulator": "relibra_moe.sim",

@@ -226,11 +226,11 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "profile's)")
 
 
-def check_trace_fits(batch: TraceBatch, model: ModelSpec, path: str) -> None:
-    """PlanError naming the trace file unless its L and E are the model's."""
-    if (batch.num_layers, batch.num_experts) != (model.num_layers, model.num_experts):
-        raise PlanError(f"trace {path} has {batch.num_layers} MoE layers and {batch.num_experts} experts; "
-                        f"model {model.name} has {model.num_layers} and {model.num_experts}")
+def check_micro_batches(batch: TraceBatch, path: str, micro_batch_size: int | None) -> None:
+    """PlanError naming the trace file when it has no micro-batch assignment for every sample and no
+    ``--micro-batch-size`` is given (``relibra plan``, ``relibra compare``)."""
+    if micro_batch_size is None and (batch.micro_batch is None or int(np.min(batch.micro_batch)) < 0):
+        raise PlanError(f"trace {path} has no micro-batch assignment (for every sample): pass --micro-batch-size B")
 
 
 def cluster_of_plan(plan: BatchPlan, plan_path: str, cluster_name: str, profile: str | None = None,
@@ -261,8 +261,12 @@ def load_previous(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str =
     return prev.placement
 
 
-def plan_options(args: argparse.Namespace) -> PlanOptions:
-    """The ``PlanOptions`` of a ``relibra plan`` command line (flags left unset keep their defaults)."""
+def plan_options(args: argparse.Namespace, *, previous: Placement | None = None, history: np.ndarray | None = None,
+                 sample_gpu: np.ndarray | None = None) -> PlanOptions:
+    """The ``PlanOptions`` of a ``relibra plan`` command line (flags left unset keep their defaults), with what
+    ``plan_file`` loaded from the files the flags name: ``previous`` (``--previous``), ``history`` int64
+    ``[W, L, E]`` (``--history``), ``sample_gpu`` int ``[N]`` (``--sample-gpu``). ``args`` is only read; the
+    options check themselves (``PlanOptions``), once."""
     from ..planners.options import PlanOptions
 
     kw: dict[str, Any] = {"replica_slots": args.replica_slots, "seed": args.seed, "workers": args.workers,
@@ -277,20 +281,18 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
     for name in ("objective", "balanced_sources"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    if getattr(args, "previous_placement", None) is not None:
-        kw["previous"] = args.previous_placement
-    if getattr(args, "history_loads", None) is not None:
-        kw["history"] = args.history_loads
+    for name, value in (("previous", previous), ("history", history), ("sample_gpu", sample_gpu)):
+        if value is not None:
+            kw[name] = value
     if getattr(args, "sample_owner", "planner") != "planner":
         kw["sample_owner"] = args.sample_owner
-    if getattr(args, "sample_gpu_ranks", None) is not None:
-        kw["sample_gpu"] = args.sample_gpu_ranks
     return PlanOptions.from_kwargs(**kw)
 
 
 def load_history(paths: list[str], model: ModelSpec) -> np.ndarray:
     """int64 ``[W, L, E]``: the per-(layer, expert) token loads of the past batches in trace files ``paths``
     (for ``--history``); PlanError naming the file when it is not a trace of ``model``."""
+    from ..evaluate import check_batch_model
     from ..trace import TraceBatch
 
     loads = []
@@ -299,7 +301,7 @@ def load_history(paths: list[str], model: ModelSpec) -> np.ndarray:
             past = TraceBatch.load(path)
         except (OSError, ValueError, KeyError) as exc:
             raise PlanError(f"--history {path}: not a readable trace file ({type(exc).__name__}: {exc})") from None
-        check_trace_fits(past, model, path)
+        check_batch_model(past, model, f"--history {path}: trace")
         loads.append(past.sample_expert_counts().sum(axis=0))
     return np.stack(loads).astype(np.int64)
 
@@ -313,70 +315,58 @@ def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cl
     from ..trace import TraceBatch
 
     model = model_by_name(model_name)
-    batch = TraceBatch.load(trace_path)
-    check_trace_fits(batch, model, trace_path)
+    batch = TraceBatch.load(trace_path)  # checked against the model and the plan by check_plan_batch
     plan = BatchPlan.load(plan_path)
     return model, batch, plan, cluster_of_plan(plan, plan_path, cluster_name, profile, dispatcher)
 
 
 def _score(plan, batch, model, cluster, balanced: bool, allow_unfingerprinted: bool = False) -> dict[str, Any]:
-    from ..evaluate import balanced_t_moe, json_summary, score_plan
+    """``PlanScore.to_dict`` of ``plan`` on ``batch`` (with ``balanced``: ``percent_of_balanced`` and the Balanced
+    ideal's ``balanced_t_moe_s``)."""
+    from ..evaluate import balanced_t_moe, score_plan
 
     bal = None
     if balanced:
         bal = balanced_t_moe(batch, model, cluster, seed=int(plan.stats.get("seed", 0)),
                              micro_batch=plan.samples.micro_batch)
-    out = json_summary(score_plan(plan, batch, model, cluster, balanced_total_s=bal,
-                                  allow_missing_fingerprint=allow_unfingerprinted))
+    out = score_plan(plan, batch, model, cluster, balanced_t_moe_s=bal,
+                     allow_missing_fingerprint=allow_unfingerprinted).to_dict()
     if bal is not None:
-        out["balanced_total_s"] = bal
+        out["balanced_t_moe_s"] = bal
     return out
 
 
 def _step(plan, batch, model, cluster, previous: Placement | None, previous_path: str | None,
           allow_unfingerprinted: bool = False) -> dict[str, Any]:
-    """The simulated step of ``plan`` (moves charged against ``previous``, else the static placement; replica and
-    reorder traffic charged): the same call and figures as ``relibra simulate``, for every strategy alike."""
+    """``StepTime.to_dict`` of ``plan``'s simulated step (moves charged against ``previous``, else the static
+    placement; replica and reorder traffic charged) and ``moves_charged_against``: the same call and figures as
+    ``relibra simulate``, for every strategy alike."""
     from ..sim import simulate_step
 
     step = simulate_step(plan, batch, model, cluster, previous=previous,
                          allow_missing_fingerprint=allow_unfingerprinted)
-    return {"step_s": step.step_s, "experts_moved": step.experts_moved, "reorder_s": step.reorder_s,
-            "replica_exposed_s": step.replica_exposed_s, "moves_charged_against": previous_path or "static"}
+    return {**step.to_dict(), "moves_charged_against": previous_path or "static"}
 
 
 def plan_file(args: argparse.Namespace) -> dict[str, Any]:
-    """Plan, save, score: the JSON-ready result (what ``relibra plan --json`` prints)."""
-    from ..planners.options import HISTORY_STRATEGIES
-    from ..planners.strategies import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, plan_with_options
+    """Plan, save, score: the JSON-ready result (what ``relibra plan --json`` prints). The trace's fit to the
+    model and the options' checks are the planner's (``plan_with_options``: ``PlanOptions``, ``check_for``,
+    ``check_batch_fits``); here only what the flags alone decide."""
+    from ..planners.strategies import REPLICA_STRATEGIES, plan_with_options
     from ..trace import TraceBatch
 
     model = model_from_args(args)
     cluster = cluster_by_name(args.cluster, args.nodes, args.gpus_per_node, args.cluster_profile, args.dispatcher)
     batch = TraceBatch.load(args.trace)
-    check_trace_fits(batch, model, args.trace)
     if args.replica_slots and args.strategy not in REPLICA_STRATEGIES:
         raise PlanError(f"--replica-slots={args.replica_slots} only applies to {', '.join(REPLICA_STRATEGIES)}, "
                         f"not --strategy {args.strategy}")
-    if args.micro_batch_size is None and (batch.micro_batch is None or int(np.min(batch.micro_batch)) < 0):
-        raise PlanError(f"trace {args.trace} has no micro-batch assignment (for every sample): pass "
-                        "--micro-batch-size B")
-    if args.skew_cap is not None and args.strategy not in RELIBRA_STRATEGIES:
-        raise PlanError(f"--skew-cap={args.skew_cap} only applies to {' and '.join(RELIBRA_STRATEGIES)}, not "
-                        f"--strategy {args.strategy}")
-    if args.token_cap is not None and not args.repack:
-        raise PlanError(f"--token-cap={args.token_cap} only applies with --repack")
-    previous = None
-    if args.previous is not None:
-        previous = args.previous_placement = load_previous(args.previous, model, cluster)
-    if args.history:
-        if args.strategy not in HISTORY_STRATEGIES:
-            raise PlanError(f"--history only applies to --strategy {' and '.join(HISTORY_STRATEGIES)}, not "
-                            f"--strategy {args.strategy}")
-        args.history_loads = load_history(args.history, model)
-    args.sample_gpu_ranks = load_sample_gpu(args.sample_gpu, args.sample_owner, batch.num_sequences)
-    plan = plan_with_options(batch, model, cluster, args.strategy, plan_options(args),
-                             micro_batch_size=args.micro_batch_size)
+    check_micro_batches(batch, args.trace, args.micro_batch_size)
+    previous = None if args.previous is None else load_previous(args.previous, model, cluster)
+    options = plan_options(args, previous=previous,
+                           history=load_history(args.history, model) if args.history else None,
+                           sample_gpu=load_sample_gpu(args.sample_gpu, args.sample_owner, batch.num_sequences))
+    plan = plan_with_options(batch, model, cluster, args.strategy, options, micro_batch_size=args.micro_batch_size)
     plan.save(args.out)
     if args.micro_batch_size is not None:
         batch = batch.with_micro_batch_size(args.micro_batch_size)
@@ -385,7 +375,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
                                        "gpus_per_node": cluster.gpus_per_node, "dispatcher": cluster.dispatcher}}
     out.update(_score(plan, batch, model, cluster, args.balanced))
     out.update(_step(plan, batch, model, cluster, previous, args.previous))
-    out["solve_seconds"] = float(plan.stats["solve_seconds"])
+    out["solve_s"] = float(plan.stats["solve_seconds"])
     out["replica_slots"] = plan.replica_slots
     out["repack"] = bool(args.repack)
     out["seed"] = args.seed
@@ -419,13 +409,13 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
     from rich.table import Table
 
     t = Table(title=f"{res.get('strategy')} on {res['trace']}",
-              caption="t_moe_total_s: sum of T_MoE, moves free (the paper's metric); step_s: simulated step, "
+              caption="t_moe_s: sum of T_MoE, moves free (the paper's metric); step_s: simulated step, "
                       f"moves (against {res.get('moves_charged_against', 'static')}), replica and reorder traffic "
                       "charged (relibra simulate)")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for k in ("t_moe_total_s", "step_s", "experts_moved", "comp_total_s", "comm_total_s", "rank_skew_mean",
-              "rank_skew_max", "percent_of_balanced", "solve_seconds", "num_micro_batches", "sample_owner"):
+    for k in ("t_moe_s", "step_s", "experts_moved", "moe_fwd_comp_s", "moe_fwd_comm_s", "rank_skew_mean",
+              "rank_skew_max", "percent_of_balanced", "solve_s", "num_micro_batches", "sample_owner"):
         if k in res:
             v = res[k]
             t.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
