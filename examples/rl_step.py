@@ -190,10 +190,11 @@ def _step(rank: int, cfg: Config) -> dict:
     planner = None
     if rank == 0:
         spec, cluster = _spec(cfg)
-        # migration=False: at this toy size moving an expert never pays for itself in the step-time model, so
-        # the default pricing would keep every expert home; the example wants the relayout path exercised
+        # migration=False, portfolio=False: at this toy size moving an expert never pays for itself in the
+        # step-time model, so the default pricing (and the portfolio's static candidate) would keep every expert
+        # home; the example wants the relayout path exercised
         planner = Planner(spec, cluster, strategy=cfg.strategy, replica_slots=cfg.replica_slots, workers=1,
-                          executor="inline", seed=cfg.seed, migration=False)
+                          executor="inline", seed=cfg.seed, migration=False, portfolio=False)
     records = []
     try:
         for step in range(cfg.steps):

@@ -129,9 +129,10 @@ def _train(rank: int, cfg: Config) -> dict:
     planner = None
     if rank == 0:
         spec, cluster = _spec(cfg)
-        # migration=False: at this toy size a move never pays in the step-time model; the example wants relayouts
+        # migration=False, portfolio=False: at this toy size a move never pays in the step-time model (the
+        # portfolio would keep the static homes); the example wants relayouts
         planner = Planner(spec, cluster, strategy=cfg.strategy, replica_slots=cfg.replica_slots, workers=1,
-                          executor="inline", seed=cfg.seed, migration=False)
+                          executor="inline", seed=cfg.seed, migration=False, portfolio=False)
     records = []
     try:
         for step in range(cfg.steps):
