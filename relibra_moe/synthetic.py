@@ -18,9 +18,9 @@ A sample's expert probabilities ``p`` become inclusion rates ``q = min(1, k p)``
 remainder: ``counts[n, l, e] <= S_n`` and ``sum_e counts[n, l, e] = k S_n`` exactly. Planning only
 needs these counts (``TraceBatch.sample_expert_counts``), so a Qwen3-235B batch of 1024 samples
 builds in seconds. Per-token ids are produced on demand by an exact construction consistent with the
-counts (expert e repeated ``counts[e]`` times, token t takes entries ``t, t+S, ..., t+(k-1)S``, which
-are distinct because every count is <= S; the experts' layout order, the rows and each row's rotation
-are drawn from the seed).
+counts (expert e repeated ``counts[e]`` times, token t takes entries ``c, c+S, ..., c+(k-1)S`` of one
+column c, which are distinct because every count is <= S; the experts' layout order, each token's column
+and its rotation are drawn from the seed, by a compiled kernel, ``_fill_ids``).
 
 Domain ``mixed`` interleaves math, code and instruction: consecutive blocks of ``micro_batch_size``
 samples (32 by default) come from different domains, in a seeded order.
@@ -37,6 +37,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from .errors import TraceError
 from .specs import ModelSpec, model_preset
@@ -186,27 +187,86 @@ def _round_counts(tokens: np.ndarray, q: np.ndarray, k: int, rng: np.random.Gene
     return counts
 
 
-def _ids_from_counts(counts: np.ndarray, tokens: int, k: int, rng: np.random.Generator, dtype: np.dtype) -> np.ndarray:
-    """Per-token ids ``[S, L, k]`` whose expert counts are exactly ``counts`` ``[L, E]`` (shuffled).
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
-    At layer l, the experts (in a random order) are laid out ``counts[l, e]`` times each in a run of
-    ``S k`` entries; token t takes entries ``t, t + S, ..., t + (k-1) S``, which are distinct experts
-    because no expert's run is longer than S. Tokens are then permuted per layer and each row rotated
-    by a random offset. One gather does it all.
+
+@njit(cache=True, inline="always")
+def _below(state: np.uint64, n: int) -> tuple[np.uint64, int]:
+    """One splitmix64 step: ``(next state, uniform int in [0, n))`` for ``0 < n < 2**32`` (multiply-shift)."""
+    state = state + _GOLDEN
+    z = state
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z = z ^ (z >> np.uint64(31))
+    return state, int(((z >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32))
+
+
+@njit(cache=True)
+def _fill_ids(counts: np.ndarray, k: int, seed: np.uint64, out: np.ndarray) -> bool:
+    """Write ids ``out`` ``[S, L, k]`` whose per-layer expert counts are ``counts`` ``[L, E]``; False (and ``out``
+    unspecified) unless every count is in ``[0, S]`` and each layer's counts sum to ``S k``.
+
+    Per layer l: the experts, in a random order, are laid out ``counts[l, e]`` times each in a run of ``S k``
+    entries (``run[l]``); the run's columns ``c, c + S, ..., c + (k-1) S`` are k distinct experts because no
+    expert's run is longer than S. Token t takes a random column (a random permutation of the S columns) starting
+    at a random one of its k slots. Randomness: splitmix64 from ``seed``; tokens are written in order.
     """
-    num_layers, e = counts.shape
-    if tokens == 0:
-        return np.empty((0, num_layers, k), dtype=dtype)
-    order = rng.permuted(np.tile(np.arange(e, dtype=dtype), (num_layers, 1)), axis=1)          # [L, E]
-    flat = np.repeat(order.ravel(), np.take_along_axis(counts, order.astype(np.int64), axis=1).ravel())
-    it = np.int32 if flat.size < 2**31 else np.int64
-    perm = rng.permuted(np.tile(np.arange(tokens, dtype=it), (num_layers, 1)), axis=1)          # [L, S]
-    rot = rng.integers(0, k, size=(tokens, num_layers), dtype=it)                                # [S, L]
-    slot = (np.arange(k, dtype=it)[None, None, :] + rot[:, :, None]) % it(k)                    # [S, L, k]
-    idx = slot * it(tokens)
-    idx += perm.T[:, :, None]
-    idx += (np.arange(num_layers, dtype=it) * it(k * tokens))[None, :, None]
-    return flat[idx]
+    s, num_layers = out.shape[0], out.shape[1]
+    e = counts.shape[1]
+    state = seed
+    order = np.empty(e, np.int64)
+    run = np.empty((num_layers, s * k), out.dtype)
+    col = np.empty((num_layers, s), np.int64)
+    for layer in range(num_layers):
+        for a in range(e):
+            order[a] = a
+        for a in range(e - 1, 0, -1):
+            state, b = _below(state, a + 1)
+            order[a], order[b] = order[b], order[a]
+        pos = 0
+        for a in range(e):
+            c = counts[layer, order[a]]
+            if c < 0 or c > s or pos + c > s * k:
+                return False
+            for _ in range(c):
+                run[layer, pos] = order[a]
+                pos += 1
+        if pos != s * k:
+            return False
+        for t in range(s):
+            col[layer, t] = t
+        for t in range(s - 1, 0, -1):
+            state, b = _below(state, t + 1)
+            col[layer, t], col[layer, b] = col[layer, b], col[layer, t]
+    for t in range(s):
+        for layer in range(num_layers):
+            state, r = _below(state, k)
+            c = col[layer, t]
+            for j in range(k):
+                slot = j + r
+                if slot >= k:
+                    slot -= k
+                out[t, layer, j] = run[layer, slot * s + c]
+    return True
+
+
+def _ids_from_counts(counts: np.ndarray, tokens: int, k: int, rng: np.random.Generator, dtype: np.dtype) -> np.ndarray:
+    """Per-token ids ``[S, L, k]`` whose expert counts are exactly ``counts`` ``[L, E]`` (shuffled; see
+    :func:`_fill_ids`, which draws from one 64-bit seed taken from ``rng``).
+
+    Raises:
+        TraceError: counts not in ``[0, S]`` or a layer's counts not summing to ``S k`` (cannot happen for
+            counts from :func:`_round_counts`).
+    """
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    out = np.empty((int(tokens), counts.shape[0], int(k)), dtype=dtype)
+    seed = np.uint64(rng.integers(0, 2**63, dtype=np.int64))
+    if not _fill_ids(counts, int(k), seed, out):
+        raise TraceError(f"synthetic ids: counts must lie in [0, S={int(tokens)}] and sum to S k = "
+                         f"{int(tokens) * int(k)} per layer")
+    return out
 
 
 def domain_sequence(num_blocks: int, seed: int) -> list[str]:
@@ -317,9 +377,12 @@ def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_pe
         p = i // r
         prompt_rng = np.random.default_rng([_stable_seed("relibra-synthetic-prompt", seed), p])
         resp_rng = np.random.default_rng([_stable_seed("relibra-synthetic-response", seed), i])
-        head = _ids_from_counts(prompt_counts[p], int(prompt_len[p]), k, prompt_rng, dtype)
-        tail = _ids_from_counts(resp_counts[i], int(resp_len[i]), k, resp_rng, dtype)
-        return np.concatenate([head, tail], axis=0)
+        head = int(prompt_len[p])
+        out = np.empty((head + int(resp_len[i]), num_layers, k), dtype=dtype)  # filled in place, no concatenation
+        for part, c, rg in ((out[:head], prompt_counts[p], prompt_rng), (out[head:], resp_counts[i], resp_rng)):
+            if not _fill_ids(c, k, np.uint64(rg.integers(0, 2**63, dtype=np.int64)), part):
+                raise TraceError(f"synthetic ids of sample {i}: counts inconsistent with the lengths (report this)")
+        return out
 
     micro_batch = None if micro_batch_size is None else (np.arange(n) // int(micro_batch_size)).astype(np.int32)
     source = (f"synthetic RL batch (relibra_moe.synthetic, not real routing): model {spec.name}, domain {domain}, "

@@ -554,10 +554,11 @@ class TraceBatch:
             raise TraceError(f"sample_gpu[{i}] = {int(gpu[i])} out of range [0, {num_gpus})")
         num_layers, e = self.num_layers, self._num_experts
         m = int(mb.max()) + 1
-        counts = self.sample_expert_counts().reshape(self._n * num_layers, e)
-        seg = ((mb[:, None] * num_layers + np.arange(num_layers)[None, :]) * num_gpus
-               + gpu.astype(np.int64)[:, None]).ravel()
-        return _segment_sum(counts, seg, m * num_layers * num_gpus).reshape(m, num_layers, num_gpus, e)
+        # sum whole samples [L * E] by (micro-batch, GPU): a sort of N keys, not of N * L rows
+        counts = self.sample_expert_counts().reshape(self._n, num_layers * e)
+        seg = mb.astype(np.int64) * num_gpus + gpu.astype(np.int64)
+        x = _segment_sum(counts, seg, m * num_gpus).reshape(m, num_gpus, num_layers, e)
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
 
     # ------------------------------------------------------------------------------------------- io
     def save(self, path: str | Path, compress: bool = False, *, counts_only: bool = False) -> None:
