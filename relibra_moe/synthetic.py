@@ -193,14 +193,17 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
 @njit(cache=True, inline="always")
-def _below(state: np.uint64, n: int) -> tuple[np.uint64, int]:
-    """One splitmix64 step: ``(next state, uniform int in [0, n))`` for ``0 < n < 2**32`` (multiply-shift)."""
+def _split_draw(state: np.uint64, n: int, m: int) -> tuple[np.uint64, int, int]:
+    """One splitmix64 step: ``(next state, uniform int in [0, n), uniform int in [0, m))`` for ``0 < n, m < 2**32``
+    (the high and low 32 bits of the output, each scaled by multiply-shift)."""
     state = state + _GOLDEN
     z = state
     z = (z ^ (z >> np.uint64(30))) * _MIX1
     z = (z ^ (z >> np.uint64(27))) * _MIX2
     z = z ^ (z >> np.uint64(31))
-    return state, int(((z >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32))
+    hi = int(((z >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32))
+    lo = int(((z & np.uint64(0xFFFFFFFF)) * np.uint64(m)) >> np.uint64(32))
+    return state, hi, lo
 
 
 @njit(cache=True)
@@ -209,46 +212,50 @@ def _fill_ids(counts: np.ndarray, k: int, seed: np.uint64, out: np.ndarray) -> b
     unspecified) unless every count is in ``[0, S]`` and each layer's counts sum to ``S k``.
 
     Per layer l: the experts, in a random order, are laid out ``counts[l, e]`` times each in a run of ``S k``
-    entries (``run[l]``); the run's columns ``c, c + S, ..., c + (k-1) S`` are k distinct experts because no
-    expert's run is longer than S. Token t takes a random column (a random permutation of the S columns) starting
-    at a random one of its k slots. Randomness: splitmix64 from ``seed``; tokens are written in order.
+    entries, entry ``p`` going to column ``p % S``, slot ``(p // S + rot[c]) % k`` of ``cols[l]`` ``[S, k]`` (each
+    column's slots rotated by a random offset); a column holds k distinct experts because no expert's run is longer
+    than S. Token t takes column ``pick[l, t]``, a random permutation of the S columns. Randomness: splitmix64 from
+    ``seed`` (a Fisher-Yates draw gives the permutation's swap and one rotation); tokens are written in order, each
+    copying one contiguous column.
     """
     s, num_layers = out.shape[0], out.shape[1]
     e = counts.shape[1]
     state = seed
     order = np.empty(e, np.int64)
-    run = np.empty((num_layers, s * k), out.dtype)
-    col = np.empty((num_layers, s), np.int64)
+    cols = np.empty((num_layers, s, k), out.dtype)
+    pick = np.empty((num_layers, s), np.int32)
+    rot = np.empty(s, np.int64)
     for layer in range(num_layers):
-        for a in range(e):
+        for a in range(e - 1, -1, -1):
             order[a] = a
         for a in range(e - 1, 0, -1):
-            state, b = _below(state, a + 1)
+            state, b, _ = _split_draw(state, a + 1, 1)
             order[a], order[b] = order[b], order[a]
-        pos = 0
+        for t in range(s):
+            pick[layer, t] = t
+        for t in range(s - 1, -1, -1):
+            state, b, rot[t] = _split_draw(state, t + 1, k)
+            pick[layer, t], pick[layer, b] = pick[layer, b], pick[layer, t]
+        pos, col, slot = 0, 0, 0  # entry pos = slot * S + col
         for a in range(e):
             c = counts[layer, order[a]]
             if c < 0 or c > s or pos + c > s * k:
                 return False
+            pos += c
             for _ in range(c):
-                run[layer, pos] = order[a]
-                pos += 1
+                j = slot + rot[col]
+                cols[layer, col, j - k if j >= k else j] = order[a]
+                col += 1
+                if col == s:
+                    col = 0
+                    slot += 1
         if pos != s * k:
             return False
-        for t in range(s):
-            col[layer, t] = t
-        for t in range(s - 1, 0, -1):
-            state, b = _below(state, t + 1)
-            col[layer, t], col[layer, b] = col[layer, b], col[layer, t]
     for t in range(s):
         for layer in range(num_layers):
-            state, r = _below(state, k)
-            c = col[layer, t]
+            c = pick[layer, t]
             for j in range(k):
-                slot = j + r
-                if slot >= k:
-                    slot -= k
-                out[t, layer, j] = run[layer, slot * s + c]
+                out[t, layer, j] = cols[layer, c, j]
     return True
 
 
