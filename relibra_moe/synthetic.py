@@ -212,7 +212,7 @@ def _fill_ids(counts: np.ndarray, k: int, seed: np.uint64, out: np.ndarray) -> b
     unspecified) unless every count is in ``[0, S]`` and each layer's counts sum to ``S k``.
 
     Per layer l: the experts, in a random order, are laid out ``counts[l, e]`` times each in a run of ``S k``
-    entries, entry ``p`` going to column ``p % S``, slot ``(p // S + rot[c]) % k`` of ``cols[l]`` ``[S, k]`` (each
+    entries, entry ``p`` going to column ``p % S``, slot ``(p // S - rot[c]) % k`` of ``cols[l]`` ``[S, k]`` (each
     column's slots rotated by a random offset); a column holds k distinct experts because no expert's run is longer
     than S. Token t takes column ``pick[l, t]``, a random permutation of the S columns. Randomness: splitmix64 from
     ``seed`` (a Fisher-Yates draw gives the permutation's swap and one rotation); tokens are written in order, each
@@ -225,6 +225,7 @@ def _fill_ids(counts: np.ndarray, k: int, seed: np.uint64, out: np.ndarray) -> b
     cols = np.empty((num_layers, s, k), out.dtype)
     pick = np.empty((num_layers, s), np.int32)
     rot = np.empty(s, np.int64)
+    run = np.empty(2 * s * k, out.dtype)
     for layer in range(num_layers):
         for a in range(e - 1, -1, -1):
             order[a] = a
@@ -236,21 +237,20 @@ def _fill_ids(counts: np.ndarray, k: int, seed: np.uint64, out: np.ndarray) -> b
         for t in range(s - 1, -1, -1):
             state, b, rot[t] = _split_draw(state, t + 1, k)
             pick[layer, t], pick[layer, b] = pick[layer, b], pick[layer, t]
-        pos, col, slot = 0, 0, 0  # entry pos = slot * S + col
+        pos = 0
         for a in range(e):
             c = counts[layer, order[a]]
             if c < 0 or c > s or pos + c > s * k:
                 return False
+            run[pos:pos + c] = order[a]
             pos += c
-            for _ in range(c):
-                j = slot + rot[col]
-                cols[layer, col, j - k if j >= k else j] = order[a]
-                col += 1
-                if col == s:
-                    col = 0
-                    slot += 1
         if pos != s * k:
             return False
+        run[s * k:] = run[:s * k]  # doubled: a rotated column reads s-strided entries without a wrap
+        for col in range(s):
+            base = rot[col] * s + col
+            for j in range(k):
+                cols[layer, col, j] = run[base + j * s]
     for t in range(s):
         for layer in range(num_layers):
             c = pick[layer, t]
