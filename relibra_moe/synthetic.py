@@ -127,10 +127,22 @@ def _profiles(model: ModelSpec, profile_seed: int) -> tuple[np.ndarray, dict[str
     return shared, out
 
 
+ROW_CHUNK = 4096
+"""Rows ``[E]`` per pass of :func:`_inclusion_rates` / :func:`_round_counts` (their temporaries stay a few MB, so
+they are reused rather than freshly mapped: a paper-scale batch has ``N L`` = 96k rows)."""
+
+
 def _inclusion_rates(logits: np.ndarray, k: int) -> np.ndarray:
     """``q = min(1, k softmax(logits))`` water-filled so each row sums to k (``[..., E]`` float64)."""
-    shape = logits.shape
-    z = logits.reshape(-1, shape[-1])
+    z = logits.reshape(-1, logits.shape[-1])
+    q = np.empty(z.shape, dtype=np.float64)
+    for lo in range(0, z.shape[0], ROW_CHUNK):  # row by row in effect: chunks give the same values
+        q[lo:lo + ROW_CHUNK] = _inclusion_rates_rows(z[lo:lo + ROW_CHUNK], k)
+    return q.reshape(logits.shape)
+
+
+def _inclusion_rates_rows(z: np.ndarray, k: int) -> np.ndarray:
+    """:func:`_inclusion_rates` of rows ``z`` ``[R, E]``."""
     p = np.exp(z - z.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
     q = k * p
@@ -147,7 +159,7 @@ def _inclusion_rates(logits: np.ndarray, k: int) -> np.ndarray:
             room = k - capped.sum(axis=1, keepdims=True)
             qs = np.where(capped, 1.0, free * (room / np.maximum(free.sum(axis=1, keepdims=True), 1e-300)))
         q[rows] = qs
-    return q.reshape(shape)
+    return q
 
 
 def _round_counts(tokens: np.ndarray, q: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -159,19 +171,30 @@ def _round_counts(tokens: np.ndarray, q: np.ndarray, k: int, rng: np.random.Gene
     Args:
         tokens: int ``[...]`` tokens S per row.
         q: ``[..., E]`` inclusion rates in [0, 1] summing to k.
-        rng: randomness of the systematic offsets.
+        rng: randomness of the systematic offsets (one uniform per row, drawn first, in row order).
     """
-    s = tokens.astype(np.int64)[..., None]
+    u = rng.random(tokens.shape).reshape(-1)
+    s = tokens.astype(np.int64).reshape(-1)
+    qr = q.reshape(-1, q.shape[-1])
+    counts = np.empty(qr.shape, dtype=np.int64)
+    for lo in range(0, qr.shape[0], ROW_CHUNK):
+        hi = lo + ROW_CHUNK
+        counts[lo:hi] = _round_rows(s[lo:hi], qr[lo:hi], k, u[lo:hi])
+    return counts.reshape(q.shape)
+
+
+def _round_rows(tokens: np.ndarray, q: np.ndarray, k: int, u: np.ndarray) -> np.ndarray:
+    """:func:`_round_counts` of rows: tokens int64 ``[R]``, rates ``[R, E]``, offsets ``u`` ``[R]`` in [0, 1)."""
+    s = tokens[:, None]
     x = s * q
     fl = np.minimum(np.floor(x), s).astype(np.int64)
-    need = k * s[..., 0] - fl.sum(axis=-1)                  # units still to place, 0 <= need < E
+    need = k * s[:, 0] - fl.sum(axis=-1)                    # units still to place, 0 <= need < E
     frac = np.where(fl < s, np.clip(x - fl, 0.0, 1.0), 0.0)  # saturated experts never get another unit
     cum = np.cumsum(frac, axis=-1)
-    total = cum[..., -1:]
-    cum *= np.where(total > 0, need[..., None] / np.where(total > 0, total, 1.0), 0.0)
-    cum[..., -1] = need                                      # exact end point: the extras sum to need
-    u = rng.random(need.shape)[..., None]
-    hits = np.ceil(cum - u).astype(np.int64)                 # points u, u+1, ... below each cumulative end
+    total = cum[:, -1:]
+    cum *= np.where(total > 0, need[:, None] / np.where(total > 0, total, 1.0), 0.0)
+    cum[:, -1] = need                                        # exact end point: the extras sum to need
+    hits = np.ceil(cum - u[:, None]).astype(np.int64)        # points u, u+1, ... below each cumulative end
     extra = np.diff(hits, axis=-1, prepend=0)
     counts = fl + extra
     bad = (counts > s).any(axis=-1) | (extra < 0).any(axis=-1) | (extra > 1).any(axis=-1)
@@ -182,7 +205,7 @@ def _round_counts(tokens: np.ndarray, q: np.ndarray, k: int, rng: np.random.Gene
         add = np.zeros(f.shape, dtype=np.int64)
         np.put_along_axis(add, order, (np.arange(f.shape[-1]) < need[idx][:, None]).astype(np.int64), axis=-1)
         counts[idx] = fl[idx] + add
-    if np.any(counts > s) or np.any(counts.sum(axis=-1) != k * s[..., 0]):  # cannot happen; guard anyway
+    if np.any(counts > s) or np.any(counts.sum(axis=-1) != k * s[:, 0]):  # cannot happen; guard anyway
         raise TraceError("synthetic count rounding broke its invariants (report this)")
     return counts
 
