@@ -123,19 +123,9 @@ def flow_matrix(x: np.ndarray, expert_gpu: np.ndarray | None = None,
     return x @ expert_onehot(expert_gpu, num_gpus)
 
 
-def cost_from_flow(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
-                   beta: float = DEFAULT_BETA) -> MoECost:
-    """The cost model of docs/method.md, "Cost model" from a flow matrix ``[..., G, G]`` (tokens j -> g).
-
-    Args:
-        flow: ``[..., G, G]`` tokens sent from source GPU j to target GPU g (see :func:`flow_matrix`).
-        model, cluster: token bytes and FLOPs per token; bandwidths (bytes/s), FLOP/s, link classes.
-        beta: LSE sharpness for ``t_moe_smooth``.
-
-    Returns:
-        :class:`MoECost` with leading dims ``[...]``; times in seconds, traffic in bytes.
-    """
-    flow = np.asarray(flow, dtype=np.float64)
+def _link_terms(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> tuple[np.ndarray, ...]:
+    """``(load, nvlink_tx, nvlink_rx, rdma_tx, rdma_rx, comp, terms)`` of a float64 flow ``[..., G, G]``: tokens
+    served, bytes per link direction, compute seconds ``[..., G]`` and the four link seconds ``[..., G, 4]``."""
     num_gpus = cluster.num_gpus
     if flow.shape[-2:] != (num_gpus, num_gpus):
         raise PlanError(f"flow has shape {flow.shape}, expected [..., {num_gpus}, {num_gpus}] for "
@@ -154,6 +144,30 @@ def cost_from_flow(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
     comp = load * rates.sec_per_pair
     terms = np.stack([nvlink_tx / rates.nvlink_bw, nvlink_rx / rates.nvlink_bw,
                       rdma_tx / rates.rdma_bw, rdma_rx / rates.rdma_bw], axis=-1)
+    return load, nvlink_tx, nvlink_rx, rdma_tx, rdma_rx, comp, terms
+
+
+def peak_comp_comm(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
+    """``(max_g comp, max_g comm)`` seconds of one flow ``[G, G]``: :func:`cost_from_flow`'s ``comp.max()`` and
+    ``comm.max()`` without its smoothed terms."""
+    _, _, _, _, _, comp, terms = _link_terms(np.asarray(flow, dtype=np.float64), model, cluster)
+    return float(comp.max()), float((2.0 * terms.max(axis=-1)).max())
+
+
+def cost_from_flow(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                   beta: float = DEFAULT_BETA) -> MoECost:
+    """The cost model of docs/method.md, "Cost model" from a flow matrix ``[..., G, G]`` (tokens j -> g).
+
+    Args:
+        flow: ``[..., G, G]`` tokens sent from source GPU j to target GPU g (see :func:`flow_matrix`).
+        model, cluster: token bytes and FLOPs per token; bandwidths (bytes/s), FLOP/s, link classes.
+        beta: LSE sharpness for ``t_moe_smooth``.
+
+    Returns:
+        :class:`MoECost` with leading dims ``[...]``; times in seconds, traffic in bytes.
+    """
+    flow = np.asarray(flow, dtype=np.float64)
+    load, nvlink_tx, nvlink_rx, rdma_tx, rdma_rx, comp, terms = _link_terms(flow, model, cluster)
     comm = 2.0 * terms.max(axis=-1)
     t_moe = comp.max(axis=-1) + comm.max(axis=-1)
 

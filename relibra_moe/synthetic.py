@@ -18,9 +18,9 @@ A sample's expert probabilities ``p`` become inclusion rates ``q = min(1, k p)``
 remainder: ``counts[n, l, e] <= S_n`` and ``sum_e counts[n, l, e] = k S_n`` exactly. Planning only
 needs these counts (``TraceBatch.sample_expert_counts``), so a Qwen3-235B batch of 1024 samples
 builds in seconds. Per-token ids are produced on demand by an exact construction consistent with the
-counts (expert e repeated ``counts[e]`` times, token t takes entries ``t, t+S, ..., t+(k-1)S``, which
-are distinct because every count is <= S; the experts' layout order, the rows and each row's rotation
-are drawn from the seed).
+counts (expert e repeated ``counts[e]`` times, token t takes entries ``c, c+S, ..., c+(k-1)S`` of one
+column c, which are distinct because every count is <= S; the experts' layout order, each token's column
+and its rotation are drawn from the seed, by a compiled kernel, ``_fill_ids``).
 
 Domain ``mixed`` interleaves math, code and instruction: consecutive blocks of ``micro_batch_size``
 samples (32 by default) come from different domains, in a seeded order.
@@ -37,6 +37,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from .errors import TraceError
 from .specs import ModelSpec, model_preset
@@ -126,10 +127,22 @@ def _profiles(model: ModelSpec, profile_seed: int) -> tuple[np.ndarray, dict[str
     return shared, out
 
 
+ROW_CHUNK = 4096
+"""Rows ``[E]`` per pass of :func:`_inclusion_rates` / :func:`_round_counts` (their temporaries stay a few MB, so
+they are reused rather than freshly mapped: a paper-scale batch has ``N L`` = 96k rows)."""
+
+
 def _inclusion_rates(logits: np.ndarray, k: int) -> np.ndarray:
     """``q = min(1, k softmax(logits))`` water-filled so each row sums to k (``[..., E]`` float64)."""
-    shape = logits.shape
-    z = logits.reshape(-1, shape[-1])
+    z = logits.reshape(-1, logits.shape[-1])
+    q = np.empty(z.shape, dtype=np.float64)
+    for lo in range(0, z.shape[0], ROW_CHUNK):  # row by row in effect: chunks give the same values
+        q[lo:lo + ROW_CHUNK] = _inclusion_rates_rows(z[lo:lo + ROW_CHUNK], k)
+    return q.reshape(logits.shape)
+
+
+def _inclusion_rates_rows(z: np.ndarray, k: int) -> np.ndarray:
+    """:func:`_inclusion_rates` of rows ``z`` ``[R, E]``."""
     p = np.exp(z - z.max(axis=1, keepdims=True))
     p /= p.sum(axis=1, keepdims=True)
     q = k * p
@@ -146,7 +159,7 @@ def _inclusion_rates(logits: np.ndarray, k: int) -> np.ndarray:
             room = k - capped.sum(axis=1, keepdims=True)
             qs = np.where(capped, 1.0, free * (room / np.maximum(free.sum(axis=1, keepdims=True), 1e-300)))
         q[rows] = qs
-    return q.reshape(shape)
+    return q
 
 
 def _round_counts(tokens: np.ndarray, q: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -158,19 +171,30 @@ def _round_counts(tokens: np.ndarray, q: np.ndarray, k: int, rng: np.random.Gene
     Args:
         tokens: int ``[...]`` tokens S per row.
         q: ``[..., E]`` inclusion rates in [0, 1] summing to k.
-        rng: randomness of the systematic offsets.
+        rng: randomness of the systematic offsets (one uniform per row, drawn first, in row order).
     """
-    s = tokens.astype(np.int64)[..., None]
+    u = rng.random(tokens.shape).reshape(-1)
+    s = tokens.astype(np.int64).reshape(-1)
+    qr = q.reshape(-1, q.shape[-1])
+    counts = np.empty(qr.shape, dtype=np.int64)
+    for lo in range(0, qr.shape[0], ROW_CHUNK):
+        hi = lo + ROW_CHUNK
+        counts[lo:hi] = _round_rows(s[lo:hi], qr[lo:hi], k, u[lo:hi])
+    return counts.reshape(q.shape)
+
+
+def _round_rows(tokens: np.ndarray, q: np.ndarray, k: int, u: np.ndarray) -> np.ndarray:
+    """:func:`_round_counts` of rows: tokens int64 ``[R]``, rates ``[R, E]``, offsets ``u`` ``[R]`` in [0, 1)."""
+    s = tokens[:, None]
     x = s * q
     fl = np.minimum(np.floor(x), s).astype(np.int64)
-    need = k * s[..., 0] - fl.sum(axis=-1)                  # units still to place, 0 <= need < E
+    need = k * s[:, 0] - fl.sum(axis=-1)                    # units still to place, 0 <= need < E
     frac = np.where(fl < s, np.clip(x - fl, 0.0, 1.0), 0.0)  # saturated experts never get another unit
     cum = np.cumsum(frac, axis=-1)
-    total = cum[..., -1:]
-    cum *= np.where(total > 0, need[..., None] / np.where(total > 0, total, 1.0), 0.0)
-    cum[..., -1] = need                                      # exact end point: the extras sum to need
-    u = rng.random(need.shape)[..., None]
-    hits = np.ceil(cum - u).astype(np.int64)                 # points u, u+1, ... below each cumulative end
+    total = cum[:, -1:]
+    cum *= np.where(total > 0, need[:, None] / np.where(total > 0, total, 1.0), 0.0)
+    cum[:, -1] = need                                        # exact end point: the extras sum to need
+    hits = np.ceil(cum - u[:, None]).astype(np.int64)        # points u, u+1, ... below each cumulative end
     extra = np.diff(hits, axis=-1, prepend=0)
     counts = fl + extra
     bad = (counts > s).any(axis=-1) | (extra < 0).any(axis=-1) | (extra > 1).any(axis=-1)
@@ -181,32 +205,98 @@ def _round_counts(tokens: np.ndarray, q: np.ndarray, k: int, rng: np.random.Gene
         add = np.zeros(f.shape, dtype=np.int64)
         np.put_along_axis(add, order, (np.arange(f.shape[-1]) < need[idx][:, None]).astype(np.int64), axis=-1)
         counts[idx] = fl[idx] + add
-    if np.any(counts > s) or np.any(counts.sum(axis=-1) != k * s[..., 0]):  # cannot happen; guard anyway
+    if np.any(counts > s) or np.any(counts.sum(axis=-1) != k * s[:, 0]):  # cannot happen; guard anyway
         raise TraceError("synthetic count rounding broke its invariants (report this)")
     return counts
 
 
-def _ids_from_counts(counts: np.ndarray, tokens: int, k: int, rng: np.random.Generator, dtype: np.dtype) -> np.ndarray:
-    """Per-token ids ``[S, L, k]`` whose expert counts are exactly ``counts`` ``[L, E]`` (shuffled).
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
-    At layer l, the experts (in a random order) are laid out ``counts[l, e]`` times each in a run of
-    ``S k`` entries; token t takes entries ``t, t + S, ..., t + (k-1) S``, which are distinct experts
-    because no expert's run is longer than S. Tokens are then permuted per layer and each row rotated
-    by a random offset. One gather does it all.
+
+@njit(cache=True, inline="always")
+def _split_draw(state: np.uint64, n: int, m: int) -> tuple[np.uint64, int, int]:
+    """One splitmix64 step: ``(next state, uniform int in [0, n), uniform int in [0, m))`` for ``0 < n, m < 2**32``
+    (the high and low 32 bits of the output, each scaled by multiply-shift)."""
+    state = state + _GOLDEN
+    z = state
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z = z ^ (z >> np.uint64(31))
+    hi = int(((z >> np.uint64(32)) * np.uint64(n)) >> np.uint64(32))
+    lo = int(((z & np.uint64(0xFFFFFFFF)) * np.uint64(m)) >> np.uint64(32))
+    return state, hi, lo
+
+
+@njit(cache=True)
+def _fill_ids(counts: np.ndarray, k: int, seed: np.uint64, out: np.ndarray) -> bool:
+    """Write ids ``out`` ``[S, L, k]`` whose per-layer expert counts are ``counts`` ``[L, E]``; False (and ``out``
+    unspecified) unless every count is in ``[0, S]`` and each layer's counts sum to ``S k``.
+
+    Per layer l: the experts, in a random order, are laid out ``counts[l, e]`` times each in a run of ``S k``
+    entries, entry ``p`` going to column ``p % S``, slot ``(p // S - rot[c]) % k`` of ``cols[l]`` ``[S, k]`` (each
+    column's slots rotated by a random offset); a column holds k distinct experts because no expert's run is longer
+    than S. Token t takes column ``pick[l, t]``, a random permutation of the S columns. Randomness: splitmix64 from
+    ``seed`` (a Fisher-Yates draw gives the permutation's swap and one rotation); tokens are written in order, each
+    copying one contiguous column.
     """
-    num_layers, e = counts.shape
-    if tokens == 0:
-        return np.empty((0, num_layers, k), dtype=dtype)
-    order = rng.permuted(np.tile(np.arange(e, dtype=dtype), (num_layers, 1)), axis=1)          # [L, E]
-    flat = np.repeat(order.ravel(), np.take_along_axis(counts, order.astype(np.int64), axis=1).ravel())
-    it = np.int32 if flat.size < 2**31 else np.int64
-    perm = rng.permuted(np.tile(np.arange(tokens, dtype=it), (num_layers, 1)), axis=1)          # [L, S]
-    rot = rng.integers(0, k, size=(tokens, num_layers), dtype=it)                                # [S, L]
-    slot = (np.arange(k, dtype=it)[None, None, :] + rot[:, :, None]) % it(k)                    # [S, L, k]
-    idx = slot * it(tokens)
-    idx += perm.T[:, :, None]
-    idx += (np.arange(num_layers, dtype=it) * it(k * tokens))[None, :, None]
-    return flat[idx]
+    s, num_layers = out.shape[0], out.shape[1]
+    e = counts.shape[1]
+    state = seed
+    order = np.empty(e, np.int64)
+    cols = np.empty((num_layers, s, k), out.dtype)
+    pick = np.empty((num_layers, s), np.int32)
+    rot = np.empty(s, np.int64)
+    run = np.empty(2 * s * k, out.dtype)
+    for layer in range(num_layers):
+        for a in range(e - 1, -1, -1):
+            order[a] = a
+        for a in range(e - 1, 0, -1):
+            state, b, _ = _split_draw(state, a + 1, 1)
+            order[a], order[b] = order[b], order[a]
+        for t in range(s):
+            pick[layer, t] = t
+        for t in range(s - 1, -1, -1):
+            state, b, rot[t] = _split_draw(state, t + 1, k)
+            pick[layer, t], pick[layer, b] = pick[layer, b], pick[layer, t]
+        pos = 0
+        for a in range(e):
+            c = counts[layer, order[a]]
+            if c < 0 or c > s or pos + c > s * k:
+                return False
+            run[pos:pos + c] = order[a]
+            pos += c
+        if pos != s * k:
+            return False
+        run[s * k:] = run[:s * k]  # doubled: a rotated column reads s-strided entries without a wrap
+        for col in range(s):
+            base = rot[col] * s + col
+            for j in range(k):
+                cols[layer, col, j] = run[base + j * s]
+    for t in range(s):
+        for layer in range(num_layers):
+            c = pick[layer, t]
+            for j in range(k):
+                out[t, layer, j] = cols[layer, c, j]
+    return True
+
+
+def _ids_from_counts(counts: np.ndarray, tokens: int, k: int, rng: np.random.Generator, dtype: np.dtype) -> np.ndarray:
+    """Per-token ids ``[S, L, k]`` whose expert counts are exactly ``counts`` ``[L, E]`` (shuffled; see
+    :func:`_fill_ids`, which draws from one 64-bit seed taken from ``rng``).
+
+    Raises:
+        TraceError: counts not in ``[0, S]`` or a layer's counts not summing to ``S k`` (cannot happen for
+            counts from :func:`_round_counts`).
+    """
+    counts = np.ascontiguousarray(counts, dtype=np.int64)
+    out = np.empty((int(tokens), counts.shape[0], int(k)), dtype=dtype)
+    seed = np.uint64(rng.integers(0, 2**63, dtype=np.int64))
+    if not _fill_ids(counts, int(k), seed, out):
+        raise TraceError(f"synthetic ids: counts must lie in [0, S={int(tokens)}] and sum to S k = "
+                         f"{int(tokens) * int(k)} per layer")
+    return out
 
 
 def domain_sequence(num_blocks: int, seed: int) -> list[str]:
@@ -317,9 +407,12 @@ def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_pe
         p = i // r
         prompt_rng = np.random.default_rng([_stable_seed("relibra-synthetic-prompt", seed), p])
         resp_rng = np.random.default_rng([_stable_seed("relibra-synthetic-response", seed), i])
-        head = _ids_from_counts(prompt_counts[p], int(prompt_len[p]), k, prompt_rng, dtype)
-        tail = _ids_from_counts(resp_counts[i], int(resp_len[i]), k, resp_rng, dtype)
-        return np.concatenate([head, tail], axis=0)
+        head = int(prompt_len[p])
+        out = np.empty((head + int(resp_len[i]), num_layers, k), dtype=dtype)  # filled in place, no concatenation
+        for part, c, rg in ((out[:head], prompt_counts[p], prompt_rng), (out[head:], resp_counts[i], resp_rng)):
+            if not _fill_ids(c, k, np.uint64(rg.integers(0, 2**63, dtype=np.int64)), part):
+                raise TraceError(f"synthetic ids of sample {i}: counts inconsistent with the lengths (report this)")
+        return out
 
     micro_batch = None if micro_batch_size is None else (np.arange(n) // int(micro_batch_size)).astype(np.int32)
     source = (f"synthetic RL batch (relibra_moe.synthetic, not real routing): model {spec.name}, domain {domain}, "

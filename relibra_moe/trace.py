@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numba import njit
 
 from .errors import TraceError
 from .trace_files import (
@@ -66,14 +67,40 @@ def nonnegative_int(name: str, value: Any) -> int:
     return check_count(name, value, 0, error=TraceError)
 
 
-def check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str]) -> None:
+@njit(cache=True)
+def _scan_ids(experts: np.ndarray, num_experts: int, counts: np.ndarray) -> bool:
+    """One pass over ids ``[T, L, k]``: True when every id is in ``[-1, E)`` and no row repeats an id >= 0;
+    adds each id >= 0 to ``counts`` int64 ``[L, E]`` (pass a ``[0, 0]`` array to skip counting)."""
+    do_count = counts.shape[0] > 0
+    seen = np.zeros(num_experts, np.int64)  # row stamp of each expert's last sighting
+    stamp = 0
+    for t in range(experts.shape[0]):
+        for layer in range(experts.shape[1]):
+            stamp += 1
+            for j in range(experts.shape[2]):
+                v = experts[t, layer, j]
+                if v < -1 or v >= num_experts:
+                    return False
+                if v >= 0:
+                    if seen[v] == stamp:
+                        return False
+                    seen[v] = stamp
+                    if do_count:
+                        counts[layer, v] += 1
+    return True
+
+
+def check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str],
+              counts: np.ndarray | None = None) -> None:
     """Raise TraceError at the first out-of-range or duplicated id of ``experts`` ``[T, L, k]``.
 
     ``where(t)`` describes row ``t`` (e.g. ``"sample 3, row 17"``). ``-1`` entries are padding: any
-    number of them may appear in a row, and they are not duplicates of each other.
+    number of them may appear in a row, and they are not duplicates of each other. ``counts``, a zeroed
+    int64 ``[L, E]``, receives the expert counts in the same pass.
     """
-    if experts.size == 0:
-        return
+    if experts.size == 0 or _scan_ids(experts, int(num_experts), np.zeros((0, 0), np.int64) if counts is None
+                                      else counts):
+        return  # valid (one compiled pass); else find and name the first bad entry below
     lo, hi = int(experts.min()), int(experts.max())
     if lo < -1 or hi >= num_experts:
         bad = (experts < -1) | (experts >= num_experts)
@@ -94,9 +121,10 @@ def check_ids(experts: np.ndarray, num_experts: int, where: Callable[[int], str]
                                  f"{part[t, l].tolist()} (a row holds k distinct ids)")
 
 
-def _normalize(experts: Any, layer_ids: Any, num_experts: Any, top_k: Any,
-               where: Callable[[int], str]) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """Validate one sequence's fields; returns (experts in ``ids_dtype``, layer_ids int32, E, k)."""
+def _normalize(experts: Any, layer_ids: Any, num_experts: Any, top_k: Any, where: Callable[[int], str],
+               counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Validate one sequence's fields; returns (experts in ``ids_dtype``, layer_ids int32, E, k). ``counts``:
+    see :func:`check_ids`."""
     num_experts = positive_int("num_experts", num_experts)
     top_k = positive_int("top_k", top_k)
     if top_k > num_experts:
@@ -113,7 +141,7 @@ def _normalize(experts: Any, layer_ids: Any, num_experts: Any, top_k: Any,
         raise TraceError(f"layer count mismatch: layer_ids has shape {layer_ids.shape}, experts has "
                          f"{experts.shape[1]} layers (shape {experts.shape})")
     check_layer_ids(layer_ids)
-    check_ids(experts, num_experts, where)
+    check_ids(experts, num_experts, where, counts)
     experts = experts.astype(ids_dtype(num_experts), copy=False)
     return experts, layer_ids.astype(np.int32, copy=False), num_experts, top_k
 
@@ -182,8 +210,13 @@ class RoutingTrace:
 
 
 def _counts_of(experts: np.ndarray, num_experts: int) -> np.ndarray:
-    """int64 ``[L, E]`` expert counts of ids ``[S, L, k]`` (vectorized bincount, -1 skipped)."""
+    """int64 ``[L, E]`` expert counts of ids ``[S, L, k]`` (-1 skipped): one compiled pass for valid integer ids,
+    else a vectorized bincount."""
     s, num_layers, k = experts.shape
+    if experts.dtype.kind in "iu":
+        counts = np.zeros((num_layers, num_experts), np.int64)
+        if _scan_ids(experts, int(num_experts), counts):
+            return counts
     it = np.int32 if num_layers * num_experts < 2**31 else np.int64
     flat = experts.astype(it) + (np.arange(num_layers, dtype=it) * it(num_experts))[None, :, None]
     if s and int(experts.min()) < 0:
@@ -442,15 +475,16 @@ class TraceBatch:
                              "scored, but not saved with ids, iterated or replayed")
         at = f"{self._origin}: " if self._origin is not None else ""
         experts = self._factory(i)
+        counts = np.zeros((self.num_layers, self._num_experts), np.int64)
         try:
             experts, layer_ids, _, _ = _normalize(experts, self._layer_ids, self._num_experts, self._top_k,
-                                                  lambda t: f"sample {i}, row {t}")
+                                                  lambda t: f"sample {i}, row {t}", counts)
         except TraceError as exc:
             raise TraceError(f"{at}{exc}") from None
         if experts.shape[0] != self._lengths[i]:
             raise TraceError(f"{at}sample {i}: materialized {experts.shape[0]} rows, counts say "
                              f"{int(self._lengths[i])}")
-        if self._counts is not None and not np.array_equal(_counts_of(experts, self._num_experts), self._counts[i]):
+        if self._counts is not None and not np.array_equal(counts, self._counts[i]):
             field = "field 'experts' disagrees with field 'counts'" if at else \
                 "materialized ids disagree with the batch's expert counts"
             raise TraceError(f"{at}sample {i}: {field}")
@@ -571,10 +605,11 @@ class TraceBatch:
             raise TraceError(f"sample_gpu[{i}] = {int(gpu[i])} out of range [0, {num_gpus})")
         num_layers, e = self.num_layers, self._num_experts
         m = int(mb.max()) + 1
-        counts = self.sample_expert_counts().reshape(self._n * num_layers, e)
-        seg = ((mb[:, None] * num_layers + np.arange(num_layers)[None, :]) * num_gpus
-               + gpu.astype(np.int64)[:, None]).ravel()
-        return _segment_sum(counts, seg, m * num_layers * num_gpus).reshape(m, num_layers, num_gpus, e)
+        # sum whole samples [L * E] by (micro-batch, GPU): a sort of N keys, not of N * L rows
+        counts = self.sample_expert_counts().reshape(self._n, num_layers * e)
+        seg = mb.astype(np.int64) * num_gpus + gpu.astype(np.int64)
+        x = _segment_sum(counts, seg, m * num_gpus).reshape(m, num_gpus, num_layers, e)
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
 
     # ------------------------------------------------------------------------------------------- io
     def save(self, path: str | Path, compress: bool = False, *, counts_only: bool = False) -> None:
@@ -657,12 +692,12 @@ class TraceBatch:
 
 
 def _segment_sum(rows: np.ndarray, seg: np.ndarray, num_segments: int) -> np.ndarray:
-    """Sum the rows ``[R, C]`` by segment id ``seg`` ``[R]`` into ``[num_segments, C]`` (sort + reduceat)."""
+    """Sum the rows ``[R, C]`` by segment id ``seg`` ``[R]`` into int64 ``[num_segments, C]``.
+
+    One vector add per row (R is a batch's sample count, C = L E or so): cheaper than a sort and a gathered copy
+    of the rows, and exact (integer sums).
+    """
     out = np.zeros((num_segments, rows.shape[1]), dtype=np.int64)
-    if rows.shape[0] == 0:
-        return out
-    order = np.argsort(seg, kind="stable")
-    sorted_seg = seg[order]
-    first = np.flatnonzero(np.r_[True, sorted_seg[1:] != sorted_seg[:-1]])
-    out[sorted_seg[first]] = np.add.reduceat(rows[order], first, axis=0)
+    for i, s in enumerate(seg.tolist()):
+        out[s] += rows[i]
     return out

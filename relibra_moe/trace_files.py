@@ -217,15 +217,35 @@ def write_trace_file(path: str | Path, *, num_experts: int, top_k: int, layer_id
         micro_batch=mb.astype(np.int32), source=np.str_(source),
         counts=counts.astype(counts_dtype(int(counts.max()) if counts.size else 0)),
         counts_only=np.bool_(experts is None), no_route=np.int64(NO_ROUTE))
-    if experts is not None:
-        ids = np.empty((int(offsets[-1]), len(layer_ids), top_k), dtype=file_ids_dtype(num_experts))
-        for i, seq in enumerate(experts):
-            ids[offsets[i]:offsets[i + 1]] = seq
-        arrays["experts"] = ids
     for key, value in info.items():
         arrays[INFO_PREFIX + key] = value
-    with open(path, "wb") as f:
-        (np.savez_compressed if compress else np.savez)(f, **arrays)
+    mode = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
+    with open(path, "wb") as f, zipfile.ZipFile(f, mode="w", compression=mode, allowZip64=True) as zf:
+        for key, value in arrays.items():  # what np.savez / np.savez_compressed write, member by member
+            with zf.open(key + ".npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=True)
+        if experts is not None:
+            with zf.open("experts.npy", "w", force_zip64=True) as member:
+                _stream_ids(member, experts, lengths, (len(layer_ids), top_k), file_ids_dtype(num_experts))
+
+
+def _stream_ids(member: Any, experts: Iterator[np.ndarray], lengths: np.ndarray, row: tuple[int, int],
+                dtype: np.dtype) -> None:
+    """Write the ``experts`` member ``[T, L, k]`` (``.npy`` header, then each sequence's rows in turn, converted
+    to ``dtype`` one sequence at a time: no ``[T, L, k]`` array is built). TraceError unless sequence i has shape
+    ``[lengths[i], L, k]`` and there are exactly ``len(lengths)`` of them."""
+    shape = (int(lengths.sum()), *row)
+    np.lib.format.write_array_header_1_0(member, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                  "fortran_order": False, "shape": shape})
+    n = 0
+    for i, seq in enumerate(experts):
+        if i >= lengths.shape[0] or tuple(seq.shape) != (int(lengths[i]), *row):
+            want = f"[{int(lengths[i])}, {row[0]}, {row[1]}]" if i < lengths.shape[0] else "none (no such sequence)"
+            raise TraceError(f"sequence {i}: ids of shape {list(seq.shape)}, the lengths say {want}")
+        member.write(np.ascontiguousarray(seq, dtype=dtype).data)
+        n = i + 1
+    if n != lengths.shape[0]:
+        raise TraceError(f"{n} sequences of ids for {int(lengths.shape[0])} lengths")
 
 
 def read_trace_file(path: Path) -> tuple[int, dict[str, np.ndarray], tuple[tuple[int, ...], np.dtype] | None]:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from relibra_moe.cost import flow_matrix, moe_cost, smooth_max
+from relibra_moe.cost import flow_matrix, moe_cost, peak_comp_comm, smooth_max
 from relibra_moe.errors import PlanError
 from relibra_moe.specs import ClusterSpec, ModelSpec
 
@@ -145,6 +145,10 @@ def test_random_layers_match_loop_reference(seed):
         np.testing.assert_allclose(c.comp, comp, rtol=1e-12)
         np.testing.assert_allclose(c.comm, comm, rtol=1e-12, atol=1e-15)
         assert c.t_moe == pytest.approx(t, rel=1e-12)
+        # the peaks without the smoothed terms: the loop's maxima, and exactly cost_from_flow's
+        peak = peak_comp_comm(flow_matrix(x, home, sh), model, cluster)
+        assert peak == pytest.approx((comp.max(), comm.max()), rel=1e-12)
+        assert peak == (float(c.comp.max()), float(c.comm.max()))
         # LSE bound: comm smooths 4 terms then G GPUs, comp smooths G GPUs, scale = mean comp
         s = comp.mean()
         assert t - 1e-12 <= c.t_moe_smooth <= t + s * (2 * np.log(4) + 2 * np.log(8)) / 20.0 + 1e-12

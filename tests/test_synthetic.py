@@ -159,3 +159,15 @@ def test_paper_scale_builds_from_counts_in_bounded_memory():
     assert peak < 1.5 * 2**30, f"peak {peak / 2**30:.2f} GiB"
     s = load_summary(b.micro_batch_expert_counts())
     assert 5.0 <= s["skew_mean"] <= 15.0 and s["intersection_mean"] < 0.5
+
+
+def test_fill_ids_refuses_inconsistent_counts():
+    """A count above S, or a layer not summing to S k, is refused (TraceError), never written as ids."""
+    rng = np.random.default_rng(0)
+    good = np.array([[2, 2, 1, 1], [3, 1, 1, 1]])  # S = 3, k = 2
+    ids = _ids_from_counts(good, 3, 2, rng, np.dtype(np.int16))
+    for layer in range(2):
+        np.testing.assert_array_equal(np.bincount(ids[:, layer].ravel(), minlength=4), good[layer])
+    for bad in (np.array([[4, 1, 1, 0], [3, 1, 1, 1]]), np.array([[2, 2, 1, 1], [3, 1, 1, 0]])):
+        with pytest.raises(TraceError, match="synthetic ids"):
+            _ids_from_counts(bad, 3, 2, rng, np.dtype(np.int16))

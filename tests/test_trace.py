@@ -597,3 +597,55 @@ def test_restrict_layers_keeps_the_first_layers_counts():
     for bad in (0, True, 1.5, "2"):
         with pytest.raises(TraceError, match=f"layers={bad!r} must be an int >= 1"):
             batch.restrict_layers(bad)
+
+
+# ------------------------------------------------------------------------- one-pass id check and count
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int64, np.uint8])
+def test_check_ids_counts_in_the_same_pass(dtype):
+    """check_ids' compiled pass fills counts equal to a float64 loop over the rows (-1 skipped), for every id dtype;
+    _counts_of agrees."""
+    from relibra_moe.trace import _counts_of, check_ids
+
+    rng = np.random.default_rng(3)
+    ids = random_ids(rng, 37, 4, 9, 3, pad=0.0 if dtype == np.uint8 else 0.2).astype(dtype)
+    want = np.zeros((4, 9))
+    for t in range(37):
+        for layer in range(4):
+            for v in ids[t, layer]:
+                if int(v) >= 0:
+                    want[layer, int(v)] += 1.0
+    counts = np.zeros((4, 9), np.int64)
+    check_ids(ids, 9, lambda t: f"row {t}", counts)
+    np.testing.assert_array_equal(counts, want)
+    np.testing.assert_array_equal(_counts_of(ids, 9), want)
+
+
+def test_check_ids_names_the_first_bad_entry_after_the_fast_pass():
+    from relibra_moe.trace import check_ids
+
+    ids = np.array([[[0, 1], [2, 3]], [[1, 2], [3, 3]]], dtype=np.int16)
+    with pytest.raises(TraceError, match=r"row 1, layer 1: duplicate expert id 3"):
+        check_ids(ids, 4, lambda t: f"row {t}", np.zeros((2, 4), np.int64))
+    ids[0, 1, 0] = 4
+    with pytest.raises(TraceError, match=r"row 0, layer 1, slot 0: expert id 4 out of range"):
+        check_ids(ids, 4, lambda t: f"row {t}")
+
+
+def test_save_streams_ids_and_rejects_a_sequence_of_the_wrong_length(tmp_path):
+    """The experts member is written sequence by sequence: equal to the concatenated ids on load; a sequence whose
+    rows disagree with its length raises TraceError naming it (nothing half-written is read back as valid)."""
+    from relibra_moe.trace_files import write_trace_file
+
+    rng = np.random.default_rng(4)
+    b = make_batch(rng, [3, 0, 5], num_layers=2, e=6, k=2, pad=0.1)
+    b.save(tmp_path / "b.npz")
+    back = TraceBatch.load(tmp_path / "b.npz")
+    np.testing.assert_array_equal(np.concatenate([t.experts for t in back.traces]),
+                                  np.concatenate([t.experts for t in b.traces]))
+    seqs = [t.experts for t in b.traces]
+    kw = dict(num_experts=6, top_k=2, layer_ids=b.layer_ids, lengths=b.lengths, starts=np.zeros(3, np.int64),
+              micro_batch=None, source="unit", counts=b.sample_expert_counts(), info={})
+    with pytest.raises(TraceError, match=r"sequence 2: ids of shape \[4, 2, 2\], the lengths say \[5, 2, 2\]"):
+        write_trace_file(tmp_path / "bad.npz", experts=iter([seqs[0], seqs[1], seqs[2][:4]]), **kw)
+    with pytest.raises(TraceError, match="2 sequences of ids for 3 lengths"):
+        write_trace_file(tmp_path / "short.npz", experts=iter(seqs[:2]), **kw)

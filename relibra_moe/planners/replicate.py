@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numba as nb
 import numpy as np
 
-from ..cost import cost_from_flow, moe_cost
+from ..cost import moe_cost, peak_comp_comm
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
@@ -339,16 +339,24 @@ def cell_step_terms(x: np.ndarray, expert_gpu: np.ndarray, res: CellResult, mode
     flow = x @ (np.asarray(expert_gpu)[:, None] == np.arange(G)).astype(np.float64)
     if len(res.rows):
         j, e, g = (res.rows[:, c].astype(np.int64) for c in range(3))
-        pairs = np.unique(np.stack([j, e], axis=1), axis=0)
-        np.subtract.at(flow, (pairs[:, 0], expert_gpu[pairs[:, 1]]), x[pairs[:, 0], pairs[:, 1]])
+        split = np.zeros(x.shape, dtype=bool)
+        split[j, e] = True
+        pj, pe = np.nonzero(split)  # the distinct split (j, e) pairs, in lexicographic order
+        np.subtract.at(flow, (pj, expert_gpu[pe]), x[pj, pe])
         np.add.at(flow, (j, g), x[j, e] * res.share)
-    c = cost_from_flow(flow, model, cluster)
-    tg, ts = np.nonzero(res.replica_expert >= 0)
-    push = 0.0
-    if len(tg):
-        src = expert_gpu[res.replica_expert[tg, ts]]
-        push = float(transfer_seconds(src, tg, model.expert_bytes, None, 1, cluster)[0])
-    return float(c.comp.max()), float(c.comm.max()), push
+    comp, comm = peak_comp_comm(flow, model, cluster)
+    return comp, comm, replica_push_seconds(expert_gpu, res.replica_expert, model, cluster)
+
+
+def replica_push_seconds(expert_gpu: np.ndarray, replica_expert: np.ndarray, model: ModelSpec,
+                         cluster: ClusterSpec) -> float:
+    """Seconds to fill a cell's replica slots ``replica_expert`` ``[G, r]`` (-1 empty) from the homes
+    ``expert_gpu`` ``[E]``: ``timing.transfer_seconds`` of ``model.expert_bytes`` per filled slot."""
+    tg, ts = np.nonzero(replica_expert >= 0)
+    if not len(tg):
+        return 0.0
+    src = expert_gpu[replica_expert[tg, ts]]
+    return float(transfer_seconds(src, tg, model.expert_bytes, None, 1, cluster)[0])
 
 
 def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
@@ -367,6 +375,9 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
         return res
     x = np.ascontiguousarray(x, dtype=np.float64)
     eg = np.ascontiguousarray(expert_gpu, dtype=np.int64)
+    push = replica_push_seconds(eg, res.replica_expert, model, cluster)
+    if push <= attn_fwd and push <= attention_backward(attn_fwd):
+        return res  # hidden whatever comm is: the window replica_push_overlap is at least attn_fwd
     comp, comm, push = cell_step_terms(x, eg, res, model, cluster)
     if push <= replica_push_overlap(attn_fwd, comm) and push <= attention_backward(attn_fwd):
         return res  # push and gradient pull fully hidden: nothing to trade
