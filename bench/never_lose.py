@@ -21,6 +21,10 @@ Usage::
     python bench/never_lose.py                 # run the missing cells, then print the table
     python bench/never_lose.py --table         # the table only (markdown), from the files
     python bench/never_lose.py --cells 0 5     # only these cells
+    python bench/never_lose.py --cluster h100  # the same grid on another cluster preset (results/never_lose_h100/)
+
+The recorded grid uses the ``hopper-rail`` preset (raw link rates, the planners' tuning reference); ``--cluster``
+re-runs it on another preset (e.g. ``h100``, the default of the CLI since issue 24: achieved rates with sources).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from relibra_moe.plan import json_default
 from relibra_moe.specs import cluster_preset, model_preset
 from relibra_moe.steady import consecutive_batches, run_steady
 
-OUT = Path(__file__).resolve().parent / "results" / "never_lose"
+RESULTS = Path(__file__).resolve().parent / "results"
+OUT = RESULTS / "never_lose"
+CLUSTER = "hopper-rail"
 STRATEGIES = ("static", "eplb", "lplb", "eplb-history", "online", "relibra-inter", "relibra", "balanced")
 GPTOSS_LAYERS = 24
 
@@ -88,7 +94,7 @@ def cell_name(i: int) -> str:
 def build(i: int):
     """``(batches, model, cluster)`` of cell ``i``."""
     model_name, n, seed, b, (nodes, gpn), _r, k, domain, layers = CELLS[i]
-    cluster = cluster_preset("hopper-rail", nodes=nodes, gpus_per_node=gpn)
+    cluster = cluster_preset(CLUSTER, nodes=nodes, gpus_per_node=gpn)
     model = model_preset(model_name).with_(num_layers=layers)
     if domain is None:
         from relibra_moe.datasets import gpt_oss_batch
@@ -143,10 +149,15 @@ def table() -> str:
 
 
 def main() -> None:
+    global CLUSTER, OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", type=int, nargs="*", help="cell indices (default: all)")
     ap.add_argument("--table", action="store_true", help="print the markdown table from the files and exit")
+    ap.add_argument("--cluster", default=CLUSTER, help=f"cluster preset (default {CLUSTER}); another one writes "
+                                                        "results/never_lose_<preset>/")
     args = ap.parse_args()
+    if args.cluster != CLUSTER:
+        CLUSTER, OUT = args.cluster, RESULTS / f"never_lose_{args.cluster}"
     if not args.table:
         OUT.mkdir(parents=True, exist_ok=True)
         for i in args.cells if args.cells else range(len(CELLS)):
