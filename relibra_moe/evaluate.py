@@ -148,6 +148,29 @@ def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
     return flow
 
 
+def plan_expert_rows(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
+    """float64 ``[M, L, G, E]``: (token, expert) pairs of expert e each GPU g serves under the plan, replicas
+    included (the rows of its grouped GEMM). The same rule as ``plan_flow``: pairs go to the expert's home unless
+    the plan splits their (m, l, j, e) row, then as its shares say. ``rows.sum(-1)`` is ``plan_flow``'s
+    ``flow.sum(-2)``, the load ``L_g`` of the cost model."""
+    x = np.asarray(x, dtype=np.float64)
+    M, L, G, E = x.shape
+    home = plan.placement.expert_gpu.astype(np.int64)  # [L, E]
+    rows = np.zeros((M, L, G, E))
+    li, ei = np.meshgrid(np.arange(L), np.arange(E), indexing="ij")  # [L, E]
+    rows[:, li, home, ei] = x.sum(axis=2)
+    idx = plan.replicas.split_index.astype(np.int64)
+    if len(idx):
+        m, l, j, e, g = idx.T
+        share = plan.replicas.split_share.astype(np.float64)
+        key = ((m * L + l) * G + j) * E + e
+        _, first = np.unique(key, return_index=True)
+        um, ul, uj, ue = m[first], l[first], j[first], e[first]
+        np.subtract.at(rows, (um, ul, home[ul, ue], ue), x[um, ul, uj, ue])
+        np.add.at(rows, (m, l, g, e), x[m, l, j, e] * share)
+    return rows
+
+
 @dataclass(frozen=True)
 class PlanScore:
     """The cost-model score of one plan on its batch (``score_plan``). Seconds; sums run over (m, l).

@@ -13,7 +13,11 @@ this module assembles it over the plan (docs/method.md, "Step time").
 **MoE (per micro-batch and layer).** ``x[m, l, j, e]`` tokens of source GPU j routed to expert e; the
 plan's placement and replica shares turn it into the flow ``F[m, l, j, g]`` (tokens j -> g, see
 ``evaluate.plan_flow``), and ``relibra_moe.cost.cost_from_flow`` gives ``comp[m, l, g]`` and ``comm[m, l, g]``
-(dispatch + combine; docs/method.md, "Cost model"). Forward: ``T_fwd = max_g comp + max_g comm`` (= ``T_MoE``).
+(dispatch + combine; docs/method.md, "Cost model"). With per-message latencies (``ClusterSpec.nvlink_latency`` /
+``rdma_latency``) ``comm`` also pays the dispatch's and the combine's latency (``timing.moe_comm_seconds``); with a
+measured ``ClusterSpec.gemm_curve`` ``comp[m, l, g]`` charges each expert's rows on g at the curve's rate for that
+many rows (``timing.expert_compute_seconds`` over ``evaluate.plan_expert_rows``) instead of one rate.
+Forward: ``T_fwd = max_g comp + max_g comm`` (= ``T_MoE``).
 Backward: the expert GEMMs cost twice the forward (dX and dW) and the all-to-all is the mirror image
 of the forward one (the same bytes with tx and rx swapped, so the same time):
 ``T_bwd = 2 max_g comp + max_g comm``.
@@ -67,7 +71,7 @@ import numpy as np
 
 from .cost import cost_from_flow
 from .errors import PlanError
-from .evaluate import balanced_plan_loads, check_plan_batch, plan_flow, plan_loads
+from .evaluate import balanced_plan_loads, check_plan_batch, plan_expert_rows, plan_flow, plan_loads
 from .plan import BatchPlan, Placement
 from .specs import ClusterSpec, ModelSpec
 from .timing import (
@@ -75,8 +79,10 @@ from .timing import (
     REPLICA_MODES,
     attention_backward,
     attention_forward,
+    expert_compute_seconds,
     exposed_seconds,
     moe_backward_seconds,
+    moe_comm_seconds,
     moe_forward_seconds,
     move_bytes,
     replica_push_overlap,
@@ -124,7 +130,8 @@ class StepTime:
         experts_moved, reorder_bytes: what the re-layout moves.
         replica_mode: "per-layer", "persistent" or "after-router".
         micro_batch_s: ``[M]`` seconds of each micro-batch (forward + backward, all layers).
-        t_moe: ``[M, L]`` forward T_MoE; rank_skew: ``[M, L]`` max GPU load / mean GPU load.
+        t_moe: ``[M, L]`` forward T_MoE of the cost model (one GEMM rate, no latency: the planners' metric);
+            rank_skew: ``[M, L]`` max GPU load / mean GPU load.
         gpu_load: ``[M, L, G]`` (token, expert) pairs computed on each GPU (L_g of the cost model).
         attention_fwd: ``[M]`` A_fwd per layer.
     """
@@ -280,9 +287,13 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
     a_bwd = attention_backward(a_fwd)
 
     # MoE forward / backward from the plan's flow.
-    cost = cost_from_flow(plan_flow(plan, x), model, cluster)
-    comp_max = cost.comp.max(axis=-1)  # [M, L]
-    comm_max = cost.comm.max(axis=-1)
+    flow = plan_flow(plan, x)
+    cost = cost_from_flow(flow, model, cluster)
+    if cluster.gemm_curve:  # expert GEMMs at the measured rate of each expert's rows
+        comp_max = expert_compute_seconds(plan_expert_rows(plan, x), model, cluster).max(axis=-1)  # [M, L]
+    else:
+        comp_max = cost.comp.max(axis=-1)  # [M, L]
+    comm_max = moe_comm_seconds(cost.comm.max(axis=-1), flow, cluster)  # + all-to-all latency
     t_fwd = moe_forward_seconds(comp_max, comm_max)
     t_bwd = moe_backward_seconds(comp_max, comm_max)
 

@@ -128,6 +128,8 @@ class Rates:
         sec_per_pair: compute seconds of one (token, expert) pair, ``6 h h' / F``.
         nvlink_sec_per_pair, rdma_sec_per_pair: dispatch seconds of one pair on the link,
             ``h x dtype_bytes x copies / B``.
+        nvlink_latency, rdma_latency: seconds one message pays on the link before its bytes flow (``alpha`` of
+            the alpha-beta model ``alpha + bytes / B``; ``timing.message_latency`` charges them).
     """
 
     expert_flops: float
@@ -139,6 +141,8 @@ class Rates:
     sec_per_pair: float
     nvlink_sec_per_pair: float
     rdma_sec_per_pair: float
+    nvlink_latency: float = 0.0
+    rdma_latency: float = 0.0
 
 
 def _hit_probability(num_experts: int, top_k: int, group: float) -> float:
@@ -242,8 +246,11 @@ class ClusterSpec:
             (token, remote node), forwarded over NVLink to each target GPU, one copy per (token, GPU)).
             ``nvlink_bw`` / ``rdma_bw`` are the bandwidths that dispatcher achieves (docs/method.md, "Rates").
         gemm_curve: measured expert-GEMM throughput ``((rows_per_expert, FLOP/s), ...)`` sorted by rows (empty when
-            not measured); ``expert_flops_at`` interpolates it. The cost model charges ``flops`` (the rate at the
-            profile's rows per expert), see :meth:`rates`.
+            not measured); ``expert_flops_at`` interpolates it. The planners' cost model charges ``flops`` (the rate
+            at the profile's rows per expert, see :meth:`rates`); the simulator charges the curve
+            (``timing.expert_compute_seconds``).
+        nvlink_latency, rdma_latency: seconds one message pays on NVLink / RDMA before its bytes flow (``alpha``
+            of ``alpha + bytes / B``; 0: bandwidth only, as ``hopper-rail``). See ``timing.message_latency``.
     """
 
     nodes: int
@@ -255,6 +262,8 @@ class ClusterSpec:
     name: str = "custom"
     dispatcher: str = "alltoall"
     gemm_curve: tuple[tuple[float, float], ...] = ()
+    nvlink_latency: float = 0.0
+    rdma_latency: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("nodes", "gpus_per_node"):
@@ -265,6 +274,10 @@ class ClusterSpec:
                 continue
             if not is_number(v) or not np.isfinite(v) or not v > 0:
                 raise ValueError(f"ClusterSpec.{f} must be a finite number > 0, got {v!r}")
+        for f in ("nvlink_latency", "rdma_latency"):
+            v = getattr(self, f)
+            if not is_number(v) or not np.isfinite(v) or v < 0:
+                raise ValueError(f"ClusterSpec.{f} must be a finite number >= 0 (seconds), got {v!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"ClusterSpec.dispatcher must be one of {list(DISPATCHERS)}, got {self.dispatcher!r}")
         curve = tuple((float(r), float(f)) for r, f in self.gemm_curve)
@@ -277,14 +290,19 @@ class ClusterSpec:
                              f"{[r for r, _ in curve]}")
         object.__setattr__(self, "gemm_curve", curve)
 
-    def expert_flops_at(self, rows_per_expert: float) -> float:
-        """Expert-GEMM FLOP/s with ``rows_per_expert`` rows per expert: the measured ``gemm_curve`` interpolated
-        linearly in log(rows) and held constant beyond its ends; ``flops`` when there is no curve."""
+    def expert_flops_at(self, rows_per_expert: float | np.ndarray) -> float | np.ndarray:
+        """Expert-GEMM FLOP/s with ``rows_per_expert`` rows per expert (a number, or an array of any shape: an
+        array of the same shape back): the measured ``gemm_curve`` interpolated linearly in log(rows) and held
+        constant beyond its ends; ``flops`` when there is no curve."""
+        scalar = np.ndim(rows_per_expert) == 0
+        r = np.maximum(np.asarray(rows_per_expert, dtype=np.float64), 1e-12)
         if not self.gemm_curve:
-            return float(self.flops)
-        rows = np.log([r for r, _ in self.gemm_curve])
-        fl = [f for _, f in self.gemm_curve]
-        return float(np.interp(np.log(max(float(rows_per_expert), 1e-12)), rows, fl))
+            out = np.full(r.shape, float(self.flops))
+        else:
+            rows = np.log([p[0] for p in self.gemm_curve])
+            fl = [p[1] for p in self.gemm_curve]
+            out = np.interp(np.log(r), rows, fl)
+        return float(out) if scalar else out
 
     def rates(self, model: ModelSpec) -> Rates:
         """The effective rates the cost model, the planners and ``timing`` charge for ``model`` on this cluster:
@@ -295,7 +313,8 @@ class ClusterSpec:
                      nvlink_copies=nv_copies, rdma_copies=rdma_copies,
                      sec_per_pair=model.flops_per_token_expert / float(self.flops),
                      nvlink_sec_per_pair=model.token_bytes * nv_copies / float(self.nvlink_bw),
-                     rdma_sec_per_pair=model.token_bytes * rdma_copies / float(self.rdma_bw))
+                     rdma_sec_per_pair=model.token_bytes * rdma_copies / float(self.rdma_bw),
+                     nvlink_latency=float(self.nvlink_latency), rdma_latency=float(self.rdma_latency))
 
     @property
     def num_gpus(self) -> int:
@@ -371,19 +390,24 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 # Every rate below cites its source in docs/method.md ("Rates"); bandwidths are bytes/s per GPU per direction.
-# "links" maps a dispatcher to the (NVLink, RDMA) bandwidth it achieves.
+# "links" maps a dispatcher to the (NVLink, RDMA) bandwidth it achieves; "latency" is the (NVLink, RDMA) seconds one
+# message pays before its bytes flow (alpha of alpha + bytes / B).
+_HOPPER_LATENCY = (4e-6, 12.5e-6)
 _H100_LIKE = dict(flops=413e12, attn_flops=520e12,
-                  links={"alltoall": (370e9, 48e9), "deepep": (370e9, 43e9)})
+                  links={"alltoall": (370e9, 48e9), "deepep": (370e9, 43e9)}, latency=_HOPPER_LATENCY)
 CLUSTER_PRESETS: dict[str, dict[str, Any]] = {
     # raw link rates of the paper's cluster (the project's first preset): NVLink 900 GB/s bidirectional (450 per
     # direction), 8 x 400 Gb/s rail-optimized RDMA per node (50 GB/s per GPU), 700 TFLOP/s (71% of dense bf16 peak)
-    "hopper-rail": dict(flops=700e12, attn_flops=None, links={"alltoall": (450e9, 50e9), "deepep": (450e9, 50e9)}),
+    # (and no per-message latency, so its plans and figures stay those recorded before latency was modelled)
+    "hopper-rail": dict(flops=700e12, attn_flops=None, links={"alltoall": (450e9, 50e9), "deepep": (450e9, 50e9)},
+                        latency=(0.0, 0.0)),
     # H100 SXM, NVLink 4, one CX-7 400 Gb/s NIC per GPU on its rail: achieved rates from public measurements
     "h100": _H100_LIKE,
     # H200 SXM: the H100's tensor cores, NVLink 4 and NICs (more and faster HBM); no separate public MoE figures
     "h200": _H100_LIKE,
     # H800: the H100's tensor cores, NVLink cut to 400 GB/s bidirectional (DeepEP: ~160 GB/s achievable)
-    "h800": dict(flops=413e12, attn_flops=520e12, links={"alltoall": (160e9, 48e9), "deepep": (153e9, 43e9)}),
+    "h800": dict(flops=413e12, attn_flops=520e12, links={"alltoall": (160e9, 48e9), "deepep": (153e9, 43e9)},
+                 latency=_HOPPER_LATENCY),
 }
 
 DEFAULT_CLUSTER = "h100"
@@ -406,13 +430,18 @@ def cluster_preset(name: str = DEFAULT_CLUSTER, nodes: int = 1, gpus_per_node: i
         raise ValueError(f"dispatcher must be one of {list(DISPATCHERS)}, got {dispatcher!r}")
     p = CLUSTER_PRESETS[name]
     nv, rdma = p["links"][dispatcher]
+    nv_alpha, rdma_alpha = p["latency"]
     return ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, name=name, nvlink_bw=nv, rdma_bw=rdma,
-                       flops=p["flops"], attn_flops=p["attn_flops"], dispatcher=dispatcher)
+                       flops=p["flops"], attn_flops=p["attn_flops"], dispatcher=dispatcher,
+                       nvlink_latency=nv_alpha, rdma_latency=rdma_alpha)
 
 
 PROFILE_FORMAT = "relibra-cluster-profile"
 PROFILE_VERSION = 1
 _PROFILE_RATES = ("flops", "attn_flops", "nvlink_bw", "rdma_bw")
+_PROFILE_LATENCIES = ("nvlink_latency", "rdma_latency")
+"""Optional profile fields (seconds per message): a profile written before latency was modelled has none and
+means alpha = 0 (bandwidth only), as it was charged when written."""
 
 
 def cluster_profile(cluster: ClusterSpec, source: str, measurements: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -423,6 +452,7 @@ def cluster_profile(cluster: ClusterSpec, source: str, measurements: dict[str, A
             "dispatcher": cluster.dispatcher, "gpus_per_node": cluster.gpus_per_node,
             "flops": float(cluster.flops), "attn_flops": float(cluster.attention_flops),
             "nvlink_bw": float(cluster.nvlink_bw), "rdma_bw": float(cluster.rdma_bw),
+            "nvlink_latency": float(cluster.nvlink_latency), "rdma_latency": float(cluster.rdma_latency),
             "gemm_curve": [[float(r), float(f)] for r, f in cluster.gemm_curve],
             "measurements": measurements or {}}
 
@@ -449,7 +479,8 @@ def cluster_from_profile(profile: dict[str, Any], nodes: int, gpus_per_node: int
         return ClusterSpec(nodes=nodes, gpus_per_node=gpn, name=str(profile.get("name", "profile")),
                            dispatcher=profile["dispatcher"],
                            gemm_curve=tuple(tuple(p) for p in profile.get("gemm_curve", ())),
-                           **{k: profile[k] for k in _PROFILE_RATES})
+                           **{k: profile[k] for k in _PROFILE_RATES},
+                           **{k: profile[k] for k in _PROFILE_LATENCIES if k in profile})
     except (ValueError, TypeError) as e:
         raise PlanError(f"{where}: {e}") from None
 

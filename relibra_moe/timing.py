@@ -11,9 +11,22 @@ charge time through these functions; docs/method.md ("Step time") derives them.
 - **MoE** (one micro-batch and layer, with ``comp = max_g comp[g]`` and ``comm = max_g comm[g]`` of the
   cost model): forward ``comp + comm`` (= T_MoE); backward ``2 comp + comm`` (dX and dW GEMMs; the
   all-to-all is the mirror image of the forward one); together ``3 comp + 2 comm``.
-- **Transfers**: point-to-point moves counted on the link class of (src, dst) at the sender's tx and the
-  receiver's rx; a group of concurrent transfers takes ``max_g max(nv_tx, nv_rx) / B_nv`` or
-  ``max(rdma_tx, rdma_rx) / B_rdma``, whichever is larger.
+- **Transfers** (alpha-beta): point-to-point moves counted on the link class of (src, dst) at the sender's tx
+  and the receiver's rx; a group of concurrent transfers (one round) takes ``max_g max(nv_tx, nv_rx) / B_nv`` or
+  ``max(rdma_tx, rdma_rx) / B_rdma``, whichever is larger, plus the largest per-message latency ``alpha`` among
+  its messages (``message_latency``: ``alpha_nv`` on NVLink, ``alpha_rdma`` on RDMA, both for a cross-rail
+  message that hops over NVLink then RDMA). One message alone: ``alpha + bytes / B``. A round pays alpha once:
+  its messages are posted together (one grouped NCCL launch, one DeepEP kernel, pipelined RDMA writes on the
+  NIC's queue pairs), so their start-up latencies overlap, and the round ends when the most loaded link has
+  drained, at least ``alpha`` after the start.
+- **MoE all-to-all latency**: each (micro-batch, layer) cell runs ``ALL_TO_ALL_ROUNDS`` = 2 all-to-all rounds per
+  pass (forward: dispatch and combine; backward: their mirror images), each paying the largest alpha among the
+  (source, target) pairs that exchange tokens (``all_to_all_latency``); ``moe_comm_seconds`` adds them to
+  ``max_g comm`` of the cost model. The planners' cost model (numba annealers) leaves them out: for a fixed
+  EP group nearly every cell has traffic on every link class, so the term is the same for every plan.
+- **Expert GEMMs by rows per expert**: with a measured ``ClusterSpec.gemm_curve`` the simulator charges GPU g's
+  expert compute in a cell as ``sum_e rows_e x 6 h h' / F(rows_e)`` (``expert_compute_seconds``; rows_e: the
+  (token, expert) pairs of expert e served on g, replicas included); without a curve ``6 h h' L_g / F``.
 - **Expert moves** carry weights and optimizer state: ``3 h h' (dtype_bytes + optimizer_bytes_per_param)``
   bytes, ``DEFAULT_OPTIMIZER_BYTES_PER_PARAM`` = 12 (fp32 master weights, Adam's exp_avg and exp_avg_sq).
 - **Replica transfers** (one rule, ``replica_push_overlap``, for the planners' pricing and the simulator
@@ -40,7 +53,8 @@ __all__ = ["DEFAULT_OPTIMIZER_BYTES_PER_PARAM", "BACKWARD_FACTOR", "attention_fl
            "attention_forward", "attention_backward", "moe_forward_seconds", "moe_backward_seconds",
            "moe_step_seconds", "STEP_COMP_WEIGHT", "exposed_seconds", "REPLICA_FETCHES", "REPLICA_MODES",
            "replica_push_overlap",
-           "cell_step_seconds", "transfer_seconds", "move_bytes"]
+           "cell_step_seconds", "transfer_seconds", "move_bytes", "message_latency", "ALL_TO_ALL_ROUNDS",
+           "all_to_all_latency", "moe_comm_seconds", "expert_compute_seconds"]
 
 DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 12.0
 """Optimizer-state bytes that move with each expert parameter: fp32 master weight + Adam's two moments."""
@@ -154,6 +168,52 @@ def cell_step_seconds(comp: float, comm: float, push: float, attn_fwd: float, fe
                  + exposed_seconds(push, attention_backward(attn_fwd)))
 
 
+def message_latency(link_class: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
+    """float64, the shape of ``link_class`` (codes ``specs.LOC / NV / SR / CR``): seconds one message pays before
+    its bytes flow: 0 on the same GPU, ``alpha_nv`` (``nvlink_latency``) over NVLink, ``alpha_rdma``
+    (``rdma_latency``) over RDMA to the same rail, ``alpha_nv + alpha_rdma`` across rails (the NVLink hop to the
+    rail GPU, then RDMA, one after the other)."""
+    rates_nv, rates_rdma = float(cluster.nvlink_latency), float(cluster.rdma_latency)
+    table = np.array([0.0, rates_nv, rates_rdma, rates_nv + rates_rdma])
+    return table[np.asarray(link_class, dtype=np.int64)]
+
+
+ALL_TO_ALL_ROUNDS = 2
+"""All-to-all rounds of one MoE pass per (micro-batch, layer): the dispatch and the combine (forward), their
+mirror images (backward). Each pays its latency once (``all_to_all_latency``)."""
+
+
+def all_to_all_latency(flow: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
+    """float64 ``[...]``: latency seconds of one all-to-all round per cell of ``flow`` ``[..., G, G]`` (tokens
+    j -> g): the largest ``message_latency`` among the (j, g) pairs with tokens (0 where none cross a link).
+    Every GPU posts its messages to all peers at once (Megatron's grouped NCCL send / recv, DeepEP's kernels), so
+    their latencies overlap and the round pays the slowest message's alpha once."""
+    flow = np.asarray(flow)
+    lat = message_latency(cluster.link_classes, cluster)  # [G, G]
+    if not lat.any():
+        return np.zeros(flow.shape[:-2])
+    return np.where(flow > 0, lat, 0.0).max(axis=(-2, -1), initial=0.0)
+
+
+def moe_comm_seconds(comm_max: np.ndarray | float, flow: np.ndarray, cluster: ClusterSpec) -> np.ndarray | float:
+    """Communication seconds of one MoE pass per cell: the cost model's ``max_g comm`` (dispatch + combine bytes
+    at bandwidth) plus ``ALL_TO_ALL_ROUNDS x all_to_all_latency(flow)``; exactly ``comm_max`` when the cluster's
+    latencies are 0."""
+    if not (cluster.nvlink_latency or cluster.rdma_latency):
+        return comm_max
+    return comm_max + ALL_TO_ALL_ROUNDS * all_to_all_latency(flow, cluster)
+
+
+def expert_compute_seconds(rows: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    """float64 ``[...]``: forward expert-GEMM seconds of a GPU from the rows of each expert it serves, ``rows``
+    ``[..., E]`` ((token, expert) pairs): ``sum_e rows_e x 6 h h' / F(rows_e)``, ``F`` =
+    ``ClusterSpec.expert_flops_at`` (the measured ``gemm_curve``; ``flops`` without one). Experts with no rows
+    cost nothing."""
+    rows = np.asarray(rows, dtype=np.float64)
+    rate = cluster.expert_flops_at(rows)
+    return (rows * model.flops_per_token_expert / rate).sum(axis=-1)
+
+
 def transfer_seconds(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | float, group: np.ndarray | None,
                      num_groups: int, cluster: ClusterSpec) -> np.ndarray:
     """float64 ``[num_groups]``: time of point-to-point transfers that run concurrently within a group.
@@ -161,7 +221,8 @@ def transfer_seconds(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | floa
     Transfer i moves ``nbytes[i]`` from GPU ``src[i]`` to ``dst[i]``; it is counted on the link class
     of (src, dst) as in the cost model (nv: NVLink, sr: RDMA, cr: both; loc: nothing) at the sender's
     tx and the receiver's rx. A group's time is ``max_g max(nv_tx, nv_rx) / B_nv`` or
-    ``max(rdma_tx, rdma_rx) / B_rdma``, whichever is larger.
+    ``max(rdma_tx, rdma_rx) / B_rdma``, whichever is larger, plus the largest ``message_latency`` of its
+    transfers (one round: their latencies overlap; the module docstring). One transfer: ``alpha + bytes / B``.
     """
     src = np.asarray(src, dtype=np.int64).reshape(-1)
     dst = np.asarray(dst, dtype=np.int64).reshape(-1)
@@ -178,7 +239,12 @@ def transfer_seconds(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | floa
     np.add.at(acc[3], (grp[on_rdma], dst[on_rdma]), nb[on_rdma])
     nv = np.maximum(acc[0], acc[1]).max(axis=-1, initial=0.0) / cluster.nvlink_bw
     rdma = np.maximum(acc[2], acc[3]).max(axis=-1, initial=0.0) / cluster.rdma_bw
-    return np.maximum(nv, rdma)
+    out = np.maximum(nv, rdma)
+    if cluster.nvlink_latency or cluster.rdma_latency:
+        lat = np.zeros(num_groups)
+        np.maximum.at(lat, grp, message_latency(cls, cluster))
+        out = out + lat
+    return out
 
 
 def move_bytes(model: ModelSpec, optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM) -> float:

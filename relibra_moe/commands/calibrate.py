@@ -10,7 +10,10 @@ On a GPU box it measures (docs/method.md, "Rates"):
   backward) on ``--seq-len`` tokens; ``attn_flops = 3 x timing.attention_flops / t`` (the simulator charges the
   backward as twice the forward);
 - **NVLink all-to-all**: ``torch.distributed`` (NCCL) ``all_to_all_single`` between the local GPUs in spawned
-  processes, bytes each GPU sends to the others over the time (needs 2 GPUs or more; else the preset's rate stays).
+  processes, bytes each GPU sends to the others over the time (needs 2 GPUs or more; else the preset's rate stays);
+- **NVLink latency**: the same all-to-all at small sizes (``LATENCY_SIZES``, 4 KiB .. 1 MiB per GPU), fitted by
+  least squares to ``t = alpha + bytes / B`` (``fit_alpha_beta``); ``nvlink_latency = alpha`` (the preset's when the
+  fit is not usable: a negative intercept).
 
 Inter-node rates (RDMA) cannot be measured on one box: ``--rdma-bw`` or the preset's. ``--dry-run`` (any machine)
 measures nothing and writes the preset's rates, saying so in the profile's ``source``. The profile is read by
@@ -127,8 +130,31 @@ def measure_attention(model: ModelSpec, seq_len: int, batch: int, device: Any, d
     return {"seq_len": float(seq_len), "batch": float(batch), "seconds": t, "flops": fl / t}
 
 
-def _a2a_worker(rank: int, world: int, nbytes: int, iters: int, port: int, backend: str, result: Any) -> None:
-    """One process of ``measure_all_to_all``: ``all_to_all_single`` of ``nbytes`` per rank, rank 0 reports."""
+LATENCY_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
+"""Bytes per GPU of the small all-to-alls whose times ``fit_alpha_beta`` fits for the NVLink latency."""
+
+
+def fit_alpha_beta(nbytes: Any, seconds: Any) -> tuple[float, float]:
+    """Least-squares fit of ``seconds = alpha + nbytes / bw`` over measured points: ``(alpha seconds, bw bytes/s)``.
+
+    ``nbytes`` are the bytes each GPU sends to the others in one round. PlanError for fewer than 2 distinct sizes or a
+    non-positive slope (times that do not grow with the bytes)."""
+    import numpy as np
+
+    b = np.asarray(nbytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if b.shape != t.shape or len(np.unique(b)) < 2:
+        raise PlanError(f"fit_alpha_beta needs >= 2 distinct sizes with one time each, got {b.tolist()} bytes and "
+                        f"{t.tolist()} s")
+    slope, alpha = np.polyfit(b, t, 1)
+    if not slope > 0:
+        raise PlanError(f"fit_alpha_beta: the times {t.tolist()} s do not grow with the bytes {b.tolist()}")
+    return float(alpha), float(1.0 / slope)
+
+
+def _a2a_worker(rank: int, world: int, nbytes: Any, iters: int, port: int, backend: str, result: Any) -> None:
+    """One process of ``measure_all_to_all``: ``all_to_all_single`` of ``nbytes`` per rank (an int, or a tuple of
+    sizes measured one after the other: then a list of results), rank 0 reports."""
     import torch
     import torch.distributed as dist
 
@@ -138,32 +164,36 @@ def _a2a_worker(rank: int, world: int, nbytes: int, iters: int, port: int, backe
         dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        n = nbytes // 2 // world * world
-        src = torch.ones(n, dtype=torch.bfloat16, device=dev)
-        dst = torch.empty_like(src)
-        for _ in range(3):
-            dist.all_to_all_single(dst, src)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dist.all_to_all_single(dst, src)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)  # NCCL: on the GPU
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            result.put({"world": world, "bytes_per_gpu": 2 * n, "seconds": float(t.item()),
+        out = []
+        for size in (nbytes if isinstance(nbytes, tuple) else (nbytes,)):
+            n = size // 2 // world * world
+            src = torch.ones(n, dtype=torch.bfloat16, device=dev)
+            dst = torch.empty_like(src)
+            for _ in range(3):
+                dist.all_to_all_single(dst, src)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_to_all_single(dst, src)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=dev)  # NCCL: GPU
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out.append({"world": world, "bytes_per_gpu": 2 * n, "seconds": float(t.item()),
                         "bw": 2 * n * (world - 1) / world / float(t.item())})
+        if rank == 0:
+            result.put(out if isinstance(nbytes, tuple) else out[0])
     finally:
         dist.destroy_process_group()
 
 
-def measure_all_to_all(world: int, nbytes: int = 256 << 20, iters: int = 10, backend: str = "nccl",
-                       timeout_s: float = 300.0) -> dict[str, float]:
+def measure_all_to_all(world: int, nbytes: int | tuple[int, ...] = 256 << 20, iters: int = 10,
+                       backend: str = "nccl", timeout_s: float = 300.0) -> Any:
     """Bandwidth per GPU per direction of ``all_to_all_single`` among ``world`` spawned processes: the bytes each
-    rank sends to the others (``(world - 1) / world`` of its buffer) over the slowest rank's time."""
+    rank sends to the others (``(world - 1) / world`` of its buffer) over the slowest rank's time. ``nbytes`` a
+    tuple: one dict per size, in order."""
     import socket
 
     import torch.multiprocessing as mp
@@ -187,6 +217,17 @@ def measure_all_to_all(world: int, nbytes: int = 256 << 20, iters: int = 10, bac
     if bad:
         raise RuntimeError(f"all-to-all worker exit codes {bad}")
     return res
+
+
+def measure_all_to_all_latency(world: int, sizes: tuple[int, ...] = LATENCY_SIZES, iters: int = 20,
+                               backend: str = "nccl", timeout_s: float = 300.0) -> dict[str, Any]:
+    """Per-message latency of ``all_to_all_single`` among ``world`` spawned processes: the times at ``sizes`` bytes
+    per GPU fitted to ``t = alpha + sent / B`` (``fit_alpha_beta``; ``sent`` = the bytes a GPU sends to the others).
+    Returns ``{"alpha", "bw", "points"}`` (seconds, bytes/s, the measured dicts)."""
+    pts = measure_all_to_all(world, tuple(int(s) for s in sizes), iters, backend, timeout_s)
+    sent = [p["bytes_per_gpu"] * (world - 1) / world for p in pts]
+    alpha, bw = fit_alpha_beta(sent, [p["seconds"] for p in pts])
+    return {"alpha": alpha, "bw": bw, "points": pts}
 
 
 def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str = "alltoall", gpus_per_node: int = 8,
@@ -240,6 +281,15 @@ def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str =
         meas["nvlink"] = a2a
         base = base.with_(nvlink_bw=a2a["bw"])
         measured.append(f"nvlink all-to-all ({world} GPUs)")
+        try:
+            lat = measure_all_to_all_latency(world)
+        except PlanError as e:  # times that do not grow with the bytes: keep the preset's alpha, say why
+            meas["nvlink_latency"] = f"not fitted ({e}); preset alpha kept"
+        else:
+            meas["nvlink_latency"] = lat
+            if lat["alpha"] >= 0:
+                base = base.with_(nvlink_latency=lat["alpha"])
+                measured.append("nvlink latency (small all-to-alls)")
     else:
         meas["nvlink"] = f"not measured: {n} GPU(s) here (preset rate kept)"
     try:
@@ -293,9 +343,11 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print("dry run: nothing measured, the profile holds the preset's rates")
     print(json.dumps({k: prof[k] for k in ("name", "dispatcher", "gpus_per_node", "flops", "attn_flops",
-                                           "nvlink_bw", "rdma_bw", "source")}, indent=1))
+                                           "nvlink_bw", "rdma_bw", "nvlink_latency", "rdma_latency", "source")},
+                     indent=1))
     print(f"wrote {args.out}")
     return 0
 
 
-__all__ = ["calibrate", "measure_gemm", "measure_attention", "measure_all_to_all"]
+__all__ = ["calibrate", "measure_gemm", "measure_attention", "measure_all_to_all", "measure_all_to_all_latency",
+           "fit_alpha_beta", "LATENCY_SIZES"]
