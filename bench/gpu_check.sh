@@ -15,7 +15,7 @@
 #             30B layer shape, against an eager per-expert loop and torch._grouped_mm experts
 #   graph     bench/cuda_graph.py: CUDA-graph capture + replay of routing -> permute -> MLP -> combine
 #   calibrate relibra calibrate: grouped-GEMM curve and attention rate at the Qwen3-30B-A3B shapes (NVLink
-#             all-to-all when 2+ GPUs) into OUTDIR/cluster_profile.json, the other rates from the h200 preset
+#             all-to-all bandwidth and latency when 2+ GPUs) into OUTDIR/cluster_profile.json, the rest from h200
 #             (--dry-run: the preset's profile, nothing measured)
 # Exit code: 0 when every stage passed, else 1 (summary.txt says which).
 set -u

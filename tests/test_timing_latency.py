@@ -128,3 +128,21 @@ def test_all_to_all_latency_measurement_gloo():
     a = np.stack([np.ones(3), sent], axis=1)
     (alpha, slope), *_ = np.linalg.lstsq(a, np.array([p["seconds"] for p in pts]), rcond=None)
     assert res["alpha"] == pytest.approx(alpha, rel=1e-6, abs=1e-12) and res["bw"] == pytest.approx(1 / slope)
+
+
+def test_planner_cell_pricing_matches_the_simulator():
+    """The replication pricing (``replicate.cell_step_terms``) charges the cell's all-to-all latency and the push's
+    alpha as the simulator does: comm 6 + 2 x 0.5 = 7 s; a replica of expert 1 on GPU 0 pushes 192 B over NVLink,
+    0.5 + 24 = 24.5 s."""
+    from relibra_moe.planners.replicate import CellResult, cell_step_terms
+
+    x = np.zeros((4, 4))
+    x[0, :2] = 3
+    eg = np.arange(4)
+    none = CellResult(np.full((4, 1), -1, np.int32), np.zeros((0, 3), np.int32), np.zeros(0), 0.0)
+    assert cell_step_terms(x, eg, none, MODEL, LAT) == (3.0, 7.0, 0.0)
+    assert cell_step_terms(x, eg, none, MODEL, BW) == (3.0, 6.0, 0.0)
+    rep = np.full((4, 1), -1, np.int32)
+    rep[0, 0] = 1
+    moved = CellResult(rep, np.array([[0, 1, 0]], np.int32), np.array([1.0]), 0.0)
+    assert cell_step_terms(x, eg, moved, MODEL, LAT) == (6.0, 0.0, 24.5)

@@ -34,7 +34,7 @@ from ..cost import moe_cost, peak_comp_comm
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
-from ..timing import attention_backward, cell_step_seconds, replica_push_overlap, transfer_seconds
+from ..timing import attention_backward, cell_step_seconds, moe_comm_seconds, replica_push_overlap, transfer_seconds
 from ..validate import check_int
 from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
 from .split import (
@@ -333,7 +333,8 @@ def cell_step_terms(x: np.ndarray, expert_gpu: np.ndarray, res: CellResult, mode
     """``(max comp, max comm, replica push)`` seconds of one cell under ``res`` (float64 reference path).
 
     The push is the time to fill the cell's replica slots from the homes (``timing.transfer_seconds`` of
-    ``model.expert_bytes`` per filled slot); the gradient pull takes the same time the other way.
+    ``model.expert_bytes`` per filled slot); the gradient pull takes the same time the other way. ``max comm``
+    includes the all-to-all latency (``timing.moe_comm_seconds``), as the simulator charges it.
     """
     G = cluster.num_gpus
     flow = x @ (np.asarray(expert_gpu)[:, None] == np.arange(G)).astype(np.float64)
@@ -345,7 +346,8 @@ def cell_step_terms(x: np.ndarray, expert_gpu: np.ndarray, res: CellResult, mode
         np.subtract.at(flow, (pj, expert_gpu[pe]), x[pj, pe])
         np.add.at(flow, (j, g), x[j, e] * res.share)
     comp, comm = peak_comp_comm(flow, model, cluster)
-    return comp, comm, replica_push_seconds(expert_gpu, res.replica_expert, model, cluster)
+    push = replica_push_seconds(expert_gpu, res.replica_expert, model, cluster)
+    return comp, float(moe_comm_seconds(comm, flow, cluster)), push
 
 
 def replica_push_seconds(expert_gpu: np.ndarray, replica_expert: np.ndarray, model: ModelSpec,
