@@ -1,7 +1,8 @@
 """Step-time arithmetic, each formula defined once: attention, transfers, move bytes, the MoE step formula.
 
 Every constant comes from ``ModelSpec`` and ``ClusterSpec.rates`` (``F`` = ``expert_flops``, ``F_attn`` =
-``attention_flops``, ``B_nv`` = ``nvlink_bw``, ``B_rdma`` = ``rdma_bw``; a cluster profile overrides them). The
+``attention_flops``, ``B_nv`` = ``nvlink_bw``, ``B_rdma`` = ``rdma_bw``, ``alpha_nv`` / ``alpha_rdma`` =
+``nvlink_latency`` / ``rdma_latency``; a cluster profile overrides them). The
 simulator (``relibra_moe.sim``), the replication pass and the migration pricing of the planners all
 charge time through these functions; docs/method.md ("Step time") derives them.
 
@@ -173,8 +174,8 @@ def message_latency(link_class: np.ndarray, cluster: ClusterSpec) -> np.ndarray:
     its bytes flow: 0 on the same GPU, ``alpha_nv`` (``nvlink_latency``) over NVLink, ``alpha_rdma``
     (``rdma_latency``) over RDMA to the same rail, ``alpha_nv + alpha_rdma`` across rails (the NVLink hop to the
     rail GPU, then RDMA, one after the other)."""
-    rates_nv, rates_rdma = float(cluster.nvlink_latency), float(cluster.rdma_latency)
-    table = np.array([0.0, rates_nv, rates_rdma, rates_nv + rates_rdma])
+    a_nv, a_rdma = float(cluster.nvlink_latency), float(cluster.rdma_latency)
+    table = np.array([0.0, a_nv, a_rdma, a_nv + a_rdma])
     return table[np.asarray(link_class, dtype=np.int64)]
 
 
