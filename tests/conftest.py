@@ -4,7 +4,7 @@
 
 * unset or ``cpu`` (the default): Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``
   unless the environment sets it), the multi-process suites run on gloo with CPU tensors.
-  ``tests/test_kernels_cuda.py`` on a machine with a GPU runs itself in a child process of the CUDA
+  ``tests/e2e/test_kernels_cuda.py`` on a machine with a GPU runs itself in a child process of the CUDA
   target, so CUDA tensors never meet the interpreter.
 * ``cuda``: ``TRITON_INTERPRET=0`` whatever the environment says (compiled kernels); the modules in
   ``GPU_MODULES`` run, the multi-process suites on NCCL with one GPU per rank and CUDA tensors
@@ -32,16 +32,18 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True)
 settings.load_profile("ci")
 
-#: Test modules of the CUDA target: the compiled-kernel checks and the multi-process suites (run_group).
+TESTS = Path(__file__).resolve().parent
+
+#: Test modules of the CUDA target (paths under tests/): the compiled-kernel checks and the multi-process
+#: suites (run_group).
 GPU_MODULES = frozenset({
-    "test_run_group.py",
-    "test_kernels_cuda.py",
-    "test_layers_dispatch.py",
-    "test_layers_moe.py",
-    "test_relayout.py",
-    "test_replica_buffer.py",
-    "test_hf_ep.py",
-    "test_hf_gpt_oss_ep.py",
+    "layers/test_testing.py",
+    "e2e/test_kernels_cuda.py",
+    "layers/test_dispatch.py",
+    "layers/test_moe.py",
+    "layers/test_relayout.py",
+    "layers/test_replica_buffer.py",
+    "integrations/test_hf_families.py",
 })
 
 
@@ -50,7 +52,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason=f"CPU-target test: run it without {TEST_DEVICE_ENV}=cuda")
     for item in items:
-        if item.path.name not in GPU_MODULES:
+        if item.path.resolve().relative_to(TESTS).as_posix() not in GPU_MODULES:
             item.add_marker(skip)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "relibra_moe"
+PKG = Path(__file__).resolve().parents[2] / "relibra_moe"
 
 # Floors as in docs/architecture.md; the first matching prefix wins (module names relative to the package).
 FLOORS: tuple[tuple[str, int], ...] = (
@@ -232,3 +232,57 @@ def test_the_length_check_counts_lines_and_skips_kernels(tmp_path):
                                    f"@triton.jit\ndef kernel():\n{body}\n\n@njit(cache=True)\ndef nb():\n{body}")
     assert long_host_functions(tmp_path) == ["m.py:long:101"]
     assert long_host_functions(tmp_path, limit=101) == []
+
+
+TESTS = Path(__file__).resolve().parents[1]
+
+#: Test modules that pin no single package module (end to end across modules); nothing else lives in tests/e2e.
+E2E_TESTS = frozenset({
+    "test_adversarial_files.py",  # bad files through the CLI, planners and simulator
+    "test_adversarial_ranks.py",  # one bad rank in a multi-rank layer/replay/relayout group
+    "test_adversarial_service.py",  # bad batches through the planning service and strategies
+    "test_architecture.py",  # import floors, test layout, docs/architecture.md names
+    "test_fsdp_example.py",  # examples/rl_step_fsdp.py
+    "test_gpu_check.py",  # bench/gpu_check.sh
+    "test_kernels_compile.py",  # torch.library opcheck / torch.compile of every Triton op
+    "test_kernels_cuda.py",  # every Triton kernel compiled on a GPU
+    "test_kernels_sm90.py",  # every Triton kernel compiled ahead of time for sm_90
+    "test_megatron_example.py",  # examples/megatron_step.py
+    "test_never_lose.py",  # property: relibra never slower than the baselines (planners + simulator)
+    "test_oracle.py",  # bench/oracle.py: plans and figures of a fixed matrix
+    "test_rl_step.py",  # examples/rl_step.py
+})
+
+
+def unmapped_tests(tests: Path, pkg: Path) -> list[str]:
+    """Test files whose path does not mirror a package module: ``tests/<dirs>/test_<name>.py`` pins
+    ``relibra_moe/<dirs>/<name>.py``; ``tests/e2e`` holds exactly :data:`E2E_TESTS`."""
+    bad = []
+    for path in sorted(tests.rglob("test_*.py")):
+        rel = path.relative_to(tests)
+        if rel.parts[0] == "e2e":
+            if len(rel.parts) != 2 or rel.name not in E2E_TESTS:
+                bad.append(f"{rel.as_posix()}: not in E2E_TESTS")
+            continue
+        module = pkg.joinpath(*rel.parts[:-1], rel.name.removeprefix("test_"))
+        if not module.is_file():
+            bad.append(f"{rel.as_posix()}: no module relibra_moe/{module.relative_to(pkg).as_posix()}")
+    missing = sorted(E2E_TESTS - {p.name for p in (tests / "e2e").glob("test_*.py")})
+    bad += [f"e2e/{name}: listed in E2E_TESTS but absent" for name in missing]
+    return bad
+
+
+def test_tests_mirror_the_package():
+    assert unmapped_tests(TESTS, PKG) == []
+
+
+def test_the_mapping_check_flags_a_stray_test(tmp_path):
+    pkg, tests = tmp_path / "pkg", tmp_path / "tests"
+    (pkg / "layers").mkdir(parents=True)
+    (pkg / "layers" / "moe.py").write_text("")
+    for rel in ("layers/test_moe.py", "test_layers_moe.py", "planners/test_moe.py", "e2e/test_demo.py"):
+        (tests / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tests / rel).write_text("")
+    bad = unmapped_tests(tests, pkg)
+    assert [b.split(":")[0] for b in bad] == ["e2e/test_demo.py", "planners/test_moe.py", "test_layers_moe.py"] + [
+        f"e2e/{n}" for n in sorted(E2E_TESTS)]
