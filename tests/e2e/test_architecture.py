@@ -286,3 +286,172 @@ def test_the_mapping_check_flags_a_stray_test(tmp_path):
     bad = unmapped_tests(tests, pkg)
     assert [b.split(":")[0] for b in bad] == ["e2e/test_demo.py", "planners/test_moe.py", "test_layers_moe.py"] + [
         f"e2e/{n}" for n in sorted(E2E_TESTS)]
+
+
+# --- docs/architecture.md against the code -------------------------------------------------------------------
+
+DOC = PKG.parent / "docs" / "architecture.md"
+
+#: Names in the doc's code blocks that stand for a value, with the package class they hold (``plan.samples``
+#: is checked as ``BatchPlan.samples``).
+DOC_VARIABLES = {"plan": "BatchPlan", "batch": "TraceBatch", "future": None, "loss": None, "optimizer": None,
+                 "model": None}
+#: Names the code blocks show that are not the package's.
+DOC_EXTERNAL = frozenset({"Future"})
+
+
+def package_index(pkg: Path = PKG) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """``{module: top-level names}`` and ``{class: attributes}`` (methods, properties, fields, class
+    attributes, inherited from package bases) of every module, from the source: a dataclass field without a
+    default is no class attribute, so ``getattr`` on the imported class would miss it."""
+    modules: dict[str, set[str]] = {}
+    classes: dict[str, set[str]] = {}
+    bases: dict[str, list[str]] = {}
+    for path in pkg.rglob("*.py"):
+        name = module_name(path)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = modules.setdefault(name, set())
+        for node in tree.body:
+            targets: list[ast.expr] = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                top.add(node.name)
+            elif isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AnnAssign):
+                targets = [node.target]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                top.update((a.asname or a.name).split(".")[0] for a in node.names)
+            top.update(t.id for t in targets if isinstance(t, ast.Name))
+            if isinstance(node, ast.ClassDef):
+                attrs = classes.setdefault(node.name, set())
+                bases.setdefault(node.name, []).extend(b.id for b in node.bases if isinstance(b, ast.Name))
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                        attrs.add(item.name)
+                    elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        attrs.add(item.target.id)
+                    elif isinstance(item, ast.Assign):
+                        attrs.update(t.id for t in item.targets if isinstance(t, ast.Name))
+    for cls in classes:
+        todo = list(bases.get(cls, []))
+        while todo:
+            base = todo.pop()
+            if base in classes:
+                classes[cls] |= classes[base]
+                todo.extend(bases.get(base, []))
+    return modules, classes
+
+
+def resolve(dotted: str, modules: dict[str, set[str]], classes: dict[str, set[str]]) -> bool:
+    """``a.b.c`` names a package module, a module's name, or a class's attribute (``relibra_moe.`` optional;
+    a leading name of :data:`DOC_VARIABLES` stands for its class); ``a/b.py`` or ``b.py`` a module file."""
+    if dotted.endswith(".py"):
+        return any(p.name == dotted.split("/")[-1] for p in PKG.rglob("*.py"))
+    parts = dotted.removeprefix("relibra_moe.").split(".")
+    head, rest = parts[0], parts[1:]
+    if head in DOC_VARIABLES and rest:
+        cls = DOC_VARIABLES[head]
+        if cls is None or (rest[0] in classes.get(cls, set()) and _resolve_attrs(rest[0], rest[1:], classes)):
+            return True
+    for i in range(len(parts), 0, -1):
+        mod = ".".join(parts[:i])
+        if mod in modules or f"{mod}.__init__" in modules:
+            names = modules.get(mod, modules.get(f"{mod}.__init__", set()))
+            left = parts[i:]
+            return not left or (left[0] in names and _resolve_attrs(left[0], left[1:], classes))
+    if not rest:
+        return any(head in names for names in modules.values()) or head in DOC_EXTERNAL
+    return head in classes and rest[0] in classes[head] and _resolve_attrs(rest[0], rest[1:], classes)
+
+
+def _resolve_attrs(owner: str, attrs: list[str], classes: dict[str, set[str]]) -> bool:
+    """Beyond ``Class.attr`` only an attribute holding a package class resolves (``plan.samples.gpu``)."""
+    if not attrs:
+        return True
+    kinds = {"samples": "SamplePlacement", "placement": "Placement", "replicas": "ReplicaPlan"}
+    cls = kinds.get(owner, owner)
+    return attrs[0] in classes.get(cls, set()) and _resolve_attrs(attrs[0], attrs[1:], classes)
+
+
+def doc_names(text: str) -> list[str]:
+    """The names the doc shows as code: every backticked dotted name whose head is a package module
+    (``evaluate.PlanScore``, ``relibra_moe.layers.moe``) anywhere; in the module map every backticked name
+    (``score_plan``, ``relayout(...)`` -> ``relayout``); in the code blocks every snake_case or CamelCase
+    identifier and every dotted name (a call, a class, ``plan.num_micro_batches``; ``mb.routing`` fails: ``mb``
+    is no package name and not in :data:`DOC_VARIABLES`) that is not a keyword argument or a ``#`` comment."""
+    import re
+
+    heads = {p.stem for p in PKG.iterdir() if p.suffix == ".py" or (p / "__init__.py").is_file()} | {"relibra_moe"}
+    names: list[str] = []
+    for m in re.finditer(r"`([A-Za-z_][\w.]*)[`(\[]", text):
+        name = m.group(1)
+        dotted_code = "." in name and name.split(".")[0] in heads | set(DOC_VARIABLES)
+        if dotted_code and not re.search(r"\.(json|npz|md)$", name):
+            names.append(name)
+    blocks = [re.sub(r"#.*", "", b) for b in re.findall(r"```\n(.*?)```", text, re.S)]
+    module_map = text.split("## Module map", 1)[1].split("## ", 1)[0]
+    names += [m.group(1) for m in re.finditer(r"`([A-Za-z_][\w.]*)[`(\[]", module_map)]
+    ident = r"(?<![\w.])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?!\w|\s*=[^=]|\.py)"
+    for block in blocks:
+        if block.startswith("relibra_moe/"):
+            continue  # the module map's tree is checked by test_the_module_map_lists_every_module
+        for m in re.finditer(ident, block):
+            word = m.group(1)
+            head = word.split(".")[0]
+            if "." in word or "_" in head.strip("_") or re.fullmatch(r"[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+", head):
+                names.append(word)
+    return names
+
+
+def test_every_name_the_architecture_page_shows_exists():
+    modules, classes = package_index()
+    names = doc_names(DOC.read_text(encoding="utf-8"))
+    assert len(names) > 50, names  # the parse found the blocks
+    assert sorted({n for n in names if not resolve(n, modules, classes)}) == []
+
+
+def test_the_name_check_flags_a_missing_name():
+    modules, classes = package_index()
+    text = ("## Module map\n\n`score_plan` `evaluate.PlanScore.t_moe_s` `plan.micro_batches`\n\n"
+            "```\nfor mb in plan.micro_batches:\n    with replay(model, mb.routing, mb.replicas, micro_batch=m):\n"
+            "        relayout_all(model)\n```\n## Contracts\n`sim.StepTime.nothing`\n")
+    bad = sorted({n for n in doc_names(text) if not resolve(n, modules, classes)})
+    assert bad == ["mb.replicas", "mb.routing", "plan.micro_batches", "relayout_all", "sim.StepTime.nothing"]
+
+
+def module_map(text: str) -> dict[str, int]:
+    """``{module: floor}`` of the module map's tree: the leading ``name.py`` / ``pkg/`` words of each line, a
+    module in the package of the nearest ``pkg/`` line above with less indentation; the floor ``(n)`` of its
+    line, else its package's."""
+    import re
+
+    block = text.split("## Module map", 1)[1].split("```\n", 2)[1]
+    listed: dict[str, int] = {}
+    stack: list[tuple[int, str, int]] = []  # (indent, dotted package, floor)
+    for line in block.splitlines()[1:]:  # below "relibra_moe/"
+        indent = len(line) - len(line.lstrip())
+        if indent == 0:
+            break
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        pkg, floor = (stack[-1][1], stack[-1][2]) if stack else ("", 0)
+        m = re.search(r"\((\d)\)", line)
+        floor = int(m.group(1)) if m else floor
+        for word in line.split():
+            if word.endswith("/"):
+                listed[pkg + word[:-1]] = floor  # the package itself (its __init__.py)
+                pkg += word[:-1] + "."
+                stack.append((indent, pkg, floor))
+            elif word.endswith(".py"):
+                listed[pkg + word[:-3]] = floor
+            else:
+                break
+    return listed
+
+
+def test_the_module_map_lists_every_module_at_its_floor():
+    listed = module_map(DOC.read_text(encoding="utf-8"))
+    existing = {module_name(p) for p in PKG.rglob("*.py")}
+    assert len(listed) > 60, listed  # the parse found the tree
+    assert sorted(set(listed) ^ existing) == []
+    assert {m: f for m, f in listed.items() if f != floor_of(m)} == {}
