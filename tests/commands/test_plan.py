@@ -351,11 +351,6 @@ def test_score_plan_rejects_bad_beta_and_balanced_total():
 
 
 
-def _argv(trace_file, out, strategy, *extra):
-    return ["plan", str(trace_file), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "4",
-            "--strategy", strategy, "--micro-batch-size", "4", "--out", str(out), "--json", *FAST, *extra]
-
-
 def _options(*extra) -> PlanOptions:
     args = build_parser().parse_args(["plan", "t.npz", "--model", "gpt-oss-20b", "--nodes", "2", "--strategy",
                                       "relibra", "--out", "p.npz", *extra])
@@ -418,7 +413,7 @@ def test_bad_flag_values_name_the_option(flags, match):
 @pytest.mark.timeout(300)
 def test_migration_free_skips_the_pricing_and_equals_plan_batch(trace_file, tmp_path, capsys):
     out = tmp_path / "free.npz"
-    _run(_argv(trace_file, out, "relibra-inter", "--migration", "free"), capsys)
+    _run(_plan_args(trace_file, out, "relibra-inter", "--migration", "free"), capsys)
     plan = BatchPlan.load(out)
     assert plan.stats["migration"] == {"enabled": False}
     ref = plan_batch(_batch().with_micro_batch_size(4), MODEL, CLUSTER, "relibra-inter", iters=300,
@@ -430,7 +425,7 @@ def test_migration_free_skips_the_pricing_and_equals_plan_batch(trace_file, tmp_
 @pytest.mark.timeout(300)
 def test_replica_pricing_free_equals_plan_batch_unpriced(trace_file, tmp_path, capsys):
     out = tmp_path / "unpriced.npz"
-    _run(_argv(trace_file, out, "relibra", "--replica-slots", "1", "--replica-pricing", "free"), capsys)
+    _run(_plan_args(trace_file, out, "relibra", "--replica-slots", "1", "--replica-pricing", "free"), capsys)
     plan = BatchPlan.load(out)
     assert plan.stats["options"] == {"iters": 300, "locality_iters": 300, "price_replicas": False}
     ref = plan_batch(_batch().with_micro_batch_size(4), MODEL, CLUSTER, "relibra", replica_slots=1, iters=300,
@@ -442,8 +437,8 @@ def test_replica_pricing_free_equals_plan_batch_unpriced(trace_file, tmp_path, c
 @pytest.mark.timeout(300)
 def test_previous_prices_moves_against_that_plan(trace_file, tmp_path, capsys):
     first, second = tmp_path / "first.npz", tmp_path / "second.npz"
-    _run(_argv(trace_file, first, "relibra-inter"), capsys)
-    _run(_argv(trace_file, second, "relibra-inter", "--seed", "1", "--previous", str(first)), capsys)
+    _run(_plan_args(trace_file, first, "relibra-inter"), capsys)
+    _run(_plan_args(trace_file, second, "relibra-inter", "--seed", "1", "--previous", str(first)), capsys)
     a, b = BatchPlan.load(first), BatchPlan.load(second)
     assert b.stats["migration"]["enabled"]
     # the pricing counted moves against the first plan's homes, not against the static placement
@@ -469,7 +464,7 @@ def _plan_file(path, num_layers, num_experts, num_gpus, gpus_per_node):
 ])
 def test_previous_for_another_model_or_cluster_names_file_and_field(trace_file, tmp_path, capsys, shape, match):
     prev = _plan_file(tmp_path / "other.npz", *shape)
-    rc = main(_argv(trace_file, tmp_path / "out.npz", "relibra-inter", "--previous", str(prev)))
+    rc = main(_plan_args(trace_file, tmp_path / "out.npz", "relibra-inter", "--previous", str(prev)))
     err = capsys.readouterr().err
     assert rc == 1
     assert f"--previous {prev}: {match}" in err
@@ -479,7 +474,7 @@ def test_previous_for_another_model_or_cluster_names_file_and_field(trace_file, 
 def test_previous_that_is_not_a_plan_file(trace_file, tmp_path, capsys):
     bad = tmp_path / "junk.npz"
     bad.write_bytes(b"not a zip")
-    rc = main(_argv(trace_file, tmp_path / "out.npz", "relibra-inter", "--previous", str(bad)))
+    rc = main(_plan_args(trace_file, tmp_path / "out.npz", "relibra-inter", "--previous", str(bad)))
     assert rc == 1
     assert f"--previous {bad}: not a readable plan file" in capsys.readouterr().err
 

@@ -196,8 +196,6 @@ def test_relibra_without_command_prints_help(capsys):
     assert "usage: relibra" in out and "trace" in out and "relibra COMMAND -h" in out
 
 
-transformers = pytest.importorskip("transformers")
-
 E, K, L = 8, 2, 4
 LENGTHS = [(3, 4), (5, 2), (2, 6)]  # (prompt, response) tokens per sample
 
@@ -210,6 +208,7 @@ def _truth(seed: int = 0) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("cfg")
     transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=E, num_experts_per_tok=K,
                                 num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2,
@@ -429,6 +428,7 @@ def test_import_argument_errors(tmp_path, capsys):
 # ------------------------------------------------------------------------------- --model-config
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp("gptoss")
     transformers.GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
                               num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,

@@ -34,6 +34,7 @@ from relibra_moe.integrations.hf import (  # noqa: E402
     ReplayMoEBlock,
     RoutingRecorder,
     full_state_dict,
+    layout_ids,
     moe_blocks,
     moe_layer_ids,
     replay,
@@ -42,7 +43,9 @@ from relibra_moe.integrations.hf import (  # noqa: E402
 from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE  # noqa: E402
 from relibra_moe.integrations.hf_tiny import FAMILIES, tiny_model  # noqa: E402
 from relibra_moe.layers.moe import ReplayBalancedMoE  # noqa: E402
+from relibra_moe.layers.router import LIVE, TopKRouter, check_replay_ids  # noqa: E402
 from relibra_moe.trace import RoutingTrace, TraceBatch  # noqa: E402
+from relibra_moe.triton_kernels.backend import force_backend  # noqa: E402
 
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7, 9], [3, 4, 5, 6, 7, 8], [0, 0, 0, 11, 12, 13]])
 MASK = (PROMPTS != 0).long()
@@ -413,7 +416,6 @@ def test_bad_swap_and_replay_arguments_are_named():
         assert rows == [0]
 
 
-from relibra_moe.layers.router import LIVE, TopKRouter, check_replay_ids  # noqa: E402
 
 FULL_PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
 EOS = 84  # the second token greedy decoding of seed 3 gives sequence 0 (not in sequence 1's completion)
@@ -509,8 +511,6 @@ def test_live_rows_route_live_and_mixed_rows_are_rejected():
         check_replay_ids(torch.tensor([[LIVE, LIVE]]), 1, 2, 6)
 
 
-from relibra_moe.integrations.hf import layout_ids  # noqa: E402
-from relibra_moe.triton_kernels.backend import force_backend  # noqa: E402
 
 REC_PROMPTS = torch.tensor([[0, 0, 5, 6, 7, 9], [3, 4, 5, 6, 7, 8]])
 
