@@ -74,3 +74,25 @@ def traces_dir() -> Path:
     if not (d / "gpt-oss-20b" / "topk_ids.npz").exists():
         pytest.skip(f"real routing traces not found at {d} (set RELIBRA_TRACES)")
     return d
+
+
+def two_hot_batch(seed: int, lengths: tuple[int, int], n: int = 16, micro_batch_size: int = 4):
+    """gpt-oss-20b routing (32 experts, top-4, all layers) of ``n`` samples, each with two hot experts
+    (10x the others' weight, Gumbel top-k), ``lengths`` = [low, high) tokens per sample; micro-batches of
+    ``micro_batch_size`` in order."""
+    import numpy as np
+
+    from relibra_moe.specs import model_preset
+    from relibra_moe.trace import RoutingTrace, TraceBatch
+
+    layers = model_preset("gpt-oss-20b").num_layers
+    rng = np.random.default_rng(seed)
+    traces = []
+    for _ in range(n):
+        s = int(rng.integers(*lengths))
+        p = np.ones(32)
+        p[rng.integers(0, 32, size=2)] = 10.0
+        g = np.log(p) + rng.gumbel(size=(s, layers, 32))
+        ids = np.argpartition(-g, 3, axis=2)[:, :, :4]
+        traces.append(RoutingTrace(ids, np.arange(layers), 32, 4, source="test"))
+    return TraceBatch(traces, micro_batch=np.arange(n) // micro_batch_size)

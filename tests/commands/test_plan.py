@@ -28,6 +28,7 @@ from relibra_moe.sim import simulate_step
 from relibra_moe.specs import DEFAULT_CLUSTER, cluster_preset, model_preset
 from relibra_moe.steady import consecutive_batches
 from relibra_moe.trace import RoutingTrace, TraceBatch
+from tests.conftest import two_hot_batch
 
 MODEL = model_preset("gpt-oss-20b")  # 24 layers, 32 experts, top-4
 CLUSTER = cluster_preset(nodes=2, gpus_per_node=4)
@@ -484,17 +485,7 @@ OWNER_FAST = ["--iters", "200", "--locality-iters", "100", "--num-seeds", "1", "
 
 @pytest.fixture(scope="module")
 def owner_trace_file(tmp_path_factory):
-    model = model_preset("gpt-oss-20b")
-    rng = np.random.default_rng(5)
-    traces = []
-    for _ in range(16):
-        s = int(rng.integers(10, 30))
-        p = np.ones(32)
-        p[rng.integers(0, 32, size=2)] = 10.0
-        g = np.log(p) + rng.gumbel(size=(s, model.num_layers, 32))
-        ids = np.argpartition(-g, 3, axis=2)[:, :, :4]
-        traces.append(RoutingTrace(ids, np.arange(model.num_layers), 32, 4, source="test"))
-    batch = TraceBatch(traces, micro_batch=np.arange(16) // 4)
+    batch = two_hot_batch(5, (10, 30))
     d = tmp_path_factory.mktemp("owner")
     batch.save(d / "t.npz")
     ranks = np.random.default_rng(1).integers(0, 4, size=16).astype(np.int64)
