@@ -240,7 +240,6 @@ TESTS = Path(__file__).resolve().parents[1]
 E2E_TESTS = frozenset({
     "test_adversarial_files.py",  # bad files through the CLI, planners and simulator
     "test_adversarial_ranks.py",  # one bad rank in a multi-rank layer/replay/relayout group
-    "test_adversarial_service.py",  # bad batches through the planning service and strategies
     "test_architecture.py",  # import floors, test layout, docs/architecture.md names
     "test_fsdp_example.py",  # examples/rl_step_fsdp.py
     "test_gpu_check.py",  # bench/gpu_check.sh
