@@ -57,12 +57,20 @@ HAS_AUX = [f for f in FAMILIES if f != "deepseek_v3"]  # DeepSeek-V3 in transfor
 SWAPPED = (ReplayMoEBlock, HFReplayBalancedMoE)
 
 
+#: Tests that run the layer's ops on the default backend (the Triton interpreter on CPU) end to end.
+DEFAULT_BACKEND_TESTS = frozenset({
+    "test_swap_through_triton_kernels",
+    "test_full_sequence_replay_equals_plain_model_with_aux_loss",
+    "test_trim_lengths_are_checked",
+    "test_live_rows_route_live_and_mixed_rows_are_rejected",
+})
+
+
 @pytest.fixture(autouse=True)
 def _torch_kernels(request):
     """The layer's ops through their torch references (the Triton interpreter is slow; the kernels have
-    their own tests); ``test_swap_through_triton_kernels`` runs the interpreter once end to end."""
-
-    if "triton" in request.node.name:
+    their own tests), except in :data:`DEFAULT_BACKEND_TESTS`."""
+    if request.node.originalname in DEFAULT_BACKEND_TESTS:
         yield
         return
     with force_backend("torch"):
@@ -513,6 +521,7 @@ def test_live_rows_route_live_and_mixed_rows_are_rejected():
 
 
 REC_PROMPTS = torch.tensor([[0, 0, 5, 6, 7, 9], [3, 4, 5, 6, 7, 8]])
+REC_MASK = (REC_PROMPTS != 0).long()
 
 
 @pytest.mark.parametrize("fam", ["qwen3_moe", "deepseek_v3"])
@@ -520,9 +529,9 @@ def test_bf16_recorded_sets_equal_teacher_forced(fam):
     """In bf16 near-ties may reorder a row between decode and a full forward: compare per-token sets."""
     model = tiny_model(fam).to(torch.bfloat16)
     with RoutingRecorder(model) as rec, torch.no_grad():
-        gen = model.generate(REC_PROMPTS, attention_mask=MASK, max_new_tokens=4, do_sample=False)
+        gen = model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=4, do_sample=False)
     full = gen[:, :-1]
-    mask = torch.cat([MASK, torch.ones(2, full.shape[1] - 6, dtype=MASK.dtype)], 1)
+    mask = torch.cat([REC_MASK, torch.ones(2, full.shape[1] - 6, dtype=REC_MASK.dtype)], 1)
     with RoutingRecorder(model) as tf, torch.no_grad():
         model(full, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
     for a, b in zip(rec.sequences(), tf.sequences()):
@@ -535,7 +544,7 @@ def test_sessions_padding_and_detach():
     rec = RoutingRecorder(model)
     assert rec.attach() is rec.attach()  # idempotent
     with torch.no_grad():
-        model.generate(REC_PROMPTS, attention_mask=MASK, max_new_tokens=3, do_sample=False)
+        model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=3, do_sample=False)
         model.generate(REC_PROMPTS[1:], max_new_tokens=2, do_sample=False)  # no mask, batch 1
         # a right-padded plain forward: its own session, padding dropped
         model(torch.tensor([[7, 8, 9, 0]]), attention_mask=torch.tensor([[1, 1, 1, 0]]))
@@ -554,11 +563,12 @@ def test_recorder_rejects_beam_search_and_leaves_it_alone_when_detached():
     model = tiny_model("qwen3_moe")
     with RoutingRecorder(model) as rec, torch.no_grad():
         with pytest.raises(ReplayError, match="reordered the KV cache.*beam search"):
-            model.generate(REC_PROMPTS, attention_mask=MASK, max_new_tokens=4, do_sample=False, num_beams=2)
-        gen = model.generate(REC_PROMPTS, attention_mask=MASK, max_new_tokens=3, do_sample=False)  # greedy still fine
-    assert [len(s) for s in rec.sequences()[-2:]] == [int(MASK[b].sum()) + gen.shape[1] - 7 for b in range(2)]
+            model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=4, do_sample=False, num_beams=2)
+        # greedy still fine
+        gen = model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=3, do_sample=False)
+    assert [len(s) for s in rec.sequences()[-2:]] == [int(REC_MASK[b].sum()) + gen.shape[1] - 7 for b in range(2)]
     with torch.no_grad():  # not recording: beam search runs as usual
-        out = model.generate(REC_PROMPTS, attention_mask=MASK, max_new_tokens=4, do_sample=False, num_beams=2)
+        out = model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=4, do_sample=False, num_beams=2)
     assert out.shape == (2, 10)
 
 
@@ -574,17 +584,17 @@ def test_recorder_on_swapped_model_records_the_ids_used(fam):
     live ids without replay, the replayed ids under replay."""
     model = tiny_model(fam)
     with RoutingRecorder(model) as ref, torch.no_grad():
-        model(REC_PROMPTS, attention_mask=MASK)
+        model(REC_PROMPTS, attention_mask=REC_MASK)
     swap_moe_blocks(model)
     with RoutingRecorder(model) as live, torch.no_grad():
-        model(REC_PROMPTS, attention_mask=MASK)
+        model(REC_PROMPTS, attention_mask=REC_MASK)
     for a, b in zip(ref.sequences(), live.sequences()):
         np.testing.assert_array_equal(a, b)
     g = np.random.default_rng(0)
     forced = [RoutingTrace(np.stack([[g.permutation(8)[:2] for _ in range(3)] for _ in range(n)]), [0, 1, 2], 8, 2)
               for n in (4, 6)]
-    with replay(model, forced, attention_mask=MASK), RoutingRecorder(model) as rec, torch.no_grad():
-        model(REC_PROMPTS, attention_mask=MASK)
+    with replay(model, forced, attention_mask=REC_MASK), RoutingRecorder(model) as rec, torch.no_grad():
+        model(REC_PROMPTS, attention_mask=REC_MASK)
     for want, got in zip(forced, rec.traces()):
         np.testing.assert_array_equal(got.experts, want.experts)
 
