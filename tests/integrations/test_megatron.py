@@ -448,7 +448,6 @@ def gpt_model(config):
 def _gpt_step(rank: int, world: int, gpus_per_node: int, seed: int) -> None:
     import torch.distributed as dist
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
-    from test_megatron_layer import global_expert_grads, random_ids
 
     from relibra_moe.integrations import megatron as rm
     from tests import megatron_cpu as mc
