@@ -8,7 +8,7 @@
 # written under OUTDIR (one log per stage, the stages' JSON, summary.txt with each stage's exit code
 # and seconds):
 #   env       GPU (nvidia-smi) and package versions
-#   tests     the CUDA tests, compiled (RELIBRA_TEST_DEVICE=cuda): tests/test_kernels_cuda.py and the
+#   tests     the CUDA tests, compiled (RELIBRA_TEST_DEVICE=cuda): tests/e2e/test_kernels_cuda.py and the
 #             multi-process suites (world-size-1 cases on one GPU, the others skip with the reason)
 #   kernels   bench/kernels.py at the Qwen3-30B-A3B and Qwen3-235B-A22B expert shapes
 #   layer     bench/moe_layer_gpu.py: ReplayBalancedMoE and the expert side with replica slots at the
@@ -39,13 +39,13 @@ export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null 2>&1 || PY=python
 
-GPU_TESTS="tests/test_kernels_cuda.py tests/test_run_group.py tests/test_layers_moe.py tests/test_layers_dispatch.py
-tests/test_relayout.py tests/test_replica_buffer.py tests/test_hf_ep.py tests/test_hf_gpt_oss_ep.py"
+GPU_TESTS="tests/e2e/test_kernels_cuda.py tests/layers/test_testing.py tests/layers/test_moe.py tests/layers/test_dispatch.py
+tests/layers/test_relayout.py tests/layers/test_replica_buffer.py tests/integrations/test_hf_families.py"
 if [ $DRY = 1 ]; then
     export CUDA_VISIBLE_DEVICES=""   # the CPU path everywhere, also on a machine with a GPU
     # stage limits (s): generous for a loaded CPU; the dry run itself takes well under a minute unloaded
     T_ENV=60; T_TESTS=90; T_KERNELS=120; T_LAYER=90; T_GRAPH=90; T_CALIBRATE=60
-    GPU_TESTS="tests/test_kernels_cuda.py"  # collects and skips without CUDA: checks the stage's invocation
+    GPU_TESTS="tests/e2e/test_kernels_cuda.py"  # collects and skips without CUDA: checks the stage's invocation
     KERNEL_ARGS="--dtypes bfloat16"
     LAYER_ARGS="--tiny"
     GRAPH_ARGS="--tiny"

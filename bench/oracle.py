@@ -1,7 +1,7 @@
 """Behaviour oracle: plan-file hashes, scores and simulated steps for a fixed matrix of batches.
 
 A refactor must leave every entry unchanged: plan files byte-identical (their sha256), every score and
-simulated figure equal. ``tests/test_oracle.py`` recomputes the matrix and compares it with
+simulated figure equal. ``tests/e2e/test_oracle.py`` recomputes the matrix and compares it with
 ``tests/data/oracle.json``; regenerate that file only for a change in behaviour made on purpose (and say
 which in the commit):
 

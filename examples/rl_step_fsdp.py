@@ -26,7 +26,7 @@ expert loads of every layer and micro-batch equal the plan's.
 
 At the default size (one node of 2 ranks per EP group, 8 short sequences) the planner places no replica:
 the cost model finds none worth its transfer (``replicas`` in the step records). The replica path on the
-mesh is tested with hand-made plans in ``tests/test_fsdp.py``.
+mesh is tested with hand-made plans in ``tests/integrations/test_fsdp.py``.
 
 Run: ``python examples/rl_step_fsdp.py --check`` (a few minutes on 2 shared cores).
 """

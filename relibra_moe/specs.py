@@ -164,7 +164,7 @@ def dispatch_copies_per_pair(model: ModelSpec, cluster: ClusterSpec) -> tuple[fl
     node with probability 1 / N and the token reaches that node with probability ``q(E / N)``
     (``_hit_probability``), so ``rdma_copies = q(E / N) N / k`` and ``nvlink_copies = q(E / G) G / k``: the
     expected copies of the token-level count (``dispatch_traffic``) per pair. Exact in expectation over uniform
-    routing (tests/test_dispatch.py enumerates it); skewed routing and co-located hot experts dedup more.
+    routing (tests/test_specs.py enumerates it); skewed routing and co-located hot experts dedup more.
     """
     if cluster.dispatcher == "alltoall":
         return 1.0, 1.0

@@ -4,7 +4,7 @@
 
 * unset or ``cpu`` (the default): Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``
   unless the environment sets it), the multi-process suites run on gloo with CPU tensors.
-  ``tests/test_kernels_cuda.py`` on a machine with a GPU runs itself in a child process of the CUDA
+  ``tests/e2e/test_kernels_cuda.py`` on a machine with a GPU runs itself in a child process of the CUDA
   target, so CUDA tensors never meet the interpreter.
 * ``cuda``: ``TRITON_INTERPRET=0`` whatever the environment says (compiled kernels); the modules in
   ``GPU_MODULES`` run, the multi-process suites on NCCL with one GPU per rank and CUDA tensors
@@ -32,16 +32,18 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=30, deadline=None, derandomize=True)
 settings.load_profile("ci")
 
-#: Test modules of the CUDA target: the compiled-kernel checks and the multi-process suites (run_group).
+TESTS = Path(__file__).resolve().parent
+
+#: Test modules of the CUDA target (paths under tests/): the compiled-kernel checks and the multi-process
+#: suites (run_group).
 GPU_MODULES = frozenset({
-    "test_run_group.py",
-    "test_kernels_cuda.py",
-    "test_layers_dispatch.py",
-    "test_layers_moe.py",
-    "test_relayout.py",
-    "test_replica_buffer.py",
-    "test_hf_ep.py",
-    "test_hf_gpt_oss_ep.py",
+    "layers/test_testing.py",
+    "e2e/test_kernels_cuda.py",
+    "layers/test_dispatch.py",
+    "layers/test_moe.py",
+    "layers/test_relayout.py",
+    "layers/test_replica_buffer.py",
+    "integrations/test_hf_families.py",
 })
 
 
@@ -50,7 +52,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason=f"CPU-target test: run it without {TEST_DEVICE_ENV}=cuda")
     for item in items:
-        if item.path.name not in GPU_MODULES:
+        if item.path.resolve().relative_to(TESTS).as_posix() not in GPU_MODULES:
             item.add_marker(skip)
 
 
@@ -72,3 +74,25 @@ def traces_dir() -> Path:
     if not (d / "gpt-oss-20b" / "topk_ids.npz").exists():
         pytest.skip(f"real routing traces not found at {d} (set RELIBRA_TRACES)")
     return d
+
+
+def two_hot_batch(seed: int, lengths: tuple[int, int], n: int = 16, micro_batch_size: int = 4):
+    """gpt-oss-20b routing (32 experts, top-4, all layers) of ``n`` samples, each with two hot experts
+    (10x the others' weight, Gumbel top-k), ``lengths`` = [low, high) tokens per sample; micro-batches of
+    ``micro_batch_size`` in order."""
+    import numpy as np
+
+    from relibra_moe.specs import model_preset
+    from relibra_moe.trace import RoutingTrace, TraceBatch
+
+    layers = model_preset("gpt-oss-20b").num_layers
+    rng = np.random.default_rng(seed)
+    traces = []
+    for _ in range(n):
+        s = int(rng.integers(*lengths))
+        p = np.ones(32)
+        p[rng.integers(0, 32, size=2)] = 10.0
+        g = np.log(p) + rng.gumbel(size=(s, layers, 32))
+        ids = np.argpartition(-g, 3, axis=2)[:, :, :4]
+        traces.append(RoutingTrace(ids, np.arange(layers), 32, 4, source="test"))
+    return TraceBatch(traces, micro_batch=np.arange(n) // micro_batch_size)

@@ -11,7 +11,7 @@ One small function per kernel maps (rows per slot, N, K, dtype) to an entry of a
 Rows per slot is the host-known mean ``R / S`` (no host sync on the per-slot counts). Large
 per-slot row counts get Hopper-sized tiles (128 x 256 x 64 on two warpgroups, as CUTLASS's sm90
 grouped GEMM); small ones keep small row tiles so a slot with a handful of rows does not pay for
-a 128-row tile. Every compiled entry is built for sm_90 by ``tests/test_kernels_sm90.py``, which
+a 128-row tile. Every compiled entry is built for sm_90 by ``tests/e2e/test_kernels_sm90.py``, which
 fails on register spills and on shared memory over the 227 KB per-block limit.
 
 In the CPU interpreter (``TRITON_INTERPRET=1``) the cost grows with the number of programs, not the

@@ -4,12 +4,27 @@ Per family: the swapped model is the HF model (logits <= 1e-5, identical greedy 
 ``state_dict``); the recorder's ids from ``generate()`` (prefill + decode, left padding, batch 3) equal the
 ids of one teacher-forced forward over the generated sequences (0 mismatches, fp32); replaying them gives
 the live logits and gradients; the aux loss survives the swap; ``save_pretrained`` round-trips.
+
+Recorder + replay for trainers that feed the whole sequence (prompt + completion, TRL style).
+
+A greedy rollout of two left-padded prompts in which sequence 0 stops at its EOS after 2 tokens while
+sequence 1 runs 5 (generate() keeps feeding sequence 0 pad tokens). The training forward feeds
+``[prompt | completion up to EOS]`` with TRL's masks. The traces trimmed to the mask (``lengths``) have
+no post-EOS rows, and the one never-fed last token is routed live: loss (with the router aux loss at
+its default coefficient) and every gradient equal the plain HF model's. Serving that token by no
+expert (``unrouted="none"``, the old behaviour) visibly changes the router gradient.
+
+RoutingRecorder details: bf16, padding, sessions, swapped models, and replay's id layout.
 """
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -19,6 +34,7 @@ from relibra_moe.integrations.hf import (  # noqa: E402
     ReplayMoEBlock,
     RoutingRecorder,
     full_state_dict,
+    layout_ids,
     moe_blocks,
     moe_layer_ids,
     replay,
@@ -27,7 +43,9 @@ from relibra_moe.integrations.hf import (  # noqa: E402
 from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE  # noqa: E402
 from relibra_moe.integrations.hf_tiny import FAMILIES, tiny_model  # noqa: E402
 from relibra_moe.layers.moe import ReplayBalancedMoE  # noqa: E402
+from relibra_moe.layers.router import LIVE, TopKRouter, check_replay_ids  # noqa: E402
 from relibra_moe.trace import RoutingTrace, TraceBatch  # noqa: E402
+from relibra_moe.triton_kernels.backend import force_backend  # noqa: E402
 
 PROMPTS = torch.tensor([[0, 0, 5, 6, 7, 9], [3, 4, 5, 6, 7, 8], [0, 0, 0, 11, 12, 13]])
 MASK = (PROMPTS != 0).long()
@@ -39,13 +57,20 @@ HAS_AUX = [f for f in FAMILIES if f != "deepseek_v3"]  # DeepSeek-V3 in transfor
 SWAPPED = (ReplayMoEBlock, HFReplayBalancedMoE)
 
 
+#: Tests that run the layer's ops on the default backend (the Triton interpreter on CPU) end to end.
+DEFAULT_BACKEND_TESTS = frozenset({
+    "test_swap_through_triton_kernels",
+    "test_full_sequence_replay_equals_plain_model_with_aux_loss",
+    "test_trim_lengths_are_checked",
+    "test_live_rows_route_live_and_mixed_rows_are_rejected",
+})
+
+
 @pytest.fixture(autouse=True)
 def _torch_kernels(request):
     """The layer's ops through their torch references (the Triton interpreter is slow; the kernels have
-    their own tests); ``test_swap_through_triton_kernels`` runs the interpreter once end to end."""
-    from relibra_moe.triton_kernels.backend import force_backend
-
-    if "triton" in request.node.name:
+    their own tests), except in :data:`DEFAULT_BACKEND_TESTS`."""
+    if request.node.originalname in DEFAULT_BACKEND_TESTS:
         yield
         return
     with force_backend("torch"):
@@ -397,3 +422,211 @@ def test_bad_swap_and_replay_arguments_are_named():
             pass
     with replay(model, [tr0], plan, micro_batch=0) as rows:  # the valid plan selects the one sample
         assert rows == [0]
+
+
+
+FULL_PROMPTS = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]])
+EOS = 84  # the second token greedy decoding of seed 3 gives sequence 0 (not in sequence 1's completion)
+
+
+def _rollout():
+    model = tiny_model("qwen3_moe", seed=3)
+    mask = (FULL_PROMPTS != 0).long()
+    with RoutingRecorder(model) as rec, torch.no_grad():
+        out = model.generate(FULL_PROMPTS, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=EOS)
+    comp = out[:, FULL_PROMPTS.shape[1]:]
+    is_eos = comp == EOS
+    end = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((2,), comp.shape[1]))
+    comp_mask = (torch.arange(comp.shape[1])[None] <= end[:, None]).long()  # TRL: up to and including EOS
+    comp = comp.masked_fill(comp_mask == 0, 0)
+    ids = torch.cat([FULL_PROMPTS, comp], 1)
+    attn = torch.cat([mask, comp_mask], 1)
+    return model, rec, ids, attn
+
+
+def _loss(model, ids, attn):
+    labels = ids.masked_fill(attn == 0, -100)
+    out = model(input_ids=ids, attention_mask=attn, labels=labels, output_router_logits=True)
+    assert out.aux_loss is not None and model.config.router_aux_loss_coef > 0
+    out.loss.backward()
+    return float(out.loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("backend", ["layer", "local"])
+def test_full_sequence_replay_equals_plain_model_with_aux_loss(backend):
+    model, rec, ids, attn = _rollout()
+    assert attn.sum(1).tolist() == [3 + 2, 5 + 5]
+    raw = rec.sequences()
+    assert [len(s) for s in raw] == [3 + NEW - 1, 5 + NEW - 1]  # seq 0 kept 2 post-EOS pad rows
+    lengths = attn.sum(1)
+    traces = rec.traces(lengths=lengths)
+    assert [t.num_tokens for t in traces] == [5, 9]  # seq 0: no pad rows; seq 1: last token never fed
+    np.testing.assert_array_equal(traces[0].experts, raw[0][:5])
+
+    plain = copy.deepcopy(model).train()
+    swapped = swap_moe_blocks(copy.deepcopy(model), backend=backend).train()
+    loss_ref, g_ref = _loss(plain, ids, attn)
+    with replay(swapped, traces, attention_mask=attn), RoutingRecorder(swapped) as seen:
+        loss, g = _loss(swapped, ids, attn)
+    assert abs(loss - loss_ref) <= 1e-6 * abs(loss_ref)
+    assert set(g) == set(g_ref)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-5, atol=1e-7, msg=n)
+    # every fed token was served: recorded rows replayed, the never-fed last token routed live
+    with RoutingRecorder(plain) as live, torch.no_grad():
+        plain(input_ids=ids, attention_mask=attn)
+    for a, b in zip(seen.sequences(), live.sequences()):
+        np.testing.assert_array_equal(a, b)
+        assert (a >= 0).all()
+
+    # the old rule (never-fed token served by no expert) gives a different router gradient
+    old = swap_moe_blocks(copy.deepcopy(model), backend=backend).train()
+    with replay(old, traces, attention_mask=attn, unrouted="none"):
+        _, g_old = _loss(old, ids, attn)
+    router = [n for n in g_ref if n.endswith("mlp.gate.weight")]
+    rel = max(float((g_old[n] - g_ref[n]).abs().max() / g_ref[n].abs().max()) for n in router)
+    assert rel > 1e-4, rel  # 100x the tolerance the live rule meets above
+    with pytest.raises(ReplayError, match="10 ones.*unrouted='error'"):
+        with replay(old, traces, attention_mask=attn, unrouted="error"):
+            pass
+
+
+def test_trim_lengths_are_checked():
+    _, rec, _, _ = _rollout()
+    with pytest.raises(ReplayError, match=r"lengths\[1\] = 11, sequence 1 recorded 9 fed tokens"):
+        rec.traces(lengths=[5, 11])
+    with pytest.raises(ReplayError, match=r"lengths must be integers \[N=2\]"):
+        rec.traces(lengths=[5])
+    with pytest.raises(ReplayError, match=r"unrouted='x' is not one of"):
+        with replay(swap_moe_blocks(tiny_model("qwen3_moe")), rec.traces(), unrouted="x"):
+            pass
+
+
+def test_live_rows_route_live_and_mixed_rows_are_rejected():
+    torch.manual_seed(0)
+    router = TopKRouter(8, 6, 2)
+    x = torch.randn(4, 8)
+    live = router(x)
+    ids = live.ids.clone()
+    ids[1] = torch.tensor([5, 4]) if live.ids[1].tolist() != [5, 4] else torch.tensor([0, 1])
+    ids[2] = LIVE
+    out = router(x, replay_ids=ids)
+    assert out.ids[2].tolist() == live.ids[2].tolist() and out.ids[1].tolist() == ids[1].tolist()
+    torch.testing.assert_close(out.gates[2], live.gates[2])
+    with pytest.raises(ReplayError, match=r"row 0 = \[-2, 3\] mixes -2"):
+        check_replay_ids(torch.tensor([[LIVE, 3]]), 1, 2, 6, allow_live=True)
+    with pytest.raises(ReplayError, match=r"outside \[-1, 6\) \(-2 = route live is not supported"):
+        check_replay_ids(torch.tensor([[LIVE, LIVE]]), 1, 2, 6)
+
+
+
+REC_PROMPTS = torch.tensor([[0, 0, 5, 6, 7, 9], [3, 4, 5, 6, 7, 8]])
+REC_MASK = (REC_PROMPTS != 0).long()
+
+
+@pytest.mark.parametrize("fam", ["qwen3_moe", "deepseek_v3"])
+def test_bf16_recorded_sets_equal_teacher_forced(fam):
+    """In bf16 near-ties may reorder a row between decode and a full forward: compare per-token sets."""
+    model = tiny_model(fam).to(torch.bfloat16)
+    with RoutingRecorder(model) as rec, torch.no_grad():
+        gen = model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=4, do_sample=False)
+    full = gen[:, :-1]
+    mask = torch.cat([REC_MASK, torch.ones(2, full.shape[1] - 6, dtype=REC_MASK.dtype)], 1)
+    with RoutingRecorder(model) as tf, torch.no_grad():
+        model(full, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    for a, b in zip(rec.sequences(), tf.sequences()):
+        assert a.dtype == np.int16
+        np.testing.assert_array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1))
+
+
+def test_sessions_padding_and_detach():
+    model = tiny_model("olmoe")
+    rec = RoutingRecorder(model)
+    assert rec.attach() is rec.attach()  # idempotent
+    with torch.no_grad():
+        model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=3, do_sample=False)
+        model.generate(REC_PROMPTS[1:], max_new_tokens=2, do_sample=False)  # no mask, batch 1
+        # a right-padded plain forward: its own session, padding dropped
+        model(torch.tensor([[7, 8, 9, 0]]), attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    rec.detach()
+    with torch.no_grad():
+        model(REC_PROMPTS)  # not recorded
+    lengths = [t.num_tokens for t in rec.traces()]
+    assert lengths == [4 + 2, 6 + 2, 6 + 1, 3]
+    assert rec.trace_batch().num_sequences == 4
+    rec.clear()
+    assert rec.sequences() == []
+
+
+def test_recorder_rejects_beam_search_and_leaves_it_alone_when_detached():
+    """Beam search reorders the cache between steps: under the recorder that is an error, not wrong rows."""
+    model = tiny_model("qwen3_moe")
+    with RoutingRecorder(model) as rec, torch.no_grad():
+        with pytest.raises(ReplayError, match="reordered the KV cache.*beam search"):
+            model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=4, do_sample=False, num_beams=2)
+        # greedy still fine
+        gen = model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=3, do_sample=False)
+    assert [len(s) for s in rec.sequences()[-2:]] == [int(REC_MASK[b].sum()) + gen.shape[1] - 7 for b in range(2)]
+    with torch.no_grad():  # not recording: beam search runs as usual
+        out = model.generate(REC_PROMPTS, attention_mask=REC_MASK, max_new_tokens=4, do_sample=False, num_beams=2)
+    assert out.shape == (2, 10)
+
+
+def test_recorder_rejects_4d_mask():
+    model = tiny_model("qwen3_moe")
+    with RoutingRecorder(model), pytest.raises(ReplayError, match="2-D attention_mask"), torch.no_grad():
+        model(REC_PROMPTS, attention_mask=torch.ones(2, 1, 6, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("fam", ["qwen2_moe", "gpt_oss"])
+def test_recorder_on_swapped_model_records_the_ids_used(fam):
+    """On a swapped model (layer-backed, or GPT-OSS's local block) the recorder sees what the layer ran:
+    live ids without replay, the replayed ids under replay."""
+    model = tiny_model(fam)
+    with RoutingRecorder(model) as ref, torch.no_grad():
+        model(REC_PROMPTS, attention_mask=REC_MASK)
+    swap_moe_blocks(model)
+    with RoutingRecorder(model) as live, torch.no_grad():
+        model(REC_PROMPTS, attention_mask=REC_MASK)
+    for a, b in zip(ref.sequences(), live.sequences()):
+        np.testing.assert_array_equal(a, b)
+    g = np.random.default_rng(0)
+    forced = [RoutingTrace(np.stack([[g.permutation(8)[:2] for _ in range(3)] for _ in range(n)]), [0, 1, 2], 8, 2)
+              for n in (4, 6)]
+    with replay(model, forced, attention_mask=REC_MASK), RoutingRecorder(model) as rec, torch.no_grad():
+        model(REC_PROMPTS, attention_mask=REC_MASK)
+    for want, got in zip(forced, rec.traces()):
+        np.testing.assert_array_equal(got.experts, want.experts)
+
+
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4), left=st.booleans(), extra=st.integers(0, 2))
+def test_layout_ids_places_rows_at_mask_positions(lengths, left, extra):
+    S = max(lengths) + extra
+    traces, mask = [], torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids = (np.arange(n * 2 * 2).reshape(n, 2, 2) + 100 * b) % 8
+        ids[..., 1] = (ids[..., 0] + 1) % 8  # distinct in a row
+        traces.append(RoutingTrace(ids, [0, 1], 8, 2))
+        if left:
+            mask[b, S - n:] = 1
+        else:
+            mask[b, :n] = 1
+    for li in range(2):
+        out = layout_ids(traces, li, mask).reshape(len(lengths), S, 2)
+        for b, tr in enumerate(traces):
+            np.testing.assert_array_equal(out[b][mask[b].bool()].numpy(), tr.experts[:, li])
+            assert (out[b][~mask[b].bool()] == -1).all()
+        if not left and extra == 0:  # right padding to the longest: the mask is optional
+            np.testing.assert_array_equal(layout_ids(traces, li).numpy(), out.reshape(-1, 2).numpy())
+
+
+def test_replay_placeholder_when_no_sample_selected():
+    from relibra_moe.trace import TraceBatch
+
+    model = swap_moe_blocks(tiny_model("qwen3_moe"))
+    tr = RoutingTrace(np.tile(np.array([1, 2], np.int16), (3, 2, 1)), [0, 2], 8, 2)
+    batch = TraceBatch([tr, tr], micro_batch=[0, 0])
+    with replay(model, batch, micro_batch=1) as rows, torch.no_grad():
+        assert rows == []
+        model(torch.tensor([[0]]))  # the placeholder forward: served by no expert
+    assert all(int(b.last_expert_counts.sum()) == 0 for b in (model.model.layers[0].mlp, model.model.layers[2].mlp))

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_step.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_step.py"
 
 
 def _load_example():

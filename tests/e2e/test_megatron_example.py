@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from megatron_cpu import HAVE_MEGATRON, MEGATRON_REASON
+
+from tests.megatron_cpu import HAVE_MEGATRON, MEGATRON_REASON
 
 pytestmark = pytest.mark.skipif(not HAVE_MEGATRON, reason=MEGATRON_REASON)
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "megatron_step.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "megatron_step.py"
 
 
 @pytest.mark.slow

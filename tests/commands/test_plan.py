@@ -1,21 +1,34 @@
 """``relibra plan`` / ``relibra score`` and ``plan_batch``: every strategy gives a valid plan file, the two
-commands agree, files are byte-deterministic, scores match an independent per-micro-batch reference."""
+commands agree, files are byte-deterministic, scores match an independent per-micro-batch reference.
+
+``relibra plan``'s plan options: every flag reaches ``PlanOptions``, the pricing flags change what the plan
+charges, ``--previous`` prices moves against a plan file and rejects one for another model or cluster.
+
+`--sample-owner` / `--sample-gpu` of `relibra plan`, `compare` (both modes on one table) and the steady state:
+the CLI's figures equal the library's in the same mode, the trainer's ranks are kept, bad flags are named.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 
-from relibra_moe.cli import main
+from relibra_moe.cli import build_parser, main
+from relibra_moe.commands.plan import plan_options
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError, TraceError
 from relibra_moe.evaluate import balanced_t_moe, score_plan
-from relibra_moe.plan import BatchPlan
+from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+from relibra_moe.planners.options import PlanOptions
 from relibra_moe.planners.strategies import STRATEGIES, plan_batch
-from relibra_moe.specs import cluster_preset, model_preset
+from relibra_moe.sim import simulate_step
+from relibra_moe.specs import DEFAULT_CLUSTER, cluster_preset, model_preset
+from relibra_moe.steady import consecutive_batches
 from relibra_moe.trace import RoutingTrace, TraceBatch
+from tests.conftest import two_hot_batch
 
 MODEL = model_preset("gpt-oss-20b")  # 24 layers, 32 experts, top-4
 CLUSTER = cluster_preset(nodes=2, gpus_per_node=4)
@@ -335,3 +348,256 @@ def test_score_plan_rejects_bad_beta_and_balanced_total():
         score_plan(plan, batch, MODEL, CLUSTER, beta=-1.0)
     with pytest.raises(PlanError, match="balanced_t_moe_s=0.0 must be a finite number > 0"):
         score_plan(plan, batch, MODEL, CLUSTER, balanced_t_moe_s=0.0)
+
+
+
+
+def _options(*extra) -> PlanOptions:
+    args = build_parser().parse_args(["plan", "t.npz", "--model", "gpt-oss-20b", "--nodes", "2", "--strategy",
+                                      "relibra", "--out", "p.npz", *extra])
+    return plan_options(args)
+
+
+def test_strategy_choices_are_the_registry():
+    parser = build_parser()
+    plan_parser = parser._subparsers._group_actions[0].choices["plan"]
+    (action,) = [a for a in plan_parser._actions if a.dest == "strategy"]
+    assert tuple(action.choices) == tuple(STRATEGIES)
+
+
+def test_defaults_are_plan_options_defaults():
+    assert _options() == PlanOptions()
+
+
+@pytest.mark.parametrize("flags, field, value", [
+    (["--iters", "123"], "iters", 123),
+    (["--locality-iters", "45"], "locality_iters", 45),
+    (["--num-seeds", "3"], "num_seeds", 3),
+    (["--rounds", "3"], "rounds", 3),
+    (["--tol", "0.1"], "tol", 0.1),
+    (["--beta", "30"], "beta", 30.0),
+    (["--repack", "--token-cap", "900"], "token_cap", 900),
+    (["--num-groups", "4"], "num_groups", 4),
+    (["--final-reorder"], "final_reorder", True),
+    (["--final-iters", "77"], "final_iters", 77),
+    (["--optimizer-bytes", "4"], "optimizer_bytes_per_param", 4.0),
+    (["--skew-cap", "0.05"], "skew_cap", 0.05),
+    (["--cell-chunk", "5"], "cell_chunk", 5),
+    (["--migration", "free"], "migration", False),
+    (["--migration", "price"], "migration", True),
+    (["--replica-pricing", "free"], "price_replicas", False),
+    (["--objective", "aggregate"], "objective", "aggregate"),
+    (["--balanced-sources", "even"], "balanced_sources", "even"),
+    (["--replica-slots", "2"], "replica_slots", 2),
+    (["--workers", "2"], "workers", 2),
+    (["--seed", "9"], "seed", 9),
+])
+def test_each_flag_sets_its_option(flags, field, value):
+    opts = _options(*flags)
+    assert getattr(opts, field) == value
+    others = {f: getattr(opts, f) for f in PlanOptions.names() if f not in (field, "repack")}
+    assert others == {f: getattr(PlanOptions(), f) for f in others}  # nothing else moved
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--rounds", "0"], "rounds=0 must be an int >= 1"),
+    (["--tol", "-1"], "tol=-1.0 must be a finite number >= 0"),
+    (["--token-cap", "10"], "token_cap=10 only applies with repack=True"),
+    (["--num-seeds", "0"], "num_seeds=0 must be an int >= 1"),
+    (["--beta", "0"], "beta=0.0 must be a finite number > 0"),
+])
+def test_bad_flag_values_name_the_option(flags, match):
+    with pytest.raises(PlanError, match=match):
+        _options(*flags)
+
+
+@pytest.mark.timeout(300)
+def test_migration_free_skips_the_pricing_and_equals_plan_batch(trace_file, tmp_path, capsys):
+    out = tmp_path / "free.npz"
+    _run(_plan_args(trace_file, out, "relibra-inter", "--migration", "free"), capsys)
+    plan = BatchPlan.load(out)
+    assert plan.stats["migration"] == {"enabled": False}
+    ref = plan_batch(_batch().with_micro_batch_size(4), MODEL, CLUSTER, "relibra-inter", iters=300,
+                     locality_iters=300, migration=False)
+    np.testing.assert_array_equal(plan.placement.expert_gpu, ref.placement.expert_gpu)
+    np.testing.assert_array_equal(plan.samples.gpu, ref.samples.gpu)
+
+
+@pytest.mark.timeout(300)
+def test_replica_pricing_free_equals_plan_batch_unpriced(trace_file, tmp_path, capsys):
+    out = tmp_path / "unpriced.npz"
+    _run(_plan_args(trace_file, out, "relibra", "--replica-slots", "1", "--replica-pricing", "free"), capsys)
+    plan = BatchPlan.load(out)
+    assert plan.stats["options"] == {"iters": 300, "locality_iters": 300, "price_replicas": False}
+    ref = plan_batch(_batch().with_micro_batch_size(4), MODEL, CLUSTER, "relibra", replica_slots=1, iters=300,
+                     locality_iters=300, price_replicas=False)
+    np.testing.assert_array_equal(plan.replicas.replica_expert, ref.replicas.replica_expert)
+    np.testing.assert_array_equal(plan.replicas.split_index, ref.replicas.split_index)
+
+
+@pytest.mark.timeout(300)
+def test_previous_prices_moves_against_that_plan(trace_file, tmp_path, capsys):
+    first, second = tmp_path / "first.npz", tmp_path / "second.npz"
+    _run(_plan_args(trace_file, first, "relibra-inter"), capsys)
+    _run(_plan_args(trace_file, second, "relibra-inter", "--seed", "1", "--previous", str(first)), capsys)
+    a, b = BatchPlan.load(first), BatchPlan.load(second)
+    assert b.stats["migration"]["enabled"]
+    # the pricing counted moves against the first plan's homes, not against the static placement
+    assert b.stats["migration"]["moved"] == int((a.placement.expert_gpu != b.placement.expert_gpu).sum())
+    assert b.stats["options"]["previous"].startswith("sha1:")
+    ref = plan_batch(_batch().with_micro_batch_size(4), MODEL, CLUSTER, "relibra-inter", seed=1, iters=300,
+                     locality_iters=300, previous=a.placement)
+    np.testing.assert_array_equal(b.placement.expert_gpu, ref.placement.expert_gpu)
+
+
+def _plan_file(path, num_layers, num_experts, num_gpus, gpus_per_node):
+    mb = np.zeros(4, np.int32)
+    BatchPlan(Placement.static(num_layers, num_experts, num_gpus), SamplePlacement(mb, np.arange(4) % num_gpus, 1),
+              ReplicaPlan.empty(1, num_layers, num_gpus, 0), num_gpus, gpus_per_node, {}).save(path)
+    return path
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((24, 64, 8, 4), "num_experts=64, but model gpt-oss-20b has num_experts=32"),
+    ((12, 32, 8, 4), "num_layers=12, but model gpt-oss-20b has num_layers=24"),
+    ((24, 32, 16, 8), "num_gpus=16, but the cluster has num_gpus=8"),
+    ((24, 32, 8, 2), "gpus_per_node=2, but the cluster has gpus_per_node=4"),
+])
+def test_previous_for_another_model_or_cluster_names_file_and_field(trace_file, tmp_path, capsys, shape, match):
+    prev = _plan_file(tmp_path / "other.npz", *shape)
+    rc = main(_plan_args(trace_file, tmp_path / "out.npz", "relibra-inter", "--previous", str(prev)))
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"--previous {prev}: {match}" in err
+    assert not (tmp_path / "out.npz").exists()
+
+
+def test_previous_that_is_not_a_plan_file(trace_file, tmp_path, capsys):
+    bad = tmp_path / "junk.npz"
+    bad.write_bytes(b"not a zip")
+    rc = main(_plan_args(trace_file, tmp_path / "out.npz", "relibra-inter", "--previous", str(bad)))
+    assert rc == 1
+    assert f"--previous {bad}: not a readable plan file" in capsys.readouterr().err
+
+
+OWNER_FAST = ["--iters", "200", "--locality-iters", "100", "--num-seeds", "1", "--rounds", "1"]
+
+
+@pytest.fixture(scope="module")
+def owner_trace_file(tmp_path_factory):
+    batch = two_hot_batch(5, (10, 30))
+    d = tmp_path_factory.mktemp("owner")
+    batch.save(d / "t.npz")
+    ranks = np.random.default_rng(1).integers(0, 4, size=16).astype(np.int64)
+    np.save(d / "ranks.npy", ranks)
+    return d, batch, ranks
+
+
+MODEL2 = ["--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2"]
+
+
+def _model(layers=None):
+    model = model_preset("gpt-oss-20b")
+    return (model.with_(num_layers=layers) if layers else model), cluster_preset(DEFAULT_CLUSTER, nodes=2,
+                                                                                 gpus_per_node=2)
+
+
+def test_plan_trainer_mode_keeps_the_ranks_and_matches_the_library(owner_trace_file, tmp_path, capsys):
+    d, batch, ranks = owner_trace_file
+    out = tmp_path / "p.npz"
+    rc = main(["plan", str(d / "t.npz"), *MODEL2, "--strategy", "relibra", "--replica-slots", "1", *OWNER_FAST,
+               "--sample-owner", "trainer", "--sample-gpu", str(d / "ranks.npy"), "--out", str(out), "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 0 and res["sample_owner"] == "trainer"
+    plan = BatchPlan.load(out)
+    np.testing.assert_array_equal(plan.samples.gpu, ranks)
+    model, cluster = _model()
+    ref = plan_batch(batch, model, cluster, "relibra", replica_slots=1, iters=200, locality_iters=100, num_seeds=1,
+                     rounds=1, sample_owner="trainer", sample_gpu=ranks)
+    np.testing.assert_array_equal(plan.placement.expert_gpu, ref.placement.expert_gpu)
+    assert res["step_s"] == pytest.approx(simulate_step(ref, batch, model, cluster).step_s, rel=1e-12)
+    rc = main(["simulate", str(d / "t.npz"), str(out), "--model", "gpt-oss-20b", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["sample_owner"] == "trainer"
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--sample-gpu", "RANKS"], "--sample-gpu .* only applies with --sample-owner trainer"),
+    (["--sample-owner", "trainer", "--sample-gpu", "BAD"], r"must be an int \[N=16\] array of ranks"),
+    (["--sample-owner", "trainer", "--sample-gpu", "MISSING"], "not a readable .npy file"),
+    (["--sample-owner", "trainer", "--sample-gpu", "HIGH"], r"sample_gpu\[3\] = 4 is outside \[0, 4\)"),
+    (["--sample-owner", "trainer", "--repack"], "repack=True .* sample_owner='trainer'"),
+])
+def test_plan_bad_flags_are_named(owner_trace_file, tmp_path, capsys, flags, match):
+    d, _, ranks = owner_trace_file
+    np.save(tmp_path / "bad.npy", np.zeros(15, np.int64))
+    high = ranks.copy()
+    high[3] = 4
+    np.save(tmp_path / "high.npy", high)
+    paths = {"RANKS": str(d / "ranks.npy"), "BAD": str(tmp_path / "bad.npy"), "MISSING": str(tmp_path / "no.npy"),
+             "HIGH": str(tmp_path / "high.npy")}
+    flags = [paths.get(f, f) for f in flags]
+    rc = main(["plan", str(d / "t.npz"), *MODEL2, "--strategy", "static", *flags, "--out", str(tmp_path / "p.npz")])
+    err = capsys.readouterr().err
+    assert rc == 1 and re.search(match, err), err
+
+
+def test_compare_both_modes_on_one_table(owner_trace_file, tmp_path, capsys):
+    d, batch, ranks = owner_trace_file
+    out = tmp_path / "cmp.json"
+    rc = main(["compare", str(d / "t.npz"), *MODEL2, "--strategies", "static,relibra", "--replica-slots", "1",
+               "--batches", "2", "--layers", "2", "--sample-owner", "both", "--sample-gpu", str(d / "ranks.npy"),
+               "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["sample_owner"] == "both" and res["sample_gpu"].endswith("ranks.npy")
+    assert "trainer/planner step" in text and "trainer" in text and "planner" in text
+    model, cluster = _model(2)
+    seq = consecutive_batches(batch.restrict_layers(2), 2)
+    # the trainer rows: every batch keeps its slice of the trainer's ranks; the figures are the library's
+    prev = None
+    for k, b in enumerate(seq):
+        kw = {"previous": prev.placement} if prev is not None else {}
+        p = plan_batch(b, model, cluster, "relibra", replica_slots=1, sample_owner="trainer",
+                       sample_gpu=ranks[8 * k:8 * (k + 1)], **kw)
+        np.testing.assert_array_equal(p.samples.gpu, ranks[8 * k:8 * (k + 1)])
+        step = simulate_step(p, b, model, cluster, previous=None if prev is None else prev.placement)
+        assert res["trainer"]["relibra"]["per_step"][k]["step_s"] == pytest.approx(step.step_s, rel=1e-12)
+        prev = p
+    for s in ("static", "relibra"):
+        gap = res["trainer"][s]["steady"]["step_s"] / res["strategies"][s]["steady"]["step_s"]
+        assert res["trainer_gap"][s]["step_s"] == pytest.approx(gap)
+        assert res["trainer_speedup"][s] == pytest.approx(res["strategies"]["relibra"]["steady"]["tokens_per_s"]
+                                                          / res["trainer"][s]["steady"]["tokens_per_s"])
+    # static never moves samples and the planner's are round-robin: with round-robin ranks both modes agree
+    rc = main(["compare", str(d / "t.npz"), *MODEL2, "--strategies", "static", "--sample-owner", "both",
+               "--layers", "2", "--json", str(out)])
+    capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["trainer_gap"]["static"]["step_s"] == pytest.approx(1.0, rel=1e-12)
+    assert res["sample_gpu"] == "round-robin"
+
+
+def test_compare_rejects_a_bad_owner(owner_trace_file, capsys):
+    d, _, _ = owner_trace_file
+    with pytest.raises(SystemExit):
+        main(["compare", str(d / "t.npz"), *MODEL2, "--sample-owner", "nobody"])
+    assert "invalid choice: 'nobody'" in capsys.readouterr().err
+
+
+def test_demo_runs_both_modes_side_by_side():
+    from relibra_moe.commands.demo import Scenario, run_scenario, strategy_runs
+    from relibra_moe.planners.strategies import plan_batch as pb
+
+    sc = Scenario(name="qwen3-30b-a3b/mixed", model="qwen3-30b-a3b", nodes=2, gpus_per_node=2, data="synthetic",
+                  domain="mixed", num_samples=16, micro_batch_size=8, layers=2, replica_slots=1, repack=True)
+    runs = strategy_runs(sc, ["static", "relibra"], "both")
+    assert [(lab, own) for lab, _, _, own in runs] == [
+        ("static", "planner"), ("relibra", "planner"), ("static+repack", "planner"), ("relibra+repack", "planner"),
+        ("static (trainer)", "trainer"), ("relibra (trainer)", "trainer")]
+    assert all(not rep for _, _, rep, own in runs if own == "trainer")
+    assert [lab for lab, *_ in strategy_runs(sc, ["static", "relibra"], "trainer")] == ["static", "relibra"]
+    res = run_scenario(sc, 0, 1, pb, ["static", "relibra"], sample_owner="both")
+    st = res["strategies"]
+    assert st["relibra (trainer)"]["sample_owner"] == "trainer" and st["relibra"]["sample_owner"] == "planner"
+    assert st["static (trainer)"]["step_s"] == pytest.approx(st["static"]["step_s"], rel=1e-12)

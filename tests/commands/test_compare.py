@@ -5,29 +5,19 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from relibra_moe.cli import main
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.sim import simulate_step
 from relibra_moe.specs import cluster_preset, model_preset
-from relibra_moe.trace import RoutingTrace, TraceBatch
+from relibra_moe.trace import TraceBatch
+from tests.conftest import two_hot_batch
 
 
 @pytest.fixture(scope="module")
 def trace_file(tmp_path_factory):
-    model = model_preset("gpt-oss-20b")
-    rng = np.random.default_rng(3)
-    traces = []
-    for _ in range(16):
-        s = int(rng.integers(30, 80))
-        p = np.ones(32)
-        p[rng.integers(0, 32, size=2)] = 10.0
-        g = np.log(p) + rng.gumbel(size=(s, model.num_layers, 32))
-        ids = np.argpartition(-g, 3, axis=2)[:, :, :4]
-        traces.append(RoutingTrace(ids, np.arange(model.num_layers), 32, 4, source="test"))
-    batch = TraceBatch(traces, micro_batch=np.arange(16) // 4)
+    batch = two_hot_batch(3, (30, 80))
     path = tmp_path_factory.mktemp("cmp") / "t.npz"
     batch.save(path)
     return path, batch

@@ -26,7 +26,7 @@ from relibra_moe.triton_kernels.backend import (
     use_triton,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_force_backend_nests_and_is_thread_local():

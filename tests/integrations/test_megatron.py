@@ -1,0 +1,544 @@
+"""Megatron capture and replay: recorded -> planned -> replayed round trip, and bad input (gloo, 2 ranks).
+
+The round trip runs a per-token model (two swapped Megatron MoE layers with residuals, no attention), so
+a token's live routing does not depend on which micro-batch or rank it runs in: each sample's outputs
+after planning (new expert homes, replicas, samples moved to other ranks and micro-batches) must equal
+its outputs at recording time, and the replayed routing must be the recorded one.
+
+RelibraMoELayer against Megatron-core's own MoELayer (fp32, gloo, 2 and 4 processes).
+
+On the same replayed routing (Megatron's RouterReplay), the relibra-backed layer, with a random expert
+placement and a replica plan that splits a hot expert's tokens between its home and a replica, gives
+Megatron's outputs and gradients: input, router (with its aux loss), shared expert and every expert.
+
+A 2-layer Megatron GPTModel trained through relibra (swap, relayout, replay) against plain Megatron.
+
+One training step, two micro-batches, full activation recompute, on gloo: the relibra model (experts
+moved to a random placement, a hot expert per layer and micro-batch replicated with a 60/40 token split,
+REPLAY_FORWARD / REPLAY_BACKWARD switched by the layers) gives the losses, gradients and Adam-updated
+weights of the plain Megatron model replaying the same routing with the actions switched by hand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tests.megatron_cpu import HAVE_MEGATRON, MEGATRON_REASON
+
+pytestmark = pytest.mark.skipif(not HAVE_MEGATRON, reason=MEGATRON_REASON)
+
+E, K, H, F = 8, 2, 32, 16
+LENGTHS = [[[3, 5], [4]], [[2], [6, 1]]]  # rank -> micro-batch -> sequence lengths
+
+
+class TwoMoE(nn.Module):
+    """``x [T, 1, H]`` -> ``x + moe0(x)`` -> ``h + moe1(h)``: per-token, two MoE layers."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)[0]
+        return x
+
+
+def sample_input(i: int, n: int) -> torch.Tensor:
+    return torch.randn(n, 1, H, generator=torch.Generator().manual_seed(500 + i))
+
+
+def build(seed: int = 0, **cfg_overrides):
+    from relibra_moe.integrations import megatron as rm
+    from tests import megatron_cpu as mc
+
+    cfg = mc.moe_config(E, K, H, F, num_layers=2, **cfg_overrides)
+    torch.manual_seed(seed)
+    model = TwoMoE([mc.moe_layer(cfg, layer_number=1), mc.moe_layer(cfg, layer_number=2)])
+    with torch.no_grad():  # distinct weights for every global expert (Megatron seeds each rank alike)
+        for moe in model.layers:
+            for i, e in enumerate(moe.local_expert_indices):
+                g = torch.Generator().manual_seed(100 * moe.layer_number + e)
+                for p in moe.experts.local_experts[i].parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model, rm
+
+
+def _round_trip(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from relibra_moe.planners.strategies import plan_batch
+    from relibra_moe.specs import ClusterSpec, ModelSpec
+    from tests import megatron_cpu as mc
+
+    mc.init_megatron(world)
+    try:
+        model, rm = build()
+        rm.swap_moe_layers(model, replica_slots=1)
+        # 1. record: this rank's micro-batches, sequences packed
+        offset = sum(len(s) for mb in LENGTHS[:rank] for s in mb)
+        recorded_out = {}
+        with rm.MegatronRoutingRecorder(model) as rec, torch.no_grad():
+            i = offset
+            for mb in LENGTHS[rank]:
+                x = torch.cat([sample_input(i + j, n) for j, n in enumerate(mb)])
+                y = model(x)
+                # independent check of layer 0's recording: top-k of the router's softmax on its input
+                w = model.layers[0].router.weight
+                want = torch.topk(torch.softmax(x[:, 0] @ w.t(), dim=-1), K).indices.sort(dim=1).values
+                got = model.layers[0].router.router_replay.get_recorded_indices().sort(dim=1).values
+                assert torch.equal(got, want)
+                rec.record(mb)
+                lo = 0
+                for j, n in enumerate(mb):
+                    recorded_out[i + j] = y[lo:lo + n]
+                    lo += n
+                i += len(mb)
+        batch = rec.trace_batch()
+        N = sum(len(mb) for r in LENGTHS for mb in r)
+        assert batch.num_sequences == N and batch.num_layers == 2
+        assert batch.layer_ids.tolist() == [0, 1]
+        assert batch.lengths.tolist() == [n for r in LENGTHS for mb in r for n in mb]
+        outs: list = [None] * world
+        dist.all_gather_object(outs, recorded_out)
+        recorded_out = {k: v for d in outs for k, v in d.items()}
+
+        # 2. plan (every rank plans the same batch with the same seed: the same plan)
+        spec = ModelSpec("tiny", H, F, E, K, 2)
+        plan = plan_batch(batch.with_micro_batch_size(2), spec, ClusterSpec(nodes=1, gpus_per_node=world),
+                          "relibra", replica_slots=1, seed=0)
+        rm.relayout(model, plan)
+
+        # 3. replay every micro-batch in the plan's sample placement
+        seen = []
+        for m in range(plan.num_micro_batches):
+            samples, ids = rm.replay_data(batch, plan, m)
+            seen += samples.tolist()
+            if not len(samples):
+                x = torch.zeros(0, 1, H)
+            else:
+                x = torch.cat([sample_input(int(i), int(batch.lengths[i])) for i in samples])
+            if m % 2:  # verl-style: the framework hands Megatron the replay data, relibra the plan
+                from megatron.core.transformer.moe.router_replay import RouterReplay
+
+                RouterReplay.set_replay_data(ids)
+                rm.replay_micro_batch(model, None, plan=plan, micro_batch=m)
+            else:
+                rm.replay_micro_batch(model, ids, plan=plan, micro_batch=m)
+            with torch.no_grad():
+                y = model(x)
+            for layer, t in zip(model.layers, ids):
+                assert torch.equal(layer.relibra.last_routing.sort(dim=1).values, t.sort(dim=1).values)
+            lo = 0
+            for i in samples:
+                n = int(batch.lengths[i])
+                torch.testing.assert_close(y[lo:lo + n], recorded_out[int(i)], rtol=1e-5, atol=1e-5)
+                lo += n
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, seen)
+        assert sorted(s for p in everyone for s in p) == list(range(N))  # every sample ran exactly once
+        rm.stop_replay(model)
+    finally:
+        mc.destroy_megatron()
+
+
+def test_recorded_planned_replayed_round_trip():
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_round_trip, 2, timeout_s=180)
+
+
+def _bad_input(rank: int, world: int) -> None:
+    from relibra_moe.errors import PlanError, ReplayError
+    from relibra_moe.layers.testing import hot_replica_plan
+    from tests import megatron_cpu as mc
+
+    mc.init_megatron(world)
+    try:
+        model, rm = build()
+        rm.swap_moe_layers(model)
+        T = 5
+        x = torch.randn(T, 1, H)
+        ok = [torch.stack([torch.randperm(E)[:K] for _ in range(T)]) for _ in range(2)]
+
+        # a plan for another expert count / EP size / number of layers
+        # (found by replay_micro_batch, raised by the next forward on every rank: it may be bad on one rank only)
+        for plan, setting in ((hot_replica_plan(2, 16, world, world, np.zeros(2, int), 0), "num_moe_experts=8"),
+                              (hot_replica_plan(2, E, 4, 4, np.zeros(2, int), 0), "expert_model_parallel_size=2"),
+                              (hot_replica_plan(1, E, world, world, np.zeros(1, int), 0), "has 2")):
+            rm.replay_micro_batch(model, ok, plan=plan, micro_batch=0)
+            with pytest.raises(PlanError, match=f"rank 0 of the EP group rejected its plan: .*{setting}"):
+                model(x)
+            rm.stop_replay(model)
+            with pytest.raises(PlanError, match=setting):
+                rm.relayout(model, plan)
+        # replay data for the wrong number of layers
+        rm.replay_micro_batch(model, ok[:1])
+        with pytest.raises(ReplayError, match="rank 0 of the EP group rejected its replay data: replay data covers 1 "
+                                              "MoE layers, the model has 2"):
+            model(x)
+        rm.stop_replay(model)
+        # ... on rank 1 only: rank 0 raises the same error, from the same forward
+        rm.replay_micro_batch(model, ok[:1] if rank == 1 else ok)
+        with pytest.raises(ReplayError, match="rank 1 of the EP group rejected its replay data: replay data covers 1 "
+                                              "MoE layers"):
+            model(x)
+        rm.stop_replay(model)
+        # a plan on rank 0 only (new homes, no replicas): the plan-slice digests differ, a PlanError on every rank
+        from relibra_moe.plan import BatchPlan, ReplicaPlan
+
+        hot = hot_replica_plan(2, E, world, world, np.zeros(2, int), 0)
+        plan = BatchPlan(hot.placement, hot.samples, ReplicaPlan.empty(1, 2, world, 0), world, world)
+        rm.relayout(model, plan)
+        rm.replay_micro_batch(model, ok, plan=plan if rank == 0 else None, micro_batch=0)
+        with pytest.raises(PlanError, match="follow different plan slices: rank 0 follows micro-batch 0 of layer 0 of "
+                                            "its plan .* rank 1 follows no plan"):
+            model(x)
+        rm.stop_replay(model)
+        rm.relayout(model, np.arange(E)[None].repeat(2, 0) // (E // world))  # back to the default homes
+        # the wrong number of tokens on one rank only: every rank raises, nobody hangs
+        bad = [t if rank == 0 else torch.cat([t, t[:1]]) for t in ok]
+        rm.replay_micro_batch(model, bad)
+        with pytest.raises(ReplayError, match="6 tokens, the batch has 5" if rank == 1 else "rank 1"):
+            model(x)
+        # -1 (no expert) has no meaning for Megatron's RouterReplay
+        rm.replay_micro_batch(model, [torch.full((T, K), -1)] * 2)
+        with pytest.raises(ReplayError, match="no padding id"):
+            model(x)
+        rm.stop_replay(model)
+        # replay switched on without data
+        rm.replay_micro_batch(model, None)
+        with pytest.raises(ReplayError, match="no replay data was set"):
+            model(x)
+        rm.stop_replay(model)
+        model(x)  # live routing works again after the errors
+
+        # relayout refuses an optimizer that does not step the expert parameters; moves main_grad buffers
+        with pytest.raises(ValueError, match="does not step the expert parameters"):
+            rm.relayout(model, hot_replica_plan(2, E, world, world, np.zeros(2, int), 0),
+                        torch.optim.Adam([nn.Parameter(torch.zeros(1))]))
+        experts = [layer.relibra.experts for layer in model.layers]
+        for ex in experts:
+            for p in ex.parameters():
+                p.main_grad = p.detach() * 2 + 1
+        plan = hot_replica_plan(2, E, world, world, np.zeros(2, int), 1)
+        assert rm.relayout(model, plan)["experts_moved"] > 0
+        for layer, ex in zip(model.layers, experts):
+            want = plan.placement.expert_gpu[layer.relibra.layer_index].tolist()
+            assert layer.relibra.expert_gpu_host.tolist() == want
+            for p in ex.parameters():
+                assert p.grad is None
+                torch.testing.assert_close(p.main_grad, p.detach() * 2 + 1)
+
+        # a Megatron optimizer wrapper (FP32Optimizer-style: .optimizer steps the parameters themselves)
+        class Wrapper:
+            def __init__(self, optimizer):
+                self.optimizer = optimizer
+
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        for ex in experts:
+            for p in ex.parameters():
+                opt.state[p]["exp_avg"].copy_(p.detach() * 5)
+                p.grad.copy_(p.detach() - 1)
+                p.main_grad.copy_(p.detach() * 2 + 1)  # a separate buffer: moves besides .grad
+        plan = hot_replica_plan(2, E, world, world, np.zeros(2, int), 2)
+        assert rm.relayout(model, plan, Wrapper(opt))["experts_moved"] > 0
+        for ex in experts:
+            for p in ex.parameters():
+                torch.testing.assert_close(opt.state[p]["exp_avg"], p.detach() * 5)
+                torch.testing.assert_close(p.grad, p.detach() - 1)
+                torch.testing.assert_close(p.main_grad, p.detach() * 2 + 1)
+
+        # fused router (replay bypassed) and routing replay off: named settings
+        from tests import megatron_cpu as mc2
+
+        cfg = mc2.moe_config(E, K, H, F)
+        moe = mc2.moe_layer(cfg)
+        cfg.moe_router_fusion = True
+        with pytest.raises(ReplayError, match="moe_router_fusion=True"):
+            rm.RelibraMoELayer(moe)
+        cfg.moe_router_fusion = False
+        cfg.moe_enable_routing_replay = False
+        with pytest.raises(ReplayError, match="moe_enable_routing_replay=False"):
+            rm.RelibraMoELayer(moe)
+        cfg.moe_enable_routing_replay = True
+        cfg.moe_expert_capacity_factor = 1.0
+        with pytest.raises(ValueError, match="moe_expert_capacity_factor=1.0"):
+            rm.RelibraMoELayer(moe)
+    finally:
+        mc.destroy_megatron()
+
+
+def test_bad_input_names_the_setting():
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_bad_input, 2, timeout_s=180)
+
+
+def test_swap_without_megatron_layers_is_an_error():
+    from relibra_moe.integrations import megatron as rm
+
+    with pytest.raises(ValueError, match="no megatron.core MoELayer"):
+        rm.swap_moe_layers(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="swap_moe_layers"):
+        rm.replay_micro_batch(nn.Linear(2, 2), None)
+
+
+
+E, K, H, F, S, B = 8, 2, 32, 16, 6, 2
+
+
+def seed_experts(moe, seed: int) -> None:
+    """Distinct weights for every global expert (Megatron seeds each rank alike)."""
+    with torch.no_grad():
+        for i, e in enumerate(moe.local_expert_indices):
+            g = torch.Generator().manual_seed(seed * 1000 + e)
+            for p in moe.experts.local_experts[i].parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def random_ids(T: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).long()
+
+
+def global_expert_grads(local: torch.Tensor, expert_ids) -> torch.Tensor:
+    """All ranks' per-expert tensors ``[E_loc, ...]`` -> ``[E, ...]`` in logical expert order."""
+    import torch.distributed as dist
+
+    G = dist.get_world_size()
+    parts = [torch.empty_like(local) for _ in range(G)]
+    dist.all_gather(parts, local.contiguous())
+    ids = [torch.empty(len(expert_ids), dtype=torch.int64) for _ in range(G)]
+    dist.all_gather(ids, torch.as_tensor(np.asarray(expert_ids), dtype=torch.int64))
+    out = torch.empty((E,) + tuple(local.shape[1:]), dtype=local.dtype)
+    out[torch.cat(ids)] = torch.cat(parts)
+    return out
+
+
+def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, recompute: bool) -> None:
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from relibra_moe.integrations import megatron as rm
+    from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
+    from relibra_moe.layers.testing import hot_replica_plan
+    from tests import megatron_cpu as mc
+
+    mc.init_megatron(world)
+    try:
+        extra = dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}
+        cfg = mc.moe_config(E, K, H, F, shared=F, **extra)
+        torch.manual_seed(0)
+        ref = mc.moe_layer(cfg)
+        seed_experts(ref, seed)
+        twin = mc.moe_layer(cfg)
+        twin.load_state_dict(ref.state_dict())
+        buf = LayerSharedReplicaBuffer(H, F, 1)
+        layer = rm.RelibraMoELayer(twin, gpus_per_node=gpus_per_node, replica_buffer=buf, layer_index=0)
+        hot = np.array([np.random.default_rng(seed).integers(E)])
+        plan = hot_replica_plan(1, E, world, gpus_per_node, hot, seed)
+        rm.relayout(layer, plan)
+        assert layer.relibra.expert_gpu_host.tolist() == plan.placement.expert_gpu[0].tolist()
+
+        gen = torch.Generator().manual_seed(seed * 10 + rank)
+        x = torch.randn(S, B, H, generator=gen)
+        w = torch.randn(S, B, H, generator=gen)
+        ids = random_ids(S * B, seed * 10 + rank)
+
+        x_ref = x.clone().requires_grad_(True)
+        rr = ref.router.router_replay
+        rr.set_target_indices(ids)
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        out_ref, bias = ref(x_ref)
+        if recompute:  # Megatron never switches it itself; the relibra layer does
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        (out_ref * w).sum().backward()
+
+        x_rl = x.clone().requires_grad_(True)
+        rm.replay_micro_batch(layer, [ids], plan=plan, micro_batch=0)
+        out, bias_rl = layer(x_rl)
+        assert layer.moe_layer_recompute == recompute and len(layer._recompute) == int(recompute)
+        (out * w).sum().backward()
+        assert not layer._recompute and not layer.router.router_replay.replay_backward_list
+
+        assert bias is None and bias_rl is None
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x_rl.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.router.weight.grad, ref.router.weight.grad, rtol=1e-5, atol=1e-5)
+        for (n, p), (_, q) in zip(layer.shared_experts.named_parameters(), ref.shared_experts.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=n)
+        fc1 = torch.stack([e.linear_fc1.weight.grad for e in ref.experts.local_experts])  # [E_loc, 2F, H]
+        fc2 = torch.stack([e.linear_fc2.weight.grad for e in ref.experts.local_experts])  # [E_loc, H, F]
+        ref_g1 = global_expert_grads(fc1, ref.local_expert_indices)
+        ref_g2 = global_expert_grads(fc2, ref.local_expert_indices)
+        home = layer.relibra.home_experts
+        ex = layer.relibra.experts
+        got_g1 = global_expert_grads(ex.w_gate_up.grad.transpose(1, 2), home)
+        got_g2 = global_expert_grads(ex.w_down.grad.transpose(1, 2), home)
+        torch.testing.assert_close(got_g1, ref_g1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_g2, ref_g2, rtol=1e-5, atol=1e-5)
+        # the plan was followed: the hot expert's replica slot computed pairs on its partner rank
+        import torch.distributed as dist
+
+        slot = torch.tensor([int(layer.relibra.last_slot_counts[-1])])
+        dist.all_reduce(slot)
+        assert int(slot) > 0
+        # routing was the replayed one
+        assert torch.equal(layer.relibra.last_routing.sort(dim=1).values, ids.sort(dim=1).values)
+    finally:
+        mc.destroy_megatron()
+
+
+def test_layer_matches_megatron_moe_layer_2_ranks():
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_layer_vs_megatron, 2, 2, 1, False, timeout_s=120)
+
+
+@pytest.mark.slow
+def test_layer_matches_megatron_moe_layer_4_ranks_2_nodes_moe_recompute():
+    """4 ranks as 2 nodes x 2, with Megatron's selective recompute of the MoE layer."""
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_layer_vs_megatron, 4, 2, 3, True, timeout_s=180)
+
+
+
+E, K, H, F, L, V, S = 8, 2, 32, 16, 2, 64, 8
+
+
+def two_micro_batch_plan(num_gpus: int, gpus_per_node: int, seed: int):
+    """A random balanced placement per layer; in each of 2 micro-batches a random hot expert per layer is
+    replicated on its home's partner rank (home ^ 1), every source sending it 60% home and 40% there.
+    Sample ``m * G + g`` runs on GPU g in micro-batch m."""
+    from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+
+    G, M = num_gpus, 2
+    rng = np.random.default_rng(seed)
+    eg = np.stack([rng.permutation(np.arange(E) // (E // G)) for _ in range(L)])
+    rep = np.full((M, L, G, 1), -1, np.int32)
+    idx, share = [], []
+    for m in range(M):
+        for l in range(L):
+            e = int(rng.integers(E))
+            home = int(eg[l, e])
+            rep[m, l, home ^ 1, 0] = e
+            for j in range(G):
+                idx += [(m, l, j, e, home), (m, l, j, e, home ^ 1)]
+                share += [0.6, 0.4]
+    samples = SamplePlacement(np.repeat(np.arange(M), G), np.tile(np.arange(G), M), M)
+    return BatchPlan(Placement(eg), samples, ReplicaPlan(rep, np.array(idx), np.array(share), "node"),
+                     num_gpus=G, gpus_per_node=gpus_per_node)
+
+
+def gpt_model(config):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False)
+    return GPTModel(config, spec, vocab_size=V, max_sequence_length=S, position_embedding_type="learned_absolute")
+
+
+def _gpt_step(rank: int, world: int, gpus_per_node: int, seed: int) -> None:
+    import torch.distributed as dist
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from relibra_moe.integrations import megatron as rm
+    from tests import megatron_cpu as mc
+
+    mc.init_megatron(world)
+    try:
+        cfg = mc.moe_config(E, K, H, F, num_layers=L, recompute_granularity="full", recompute_method="uniform",
+                            recompute_num_layers=1)
+        torch.manual_seed(0)
+        ref = gpt_model(cfg)
+        with torch.no_grad():  # distinct weights for every global expert
+            for moe in rm.megatron_moe_layers(ref):
+                for i, e in enumerate(moe.local_expert_indices):
+                    g = torch.Generator().manual_seed(1000 * (moe.layer_number + seed) + e)
+                    for p in moe.experts.local_experts[i].parameters():
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        model = gpt_model(cfg)
+        model.load_state_dict(ref.state_dict())
+        layers = rm.swap_moe_layers(model, replica_slots=1, gpus_per_node=gpus_per_node)
+        assert [type(lay.router).__name__ for lay in layers] == ["TopKRouter"] * L
+        plan = two_micro_batch_plan(world, gpus_per_node, seed)
+        opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        moved = rm.relayout(model, plan, opt)
+        assert moved["experts_moved"] > 0
+
+        gen = torch.Generator().manual_seed(seed * 100 + rank)
+        tokens = [torch.randint(0, V, (1, S), generator=gen) for _ in range(2)]
+        labels = [torch.randint(0, V, (1, S), generator=gen) for _ in range(2)]
+        pos = torch.arange(S)[None]
+        causal = torch.triu(torch.ones(1, 1, S, S), diagonal=1).bool()  # True = masked (Megatron)
+        ids = [[random_ids(S, seed * 1000 + 10 * rank + 2 * m + l) for l in range(L)] for m in range(2)]
+
+        ref_routers = [moe.router.router_replay for moe in rm.megatron_moe_layers(ref)]
+        ref_losses, losses = [], []
+        for m in range(2):
+            for rr, t in zip(ref_routers, ids[m]):
+                rr.set_target_indices(t)
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            loss = ref(tokens[m], pos, causal, labels=labels[m]).float().mean()
+            for rr in ref_routers:  # Megatron never switches it itself; the recompute pops in forward order
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            loss.backward()
+            ref_losses.append(loss.detach())
+
+            rm.replay_micro_batch(model, ids[m], plan=plan, micro_batch=m)
+            loss = model(tokens[m], pos, causal, labels=labels[m]).float().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+        for layer in layers:  # every queued recompute was consumed
+            assert not layer._recompute and not layer.router.router_replay.replay_backward_list
+
+        expert_names = ("relibra.experts.",)
+        dense = {n: p for n, p in model.named_parameters() if not any(s in n for s in expert_names)}
+        dense_ref = {n: p for n, p in ref.named_parameters() if ".experts." not in n}
+        assert sorted(dense) == sorted(dense_ref)
+        for n in dense:
+            torch.testing.assert_close(dense[n].grad, dense_ref[n].grad, rtol=1e-4, atol=1e-5, msg=n)
+        for layer, moe in zip(layers, rm.megatron_moe_layers(ref)):
+            fc1 = torch.stack([e.linear_fc1.weight.grad for e in moe.experts.local_experts])
+            got = global_expert_grads(layer.relibra.experts.w_gate_up.grad.transpose(1, 2), layer.relibra.home_experts)
+            torch.testing.assert_close(got, global_expert_grads(fc1, moe.local_expert_indices), rtol=1e-4, atol=1e-5)
+            slot = torch.tensor([int(layer.relibra.last_slot_counts[-1])])
+            dist.all_reduce(slot)
+            assert int(slot) > 0  # the replica slot computed pairs in the last micro-batch
+
+        # the step: data-parallel mean of the dense grads (experts are sharded: complete at home), Adam
+        for p in list(dense.values()) + list(dense_ref.values()):
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        opt_ref.step()
+        for n in dense:
+            torch.testing.assert_close(dense[n], dense_ref[n], rtol=1e-4, atol=1e-5, msg=n)
+        for layer, moe in zip(layers, rm.megatron_moe_layers(ref)):
+            fc2 = torch.stack([e.linear_fc2.weight for e in moe.experts.local_experts]).detach()
+            got = global_expert_grads(layer.relibra.experts.w_down.detach().transpose(1, 2), layer.relibra.home_experts)
+            torch.testing.assert_close(got, global_expert_grads(fc2, moe.local_expert_indices), rtol=1e-4, atol=1e-5)
+        # expert_state_dict gives the experts back in Megatron's layout
+        sd = rm.expert_state_dict(layers[0])
+        e0 = int(sd["global_expert_ids"][0])
+        assert torch.equal(sd["local_experts.0.linear_fc2.weight"],
+                           layers[0].relibra.experts.w_down[0].detach().t())
+        assert e0 == int(layers[0].relibra.home_experts[0])
+    finally:
+        mc.destroy_megatron()
+
+
+@pytest.mark.slow
+def test_gpt_model_step_with_recompute_matches_megatron():
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_gpt_step, 2, 2, 5, timeout_s=240)
