@@ -136,16 +136,25 @@ def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
     home = plan.placement.expert_gpu.astype(np.int64)  # [L, E]
     onehot = (home[:, :, None] == np.arange(G)).astype(np.float64)  # [L, E, G]
     flow = np.matmul(x, onehot[None])  # [M, L, G, E] @ [1, L, E, G]
-    idx = plan.replicas.split_index.astype(np.int64)
-    if len(idx):
-        m, l, j, e, g = idx.T
-        share = plan.replicas.split_share.astype(np.float64)
-        key = ((m * L + l) * G + j) * E + e
-        _, first = np.unique(key, return_index=True)
-        um, ul, uj, ue = m[first], l[first], j[first], e[first]
+    split = _split_rows(plan, L, G, E)
+    if split is not None:
+        (m, l, j, e, g, share), (um, ul, uj, ue) = split
         np.subtract.at(flow, (um, ul, uj, home[ul, ue]), x[um, ul, uj, ue])
         np.add.at(flow, (m, l, j, g), x[m, l, j, e] * share)
     return flow
+
+
+def _split_rows(plan: BatchPlan, L: int, G: int, E: int
+                ) -> tuple[tuple[np.ndarray, ...], tuple[np.ndarray, ...]] | None:
+    """The plan's split rows as int64 columns ``(m, l, j, e, g, share)`` and the first row of each split
+    (m, l, j, e) pair ``(m, l, j, e)`` (whose tokens leave the home), or None without split rows."""
+    idx = plan.replicas.split_index.astype(np.int64)
+    if not len(idx):
+        return None
+    m, l, j, e, g = idx.T
+    share = plan.replicas.split_share.astype(np.float64)
+    _, first = np.unique(((m * L + l) * G + j) * E + e, return_index=True)
+    return (m, l, j, e, g, share), (m[first], l[first], j[first], e[first])
 
 
 def plan_expert_rows(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
@@ -159,13 +168,9 @@ def plan_expert_rows(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
     rows = np.zeros((M, L, G, E))
     li, ei = np.meshgrid(np.arange(L), np.arange(E), indexing="ij")  # [L, E]
     rows[:, li, home, ei] = x.sum(axis=2)
-    idx = plan.replicas.split_index.astype(np.int64)
-    if len(idx):
-        m, l, j, e, g = idx.T
-        share = plan.replicas.split_share.astype(np.float64)
-        key = ((m * L + l) * G + j) * E + e
-        _, first = np.unique(key, return_index=True)
-        um, ul, uj, ue = m[first], l[first], j[first], e[first]
+    split = _split_rows(plan, L, G, E)
+    if split is not None:
+        (m, l, j, e, g, share), (um, ul, uj, ue) = split
         np.subtract.at(rows, (um, ul, home[ul, ue], ue), x[um, ul, uj, ue])
         np.add.at(rows, (m, l, g, e), x[m, l, j, e] * share)
     return rows
