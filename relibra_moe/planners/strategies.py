@@ -210,12 +210,6 @@ def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
 
 
-def samples_fixed(ctx: PlanContext) -> bool:
-    """Whether the samples' GPUs are fixed by the caller (a trainer-owned sample placement, ``sample_owner=
-    "trainer"``), so that no pass may move a sample."""
-    return bool(ctx.trainer_owned)
-
-
 def finish_inter(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
                  node_comp: bool, stats: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The end of relibra-inter for annealed homes ``[L, E]`` and samples ``[N]``: ``migrate``, then, where the
@@ -227,11 +221,11 @@ def finish_inter(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarr
     t0 = time.perf_counter()
     mo = o.replace(migration=False) if ctx.executor.expired else o  # past the deadline: the fallbacks stand
     eg, sg, info = migrate(expert_gpu, micro_batch, sample_gpu, ctx.batch, ctx.num_micro_batches, ctx.model,
-                           ctx.cluster, mo, node_comp, samples_fixed=samples_fixed(ctx))
+                           ctx.cluster, mo, node_comp, samples_fixed=ctx.trainer_owned)
     stats["migration"] = info
     timing["migration_s"] = timing.get("migration_s", 0.0) + time.perf_counter() - t0
     mb = np.asarray(micro_batch, dtype=np.int64)
-    if info.get("enabled") and not ctx.executor.expired and not samples_fixed(ctx):
+    if info.get("enabled") and not ctx.executor.expired and not ctx.trainer_owned:
         perm = np.asarray(info["relabel"], dtype=np.int64)
         if (eg != perm[np.asarray(expert_gpu, dtype=np.int64)]).any():
             t0 = time.perf_counter()
@@ -346,11 +340,6 @@ def relibra_replicas(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.n
                            **dict(ctx.options.replicate))
 
 
-PORTFOLIO_BASELINES = ("static", "online", "eplb-history")
-"""The baselines whose plans relibra's portfolio also simulates (``portfolio``). eplb and lplb (EPLB+ / LPLB+,
-re-planned from scratch, moves not priced) are left out: they never came near relibra on the never-lose grid
-(BENCHMARKS.md, "Never lose"), and lplb's LP splits cost ~10x relibra's whole plan on the paper-scale batch."""
-
 Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]
 """A portfolio candidate: (homes [L, E], micro_batch [N], gpu [N], replicas or None)."""
 
@@ -364,12 +353,14 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     candidate are fetched as relibra's, known from the replay).
 
     Candidates, in order (ties keep the earlier): ``own`` (relibra's plan); ``relibra-inter`` (the annealed homes
-    finished without the replication-aware migration pricing, no replicas); the plans of ``PORTFOLIO_BASELINES``
-    on the same batch and options: eplb-history (with option ``history``), static; then ``previous`` (the previous
+    finished without the replication-aware migration pricing, no replicas); the baselines' plans on the same
+    batch and options: eplb-history (with option ``history``), static; then ``previous`` (the previous
     homes, round-robin samples, relibra's priced replicas) and online (with replica slots and a previous
     placement other than static, where "previous" already dominates it), each built only when its lower bound
     (``replicated_step_lower_bound``) is below the best step so far (else ``stats["portfolio"]["pruned"]``
-    holds the bound). The replay
+    holds the bound). eplb and lplb (EPLB+ / LPLB+, re-planned from scratch, moves not priced) are left out:
+    they never came near relibra on the never-lose grid (BENCHMARKS.md, "Never lose"), and lplb's LP splits cost
+    ~10x relibra's whole plan on the paper-scale batch. The replay
     shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are
     charged as relibra's (fetched per layer, ``timing.replica_push_overlap``), never more than the baseline's own
     after-router fetch. ``annealed`` is ``anneal_inter``'s (homes, micro_batch, gpu) and the option ``node_comp``.
