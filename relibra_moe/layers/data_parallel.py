@@ -98,8 +98,8 @@ def check_data_parallel(layer: nn.Module) -> None:
     ddp = active() if active is not None else None
     if ddp is None:
         return
-    seen = layer.__dict__.get("_ddp_seen")
-    if seen is None or seen[0]() is not ddp:
+    seen = layer.__dict__.get("_ddp_seen")  # weakref to the DDP wrapper already checked
+    if seen is None or seen() is not ddp:
         mine = {id(p) for p in layer.experts.expert_tensors()}
         ignored = set(getattr(ddp, "parameters_to_ignore", ()))
         managed = [n for n, p in ddp.module.named_parameters() if id(p) in mine and n not in ignored]
@@ -117,7 +117,7 @@ def check_data_parallel(layer: nn.Module) -> None:
                               f"{layer.world_size}; expert shards replicated over data-parallel ranks are not "
                               "supported (use one group for both)")
         layer.dp_grad_scale = 1.0 / D
-        layer.__dict__["_ddp_seen"] = (weakref.ref(ddp), 1.0 / D)
+        layer.__dict__["_ddp_seen"] = weakref.ref(ddp)
     _hook_expert_grads(layer)
 
 
@@ -156,9 +156,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         (one all-reduce per group); every rank must call it.
     """
     p_norm = float(norm_type)
-    module = getattr(model, "module", model) if _ddp_class() is not None and \
-        isinstance(model, _ddp_class()) else model
-    sharded = {id(p): g for p, g in expert_parameters(module)}
+    ddp_cls = _ddp_class()
+    module = model.module if ddp_cls is not None and isinstance(model, ddp_cls) else model
+    experts = expert_parameters(module)
+    sharded = {id(p) for p, _ in experts}
     params = list(module.parameters() if parameters is None else parameters)
     chosen = {id(p) for p in params}
     if not params:
@@ -173,7 +174,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
 
     total = part([p.grad for p in params if p.grad is not None and id(p) not in sharded])
     groups: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-    for p, group in expert_parameters(module):  # module order: the same groups in the same order on every rank
+    for p, group in experts:  # module order: the same groups in the same order on every rank
         grads = groups.setdefault(id(group), (group, []))[1]
         if id(p) in chosen and p.grad is not None:
             grads.append(p.grad)
