@@ -128,6 +128,13 @@ def slice_digest(home: np.ndarray, plan: ReplicaPlan | None, micro_batch: int, l
     return np.frombuffer(h.digest(), dtype=np.int64).copy()
 
 
+def _slice_row(home: np.ndarray, plan: ReplicaPlan | None, micro_batch: int, layer: int | None) -> np.ndarray:
+    """int64 ``[5]``, a ``LayerPlan.digest``: 1 with a plan (0: none), the micro-batch, the layer (-1 when
+    unknown), then the two words of :func:`slice_digest`."""
+    layer = -1 if layer is None else layer
+    return np.concatenate([[int(plan is not None), micro_batch, layer], slice_digest(home, plan, micro_batch, layer)])
+
+
 def materialize_counts(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
     """Integer split of ``counts [E]`` over destinations by ``shares [E, G]``, by largest remainder.
 
@@ -431,9 +438,7 @@ class ReplayBalancedMoE(nn.Module):
         slot_table = np.full((E, G), -1, np.int64)
         slot_table[np.arange(E), home] = self.local_index()
         if state is None or state.replicas is None:
-            digest = np.concatenate([[0, 0, -1 if self.layer_index is None else self.layer_index],
-                                     slice_digest(home, None, 0, 0)])
-            return LayerPlan(slot_table, None, None, digest)
+            return LayerPlan(slot_table, None, None, _slice_row(home, None, 0, self.layer_index))
         l, m, name = self.layer_index, state.micro_batch, self.name
         if state.expert_gpu is not None and not np.array_equal(state.expert_gpu, home):
             raise PlanError(f"layer {name}: the plan's placement {np.asarray(state.expert_gpu).tolist()} differs "
@@ -473,7 +478,7 @@ class ReplayBalancedMoE(nn.Module):
             shares[e_rows] = 0.0
             np.add.at(shares, (e_rows, idx[mine, 4]), plan.split_share[rows][mine].astype(np.float64))
             shares[slot_table < 0] = 0.0  # share-0 rows to non-holders passed validation; drop them
-        return LayerPlan(slot_table, shares, transfer, np.concatenate([[1, m, l], slice_digest(home, plan, m, l)]))
+        return LayerPlan(slot_table, shares, transfer, _slice_row(home, plan, m, l))
 
     # ------------------------------------------------------------------ forward
 
@@ -546,7 +551,7 @@ class ReplayBalancedMoE(nn.Module):
             send = torch.bincount(flat[flat >= 0], minlength=G).to(torch.int64)
             digest = pairs.plan.digest
             if digest is None:  # a LayerPlan built without one: every expert at its home, no plan
-                digest = np.concatenate([[0, 0, -1], slice_digest(self.expert_gpu_host, None, 0, 0)])
+                digest = _slice_row(self.expert_gpu_host, None, 0, self.layer_index)
             row[2:7] = digest
         else:
             row[1] = _REPLAY_BAD if isinstance(error, ReplayError) else _PLAN_BAD
