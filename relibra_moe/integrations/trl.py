@@ -70,19 +70,18 @@ ROW = "relibra_row"
 
 
 def model_spec(model: nn.Module, name: str = "") -> ModelSpec:
-    """The :class:`~relibra_moe.specs.ModelSpec` of a swapped HF model (hidden, expert FFN width, E, k, MoE
-    layers, attention shape and dtype from its blocks and config), for the planner's cost model."""
+    """The :class:`~relibra_moe.specs.ModelSpec` of a swapped HF model, for the planner's cost model: its config
+    read by :meth:`ModelSpec.from_hf_config` (every family's keys, shared experts included), with the bytes per
+    element of the experts the model holds. ValueError when the config's MoE layer count differs from the
+    swapped blocks'."""
     blocks = [b for _, _, b in moe_blocks(model)]
-    b0 = blocks[0]
-    cfg = getattr(model, "config", None)
-    heads = int(getattr(cfg, "num_attention_heads", 32) or 32)
-    hidden = int(b0.hidden)
-    dtype = b0.experts.expert_tensors()[0].dtype
-    return ModelSpec(name or f"hf:{type(model).__name__}", hidden=hidden, ffn=int(b0.ffn),
-                     num_experts=int(b0.num_experts), top_k=int(b0.top_k), num_layers=len(blocks),
-                     dtype_bytes=torch.empty((), dtype=dtype).element_size(), num_heads=heads,
-                     num_kv_heads=int(getattr(cfg, "num_key_value_heads", heads) or heads),
-                     head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads))
+    dtype = blocks[0].experts.expert_tensors()[0].dtype
+    spec = ModelSpec.from_hf_config(model.config, name=name or f"hf:{type(model).__name__}",
+                                    dtype_bytes=torch.empty((), dtype=dtype).element_size())
+    if spec.num_layers != len(blocks):
+        raise ValueError(f"{type(model).__name__}: its config has {spec.num_layers} MoE layers, the model "
+                         f"{len(blocks)} swapped MoE blocks")
+    return spec
 
 
 @contextlib.contextmanager

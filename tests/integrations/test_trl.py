@@ -310,3 +310,21 @@ def test_bad_planning_options_are_named_before_trl_loads_anything():
         ReplayGRPOTrainer(model="never-loaded", unrouted="skip")
     with pytest.raises(ReplayError, match=r"replica_slots=-1 must be an int >= 0"):
         ReplayGRPOTrainer(model="never-loaded", replica_slots=-1)
+
+
+def test_model_spec_reads_the_config_with_the_experts_dtype():
+    """model_spec = ModelSpec.from_hf_config of the swapped model's config (hand-checked fields) with the bytes of
+    the experts it holds; a config whose MoE layer count differs from the swapped blocks' is a named ValueError."""
+    from relibra_moe import swap_moe_blocks
+    from relibra_moe.integrations.trl import model_spec
+
+    model = _model()
+    swap_moe_blocks(model)
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.mlp_only_layers) == (3, [1])  # decoder layer 1 is dense: 2 MoE layers
+    spec = model_spec(model, name="tiny")
+    assert (spec.name, spec.hidden, spec.ffn, spec.num_experts, spec.top_k, spec.num_layers, spec.dtype_bytes) == (
+        "tiny", cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, 2, 4)
+    cfg.num_hidden_layers += 1  # a fourth MoE layer the model does not have
+    with pytest.raises(ValueError, match=r"3 MoE layers, the model 2 swapped MoE blocks"):
+        model_spec(model)
