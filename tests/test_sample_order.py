@@ -1,18 +1,31 @@
-"""The sample-order hook (``relibra_moe.sample_order``) against hand-written simulations of verl's and slime's
-dispatch: after reordering the batch by ``sample_order``, each framework's own split gives every rank, micro-step by
-micro-step, exactly the plan's samples; ``keep_cell_sizes`` keeps the cells equal so that plans can be followed."""
+"""The sample-order hooks (``relibra_moe.sample_order``) against the frameworks' dispatch: after reordering, each
+framework's own split gives every rank, micro-step by micro-step, exactly the plan's samples; ``keep_cell_sizes``
+keeps the cells equal so that plans can be followed.
+
+- verl 0.9.1 (PyPI; the ``verl`` extra): its own code runs the path, ``RayPPOTrainer._balance_batch`` (the method's
+  source from ``verl/trainer/ppo/ray_trainer.py``, run on a stand-in trainer, since that module needs the Ray
+  server stack), ``DataProto.reorder`` / ``to_tensordict``, ``left_right_2_no_padding``, the dispatch's
+  ``_split_args_kwargs_data_proto``, ``tensordict_utils.make_iterator`` and ``prepare_micro_batches``, called in
+  the order of ``_update_actor`` -> ``TrainingWorker.train_mini_batch`` -> ``train_batch``.
+- slime (not on PyPI): a re-statement of commit 624b824's ``_post_process_rewards``,
+  ``_convert_samples_to_train_data``, ``_split_train_data_by_dp`` / ``build_dp_schedule`` (static batch) and the
+  GRPO returns (``slime/ray/rollout.py``, ``slime/utils/dp_schedule.py``, ``slime/utils/ppo_utils.py``).
+"""
 
 from __future__ import annotations
+
+import types
 
 import numpy as np
 import pytest
 
 from relibra_moe.errors import PlanError
-from relibra_moe.plan import SamplePlacement, round_robin_gpus
+from relibra_moe.plan import BatchPlan, SamplePlacement, round_robin_gpus
 from relibra_moe.planners.strategies import plan_batch
-from relibra_moe.sample_order import cell_samples, sample_order
+from relibra_moe.sample_order import cell_samples, reorder_slime_train_data, sample_order
 from relibra_moe.specs import ClusterSpec, ModelSpec
 from relibra_moe.synthetic import rl_batch
+from relibra_moe.trace import TraceBatch
 
 MODEL = ModelSpec("t", hidden=256, ffn=128, num_experts=16, top_k=2, num_layers=3)
 CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)  # G = 4 data-parallel ranks
@@ -128,3 +141,225 @@ def test_bad_input_is_named(args, match):
 def test_keep_cell_sizes_refuses_token_cap():
     with pytest.raises(PlanError, match="token_cap=100 .* keep_cell_sizes=True"):
         plan_batch(_batch(), MODEL, CLUSTER, "relibra", keep_cell_sizes=True, repack=True, token_cap=100)
+
+
+# ---------------------------------------------------------------------------------------------- slime at 624b824
+SLIME = dict(advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True,
+             n_samples_per_prompt=4, rollout_batch_size=16, global_batch_size=32, micro_batch_size=2,
+             use_dynamic_batch_size=False, balance_data=False, balance_by_flops=False, log_passrate=False)
+SLIME_TPC = dict(dp_size=4, cp_size=1, vpp_size=1, microbatch_group_size_per_vp_stage=1)
+
+
+def slime_args(**changes) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{**SLIME, **changes})
+
+
+def slime_rewards(raw: list[float], args) -> list[float]:
+    """``RolloutManager._post_process_rewards`` (slime/ray/rollout.py, 624b824): with grpo and
+    ``rewards_normalization``, rewards by list position in groups of ``n_samples_per_prompt``, minus the group mean,
+    over the group std + 1e-6."""
+    import torch
+
+    rewards = torch.tensor(raw, dtype=torch.float)
+    if rewards.shape[-1] == args.n_samples_per_prompt * args.rollout_batch_size:
+        rewards = rewards.reshape(-1, args.n_samples_per_prompt)
+    else:
+        rewards = rewards.view(-1, rewards.shape[-1])
+    rewards = rewards - rewards.mean(dim=-1, keepdim=True)
+    rewards = rewards / (rewards.std(dim=-1, keepdim=True) + 1e-6)
+    return rewards.flatten().tolist()
+
+
+def slime_convert(samples: list, args) -> dict:
+    """``_convert_samples_to_train_data`` (624b824), the fields of a default text rollout with routing replay."""
+    raw = [s.reward for s in samples]
+    ids = [s.rollout_id for s in samples]
+    tmp, used = 0, {r for r in ids if r is not None}
+    for i, r in enumerate(ids):  # rollout ids fall back to fresh integers
+        if r is None:
+            while tmp in used:
+                tmp += 1
+            ids[i] = tmp
+            used.add(tmp)
+    masks = [[1] * s.response_length for s in samples]
+    totals: dict[int, int] = {}
+    for r, m in zip(ids, masks):
+        totals[r] = totals.get(r, 0) + sum(m)
+    return {"tokens": [s.tokens for s in samples], "response_lengths": [s.response_length for s in samples],
+            "rewards": slime_rewards(raw, args), "raw_reward": raw, "truncated": [0] * len(samples),
+            "sample_indices": [s.index for s in samples], "rollout_ids": ids, "loss_masks": masks,
+            "rollout_mask_sums": [totals[r] for r in ids],
+            "rollout_routed_experts": [s.rollout_routed_experts for s in samples]}
+
+
+def slime_dp_split(data: dict, args, tpc: dict) -> list[dict]:
+    """``_split_train_data_by_dp`` with ``build_dp_schedule``'s static path (slime/utils/dp_schedule.py, 624b824):
+    steps of ``global_batch_size`` rollouts (first-occurrence order of the rollout ids), each cut into contiguous
+    micro-batches of ``micro_batch_size``, micro-batch k to rank k mod dp_size; each rank gets its samples'
+    per-sample fields (``partition`` order) and ``micro_batch_indices`` into them."""
+    G = tpc["dp_size"]
+    by_rollout: dict[int, list[int]] = {}
+    for pos, rid in enumerate(data["rollout_ids"]):
+        by_rollout.setdefault(rid, []).append(pos)
+    rollouts = list(by_rollout)
+    parts: list[list[int]] = [[] for _ in range(G)]
+    mbi: list[list[list[int]]] = [[] for _ in range(G)]
+    for s in range(len(rollouts) // args.global_batch_size):
+        idx = [p for rid in rollouts[s * args.global_batch_size:(s + 1) * args.global_batch_size]
+               for p in by_rollout[rid]]
+        b = args.micro_batch_size
+        mbs = [list(range(i, min(i + b, len(idx)))) for i in range(0, len(idx), b)]
+        assert len(mbs) % G == 0  # slime's static path asserts it
+        for r in range(G):
+            for k in range(r, len(mbs), G):
+                start = len(parts[r])
+                parts[r] += [idx[i] for i in mbs[k]]
+                mbi[r].append(list(range(start, start + len(mbs[k]))))
+    keys = [k for k in data if k not in ("raw_reward",)]
+    return [{"partition": parts[r], "micro_batch_indices": mbi[r], **{k: [data[k][j] for j in parts[r]] for k in keys}}
+            for r in range(G)]
+
+
+def slime_advantages(rank_data: dict) -> list:
+    """grpo in ``compute_advantages_and_returns`` (slime/backends/megatron_utils/loss.py, 624b824) with kl_coef 0:
+    ``get_grpo_returns``, each sample's reward on every response token."""
+    import torch
+
+    return [torch.ones(n) * r for r, n in zip(rank_data["rewards"], rank_data["response_lengths"])]
+
+
+def slime_samples(batch: TraceBatch, seed: int = 3) -> list:
+    """slime ``Sample``s (the fields the conversion reads): ``len(tokens) - 1`` routing rows, 0/1 rewards."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, t in enumerate(batch.iter_traces()):
+        T = t.num_tokens
+        out.append(types.SimpleNamespace(tokens=list(range(T + 1)), response_length=int(rng.integers(1, T + 1)),
+                                         reward=float(rng.integers(0, 2)), index=i, rollout_id=None,
+                                         rollout_routed_experts=t.experts))
+    return out
+
+
+def slime_step_plans(train_data: dict, args, G: int) -> list[BatchPlan]:
+    """One plan per step, each from the step's ``rollout_routed_experts`` in train_data order."""
+    from relibra_moe.trace import RoutingTrace
+
+    gbs, plans = args.global_batch_size, []
+    for s in range(len(train_data["tokens"]) // gbs):
+        traces = [RoutingTrace(ids, np.arange(MODEL.num_layers), MODEL.num_experts, MODEL.top_k)
+                  for ids in train_data["rollout_routed_experts"][s * gbs:(s + 1) * gbs]]
+        routing = TraceBatch(traces).with_micro_batch_size(G * args.micro_batch_size)
+        plans.append(plan_batch(routing, MODEL, ClusterSpec(nodes=G // 2, gpus_per_node=2), "relibra",
+                                replica_slots=1, keep_cell_sizes=True, tol=1.0, **FAST))
+    return plans
+
+
+@pytest.fixture(scope="module")
+def slime_run():
+    """64 samples (16 prompts x 4), 2 steps of 32, 4 dp ranks, micro-batch 2: slime without and with the hook."""
+    args = slime_args()
+    samples = slime_samples(rl_batch(MODEL, "mixed", 16, responses_per_prompt=4, seed=5, max_len=96))
+    data = slime_convert(samples, args)
+    plans = slime_step_plans(data, args, SLIME_TPC["dp_size"])
+    hooked = reorder_slime_train_data(data, plans, args, SLIME_TPC)
+    return samples, data, plans, hooked, slime_dp_split(data, args, SLIME_TPC), slime_dp_split(hooked, args, SLIME_TPC)
+
+
+def _check_slime_follows(data: dict, plans: list[BatchPlan], ranks: list[dict], args) -> None:
+    """Rank r's micro-batch m of step s holds the plan's cell (m, r) of step s: sample positions n of the step in
+    the conversion's order, identified by ``sample_indices``."""
+    gbs, G = args.global_batch_size, len(ranks)
+    for s, plan in enumerate(plans):
+        cells = cell_samples(plan, G)
+        M = plan.num_micro_batches
+        for r, rank in enumerate(ranks):
+            for m in range(M):
+                got = [rank["sample_indices"][i] for i in rank["micro_batch_indices"][s * M + m]]
+                want = [data["sample_indices"][s * gbs + int(n)] for n in cells[m][r]]
+                assert got == want, (s, r, m, got, want)
+
+
+def test_slime_hook_places_every_sample_and_keeps_rewards_and_advantages(slime_run):
+    samples, data, plans, hooked, base, ranks = slime_run
+    _check_slime_follows(data, plans, ranks, slime_args())
+    moved = sum(int(plans[s].samples.gpu[n]) != (n // 2) % 4 for s in range(2) for n in range(32))
+    assert moved > 0  # the plans do move samples off slime's default rank
+
+    def per_sample(split):
+        out = {}
+        for rank in split:
+            for i, adv in zip(rank["sample_indices"], slime_advantages(rank)):
+                out[i] = (rank["rewards"][rank["sample_indices"].index(i)], adv)
+        return out
+
+    want, got = per_sample(base), per_sample(ranks)
+    assert sorted(got) == sorted(want) == list(range(64))
+    for i in want:
+        assert got[i][0] == want[i][0]
+        assert np.array_equal(got[i][1].numpy(), want[i][1].numpy())
+    # the same samples in each optimizer step, and every field still belongs to its sample
+    for s in range(2):
+        assert sorted(hooked["sample_indices"][32 * s:32 * (s + 1)]) == list(range(32 * s, 32 * (s + 1)))
+    for pos, i in enumerate(hooked["sample_indices"]):
+        assert hooked["tokens"][pos] is samples[i].tokens
+        assert hooked["rollout_routed_experts"][pos] is samples[i].rollout_routed_experts
+        assert hooked["raw_reward"][pos] == samples[i].reward and hooked["rewards"][pos] == data["rewards"][i]
+
+
+def test_slime_reordering_the_samples_before_conversion_changes_rewards(slime_run):
+    """The recipe the hook replaces: reordering the Sample list before the conversion regroups the rewards."""
+    samples, data, plans, _, _, _ = slime_run
+    order = np.concatenate([32 * s + sample_order(p, "slime") for s, p in enumerate(plans)])
+    early = slime_convert([samples[i] for i in order], slime_args())
+    changed = sum(abs(r - data["rewards"][i]) > 1e-6 for r, i in zip(early["rewards"], early["sample_indices"]))
+    assert changed > 0
+    with pytest.raises(PlanError, match=r"train_data must be the dict _convert_samples_to_train_data returns .* "
+                                        r"got list: reordering the Sample list"):
+        reorder_slime_train_data(samples, plans, slime_args(), SLIME_TPC)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(use_dynamic_batch_size=True), r"--use-dynamic-batch-size is set: slime packs each step's micro-batches"),
+    (dict(balance_data=True), r"--balance-data is set: slime assigns micro-batches to ranks by estimated FLOPs"),
+    (dict(balance_by_flops=True), r"--balance-by-flops is set"),
+    (dict(log_passrate=True), r"--log-passrate is set: pass@k reads raw_reward in groups"),
+    (dict(micro_batch_size=4), r"args.micro_batch_size=4, the cells of plans\[0\] hold 2 samples"),
+    (dict(global_batch_size=64), r"2 plans for 1 training steps \(64 samples, global_batch_size 64\)"),
+    (dict(global_batch_size=16), r"2 plans for 4 training steps"),
+])
+def test_slime_hook_refuses_settings_it_cannot_follow(slime_run, change, match):
+    _, data, plans, _, _, _ = slime_run
+    with pytest.raises(PlanError, match=match):
+        reorder_slime_train_data(data, plans, slime_args(**change), SLIME_TPC)
+
+
+def test_slime_hook_refuses_unfit_data(slime_run):
+    _, data, plans, _, _, _ = slime_run
+    args = slime_args()
+    with pytest.raises(PlanError, match=r"train_data\['loss_masks'\] has 63 entries, train_data\['tokens'\] has 64"):
+        reorder_slime_train_data({**data, "loss_masks": data["loss_masks"][:-1]}, plans, args, SLIME_TPC)
+    ids = list(data["rollout_ids"])
+    ids[5] = ids[4]
+    with pytest.raises(PlanError, match=r"train_data\['rollout_ids'\]\[5\] = 4 repeats entry 4: slime keeps"):
+        reorder_slime_train_data({**data, "rollout_ids": ids}, plans, args, SLIME_TPC)
+    with pytest.raises(PlanError, match=r"plans\[0\] has 4 micro-batches per rank, not a multiple of "
+                                        r"microbatch_group_size_per_vp_stage = 3"):
+        reorder_slime_train_data(data, plans, args, {**SLIME_TPC, "vpp_size": 2,
+                                                     "microbatch_group_size_per_vp_stage": 3})
+    with pytest.raises(PlanError, match=r"micro-batch 0 on GPU \d holds 0 samples"):  # 4-rank plans, 8 dp ranks
+        reorder_slime_train_data(data, plans, args, {**SLIME_TPC, "dp_size": 8})
+    with pytest.raises(PlanError, match=r"args has no micro_batch_size"):
+        reorder_slime_train_data(data, plans, types.SimpleNamespace(**{k: v for k, v in SLIME.items()
+                                                                        if k != "micro_batch_size"}), SLIME_TPC)
+
+
+def test_slime_hook_keeps_trailing_samples_and_array_fields(slime_run):
+    """Samples past the last whole step (slime drops them) keep their place; arrays are indexed, lists stay lists."""
+    _, data, plans, _, _, _ = slime_run
+    extra = {k: (list(v) + list(v[:3])) for k, v in data.items()}
+    extra["sample_indices"], extra["rollout_ids"] = np.arange(67), list(range(67))
+    out = reorder_slime_train_data(extra, plans, slime_args(), SLIME_TPC)
+    assert isinstance(out["tokens"], list) and isinstance(out["sample_indices"], np.ndarray)
+    assert out["sample_indices"][64:].tolist() == [64, 65, 66]
+    order = np.concatenate([32 * s + sample_order(p, "slime") for s, p in enumerate(plans)])
+    assert out["sample_indices"][:64].tolist() == order.tolist()
