@@ -14,15 +14,22 @@ keeps the cells equal so that plans can be followed.
 
 from __future__ import annotations
 
+import ast
+import copy
+import importlib.util
+import pickle
+import textwrap
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from relibra_moe.adapters import from_verl
 from relibra_moe.errors import PlanError
 from relibra_moe.plan import BatchPlan, SamplePlacement, round_robin_gpus
 from relibra_moe.planners.strategies import plan_batch
-from relibra_moe.sample_order import cell_samples, reorder_slime_train_data, sample_order
+from relibra_moe.sample_order import cell_samples, reorder_slime_train_data, reorder_verl_batch, sample_order
 from relibra_moe.specs import ClusterSpec, ModelSpec
 from relibra_moe.synthetic import rl_batch
 from relibra_moe.trace import TraceBatch
@@ -363,3 +370,238 @@ def test_slime_hook_keeps_trailing_samples_and_array_fields(slime_run):
     assert out["sample_indices"][64:].tolist() == [64, 65, 66]
     order = np.concatenate([32 * s + sample_order(p, "slime") for s, p in enumerate(plans)])
     assert out["sample_indices"][:64].tolist() == order.tolist()
+
+
+# ---------------------------------------------------------------------------------------------------- verl 0.9.1
+G_VERL, B_VERL = 4, 2  # dp ranks, ppo_micro_batch_size_per_gpu
+
+
+def verl_config(**actor) -> dict:
+    """The settings ``reorder_verl_batch`` reads, at verl 0.9.1's defaults (trainer/config/actor/actor.yaml)
+    except the batch sizes."""
+    a = dict(shuffle=False, use_dynamic_bsz=False, use_prefix_grouper=False, ppo_micro_batch_size_per_gpu=B_VERL,
+             ppo_mini_batch_size=8, ppo_epochs=1, data_loader_seed=42)
+    a.update(actor)
+    return {"actor_rollout_ref": {"actor": a, "rollout": {"n": 4}}}
+
+
+class FakeProto:
+    """A stand-in for verl's DataProto where only ``len`` and ``reorder`` matter."""
+
+    def __init__(self, n: int) -> None:
+        self.ids = np.arange(n)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def reorder(self, indices) -> None:
+        self.ids = self.ids[np.asarray(indices)]
+
+
+def test_verl_hook_reorders_rank_major(planned):
+    _, plan, _ = planned
+    batch = FakeProto(32)
+    order = reorder_verl_batch(batch, plan, verl_config(), dp_size=G_VERL)
+    assert batch.ids.tolist() == order.tolist() == sample_order(plan, "verl").tolist()
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(shuffle=True), r"actor_rollout_ref.actor.shuffle=True: verl's update data loader then draws each rank's "
+                         r"mini-batches in a random order.* set actor_rollout_ref.actor.shuffle=false"),
+    (dict(use_dynamic_bsz=True), r"actor_rollout_ref.actor.use_dynamic_bsz=True: verl then re-forms"),
+    (dict(use_prefix_grouper=True), r"actor_rollout_ref.actor.use_prefix_grouper=True"),
+    (dict(ppo_micro_batch_size_per_gpu=4), r"ppo_micro_batch_size_per_gpu=4, the plan's cells hold 2 samples"),
+    (dict(ppo_micro_batch_size_per_gpu=None), r"ppo_micro_batch_size_per_gpu=None, the plan's cells hold 2"),
+    (dict(ppo_mini_batch_size=3), r"ppo_mini_batch_size \* rollout.n = 12: each rank's mini-batch \(12 / dp_size 4\)"
+                                  r" must be whole micro-batches of 2"),
+    (dict(ppo_mini_batch_size=5), r"ppo_mini_batch_size \* rollout.n = 20"),  # 5 per rank does not divide 8
+    (dict(shuffle="yes"), r"actor_rollout_ref.actor.shuffle must be a bool, got 'yes'"),
+])
+def test_verl_hook_refuses_settings_it_cannot_follow(planned, change, match):
+    _, plan, _ = planned
+    batch = FakeProto(32)
+    with pytest.raises(PlanError, match=match):
+        reorder_verl_batch(batch, plan, verl_config(**change), dp_size=G_VERL)
+    assert batch.ids.tolist() == list(range(32))  # refused before touching the batch
+
+
+def test_verl_hook_refuses_a_foreign_batch(planned):
+    _, plan, _ = planned
+    with pytest.raises(PlanError, match=r"the plan covers 32 samples, the batch has 30"):
+        reorder_verl_batch(FakeProto(30), plan, verl_config(), dp_size=G_VERL)
+    with pytest.raises(PlanError, match=r"config has no actor_rollout_ref.actor.shuffle \(pass the trainer's whole"):
+        reorder_verl_batch(FakeProto(32), plan, verl_config()["actor_rollout_ref"], dp_size=G_VERL)
+    with pytest.raises(PlanError, match=r"dp_size=0 must be an int >= 1"):
+        reorder_verl_batch(FakeProto(32), plan, verl_config(), dp_size=0)
+
+
+@pytest.fixture(scope="module")
+def verl_code():
+    """verl 0.9.1's own functions on the update path (skips without the ``verl`` extra)."""
+    pytest.importorskip("verl.workers.engine.utils", reason="verl 0.9.1 not installed (the 'verl' extra, README)")
+    import torch
+    import verl
+    from verl import DataProto
+    from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
+    from verl.utils import seqlen_balancing
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    assert verl.__version__ == "0.9.1", verl.__version__
+    # RayPPOTrainer._balance_batch, run from its source: ray_trainer.py imports the Ray server stack
+    path = Path(importlib.util.find_spec("verl").submodule_search_locations[0]) / "trainer/ppo/ray_trainer.py"
+    text = path.read_text()
+    cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "RayPPOTrainer")
+    fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_balance_batch")
+    scope = dict(torch=torch, DataProto=DataProto, calculate_workload=seqlen_balancing.calculate_workload,
+                 get_seqlen_balanced_partitions=seqlen_balancing.get_seqlen_balanced_partitions,
+                 log_seqlen_unbalance=seqlen_balancing.log_seqlen_unbalance)
+    exec(compile(textwrap.dedent(ast.get_source_segment(text, fn)), str(path), "exec"), scope)
+    return types.SimpleNamespace(torch=torch, DataProto=DataProto, tu=tu, split=_split_args_kwargs_data_proto,
+                                 prepare_micro_batches=prepare_micro_batches, no_padding=left_right_2_no_padding,
+                                 balance_batch=scope["_balance_batch"])
+
+
+def verl_balance(v, batch) -> None:
+    """``fit``'s ``self._balance_batch(batch, metrics=metrics)`` on a trainer of ``G_VERL`` actor dp ranks."""
+    trainer = types.SimpleNamespace(_get_dp_size=lambda worker_group, role: G_VERL, actor_rollout_wg=None,
+                                    use_prefix_grouper=False)
+    v.balance_batch(trainer, batch, metrics={})
+
+
+def verl_proto(v, routing: TraceBatch, P: int = 48, R: int = 96):
+    """A verl batch of ``routing``'s samples: left-padded prompt (a third of the tokens) and right-padded response,
+    ``routed_experts [N, P + R, L, k]`` on the real tokens (as verl's router replay carries it), ``sample_id``."""
+    torch = v.torch
+    N, L, k = len(routing), routing.num_layers, routing.top_k
+    mask, resp = torch.zeros(N, P + R, dtype=torch.int64), torch.zeros(N, R, dtype=torch.int64)
+    ids = torch.zeros(N, P + R, L, k, dtype=torch.int64)
+    for i, t in enumerate(routing.iter_traces()):
+        p = max(1, t.num_tokens // 3)
+        r = t.num_tokens - p
+        assert p <= P and 1 <= r <= R
+        mask[i, P - p:P] = mask[i, P:P + r] = resp[i, :r] = 1
+        ids[i, P - p:P], ids[i, P:P + r] = torch.as_tensor(t.experts[:p]), torch.as_tensor(t.experts[p:])
+    return v.DataProto.from_dict(tensors=dict(
+        input_ids=torch.arange(N * (P + R)).view(N, P + R), attention_mask=mask, response_mask=resp,
+        position_ids=(mask.cumsum(-1) - 1).clamp(min=0), routed_experts=ids, sample_id=torch.arange(N)))
+
+
+def verl_update(v, batch, config: dict) -> list[list]:
+    """verl 0.9.1's update path on ``batch``: ``out[r]`` lists rank r's micro-batches (TensorDicts) in the order
+    it runs them, over its mini-batches and epochs. The calls of ``RayPPOTrainer._update_actor``
+    (trainer/ppo/ray_trainer.py), the dispatch of ``update_actor`` (single_controller/base/decorator.py,
+    ``dispatch_nd_compute_dataproto``), ``TrainingWorker.train_mini_batch`` / ``train_batch``
+    (workers/engine_workers.py) and the engine's ``prepare_micro_batches`` (workers/engine/utils.py), in order."""
+    actor, tu = config["actor_rollout_ref"]["actor"], v.tu
+    td = v.no_padding(batch.to_tensordict())
+    mini = actor["ppo_mini_batch_size"] * config["actor_rollout_ref"]["rollout"]["n"]
+    tu.assign_non_tensor(td, global_batch_size=mini, mini_batch_size=mini, epochs=actor["ppo_epochs"],
+                         seed=actor["data_loader_seed"], dataloader_kwargs={"shuffle": actor["shuffle"]},
+                         compute_loss=True)
+    (chunks,), _ = v.split(G_VERL, td)
+    out = []
+    for r, chunk in enumerate(chunks):
+        chunk = pickle.loads(pickle.dumps(chunk))  # the trip through Ray's object store (the chunk arrives unlocked)
+        size, epochs = tu.pop(chunk, key="mini_batch_size"), tu.pop(chunk, key="epochs")
+        seed, kwargs = tu.pop(chunk, key="seed"), tu.pop(chunk, key="dataloader_kwargs")
+        micro = []
+        for mini_td in tu.make_iterator(chunk, mini_batch_size=size // G_VERL, epochs=epochs, seed=seed + r,
+                                        dataloader_kwargs=kwargs):
+            tu.assign_non_tensor(mini_td, use_dynamic_bsz=actor["use_dynamic_bsz"],
+                                 micro_batch_size_per_gpu=actor["ppo_micro_batch_size_per_gpu"])
+            micro += list(v.prepare_micro_batches(mini_td)[0])
+        out.append(micro)
+    return out
+
+
+def _sample_rows(mb, i: int) -> np.ndarray:
+    """Micro-batch ``mb``'s routed-experts rows of its i-th sample (a jagged tensor after the unpadding)."""
+    re = mb["routed_experts"]
+    off = re.offsets()
+    return re.values()[int(off[i]):int(off[i + 1])].numpy()
+
+
+def _varied_batch() -> TraceBatch:
+    """``_batch()``'s samples cut to 8-96 tokens (its own are all 96 long: _balance_batch would see ties only)."""
+    from relibra_moe.trace import RoutingTrace
+
+    cut = np.random.default_rng(7).integers(8, 97, size=32)
+    return TraceBatch([RoutingTrace(t.experts[:c], t.layer_ids, t.num_experts, t.top_k)
+                       for t, c in zip(_batch().iter_traces(), cut)])
+
+
+@pytest.fixture(scope="module")
+def verl_planned(verl_code):
+    """A verl batch after ``_balance_batch``, its routing (from ``routed_experts`` and ``attention_mask``, as
+    docs/rl-frameworks.md reads it) and a keep-cell-sizes plan for it, micro-batch G b = 8."""
+    source = _varied_batch()
+    batch = verl_proto(verl_code, source)
+    verl_balance(verl_code, batch)
+    balanced = batch.batch["sample_id"].numpy().copy()
+    routing = from_verl(batch.batch["routed_experts"], batch.batch["attention_mask"],
+                        num_experts=MODEL.num_experts).with_micro_batch_size(G_VERL * B_VERL)
+    plan = plan_batch(routing, MODEL, CLUSTER, "relibra", replica_slots=1, keep_cell_sizes=True, **FAST)
+    return source, batch, balanced, routing, plan
+
+
+@pytest.mark.parametrize("mini_size, epochs", [(2, 1), (8, 2), (4, 1)])
+def test_verl_update_path_runs_the_plan(verl_code, verl_planned, mini_size, epochs):
+    """After ``_balance_batch`` and the hook, verl's own split gives rank r, as micro-batch m (in every epoch), the
+    plan's cell (m, r), each sample with its own routed-experts rows."""
+    source, balanced_batch, balanced, routing, plan = verl_planned
+    assert not np.array_equal(balanced, np.arange(32))  # _balance_batch did reorder
+    for n in range(32):  # the routing read from the balanced batch is the samples' own
+        assert np.array_equal(routing.trace(n).experts, source.trace(int(balanced[n])).experts)
+    assert not np.array_equal(plan.samples.gpu, round_robin_gpus(routing.resolve_micro_batch(), G_VERL))
+    config = verl_config(ppo_mini_batch_size=mini_size, ppo_epochs=epochs)
+    batch = copy.deepcopy(balanced_batch)
+    reorder_verl_batch(batch, plan, config, dp_size=G_VERL, routing=routing)
+    out = verl_update(verl_code, batch, config)
+    cells, M = cell_samples(plan), plan.num_micro_batches
+    for r in range(G_VERL):
+        assert len(out[r]) == epochs * M
+        for step, mb in enumerate(out[r]):
+            want = cells[step % M][r]
+            assert mb["sample_id"].tolist() == balanced[want].tolist(), (r, step)
+            for i, n in enumerate(want):
+                assert np.array_equal(_sample_rows(mb, i), routing.trace(int(n)).experts)
+
+
+def test_verl_shuffle_misplaces_and_is_refused(verl_code, verl_planned):
+    """With ``actor.shuffle=true`` verl's data loader reorders each rank's samples: the hook refuses it; forced
+    through the bare order, every sample stays on its rank but the micro-batches are not the plan's."""
+    _, balanced_batch, balanced, routing, plan = verl_planned
+    config = verl_config(shuffle=True)
+    batch = copy.deepcopy(balanced_batch)
+    with pytest.raises(PlanError, match=r"actor_rollout_ref.actor.shuffle=True"):
+        reorder_verl_batch(batch, plan, config, dp_size=G_VERL, routing=routing)
+    batch.reorder(verl_code.torch.as_tensor(sample_order(plan, "verl")))
+    out = verl_update(verl_code, batch, config)
+    cells = cell_samples(plan)
+    same = 0
+    for r in range(G_VERL):
+        got = [mb["sample_id"].tolist() for mb in out[r]]
+        assert sorted(sum(got, [])) == sorted(balanced[np.flatnonzero(plan.samples.gpu == r)].tolist())
+        same += sum(g == balanced[cells[m][r]].tolist() for m, g in enumerate(got))
+    assert same < G_VERL * plan.num_micro_batches
+
+
+def test_verl_balance_after_the_hook_breaks_the_plan(verl_code, verl_planned):
+    """``_balance_batch`` must run before the hook: a plan made for the batch before it is refused (token counts
+    differ), and a hook run before it is undone by it."""
+    source, balanced_batch, balanced, _, _ = verl_planned
+    early = verl_proto(verl_code, source)  # the batch before _balance_batch
+    early_routing = from_verl(early.batch["routed_experts"], early.batch["attention_mask"],
+                              num_experts=MODEL.num_experts).with_micro_batch_size(G_VERL * B_VERL)
+    plan = plan_batch(early_routing, MODEL, CLUSTER, "relibra", replica_slots=1, keep_cell_sizes=True, **FAST)
+    with pytest.raises(PlanError, match=r"batch row \d+ has \d+ tokens \(attention_mask\), the routing's sample \d+ "
+                                        r"has \d+: the plan was made for another order"):
+        reorder_verl_batch(copy.deepcopy(balanced_batch), plan, verl_config(), dp_size=G_VERL, routing=early_routing)
+    reorder_verl_batch(early, plan, verl_config(), dp_size=G_VERL, routing=early_routing)
+    verl_balance(verl_code, early)  # the wrong way round
+    out = verl_update(verl_code, early, verl_config())
+    on_rank = sum(int(plan.samples.gpu[i]) == r for r in range(G_VERL) for mb in out[r]
+                  for i in mb["sample_id"].tolist())
+    assert on_rank < 32
