@@ -605,3 +605,31 @@ def test_verl_balance_after_the_hook_breaks_the_plan(verl_code, verl_planned):
     on_rank = sum(int(plan.samples.gpu[i]) == r for r in range(G_VERL) for mb in out[r]
                   for i in mb["sample_id"].tolist())
     assert on_rank < 32
+
+
+@pytest.mark.traces
+def test_gpt_oss_cli_plan_followed_by_slime(traces_dir, tmp_path, monkeypatch):
+    """64 GPT-OSS-20B samples (8 prompts x 8 in slime's view), planned by ``relibra plan --keep-cell-sizes`` on 2 x 2
+    GPUs, micro-batch 2 per rank: slime's static schedule runs the plan's cells and every sample keeps its
+    group-normalized reward."""
+    from relibra_moe.cli import main
+    from relibra_moe.datasets import gpt_oss_batch
+
+    monkeypatch.setenv("RELIBRA_TRACES", str(traces_dir))
+    batch = gpt_oss_batch(64, seed=0).with_micro_batch_size(8)
+    batch.save(tmp_path / "batch.npz")
+    assert main(["plan", str(tmp_path / "batch.npz"), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2",
+                 "--strategy", "relibra", "--replica-slots", "1", "--keep-cell-sizes", "--iters", "200",
+                 "--locality-iters", "400", "--num-seeds", "1", "--rounds", "1",
+                 "--out", str(tmp_path / "plan.npz")]) == 0
+    plan = BatchPlan.load(tmp_path / "plan.npz")
+    assert (plan.samples.gpu != round_robin_gpus(batch.resolve_micro_batch(), 4)).sum() > 0
+    args = slime_args(n_samples_per_prompt=8, rollout_batch_size=8, global_batch_size=64)
+    samples = slime_samples(batch, seed=1)
+    data = slime_convert(samples, args)
+    hooked = reorder_slime_train_data(data, plan, args, SLIME_TPC)
+    ranks = slime_dp_split(hooked, args, SLIME_TPC)
+    _check_slime_follows(data, [plan], ranks, args)
+    for rank in ranks:
+        for i, reward in zip(rank["sample_indices"], rank["rewards"]):
+            assert reward == data["rewards"][i]
