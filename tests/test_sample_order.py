@@ -438,19 +438,24 @@ def test_verl_hook_refuses_a_foreign_batch(planned):
 @pytest.fixture(scope="module")
 def verl_code():
     """verl 0.9.1's own functions on the update path (skips without the ``verl`` extra)."""
-    pytest.importorskip("verl.workers.engine.utils", reason="verl 0.9.1 not installed (the 'verl' extra, README)")
+    pytest.importorskip("verl.workers.utils.padding", reason="verl 0.9.1 not installed (the 'verl' extra, README)")
     import torch
     import verl
     from verl import DataProto
     from verl.single_controller.base.decorator import _split_args_kwargs_data_proto
     from verl.utils import seqlen_balancing
     from verl.utils import tensordict_utils as tu
-    from verl.workers.engine.utils import prepare_micro_batches
     from verl.workers.utils.padding import left_right_2_no_padding
 
     assert verl.__version__ == "0.9.1", verl.__version__
+    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])
+    # workers/engine/utils.py loaded from its file: the package verl.workers.engine imports every engine backend
+    # (FSDP's needs peft, Megatron's megatron-core), which prepare_micro_batches does not use
+    spec = importlib.util.spec_from_file_location("verl_workers_engine_utils", root / "workers/engine/utils.py")
+    engine_utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine_utils)
     # RayPPOTrainer._balance_batch, run from its source: ray_trainer.py imports the Ray server stack
-    path = Path(importlib.util.find_spec("verl").submodule_search_locations[0]) / "trainer/ppo/ray_trainer.py"
+    path = root / "trainer/ppo/ray_trainer.py"
     text = path.read_text()
     cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "RayPPOTrainer")
     fn = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "_balance_batch")
@@ -459,8 +464,8 @@ def verl_code():
                  log_seqlen_unbalance=seqlen_balancing.log_seqlen_unbalance)
     exec(compile(textwrap.dedent(ast.get_source_segment(text, fn)), str(path), "exec"), scope)
     return types.SimpleNamespace(torch=torch, DataProto=DataProto, tu=tu, split=_split_args_kwargs_data_proto,
-                                 prepare_micro_batches=prepare_micro_batches, no_padding=left_right_2_no_padding,
-                                 balance_batch=scope["_balance_batch"])
+                                 prepare_micro_batches=engine_utils.prepare_micro_batches,
+                                 no_padding=left_right_2_no_padding, balance_batch=scope["_balance_batch"])
 
 
 def verl_balance(v, batch) -> None:
