@@ -319,7 +319,7 @@ def test_slime_reordering_the_samples_before_conversion_changes_rewards(slime_ru
     order = np.concatenate([32 * s + sample_order(p, "slime") for s, p in enumerate(plans)])
     early = slime_convert([samples[i] for i in order], slime_args())
     changed = sum(abs(r - data["rewards"][i]) > 1e-6 for r, i in zip(early["rewards"], early["sample_indices"]))
-    assert changed > 0
+    assert changed >= 16  # 36 of 64 with these plans
     with pytest.raises(PlanError, match=r"train_data must be the dict _convert_samples_to_train_data returns .* "
                                         r"got list: reordering the Sample list"):
         reorder_slime_train_data(samples, plans, slime_args(), SLIME_TPC)
@@ -590,7 +590,7 @@ def test_verl_shuffle_misplaces_and_is_refused(verl_code, verl_planned):
         got = [mb["sample_id"].tolist() for mb in out[r]]
         assert sorted(sum(got, [])) == sorted(balanced[np.flatnonzero(plan.samples.gpu == r)].tolist())
         same += sum(g == balanced[cells[m][r]].tolist() for m, g in enumerate(got))
-    assert same < G_VERL * plan.num_micro_batches
+    assert same <= G_VERL * plan.num_micro_batches // 2  # 2 of 16 cells with this seed
 
 
 def test_verl_balance_after_the_hook_breaks_the_plan(verl_code, verl_planned):
@@ -609,7 +609,7 @@ def test_verl_balance_after_the_hook_breaks_the_plan(verl_code, verl_planned):
     out = verl_update(verl_code, early, verl_config())
     on_rank = sum(int(plan.samples.gpu[i]) == r for r in range(G_VERL) for mb in out[r]
                   for i in mb["sample_id"].tolist())
-    assert on_rank < 32
+    assert on_rank <= 16  # 5 of 32 with this batch (chance: 8)
 
 
 @pytest.mark.traces
