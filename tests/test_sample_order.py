@@ -487,7 +487,8 @@ def verl_proto(v, routing: TraceBatch, P: int = 48, R: int = 96):
         r = t.num_tokens - p
         assert p <= P and 1 <= r <= R
         mask[i, P - p:P] = mask[i, P:P + r] = resp[i, :r] = 1
-        ids[i, P - p:P], ids[i, P:P + r] = torch.as_tensor(t.experts[:p]), torch.as_tensor(t.experts[p:])
+        rows = torch.from_numpy(np.array(t.experts))  # a writable copy of the read-only trace
+        ids[i, P - p:P], ids[i, P:P + r] = rows[:p], rows[p:]
     return v.DataProto.from_dict(tensors=dict(
         input_ids=torch.arange(N * (P + R)).view(N, P + R), attention_mask=mask, response_mask=resp,
         position_ids=(mask.cumsum(-1) - 1).clamp(min=0), routed_experts=ids, sample_id=torch.arange(N)))
@@ -612,23 +613,31 @@ def test_verl_balance_after_the_hook_breaks_the_plan(verl_code, verl_planned):
     assert on_rank <= 16  # 5 of 32 with this batch (chance: 8)
 
 
+def _cli_plan(batch: TraceBatch, tmp_path: Path, nodes: int, gpus_per_node: int) -> BatchPlan:
+    """``relibra plan --keep-cell-sizes`` (relibra, one replica slot, short search) of ``batch``, read back."""
+    from relibra_moe.cli import main
+
+    batch.save(tmp_path / "batch.npz")
+    assert main(["plan", str(tmp_path / "batch.npz"), "--model", "gpt-oss-20b", "--nodes", str(nodes),
+                 "--gpus-per-node", str(gpus_per_node), "--strategy", "relibra", "--replica-slots", "1",
+                 "--keep-cell-sizes", "--iters", "200", "--locality-iters", "400", "--num-seeds", "1", "--rounds",
+                 "1", "--out", str(tmp_path / "plan.npz")]) == 0
+    plan = BatchPlan.load(tmp_path / "plan.npz")
+    assert (plan.samples.gpu != round_robin_gpus(batch.resolve_micro_batch(), 4)).sum() > 0
+    return plan
+
+
 @pytest.mark.traces
-def test_gpt_oss_cli_plan_followed_by_slime(traces_dir, tmp_path, monkeypatch):
-    """64 GPT-OSS-20B samples (8 prompts x 8 in slime's view), planned by ``relibra plan --keep-cell-sizes`` on 2 x 2
+@pytest.mark.parametrize("nodes, gpus_per_node", [(1, 4), (2, 2)])
+def test_gpt_oss_cli_plan_followed_by_slime(traces_dir, tmp_path, monkeypatch, nodes, gpus_per_node):
+    """64 GPT-OSS-20B samples (8 prompts x 8 in slime's view), planned by ``relibra plan --keep-cell-sizes`` on 4
     GPUs, micro-batch 2 per rank: slime's static schedule runs the plan's cells and every sample keeps its
     group-normalized reward."""
-    from relibra_moe.cli import main
     from relibra_moe.datasets import gpt_oss_batch
 
     monkeypatch.setenv("RELIBRA_TRACES", str(traces_dir))
     batch = gpt_oss_batch(64, seed=0).with_micro_batch_size(8)
-    batch.save(tmp_path / "batch.npz")
-    assert main(["plan", str(tmp_path / "batch.npz"), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2",
-                 "--strategy", "relibra", "--replica-slots", "1", "--keep-cell-sizes", "--iters", "200",
-                 "--locality-iters", "400", "--num-seeds", "1", "--rounds", "1",
-                 "--out", str(tmp_path / "plan.npz")]) == 0
-    plan = BatchPlan.load(tmp_path / "plan.npz")
-    assert (plan.samples.gpu != round_robin_gpus(batch.resolve_micro_batch(), 4)).sum() > 0
+    plan = _cli_plan(batch, tmp_path, nodes, gpus_per_node)
     args = slime_args(n_samples_per_prompt=8, rollout_batch_size=8, global_batch_size=64)
     samples = slime_samples(batch, seed=1)
     data = slime_convert(samples, args)
@@ -638,3 +647,25 @@ def test_gpt_oss_cli_plan_followed_by_slime(traces_dir, tmp_path, monkeypatch):
     for rank in ranks:
         for i, reward in zip(rank["sample_indices"], rank["rewards"]):
             assert reward == data["rewards"][i]
+
+
+@pytest.mark.traces
+def test_gpt_oss_cli_plan_followed_by_verl(verl_code, traces_dir, tmp_path, monkeypatch):
+    """The same 64 GPT-OSS-20B samples through verl 0.9.1: ``_balance_batch``, the routing read back with
+    ``from_verl``, ``relibra plan --keep-cell-sizes`` on 2 x 2, the hook, verl's update path: every rank runs the
+    plan's cells (2 mini-batches per rank)."""
+    from relibra_moe.datasets import gpt_oss_batch
+
+    monkeypatch.setenv("RELIBRA_TRACES", str(traces_dir))
+    batch = verl_proto(verl_code, gpt_oss_batch(64, seed=0), P=192, R=384)
+    verl_balance(verl_code, batch)
+    ids = batch.batch["sample_id"].numpy().copy()
+    routing = from_verl(batch.batch["routed_experts"], batch.batch["attention_mask"], num_experts=32,
+                        num_moe_layers=24).with_micro_batch_size(8)
+    plan = _cli_plan(routing, tmp_path, 2, 2)
+    config = verl_config(ppo_mini_batch_size=8)
+    reorder_verl_batch(batch, plan, config, dp_size=G_VERL, routing=routing)
+    out = verl_update(verl_code, batch, config)
+    cells = cell_samples(plan)
+    for r in range(G_VERL):
+        assert [mb["sample_id"].tolist() for mb in out[r]] == [ids[c[r]].tolist() for c in cells]
