@@ -271,7 +271,7 @@ def reorder_slime_train_data(train_data: Mapping[str, Any], plans: BatchPlan | S
     if len(plans) != steps:
         raise PlanError(f"{len(plans)} plans for {steps} training steps ({N} samples, global_batch_size {gbs}): "
                         "give one plan per step")
-    G = check_int("train_parallel_config['dp_size']", train_parallel_config["dp_size"], 1)
+    G = check_int("train_parallel_config['dp_size']", train_parallel_config.get("dp_size"), 1)
     mb_group = (train_parallel_config.get("microbatch_group_size_per_vp_stage", 1)
                 if train_parallel_config.get("vpp_size", 1) > 1 else 1)
     order = np.arange(N, dtype=np.int64)

@@ -355,6 +355,8 @@ def test_slime_hook_refuses_unfit_data(slime_run):
                                                      "microbatch_group_size_per_vp_stage": 3})
     with pytest.raises(PlanError, match=r"micro-batch 0 on GPU \d holds 0 samples"):  # 4-rank plans, 8 dp ranks
         reorder_slime_train_data(data, plans, args, {**SLIME_TPC, "dp_size": 8})
+    with pytest.raises(PlanError, match=r"train_parallel_config\['dp_size'\]=None must be an int >= 1"):
+        reorder_slime_train_data(data, plans, args, {"vpp_size": 1})
     with pytest.raises(PlanError, match=r"args has no micro_batch_size"):
         reorder_slime_train_data(data, plans, types.SimpleNamespace(**{k: v for k, v in SLIME.items()
                                                                         if k != "micro_batch_size"}), SLIME_TPC)
