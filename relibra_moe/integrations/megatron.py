@@ -47,6 +47,7 @@ layer's expert parameters are relibra's stacked ``w_gate_up [E_loc, H, 2F]`` / `
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ from torch import nn
 
 from ..adapters import from_megatron
 from ..errors import PlanError, ReplayError
+from ..layers.expert_sharding import ExpertShard, expert_shards
 from ..layers.experts import GroupedSwiGLUExperts
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.relayout import relayout as _relayout_layers
@@ -249,6 +251,8 @@ class RelibraMoELayer(MoELayer):
             raise PlanError(f"the EP group's rank {self.relibra.rank} holds Megatron experts "
                             f"{list(moe.local_expert_indices)}, relibra's default placement gives it "
                             f"{self.relibra.home_experts.tolist()}")
+        # Megatron's expert data-parallel group (replicas of the same experts): checkpoint replica ids
+        self._expert_dp_group = getattr(moe.experts, "dp_group", None)
         self._call = _Call(torch.Size(), None, None)
         self._replaying = False
         self._pending: tuple[BatchPlan | None, int | None] = (None, None)
@@ -260,6 +264,37 @@ class RelibraMoELayer(MoELayer):
     @property
     def name(self) -> str:
         return self.relibra.name
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron ``dist_checkpointing``'s description of this layer, in plain Megatron's keys and layout.
+
+        Router and shared experts: as Megatron's ``MoELayer``. Routed experts: as the local spec's
+        ``SequentialMLP``: ``{prefix}experts.experts.linear_fc1.weight`` (global ``[*, E, 2F, H]``, gate
+        rows then up rows) and ``linear_fc2.weight`` (``[*, E, H, F]``), each home expert at the offset
+        of its logical id (:func:`~relibra_moe.layers.expert_sharding.expert_shards`: whatever the
+        placement), replica id ``(0, 0, expert data-parallel rank)``: every expert is written once and
+        loads into any EP size, relibra or plain Megatron. The placement (``relibra.expert_gpu``) is not
+        saved: a loaded model keeps its own and reads each of its home experts by logical id.
+        """
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        if (metadata or {}).get("singleton_local_shards", False):
+            raise ValueError("metadata singleton_local_shards=True is not supported by the relibra MoE layer "
+                             "(its experts are saved as shards of the global expert dimension)")
+        out: dict = {}
+        for name, module in self.named_children():
+            if name != "relibra":
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
+        shards = expert_shards(self.relibra)
+        dp = self._expert_dp_group
+        replica_id = (0, 0, dist.get_rank(dp) if dp is not None and dist.is_initialized() else 0)
+        for tensor, fc, glu in (("w_gate_up", "linear_fc1", True), ("w_down", "linear_fc2", False)):
+            out[f"{prefix}relibra.experts.{tensor}"] = _expert_factory(
+                f"{prefix}experts.experts.{fc}.weight", getattr(self.relibra.experts, tensor),
+                shards[f"experts.{tensor}"], tuple(sharded_offsets), glu, replica_id)
+        out[f"{prefix}relibra.expert_gpu"] = LocalNonpersistentObject(self.relibra.expert_gpu)
+        return out
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
                 padding_mask: torch.Tensor | None = None):
@@ -325,6 +360,51 @@ def _stacked_expert_weights(experts: nn.Module, H: int, F: int, E_loc: int) -> t
         return w1.view(H, E_loc, 2 * F).permute(1, 0, 2), w2.view(E_loc, F, H)
     raise ValueError(f"experts of type {kind} are not supported (SequentialMLP or GroupedMLP; for TE grouped "
                      "experts build the model with moe_grouped_gemm=False)")
+
+
+def _expert_factory(key: str, param: torch.Tensor, shard: ExpertShard, offsets: tuple, glu: bool, replica_id: tuple):
+    """A ``ShardedTensorFactory`` over one stacked expert tensor ``[E_loc, H, 2F]`` / ``[E_loc, F, H]``.
+
+    Built (model weights or, through Megatron's optimizer, any state tensor of the same shape): one
+    ``ShardedTensor`` per home expert ``e`` (two for the SwiGLU ``linear_fc1``: gate rows, up rows) of the
+    transposed row, at expert offset ``e`` of ``E`` on the axis after ``offsets``; for the model weights
+    also the (empty) ``_extra_state`` object Megatron's ``SequentialMLP`` writes per expert, so a plain
+    model finds every key it reads. Merged: the loaded rows stacked back into ``[E_loc, ...]``.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    return ShardedTensorFactory(key, param, functools.partial(_build_experts, shard=shard, offsets=offsets, glu=glu,
+                                                              param=param),
+                                functools.partial(_merge_experts, glu=glu), replica_id)
+
+
+def _build_experts(key: str, data: torch.Tensor, replica_id, flattened_range, *, shard: ExpertShard,
+                   offsets: tuple, glu: bool, param: torch.Tensor) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    if flattened_range is not None:
+        raise ValueError(f"{key}: a flattened range (Megatron's DistributedOptimizer) is not supported for the "
+                         "relibra MoE layer's experts; use a torch optimizer or FP32Optimizer")
+    shard.check_local(data)
+    ax, E = len(offsets), shard.num_experts
+    rows, extra = [], []
+    for i, e in enumerate(shard.expert_ids.tolist()):
+        at = (*offsets, (ax, e, E))
+        w = data[i].t()  # Megatron's [2F, H] / [H, F]
+        halves = torch.chunk(w, 2, dim=0) if glu else (w,)
+        rows.append([ShardedTensor.from_rank_offsets(key, h, *at, *([(ax + 1, j, 2)] if glu else []),
+                                                     replica_id=replica_id, prepend_axis_num=ax + 1)
+                     for j, h in enumerate(halves)])
+        if data is param:
+            extra.append(ShardedObject(key.rsplit(".", 1)[0] + "._extra_state", None,
+                                       tuple(o[2] for o in at), tuple(o[1] for o in at), replica_id))
+    # no empty list: dist_checkpointing would keep it as common (non-sharded) state and fail to merge it back
+    return {"rows": rows, "extra": extra} if extra else {"rows": rows}
+
+
+def _merge_experts(loaded: dict, *, glu: bool) -> torch.Tensor:
+    rows = [torch.cat(parts, dim=0) if glu else parts[0] for parts in loaded["rows"]]
+    return torch.stack(rows).transpose(1, 2).contiguous()
 
 
 def expert_state_dict(layer: RelibraMoELayer) -> dict[str, torch.Tensor]:

@@ -542,3 +542,175 @@ def test_gpt_model_step_with_recompute_matches_megatron():
     from relibra_moe.layers.testing import run_group
 
     run_group(_gpt_step, 2, 2, 5, timeout_s=240)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def expert_truth(layer_number: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``e`` of MoE layer ``layer_number``:
+    Megatron's ``linear_fc1.weight [2F, H]``, ``linear_fc2.weight [H, F]``."""
+    g = torch.Generator().manual_seed(100 * layer_number + e)
+    return torch.randn(2 * F, H, generator=g) * 0.3, torch.randn(H, F, generator=g) * 0.3
+
+
+def held_experts(model, optimizer=None) -> dict:
+    """``{(layer_number, e): (fc1, fc2)}`` of this rank's experts in Megatron's layout (relibra or plain layers);
+    with ``optimizer`` (a torch optimizer) their ``exp_avg`` instead of the weights."""
+    from relibra_moe.integrations import megatron as rm
+
+    def t(p: torch.Tensor) -> torch.Tensor:
+        return (optimizer.state[p]["exp_avg"] if optimizer is not None else p).detach()
+
+    out = {}
+    for moe in rm.megatron_moe_layers(model):
+        if isinstance(moe, rm.RelibraMoELayer):
+            ex = moe.relibra.experts
+            for i, e in enumerate(moe.relibra.home_experts.tolist()):
+                out[(moe.layer_number, e)] = (t(ex.w_gate_up)[i].t(), t(ex.w_down)[i].t())
+        else:
+            for i, e in enumerate(moe.local_expert_indices):
+                m = moe.experts.local_experts[i]
+                out[(moe.layer_number, e)] = (t(m.linear_fc1.weight), t(m.linear_fc2.weight))
+    return out
+
+
+def assert_restored(model, what: str, optimizer=None, scale: float = 1.0) -> None:
+    """Every expert this rank holds equals its truth (``scale`` x: Adam's exp_avg of grad 2 w is 0.2 w), and the
+    ranks together hold all 16 (layer, expert) pairs."""
+    import torch.distributed as dist
+
+    held = held_experts(model, optimizer)
+    for (layer, e), (fc1, fc2) in held.items():
+        want1, want2 = expert_truth(layer, e)
+        torch.testing.assert_close(fc1, want1 * scale, msg=f"{what}: layer {layer} expert {e} linear_fc1")
+        torch.testing.assert_close(fc2, want2 * scale, msg=f"{what}: layer {layer} expert {e} linear_fc2")
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(held))
+    assert sorted(set().union(*map(set, every))) == [(l, e) for l in (1, 2) for e in range(E)], what
+
+
+def fresh_gpt(cfg, seed: int, relibra: bool):
+    """A GPT model whose experts are zero (and dense weights from ``seed``): nothing to find but what is loaded."""
+    from relibra_moe.integrations import megatron as rm
+
+    torch.manual_seed(seed)
+    model = gpt_model(cfg)
+    with torch.no_grad():
+        for moe in rm.megatron_moe_layers(model):
+            for p in moe.experts.parameters():
+                p.zero_()
+    if relibra:
+        rm.swap_moe_layers(model)
+    return model
+
+
+def adam_with_state(model, mc):
+    """Megatron's FP32Optimizer over Adam (lr 0: the weights stay) after one step on grads 2 w: exp_avg = 0.2 w.
+    Param groups as Megatron's get_megatron_optimizer makes them: dense, and expert-parallel (``allreduce=False``)."""
+    groups = [{"params": [p for p in model.parameters() if getattr(p, "allreduce", True) != expert],
+               "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": expert, "is_decoupled_lr": False}
+              for expert in (False, True)]
+    adam = torch.optim.Adam(groups, lr=0.0)
+    for p in model.parameters():
+        p.grad = 2 * p.detach()
+    adam.step()
+    return adam, mc.fp32_optimizer(adam)
+
+
+def save_checkpoint(model, path: str, optimizer=None) -> None:
+    from megatron.core import dist_checkpointing
+
+    sd = {"model": model.sharded_state_dict()}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd["model"])
+    dist_checkpointing.save(sd, path)
+
+
+def load_checkpoint(model, path: str, optimizer=None) -> None:
+    """Megatron's resume: the model's (and optimizer's) sharded state dict -> dist_checkpointing.load ->
+    strict load_state_dict."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = model.sharded_state_dict()
+    sd = {"model": model_sd}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    state = dist_checkpointing.load(sd, path)
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def _checkpoints(rank: int, world: int, root: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from relibra_moe.integrations import megatron as rm
+    from tests import megatron_cpu as mc
+
+    paths = {name: os.path.join(root, name) for name in ("plain", "relibra")}
+    if rank == 0:
+        for p in paths.values():
+            os.makedirs(p)
+    dist.barrier()
+    mc.init_megatron(world)
+    try:
+        cfg = mc.moe_config(E, K, H, F, num_layers=L)
+        torch.manual_seed(0)
+        src = gpt_model(cfg)
+        with torch.no_grad():
+            for moe in rm.megatron_moe_layers(src):
+                for i, e in enumerate(moe.local_expert_indices):
+                    fc1, fc2 = expert_truth(moe.layer_number, e)
+                    moe.experts.local_experts[i].linear_fc1.weight.copy_(fc1)
+                    moe.experts.local_experts[i].linear_fc2.weight.copy_(fc2)
+        dense = {n: p.detach().clone() for n, p in src.named_parameters() if ".experts." not in n}
+        save_checkpoint(src, paths["plain"])
+
+        # a plain Megatron checkpoint into a relibra model whose experts moved (read by logical id)
+        model = fresh_gpt(cfg, 1, relibra=True)
+        rm.relayout(model, two_micro_batch_plan(world, world, 3))
+        load_checkpoint(model, paths["plain"])
+        assert_restored(model, "plain checkpoint -> relibra EP 2 after a relayout")
+        for n, p in model.named_parameters():
+            if "relibra" not in n:
+                torch.testing.assert_close(p.detach(), dense[n], msg=n)
+
+        # relibra checkpoint after another relayout (optimizer state moved with it), Megatron's FP32Optimizer
+        adam, opt = adam_with_state(model, mc)
+        rm.relayout(model, two_micro_batch_plan(world, world, 4), opt)
+        sd = model.sharded_state_dict()
+        fc1 = [v for k, v in sd.items() if k.endswith("layers.0.mlp.relibra.experts.w_gate_up")][0]
+        assert fc1.key == "decoder.layers.mlp.experts.experts.linear_fc1.weight"  # plain Megatron's key
+        save_checkpoint(model, paths["relibra"], opt)
+
+        for what, relibra in (("relibra EP 2", True), ("plain EP 2", False)):
+            target = fresh_gpt(cfg, 2, relibra=relibra)
+            target_adam, target_opt = adam_with_state(target, mc)
+            load_checkpoint(target, paths["relibra"], target_opt)
+            assert_restored(target, f"relibra checkpoint -> {what}")
+            assert_restored(target, f"relibra checkpoint -> {what} (Adam exp_avg)", target_adam, 0.2)
+        mc.destroy_megatron()
+
+        mc.init_megatron(1)  # the same 2 processes as EP 1 (expert data parallel 2): every rank holds all 16
+        cfg = mc.moe_config(E, K, H, F, num_layers=L, expert_model_parallel_size=1)
+        for what, relibra in (("relibra EP 1", True), ("plain EP 1", False)):
+            target = fresh_gpt(cfg, 3, relibra=relibra)
+            target_adam, target_opt = adam_with_state(target, mc)
+            load_checkpoint(target, paths["relibra"], target_opt)
+            assert_restored(target, f"relibra checkpoint -> {what}")
+            assert_restored(target, f"relibra checkpoint -> {what} (Adam exp_avg)", target_adam, 0.2)
+            assert len(held_experts(target)) == 2 * E
+    finally:
+        mc.destroy_megatron()
+
+
+def test_dist_checkpointing_keeps_every_expert_and_cross_loads_with_plain_megatron(tmp_path):
+    """After relayouts on 2 EP ranks, dist_checkpointing save + load restores 16/16 (layer, expert) weights and
+    their Adam state (Megatron's FP32Optimizer) into EP 2 and EP 1, relibra and plain Megatron models; a plain
+    Megatron checkpoint loads into a relibra model."""
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_checkpoints, 2, str(tmp_path), timeout_s=240)
