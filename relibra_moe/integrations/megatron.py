@@ -65,9 +65,9 @@ from ..layers.relayout import relayout as _relayout_layers
 from ..layers.replay import LayerReplay, replay
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import RouterOutput, check_replay_ids
-from ..plan import BatchPlan, Placement
+from ..plan import BatchPlan, Placement, check_replica_slots
 from ..trace import TraceBatch
-from ..validate import is_int
+from ..validate import check_int, is_int
 
 try:  # optional dependency: megatron-core
     from megatron.core.tensor_parallel.random import checkpoint as _mcore_checkpoint
@@ -81,6 +81,9 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
     HAVE_MEGATRON = False
 
 LAYOUTS = ("packed", "sbh")
+#: Megatron optimizer wrappers relayout refuses by name: they step separate fp32 main copies of the parameters
+_MAIN_COPY_OPTIMIZERS = {"DistributedOptimizer": "sharded over the data-parallel ranks in flat buffers",
+                         "Float16OptimizerWithFloat16Params": "one fp32 copy per bf16/fp16 parameter"}
 _MAIN_GRAD_KEY = "relibra_megatron_main_grad"  # where relayout carries Megatron DDP's main_grad (removed after)
 
 __all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronRoutingRecorder", "RelibraMoELayer", "check_config",
@@ -138,6 +141,14 @@ def check_config(config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- layer
+
+
+def _ids_digest(ids: torch.Tensor) -> torch.Tensor:
+    """A 64-bit digest of replayed ids ``[T, k]`` as an int64 0-d tensor on their device (no host sync):
+    the ids weighted by position-dependent odd multipliers, summed with int64 wrap-around."""
+    flat = ids.detach().reshape(-1).to(torch.int64)
+    pos = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
+    return ((flat + 1) * (pos * 6364136223846793005 + 1442695040888963407)).sum()
 
 
 class _MegatronRouter(nn.Module):
@@ -260,6 +271,11 @@ class RelibraMoELayer(MoELayer):
         # rank of the EP group through the layer's agreement, instead of this rank raising before a collective
         self._pending_error: ReplayError | PlanError | None = None
         self._recompute: collections.deque[tuple[BatchPlan | None, int | None, bool]] = collections.deque()
+        # replay_micro_batch calls so far, whether the last one left the ids in RouterReplay, and (call, tokens,
+        # digest) of the ids the last replayed forward used: how a forward finds another micro-batch's ids
+        self._arm = 0
+        self._arm_from_router = False
+        self._replayed: tuple[int, int, torch.Tensor] | None = None
 
     @property
     def name(self) -> str:
@@ -308,6 +324,47 @@ class RelibraMoELayer(MoELayer):
             return _mcore_checkpoint(lambda h: self._forward(h, padding_mask), False, hidden_states)
         return self._forward(hidden_states, padding_mask)
 
+    def _follow_action(self, rr) -> bool:
+        """Whether this (not recomputed) forward replays: the router's action, as the user left it, decides.
+
+        ``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` (set by :func:`replay_micro_batch`, or by the framework, e.g.
+        ``RouterReplay.set_global_router_replay_action``): replay (the layer switches between the two itself).
+        ``RECORD`` or no action (``clear_global_router_replay_action``): the user ended replay; the layer
+        leaves replay mode (forgets the pending plan slice) and routes live, recording under ``RECORD``,
+        as Megatron's own router does.
+        """
+        action = getattr(rr, "router_replay_action", None)
+        if action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+            self._replaying = True
+        elif self._replaying:
+            self._replaying = False
+            self._pending = (None, None)
+        return self._replaying
+
+    def _stale_replay(self, rr) -> ReplayError | None:
+        """``ReplayError`` when this forward would replay the ids another micro-batch already replayed.
+
+        Replay data left in ``RouterReplay`` (``replay_micro_batch(model, None)``, verl / SkyRL style) is
+        identified by its token count and a digest; the first forward after each :func:`replay_micro_batch`
+        compares it with the data the previous micro-batch replayed: equal means ``set_replay_data`` was not
+        called for this micro-batch (without ``RouterReplay.clear_global_indices()`` in between the old ids
+        are still there). Ids handed to ``replay_micro_batch`` itself are this micro-batch's by definition.
+        """
+        target = getattr(rr, "target_topk_idx", None)
+        if not isinstance(target, torch.Tensor) or target.dim() != 2 or target.shape[0] == 0:
+            return None  # nothing to replay: the router adapter names the problem
+        T = int(target.shape[0])
+        prev, self._replayed = self._replayed, (self._arm, T, _ids_digest(target))
+        if prev is None or prev[0] == self._arm or not self._arm_from_router or prev[1] != T:
+            return None
+        if int(prev[2]) != int(self._replayed[2]):
+            return None
+        return ReplayError(f"layer {self.name}: this micro-batch would replay the ids the previous micro-batch "
+                           f"replayed ({T} tokens, digest {int(prev[2]) & (2**64 - 1):016x}): no "
+                           "RouterReplay.set_replay_data for this micro-batch, and no "
+                           "RouterReplay.clear_global_indices() since the last one; set this micro-batch's "
+                           "replay data (or pass it to replay_micro_batch)")
+
     def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None):
         rr = getattr(self.router, "router_replay", None)
         if _in_backward():  # a forward recomputed in backward: replay what its forward used
@@ -315,10 +372,12 @@ class RelibraMoELayer(MoELayer):
                 raise ReplayError(f"layer {self.name}: a recomputed forward has no matching forward")
             plan, m, replaying = self._recompute.popleft()
             action = RouterReplayAction.REPLAY_BACKWARD if replaying else None
+            stale = None
         else:
+            replaying = self._follow_action(rr)
             plan, m = self._pending
-            replaying = self._replaying
             action = RouterReplayAction.REPLAY_FORWARD if replaying else None
+            stale = self._stale_replay(rr) if replaying else None
             if is_checkpointing():
                 self._recompute.append((plan, m, replaying))
             elif replaying and rr is not None and rr.replay_backward_list \
@@ -332,8 +391,9 @@ class RelibraMoELayer(MoELayer):
         shared = self.shared_experts_compute(hidden_states)
         try:
             with replay(self.relibra, None, plan=plan, micro_batch=m):
-                if self._pending_error is not None:
-                    self.relibra.replay_state = LayerReplay(error=self._pending_error)
+                error = self._pending_error if self._pending_error is not None else stale
+                if error is not None:  # the agreement raises it on every rank of the EP group
+                    self.relibra.replay_state = LayerReplay(error=error)
                 out = self.relibra(hidden_states)
         finally:
             self._call = _Call(torch.Size(), None, None)
@@ -444,7 +504,8 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
     """Replace every Megatron ``MoELayer`` of a built model by a :class:`RelibraMoELayer` (same weights).
 
     ``replica_slots``: r replica slots per rank, one :class:`LayerSharedReplicaBuffer` shared by all the
-    model's MoE layers. ``gpus_per_node``: ranks per node of the EP group. Layer ``l`` (module order) is
+    model's MoE layers; at most ``E - E / EP`` (``PlanError`` above it, as ``Planner``: at EP 1 there is
+    nothing to replicate). ``gpus_per_node``: ranks per node of the EP group. Layer ``l`` (module order) is
     the plan's MoE layer ``l``. Call it on every rank (a collective on the EP group: the dispatcher's
     node sub-groups), after moving the model to its device and dtype, before building the optimizer.
     Returns the new layers.
@@ -454,6 +515,10 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
                if isinstance(child, MoELayer) and not isinstance(child, RelibraMoELayer)]
     if not targets:
         raise ValueError("the model has no megatron.core MoELayer to swap")
+    check_int("replica_slots", replica_slots, 0, error=ValueError)
+    first = targets[0][2]
+    ep = dist.get_world_size(first.ep_group) if dist.is_initialized() and first.ep_group is not None else 1
+    check_replica_slots(replica_slots, first.config.num_moe_experts, ep)
     buf = None
     out = []
     for i, (parent, name, child) in enumerate(targets):
@@ -672,8 +737,11 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
         rr = layer.router.router_replay
         if per_layer_ids is not None:
             rr.set_target_indices(ids[i])
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         layer._replaying = True
         layer._pending = (plan, micro_batch)
+        layer._arm += 1
+        layer._arm_from_router = per_layer_ids is None
 
 
 def stop_replay(model: nn.Module) -> None:
@@ -683,6 +751,7 @@ def stop_replay(model: nn.Module) -> None:
         layer._pending = (None, None)
         layer._pending_error = None
         layer._recompute.clear()
+        layer._replayed = None
         layer.router.router_replay.clear_indices()
         layer.router.router_replay.clear_router_replay_action()
 
@@ -726,6 +795,11 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
         _check_plan(layers, placement)
         placement = placement.placement
     opt = optimizer
+    kind = type(opt).__name__
+    if kind in _MAIN_COPY_OPTIMIZERS:
+        raise ValueError(f"relayout does not support Megatron's {kind}: it steps fp32 main copies of the parameters "
+                         f"({_MAIN_COPY_OPTIMIZERS[kind]}), not laid out per expert; use a torch optimizer or "
+                         "FP32Optimizer (fp32 parameters)")
     if opt is not None and not isinstance(opt, torch.optim.Optimizer):
         inner = getattr(opt, "optimizer", None)
         if not isinstance(inner, torch.optim.Optimizer):

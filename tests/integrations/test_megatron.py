@@ -255,6 +255,17 @@ def _bad_input(rank: int, world: int) -> None:
                 torch.testing.assert_close(p.grad, p.detach() - 1)
                 torch.testing.assert_close(p.main_grad, p.detach() * 2 + 1)
 
+        # relayout refuses Megatron's optimizers that step fp32 main copies, by name (they need CUDA: a stand-in)
+        class DistributedOptimizer:
+            def __init__(self, optimizer):
+                self.optimizer = optimizer
+
+        with pytest.raises(ValueError, match="relayout does not support Megatron's DistributedOptimizer"):
+            rm.relayout(model, plan, DistributedOptimizer(opt))
+        # replica slots over the ceiling E - E/G (the Planner's check)
+        with pytest.raises(PlanError, match=r"replica_slots=5 is over the ceiling E - E/G = 4 \(E=8, G=2"):
+            rm.swap_moe_layers(build()[0], replica_slots=5)
+
         # fused router (replay bypassed) and routing replay off: named settings
         from tests import megatron_cpu as mc2
 
@@ -647,6 +658,7 @@ def _checkpoints(rank: int, world: int, root: str) -> None:
 
     import torch.distributed as dist
 
+    from relibra_moe.errors import PlanError
     from relibra_moe.integrations import megatron as rm
     from tests import megatron_cpu as mc
 
@@ -696,6 +708,8 @@ def _checkpoints(rank: int, world: int, root: str) -> None:
 
         mc.init_megatron(1)  # the same 2 processes as EP 1 (expert data parallel 2): every rank holds all 16
         cfg = mc.moe_config(E, K, H, F, num_layers=L, expert_model_parallel_size=1)
+        with pytest.raises(PlanError, match=r"replica_slots=1 is over the ceiling E - E/G = 0 \(E=8, G=1"):
+            rm.swap_moe_layers(gpt_model(cfg), replica_slots=1)  # as Planner: nothing to replicate at EP 1
         for what, relibra in (("relibra EP 1", True), ("plain EP 1", False)):
             target = fresh_gpt(cfg, 3, relibra=relibra)
             target_adam, target_opt = adam_with_state(target, mc)
@@ -714,3 +728,93 @@ def test_dist_checkpointing_keeps_every_expert_and_cross_loads_with_plain_megatr
     from relibra_moe.layers.testing import run_group
 
     run_group(_checkpoints, 2, str(tmp_path), timeout_s=240)
+
+
+# ---------------------------------------------------------------------------------------------- RouterReplay flows
+
+
+def _router_replay_sequences(rank: int, world: int) -> None:
+    """RouterReplay driven as verl's Megatron backend and SkyRL drive it (global actions, set_replay_data)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+
+    from relibra_moe.errors import ReplayError
+    from tests import megatron_cpu as mc
+
+    mc.init_megatron(world)
+    try:
+        ref, rm = build()  # plain Megatron twin: the reference
+        model, _ = build()
+        rm.swap_moe_layers(model)
+        # the framework's view: RouterReplay's global instances are the policy's routers
+        RouterReplay.global_router_replay_instances[:] = [layer.router.router_replay for layer in model.layers]
+        T = 6
+        xs = [torch.randn(T, 1, H, generator=torch.Generator().manual_seed(10 * rank + m)) for m in range(3)]
+
+        def reference(x):
+            """Plain Megatron recording live routing: its output and its recorded ids per layer."""
+            for layer in ref.layers:
+                layer.router.router_replay.clear_indices()
+                layer.router.router_replay.set_router_replay_action(A.RECORD)
+            with torch.no_grad():
+                y = ref(x)
+            return y, [layer.router.router_replay.get_recorded_indices().sort(dim=1).values for layer in ref.layers]
+
+        def recorded():
+            return [t.sort(dim=1).values for t in RouterReplay.get_recorded_data()]
+
+        # record / replay / record, as a framework runs log-prob, training and log-prob forwards: no stop_replay
+        RouterReplay.set_global_router_replay_action(A.RECORD)
+        with torch.no_grad():
+            y = model(xs[0])
+        want_y, want_ids = reference(xs[0])
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(recorded(), want_ids))
+        ids = [random_ids(T, 70 + 10 * rank + l) for l in range(2)]
+        RouterReplay.set_replay_data(ids)
+        rm.replay_micro_batch(model, None)
+        with torch.no_grad():
+            model(xs[1])
+        for layer, t in zip(model.layers, ids):
+            assert torch.equal(layer.relibra.last_routing.sort(dim=1).values, t.sort(dim=1).values)
+        RouterReplay.set_global_router_replay_action(A.RECORD)  # the user's action: record (replay data still set)
+        with torch.no_grad():
+            y = model(xs[2])
+        want_y, want_ids = reference(xs[2])
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(recorded(), want_ids))
+        assert not any(layer._replaying for layer in model.layers)
+
+        # stale ids: micro-batch b's forward without set_replay_data (and without clear_global_indices) would
+        # replay micro-batch a's ids: a ReplayError on every rank, naming the rank that found it
+        RouterReplay.clear_global_indices()
+        RouterReplay.set_replay_data([random_ids(T, 80 + 10 * rank + l) for l in range(2)])
+        rm.replay_micro_batch(model, None)
+        with torch.no_grad():
+            model(xs[0])
+        rm.replay_micro_batch(model, None)
+        with pytest.raises(ReplayError, match=r"rank 0 of the EP group rejected its replay data: layer moe\[0\]: this "
+                                              r"micro-batch would replay the ids the previous micro-batch replayed "
+                                              r"\(6 tokens"):
+            model(xs[1])
+        if rank == 0:  # on rank 1 only: rank 0 sets its data, both raise
+            RouterReplay.set_replay_data([random_ids(T, 90 + l) for l in range(2)])
+        rm.replay_micro_batch(model, None)
+        with pytest.raises(ReplayError, match="rank 1 of the EP group rejected its replay data: .*would replay the ids "
+                                              "the previous micro-batch replayed"):
+            model(xs[1])
+        # fresh data for the next micro-batch: replays it
+        RouterReplay.set_replay_data([random_ids(T, 95 + rank + l) for l in range(2)])
+        rm.replay_micro_batch(model, None)
+        with torch.no_grad():
+            model(xs[1])
+    finally:
+        mc.destroy_megatron()
+
+
+def test_router_replay_record_replay_record_and_stale_ids():
+    """The record / replay / record sequence without stop_replay records live routing (as plain Megatron); a
+    forward that would replay another micro-batch's ids raises a named ReplayError on every rank."""
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_router_replay_sequences, 2, timeout_s=120)
