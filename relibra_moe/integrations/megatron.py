@@ -253,8 +253,11 @@ class RelibraMoELayer(MoELayer):
         with torch.no_grad():
             experts.w_gate_up.copy_(w_gate_up)
             experts.w_down.copy_(w_down)
+        # Megatron's marker of expert-parallel parameters (False: reduced over the expert data-parallel group), as
+        # Megatron set it on the experts (True at EP 1): optimizers and DDP group the parameters as the plain model's
+        allreduce = all(getattr(p, "allreduce", True) for p in moe.experts.parameters())
         for p in experts.parameters():
-            p.allreduce = False  # Megatron's marker of expert-parallel parameters (reduced over expert DP)
+            p.allreduce = allreduce
         self.relibra = ReplayBalancedMoE(H, F, E, k, ep_group=moe.ep_group, gpus_per_node=gpus_per_node,
                                          replica_buffer=replica_buffer, router=_MegatronRouter(self, E, k),
                                          layer_index=layer_index, experts=experts)
@@ -777,6 +780,41 @@ def _check_plan(layers: Sequence[RelibraMoELayer], plan: BatchPlan) -> None:
 # ---------------------------------------------------------------------------------------------- relayout
 
 
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside ``optimizer`` (itself, a Megatron wrapper's ``.optimizer``, every optimizer of
+    a ``ChainedOptimizer``); ``ValueError`` naming a wrapper that steps fp32 main copies, or an unknown type."""
+    kind = type(optimizer).__name__
+    if kind in _MAIN_COPY_OPTIMIZERS:
+        raise ValueError(f"relayout does not support Megatron's {kind}: it steps fp32 main copies of the parameters "
+                         f"({_MAIN_COPY_OPTIMIZERS[kind]}), not laid out per expert; use a torch optimizer or "
+                         "FP32Optimizer (fp32 parameters)")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    chained = vars(optimizer).get("chained_optimizers")
+    if chained is not None:
+        return [t for o in chained for t in _torch_optimizers(o)]
+    inner = vars(optimizer).get("optimizer")  # not ChainedOptimizer's property (it asserts a single optimizer)
+    if isinstance(inner, torch.optim.Optimizer):
+        return [inner]
+    raise ValueError(f"optimizer of type {kind} is neither a torch optimizer nor a Megatron wrapper with one")
+
+
+def _expert_optimizer(optimizer, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """The one torch optimizer inside ``optimizer`` that steps every expert parameter itself (``ValueError``)."""
+    want = {id(p) for p in params}
+    found = [o for o in _torch_optimizers(optimizer)
+             if want & {id(p) for g in o.param_groups for p in g["params"]}]
+    stepped = {id(p) for o in found for g in o.param_groups for p in g["params"]}
+    if not found or not want <= stepped:
+        raise ValueError(f"optimizer {type(optimizer).__name__} does not step the expert parameters themselves "
+                         "(it keeps separate main copies, e.g. a mixed-precision or distributed Megatron "
+                         "optimizer); use a torch optimizer over the model's parameters")
+    if len(found) > 1:
+        raise ValueError(f"optimizer {type(optimizer).__name__} steps the expert parameters with {len(found)} "
+                         "optimizers; relayout moves the state of one (put every expert parameter in one)")
+    return found[0]
+
+
 def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
              optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Move every relibra MoE layer's experts to ``placement`` with their gradients and optimizer state.
@@ -785,35 +823,18 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
     ``main_grad`` buffers when present, and of every optimizer state tensor shaped like the parameter
     (Adam's moments, SGD momentum). ``optimizer``: a ``torch.optim.Optimizer`` over the model's
     parameters, or a Megatron optimizer wrapper whose inner ``.optimizer`` steps the model's parameters
-    themselves (``FP32Optimizer``). Wrappers that step separate fp32 main copies (mixed-precision and
-    distributed optimizers, which also shard their state over data-parallel ranks) are refused with a
-    ``ValueError``: their shards are not laid out per expert. A collective over the EP group; raises
+    themselves (``FP32Optimizer``, alone or in a ``ChainedOptimizer``: the one stepping the experts).
+    Wrappers that step separate fp32 main copies (``Float16OptimizerWithFloat16Params``,
+    ``DistributedOptimizer``, which also shards its state over data-parallel ranks) are refused by name with
+    a ``ValueError``: their copies are not laid out per expert. A collective over the EP group; raises
     ``PlanError`` (on every rank) for a placement that does not fit. Also clears pending recomputes.
     """
     layers = _relibra_layers(model)
     if isinstance(placement, BatchPlan):
         _check_plan(layers, placement)
         placement = placement.placement
-    opt = optimizer
-    kind = type(opt).__name__
-    if kind in _MAIN_COPY_OPTIMIZERS:
-        raise ValueError(f"relayout does not support Megatron's {kind}: it steps fp32 main copies of the parameters "
-                         f"({_MAIN_COPY_OPTIMIZERS[kind]}), not laid out per expert; use a torch optimizer or "
-                         "FP32Optimizer (fp32 parameters)")
-    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise ValueError(f"optimizer of type {type(opt).__name__} is neither a torch optimizer nor a Megatron "
-                             "wrapper with one")
-        opt = inner
     params = [p for layer in layers for p in layer.relibra.experts.parameters()]
-    if opt is not None:
-        stepped = {id(p) for g in opt.param_groups for p in g["params"]}
-        missing = [p for p in params if id(p) not in stepped]
-        if missing:
-            raise ValueError(f"optimizer {type(optimizer).__name__} does not step the expert parameters themselves "
-                             "(it keeps separate main copies, e.g. a mixed-precision or distributed Megatron "
-                             "optimizer); use a torch optimizer over the model's parameters")
+    opt = _expert_optimizer(optimizer, params) if optimizer is not None else None
     # Megatron DDP keeps gradients in main_grad views of its grad buffer. relayout moves, in place, every
     # optimizer state tensor shaped like the parameter: main_grad rides along as one, under a reserved key
     carrier = opt if opt is not None else torch.optim.SGD(params, lr=0.0)

@@ -617,16 +617,22 @@ def fresh_gpt(cfg, seed: int, relibra: bool):
 
 
 def adam_with_state(model, mc):
-    """Megatron's FP32Optimizer over Adam (lr 0: the weights stay) after one step on grads 2 w: exp_avg = 0.2 w.
-    Param groups as Megatron's get_megatron_optimizer makes them: dense, and expert-parallel (``allreduce=False``)."""
-    groups = [{"params": [p for p in model.parameters() if getattr(p, "allreduce", True) != expert],
-               "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": expert, "is_decoupled_lr": False}
-              for expert in (False, True)]
-    adam = torch.optim.Adam(groups, lr=0.0)
+    """The optimizer Megatron's get_megatron_optimizer builds for fp32 without the distributed optimizer: a
+    ChainedOptimizer of FP32Optimizers over Adam, one for the dense parameters and one for the experts, after one
+    step (lr 0: the weights stay) on grads 2 w: exp_avg = 0.2 w. Returns (the experts' Adam, the chained optimizer).
+    (Megatron groups by ``allreduce``, which is True for experts at EP 1: its chain then differs between EP 2 and
+    EP 1; grouping by name keeps one chain, so the state can be checked across EP sizes.)"""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    adams = [torch.optim.Adam([{"params": [p for n, p in model.named_parameters() if (".experts." in n) == expert],
+                                "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": expert,
+                                "is_decoupled_lr": False}], lr=0.0)
+             for expert in (False, True)]
     for p in model.parameters():
         p.grad = 2 * p.detach()
-    adam.step()
-    return adam, mc.fp32_optimizer(adam)
+    for adam in adams:
+        adam.step()
+    return adams[1], ChainedOptimizer([mc.fp32_optimizer(adam) for adam in adams])
 
 
 def save_checkpoint(model, path: str, optimizer=None) -> None:
@@ -683,6 +689,8 @@ def _checkpoints(rank: int, world: int, root: str) -> None:
 
         # a plain Megatron checkpoint into a relibra model whose experts moved (read by logical id)
         model = fresh_gpt(cfg, 1, relibra=True)
+        assert all(p.allreduce is False for layer in rm.megatron_moe_layers(model)  # Megatron's marker at EP 2
+                   for p in layer.relibra.experts.parameters())
         rm.relayout(model, two_micro_batch_plan(world, world, 3))
         load_checkpoint(model, paths["plain"])
         assert_restored(model, "plain checkpoint -> relibra EP 2 after a relayout")
@@ -692,7 +700,8 @@ def _checkpoints(rank: int, world: int, root: str) -> None:
 
         # relibra checkpoint after another relayout (optimizer state moved with it), Megatron's FP32Optimizer
         adam, opt = adam_with_state(model, mc)
-        rm.relayout(model, two_micro_batch_plan(world, world, 4), opt)
+        rm.relayout(model, two_micro_batch_plan(world, world, 4), opt)  # moves the state in the expert optimizer
+        assert_restored(model, "relibra after relayout (Adam exp_avg)", adam, 0.2)
         sd = model.sharded_state_dict()
         fc1 = [v for k, v in sd.items() if k.endswith("layers.0.mlp.relibra.experts.w_gate_up")][0]
         assert fc1.key == "decoder.layers.mlp.experts.experts.linear_fc1.weight"  # plain Megatron's key
@@ -712,6 +721,7 @@ def _checkpoints(rank: int, world: int, root: str) -> None:
             rm.swap_moe_layers(gpt_model(cfg), replica_slots=1)  # as Planner: nothing to replicate at EP 1
         for what, relibra in (("relibra EP 1", True), ("plain EP 1", False)):
             target = fresh_gpt(cfg, 3, relibra=relibra)
+            assert all(p.allreduce for n, p in target.named_parameters() if ".experts." in n)  # as Megatron at EP 1
             target_adam, target_opt = adam_with_state(target, mc)
             load_checkpoint(target, paths["relibra"], target_opt)
             assert_restored(target, f"relibra checkpoint -> {what}")
