@@ -42,6 +42,11 @@ biases (``gated_linear_unit=True``, ``activation_func=silu``, ``add_bias_linear=
 (``moe_expert_capacity_factor=None``), no latent MoE projections, no shared-expert overlap. The swapped
 layer's expert parameters are relibra's stacked ``w_gate_up [E_loc, H, 2F]`` / ``w_down [E_loc, F, H]``
 (``expert_state_dict`` gives them back in Megatron's ``SequentialMLP`` names and layout).
+
+Checkpoints. :meth:`RelibraMoELayer.sharded_state_dict` gives Megatron's ``dist_checkpointing`` the plain
+``SequentialMLP`` keys and layout, every home expert at the offset of its logical id
+(:mod:`relibra_moe.layers.expert_sharding`): every expert is saved once, in any placement, and loads into
+any EP size, relibra or plain Megatron; Megatron's ``FP32Optimizer`` saves the experts' state alike.
 """
 
 from __future__ import annotations
@@ -708,7 +713,11 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
     tensor per MoE layer (:func:`replay_data`), handed to each layer's ``RouterReplay``; ``None`` keeps
     replay data set by ``RouterReplay.set_replay_data`` (verl-style). ``plan`` / ``micro_batch``: the
     replica plan slice of this micro-batch (``plan.placement`` must be applied with :func:`relayout`).
-    The layers switch ``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` themselves.
+    Sets every router's action to ``REPLAY_FORWARD``; the layers switch ``REPLAY_FORWARD`` /
+    ``REPLAY_BACKWARD`` themselves, and leave replay when the router's action is set to ``RECORD`` or
+    cleared (as Megatron's router does; no :func:`stop_replay` needed). With ``per_layer_ids=None`` the
+    first forward checks that the ids in ``RouterReplay`` are not the previous micro-batch's (token count
+    and digest; ``ReplayError`` on every rank of the EP group).
 
     ``ReplayError`` (wrong number of layers, or a router without ``RouterReplay``) and ``PlanError`` (a plan
     for another EP size, number of experts or layers): raised here on a one-rank group; on an EP group of
