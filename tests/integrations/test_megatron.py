@@ -601,7 +601,7 @@ def assert_restored(model, what: str, optimizer=None, scale: float = 1.0) -> Non
     assert sorted(set().union(*map(set, every))) == [(l, e) for l in (1, 2) for e in range(E)], what
 
 
-def fresh_gpt(cfg, seed: int, relibra: bool):
+def fresh_gpt(cfg, seed: int, relibra: bool, replica_slots: int = 0):
     """A GPT model whose experts are zero (and dense weights from ``seed``): nothing to find but what is loaded."""
     from relibra_moe.integrations import megatron as rm
 
@@ -612,7 +612,7 @@ def fresh_gpt(cfg, seed: int, relibra: bool):
             for p in moe.experts.parameters():
                 p.zero_()
     if relibra:
-        rm.swap_moe_layers(model)
+        rm.swap_moe_layers(model, replica_slots=replica_slots)
     return model
 
 
@@ -688,7 +688,7 @@ def _checkpoints(rank: int, world: int, root: str) -> None:
         save_checkpoint(src, paths["plain"])
 
         # a plain Megatron checkpoint into a relibra model whose experts moved (read by logical id)
-        model = fresh_gpt(cfg, 1, relibra=True)
+        model = fresh_gpt(cfg, 1, relibra=True, replica_slots=1)
         assert all(p.allreduce is False for layer in rm.megatron_moe_layers(model)  # Megatron's marker at EP 2
                    for p in layer.relibra.experts.parameters())
         rm.relayout(model, two_micro_batch_plan(world, world, 3))
@@ -706,6 +706,15 @@ def _checkpoints(rank: int, world: int, root: str) -> None:
         fc1 = [v for k, v in sd.items() if k.endswith("layers.0.mlp.relibra.experts.w_gate_up")][0]
         assert fc1.key == "decoder.layers.mlp.experts.experts.linear_fc1.weight"  # plain Megatron's key
         save_checkpoint(model, paths["relibra"], opt)
+        # the checkpoint's tensors: plain Megatron's keys and global shapes (no replica slot), plus the optimizer's
+        from megatron.core import dist_checkpointing
+
+        def tensors(path):
+            return {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(path).items()}
+
+        plain, ours = tensors(paths["plain"]), tensors(paths["relibra"])
+        assert {k: v for k, v in ours.items() if not k.startswith("chained_")} == plain
+        assert ours["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (L, E, 2 * F, H)
 
         for what, relibra in (("relibra EP 2", True), ("plain EP 2", False)):
             target = fresh_gpt(cfg, 2, relibra=relibra)
