@@ -98,7 +98,8 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
                  micro_batch_size: int | None = None, layers: int | None = None, batches: int = 1,
                  rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1,
                  sample_owner: str = "planner", sample_gpu_path: str | None = None,
-                 cluster_profile: str | None = None, dispatcher: str | None = None) -> dict[str, Any]:
+                 cluster_profile: str | None = None, dispatcher: str | None = None,
+                 overlap: str | None = None) -> dict[str, Any]:
     """Load the trace, run the comparison, return the JSON-ready result (what ``--json OUT`` writes).
 
     ``sample_owner``: "planner", "trainer" or "both" (``steady.run_steady``); ``sample_gpu_path``: the trainer's
@@ -123,7 +124,7 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     if layers is not None and layers < 1:
         raise PlanError(f"--layers={layers} must be >= 1")
     model = model_by_name(model_name)
-    cluster = cluster_by_name(cluster_name, nodes, gpus_per_node, cluster_profile, dispatcher)
+    cluster = cluster_by_name(cluster_name, nodes, gpus_per_node, cluster_profile, dispatcher, overlap)
     batch = TraceBatch.load(trace_path)
     check_batch_model(batch, model, f"trace {trace_path}")  # before --layers cuts both to their first layers
     check_micro_batches(batch, trace_path, micro_batch_size)
@@ -161,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                        micro_batch_size=args.micro_batch_size, layers=args.layers, batches=args.batches,
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
                        workers=args.workers, sample_owner=args.sample_owner, sample_gpu_path=args.sample_gpu,
-                       cluster_profile=args.cluster_profile, dispatcher=args.dispatcher)
+                       cluster_profile=args.cluster_profile, dispatcher=args.dispatcher, overlap=args.overlap)
     console = Console()
     if not console.is_terminal:  # a pipe or a file: keep the table's rows and title unwrapped
         console = Console(width=max(console.width, 160))
