@@ -36,6 +36,10 @@ LINK_NAMES = ("loc", "nv", "sr", "cr")
 DISPATCHERS = ("alltoall", "deepep")
 """How the token dispatch moves tokens: Megatron's all-to-all (one copy per (token, expert) pair) or DeepEP's
 normal kernels (one RDMA copy per (token, remote node), NVLink forwarding, one copy per (token, GPU))."""
+GEMM_RATE_BAND = (300e12, 600e12)
+"""Expert-GEMM FLOP/s (forward + backward, bf16, H100-class) plausible at shapes nobody has measured (GLM-4.5's
+4096 x 1408, Qwen3-235B's 4096 x 1536): the low and high ends the paper table and ``relibra compare --rate-band``
+report beside the presets' 413 TFLOP/s (docs/method.md, "Rates": sources and reasoning)."""
 OVERLAPS = ("none", "megatron", "dualpipe")
 """How the trainer hides the MoE all-to-all behind compute (``ClusterSpec.overlap``; ``timing.layer_step_seconds``
 has the rules, docs/method.md "Overlap" their sources)."""
