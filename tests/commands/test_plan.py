@@ -600,3 +600,20 @@ def test_demo_runs_both_modes_side_by_side():
     st = res["strategies"]
     assert st["relibra (trainer)"]["sample_owner"] == "trainer" and st["relibra"]["sample_owner"] == "planner"
     assert st["static (trainer)"]["step_s"] == pytest.approx(st["static"]["step_s"], rel=1e-12)
+
+
+def test_cli_overlap_and_bound(trace_file, tmp_path, capsys):
+    """--overlap reaches the plan's cluster (the simulated step is the library's under that overlap, the plan
+    records it) and score re-simulates under the flag it is given; --bound reports percent_of_bound <= 100."""
+    out = tmp_path / "ov.npz"
+    res = _run(_plan_args(trace_file, out, "relibra", "--replica-slots", "1", "--overlap", "megatron", "--bound"),
+               capsys)
+    assert res["cluster"]["overlap"] == "megatron" and res["overlap_hidden_s"] > 0
+    assert 0 < res["percent_of_bound"] <= 100.0 and res["bound_t_moe_s"] <= res["t_moe_s"]
+    plan = BatchPlan.load(out)
+    assert plan.stats["overlap"] == "megatron"
+    batch = TraceBatch.load(trace_file).with_micro_batch_size(4)
+    cluster = CLUSTER.with_(overlap="megatron")
+    assert res["step_s"] == pytest.approx(simulate_step(plan, batch, MODEL, cluster).step_s, rel=1e-12)
+    scored = _run(["score", str(trace_file), str(out), "--model", "gpt-oss-20b", "--json"], capsys)
+    assert scored["cluster"]["overlap"] == "none" and scored["step_s"] > res["step_s"]
