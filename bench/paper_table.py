@@ -20,6 +20,8 @@ there is skipped (resumable).
     python bench/paper_table.py                     # every cell: h100, both dispatchers, none + megatron, 3 rates
     python bench/paper_table.py --overlaps none,megatron,dualpipe --rates 413
     python bench/paper_table.py --table             # print the tables of the cells written so far
+    python bench/paper_table.py --cluster-profile P.json --models qwen3-235b-a22b   # a `relibra calibrate` profile:
+                                                    # its dispatcher and rate (measured at the model's shape)
 """
 
 from __future__ import annotations
@@ -228,6 +230,9 @@ def levers(have: list) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cluster", default="h100", help="cluster preset (default h100)")
+    ap.add_argument("--cluster-profile", default=None,
+                    help="cluster profile JSON (relibra calibrate --model M): its dispatcher and GEMM rate replace "
+                         "--dispatchers and --rates")
     ap.add_argument("--dispatchers", default="alltoall,deepep", help="dispatchers to run")
     ap.add_argument("--overlaps", default="none,megatron", help="overlap rules to run (none, megatron, dualpipe)")
     ap.add_argument("--rates", default="300,413,600", help="expert-GEMM rates, TFLOP/s (default: band ends, preset)")
@@ -243,19 +248,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print(table())
         return 0
-    from relibra_moe.specs import cluster_preset
+    from relibra_moe.specs import cluster_preset, load_cluster_profile
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     wanted = args.models.split(",")
     for model, nodes in MODELS:
         if model not in wanted:
             continue
+        profile = None if args.cluster_profile is None else load_cluster_profile(args.cluster_profile, nodes, 8)
         for dom in DOMAINS:
-            for disp in dispatchers:
+            for disp in (profile.dispatcher,) if profile else dispatchers:
                 for ov in overlaps:
-                    for rate in rates:
-                        cluster = cluster_preset(args.cluster, nodes=nodes, gpus_per_node=8, dispatcher=disp,
-                                                 overlap=ov).with_(flops=rate)
+                    for rate in (profile.flops,) if profile else rates:
+                        cluster = (profile.with_(overlap=ov) if profile else
+                                   cluster_preset(args.cluster, nodes=nodes, gpus_per_node=8, dispatcher=disp,
+                                                  overlap=ov).with_(flops=rate))
                         path = cell_path(model, dom[0], disp, ov, rate)
                         if path.exists():
                             print(f"{path.name}: done, skipped")
