@@ -1,18 +1,27 @@
-"""The ReLibra paper's evaluation, side by side with the simulator under a calibrated preset (issue 24).
+"""The ReLibra paper's evaluation, side by side with the simulator: both dispatchers, with and without the trainer's
+compute / all-to-all overlap, at the ends of the GEMM-rate band, against length-balanced baselines and the bound.
 
 The paper's setting (docs/method.md, /work/shared/RELIBRA.md section 8): Qwen3-30B-A3B at EP16 (2 x 8), GLM4.5-106B-A12B
 and Qwen3-235B-A22B at EP32 (4 x 8); a global batch of 1024 samples (256 prompts x 4 responses) in 32 micro-batches
-of 32; reasoning and mixed domains; Megatron's all-to-all dispatcher. Here the batches are SYNTHETIC
-(``relibra_moe.synthetic.rl_batch``: ``math`` stands for reasoning), only the first ``--layers`` MoE layers are planned
-and simulated (default 4, to stay tractable on a 2-core CPU; every figure is a ratio or a per-layer time, which the
-layer count does not scale), and the step is ``relibra_moe.sim.simulate_step`` (moves, replica and reorder traffic
-charged). Each (model, domain, dispatcher) cell plans static, relibra-inter (+ reorder: reorder and sample locality),
-relibra (+ replication, r = 2), EPLB+ (r = 2), LPLB+ and Balanced, and is written to
-``bench/results/paper_table/<model>_<domain>_<dispatcher>.json``; a cell already there is skipped (resumable).
+of 32; reasoning and mixed domains. Here the batches are SYNTHETIC (``relibra_moe.synthetic.rl_batch``: ``math``
+stands for reasoning), only the first ``--layers`` MoE layers are planned and simulated (default 4, to stay tractable
+on a 2-core CPU; every figure is a ratio or a per-layer time, which the layer count does not scale), and the step is
+``relibra_moe.sim.simulate_step`` (moves, replica and reorder traffic charged).
 
-    python bench/paper_table.py                          # every cell, h100 preset, both dispatchers
-    python bench/paper_table.py --cluster-profile P.json # a calibrated profile (its dispatcher only)
-    python bench/paper_table.py --table                  # print the table of the cells written so far
+Each cell (model, domain, dispatcher, overlap, expert-GEMM rate) plans static, relibra-inter (+ reorder),
+relibra (+ replication, r = 2), EPLB+ (r = 2), LPLB+ (r = 2 where it reads it), online (r = 2) and the bound
+(``balanced``, r = 2) on the round-robin sample placement, and static, EPLB+, LPLB+ and online again on a
+LENGTH-BALANCED placement that the trainer owns (``sample_owner="trainer"``): per micro-batch, longest sample first
+onto the GPU with the fewest tokens so far (``length_balanced_gpus``; what a verl / slime user's trainer already does
+to the samples). The rate is the preset's (413 TFLOP/s) or an end of ``specs.GEMM_RATE_BAND`` (300 / 600). One JSON
+per cell in ``bench/results/paper_table/<model>_<domain>_<dispatcher>_<overlap>_r<TFLOP/s>.json``; a cell already
+there is skipped (resumable).
+
+    python bench/paper_table.py                     # every cell: h100, both dispatchers, none + megatron, 3 rates
+    python bench/paper_table.py --overlaps none,megatron,dualpipe --rates 413
+    python bench/paper_table.py --table             # print the tables of the cells written so far
+    python bench/paper_table.py --cluster-profile P.json --models qwen3-235b-a22b   # a `relibra calibrate` profile:
+                                                    # its dispatcher and rate (measured at the model's shape)
 """
 
 from __future__ import annotations
@@ -25,13 +34,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 RESULTS = Path(__file__).resolve().parent / "results" / "paper_table"
 MODELS = (("qwen3-30b-a3b", 2), ("glm4.5-106b-a12b", 4), ("qwen3-235b-a22b", 4))
 """(model preset, nodes of 8 GPUs): the paper's EP16 / EP32 / EP32."""
 DOMAINS = (("reasoning", "math"), ("mixed", "mixed"))
 """(paper's name, synthetic domain)."""
-STRATEGIES = ("static", "relibra-inter", "relibra", "eplb", "lplb", "balanced")
-REPLICA_SLOTS = {"relibra": 2, "eplb": 2}
+STRATEGIES = ("static", "relibra-inter", "relibra", "eplb", "lplb", "online", "balanced")
+LENGTH_BALANCED = ("static", "eplb", "lplb", "online")
+"""The baselines planned again on the length-balanced placement (trainer-owned)."""
+REPLICA_SLOTS = 2
 
 PAPER = {
     "speedup_vs_static": "1.21-1.58x (Megatron-LM)",
@@ -45,13 +58,44 @@ PAPER = {
 """The paper's figures (RELIBRA.md section 7-8): the ablation is reported for Qwen3-235B only."""
 
 
-def cell_path(model: str, domain: str, dispatcher: str, tag: str) -> Path:
-    return RESULTS / f"{model}_{domain}_{dispatcher}{tag}.json"
+def length_balanced_gpus(lengths: np.ndarray, micro_batch: np.ndarray, num_gpus: int) -> np.ndarray:
+    """int64 ``[N]``: per micro-batch, samples longest first (ties: lower index) onto the GPU with the fewest tokens
+    so far (ties: lower GPU)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    out = np.zeros(len(lengths), np.int64)
+    for m in np.unique(mb):
+        idx = np.flatnonzero(mb == m)
+        load = np.zeros(num_gpus, np.int64)
+        for n in idx[np.argsort(-lengths[idx], kind="stable")]:
+            g = int(np.argmin(load))
+            out[n] = g
+            load[g] += lengths[n]
+    return out
+
+
+def cell_path(model: str, domain: str, dispatcher: str, overlap: str, rate: float) -> Path:
+    return RESULTS / f"{model}_{domain}_{dispatcher}_{overlap}_r{rate / 1e12:.0f}.json"
+
+
+def _row(plan: Any, step: Any, solve: float, cells: int) -> dict[str, Any]:
+    d = step.to_dict()
+    d.pop("micro_batch_s")
+    d.update(solve_s=solve, push_ms_per_cell=1e3 * step.replica_push_s / cells,
+             pull_ms_per_cell=1e3 * step.replica_pull_s / cells,
+             attention_fwd_ms_per_cell=1e3 * step.attention_fwd_s / cells,
+             attention_bwd_ms_per_cell=1e3 * step.attention_bwd_s / cells,
+             moe_comm_over_comp_fwd=step.moe_fwd_comm_s / max(step.moe_fwd_comp_s, 1e-30),
+             experts_moved=step.experts_moved)
+    if "portfolio" in plan.stats:
+        d["portfolio"] = plan.stats["portfolio"]["chosen"]
+    return d
 
 
 def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any, layers: int, prompts: int,
              seed: int) -> dict[str, Any]:
-    """Plan and simulate every strategy of one cell; the JSON-ready result."""
+    """Plan and simulate every strategy of one cell (and the length-balanced baselines); the JSON-ready result."""
+    from relibra_moe.planners.options import REPLICA_STRATEGIES
     from relibra_moe.planners.strategies import plan_batch
     from relibra_moe.sim import simulate_step
     from relibra_moe.specs import model_preset
@@ -60,90 +104,149 @@ def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any,
     full = model_preset(model_name)
     batch = rl_batch(full, domain[1], prompts, 4, seed=seed, micro_batch_size=32).restrict_layers(layers)
     model = full.with_(num_layers=batch.num_layers)
+    lb = length_balanced_gpus(batch.lengths, batch.micro_batch, cluster.num_gpus)
     out: dict[str, Any] = {"model": model_name, "domain": domain[0], "synthetic_domain": domain[1],
                            "nodes": nodes, "gpus_per_node": cluster.gpus_per_node, "layers": layers,
                            "layers_total": full.num_layers, "samples": batch.num_sequences,
                            "tokens": int(batch.num_tokens), "micro_batches": int(batch.micro_batch.max()) + 1,
                            "cluster": {"name": cluster.name, "dispatcher": cluster.dispatcher,
-                                       "flops": cluster.flops, "attn_flops": cluster.attention_flops,
-                                       "nvlink_bw": cluster.nvlink_bw, "rdma_bw": cluster.rdma_bw},
-                           "strategies": {}}
+                                       "overlap": cluster.overlap, "flops": cluster.flops,
+                                       "attn_flops": cluster.attention_flops, "nvlink_bw": cluster.nvlink_bw,
+                                       "rdma_bw": cluster.rdma_bw},
+                           "length_balanced": "per micro-batch, longest first onto the GPU with the fewest tokens "
+                                              "(trainer-owned sample_gpu)",
+                           "strategies": {}, "length_balanced_strategies": {}}
     cells = (int(batch.micro_batch.max()) + 1) * layers
-    for s in STRATEGIES:
+    runs = [(s, {}) for s in STRATEGIES] + [(s, {"sample_owner": "trainer", "sample_gpu": lb})
+                                            for s in LENGTH_BALANCED]
+    for s, kw in runs:
         t0 = time.perf_counter()
-        plan = plan_batch(batch, model, cluster, s, replica_slots=REPLICA_SLOTS.get(s, 0), seed=seed)
+        r = REPLICA_SLOTS if s in REPLICA_STRATEGIES else 0
+        plan = plan_batch(batch, model, cluster, s, replica_slots=r, seed=seed, **kw)
         solve = time.perf_counter() - t0
         step = simulate_step(plan, batch, model, cluster)
-        d = step.to_dict()
-        d.pop("micro_batch_s")
-        d.update(solve_s=solve, push_ms_per_cell=1e3 * step.replica_push_s / cells,
-                 pull_ms_per_cell=1e3 * step.replica_pull_s / cells,
-                 attention_fwd_ms_per_cell=1e3 * step.attention_fwd_s / cells,
-                 attention_bwd_ms_per_cell=1e3 * step.attention_bwd_s / cells,
-                 moe_comm_over_comp_fwd=step.moe_fwd_comm_s / max(step.moe_fwd_comp_s, 1e-30))
-        out["strategies"][s] = d
-        print(f"  {s:14s} step {step.step_s:.4f} s  solve {solve:.1f} s", flush=True)
+        key = "length_balanced_strategies" if kw else "strategies"
+        out[key][s] = _row(plan, step, solve, cells)
+        print(f"  {s:14s}{' (length-balanced)' if kw else ''} step {step.step_s:.4f} s  solve {solve:.1f} s",
+              flush=True)
     return out
 
 
-def ratios(cell: dict[str, Any]) -> dict[str, float]:
-    """Speedups (step-time ratios) of a cell: the ablation, over EPLB+ / LPLB+, % of Balanced."""
+def ratios(cell: dict[str, Any]) -> dict[str, Any]:
+    """Speedups (step-time ratios) of a cell: the ablation, over EPLB+ / LPLB+ / online, over the best
+    length-balanced baseline, and % of the bound."""
     st = {k: v["step_s"] for k, v in cell["strategies"].items()}
+    lb = {k: v["step_s"] for k, v in cell["length_balanced_strategies"].items()}
+    best_lb = min(lb, key=lb.get)
     return {"reorder": st["static"] / st["relibra-inter"], "total": st["static"] / st["relibra"],
             "replication_gain": st["relibra-inter"] / st["relibra"], "vs_eplb": st["eplb"] / st["relibra"],
-            "vs_lplb": st["lplb"] / st["relibra"], "pct_balanced": 100 * st["balanced"] / st["relibra"]}
+            "vs_lplb": st["lplb"] / st["relibra"], "vs_online": st["online"] / st["relibra"],
+            "vs_best_length_balanced": lb[best_lb] / st["relibra"], "best_length_balanced": best_lb,
+            "pct_bound": 100 * st["balanced"] / st["relibra"]}
 
 
-def table(tag: str) -> str:
-    """Markdown tables of the cells written so far (per dispatcher), with the paper's figures beside them."""
+def _cells(dispatchers: tuple[str, ...], overlaps: tuple[str, ...], rates: tuple[float, ...]):
+    for model, _ in MODELS:
+        for dom, _ in DOMAINS:
+            for disp in dispatchers:
+                for ov in overlaps:
+                    for rate in rates:
+                        p = cell_path(model, dom, disp, ov, rate)
+                        if p.exists():
+                            yield model, dom, disp, ov, rate, json.loads(p.read_text())
+
+
+def table(dispatchers=("alltoall", "deepep"), overlaps=("none", "megatron", "dualpipe"),
+          rates=(300e12, 413e12, 600e12)) -> str:
+    """Markdown tables of the cells written so far: per dispatcher and overlap at the preset's rate, then the rate
+    band, then the levers on Qwen3-235B."""
     lines = []
-    for disp in ("alltoall", "deepep"):
-        rows = []
-        for model, _ in MODELS:
-            for dom, _ in DOMAINS:
-                p = cell_path(model, dom, disp, tag)
-                if not p.exists():
+    have = list(_cells(dispatchers, overlaps, rates))
+    for disp in dispatchers:
+        for ov in overlaps:
+            rows = []
+            for model, dom, d, o, rate, c in have:
+                if (d, o, rate) != (disp, ov, 413e12):
                     continue
-                c = json.loads(p.read_text())
                 r = ratios(c)
                 s = c["strategies"]
                 rel, sta = s["relibra"], s["static"]
                 rows.append(f"| {model} EP{c['nodes'] * c['gpus_per_node']} | {dom} | {r['reorder']:.2f}x | "
-                            f"{r['total']:.2f}x | {r['vs_eplb']:.2f}x | {r['vs_lplb']:.2f}x | "
-                            f"{r['pct_balanced']:.0f}% | {rel['push_ms_per_cell']:.2f} / "
-                            f"{rel['attention_fwd_ms_per_cell']:.2f} | {rel['pull_ms_per_cell']:.2f} / "
-                            f"{rel['attention_bwd_ms_per_cell']:.2f} | {sta['moe_comm_over_comp_fwd']:.2f} |")
-        if not rows:
-            continue
-        lines.append(f"\n{disp} dispatcher ({'Megatron all-to-all' if disp == 'alltoall' else 'DeepEP normal'}):\n")
-        lines.append("| model | domain | + reorder | + replication (total) | vs EPLB+ | vs LPLB+ | % of Balanced | "
-                     "push / attn fwd ms | pull / attn bwd ms | static comm/comp fwd |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
-        lines += rows
-    a = PAPER["ablation_qwen3_235b"]
-    lines.append(f"\npaper: Qwen3-235B + reorder {a['reasoning']['reorder']:.2f}x / {a['mixed']['reorder']:.2f}x, "
-                 f"total "
-                 f"{a['reasoning']['total']:.2f}x / {a['mixed']['total']:.2f}x (reasoning / mixed); over Megatron "
-                 f"{PAPER['speedup_vs_static']}; over EPLB+/LPLB+ {PAPER['speedup_vs_eplb_lplb']}; "
-                 f"{PAPER['percent_of_balanced_throughput']} of Balanced; push {PAPER['push_fwd_ms']} ms; "
-                 f"pull {PAPER['pull_bwd_ms']} ms")
+                            f"{r['total']:.2f}x | {r['vs_eplb']:.2f}x | {r['vs_lplb']:.2f}x | {r['vs_online']:.2f}x | "
+                            f"**{r['vs_best_length_balanced']:.2f}x** ({r['best_length_balanced']}) | "
+                            f"{r['pct_bound']:.0f}% | {rel['push_ms_per_cell']:.2f} / "
+                            f"{rel['attention_fwd_ms_per_cell']:.2f} | {sta['moe_comm_over_comp_fwd']:.2f} |")
+            if not rows:
+                continue
+            name = "Megatron all-to-all" if disp == "alltoall" else "DeepEP normal"
+            lines.append(f"\n{disp} dispatcher ({name}), overlap `{ov}`, 413 TFLOP/s:\n")
+            lines.append("| model | domain | + reorder | + replication (total) | vs EPLB+ | vs LPLB+ | vs online | "
+                         "vs best length-balanced baseline | % of bound | push / attn fwd ms | static comm/comp fwd |")
+            lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+            lines += rows
+    band = {}
+    for model, dom, disp, ov, rate, c in have:
+        band.setdefault((model, dom, disp, ov), {})[rate] = ratios(c)
+    if band:
+        lines.append("\nThe GEMM-rate band (relibra's ratios at 300 / 413 / 600 TFLOP/s expert GEMMs):\n")
+        lines.append("| model | domain | dispatcher | overlap | total vs static | vs best length-balanced | "
+                     "% of bound |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for (model, dom, disp, ov), rr in band.items():
+            if len(rr) < 2:
+                continue
+            lines.append(f"| {model} | {dom} | {disp} | {ov} | {_band(rr, 'total', 'x')} | "
+                         f"{_band(rr, 'vs_best_length_balanced', 'x')} | {_band(rr, 'pct_bound', '%')} |")
+    lines.append(levers(have))
     return "\n".join(lines)
+
+
+def _band(rr: dict[float, dict[str, Any]], key: str, unit: str) -> str:
+    """``a / b / c`` of ``key`` over the rates of ``rr`` (ascending)."""
+    return " / ".join(f"{rr[k][key]:.2f}x" if unit == "x" else f"{rr[k][key]:.0f}%" for k in sorted(rr))
+
+
+def levers(have: list) -> str:
+    """Qwen3-235B at the preset's rate: relibra's step against the bound, term by term, and what each lever gives."""
+    out = ["\nQwen3-235B EP32, 413 TFLOP/s: relibra's step and the bound, term by term (seconds, 4 layers), and the "
+           "levers (step ratios):\n",
+           "| domain | dispatcher | overlap | attention rel / bound | MoE comp fwd rel / bound | MoE comm fwd rel / "
+           "bound | step rel / bound | reorder | + replication | best LB baseline / relibra |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for model, dom, disp, ov, rate, c in have:
+        if model != "qwen3-235b-a22b" or rate != 413e12:
+            continue
+        s = c["strategies"]
+        rel, bnd = s["relibra"], s["balanced"]
+        r = ratios(c)
+        out.append(f"| {dom} | {disp} | {ov} | {rel['breakdown']['attention_fwd']:.3f} / "
+                   f"{bnd['breakdown']['attention_fwd']:.3f} | {rel['breakdown']['moe_fwd_comp']:.3f} / "
+                   f"{bnd['breakdown']['moe_fwd_comp']:.3f} | {rel['breakdown']['moe_fwd_comm']:.3f} / "
+                   f"{bnd['breakdown']['moe_fwd_comm']:.3f} | {rel['step_s']:.3f} / {bnd['step_s']:.3f} | "
+                   f"{r['reorder']:.3f}x | {r['replication_gain']:.3f}x | {r['vs_best_length_balanced']:.3f}x |")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cluster", default="h100", help="cluster preset (default h100)")
-    ap.add_argument("--cluster-profile", default=None, help="cluster profile JSON (relibra calibrate)")
-    ap.add_argument("--dispatchers", default="alltoall,deepep", help="dispatchers to run (preset only)")
+    ap.add_argument("--cluster-profile", default=None,
+                    help="cluster profile JSON (relibra calibrate --model M): its dispatcher and GEMM rate replace "
+                         "--dispatchers and --rates")
+    ap.add_argument("--dispatchers", default="alltoall,deepep", help="dispatchers to run")
+    ap.add_argument("--overlaps", default="none,megatron", help="overlap rules to run (none, megatron, dualpipe)")
+    ap.add_argument("--rates", default="300,413,600", help="expert-GEMM rates, TFLOP/s (default: band ends, preset)")
     ap.add_argument("--layers", type=int, default=4, help="MoE layers planned and simulated (default 4)")
     ap.add_argument("--prompts", type=int, default=256, help="prompts (x 4 responses; default 256 = 1024 samples)")
     ap.add_argument("--models", default=",".join(m for m, _ in MODELS), help="models to run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tag", default="", help="suffix of the result files (another preset / profile)")
-    ap.add_argument("--table", action="store_true", help="only print the table of the cells written so far")
+    ap.add_argument("--table", action="store_true", help="only print the tables of the cells written so far")
     args = ap.parse_args(argv)
+    dispatchers = tuple(args.dispatchers.split(","))
+    overlaps = tuple(args.overlaps.split(","))
+    rates = tuple(float(r) * 1e12 for r in args.rates.split(","))
     if args.table:
-        print(table(args.tag))
+        print(table())
         return 0
     from relibra_moe.specs import cluster_preset, load_cluster_profile
 
@@ -152,26 +255,26 @@ def main(argv: list[str] | None = None) -> int:
     for model, nodes in MODELS:
         if model not in wanted:
             continue
-        dispatchers = args.dispatchers.split(",")
+        profile = None if args.cluster_profile is None else load_cluster_profile(args.cluster_profile, nodes, 8)
         for dom in DOMAINS:
-            for disp in dispatchers:
-                if args.cluster_profile:
-                    cluster = load_cluster_profile(args.cluster_profile, nodes, 8)
-                    disp = cluster.dispatcher
-                else:
-                    cluster = cluster_preset(args.cluster, nodes=nodes, gpus_per_node=8, dispatcher=disp)
-                path = cell_path(model, dom[0], disp, args.tag)
-                if path.exists():
-                    print(f"{path.name}: done, skipped")
-                    continue
-                print(f"{path.name}: running", flush=True)
-                t0 = time.perf_counter()
-                res = run_cell(model, nodes, dom, cluster, args.layers, args.prompts, args.seed)
-                res.update(wall_s=time.perf_counter() - t0, date="2026-12-02", python=platform.python_version(),
-                           machine="2-core CPU box shared with other jobs", command=" ".join(sys.argv),
-                           paper=PAPER, ratios=ratios(res))
-                path.write_text(json.dumps(res, indent=1))
-    print(table(args.tag))
+            for disp in (profile.dispatcher,) if profile else dispatchers:
+                for ov in overlaps:
+                    for rate in (profile.flops,) if profile else rates:
+                        cluster = (profile.with_(overlap=ov) if profile else
+                                   cluster_preset(args.cluster, nodes=nodes, gpus_per_node=8, dispatcher=disp,
+                                                  overlap=ov).with_(flops=rate))
+                        path = cell_path(model, dom[0], disp, ov, rate)
+                        if path.exists():
+                            print(f"{path.name}: done, skipped")
+                            continue
+                        print(f"{path.name}: running", flush=True)
+                        t0 = time.perf_counter()
+                        res = run_cell(model, nodes, dom, cluster, args.layers, args.prompts, args.seed)
+                        res.update(wall_s=time.perf_counter() - t0, date="2026-12-02",
+                                   python=platform.python_version(), machine="2-core CPU box shared with other jobs",
+                                   command=" ".join(sys.argv), paper=PAPER, ratios=ratios(res))
+                        path.write_text(json.dumps(res, indent=1))
+    print(table())
     return 0
 
 

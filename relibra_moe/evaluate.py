@@ -1,13 +1,12 @@
-"""Evaluate a plan: the loads it induces, the sum of T_MoE, and the Balanced reference.
+"""Evaluate a plan: the loads it induces, the sum of T_MoE, and the bound no plan can beat.
 
 One evaluation for every strategy (docs/architecture.md, "Contracts"). ``score_plan`` rebuilds the loads
 ``x [M, L, G, E]`` from the batch and the plan's sample placement (``plan_loads``), routes them with the plan
 (homes, plus the replica split rows where present, as ``ReplicaPlan.shares`` defines them: ``plan_flow``)
 and evaluates ``cost.cost_from_flow`` (docs/method.md, "Cost model"). A plan whose ``stats["strategy"]`` is
-``"balanced"`` is scored on the Balanced ideal's loads instead (``balanced_plan_loads``: uniform random
-routing, each source GPU keeping its tokens, or an even split when ``stats["balanced_sources"]`` is "even";
-seeded by ``stats["seed"]``), so that it scores as the ideal. The simulated step (moves, replica and
-reorder traffic charged) is ``relibra_moe.sim``, on the same loads.
+``"balanced"`` scores as the bound instead (``bound_terms``: a proven lower bound of the sum of T_MoE of every
+plan of the batch with at most ``stats["replica_slots"]`` replica slots, docs/method.md, "The bound"). The
+simulated step (moves, replica and reorder traffic charged) is ``relibra_moe.sim``, on the same loads.
 
 Importable without the planners: the planners, the simulator and the CLI all evaluate through this module.
 """
@@ -19,18 +18,17 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
-from numba import njit
 
-from .cost import DEFAULT_BETA, cost_from_flow, moe_cost
+from .cost import DEFAULT_BETA, cost_from_flow
 from .errors import PlanError
-from .plan import BatchPlan, Placement, round_robin_gpus
+from .plan import BatchPlan
 from .specs import ClusterSpec, ModelSpec
 from .trace import TraceBatch
-from .validate import check_positive
+from .validate import check_int, check_positive
 
 __all__ = ["batch_sha1", "check_batch_type", "check_batch_model", "check_plan_batch", "placement_loads", "plan_loads",
-           "plan_flow", "balanced_loads", "balanced_sources", "balanced_plan_loads", "balanced_t_moe", "uniform_loads",
-           "PlanScore", "score_plan"]
+           "plan_flow", "Bound", "bound_terms", "bound_t_moe", "bound_micro_batch", "token_shares", "PlanScore",
+           "score_plan"]
 
 
 def batch_sha1(batch: TraceBatch) -> str:
@@ -111,19 +109,6 @@ def plan_loads(plan: BatchPlan, batch: TraceBatch, num_gpus: int) -> np.ndarray:
     return placement_loads(batch, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches, num_gpus)
 
 
-def balanced_plan_loads(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, num_gpus: int) -> np.ndarray:
-    """int64 ``[M, L, G, E]``: the Balanced ideal of ``batch`` for the plan's sample placement (docs/method.md,
-    "Balanced reference").
-
-    Every token draws its k experts uniformly at random (seeded by ``plan.stats["seed"]``); each source GPU
-    keeps the tokens the plan gives it, or, when ``plan.stats["balanced_sources"] == "even"``, every
-    micro-batch's tokens are split evenly over the G sources (``balanced_sources`` / ``balanced_loads``).
-    """
-    src = balanced_sources(batch.lengths, plan.samples.micro_batch, plan.samples.gpu, plan.num_micro_batches,
-                           num_gpus, plan.stats.get("balanced_sources", "batch"))
-    return balanced_loads(src, model, int(plan.stats.get("seed", 0)))
-
-
 def plan_flow(plan: BatchPlan, x: np.ndarray) -> np.ndarray:
     """float64 ``[M, L, G, G]``: tokens sent from source GPU j to serving GPU g under the plan.
 
@@ -188,8 +173,8 @@ class PlanScore:
         moe_fwd_comp_s, moe_fwd_comm_s: ``sum max_g comp`` and ``sum max_g comm`` (the simulator's names).
         rank_skew_mean, rank_skew_max: max GPU load / mean GPU load, mean and max over cells.
         num_micro_batches: M of the plan.
-        percent_of_balanced: ``100 * balanced / t_moe_s`` (the Balanced ideal's sum over the plan's), None when
-            the Balanced total was not given.
+        percent_of_bound: ``100 * bound / t_moe_s`` (the bound's sum of T_MoE over the plan's, ``bound_t_moe``;
+            at most 100), None when the bound was not given.
         t_moe: float64 ``[M, L]`` forward T_MoE per cell.
     """
 
@@ -201,27 +186,27 @@ class PlanScore:
     rank_skew_mean: float
     rank_skew_max: float
     num_micro_batches: int
-    percent_of_balanced: float | None = None
+    percent_of_bound: float | None = None
     t_moe: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0)))
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready figures (``t_moe`` left out; ``percent_of_balanced`` only when known)."""
+        """JSON-ready figures (``t_moe`` left out; ``percent_of_bound`` only when known)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "t_moe"}
-        if out["percent_of_balanced"] is None:
-            del out["percent_of_balanced"]
+        if out["percent_of_bound"] is None:
+            del out["percent_of_bound"]
         return out
 
 
 def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, *,
-               balanced_t_moe_s: float | None = None, beta: float = DEFAULT_BETA,
+               bound_t_moe_s: float | None = None, beta: float = DEFAULT_BETA,
                allow_missing_fingerprint: bool = False) -> PlanScore:
     """Exact cost of a plan on a batch.
 
     Args:
         plan: a BatchPlan for ``model`` and ``cluster`` (validated here).
         batch: the TraceBatch the plan was made for (same samples; ``check_plan_batch``).
-        balanced_t_moe_s: the Balanced ideal's sum of T_MoE (``balanced_t_moe``); when given, the result's
-            ``percent_of_balanced = 100 * balanced / t_moe_s``.
+        bound_t_moe_s: the bound's sum of T_MoE (``bound_t_moe``); when given, the result's
+            ``percent_of_bound = 100 * bound / t_moe_s``.
         allow_missing_fingerprint: score a plan without ``stats["batch_sha1"]`` (``check_plan_batch``).
 
     Returns:
@@ -233,13 +218,11 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
     check_plan_batch(plan, batch, model, allow_missing_fingerprint=allow_missing_fingerprint)
     plan.validate(model, cluster, num_samples=batch.num_sequences)
     check_positive("beta", beta)
-    if balanced_t_moe_s is not None:
-        check_positive("balanced_t_moe_s", balanced_t_moe_s)
-    G = cluster.num_gpus
+    if bound_t_moe_s is not None:
+        check_positive("bound_t_moe_s", bound_t_moe_s)
     if plan.stats.get("strategy") == "balanced":
-        x = balanced_plan_loads(plan, batch, model, G)
-    else:
-        x = plan_loads(plan, batch, G)
+        return _bound_score(plan, batch, model, cluster, bound_t_moe_s)
+    x = plan_loads(plan, batch, cluster.num_gpus)
     cost = cost_from_flow(plan_flow(plan, x), model, cluster, beta)
     t_moe_s = float(cost.t_moe.sum())
     return PlanScore(
@@ -248,90 +231,138 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
         moe_fwd_comp_s=float(cost.comp.max(axis=-1).sum()), moe_fwd_comm_s=float(cost.comm.max(axis=-1).sum()),
         rank_skew_mean=float(cost.rank_skew.mean()), rank_skew_max=float(cost.rank_skew.max()),
         num_micro_batches=plan.num_micro_batches,
-        percent_of_balanced=None if balanced_t_moe_s is None else 100.0 * float(balanced_t_moe_s) / t_moe_s,
+        percent_of_bound=None if bound_t_moe_s is None else 100.0 * float(bound_t_moe_s) / t_moe_s,
         t_moe=cost.t_moe)
 
 
-def uniform_loads(x: np.ndarray) -> np.ndarray:
-    """float64 ``[M, L, G, E]``: the Balanced ideal of the same batch (docs/method.md, "Balanced reference").
 
-    Every (micro-batch, layer) keeps its total of (token, expert) pairs, spread evenly over the G
-    sources and the E experts, as if every token's k experts were drawn uniformly and every GPU ran
-    the same number of tokens: ``x'[m, l, j, e] = sum_{j, e} x[m, l, j, e] / (G E)``.
+
+@dataclass(frozen=True)
+class Bound:
+    """Per-layer lower bounds of the MoE terms every plan of a batch pays (``bound_terms``; docs/method.md,
+    "The bound"). Seconds, float64 ``[L]``; each bounds a sum over the micro-batches of that layer.
+
+    Attributes:
+        comp: ``sum_m max_g comp`` is at least this: the layer's (token, expert) pairs spread evenly over the G
+            GPUs at the peak GEMM rate.
+        comm: ``sum_m max_g comm`` (dispatch + combine) is at least this: the pairs no placement can keep on
+            their source GPU (node), spread evenly over the GPUs' links.
+        off_gpu, off_node: float64 ``[L]`` (token, expert) pairs that must leave their source GPU / node (at least).
     """
-    x = np.asarray(x, dtype=np.float64)
-    if x.ndim != 4:
-        raise PlanError(f"loads x must be [M, L, G, E], got shape {x.shape}")
-    G, E = x.shape[2:]
-    return np.broadcast_to(x.sum(axis=(2, 3), keepdims=True) / (G * E), x.shape).copy()
+
+    comp: np.ndarray
+    comm: np.ndarray
+    off_gpu: np.ndarray
+    off_node: np.ndarray
+
+    @property
+    def t_moe_s(self) -> float:
+        """Lower bound of the sum over micro-batches and layers of T_MoE (``max_g comp + max_g comm``)."""
+        return float(self.comp.sum() + self.comm.sum())
 
 
-@njit(cache=True)
-def balanced_counts(tokens, num_experts, top_k, num_layers, seed):
-    """Uniform routing: for each entry of ``tokens [K]`` draw that many tokens' k distinct experts per layer.
+def _link_seconds(off_gpu: np.ndarray, off_node: np.ndarray, cluster: ClusterSpec, model: ModelSpec) -> np.ndarray:
+    """Seconds (any shape): the least ``max(a t_nv, b t_rdma)`` over NVLink pairs ``a`` and RDMA pairs ``b`` with
+    ``a + b >= off_gpu`` and ``b >= off_node`` (a cross-rail pair counts on both links, which only adds), on one
+    GPU's links; ``t_*``: seconds of one pair on that link, the dispatcher's copies included."""
+    rates = cluster.rates(model)
+    t_nv, t_rdma = rates.nvlink_sec_per_pair, rates.rdma_sec_per_pair
+    if cluster.nodes == 1:  # every crossing pair is on NVLink
+        return off_gpu * t_nv
+    if cluster.gpus_per_node == 1:  # no NVLink peer: every crossing pair is on RDMA
+        return off_gpu * t_rdma
+    return np.maximum(off_gpu * t_nv * t_rdma / (t_nv + t_rdma), off_node * t_rdma)
 
-    Returns int64 ``[K, L, E]`` counts (partial Fisher-Yates per token).
+
+def bound_terms(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, replica_slots: int = 0, *,
+                micro_batch: np.ndarray | None = None, peak_flops: float | None = None) -> Bound:
+    """Lower bounds of the MoE terms of every plan of ``batch`` with at most ``replica_slots`` replica slots per
+    GPU, whatever its expert homes, replicas, splits and sample placement (docs/method.md, "The bound", has the
+    proof). ``micro_batch`` int ``[N]``: the plans keep these micro-batches (no repacking), which tightens the
+    communication term; None: any packing.
+
+    Compute: a layer's pairs ``P_l`` are served somewhere, so ``sum_m max_g comp >= P_l c / G`` with ``c`` the
+    seconds of one pair at ``peak_flops`` (default ``cluster.flops``, the cost model's single rate; the simulator
+    passes the fastest rate of its GEMM curve). Communication: a GPU serves at most ``S = E/G + r`` experts in a
+    cell (its homes and its replica slots), and a sample runs on one GPU, so at most its ``S`` largest expert
+    counts stay on that GPU and at most its ``S x gpus_per_node`` largest on that node; the rest leave from its
+    GPU over NVLink or RDMA (off the node: RDMA), at least ``_link_seconds`` of that GPU's links, dispatch and
+    combine alike. Per micro-batch ``max_g comm`` is at least twice the larger of that time for the
+    micro-batch's worst sample and for its total spread evenly over the G GPUs; the layer's bound sums these
+    (without fixed micro-batches: the larger of the batch's worst sample and its total over G).
+
+    Raises:
+        PlanError: a batch for another model, ``replica_slots`` < 0, a ``micro_batch`` of another length.
     """
-    np.random.seed(seed)
-    K = tokens.shape[0]
-    out = np.zeros((K, num_layers, num_experts), np.int64)
-    perm = np.arange(num_experts)
-    for i in range(K):
-        for l in range(num_layers):
-            for _ in range(tokens[i]):
-                for s in range(top_k):
-                    r = s + np.random.randint(num_experts - s)
-                    t = perm[s]
-                    perm[s] = perm[r]
-                    perm[r] = t
-                    out[i, l, perm[s]] += 1
-    return out
+    check_batch_type(batch)
+    check_batch_model(batch, model)
+    check_int("replica_slots", replica_slots, 0)
+    G, P = cluster.num_gpus, cluster.gpus_per_node
+    counts = np.asarray(batch.sample_expert_counts(), dtype=np.int64)  # [N, L, E]
+    pairs = counts.sum(axis=(0, 2)).astype(np.float64)
+    flops = float(cluster.flops if peak_flops is None else peak_flops)
+    comp = pairs * model.flops_per_token_expert / flops / G
+    slots = model.num_experts // G + int(replica_slots)
+    off_gpu = _pairs_beyond(counts, slots) if G > 1 else np.zeros(counts.shape[:2])  # [N, L]
+    off_node = _pairs_beyond(counts, slots * P) if cluster.nodes > 1 else np.zeros(counts.shape[:2])
+    worst = _link_seconds(off_gpu, off_node, cluster, model)  # [N, L]: one sample's pairs leave from one GPU
+    if micro_batch is None:
+        comm = np.maximum(_link_seconds(off_gpu.sum(0), off_node.sum(0), cluster, model) / G, worst.max(0))
+    else:
+        mb = np.asarray(micro_batch, dtype=np.int64)
+        if mb.shape != (counts.shape[0],):
+            raise PlanError(f"micro_batch has shape {mb.shape}, the batch has {counts.shape[0]} samples")
+        M, L = int(mb.max(initial=-1)) + 1, counts.shape[1]
+        tot_gpu, tot_node, top = np.zeros((M, L)), np.zeros((M, L)), np.zeros((M, L))
+        np.add.at(tot_gpu, mb, off_gpu)
+        np.add.at(tot_node, mb, off_node)
+        np.maximum.at(top, mb, worst)
+        comm = np.maximum(_link_seconds(tot_gpu, tot_node, cluster, model) / G, top).sum(0)
+    return Bound(comp=comp, comm=2.0 * comm, off_gpu=off_gpu.sum(0), off_node=off_node.sum(0))
 
 
-def balanced_loads(tokens_per_source: np.ndarray, model: ModelSpec, seed: int = 0) -> np.ndarray:
-    """The Balanced ideal's loads: int64 ``[M, L, G, E]``.
-
-    Args:
-        tokens_per_source: int ``[M, G]`` tokens whose attention runs on each source GPU in each
-            micro-batch (the batch's own, or an even split: see ``balanced_sources``).
-
-    Every token draws its k experts uniformly at random (distinct), independently per layer.
-    """
-    t = np.asarray(tokens_per_source, dtype=np.int64)
-    if t.ndim != 2 or (t < 0).any():
-        raise PlanError(f"tokens_per_source must be a non-negative [M, G] array, got shape {t.shape}")
-    M, G = t.shape
-    counts = balanced_counts(t.ravel(), model.num_experts, model.top_k, model.num_layers,
-                                      int(seed) & 0x7FFFFFFF)
-    return counts.reshape(M, G, model.num_layers, model.num_experts).transpose(0, 2, 1, 3).copy()
+def _pairs_beyond(counts: np.ndarray, slots: int) -> np.ndarray:
+    """float64 ``[N, L]``: each sample's pairs outside its ``slots`` largest experts (``counts`` int ``[N, L, E]``):
+    the pairs of a sample that no set of ``slots`` experts can serve."""
+    E = counts.shape[-1]
+    if slots >= E:
+        return np.zeros(counts.shape[:2])
+    return np.partition(counts, E - slots - 1, axis=-1)[..., : E - slots].sum(axis=-1).astype(np.float64)
 
 
-def balanced_sources(lengths: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, num_micro_batches: int,
-                     num_gpus: int, mode: str = "batch") -> np.ndarray:
-    """int64 ``[M, G]`` tokens per (micro-batch, source GPU) for the Balanced ideal.
-
-    mode "batch": each source keeps the tokens the sample placement gives it (only the routing is made
-    uniform; the paper's setting, where each data-parallel rank keeps its samples); "even": every
-    micro-batch's tokens split evenly over the G sources (the first ``T mod G`` get one more).
-    """
-    mb = np.asarray(micro_batch, dtype=np.int64)
-    t = np.zeros((num_micro_batches, num_gpus), np.int64)
-    np.add.at(t, (mb, np.asarray(sample_gpu, dtype=np.int64)), np.asarray(lengths, dtype=np.int64))
-    if mode == "batch":
-        return t
-    if mode != "even":
-        raise PlanError(f"balanced sources mode {mode!r} is not 'batch' or 'even'")
-    tot = t.sum(axis=1, keepdims=True)
-    return tot // num_gpus + (np.arange(num_gpus)[None, :] < tot % num_gpus)
+def bound_t_moe(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, replica_slots: int = 0,
+                micro_batch: np.ndarray | None = None) -> float:
+    """Seconds: a lower bound of the sum over micro-batches and layers of T_MoE (the cost model's, one GEMM rate)
+    of every plan of ``batch`` with at most ``replica_slots`` replica slots (and the micro-batches ``micro_batch``
+    when given; ``bound_terms``)."""
+    return bound_terms(batch, model, cluster, replica_slots, micro_batch=micro_batch).t_moe_s
 
 
-def balanced_t_moe(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, seed: int = 0, mode: str = "batch",
-                   micro_batch: np.ndarray | None = None) -> float:
-    """Sum over micro-batches and layers of the exact T_MoE (seconds) of the Balanced ideal of ``batch``
-    (a TraceBatch with a micro-batch assignment, or ``micro_batch [N]``): uniform routing, static
-    placement, samples round-robin, sources per ``mode`` (see ``balanced_sources``)."""
-    mb = batch.resolve_micro_batch(micro_batch)
-    M, G = int(mb.max()) + 1, cluster.num_gpus
-    x = balanced_loads(balanced_sources(batch.lengths, mb, round_robin_gpus(mb, G), M, G, mode), model, seed)
-    eg = Placement.static(model.num_layers, model.num_experts, G).expert_gpu.astype(np.int64)
-    return float(moe_cost(x, eg, model, cluster).t_moe.sum())
+def bound_micro_batch(plan: BatchPlan) -> np.ndarray | None:
+    """The micro-batches the Balanced ``plan`` bounds plans for: its own (the batch's) unless it was made with
+    ``repack`` (``stats["repack"]``: then any packing, None)."""
+    return None if plan.stats.get("repack") else np.asarray(plan.samples.micro_batch, dtype=np.int64)
+
+
+def token_shares(batch: TraceBatch, micro_batch: np.ndarray, num_micro_batches: int) -> np.ndarray:
+    """float64 ``[M]``: each micro-batch's share of the batch's tokens (uniform when it has none): how the bound's
+    per-layer figures are spread over micro-batches for display (an empty micro-batch gets 0)."""
+    tok = np.bincount(np.asarray(micro_batch, dtype=np.int64), weights=np.asarray(batch.lengths, np.float64),
+                      minlength=int(num_micro_batches))[: int(num_micro_batches)]
+    return tok / tok.sum() if tok.sum() > 0 else np.full(int(num_micro_batches), 1.0 / max(int(num_micro_batches), 1))
+
+
+def _bound_score(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec,
+                 bound_t_moe_s: float | None) -> PlanScore:
+    """The ``PlanScore`` of the bound for the replica slots ``plan.stats["replica_slots"]`` (the Balanced plan's):
+    ``t_moe`` spreads each layer's bound over the plan's micro-batches by their tokens (``token_shares``); rank
+    skew 1."""
+    b = bound_terms(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)),
+                    micro_batch=bound_micro_batch(plan))
+    M = plan.num_micro_batches
+    t = token_shares(batch, plan.samples.micro_batch, M)[:, None] * (b.comp + b.comm)[None, :]
+    total = b.t_moe_s
+    return PlanScore(strategy="balanced", t_moe_s=total, t_moe_smooth_s=total, moe_fwd_comp_s=float(b.comp.sum()),
+                     moe_fwd_comm_s=float(b.comm.sum()), rank_skew_mean=1.0, rank_skew_max=1.0, num_micro_batches=M,
+                     percent_of_bound=None if bound_t_moe_s is None else 100.0 * float(bound_t_moe_s) / total,
+                     t_moe=t)

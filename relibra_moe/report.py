@@ -124,18 +124,18 @@ def scenario_table(scenario: Mapping[str, Any]) -> Table:
     t.add_column("strategy")
     t.add_column("tokens/s", justify="right")
     t.add_column("vs static", justify="right")
-    t.add_column("% of balanced", justify="right")
+    t.add_column("% of bound", justify="right")
     t.add_column("rank skew", justify="right")
     t.add_column("step s", justify="right")
     t.add_column("ΣT_MoE s", justify="right")
-    t.add_column("ΣT_MoE % bal", justify="right")
+    t.add_column("ΣT_MoE % bound", justify="right")
     t.add_column("reorder", justify="right")
     t.add_column("replica", justify="right")
     t.add_column("solve s", justify="right")
     for name, r in scenario["strategies"].items():
         bd = r["breakdown"]
         style = "bold" if name.startswith("relibra") and "inter" not in name else None
-        pct, pct_moe = r["percent_of_balanced_throughput"], r.get("percent_of_balanced", float("nan"))
+        pct, pct_moe = r["percent_of_bound_throughput"], r.get("percent_of_bound", float("nan"))
         t.add_row(name, f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_static']:.3f}x",
                   f"{pct:.1f}%" if np.isfinite(pct) else "-", f"{r['rank_skew_mean']:.3f}", f"{r['step_s']:.3f}",
                   f"{r['t_moe_s']:.3f}", f"{pct_moe:.1f}%" if np.isfinite(pct_moe) else "-",

@@ -71,7 +71,17 @@ import numpy as np
 
 from .cost import cost_from_flow
 from .errors import PlanError
-from .evaluate import balanced_plan_loads, check_plan_batch, plan_expert_rows, plan_flow, plan_loads
+from .evaluate import (
+    bound_micro_batch,
+    bound_terms,
+    check_batch_model,
+    check_batch_type,
+    check_plan_batch,
+    plan_expert_rows,
+    plan_flow,
+    plan_loads,
+    token_shares,
+)
 from .plan import BatchPlan, Placement
 from .specs import ClusterSpec, ModelSpec
 from .timing import (
@@ -81,6 +91,8 @@ from .timing import (
     attention_forward,
     expert_compute_seconds,
     exposed_seconds,
+    layer_step_seconds,
+    local_stage,
     moe_backward_seconds,
     moe_comm_seconds,
     moe_forward_seconds,
@@ -129,6 +141,8 @@ class StepTime:
         reorder_s: once-per-batch expert re-layout (weights + optimizer state).
         experts_moved, reorder_bytes: what the re-layout moves.
         replica_mode: "per-layer", "persistent" or "after-router".
+        overlap_hidden_s: seconds the trainer's compute / all-to-all overlap (``ClusterSpec.overlap``) hides:
+            the back-to-back sum of the cells minus ``timing.layer_step_seconds`` (0 without overlap).
         micro_batch_s: ``[M]`` seconds of each micro-batch (forward + backward, all layers).
         t_moe: ``[M, L]`` forward T_MoE of the cost model (one GEMM rate, no latency: the planners' metric);
             rank_skew: ``[M, L]`` max GPU load / mean GPU load.
@@ -157,16 +171,21 @@ class StepTime:
     rank_skew: np.ndarray = field(repr=False)
     attention_fwd: np.ndarray = field(repr=False)
     gpu_load: np.ndarray = field(repr=False, default_factory=lambda: np.zeros((0, 0, 0)))
+    overlap_hidden_s: float = 0.0
 
     @property
     def breakdown(self) -> dict[str, float]:
-        """Seconds per component; they add up to ``step_s``."""
-        return {
+        """Seconds per component; they add up to ``step_s`` (``overlap_hidden``, negative, only where the
+        overlap hides something)."""
+        out = {
             "attention_fwd": self.attention_fwd_s, "attention_bwd": self.attention_bwd_s,
             "moe_fwd_comp": self.moe_fwd_comp_s, "moe_fwd_comm": self.moe_fwd_comm_s,
             "moe_bwd_comp": self.moe_bwd_comp_s, "moe_bwd_comm": self.moe_bwd_comm_s,
             "replica_exposed": self.replica_exposed_s, "reorder": self.reorder_s,
         }
+        if self.overlap_hidden_s:
+            out["overlap_hidden"] = -self.overlap_hidden_s
+        return out
 
     @property
     def t_moe_s(self) -> float:
@@ -187,7 +206,7 @@ class StepTime:
             "replica_push_s": self.replica_push_s, "replica_pull_s": self.replica_pull_s,
             "replica_exposed_s": self.replica_exposed_s, "reorder_s": self.reorder_s,
             "experts_moved": self.experts_moved, "reorder_bytes": self.reorder_bytes,
-            "t_moe_s": self.t_moe_s, "rank_skew_mean": self.rank_skew_mean,
+            "t_moe_s": self.t_moe_s, "rank_skew_mean": self.rank_skew_mean, "overlap_hidden_s": self.overlap_hidden_s,
             "micro_batch_s": self.micro_batch_s.tolist(),
         }
 
@@ -324,6 +343,12 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
     reorder_s, moved, moved_bytes = reorder_traffic(prev, plan.placement, model, cluster, optimizer_bytes_per_param)
 
     per_mb = (L * (a_fwd + a_bwd) + (t_fwd + t_bwd + exposed_fwd + exposed_bwd).sum(axis=1))
+    hidden = 0.0
+    if cluster.overlap != "none":  # the same cells under the trainer's overlap (timing.layer_step_seconds)
+        back_to_back = per_mb
+        cells = layer_step_seconds(a_fwd[:, None], comp_max, comm_max, cluster.overlap)
+        per_mb = (cells + exposed_fwd + exposed_bwd).sum(axis=1)
+        hidden = float(back_to_back.sum() - per_mb.sum())
     step = float(per_mb.sum()) + persistent_s + reorder_s
     tokens = int(lengths.sum())
     return StepTime(
@@ -335,7 +360,67 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
         replica_exposed_s=float(exposed_fwd.sum() + exposed_bwd.sum()) + persistent_s,
         reorder_s=reorder_s, experts_moved=moved, reorder_bytes=moved_bytes, replica_mode=mode,
         micro_batch_s=per_mb, t_moe=cost.t_moe, rank_skew=cost.rank_skew, attention_fwd=a_fwd,
-        gpu_load=cost.load)
+        gpu_load=cost.load, overlap_hidden_s=hidden)
+
+
+def _attention_bound(lengths: np.ndarray, micro_batch: np.ndarray | None, model: ModelSpec,
+                     cluster: ClusterSpec) -> float:
+    """Seconds: a lower bound of ``sum_m A_fwd[m]`` (one layer's local stage, slowest GPU) over every sample
+    placement: per micro-batch the larger of its local work over G, its longest sample's, and (with more than G
+    samples) the G-th plus the (G+1)-th longest (two of the G+1 longest share a GPU); without fixed micro-batches
+    (``micro_batch`` None) the larger of the batch's work over G and its longest sample's."""
+    G, N = cluster.num_gpus, len(lengths)
+    own = local_stage(lengths, np.arange(N), np.zeros(N, np.int64), N, model, cluster)[:, 0]  # [N] each alone
+    if micro_batch is None:
+        return max(float(own.sum()) / G, float(own.max(initial=0.0)))
+    total = 0.0
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    for m in np.unique(mb):
+        w = np.sort(own[mb == m])[::-1]
+        pair = w[G - 1] + w[G] if len(w) > G else 0.0
+        total += max(float(w.sum()) / G, float(w[0]), float(pair))
+    return total
+
+
+def bound_step(batch: Any, model: ModelSpec, cluster: ClusterSpec, replica_slots: int = 0,
+               micro_batch: np.ndarray | None = None, num_micro_batches: int | None = None, *,
+               layout: np.ndarray | None = None) -> StepTime:
+    """A lower bound of the simulated step of every plan of ``batch`` with at most ``replica_slots`` replica slots
+    (docs/method.md, "The bound"): no strategy, expert or sample placement or option beats it on this cluster.
+    ``micro_batch`` int ``[N]``: the plans keep these micro-batches (None: any packing, ``repack``).
+
+    Local stage: ``_attention_bound``. MoE: ``evaluate.bound_terms`` at the fastest GEMM rate
+    (``ClusterSpec.gemm_curve``'s peak, else ``flops``); the all-to-all latency and the replica, reorder and
+    persistent transfers are >= 0. ``timing.layer_step_seconds`` is convex, positively homogeneous and
+    non-decreasing, so the sum over cells is at least the rule applied to the sums, which is at least the rule
+    applied to these lower bounds. The result's figures are those bounds (``t_moe``, ``attention_fwd`` and
+    ``micro_batch_s`` spread over the micro-batches of ``layout`` (int ``[N]``; default ``micro_batch``, else the
+    batch's own) by their tokens, ``evaluate.token_shares``, padded to ``num_micro_batches``; rank skew 1; no
+    moves).
+    """
+    check_batch_type(batch)
+    check_batch_model(batch, model)
+    L = model.num_layers
+    peak = max([float(cluster.flops)] if not cluster.gemm_curve else [f for _, f in cluster.gemm_curve])
+    b = bound_terms(batch, model, cluster, replica_slots, micro_batch=micro_batch, peak_flops=peak)
+    lengths = np.asarray(batch.lengths)
+    attn = _attention_bound(lengths, micro_batch, model, cluster)
+    comp, comm = float(b.comp.sum()), float(b.comm.sum())
+    step = float(layer_step_seconds(L * attn, comp, comm, cluster.overlap))
+    back_to_back = float(layer_step_seconds(L * attn, comp, comm, "none"))
+    if layout is None:
+        layout = micro_batch if micro_batch is not None else batch.resolve_micro_batch()
+    M = int(np.max(layout)) + 1 if num_micro_batches is None else int(num_micro_batches)
+    w = token_shares(batch, layout, M)
+    tokens = int(lengths.sum())
+    return StepTime(
+        step_s=step, tokens=tokens, tokens_per_s=tokens / step if step > 0 else 0.0,
+        attention_fwd_s=L * attn, attention_bwd_s=float(attention_backward(L * attn)),
+        moe_fwd_comp_s=comp, moe_fwd_comm_s=comm, moe_bwd_comp_s=float(moe_backward_seconds(comp, 0.0)),
+        moe_bwd_comm_s=comm, replica_push_s=0.0, replica_pull_s=0.0, replica_exposed_s=0.0, reorder_s=0.0,
+        experts_moved=0, reorder_bytes=0.0, replica_mode="bound", micro_batch_s=w * step,
+        t_moe=w[:, None] * (b.comp + b.comm)[None, :], rank_skew=np.ones((M, L)), attention_fwd=w * attn,
+        overlap_hidden_s=back_to_back - step)
 
 
 def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: ClusterSpec, *,
@@ -343,15 +428,16 @@ def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: Cluste
     """Simulate one step of ``batch`` (a ``TraceBatch``) under ``plan``; keyword args as ``simulate_loads``.
 
     The loads follow the plan's sample placement (``evaluate.plan_loads``). ``balanced`` (default: whether
-    ``plan.stats["strategy"] == "balanced"``) replaces them by the Balanced ideal's
-    (``evaluate.balanced_plan_loads``), as ``score_plan`` does; attention still runs the real sequences.
+    ``plan.stats["strategy"] == "balanced"``) returns the bound instead (``bound_step`` for the plan's
+    ``stats["replica_slots"]``, micro-batches (``evaluate.bound_micro_batch``) and micro-batch count), as
+    ``score_plan`` scores a Balanced plan as the bound.
     ``allow_missing_fingerprint``: simulate a plan without ``stats["batch_sha1"]`` (``check_plan_batch``).
     """
     check_plan_batch(plan, batch, model, allow_missing_fingerprint=allow_missing_fingerprint)
     if balanced is None:
         balanced = plan.stats.get("strategy") == "balanced"
     if balanced:
-        x = balanced_plan_loads(plan, batch, model, cluster.num_gpus)
-    else:
-        x = plan_loads(plan, batch, cluster.num_gpus)
+        return bound_step(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)),
+                          bound_micro_batch(plan), plan.num_micro_batches, layout=plan.samples.micro_batch)
+    x = plan_loads(plan, batch, cluster.num_gpus)
     return simulate_loads(plan, batch.lengths, x, model, cluster, **kwargs)

@@ -36,6 +36,13 @@ LINK_NAMES = ("loc", "nv", "sr", "cr")
 DISPATCHERS = ("alltoall", "deepep")
 """How the token dispatch moves tokens: Megatron's all-to-all (one copy per (token, expert) pair) or DeepEP's
 normal kernels (one RDMA copy per (token, remote node), NVLink forwarding, one copy per (token, GPU))."""
+GEMM_RATE_BAND = (300e12, 600e12)
+"""Expert-GEMM FLOP/s (forward + backward, bf16, H100-class) plausible at shapes nobody has measured (GLM-4.5's
+4096 x 1408, Qwen3-235B's 4096 x 1536): the low and high ends the paper table and ``relibra compare --rate-band``
+report beside the presets' 413 TFLOP/s (docs/method.md, "Rates": sources and reasoning)."""
+OVERLAPS = ("none", "megatron", "dualpipe")
+"""How the trainer hides the MoE all-to-all behind compute (``ClusterSpec.overlap``; ``timing.layer_step_seconds``
+has the rules, docs/method.md "Overlap" their sources)."""
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,12 @@ class ClusterSpec:
             (``timing.expert_compute_seconds``).
         nvlink_latency, rdma_latency: seconds one message pays on NVLink / RDMA before its bytes flow (``alpha``
             of ``alpha + bytes / B``; 0: bandwidth only, as ``hopper-rail``). See ``timing.message_latency``.
+        overlap: how the trainer overlaps the EP all-to-all with compute (``OVERLAPS``): ``none`` (back to back),
+            ``megatron`` (Megatron-LM's ``overlap_moe_expert_parallel_comm``: one micro-batch's forward beside
+            another's backward on a compute and a communication stream) or ``dualpipe`` (DeepSeek-V3's full
+            overlap). It sits beside ``dispatcher``: both describe the runtime's EP communication, and every
+            consumer of step time (the simulator, the planners' objective, the portfolio) already receives the
+            cluster. ``timing.layer_step_seconds`` has the rules.
     """
 
     nodes: int
@@ -264,6 +277,7 @@ class ClusterSpec:
     gemm_curve: tuple[tuple[float, float], ...] = ()
     nvlink_latency: float = 0.0
     rdma_latency: float = 0.0
+    overlap: str = "none"
 
     def __post_init__(self) -> None:
         for f in ("nodes", "gpus_per_node"):
@@ -280,6 +294,8 @@ class ClusterSpec:
                 raise ValueError(f"ClusterSpec.{f} must be a finite number >= 0 (seconds), got {v!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"ClusterSpec.dispatcher must be one of {list(DISPATCHERS)}, got {self.dispatcher!r}")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"ClusterSpec.overlap must be one of {list(OVERLAPS)}, got {self.overlap!r}")
         curve = tuple((float(r), float(f)) for r, f in self.gemm_curve)
         for r, f in curve:
             if not (np.isfinite(r) and r > 0 and np.isfinite(f) and f > 0):
@@ -417,12 +433,13 @@ DEFAULT_CLUSTER = "h100"
 
 
 def cluster_preset(name: str = DEFAULT_CLUSTER, nodes: int = 1, gpus_per_node: int = 8,
-                   dispatcher: str = "alltoall") -> ClusterSpec:
+                   dispatcher: str = "alltoall", overlap: str = "none") -> ClusterSpec:
     """A ClusterSpec from a named fabric; ``nodes`` x ``gpus_per_node`` sizes the EP group.
 
     Known fabrics (``CLUSTER_PRESETS``): ``h100`` (default), ``h200``, ``h800`` (achieved rates of public
     measurements) and ``hopper-rail`` (the raw link rates of the paper's cluster). ``dispatcher`` (``DISPATCHERS``)
-    picks the token traffic and the bandwidths that dispatcher achieves.
+    picks the token traffic and the bandwidths that dispatcher achieves; ``overlap`` (``OVERLAPS``) the trainer's
+    compute / all-to-all overlap.
     """
     if name not in CLUSTER_PRESETS:
         raise ValueError(f"unknown cluster preset {name!r}; known: {sorted(CLUSTER_PRESETS)}")
@@ -433,7 +450,7 @@ def cluster_preset(name: str = DEFAULT_CLUSTER, nodes: int = 1, gpus_per_node: i
     nv_alpha, rdma_alpha = p["latency"]
     return ClusterSpec(nodes=nodes, gpus_per_node=gpus_per_node, name=name, nvlink_bw=nv, rdma_bw=rdma,
                        flops=p["flops"], attn_flops=p["attn_flops"], dispatcher=dispatcher,
-                       nvlink_latency=nv_alpha, rdma_latency=rdma_alpha)
+                       nvlink_latency=nv_alpha, rdma_latency=rdma_alpha, overlap=overlap)
 
 
 PROFILE_FORMAT = "relibra-cluster-profile"

@@ -12,6 +12,15 @@ charge time through these functions; docs/method.md ("Step time") derives them.
 - **MoE** (one micro-batch and layer, with ``comp = max_g comp[g]`` and ``comm = max_g comm[g]`` of the
   cost model): forward ``comp + comm`` (= T_MoE); backward ``2 comp + comm`` (dX and dW GEMMs; the
   all-to-all is the mirror image of the forward one); together ``3 comp + 2 comm``.
+- **Overlap** (``ClusterSpec.overlap``, one rule for the simulator and the planners: ``layer_step_seconds``): the
+  forward + backward seconds of one (micro-batch, layer) cell, attention included, with ``a`` = A_fwd,
+  ``c`` = max_g comp, ``D = C = comm / 2`` (dispatch, combine): ``none`` ``a + 2a + 3c + 2 comm``;
+  ``megatron`` (Megatron-LM's ``overlap_moe_expert_parallel_comm``, ``TransformerLayerSchedulePlan.run``: the
+  forward of one micro-batch beside the backward of another, compute and communication on two streams)
+  ``max(a, C) + max(max(c, D) + D, max(2c, D) + c) + max(2a, C)`` (``_megatron_pair``); ``dualpipe``
+  (DeepSeek-V3's full overlap) ``max(3a + 3c, 2 comm)``. Each is convex, positively homogeneous and non-decreasing in
+  ``(a, c, comm)``, which the bound (``sim.bound_step``) needs. The planners' linear objective takes its weights
+  from the rule (``step_weights``).
 - **Transfers** (alpha-beta): point-to-point moves counted on the link class of (src, dst) at the sender's tx
   and the receiver's rx; a group of concurrent transfers (one round) takes ``max_g max(nv_tx, nv_rx) / B_nv`` or
   ``max(rdma_tx, rdma_rx) / B_rdma``, whichever is larger, plus the largest per-message latency ``alpha`` among
@@ -48,11 +57,12 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import PlanError
-from .specs import CR, NV, SR, ClusterSpec, ModelSpec
+from .specs import CR, NV, OVERLAPS, SR, ClusterSpec, ModelSpec
 
 __all__ = ["DEFAULT_OPTIMIZER_BYTES_PER_PARAM", "BACKWARD_FACTOR", "attention_flops", "local_stage",
            "attention_forward", "attention_backward", "moe_forward_seconds", "moe_backward_seconds",
-           "moe_step_seconds", "STEP_COMP_WEIGHT", "exposed_seconds", "REPLICA_FETCHES", "REPLICA_MODES",
+           "moe_step_seconds", "STEP_COMP_WEIGHT", "OVERLAPS", "layer_step_seconds", "step_weights",
+           "step_comp_weight", "MIN_STEP_WEIGHT", "exposed_seconds", "REPLICA_FETCHES", "REPLICA_MODES",
            "replica_push_overlap",
            "cell_step_seconds", "transfer_seconds", "move_bytes", "message_latency", "ALL_TO_ALL_ROUNDS",
            "all_to_all_latency", "moe_comm_seconds", "expert_compute_seconds"]
@@ -126,6 +136,78 @@ def moe_step_seconds(comp: np.ndarray | float, comm: np.ndarray | float) -> np.n
 STEP_COMP_WEIGHT = (1.0 + BACKWARD_FACTOR) / 2.0
 """Compute weight of the planners' step objective ``STEP_COMP_WEIGHT x max_g comp + max_g comm``: half of
 ``moe_step_seconds`` (``3 comp + 2 comm``), so it ranks plans as the step's MoE time does; 1 gives T_MoE."""
+
+
+def _megatron_pair(a: np.ndarray | float, c: np.ndarray | float, comm: np.ndarray | float) -> np.ndarray | float:
+    """Seconds of one layer's forward beside one layer's backward under Megatron-LM's EP overlap (two streams).
+
+    ``TransformerLayerSchedulePlan.run`` (megatron/core/models/common/model_chunk_schedule_plan.py) issues
+    ``comm: combine_bwd | dispatch_fwd -> dispatch_bwd | combine_fwd`` and
+    ``comp: attn_fwd | mlp_bwd (dX) -> mlp_bwd_dw -> mlp_fwd | attn_bwd``; each stream runs its nodes in that
+    order and a node also waits for the one before it in its own pass (forward: attn -> dispatch -> mlp ->
+    combine; backward: combine -> mlp dX -> dispatch, and attn after dispatch; the dW GEMM delayed,
+    ``delay_wgrad_compute``). With ``X = max(a, C)`` (phase 1: attention forward beside the backward combine),
+    the forward MLP, the backward dispatch and the forward combine all start ``X + max(max(dX, D) + D,
+    max(dX + dW, D) + c)`` in, and the step ends ``max(C, 2a)`` after that (phase 3: attention backward beside
+    the forward combine). Both passes' loads are the cell's own (the steady state of equal micro-batches).
+    """
+    half = 0.5 * comm  # dispatch = combine
+    dx = c
+    dw = (BACKWARD_FACTOR - 1.0) * c
+    mid = np.maximum(np.maximum(dx, half) + half, np.maximum(dx + dw, half) + c)
+    return np.maximum(a, half) + mid + np.maximum(attention_backward(a), half)
+
+
+def layer_step_seconds(attn_fwd: np.ndarray | float, comp: np.ndarray | float, comm: np.ndarray | float,
+                       overlap: str = "none") -> np.ndarray | float:
+    """Forward + backward seconds of one (micro-batch, layer) cell, its local stage included, under the trainer's
+    compute / all-to-all ``overlap`` (``OVERLAPS``; any shapes, broadcast): the one overlap rule of the simulator
+    and the planners (docs/method.md, "Overlap").
+
+    ``attn_fwd``: A_fwd (slowest GPU's local stage); ``comp``: max_g forward expert GEMM seconds; ``comm``:
+    max_g dispatch + combine seconds of one pass. ``none``: ``A_fwd + A_bwd + moe_step_seconds`` (back to back);
+    ``megatron``: ``_megatron_pair``; ``dualpipe``: ``max(A_fwd + A_bwd + 3 comp, 2 comm)`` (every all-to-all
+    hidden behind the other pass's compute where there is enough of it; the SMs DeepEP takes from the GEMMs are
+    not charged). Every rule is convex, positively homogeneous and non-decreasing in each argument.
+    """
+    if overlap == "none":
+        return attn_fwd + attention_backward(attn_fwd) + moe_step_seconds(comp, comm)
+    if overlap == "megatron":
+        return _megatron_pair(attn_fwd, comp, comm)
+    if overlap == "dualpipe":
+        compute = attn_fwd + attention_backward(attn_fwd) + (1.0 + BACKWARD_FACTOR) * comp
+        return np.maximum(compute, 2.0 * comm)
+    raise PlanError(f"overlap {overlap!r} is not one of {OVERLAPS}")
+
+
+MIN_STEP_WEIGHT = 0.05
+"""Floor of either weight relative to the other in ``step_comp_weight``: where the overlap hides all of a cell's
+all-to-all (or all of its expert compute), a plan must still not buy the other term with an unbounded amount of
+the hidden one, which would stop being hidden."""
+
+
+def step_weights(overlap: str, attn_fwd: float = 1.0, comp: float = 1.0, comm: float = 1.0) -> tuple[float, float]:
+    """``(w_comp, w_comm)``: seconds of ``layer_step_seconds`` per second of ``comp`` and of ``comm`` around the
+    operating point ``(attn_fwd, comp, comm)``: the secant slopes from 0 to twice the point's value (exact for
+    the linear ``none`` rule: ``(3, 2)``)."""
+    def f(c: float, m: float) -> float:
+        return float(layer_step_seconds(attn_fwd, c, m, overlap))
+
+    w_comp = (f(2.0 * comp, comm) - f(0.0, comm)) / (2.0 * comp) if comp > 0 else 0.0
+    w_comm = (f(comp, 2.0 * comm) - f(comp, 0.0)) / (2.0 * comm) if comm > 0 else 0.0
+    return w_comp, w_comm
+
+
+def step_comp_weight(overlap: str = "none", attn_fwd: float = 1.0, comp: float = 1.0, comm: float = 1.0) -> float:
+    """The planners' compute weight (their objective is ``w x max_g comp + max_g comm``): ``w_comp / w_comm`` of
+    ``step_weights`` at the operating point, clipped to ``[MIN_STEP_WEIGHT, 1 / MIN_STEP_WEIGHT]``. ``none`` is
+    linear, so every point gives ``STEP_COMP_WEIGHT`` (evaluated at the unit point, exactly 1.5)."""
+    if overlap == "none":
+        attn_fwd = comp = comm = 1.0
+    w_comp, w_comm = step_weights(overlap, attn_fwd, comp, comm)
+    if w_comp <= 0 and w_comm <= 0:
+        return STEP_COMP_WEIGHT
+    return float(np.clip(w_comp / max(w_comm, 1e-300), MIN_STEP_WEIGHT, 1.0 / MIN_STEP_WEIGHT))
 
 
 def exposed_seconds(transfer: np.ndarray | float, overlap: np.ndarray | float) -> np.ndarray | float:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from relibra_moe.cost import flow_matrix
 from relibra_moe.errors import PlanError
-from relibra_moe.evaluate import plan_expert_rows, plan_flow, uniform_loads
+from relibra_moe.evaluate import plan_expert_rows, plan_flow
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
 from relibra_moe.sim import reorder_traffic, simulate_loads
 from relibra_moe.specs import ClusterSpec, ModelSpec
@@ -232,23 +232,6 @@ def test_bad_inputs_raise_plan_error():
         simulate_loads(plan, np.array([3]), x1, MODEL, CLUSTER.with_(nodes=1, gpus_per_node=4))
 
 
-def test_uniform_loads_balanced_ideal():
-    # 12 pairs in (m=0, l=0) over G=4 sources and E=4 experts: 0.75 each; static placement then gives
-    # loads of 3 per GPU (rank skew 1) and each GPU sends 0.75 tokens to each of its 3 peers.
-    x = np.zeros((1, 1, 4, 4))
-    x[0, 0, 0, :2] = 6
-    u = uniform_loads(x)
-    np.testing.assert_allclose(u, 0.75)
-    st_ = simulate_loads(_plan([0], [0]), np.array([6]), u, MODEL, CLUSTER)
-    assert st_.rank_skew[0, 0] == pytest.approx(1.0)
-    np.testing.assert_allclose(st_.gpu_load[0, 0], 3.0)
-    # comp 3 s; GPU 0 sends 0.75 to GPU 1 (nv), 0.75 to GPU 2 (sr), 0.75 to GPU 3 (cr):
-    # NVLink 1.5 tokens = 1.5 s, RDMA 1.5 tokens * 2 s = 3 s; comm = 2 * 3 = 6 s.
-    assert st_.moe_fwd_comm_s == pytest.approx(6.0)
-    with pytest.raises(PlanError, match="must be \\[M, L, G, E\\]"):
-        uniform_loads(np.zeros((4, 4)))
-
-
 def test_simulate_step_matches_score_plan_including_balanced():
     # The simulator's forward T_MoE is the planners' exact score, for a real plan and for Balanced.
     from relibra_moe.evaluate import score_plan
@@ -276,13 +259,13 @@ def test_simulate_step_matches_score_plan_including_balanced():
         assert score.moe_fwd_comm_s == pytest.approx(st_.moe_fwd_comm_s)
         assert score.rank_skew_mean == pytest.approx(st_.rank_skew_mean)
         d = score.to_dict()
-        assert "t_moe" not in d and "percent_of_balanced" not in d and d["t_moe_s"] == score.t_moe_s
+        assert "t_moe" not in d and "percent_of_bound" not in d and d["t_moe_s"] == score.t_moe_s
         row = StepResult.of(plan, st_, 1.5).to_dict()
         assert row["solve_s"] == 1.5 and row["strategy"] == strategy and row["replica_slots"] == plan.replica_slots
         assert {k: v for k, v in row.items() if k in st_.to_dict()} == st_.to_dict()
         assert ("portfolio" in row) == ("portfolio" in plan.stats)
-    half = score_plan(plan, batch, model, CLUSTER, balanced_t_moe_s=score.t_moe_s / 2)
-    assert half.percent_of_balanced == pytest.approx(50.0) and half.to_dict()["percent_of_balanced"] == 50.0
+    half = score_plan(plan, batch, model, CLUSTER, bound_t_moe_s=score.t_moe_s / 2)
+    assert half.percent_of_bound == pytest.approx(50.0) and half.to_dict()["percent_of_bound"] == 50.0
     with pytest.raises(PlanError, match=r"batch has L=2, E=8; model tiny has L=2, E=16"):
         simulate_step(plan, batch, model.with_(num_experts=16), CLUSTER)
     with pytest.raises(PlanError, match=r"plan has L=2, E=8; model tiny has L=2, E=16"):

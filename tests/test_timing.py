@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from relibra_moe.commands.calibrate import fit_alpha_beta, measure_all_to_all_latency
 from relibra_moe.errors import PlanError
@@ -146,3 +148,118 @@ def test_planner_cell_pricing_matches_the_simulator():
     rep[0, 0] = 1
     moved = CellResult(rep, np.array([[0, 1, 0]], np.int32), np.array([1.0]), 0.0)
     assert cell_step_terms(x, eg, moved, MODEL, LAT) == (6.0, 0.0, 24.5)
+
+
+# ------------------------------------------------------------------ compute / all-to-all overlap
+def _two_stream_schedule(a: float, c: float, comm: float) -> float:
+    """Finish time of Megatron-LM's one-forward-one-backward layer schedule (``TransformerLayerSchedulePlan.run``),
+    played node by node: each stream runs its nodes in issue order, each node also waits for its pass's
+    predecessor (the dW GEMM delayed: the backward dispatch waits for the dX GEMM only)."""
+    d = comm / 2
+    nodes = {  # name: (stream, seconds, predecessor in its own pass)
+        "combine_bwd": ("comm", d, None), "attn_fwd": ("comp", a, None),
+        "mlp_bwd": ("comp", c, "combine_bwd"), "dispatch_fwd": ("comm", d, "attn_fwd"),
+        "mlp_bwd_dw": ("comp", c, "mlp_bwd"), "dispatch_bwd": ("comm", d, "mlp_bwd"),
+        "mlp_fwd": ("comp", c, "dispatch_fwd"), "combine_fwd": ("comm", d, "mlp_fwd"),
+        "attn_bwd": ("comp", 2 * a, "dispatch_bwd"),
+    }
+    issue = {"comp": ["attn_fwd", "mlp_bwd", "mlp_bwd_dw", "mlp_fwd", "attn_bwd"],
+             "comm": ["combine_bwd", "dispatch_fwd", "dispatch_bwd", "combine_fwd"]}
+    end: dict[str, float] = {}
+    free = {"comp": 0.0, "comm": 0.0}
+    pending = {k: list(v) for k, v in issue.items()}
+    while any(pending.values()):
+        for stream, queue in pending.items():
+            if queue and (nodes[queue[0]][2] is None or nodes[queue[0]][2] in end):
+                name = queue.pop(0)
+                _, t, pred = nodes[name]
+                start = max(free[stream], end[pred] if pred else 0.0)
+                end[name] = free[stream] = start + t
+    return max(end.values())
+
+
+def test_overlap_rules_hand_computed():
+    from relibra_moe.timing import layer_step_seconds
+
+    # a = 1, c = 1, comm = 4 (dispatch = combine = 2):
+    # none: 1 + 2 + 3 + 2 x 4 = 14; dualpipe: max(1 + 2 + 3, 8) = 8; megatron: attention fwd beside the backward
+    # combine (2), then the dispatches (2 + 2) beside the MLP backward and forward (3), then the forward combine (2)
+    # beside the attention backward (2): 2 + 4 + 2 = 8.
+    assert layer_step_seconds(1.0, 1.0, 4.0, "none") == pytest.approx(14.0)
+    assert layer_step_seconds(1.0, 1.0, 4.0, "megatron") == pytest.approx(8.0)
+    assert layer_step_seconds(1.0, 1.0, 4.0, "dualpipe") == pytest.approx(8.0)
+    # compute-bound: a = 2, c = 1, comm = 1: megatron 2 + 3 + 4 = 9 (all comm hidden), dualpipe 9, none 11
+    assert layer_step_seconds(2.0, 1.0, 1.0, "megatron") == pytest.approx(9.0)
+    assert layer_step_seconds(2.0, 1.0, 1.0, "dualpipe") == pytest.approx(9.0)
+    assert layer_step_seconds(2.0, 1.0, 1.0, "none") == pytest.approx(11.0)
+    # arrays broadcast
+    np.testing.assert_allclose(layer_step_seconds(np.array([1.0, 2.0])[:, None], 1.0, np.array([4.0, 1.0]),
+                                                  "megatron"), [[8.0, 6.0], [10.0, 9.0]])
+    with pytest.raises(PlanError, match="overlap 'full' is not one of"):
+        layer_step_seconds(1.0, 1.0, 1.0, "full")
+    with pytest.raises(ValueError, match="ClusterSpec.overlap must be one of"):
+        BW.with_(overlap="full")
+    assert cluster_preset("h100", overlap="megatron").overlap == "megatron" and cluster_preset("h100").overlap == "none"
+
+
+def test_megatron_rule_is_the_two_stream_schedule():
+    from relibra_moe.timing import layer_step_seconds
+
+    rng = np.random.default_rng(0)
+    for a, c, comm in rng.uniform(0.0, 3.0, size=(300, 3)):
+        assert layer_step_seconds(a, c, comm, "megatron") == pytest.approx(_two_stream_schedule(a, c, comm))
+
+
+@given(u=st.tuples(*[st.floats(0, 10)] * 3), v=st.tuples(*[st.floats(0, 10)] * 3), lam=st.floats(0, 5))
+def test_overlap_rules_are_sublinear_monotone_and_ordered(u, v, lam):
+    # what the bound (sim.bound_step) needs of every rule: f(u + v) <= f(u) + f(v), f(lam u) = lam f(u),
+    # non-decreasing; and none >= megatron >= dualpipe >= max(compute, communication)
+    from relibra_moe.timing import OVERLAPS, layer_step_seconds
+
+    uv = tuple(x + y for x, y in zip(u, v))
+    for o in OVERLAPS:
+        f = lambda p, o=o: float(layer_step_seconds(*p, o))  # noqa: E731
+        assert f(uv) <= f(u) + f(v) + 1e-9
+        assert f(tuple(lam * x for x in u)) == pytest.approx(lam * f(u), abs=1e-9)
+        assert f(uv) >= f(u) - 1e-9
+    a, c, m = u
+    none, meg, dual = (float(layer_step_seconds(a, c, m, o)) for o in ("none", "megatron", "dualpipe"))
+    assert none + 1e-9 >= meg >= dual - 1e-9 and dual >= max(3 * a + 3 * c, 2 * m) - 1e-9
+
+
+def test_step_weights_derived_from_the_rule():
+    from relibra_moe.timing import MIN_STEP_WEIGHT, STEP_COMP_WEIGHT, step_comp_weight, step_weights
+
+    assert step_comp_weight("none") == STEP_COMP_WEIGHT == 1.5  # exactly: plans without overlap are unchanged
+    assert step_comp_weight("none", 0.3, 7.0, 0.01) == 1.5  # a linear rule: any point
+    assert step_weights("none", 0.3, 7.0, 0.01) == pytest.approx((3.0, 2.0))
+    # megatron at a = 0.2, c = 1, comm = 3: f(c, m) = max(0.2, m/2) + max(max(c, m/2) + m/2, max(2c, m/2) + c)
+    # + max(0.4, m/2); w_comp = (f(2, 3) - f(0, 3)) / 2 = (9 - 6) / 2 = 1.5, w_comm = (f(1, 6) - f(1, 0)) / 6 =
+    # (12 - 3.6) / 6 = 1.4
+    assert step_weights("megatron", 0.2, 1.0, 3.0) == pytest.approx((1.5, 1.4))
+    assert step_comp_weight("megatron", 0.2, 1.0, 3.0) == pytest.approx(1.5 / 1.4)
+    # dualpipe, compute-bound: communication hidden entirely -> its weight floors at MIN_STEP_WEIGHT of compute's;
+    # megatron, communication-bound (c = 0.1, comm = 4): compute hidden -> its weight floors the other way
+    assert step_comp_weight("dualpipe", 1.0, 1.0, 0.5) == pytest.approx(1.0 / MIN_STEP_WEIGHT)
+    assert step_weights("megatron", 0.1, 0.1, 4.0)[0] == 0.0
+    assert step_comp_weight("megatron", 0.1, 0.1, 4.0) == pytest.approx(MIN_STEP_WEIGHT)
+
+
+def test_simulated_step_under_overlap():
+    from relibra_moe.timing import attention_forward, layer_step_seconds
+
+    plan = _plan()
+    x = np.zeros((1, 1, 4, 4))
+    x[0, 0, 0] = [2, 1, 1, 0]
+    lengths = np.array([2])
+    none = simulate_loads(plan, lengths, x, MODEL, BW)
+    a = float(attention_forward(lengths, np.zeros(1, np.int64), np.zeros(1, np.int64), 1, MODEL, BW)[0])
+    for overlap in ("megatron", "dualpipe"):
+        st_ = simulate_loads(plan, lengths, x, MODEL, BW.with_(overlap=overlap))
+        want = float(layer_step_seconds(a, none.moe_fwd_comp_s, none.moe_fwd_comm_s, overlap))
+        assert st_.step_s == pytest.approx(want)
+        assert st_.overlap_hidden_s == pytest.approx(none.step_s - want) and st_.overlap_hidden_s > 0
+        assert sum(st_.breakdown.values()) == pytest.approx(st_.step_s)
+        assert st_.breakdown["overlap_hidden"] == pytest.approx(-st_.overlap_hidden_s)
+        assert st_.to_dict()["overlap_hidden_s"] == st_.overlap_hidden_s
+    assert none.overlap_hidden_s == 0.0 and "overlap_hidden" not in none.breakdown

@@ -3,8 +3,9 @@
 On a GPU box it measures (docs/method.md, "Rates"):
 
 - **expert GEMMs**: the project's Triton grouped GEMM (``triton_kernels.swiglu_experts``, forward + backward) at the
-  model's expert shape (h x h', SwiGLU) for several rows per expert; the profile's ``gemm_curve`` holds the curve and
-  ``flops`` its value at ``--rows-per-expert`` (the cost model charges one rate, forward and backward alike:
+  model's own expert shape (h x h', SwiGLU; ``--model PRESET`` or ``--model-config config.json``: the GEMM rate
+  depends on the shape, docs/method.md "Rates") for several rows per expert; the profile's ``gemm_curve`` holds the
+  curve and ``flops`` its value at ``--rows-per-expert`` (the cost model charges one rate, forward and backward alike:
   ``3 x 6 h h' rows / t_fwd+bwd``);
 - **attention**: one attention layer of the model (Q, K, V, O projections and causal ``torch`` SDPA, forward +
   backward) on ``--seq-len`` tokens; ``attn_flops = 3 x timing.attention_flops / t`` (the simulator charges the
@@ -39,7 +40,7 @@ from ..specs import (
     save_cluster_profile,
 )
 from ..validate import check_positive
-from .plan import model_by_name
+from .plan import add_model_args, model_from_args
 
 DEFAULT_ROWS = (64, 256, 1024, 2048, 8192)
 """Rows per expert the GEMM curve is measured at (2048: a 32K-token batch of a 128-expert top-8 model on one GPU)."""
@@ -252,17 +253,19 @@ def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str =
     base = cluster_preset(preset, nodes=1, gpus_per_node=gpus_per_node, dispatcher=dispatcher)
     if rdma_bw is not None:
         base = base.with_(rdma_bw=float(rdma_bw))
+    shape = {"model": model.name, "expert_shape": [int(model.hidden), int(model.ffn)]}
     if dry_run:
-        src = (f"preset {preset} ({dispatcher}): dry run, nothing measured; rates from docs/method.md"
+        src = (f"preset {preset} ({dispatcher}): dry run, nothing measured; rates from docs/method.md (the GEMM rate "
+               f"not at {model.name}'s expert shape {model.hidden} x {model.ffn})"
                + (f", rdma_bw {rdma_bw:.3g} B/s given by the user" if rdma_bw is not None else ""))
-        return cluster_profile(base, src, {"dry_run": True})
+        return cluster_profile(base, src, {"dry_run": True, **shape})
     import torch
 
     dev = torch.device(device or "cuda")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise PlanError("relibra calibrate: no CUDA device here; pass --dry-run for the preset's profile")
     meas: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-                            "torch": torch.__version__, "model": model.name}
+                            "torch": torch.__version__, **shape}
     curve = measure_gemm(model, tuple(rows), local_experts, dev, iters=iters)
     meas["gemm"] = curve
     base = base.with_(gemm_curve=tuple((p["rows_per_expert"], p["flops"]) for p in curve))
@@ -273,7 +276,7 @@ def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str =
     base = base.with_(attn_flops=attn["flops"])
     n = torch.cuda.device_count() if dev.type == "cuda" else 0
     world = min(n, gpus_per_node) if a2a_gpus is None else a2a_gpus
-    measured = ["gemm", "attention"]
+    measured = [f"gemm at {model.name}'s expert shape {model.hidden} x {model.ffn}", "attention"]
     if dispatcher == "deepep":
         meas["nvlink"] = "not measured: DeepEP's own kernels are not run by calibrate (preset rate kept)"
     elif world >= 2:
@@ -310,7 +313,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Measure the rates the cost model charges (grouped-GEMM and attention throughput, NVLink "
                     "all-to-all bandwidth) and write a cluster profile JSON for --cluster-profile. Rates not "
                     "measured come from --preset; --dry-run measures nothing.")
-    p.add_argument("--model", required=True, help="model preset whose shapes are measured")
+    add_model_args(p)  # the model whose expert shape and attention are measured
     p.add_argument("--preset", default=DEFAULT_CLUSTER,
                    help=f"cluster preset for the rates not measured (default {DEFAULT_CLUSTER})")
     p.add_argument("--dispatcher", default="alltoall", choices=DISPATCHERS, help="token dispatcher (default alltoall)")
@@ -336,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         rows = tuple(int(r) for r in str(args.rows).split(",") if r.strip())
     except ValueError:
         raise PlanError(f"--rows={args.rows!r} must be comma-separated integers") from None
-    prof = calibrate(model_by_name(args.model), args.preset, args.dispatcher, args.gpus_per_node,
+    prof = calibrate(model_from_args(args), args.preset, args.dispatcher, args.gpus_per_node,
                      None if args.rdma_bw is None else args.rdma_bw * 1e9, rows, args.rows_per_expert,
                      args.local_experts, args.seq_len, dry_run=args.dry_run, device=args.device, iters=args.iters)
     save_cluster_profile(args.out, prof)

@@ -11,6 +11,11 @@ strategy alike), the experts moved, the rank skew and the solve seconds.
 ``eplb-history`` plans from past batches' loads, so on one batch (no history yet) it is the static layout; it
 needs ``--batches`` >= 2 to re-balance. The baselines' models: docs/baselines.md.
 
+``--rate-band [LO,HI]`` (TFLOP/s; default ``specs.GEMM_RATE_BAND``, 300,600) plans and simulates every strategy again
+with the expert-GEMM rate at each end of the band and adds ``rate_band`` to the JSON: the reference's (relibra's)
+steady speedup over every strategy at each end (docs/method.md, "Rates": the rate at a model's own expert shape is
+a band where it was not measured).
+
 ``--sample-owner trainer`` plans every strategy for the trainer's own sample placement (``--sample-gpu FILE.npy``,
 default round-robin within each micro-batch): only expert homes, replicas and splits are planned.
 ``--sample-owner both`` prints both modes on one table, the trainer-owned rows under the planner-owned ones, with
@@ -71,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=1,
                    help="eplb-history: batches of load history EPLB sees (default 1: the previous batch)")
     add_sample_owner_flags(p, both=True)
+    p.add_argument("--rate-band", nargs="?", const="default", default=None, metavar="LO,HI",
+                   help="also run at the ends of the expert-GEMM rate band, TFLOP/s (default 300,600: "
+                        "specs.GEMM_RATE_BAND); the JSON's rate_band has the speedups there")
     p.add_argument("--seed", type=int, default=0, help="plan seed")
     p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the full result as JSON to OUT")
@@ -98,11 +106,15 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
                  micro_batch_size: int | None = None, layers: int | None = None, batches: int = 1,
                  rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1,
                  sample_owner: str = "planner", sample_gpu_path: str | None = None,
-                 cluster_profile: str | None = None, dispatcher: str | None = None) -> dict[str, Any]:
+                 cluster_profile: str | None = None, dispatcher: str | None = None,
+                 overlap: str | None = None, rate_band: tuple[float, float] | None = None) -> dict[str, Any]:
     """Load the trace, run the comparison, return the JSON-ready result (what ``--json OUT`` writes).
 
     ``sample_owner``: "planner", "trainer" or "both" (``steady.run_steady``); ``sample_gpu_path``: the trainer's
     ranks, an int ``[N]`` .npy file over the trace's samples (default round-robin within each micro-batch).
+    ``rate_band``: ``(low, high)`` expert-GEMM FLOP/s; every strategy runs again at each (``rate_band`` in the
+    result: ``{"flops": [low, high], "speedup": {"low": {...}, "high": {...}}}``, the reference's steady
+    speedups; a cluster profile's GEMM curve is dropped there: the band replaces the rate).
 
     Raises:
         PlanError / TraceError: a bad argument (named with its value), a trace for another model, a trace
@@ -123,7 +135,7 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     if layers is not None and layers < 1:
         raise PlanError(f"--layers={layers} must be >= 1")
     model = model_by_name(model_name)
-    cluster = cluster_by_name(cluster_name, nodes, gpus_per_node, cluster_profile, dispatcher)
+    cluster = cluster_by_name(cluster_name, nodes, gpus_per_node, cluster_profile, dispatcher, overlap)
     batch = TraceBatch.load(trace_path)
     check_batch_model(batch, model, f"trace {trace_path}")  # before --layers cuts both to their first layers
     check_micro_batches(batch, trace_path, micro_batch_size)
@@ -142,11 +154,48 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
                      rebalance_every=rebalance_every, window=window,
                      reference="relibra" if "relibra" in names else names[0], sample_owner=sample_owner,
                      sample_gpu=per_batch)
+    if rate_band is not None:
+        res["rate_band"] = _rate_band(rate_band, seq, model, cluster, names, replica_slots=replica_slots, seed=seed,
+                                      workers=workers, rebalance_every=rebalance_every, window=window,
+                                      reference=res.get("reference", names[0]), sample_owner=sample_owner,
+                                      sample_gpu=per_batch)
     if sample_owner != "planner":
         res["sample_gpu"] = "round-robin" if sample_gpu_path is None else str(sample_gpu_path)
     res.update({"trace": str(trace_path), "mode": "steady" if batches > 1 else "single",
                 "layers_total": model_by_name(model_name).num_layers})
     return res
+
+
+def parse_rate_band(text: str | None) -> tuple[float, float] | None:
+    """``--rate-band``: None (off), "default" (``specs.GEMM_RATE_BAND``) or ``LO,HI`` in TFLOP/s -> FLOP/s."""
+    from ..specs import GEMM_RATE_BAND
+
+    if text is None:
+        return None
+    if text == "default":
+        return GEMM_RATE_BAND
+    try:
+        lo, hi = (float(v) * 1e12 for v in str(text).split(","))
+    except ValueError:
+        raise PlanError(f"--rate-band={text!r} must be LO,HI in TFLOP/s, e.g. 300,600") from None
+    if not (0 < lo <= hi and hi < float("inf")):
+        raise PlanError(f"--rate-band={text!r} must hold 0 < LO <= HI (TFLOP/s)")
+    return lo, hi
+
+
+def _rate_band(band: tuple[float, float], seq: Any, model: Any, cluster: Any, names: list[str], *,
+               reference: str, **kwargs: Any) -> dict[str, Any]:
+    """The reference's steady speedups with the expert-GEMM rate at each end of ``band`` (FLOP/s)."""
+    from ..steady import run_steady
+
+    out: dict[str, Any] = {"flops": [float(band[0]), float(band[1])], "reference": reference, "speedup": {},
+                           "step_s": {}}
+    for end, flops in zip(("low", "high"), band):
+        r = run_steady(seq, model, cluster.with_(flops=float(flops), gemm_curve=()), names, reference=reference,
+                       **kwargs)
+        out["speedup"][end] = r.get("speedup", {})
+        out["step_s"][end] = {s: v["steady"]["step_s"] for s, v in r["strategies"].items()}
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
                        micro_batch_size=args.micro_batch_size, layers=args.layers, batches=args.batches,
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
                        workers=args.workers, sample_owner=args.sample_owner, sample_gpu_path=args.sample_gpu,
-                       cluster_profile=args.cluster_profile, dispatcher=args.dispatcher)
+                       cluster_profile=args.cluster_profile, dispatcher=args.dispatcher, overlap=args.overlap,
+                       rate_band=parse_rate_band(args.rate_band))
     console = Console()
     if not console.is_terminal:  # a pipe or a file: keep the table's rows and title unwrapped
         console = Console(width=max(console.width, 160))

@@ -67,7 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--strategy", required=True, choices=_strategy_registry(), help="planning strategy")
-    from ..planners.options import BALANCED_SOURCES, OBJECTIVES, REPLICA_STRATEGIES
+    from ..planners.options import OBJECTIVES, REPLICA_STRATEGIES
 
     p.add_argument("--replica-slots", type=int, default=0,
                    help=f"replica slots per GPU r ({', '.join(REPLICA_STRATEGIES)})")
@@ -85,8 +85,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="reorder objective: sum over micro-batches of T_MoE (default) or aggregated loads")
     for flag, name, typ, help_ in _OPTION_FLAGS:
         p.add_argument(flag, dest=name, type=typ, default=None, help=help_)
-    p.add_argument("--balanced-sources", choices=BALANCED_SOURCES, default=None,
-                   help="sources of the Balanced ideal (balanced): each GPU keeps its tokens (default) or even")
     p.add_argument("--final-reorder", action="store_true",
                    help="re-anneal the homes once more after the last locality pass (relibra*)")
     p.add_argument("--previous", default=None, metavar="PLAN.npz",
@@ -101,7 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-pricing", choices=PRICE_CHOICES, default="price",
                    help="replica pushes / pulls not hidden behind their window (max(attention, dispatch)): priced "
                         "(default) or free (relibra)")
-    p.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
+    p.add_argument("--bound", "--balanced", dest="bound", action="store_true",
+                   help="also report percent of the bound (a lower bound of every plan's sum of T_MoE)")
     p.add_argument("--out", required=True, help="plan file to write (.npz)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
@@ -114,7 +113,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("plan", help="plan file (.npz from `relibra plan`)")
     add_model_args(s)
     add_cluster_args(s)
-    s.add_argument("--balanced", action="store_true", help="also report percent of the Balanced ideal")
+    s.add_argument("--bound", "--balanced", dest="bound", action="store_true",
+                   help="also report percent of the bound (a lower bound of every plan's sum of T_MoE)")
     s.add_argument("--previous", default=None, metavar="PLAN.npz",
                    help="charge the simulated step's expert moves against this plan's placement (default: static)")
     s.add_argument("--allow-unfingerprinted", action="store_true",
@@ -194,27 +194,33 @@ def model_by_name(name: str | ModelSpec) -> ModelSpec:
 
 
 def cluster_by_name(name: str, nodes: int, gpus_per_node: int, profile: str | None = None,
-                    dispatcher: str | None = None) -> ClusterSpec:
+                    dispatcher: str | None = None, overlap: str | None = None) -> ClusterSpec:
     """The cluster of a command: the cluster profile file ``profile`` (``relibra calibrate``) when given, else the
     fabric preset ``name``, with ``nodes`` x ``gpus_per_node`` GPUs; ``dispatcher`` overrides the preset's
-    (``alltoall``) and must match a profile's. PlanError for a bad name, file or mismatch."""
-    from ..specs import cluster_preset, load_cluster_profile
+    (``alltoall``) and must match a profile's; ``overlap`` (``specs.OVERLAPS``, default ``none``) is the trainer's
+    compute / all-to-all overlap. PlanError for a bad name, file or mismatch."""
+    from ..specs import OVERLAPS, cluster_preset, load_cluster_profile
+    from ..validate import check_choice
 
+    overlap = "none" if overlap is None else overlap
+    check_choice("--overlap", overlap, OVERLAPS)
     if profile is not None:
         cluster = load_cluster_profile(profile, nodes, gpus_per_node)
         if dispatcher is not None and dispatcher != cluster.dispatcher:
             raise PlanError(f"--dispatcher {dispatcher} differs from the profile {profile}'s dispatcher "
                             f"{cluster.dispatcher!r} (its bandwidths were measured for that one)")
-        return cluster
+        return cluster.with_(overlap=overlap)
     try:
-        return cluster_preset(name, nodes=nodes, gpus_per_node=gpus_per_node, dispatcher=dispatcher or "alltoall")
+        return cluster_preset(name, nodes=nodes, gpus_per_node=gpus_per_node, dispatcher=dispatcher or "alltoall",
+                              overlap=overlap)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    """``--cluster``, ``--cluster-profile`` and ``--dispatcher``: the flags ``cluster_by_name`` reads."""
-    from ..specs import CLUSTER_PRESETS, DEFAULT_CLUSTER, DISPATCHERS
+    """``--cluster``, ``--cluster-profile``, ``--dispatcher`` and ``--overlap``: the flags ``cluster_by_name``
+    reads."""
+    from ..specs import CLUSTER_PRESETS, DEFAULT_CLUSTER, DISPATCHERS, OVERLAPS
 
     p.add_argument("--cluster", default=DEFAULT_CLUSTER,
                    help=f"cluster fabric preset: {', '.join(sorted(CLUSTER_PRESETS))} (default: {DEFAULT_CLUSTER}; "
@@ -224,6 +230,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatcher", default=None, choices=DISPATCHERS,
                    help="token dispatcher whose traffic and bandwidths are charged (default: alltoall, or the "
                         "profile's)")
+    p.add_argument("--overlap", default=None, choices=OVERLAPS,
+                   help="the trainer's compute / all-to-all overlap: none (default), megatron "
+                        "(overlap_moe_expert_parallel_comm) or dualpipe (DeepSeek-V3); docs/method.md, 'Overlap'")
 
 
 def check_micro_batches(batch: TraceBatch, path: str, micro_batch_size: int | None) -> None:
@@ -234,13 +243,14 @@ def check_micro_batches(batch: TraceBatch, path: str, micro_batch_size: int | No
 
 
 def cluster_of_plan(plan: BatchPlan, plan_path: str, cluster_name: str, profile: str | None = None,
-                    dispatcher: str | None = None) -> ClusterSpec:
+                    dispatcher: str | None = None, overlap: str | None = None) -> ClusterSpec:
     """The ClusterSpec a plan file was made for: its ``num_gpus`` / ``gpus_per_node`` on fabric ``cluster_name``
     (or the cluster profile ``profile``, see ``cluster_by_name``)."""
     if plan.num_gpus % plan.gpus_per_node:
         raise PlanError(f"plan {plan_path}: num_gpus={plan.num_gpus} is not a multiple of "
                         f"gpus_per_node={plan.gpus_per_node}")
-    return cluster_by_name(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node, profile, dispatcher)
+    return cluster_by_name(cluster_name, plan.num_gpus // plan.gpus_per_node, plan.gpus_per_node, profile, dispatcher,
+                           overlap)
 
 
 def load_previous(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str = "--previous") -> Placement:
@@ -278,9 +288,8 @@ def plan_options(args: argparse.Namespace, *, previous: Placement | None = None,
     for _, name, _, _ in _OPTION_FLAGS:
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
-    for name in ("objective", "balanced_sources"):
-        if getattr(args, name) is not None:
-            kw[name] = getattr(args, name)
+    if args.objective is not None:
+        kw["objective"] = args.objective
     for name, value in (("previous", previous), ("history", history), ("sample_gpu", sample_gpu)):
         if value is not None:
             kw[name] = value
@@ -307,7 +316,7 @@ def load_history(paths: list[str], model: ModelSpec) -> np.ndarray:
 
 
 def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str,
-                profile: str | None = None, dispatcher: str | None = None
+                profile: str | None = None, dispatcher: str | None = None, overlap: str | None = None
                 ) -> tuple[ModelSpec, TraceBatch, BatchPlan, ClusterSpec]:
     """``(model, batch, plan, cluster)`` for ``relibra score`` / ``relibra simulate``: the preset, the trace
     (checked against the model), the plan file and the cluster it was made for."""
@@ -317,22 +326,21 @@ def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cl
     model = model_by_name(model_name)
     batch = TraceBatch.load(trace_path)  # checked against the model and the plan by check_plan_batch
     plan = BatchPlan.load(plan_path)
-    return model, batch, plan, cluster_of_plan(plan, plan_path, cluster_name, profile, dispatcher)
+    return model, batch, plan, cluster_of_plan(plan, plan_path, cluster_name, profile, dispatcher, overlap)
 
 
-def _score(plan, batch, model, cluster, balanced: bool, allow_unfingerprinted: bool = False) -> dict[str, Any]:
-    """``PlanScore.to_dict`` of ``plan`` on ``batch`` (with ``balanced``: ``percent_of_balanced`` and the Balanced
-    ideal's ``balanced_t_moe_s``)."""
-    from ..evaluate import balanced_t_moe, score_plan
+def _score(plan, batch, model, cluster, bound: bool, allow_unfingerprinted: bool = False) -> dict[str, Any]:
+    """``PlanScore.to_dict`` of ``plan`` on ``batch`` (with ``bound``: ``percent_of_bound`` and ``bound_t_moe_s``,
+    the bound for the plan's replica slots, ``evaluate.bound_t_moe``)."""
+    from ..evaluate import bound_t_moe, score_plan
 
-    bal = None
-    if balanced:
-        bal = balanced_t_moe(batch, model, cluster, seed=int(plan.stats.get("seed", 0)),
-                             micro_batch=plan.samples.micro_batch)
-    out = score_plan(plan, batch, model, cluster, balanced_t_moe_s=bal,
+    bnd = None
+    if bound:
+        bnd = bound_t_moe(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)))
+    out = score_plan(plan, batch, model, cluster, bound_t_moe_s=bnd,
                      allow_missing_fingerprint=allow_unfingerprinted).to_dict()
-    if bal is not None:
-        out["balanced_t_moe_s"] = bal
+    if bnd is not None:
+        out["bound_t_moe_s"] = bnd
     return out
 
 
@@ -356,7 +364,8 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     from ..trace import TraceBatch
 
     model = model_from_args(args)
-    cluster = cluster_by_name(args.cluster, args.nodes, args.gpus_per_node, args.cluster_profile, args.dispatcher)
+    cluster = cluster_by_name(args.cluster, args.nodes, args.gpus_per_node, args.cluster_profile, args.dispatcher,
+                              args.overlap)
     batch = TraceBatch.load(args.trace)
     if args.replica_slots and args.strategy not in REPLICA_STRATEGIES:
         raise PlanError(f"--replica-slots={args.replica_slots} only applies to {', '.join(REPLICA_STRATEGIES)}, "
@@ -372,8 +381,9 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
         batch = batch.with_micro_batch_size(args.micro_batch_size)
     out: dict[str, Any] = {"trace": str(args.trace), "plan": str(args.out), "model": model.name,
                            "cluster": {"name": cluster.name, "nodes": cluster.nodes,
-                                       "gpus_per_node": cluster.gpus_per_node, "dispatcher": cluster.dispatcher}}
-    out.update(_score(plan, batch, model, cluster, args.balanced))
+                                       "gpus_per_node": cluster.gpus_per_node, "dispatcher": cluster.dispatcher,
+                                       "overlap": cluster.overlap}}
+    out.update(_score(plan, batch, model, cluster, args.bound))
     out.update(_step(plan, batch, model, cluster, previous, args.previous))
     out["solve_s"] = float(plan.stats["solve_seconds"])
     out["replica_slots"] = plan.replica_slots
@@ -384,18 +394,20 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def score_file(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str = DEFAULT_CLUSTER,
-               balanced: bool = False, previous_path: str | None = None, allow_unfingerprinted: bool = False,
-               cluster_profile: str | None = None, dispatcher: str | None = None) -> dict[str, Any]:
+               bound: bool = False, previous_path: str | None = None, allow_unfingerprinted: bool = False,
+               cluster_profile: str | None = None, dispatcher: str | None = None,
+               overlap: str | None = None) -> dict[str, Any]:
     """Load a trace and a plan file, score the plan (what ``relibra score --json`` prints): Σ T_MoE (moves free)
     and the simulated step (moves charged against ``previous_path``'s placement, else the static one).
     ``allow_unfingerprinted``: accept a plan without a batch fingerprint (``check_plan_batch``)."""
     model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name, cluster_profile,
-                                              dispatcher)
+                                              dispatcher, overlap)
     previous = load_previous(previous_path, model, cluster) if previous_path else None
     out: dict[str, Any] = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
                            "cluster": {"name": cluster.name, "nodes": cluster.nodes,
-                                       "gpus_per_node": cluster.gpus_per_node, "dispatcher": cluster.dispatcher}}
-    out.update(_score(plan, batch, model, cluster, balanced, allow_unfingerprinted))
+                                       "gpus_per_node": cluster.gpus_per_node, "dispatcher": cluster.dispatcher,
+                                       "overlap": cluster.overlap}}
+    out.update(_score(plan, batch, model, cluster, bound, allow_unfingerprinted))
     out.update(_step(plan, batch, model, cluster, previous, previous_path, allow_unfingerprinted))
     out["sample_owner"] = plan.stats.get("sample_owner", "planner")
     return out
@@ -415,7 +427,7 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k in ("t_moe_s", "step_s", "experts_moved", "moe_fwd_comp_s", "moe_fwd_comm_s", "rank_skew_mean",
-              "rank_skew_max", "percent_of_balanced", "solve_s", "num_micro_batches", "sample_owner"):
+              "rank_skew_max", "percent_of_bound", "solve_s", "num_micro_batches", "sample_owner"):
         if k in res:
             v = res[k]
             t.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
@@ -430,6 +442,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_score(args: argparse.Namespace) -> int:
     """``relibra score``: re-score a plan file; exit status 0."""
-    _print(score_file(args.trace, args.plan, model_from_args(args), args.cluster, args.balanced, args.previous,
-                      args.allow_unfingerprinted, args.cluster_profile, args.dispatcher), args.json)
+    _print(score_file(args.trace, args.plan, model_from_args(args), args.cluster, args.bound, args.previous,
+                      args.allow_unfingerprinted, args.cluster_profile, args.dispatcher, args.overlap), args.json)
     return 0

@@ -42,21 +42,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_name: str = DEFAULT_CLUSTER,
                    previous_path: str | None = None, optimizer_bytes: float | None = None,
                    replica_mode: str = "auto", allow_unfingerprinted: bool = False,
-                   cluster_profile: str | None = None, dispatcher: str | None = None) -> dict[str, Any]:
+                   cluster_profile: str | None = None, dispatcher: str | None = None,
+                   overlap: str | None = None) -> dict[str, Any]:
     """Load the files, simulate, return the JSON-ready result (what ``--json`` prints); ``allow_unfingerprinted``
     accepts a plan without a batch fingerprint (``check_plan_batch``)."""
     from ..sim import simulate_step
     from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
 
     model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name, cluster_profile,
-                                              dispatcher)
+                                              dispatcher, overlap)
     previous = load_previous(previous_path, model, cluster) if previous_path else None
     opt = DEFAULT_OPTIMIZER_BYTES_PER_PARAM if optimizer_bytes is None else optimizer_bytes
     step = simulate_step(plan, batch, model, cluster, previous=previous, optimizer_bytes_per_param=opt,
                          replica_mode=replica_mode, allow_missing_fingerprint=allow_unfingerprinted)
     out = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
            "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
-                       "dispatcher": cluster.dispatcher},
+                       "dispatcher": cluster.dispatcher, "overlap": cluster.overlap},
            "strategy": plan.stats.get("strategy"), "num_micro_batches": plan.num_micro_batches,
            "replica_slots": plan.replica_slots, "sample_owner": plan.stats.get("sample_owner", "planner")}
     out.update(step.to_dict())
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     """``relibra simulate``: print the simulated step (JSON or a table); exit status 0."""
     res = simulate_files(args.trace, args.plan, model_from_args(args), args.cluster, args.previous,
                          args.optimizer_bytes, args.replica_mode, args.allow_unfingerprinted, args.cluster_profile,
-                         args.dispatcher)
+                         args.dispatcher, args.overlap)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

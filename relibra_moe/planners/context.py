@@ -58,6 +58,7 @@ class PlanContext:
     fallback_expert_gpu: np.ndarray | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     fallbacks: FallbackLog = field(default_factory=FallbackLog)
+    _comp_weight: float | None = field(default=None, repr=False)
 
     @property
     def replica_slots(self) -> int:
@@ -81,16 +82,40 @@ class PlanContext:
         return self.options.sample_owner == "trainer"
 
     @property
+    def comp_weight(self) -> float:
+        """Compute weight of relibra*'s objectives: ``options.comp_weight`` without overlap (or without
+        ``step_objective``); with the cluster's overlap, ``timing.step_comp_weight`` at this batch's operating
+        point (the start placement on the static homes: mean A_fwd, mean max_g comp and max_g comm per cell)."""
+        if self.cluster.overlap == "none" or not self.options.step_objective:
+            return self.options.comp_weight
+        if self._comp_weight is None:
+            from ..cost import cost_from_flow, flow_matrix
+            from ..timing import attention_forward, step_comp_weight
+
+            L, E, G = self.model.num_layers, self.model.num_experts, self.cluster.num_gpus
+            x = self.loads(self.micro_batch, self.sample_gpu)
+            cost = cost_from_flow(flow_matrix(x, Placement.static(L, E, G).expert_gpu.astype(np.int64)), self.model,
+                                  self.cluster)
+            a = attention_forward(self.lengths, self.micro_batch, self.sample_gpu, self.num_micro_batches, self.model,
+                                  self.cluster)
+            self._comp_weight = step_comp_weight(self.cluster.overlap, float(a.mean()),
+                                                          float(cost.comp.max(axis=-1).mean()),
+                                                          float(cost.comm.max(axis=-1).mean()))
+        return float(self._comp_weight)
+
+    @property
     def reorder_params(self) -> ReorderParams:
-        """The reorder parameters of one round of the planning loop (``params.reorder_params`` of the options)."""
+        """The reorder parameters of one round of the planning loop (``params.reorder_params`` of the options,
+        ``comp_weight`` from the cluster's overlap)."""
         return reorder_params(self.options, self.model.num_experts, self.cluster.num_gpus, self.num_micro_batches,
-                              self.model.num_layers)
+                              self.model.num_layers, self.comp_weight)
 
     @property
     def locality_params(self) -> LocalityParams:
         """The sample-placement parameters of one round of the planning loop and of ``relocate``
-        (``params.locality_params`` of the options)."""
-        return locality_params(self.options, len(self.lengths), self.model.num_layers, self.cluster.num_gpus)
+        (``params.locality_params`` of the options, ``comp_weight`` from the cluster's overlap)."""
+        return locality_params(self.options, len(self.lengths), self.model.num_layers, self.cluster.num_gpus,
+                               self.comp_weight)
 
     def loads(self, micro_batch: np.ndarray, sample_gpu: np.ndarray) -> np.ndarray:
         """int64 ``[M, L, G, E]`` for a sample placement."""

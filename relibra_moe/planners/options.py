@@ -33,11 +33,10 @@ from ..validate import (
     check_token_counts,
 )
 
-__all__ = ["PlanOptions", "OBJECTIVES", "BALANCED_SOURCES", "SAMPLE_OWNERS", "DEFAULT_ROUNDS", "DEFAULT_TOL",
+__all__ = ["PlanOptions", "OBJECTIVES", "SAMPLE_OWNERS", "DEFAULT_ROUNDS", "DEFAULT_TOL",
            "FINAL_ITERS_FACTOR", "RELIBRA_STRATEGIES", "REPLICA_STRATEGIES", "HISTORY_STRATEGIES"]
 
 OBJECTIVES = ("batch", "aggregate")
-BALANCED_SOURCES = ("batch", "even")
 SAMPLE_OWNERS = ("planner", "trainer")
 """Who places the samples: the planner (micro-batch and GPU of every sample are planned) or the trainer (its
 assignment is an input; the planner chooses only expert homes, replicas and splits for it)."""
@@ -48,8 +47,9 @@ DEFAULT_TOL = 0.05
 FINAL_ITERS_FACTOR = 8
 """``final_iters`` default: this many times a round's reorder proposals (BENCHMARKS.md, "Planner defaults")."""
 
-REPLICA_STRATEGIES = ("eplb", "lplb", "relibra", "eplb-history", "online")
-"""The strategies that place replicas (read ``replica_slots``)."""
+REPLICA_STRATEGIES = ("eplb", "lplb", "relibra", "eplb-history", "online", "balanced")
+"""The strategies that read ``replica_slots``: those that place replicas, and ``balanced`` (the bound of plans with
+that many slots, ``evaluate.bound_terms``)."""
 RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
 """The ReLibra strategies: reorder + locality (+ replication); they read ``skew_cap`` / ``node_comp``."""
 HISTORY_STRATEGIES = ("eplb-history", "relibra")
@@ -82,7 +82,6 @@ class PlanOptions:
         tol: attention-work tolerance of the sample placement (fraction over the mean), >= 0.
         token_cap: with ``repack``, tokens per micro-batch at most this (int >= 1; None: sample counts kept).
         num_groups: EPLB expert groups, int >= 1 (None: no hierarchy).
-        balanced_sources: the Balanced ideal's sources, "batch" (each GPU keeps its tokens) or "even".
         migration: price expert moves against ``previous`` (relibra*): relabel by the fabric's symmetries and
             keep a layer's previous homes where the new ones do not pay for their move.
         previous: placement before this batch (a ``Placement`` or int ``[L, E]``; None: the static one).
@@ -110,7 +109,8 @@ class PlanOptions:
             (None: ``plan.round_robin_gpus`` of the micro-batches, what a trainer that does not reorder does);
             must be None with "planner". Length and range are checked against the batch when planning.
         step_objective: relibra*'s reorder and locality anneal the simulated step's MoE weighting,
-            ``timing.STEP_COMP_WEIGHT x comp + comm`` (3 comp + 2 comm, halved); False: T_MoE (comp + comm).
+            ``w x comp + comm`` with ``w`` from the cluster's overlap rule (``timing.step_comp_weight``; without
+            overlap ``timing.STEP_COMP_WEIGHT``: 3 comp + 2 comm, halved); False: T_MoE (comp + comm).
         portfolio: relibra ends with a portfolio (its plan, the previous homes with replicas, relibra-inter and the
             cheap baselines, each simulated with the moves charged against ``previous``; the fastest wins).
     """
@@ -130,7 +130,6 @@ class PlanOptions:
     tol: float = DEFAULT_TOL
     token_cap: int | None = None
     num_groups: int | None = None
-    balanced_sources: str = "batch"
     migration: bool = True
     previous: Any = None
     history: Any = None
@@ -157,7 +156,6 @@ class PlanOptions:
             check_optional_int(name, getattr(self, name), lo)
         check_int("rounds", self.rounds, 1)
         check_choice("objective", self.objective, OBJECTIVES)
-        check_choice("balanced_sources", self.balanced_sources, BALANCED_SOURCES)
         for name in _BOOLS:
             check_bool(name, getattr(self, name))
         for name in _OPTIONAL_BOOLS:
@@ -221,7 +219,8 @@ class PlanOptions:
     # ------------------------------------------------------------------ derived values
     @property
     def comp_weight(self) -> float:
-        """Compute weight of relibra*'s reorder and locality objectives (``step_objective``)."""
+        """Compute weight of relibra*'s reorder and locality objectives (``step_objective``) without overlap;
+        ``PlanContext.comp_weight`` derives it from the cluster's overlap rule."""
         return STEP_COMP_WEIGHT if self.step_objective else 1.0
 
     @property

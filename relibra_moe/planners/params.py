@@ -171,26 +171,30 @@ def params_or_fields(cls: type[P], params: P | None, fields: dict[str, Any]) -> 
 
 
 def reorder_params(options: PlanOptions, num_experts: int, num_gpus: int, num_micro_batches: int,
-                   num_layers: int) -> ReorderParams:
+                   num_layers: int, comp_weight: float | None = None) -> ReorderParams:
     """The reorder parameters of one round of the planning loop: the options' objective, smoothing and rank
     balance, ``options.comp_weight``, and ``iters`` (default: the whole-reorder budget split over
-    ``options.rounds``, at least ``MIN_ROUND_ITERS``)."""
+    ``options.rounds``, at least ``MIN_ROUND_ITERS``). ``comp_weight``: the caller's (the cluster's overlap rule,
+    ``PlanContext.comp_weight``) instead of ``options.comp_weight``."""
     node_comp, skew_cap = options.rank_balance
+    w = options.comp_weight if comp_weight is None else comp_weight
     p = ReorderParams(objective=options.objective, beta=options.beta, iters=options.iters, smooth=options.smooth,
-                      node_comp=node_comp, skew_cap=skew_cap, comp_weight=options.comp_weight)
+                      node_comp=node_comp, skew_cap=skew_cap, comp_weight=w)
     if options.iters is None:
         whole = p.iters_for(num_experts, num_gpus, num_micro_batches, num_layers)
         p = dataclasses.replace(p, iters=max(whole // options.rounds, MIN_ROUND_ITERS))
     return p
 
 
-def locality_params(options: PlanOptions, num_samples: int, num_layers: int, num_gpus: int) -> LocalityParams:
+def locality_params(options: PlanOptions, num_samples: int, num_layers: int, num_gpus: int,
+                    comp_weight: float | None = None) -> LocalityParams:
     """The sample-placement parameters of one round of the planning loop (and of ``relocate``): the options'
     repacking, caps, ``locality_smooth`` and ``comp_weight``, and ``iters`` (default: the budget split over
-    ``options.rounds``, at least ``MIN_ROUND_LOCALITY_ITERS``)."""
+    ``options.rounds``, at least ``MIN_ROUND_LOCALITY_ITERS``). ``comp_weight``: as for ``reorder_params``."""
     p = LocalityParams(repack=options.repack, token_cap=options.token_cap, tol=options.tol,
                        iters=options.locality_iters, beta=options.beta, smooth=options.locality_smooth,
-                       keep_cell_sizes=options.keep_cell_sizes, comp_weight=options.comp_weight)
+                       keep_cell_sizes=options.keep_cell_sizes,
+                       comp_weight=options.comp_weight if comp_weight is None else comp_weight)
     if options.locality_iters is None:
         whole = p.iters_for(num_samples, num_layers, num_gpus)
         p = dataclasses.replace(p, iters=max(whole // options.rounds, MIN_ROUND_LOCALITY_ITERS))

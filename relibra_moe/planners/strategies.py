@@ -6,7 +6,7 @@ name                      plan
 ``static``                Megatron-LM: expert e on GPU e // (E/G), samples round-robin
 ``lpt``                   greedy LPT reorder on the batch's true loads (Algorithm 1's start)
 ``eplb``                  DeepSeek EPLB on the true loads (EPLB+), r redundant experts per GPU
-``balanced``              the ideal: uniform random routing, same tokens per source (scored as such)
+``balanced``              the bound: scored / simulated as a proven lower bound of every plan (docs/method.md)
 ``relibra-inter``         reorder (LPT + annealing) + sample locality (+ repacking), migration-aware
 ``lplb``                  LPLB+: EPLB+ reorder, per-micro-batch LP split over <= 1 copy per expert
 ``relibra``               relibra-inter + intra-node replication and token split (Algorithm 2), replicas
@@ -117,8 +117,8 @@ def strategy_eplb(ctx: PlanContext) -> BatchPlan:
 
 
 def strategy_balanced(ctx: PlanContext) -> BatchPlan:
-    """The Balanced ideal: a static plan that ``score_plan`` scores on uniform random routing."""
-    ctx.stats["balanced_sources"] = ctx.options.balanced_sources
+    """The bound: a static plan that ``score_plan`` and ``simulate_step`` evaluate as the lower bound of every plan
+    with ``replica_slots`` slots (``evaluate.bound_terms``, ``sim.bound_step``)."""
     eg = baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
     return make_plan(ctx, eg, ctx.micro_batch, ctx.sample_gpu)
 
@@ -543,6 +543,8 @@ def make_context(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, stra
                       "repack": options.repack, "fallbacks": 0, "options": options.strategy_options()})
     if ctx.trainer_owned:  # absent in planner mode: its plans stay byte-identical to before the option existed
         ctx.stats["sample_owner"] = "trainer"
+    if cluster.overlap != "none":  # the objective's weights follow it (PlanContext.comp_weight); absent: none
+        ctx.stats["overlap"] = cluster.overlap
     return ctx
 
 

@@ -24,7 +24,8 @@ def test_dry_run_writes_the_preset_profile(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "dry run: nothing measured" in text
     prof = json.loads(out.read_text())
-    assert prof["measurements"] == {"dry_run": True} and "dry run, nothing measured" in prof["source"]
+    assert prof["measurements"] == {"dry_run": True, "model": "qwen3-30b-a3b", "expert_shape": [2048, 768]}
+    assert "dry run, nothing measured" in prof["source"] and "2048 x 768" in prof["source"]
     c = load_cluster_profile(out, nodes=2)
     ref = cluster_preset("h200", nodes=2)
     assert (c.flops, c.attention_flops, c.nvlink_bw, c.dispatcher) == (ref.flops, ref.attention_flops,
@@ -33,6 +34,26 @@ def test_dry_run_writes_the_preset_profile(tmp_path, capsys):
     assert main(["calibrate", "--model", "qwen3-30b-a3b", "--preset", "nope", "--dry-run", "--out",
                  str(tmp_path / "x.json")]) == 1
     assert "--preset 'nope' is unknown" in capsys.readouterr().err
+
+
+def test_calibrate_measures_the_models_own_shape(tmp_path, capsys):
+    """--model-config: the shape of the given HF config is the one the profile records (and, on a GPU, measures);
+    --model and --model-config exclude each other."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 4096, "moe_intermediate_size": 1536,
+                               "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 94,
+                               "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+                               "intermediate_size": 12288, "vocab_size": 151936}))
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--model-config", str(cfg), "--dry-run", "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())
+    assert prof["measurements"]["expert_shape"] == [4096, 1536] and "4096 x 1536" in prof["source"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--model", "qwen3-30b-a3b", "--model-config", str(cfg), "--dry-run", "--out", str(out)])
+    # on CPU the measurement runs at the config's shape: the curve's FLOPs are 18 h h' R / t for h x h' = 32 x 16
+    prof = calibrate(TINY, "h100", rows=(2,), rows_per_expert=2, local_experts=2, seq_len=8, device="cpu", iters=1)
+    assert prof["measurements"]["expert_shape"] == [32, 16] and "32 x 16" in prof["source"]
 
 
 def test_measurements_run_on_cpu():

@@ -135,3 +135,31 @@ def test_compare_agrees_with_plan_previous_and_simulate(trace_file, tmp_path, ca
             assert got["t_moe_s"] == pytest.approx(row["t_moe_s"], rel=1e-12)
             prev = plan
     assert res["strategies"]["online"]["per_step"][0]["replica_mode"] == "after-router"
+
+
+def test_compare_rate_band_and_overlap(trace_file, tmp_path, capsys):
+    """--rate-band: every strategy again at each end of the GEMM-rate band (the library's plans and steps at that
+    rate); --overlap: the cluster the strategies plan and simulate on."""
+    path, _ = trace_file
+    out = tmp_path / "band.json"
+    rc, _, err = _run(["compare", str(path), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2",
+                       "--strategies", "static,relibra", "--replica-slots", "1", "--layers", "2", "--overlap",
+                       "megatron", "--rate-band", "300,600", "--json", str(out)], capsys)
+    assert rc == 0, err
+    res = json.loads(out.read_text())
+    band = res["rate_band"]
+    assert band["flops"] == [300e12, 600e12] and band["reference"] == "relibra"
+    model = model_preset("gpt-oss-20b").with_(num_layers=2)
+    small = TraceBatch.load(path).restrict_layers(2)
+    for end, flops in (("low", 300e12), ("high", 600e12)):
+        cluster = cluster_preset(nodes=2, gpus_per_node=2, overlap="megatron").with_(flops=flops)
+        steps = {}
+        for name in ("static", "relibra"):
+            plan = plan_batch(small, model, cluster, name, replica_slots=1 if name == "relibra" else 0)
+            steps[name] = simulate_step(plan, small, model, cluster).step_s
+            assert band["step_s"][end][name] == pytest.approx(steps[name])
+        assert band["speedup"][end]["static"] == pytest.approx(steps["static"] / steps["relibra"])
+    assert main(["compare", str(path), "--model", "gpt-oss-20b", "--nodes", "2", "--rate-band", "600,300"]) == 1
+    assert "--rate-band='600,300' must hold 0 < LO <= HI" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compare", str(path), "--model", "gpt-oss-20b", "--nodes", "2", "--overlap", "full"])

@@ -14,9 +14,9 @@ from relibra_moe.planners.strategies import COMPARED_STRATEGIES
 SCENARIO_FIELDS = {"name", "model", "nodes", "gpus_per_node", "num_gpus", "data", "num_sequences", "num_tokens",
                    "num_micro_batches", "layers_simulated", "layers_total", "reduced", "replica_slots",
                    "expert_skew_mean", "intersection_mean", "strategies"}
-RESULT_FIELDS = {"step_s", "tokens_per_s", "speedup_vs_static", "percent_of_balanced_throughput", "rank_skew_mean",
+RESULT_FIELDS = {"step_s", "tokens_per_s", "speedup_vs_static", "percent_of_bound_throughput", "rank_skew_mean",
                  "solve_s", "t_moe_s", "breakdown", "rank_skew_per_micro_batch", "experts_moved",
-                 "percent_of_balanced", "reorder_share", "replica_share"}
+                 "percent_of_bound", "reorder_share", "replica_share"}
 
 
 def _expected_strategies() -> list[str]:
@@ -47,7 +47,9 @@ def test_demo_quick_report(tmp_path, capsys):
             assert len(r["rank_skew_per_micro_batch"]) == sc["num_micro_batches"]
         assert sc["strategies"]["static"]["speedup_vs_static"] == pytest.approx(1.0)
         if "balanced" in sc["strategies"]:
-            assert sc["strategies"]["balanced"]["percent_of_balanced_throughput"] == pytest.approx(100.0)
+            assert sc["strategies"]["balanced"]["percent_of_bound_throughput"] == pytest.approx(100.0)
+            for r in sc["strategies"].values():  # the bound: no strategy beats it
+                assert r["percent_of_bound_throughput"] <= 100.0 + 1e-9 and r["percent_of_bound"] <= 100.0 + 1e-9
         if sc["data"].startswith("synthetic"):
             assert "synthetic" in text.lower()
     for p in rep["plots"]:
@@ -91,8 +93,8 @@ def test_scenario_selection_and_list(capsys):
 def test_ablation_and_targets_from_results():
     def sc(name, rel):
         return {"name": name, "strategies": {k: {"speedup_vs_static": v, "tokens_per_s": 100 * v,
-                                                 "percent_of_balanced_throughput": 100 * v / rel["balanced"],
-                                                 "percent_of_balanced": 95.0}
+                                                 "percent_of_bound_throughput": 100 * v / rel["balanced"],
+                                                 "percent_of_bound": 95.0}
                                              for k, v in rel.items()}}
     res = [sc("qwen3-235b-a22b/mixed", {"static": 1.0, "eplb": 1.1, "relibra-inter": 1.15, "relibra": 1.3,
                                         "balanced": 1.4}),
@@ -102,9 +104,9 @@ def test_ablation_and_targets_from_results():
     t = {x["target"]: x for x in check_targets(res)}
     assert t["qwen3-235b-a22b/mixed: relibra vs static"]["met"]
     assert t["qwen3-235b-a22b/mixed: relibra vs eplb"]["value"] == pytest.approx(1.3 / 1.1)
-    assert t["qwen3-235b-a22b/mixed: relibra % of balanced"]["value"] == pytest.approx(100 * 1.3 / 1.4)
-    assert t["gpt-oss-ep8 (r=2): relibra % of balanced"]["met"]
-    assert t["gpt-oss-ep8 (r=2): relibra % of balanced, sum T_MoE only"]["value"] == 95.0
+    assert t["qwen3-235b-a22b/mixed: relibra % of bound"]["value"] == pytest.approx(100 * 1.3 / 1.4)
+    assert t["gpt-oss-ep8 (r=2): relibra % of bound"]["met"]
+    assert t["gpt-oss-ep8 (r=2): relibra % of bound, sum T_MoE only"]["value"] == 95.0
 
 
 def test_notes_flag_dominant_reorder_and_replica_traffic():

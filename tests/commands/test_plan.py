@@ -20,7 +20,7 @@ from relibra_moe.cli import build_parser, main
 from relibra_moe.commands.plan import plan_options
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError, TraceError
-from relibra_moe.evaluate import balanced_t_moe, score_plan
+from relibra_moe.evaluate import bound_t_moe, score_plan
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
 from relibra_moe.planners.options import PlanOptions
 from relibra_moe.planners.strategies import STRATEGIES, plan_batch
@@ -116,7 +116,7 @@ def test_cli_errors(trace_file, tmp_path, capsys):
     (["--nodes", "2", "--gpus-per-node", "4", "--cluster", "nope"], "'nope'"),
     (["--nodes", "2", "--gpus-per-node", "4", "--rounds", "0"], "rounds=0 must be an int >= 1"),
     (["--nodes", "2", "--gpus-per-node", "4", "--replica-slots", "2", "--strategy", "static"],
-     "--replica-slots=2 only applies to eplb, lplb, relibra, eplb-history, online, not --strategy static"),
+     "--replica-slots=2 only applies to eplb, lplb, relibra, eplb-history, online, balanced, not --strategy static"),
     (["--nodes", "2", "--gpus-per-node", "4"], "no micro-batch assignment (for every sample): pass --micro-batch-size"),
     (["--nodes", "2", "--gpus-per-node", "4", "--skew-cap", "-0.1"], "skew_cap=-0.1 must be a finite number >= 0"),
     (["--nodes", "2", "--gpus-per-node", "4", "--skew-cap", "0.05", "--strategy", "lpt"],
@@ -192,11 +192,12 @@ def test_plan_batch_scores_match_reference_and_ordering():
     # relibra-inter keeps LPT as a candidate per layer and only accepts improving locality
     assert scores["relibra-inter-free"] <= scores["lpt"] + 1e-15
     assert plans["relibra-inter-free"].stats["objective"] == pytest.approx(scores["relibra-inter-free"], rel=1e-9)
-    bal = balanced_t_moe(batch, MODEL, CLUSTER, seed=0)
-    pb = plan_batch(batch, MODEL, CLUSTER, "balanced", seed=0)
+    bal = bound_t_moe(batch, MODEL, CLUSTER, 1, micro_batch=batch.resolve_micro_batch())
+    pb = plan_batch(batch, MODEL, CLUSTER, "balanced", replica_slots=1, seed=0)
     assert score_plan(pb, batch, MODEL, CLUSTER).t_moe_s == pytest.approx(bal, rel=1e-12)
-    s = score_plan(plans["static"], batch, MODEL, CLUSTER, balanced_t_moe_s=bal)
-    assert s.percent_of_balanced == pytest.approx(100 * bal / scores["static"])
+    assert bal <= min(scores.values())  # no plan beats the bound
+    s = score_plan(plans["static"], batch, MODEL, CLUSTER, bound_t_moe_s=bal)
+    assert s.percent_of_bound == pytest.approx(100 * bal / scores["static"])
 
 
 @pytest.mark.timeout(300)
@@ -280,7 +281,6 @@ def test_rank_balance_options_only_for_relibra():
     ({"beta": -1.0}, "beta=-1.0 must be a finite number > 0"),
     ({"beta": float("inf")}, "beta=inf must be a finite number > 0"),
     ({"objective": "fast"}, "objective='fast' is not one of"),
-    ({"balanced_sources": "odd"}, "balanced_sources='odd' is not one of"),
     ({"itres": 5}, "unknown plan option itres=5"),
     ({"token_cap": 500}, "token_cap=500 only applies with repack=True"),
     ({"skew_cap": -0.5}, "skew_cap=-0.5 must be a finite number >= 0"),
@@ -346,8 +346,8 @@ def test_score_plan_rejects_bad_beta_and_balanced_total():
     plan = plan_batch(batch, MODEL, CLUSTER, "static")
     with pytest.raises(PlanError, match="beta=-1.0 must be a finite number > 0"):
         score_plan(plan, batch, MODEL, CLUSTER, beta=-1.0)
-    with pytest.raises(PlanError, match="balanced_t_moe_s=0.0 must be a finite number > 0"):
-        score_plan(plan, batch, MODEL, CLUSTER, balanced_t_moe_s=0.0)
+    with pytest.raises(PlanError, match="bound_t_moe_s=0.0 must be a finite number > 0"):
+        score_plan(plan, batch, MODEL, CLUSTER, bound_t_moe_s=0.0)
 
 
 
@@ -387,7 +387,6 @@ def test_defaults_are_plan_options_defaults():
     (["--migration", "price"], "migration", True),
     (["--replica-pricing", "free"], "price_replicas", False),
     (["--objective", "aggregate"], "objective", "aggregate"),
-    (["--balanced-sources", "even"], "balanced_sources", "even"),
     (["--replica-slots", "2"], "replica_slots", 2),
     (["--workers", "2"], "workers", 2),
     (["--seed", "9"], "seed", 9),
@@ -601,3 +600,20 @@ def test_demo_runs_both_modes_side_by_side():
     st = res["strategies"]
     assert st["relibra (trainer)"]["sample_owner"] == "trainer" and st["relibra"]["sample_owner"] == "planner"
     assert st["static (trainer)"]["step_s"] == pytest.approx(st["static"]["step_s"], rel=1e-12)
+
+
+def test_cli_overlap_and_bound(trace_file, tmp_path, capsys):
+    """--overlap reaches the plan's cluster (the simulated step is the library's under that overlap, the plan
+    records it) and score re-simulates under the flag it is given; --bound reports percent_of_bound <= 100."""
+    out = tmp_path / "ov.npz"
+    res = _run(_plan_args(trace_file, out, "relibra", "--replica-slots", "1", "--overlap", "megatron", "--bound"),
+               capsys)
+    assert res["cluster"]["overlap"] == "megatron" and res["overlap_hidden_s"] > 0
+    assert 0 < res["percent_of_bound"] <= 100.0 and res["bound_t_moe_s"] <= res["t_moe_s"]
+    plan = BatchPlan.load(out)
+    assert plan.stats["overlap"] == "megatron"
+    batch = TraceBatch.load(trace_file).with_micro_batch_size(4)
+    cluster = CLUSTER.with_(overlap="megatron")
+    assert res["step_s"] == pytest.approx(simulate_step(plan, batch, MODEL, cluster).step_s, rel=1e-12)
+    scored = _run(["score", str(trace_file), str(out), "--model", "gpt-oss-20b", "--json"], capsys)
+    assert scored["cluster"]["overlap"] == "none" and scored["step_s"] > res["step_s"]

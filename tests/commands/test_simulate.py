@@ -50,7 +50,8 @@ def test_simulate_json_matches_library(files, capsys):
     assert out["step_s"] == pytest.approx(ref.step_s)
     assert out["tokens"] == batch.num_tokens
     assert out["tokens_per_s"] == pytest.approx(batch.num_tokens / ref.step_s)
-    assert out["cluster"] == {"name": "h100", "nodes": 2, "gpus_per_node": 4, "dispatcher": "alltoall"}
+    assert out["cluster"] == {"name": "h100", "nodes": 2, "gpus_per_node": 4, "dispatcher": "alltoall",
+                              "overlap": "none"}
     assert out["strategy"] == "handmade" and out["replica_mode"] == "per-layer"
     assert out["experts_moved"] == ref.experts_moved > 0
     assert sum(out["breakdown"].values()) == pytest.approx(out["step_s"])
@@ -144,7 +145,8 @@ def test_simulate_cluster_profile_and_dispatcher(files, capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     ref = simulate_loads(plan, batch.lengths, x, model, prof.with_(nodes=2))
     assert out["step_s"] == pytest.approx(ref.step_s)
-    assert out["cluster"] == {"name": "h800", "nodes": 2, "gpus_per_node": 4, "dispatcher": "deepep"}
+    assert out["cluster"] == {"name": "h800", "nodes": 2, "gpus_per_node": 4, "dispatcher": "deepep",
+                              "overlap": "none"}
     assert main(["simulate", str(trace_path), str(plan_path), "--model", "gpt-oss-20b", "--json",
                  "--dispatcher", "deepep"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -7,7 +7,7 @@ import pytest
 
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError
-from relibra_moe.evaluate import balanced_loads, balanced_sources, plan_flow
+from relibra_moe.evaluate import plan_flow
 from relibra_moe.plan import Placement
 from relibra_moe.planners.baselines import (
     eplb,
@@ -99,28 +99,6 @@ def test_even_split_replicas_validate_and_cost():
     shares = rep.shares(Placement(eg), 0)
     ref = moe_cost(x[0], None, model, cluster, shares=shares)
     np.testing.assert_allclose(ref.load[0], [5, 5])
-
-
-def test_balanced_loads_uniform_and_exact_totals():
-    model = ModelSpec("t", hidden=64, ffn=32, num_experts=8, top_k=3, num_layers=2)
-    tokens = np.array([[100, 0, 7, 50], [3, 3, 3, 3]])
-    x = balanced_loads(tokens, model, seed=1)
-    assert x.shape == (2, 2, 4, 8)
-    np.testing.assert_array_equal(x.sum(axis=3), np.repeat(3 * tokens[:, None, :], 2, axis=1))
-    assert (x <= tokens[:, None, :, None]).all()  # a token picks an expert at most once
-    big = balanced_loads(np.array([[20000]]), model, seed=2)[0, 0, 0]
-    assert np.abs(big / big.sum() - 1 / 8).max() < 0.01
-    np.testing.assert_array_equal(balanced_loads(tokens, model, seed=1), x)
-
-
-def test_balanced_sources_modes():
-    lengths = np.array([10, 20, 30, 5])
-    mb = np.array([0, 0, 1, 1])
-    sg = np.array([0, 1, 1, 1])
-    np.testing.assert_array_equal(balanced_sources(lengths, mb, sg, 2, 2, "batch"), [[10, 20], [0, 35]])
-    np.testing.assert_array_equal(balanced_sources(lengths, mb, sg, 2, 2, "even"), [[15, 15], [18, 17]])
-    with pytest.raises(PlanError, match="balanced sources mode 'odd' is not 'batch' or 'even'"):
-        balanced_sources(lengths, mb, sg, 2, 2, "odd")
 
 
 def test_low_level_planners_name_bad_arguments():

@@ -33,7 +33,6 @@ def test_bool_is_never_an_int_option(name):
 
 @pytest.mark.parametrize("kw, match", [
     ({"objective": "fast"}, "objective='fast' is not one of"),
-    ({"balanced_sources": "odd"}, "balanced_sources='odd' is not one of"),
     ({"migration": 1}, "migration must be a bool, got 1"),
     ({"smooth": "yes"}, "smooth must be a bool, got 'yes'"),
     ({"node_comp": np.int64(0)}, "node_comp must be a bool, got"),

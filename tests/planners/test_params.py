@@ -114,3 +114,35 @@ def test_the_planning_loop_runs_the_derived_budgets():
     plan = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", num_seeds=1, final_reorder=True)
     assert [r["reorder"]["iters"] for r in plan.stats["rounds"]] == [1920, 1920]
     assert plan.stats["final_reorder"]["iters"] == 8 * 1920
+
+
+def test_overlap_sets_the_objectives_compute_weight():
+    """Under the cluster's overlap the reorder and locality objectives weigh compute by the overlap rule's secant
+    slopes at the batch's operating point (the static plan's mean A_fwd, max_g comp and max_g comm per cell, read
+    here off the simulator); without overlap by exactly STEP_COMP_WEIGHT (plans unchanged)."""
+    from relibra_moe.planners.executor import InlineExecutor
+    from relibra_moe.planners.strategies import make_context
+    from relibra_moe.sim import simulate_step
+    from relibra_moe.timing import STEP_COMP_WEIGHT, step_comp_weight
+
+    batch = rl_batch(MODEL, "mixed", 4, responses_per_prompt=4, seed=3, micro_batch_size=8, max_len=96)
+    opts = PlanOptions()
+    for overlap in ("none", "megatron", "dualpipe"):
+        cluster = CLUSTER.with_(overlap=overlap)
+        ctx = make_context(batch, MODEL, cluster, "relibra", opts, InlineExecutor())
+        static = simulate_step(plan_batch(batch, MODEL, cluster, "static"), batch, MODEL, cluster)
+        M, L = static.t_moe.shape
+        want = step_comp_weight(overlap, float(static.attention_fwd.mean()), static.moe_fwd_comp_s / (M * L),
+                                static.moe_fwd_comm_s / (M * L))
+        assert ctx.comp_weight == pytest.approx(want, rel=1e-12)
+        assert ctx.reorder_params.comp_weight == ctx.locality_params.comp_weight == ctx.comp_weight
+        if overlap == "none":
+            assert ctx.comp_weight == STEP_COMP_WEIGHT and "overlap" not in ctx.stats
+        else:
+            assert ctx.comp_weight != STEP_COMP_WEIGHT and ctx.stats["overlap"] == overlap
+    ctx = make_context(batch, MODEL, CLUSTER.with_(overlap="megatron"), "relibra", PlanOptions(step_objective=False),
+                       InlineExecutor())  # step_objective=False: T_MoE whatever the overlap
+    assert ctx.comp_weight == 1.0
+    plan = plan_batch(batch, MODEL, CLUSTER.with_(overlap="megatron"), "relibra", replica_slots=1, iters=100,
+                      locality_iters=50, num_seeds=1, rounds=1)
+    assert plan.stats["overlap"] == "megatron"
