@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.dispatch import ep_process_group, get_dispatcher
+from ..layers.expert_sharding import install_sharded_state_dict
 from ..layers.experts import GroupedExperts, slot_view
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
@@ -46,7 +47,8 @@ from ..triton_kernels.routing import RoutingMeta
 from .hf_families import Family
 from .hf_layer import _RouterTuple, _subclass
 
-__all__ = ["TorchtitanReplayMoE", "TITAN_FAMILY", "is_titan_moe", "titan_gates", "titan_replica_buffer"]
+__all__ = ["TorchtitanReplayMoE", "TITAN_FAMILY", "is_titan_moe", "keep_load_balance_counts", "titan_gates",
+           "titan_replica_buffer", "with_replay"]
 
 TITAN_EXPERT_TENSORS = ("w1_EFD", "w3_EFD", "w2_EDF")
 
@@ -193,6 +195,8 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
             self.expert_bias_E = None
         self.register_buffer("expert_gpu", expert_gpu, persistent=False)
         self.train(block.training)
+        install_sharded_state_dict(self)  # under EP, state_dict() describes every expert to DCP
+        self.__class__ = _titan_module_class(type(self))  # a torchtitan Module: init_states, parallelize
 
     @property
     def experts(self) -> nn.Module:
@@ -214,6 +218,57 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
         return (f"torchtitan, layer_id={self.layer_id}, E={self.num_experts}, k={self.top_k}, "
                 f"rank={self.rank}/{self.world_size}")
 
+    # ------------------------------------------------------------ torchtitan's Module protocol
+    def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
+        """torchtitan's buffer init (``init_states`` / ``init_weights`` after ``to_empty``): ``tokens_per_expert_E``
+        and ``expert_bias_E`` zeroed as torchtitan's ``MoE`` does, ``expert_gpu`` back to the static placement
+        ``e // E_loc`` (the experts' rows are freshly initialized too), and replica slots allocated beside the
+        experts when the block was swapped on the meta device."""
+        device = self.experts.w1_EFD.device if buffer_device is None else torch.device(buffer_device)
+        with torch.no_grad():
+            self.tokens_per_expert_E = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+            if self.load_balance_coeff is not None:
+                self.expert_bias_E = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
+            self.expert_gpu = torch.arange(self.num_experts, dtype=torch.int64, device=device) // self.num_local
+        rb = self.replica_buffer
+        if rb is not None and rb.device != self.experts.w1_EFD.device:  # scratch slots: allocate, no values
+            rb._slot_tensors = {n: torch.zeros_like(t, device=self.experts.w1_EFD.device)
+                                for n, t in rb._slot_tensors.items()}
+
+    def parallelize(self, parallel_dims: Any) -> None:
+        """torchtitan's ``Module.parallelize`` for the swapped block (``model.parallelize`` in torchtitan's
+        ``parallelize_fn`` calls it), so torchtitan's parallelization runs unchanged on a swapped model.
+
+        The router and shared experts are parallelized the torchtitan way. The routed experts are relibra's:
+        with an EP group of G > 1 ranks (which must be ``parallel_dims``' ``ep`` mesh: swap with
+        ``ep_group=parallel_dims.get_mesh("ep")``) they are neither distributed by torchtitan's expert parallelism
+        nor sharded by its FSDP (the ``routed_experts`` module gets a ``fully_shard`` that ignores its
+        parameters, so the decoder layer's ``fully_shard`` skips it); with G = 1 torchtitan's FSDP shards them as
+        in the plain model. A configuration the block cannot run raises ``ValueError`` on every rank (see
+        :func:`parallel_dims_error`).
+        """
+        import torch.distributed as dist
+
+        if self.__dict__.get("_parallelized"):
+            raise ValueError(f"{self.name}: TorchtitanReplayMoE has already been parallelized")
+        error = parallel_dims_error(self, parallel_dims)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)  # a wrong group on one rank must stop every rank
+            bad = [r for r, e in enumerate(errors) if e]
+            error = f"rank {bad[0]}: {errors[bad[0]]}" if bad else None
+        if error:
+            raise ValueError(error)
+        self._parallelized = True
+        for name in ("router", "shared_experts"):
+            if self._modules.get(name) is not None:
+                _parallelize_titan(self._modules[name], parallel_dims)
+        if self.world_size > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            experts = self._modules["routed_experts"]
+            fully_shard(experts, mesh=parallel_dims.world_mesh, ignored_params=set(experts.parameters()))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.router.__dict__["_expert_bias"] = self._buffers.get("expert_bias_E")
         out = super().forward(x)
@@ -227,3 +282,119 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
         if shared is not None:
             out = out + shared(x)
         return out
+
+
+def parallel_dims_error(block: TorchtitanReplayMoE, parallel_dims: Any) -> str | None:
+    """Why ``block`` cannot run under torchtitan's ``parallel_dims`` (``None``: it can).
+
+    Supported: the ``partial_dtensor`` SPMD backend; FSDP / HSDP; expert parallelism over ``parallel_dims``'
+    ``ep`` mesh (the block's EP group, ``ep`` ranks) when no other rank holds the same experts
+    (``dp_replicate * dp_shard * cp == ep``; FSDP does not see relibra's experts, so nothing would reduce their
+    gradients over such ranks); with ``ep = 1`` the block's group must have one rank (FSDP then shards its
+    experts like the plain model's). Not supported: tensor / sequence parallelism and context parallelism.
+    """
+    import torch.distributed as dist
+
+    d = parallel_dims
+    if d.spmd_backend != "partial_dtensor":
+        return (f"{block.name}: parallelism.spmd_backend={d.spmd_backend!r}: relibra's swapped MoE blocks run under "
+                "spmd_backend='partial_dtensor' only")
+    for field in ("tp", "cp"):
+        if getattr(d, field) > 1:
+            return f"{block.name}: parallel_dims.{field}={getattr(d, field)}: the swapped MoE blocks support no " \
+                   f"{'tensor' if field == 'tp' else 'context'} parallelism"
+    G = block.world_size
+    if G != d.ep:
+        return (f"{block.name}: the block's EP group has {G} ranks, parallel_dims.ep={d.ep}: swap with "
+                "ep_group=parallel_dims.get_mesh('ep') (ep > 1) or a one-rank group (ep = 1)")
+    if G > 1:
+        want = dist.get_process_group_ranks(d.get_mesh("ep").get_group())
+        have = dist.get_process_group_ranks(block.ep_group) if block.ep_group is not None else list(range(G))
+        if list(want) != list(have):
+            return (f"{block.name}: the block's EP group holds ranks {have}, parallel_dims' ep mesh {want}: swap "
+                    "with ep_group=parallel_dims.get_mesh('ep')")
+        replicas = d.dp_replicate * d.dp_shard * d.cp // d.ep
+        if replicas > 1:
+            return (f"{block.name}: dp_replicate * dp_shard * cp = {d.dp_replicate * d.dp_shard * d.cp} ranks over "
+                    f"ep={d.ep}: {replicas} ranks would hold the same experts, whose gradients nothing reduces; "
+                    "use ep = dp_replicate * dp_shard * cp")
+    return None
+
+
+def _parallelize_titan(module: nn.Module, parallel_dims: Any) -> None:
+    """torchtitan's ``parallelize`` on ``module`` if it is a torchtitan Module, else on its children."""
+    from torchtitan.protocols.module import Module
+
+    if isinstance(module, Module):
+        module.parallelize(parallel_dims)
+    else:
+        for child in module.children():
+            _parallelize_titan(child, parallel_dims)
+
+
+_TITAN_CLASSES: dict[type, type] = {}
+
+
+def _titan_module_class(cls: type) -> type:
+    """``cls`` with torchtitan's ``Module`` as a further base (after ``ReplayBalancedMoE`` in the MRO): torchtitan's
+    ``init_states`` and ``parallelize`` recurse into its Module children only, so the block must be one."""
+    from torchtitan.protocols.module import Module
+
+    if issubclass(cls, Module):
+        return cls
+    if cls not in _TITAN_CLASSES:
+        _TITAN_CLASSES[cls] = type(cls.__name__, (cls, Module), {"__module__": cls.__module__,
+                                                                 "__qualname__": cls.__qualname__})
+    return _TITAN_CLASSES[cls]
+
+
+def keep_load_balance_counts(block: nn.Module) -> list[Any]:
+    """Hooks that restore ``block.tokens_per_expert_E`` after each forward (torchtitan's ``MoE`` or a swapped
+    block): a recording forward (:class:`relibra_moe.RoutingRecorder`) leaves torchtitan's load-balancing
+    counters as they were, whatever the mode. Returns the hook handles (``remove()`` them to stop)."""
+    saved: list[torch.Tensor] = []
+
+    def pre(module: nn.Module, args: Any) -> None:
+        counts = getattr(module, "tokens_per_expert_E", None)
+        saved[:] = [counts.detach().clone()] if isinstance(counts, torch.Tensor) else []
+
+    def post(module: nn.Module, args: Any, out: Any) -> None:
+        if saved:
+            with torch.no_grad():
+                module.tokens_per_expert_E.copy_(saved.pop())
+
+    return [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+
+
+def with_replay(parallelize_fn: Any, *, replica_slots: int = 0, gpus_per_node: int | None = None,
+                dispatcher: Any = "auto") -> Any:
+    """A torchtitan ``parallelize_fn`` that swaps the model's MoE blocks, then runs ``parallelize_fn``.
+
+    For a train spec (``ModelSpec(parallelize_fn=with_replay(parallelize_qwen3, replica_slots=2), ...)``): torchtitan
+    builds the model on the meta device, calls this (the swap runs on the meta model, EP group: ``parallel_dims``'
+    ``ep`` mesh, or one rank when ``ep = 1``), then ``to_empty`` and ``init_weights``, which the swapped blocks
+    follow (:meth:`TorchtitanReplayMoE._init_self_buffers`). Keyword arguments go to ``swap_moe_blocks``.
+    """
+    import functools
+
+    @functools.wraps(parallelize_fn)
+    def parallelize(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> Any:
+        from .hf import swap_moe_blocks
+
+        ep = parallel_dims.get_mesh("ep") if parallel_dims.ep > 1 else _one_rank_group()
+        swap_moe_blocks(model, ep_group=ep, replica_slots=replica_slots, gpus_per_node=gpus_per_node,
+                        dispatcher=dispatcher)
+        return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
+
+    return parallelize
+
+
+def _one_rank_group() -> Any:
+    """This rank alone as a process group (every rank creates every one-rank group, as ``new_group`` requires);
+    ``None`` without ``torch.distributed``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    return groups[dist.get_rank()]
