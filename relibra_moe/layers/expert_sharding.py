@@ -135,13 +135,13 @@ def placement_keys(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def to_sharded_tensor(local: torch.Tensor, shard: ExpertShard) -> Any:
+def to_sharded_tensor(local: torch.Tensor, shard: ExpertShard, cls: type | None = None) -> Any:
     """``local [E_loc, ...]`` as a ``torch.distributed`` ``ShardedTensor`` of global shape ``[E, ...]``.
 
     One ``[1, ...]`` shard per local row at offset ``(expert_ids[i], 0, ...)``; the global metadata lists
     every expert's shard on its home rank, built from ``expert_gpu`` (no collective). The local shards are
     views of ``local`` (detached), so loading into the ShardedTensor (``dcp.load``) writes ``local`` in place.
-    Needs an initialized process group when ``world_size > 1``.
+    Needs an initialized process group when ``world_size > 1``. ``cls``: a ShardedTensor subclass to build.
     """
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -163,8 +163,11 @@ def to_sharded_tensor(local: torch.Tensor, shard: ExpertShard) -> Any:
                              memory_format=torch.contiguous_format, pin_memory=False)
     global_md = ShardedTensorMetadata(shards_metadata=[meta(e) for e in range(shard.num_experts)],
                                       size=torch.Size(shard.global_shape(data.shape)), tensor_properties=props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_md,
-                                                                     process_group=shard.group)
+    out = ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_md,
+                                                                    process_group=shard.group)
+    if cls is not None:
+        out.__class__ = cls  # (the constructor always builds a plain ShardedTensor)
+    return out
 
 
 def _group_ranks(shard: ExpertShard) -> list[int]:
@@ -283,9 +286,22 @@ def install_sharded_state_dict(layer: ReplayBalancedMoE) -> None:
     """
     if getattr(layer, "_sharded_state_dict_hooks", None):
         return
+    views: dict[str, Any] = {}  # key -> the ShardedTensor handed out last (refreshed in place, see below)
 
     def shard_of(key: str, tensor: torch.Tensor) -> ExpertShard:
         return _layer_shards(layer, "", {id(tensor): [key]})[0]
+
+    def view(key: str, value: torch.Tensor, tensor: torch.Tensor) -> Any:
+        """One ShardedTensor object per key, its shards and metadata refreshed at every call: a caller that caches
+        the state dict and keeps entries whose storage did not change (torchtitan's ``ModelWrapper``) then holds
+        the current placement, never a stale one."""
+        new = to_sharded_tensor(value, shard_of(key, tensor), cls=_expert_sharded_tensor_class())
+        old = views.get(key)
+        if old is None or tuple(old.size()) != tuple(new.size()) or old.dtype != new.dtype:
+            views[key] = new
+            return new
+        old.__dict__.update(new.__dict__)
+        return old
 
     def post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         if layer.world_size <= 1:
@@ -296,7 +312,7 @@ def install_sharded_state_dict(layer: ReplayBalancedMoE) -> None:
             value = state_dict.get(key)
             if value is None or value is t or not isinstance(value, torch.Tensor) or _is_sharded(value):
                 continue  # absent, keep_vars=True (the Parameter itself), or already converted
-            state_dict[key] = to_sharded_tensor(value, shard_of(key, t))
+            state_dict[key] = view(key, value, t)
 
     def pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         names = _tensor_names(layer)
@@ -307,6 +323,24 @@ def install_sharded_state_dict(layer: ReplayBalancedMoE) -> None:
 
     layer._sharded_state_dict_hooks = [layer.register_state_dict_post_hook(post_hook),
                                        layer.register_load_state_dict_pre_hook(pre_hook)]
+
+
+_EXPERT_ST: list[type] = []
+
+
+def _expert_sharded_tensor_class() -> type:
+    """A ShardedTensor whose ``untyped_storage()`` is its local rows' (the parameter's): torchtitan's
+    ``ModelWrapper`` compares storages to keep its cached state dict, which a plain ShardedTensor refuses."""
+    if not _EXPERT_ST:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        class ExpertShardedTensor(ShardedTensor):
+            def untyped_storage(self) -> torch.UntypedStorage:
+                shards = self.local_shards()
+                return shards[0].tensor.untyped_storage() if shards else torch.UntypedStorage(0)
+
+        _EXPERT_ST.append(ExpertShardedTensor)
+    return _EXPERT_ST[0]
 
 
 def _is_sharded(value: Any) -> bool:

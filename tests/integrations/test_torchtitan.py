@@ -323,6 +323,7 @@ def test_torchtitan_load_balancing_hook_reads_the_counts():
 # ------------------------------------------------------------------ torchtitan's own parallelize, DCP, meta init
 def _titan_dims(world: int, **degrees):
     """torchtitan's ParallelDims on CPU gloo (``partial_dtensor`` backend), meshes built."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (the "fake" backend of size-1 dimensions)
     import torchtitan.distributed.parallel_dims as pdm
 
     pdm.device_type = "cpu"  # torchtitan picks "cuda" at import; this process has none
@@ -456,3 +457,109 @@ def test_recording_leaves_the_load_balancing_counts_alone(swap):
         _run(model, _tokens())
     for m in moes:
         assert float(m.tokens_per_expert_E.sum()) == float(torch.arange(8.0).sum()) + B * S * 2
+
+
+def _titan_adamw(model: nn.Module):
+    """torchtitan's OptimizersContainer (one AdamW over every parameter, the for-loop implementation on CPU)."""
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    group = ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
+    return OptimizersContainer.Config(param_groups=[group], implementation="for-loop").build(model_parts=[model])
+
+
+def _titan_checkpointer(model: nn.Module, opt, folder: str):
+    """torchtitan's own DCP CheckpointManager, saving every step into ``folder``."""
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+    return CheckpointManager.Config(enable=True, folder="ckpt", interval=1).build(
+        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=None, states={}, sd_adapter=None,
+        base_folder=folder)
+
+
+def _trained_titan_model(rank: int, world: int, seed: int, placement_seed: int):
+    """The swapped Qwen3 under torchtitan's parallelize (EP 2, FSDP) with torchtitan's AdamW after one step, its
+    experts (and their AdamW state) then moved to a random placement."""
+    from relibra_moe.layers.expert_sharding import install_sharded_checkpoints
+    from relibra_moe.layers.relayout import relayout
+
+    dims = _titan_dims(world, ep=world)
+    model = qwen3_moe(seed, enable_ep=True)
+    swap_moe_blocks(model, ep_group=dims.get_mesh("ep"))
+    _titan_parallelize(model, dims)
+    opt = _titan_adamw(model)
+    install_sharded_checkpoints(model, opt)
+    _run(model, _tokens(seed)[rank:rank + 1]).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    rng = np.random.default_rng(placement_seed)
+    relayout(model, np.stack([rng.permutation(np.arange(8) // (8 // world)) for _ in range(2)]), opt)
+    return model, opt
+
+
+def _whole_state(model: nn.Module, opt) -> dict[str, torch.Tensor]:
+    """Every parameter whole (dense DTensors gathered, expert rows gathered in logical order) and every expert's
+    AdamW ``exp_avg`` whole (``<key>.exp_avg``). A collective."""
+    from torch.distributed.tensor import DTensor
+
+    from relibra_moe.layers.expert_sharding import expert_shards, gather_experts
+
+    shards = expert_shards(model)
+    params = dict(model.named_parameters())
+    state = {p: st for o in opt.optimizers for p, st in o.state.items()}
+    out = {}
+    for name, p in params.items():
+        if name in shards:
+            out[name] = gather_experts(p, shards[name])
+            out[name + ".exp_avg"] = gather_experts(state[p]["exp_avg"], shards[name])
+        else:
+            out[name] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+    return out
+
+
+def _dcp_worker(rank: int, world: int, folder: str) -> None:
+    """torchtitan's CheckpointManager, unchanged, saves the EP model (experts moved) and loads it into another EP
+    model with other values and another placement: every expert row on every rank, every dense parameter and every
+    expert's AdamW state come back; rank 0 also keeps the whole tensors for the one-process check."""
+    import torch.distributed as dist
+
+    model, opt = _trained_titan_model(rank, world, seed=0, placement_seed=3)
+    want = _whole_state(model, opt)
+    ckpt = _titan_checkpointer(model, opt, folder)
+    assert ckpt.save(curr_step=1)
+    if rank == 0:
+        torch.save(want, f"{folder}/want.pt")
+
+    other, other_opt = _trained_titan_model(rank, world, seed=1, placement_seed=4)
+    blocks = [m for m in other.modules() if isinstance(m, TorchtitanReplayMoE)]
+    assert not np.array_equal(blocks[0].expert_gpu_host, [m for m in model.modules()
+                                                           if isinstance(m, TorchtitanReplayMoE)][0].expert_gpu_host)
+    assert _titan_checkpointer(other, other_opt, folder).load(step=1)
+    got = _whole_state(other, other_opt)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=0, rtol=0, msg=k)
+    # each rank's own rows: its home experts under its (new) placement
+    state = {p: st for o in other_opt.optimizers for p, st in o.state.items()}
+    for li, blk in enumerate(blocks):
+        home = torch.as_tensor(blk.home_experts)
+        for n in ("w1_EFD", "w3_EFD", "w2_EDF"):
+            key = f"layers.{li}.moe.routed_experts.inner_experts.{n}"
+            p = getattr(blk.experts, n)
+            torch.testing.assert_close(p.detach(), want[key][home], atol=0, rtol=0, msg=key)
+            torch.testing.assert_close(state[p]["exp_avg"], want[key + ".exp_avg"][home], atol=0, rtol=0, msg=key)
+    dist.barrier()
+
+
+@pytest.mark.timeout(400)
+def test_torchtitan_dcp_checkpoint_holds_every_expert(tmp_path):
+    """DCP (torchtitan's checkpoint format) of a 2-rank EP model: restored into another EP layout on 2 ranks, and
+    into the plain one-process torchtitan model (whole [E, ...] experts, dcp.load without a process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    run_group(_dcp_worker, 2, str(tmp_path), backend="gloo", timeout_s=150)
+    want = torch.load(tmp_path / "want.pt")
+    plain = qwen3_moe(seed=2)
+    sd = plain.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt" / "step-1"), no_dist=True)
+    plain.load_state_dict(sd)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(p.detach(), want[name], atol=0, rtol=0, msg=name)
