@@ -363,38 +363,34 @@ def install_sharded_optimizer_state(optimizer: torch.optim.Optimizer, models: nn
         return
     models = [models] if isinstance(models, nn.Module) else list(models)
 
-    def shard_by_index(opt: torch.optim.Optimizer) -> dict[int, ExpertShard]:
+    def shard_by_key(opt: torch.optim.Optimizer, state_dict: dict) -> dict[Any, ExpertShard]:
+        """The state dict's parameter keys (ints, or FQNs from ``torch.distributed.checkpoint.state_dict``) of the
+        EP-sharded experts, matched to the optimizer's parameters in order as ``Optimizer.load_state_dict`` does."""
         by_param = {}
         for model in models:
             params = model.state_dict(keep_vars=True)
             for key, shard in expert_shards(model).items():
                 if shard.world_size > 1:
                     by_param[id(params[key])] = shard
-        out, index, seen = {}, 0, set()
-        for group in opt.param_groups:  # the packing order of Optimizer.state_dict
-            for p in group["params"]:
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                if id(p) in by_param:
-                    out[index] = by_param[id(p)]
-                index += 1
-        return out
+        keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+        params = [p for g in opt.param_groups for p in g["params"]]
+        return {k: by_param[id(p)] for k, p in zip(keys, params) if id(p) in by_param}
 
-    def convert(state: dict, shards: dict[int, ExpertShard], rows: Any, fn: Any) -> None:
+    def convert(state: dict, shards: dict[Any, ExpertShard], rows: Any, fn: Any) -> None:
         for index, shard in shards.items():
             for name, v in list(state.get(index, {}).items()):
                 if _is_sharded(v) or (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] in rows(shard)):
                     state[index][name] = fn(v, shard)
 
     def post_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
-        convert(state_dict["state"], shard_by_index(opt), lambda s: (len(s.expert_ids),),
+        convert(state_dict["state"], shard_by_key(opt, state_dict), lambda s: (len(s.expert_ids),),
                 lambda v, s: v if _is_sharded(v) else to_sharded_tensor(v, s))
         return state_dict
 
     def pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
         state_dict = dict(state_dict, state={k: dict(v) for k, v in state_dict["state"].items()})
-        convert(state_dict["state"], shard_by_index(opt), lambda s: (len(s.expert_ids), s.num_experts), local_rows)
+        convert(state_dict["state"], shard_by_key(opt, state_dict), lambda s: (len(s.expert_ids), s.num_experts),
+                local_rows)
         return state_dict
 
     optimizer._sharded_state_hooks = [optimizer.register_state_dict_post_hook(post_hook),
