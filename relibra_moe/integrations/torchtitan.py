@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.dispatch import ep_process_group, get_dispatcher
-from ..layers.expert_sharding import install_sharded_checkpoints, install_sharded_state_dict
+from ..layers.expert_sharding import install_sharded_state_dict
 from ..layers.experts import GroupedExperts, slot_view
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
@@ -48,7 +48,7 @@ from .hf_families import Family
 from .hf_layer import _RouterTuple, _subclass
 
 __all__ = ["TorchtitanReplayMoE", "TITAN_FAMILY", "is_titan_moe", "keep_load_balance_counts", "parallel_dims_error",
-           "replay_model_spec", "titan_gates", "titan_replica_buffer", "with_replay"]
+           "titan_gates", "titan_replica_buffer"]
 
 TITAN_EXPERT_TENSORS = ("w1_EFD", "w3_EFD", "w2_EDF")
 
@@ -364,59 +364,3 @@ def keep_load_balance_counts(block: nn.Module) -> list[Any]:
                 module.tokens_per_expert_E.copy_(saved.pop())
 
     return [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
-
-
-def with_replay(parallelize_fn: Any, *, replica_slots: int = 0, gpus_per_node: int | None = None,
-                dispatcher: Any = "auto") -> Any:
-    """A torchtitan ``parallelize_fn`` that swaps the model's MoE blocks, then runs ``parallelize_fn``.
-
-    For a train spec (``ModelSpec(parallelize_fn=with_replay(parallelize_qwen3, replica_slots=2), ...)``): torchtitan
-    builds the model on the meta device, calls this (the swap runs on the meta model, EP group: ``parallel_dims``'
-    ``ep`` mesh, or one rank when ``ep = 1``), then ``to_empty`` and ``init_weights``, which the swapped blocks
-    follow (:meth:`TorchtitanReplayMoE._init_self_buffers`). Keyword arguments go to ``swap_moe_blocks``.
-    """
-    import functools
-
-    @functools.wraps(parallelize_fn)
-    def parallelize(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> Any:
-        from .hf import swap_moe_blocks
-
-        ep = parallel_dims.get_mesh("ep") if parallel_dims.ep > 1 else _one_rank_group()
-        swap_moe_blocks(model, ep_group=ep, replica_slots=replica_slots, gpus_per_node=gpus_per_node,
-                        dispatcher=dispatcher)
-        return parallelize_fn(model, parallel_dims=parallel_dims, **kwargs)
-
-    return parallelize
-
-
-def replay_model_spec(spec: Any, *, replica_slots: int = 0, gpus_per_node: int | None = None,
-                      dispatcher: Any = "auto") -> Any:
-    """torchtitan's ``ModelSpec`` (e.g. ``torchtitan.models.qwen3.model_registry("debugmodel_moe")``) for training
-    with relibra's blocks: its ``parallelize_fn`` swaps the MoE blocks first (:func:`with_replay`), its
-    ``post_optimizer_build_fn`` runs the spec's own (torchtitan's load-balancing hook) and then makes the
-    optimizers' ``state_dict`` describe the EP-sharded experts' state to DCP
-    (:func:`relibra_moe.layers.expert_sharding.install_sharded_checkpoints`), so torchtitan's ``CheckpointManager``
-    saves and resumes every expert with its optimizer state."""
-    import dataclasses
-
-    post = spec.post_optimizer_build_fn
-
-    def post_optimizer_build(optimizers: Any, model_parts: list[nn.Module], parallel_dims: Any) -> None:
-        if post is not None:
-            post(optimizers, model_parts, parallel_dims)
-        install_sharded_checkpoints(model_parts, optimizers)
-
-    fn = with_replay(spec.parallelize_fn, replica_slots=replica_slots, gpus_per_node=gpus_per_node,
-                     dispatcher=dispatcher)
-    return dataclasses.replace(spec, parallelize_fn=fn, post_optimizer_build_fn=post_optimizer_build)
-
-
-def _one_rank_group() -> Any:
-    """This rank alone as a process group (every rank creates every one-rank group, as ``new_group`` requires);
-    ``None`` without ``torch.distributed``."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    return groups[dist.get_rank()]
