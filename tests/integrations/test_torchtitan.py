@@ -476,9 +476,10 @@ def _titan_checkpointer(model: nn.Module, opt, folder: str):
         base_folder=folder)
 
 
-def _trained_titan_model(rank: int, world: int, seed: int, placement_seed: int):
-    """The swapped Qwen3 under torchtitan's parallelize (EP 2, FSDP) with torchtitan's AdamW after one step, its
-    experts (and their AdamW state) then moved to a random placement."""
+def _trained_titan_model(rank: int, world: int, seed: int, placement_seed: int, folder: str):
+    """The swapped Qwen3 under torchtitan's parallelize (EP 2, FSDP) with torchtitan's AdamW after one step and
+    torchtitan's CheckpointManager (built as its trainer builds it, before training: its ModelWrapper caches the
+    state dict), the experts (and their AdamW state) then moved to a random placement."""
     from relibra_moe.layers.expert_sharding import install_sharded_checkpoints
     from relibra_moe.layers.relayout import relayout
 
@@ -491,9 +492,10 @@ def _trained_titan_model(rank: int, world: int, seed: int, placement_seed: int):
     _run(model, _tokens(seed)[rank:rank + 1]).square().mean().backward()
     opt.step()
     opt.zero_grad()
+    ckpt = _titan_checkpointer(model, opt, folder)
     rng = np.random.default_rng(placement_seed)
     relayout(model, np.stack([rng.permutation(np.arange(8) // (8 // world)) for _ in range(2)]), opt)
-    return model, opt
+    return model, opt, ckpt
 
 
 def _whole_state(model: nn.Module, opt) -> dict[str, torch.Tensor]:
@@ -522,18 +524,17 @@ def _dcp_worker(rank: int, world: int, folder: str) -> None:
     expert's AdamW state come back; rank 0 also keeps the whole tensors for the one-process check."""
     import torch.distributed as dist
 
-    model, opt = _trained_titan_model(rank, world, seed=0, placement_seed=3)
+    model, opt, ckpt = _trained_titan_model(rank, world, seed=0, placement_seed=3, folder=folder)
     want = _whole_state(model, opt)
-    ckpt = _titan_checkpointer(model, opt, folder)
     assert ckpt.save(curr_step=1)
     if rank == 0:
         torch.save(want, f"{folder}/want.pt")
 
-    other, other_opt = _trained_titan_model(rank, world, seed=1, placement_seed=4)
+    other, other_opt, other_ckpt = _trained_titan_model(rank, world, seed=1, placement_seed=4, folder=folder)
     blocks = [m for m in other.modules() if isinstance(m, TorchtitanReplayMoE)]
     assert not np.array_equal(blocks[0].expert_gpu_host, [m for m in model.modules()
                                                            if isinstance(m, TorchtitanReplayMoE)][0].expert_gpu_host)
-    assert _titan_checkpointer(other, other_opt, folder).load(step=1)
+    assert other_ckpt.load(step=1)
     got = _whole_state(other, other_opt)
     for k, v in want.items():
         torch.testing.assert_close(got[k], v, atol=0, rtol=0, msg=k)
