@@ -25,6 +25,15 @@ submodules, under torchtitan's names, so ``model.state_dict()`` keys are unchang
 
 The routed output is the gate-weighted sum of the k expert outputs in fp32 (torchtitan also weights in
 fp32), cast to the input's dtype.
+
+In torchtitan's training path the block is also a torchtitan ``Module`` (its class gains torchtitan's ``Module`` as
+a base at the swap): ``init_states`` / ``init_weights`` after a meta-device build re-zero its buffers
+(:meth:`TorchtitanReplayMoE._init_self_buffers`), torchtitan's ``parallelize`` reaches it
+(:meth:`TorchtitanReplayMoE.parallelize`: relibra's expert rows stay out of torchtitan's EP and FSDP), and under
+EP its ``state_dict()`` gives the experts as DCP ShardedTensors at their logical offsets
+(:func:`relibra_moe.layers.expert_sharding.install_sharded_state_dict`), so torchtitan's ``CheckpointManager``
+saves and restores every expert. :func:`keep_load_balance_counts` keeps a recorded forward out of
+``tokens_per_expert_E``.
 """
 
 from __future__ import annotations
