@@ -362,7 +362,8 @@ def _parallelize_worker(rank: int, world: int) -> None:
     """torchtitan's parallelize_qwen3 (EP 2 from its own sharding config, FSDP over 2 ranks) on a swapped model:
     experts stay relibra's plain [E/2, ...] rows (not DTensors, not FSDP-managed), dense parameters become FSDP
     DTensors; rank g's sample gives the one-rank swapped model's output, and after the backward (FSDP sum over
-    ranks) every dense gradient and every home expert row's gradient equals the one-rank model's."""
+    ranks) every dense gradient and every home expert row's gradient equals the one-rank model's. With ep = 1
+    (one-rank blocks) FSDP shards every parameter, experts included, and the same holds."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -394,6 +395,18 @@ def _parallelize_worker(rank: int, world: int) -> None:
         else:
             g = p.grad.full_tensor()
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+
+    # ep = 1: one-rank blocks (all 8 experts), torchtitan's FSDP shards the experts too, as in the plain model
+    plain_ep = qwen3_moe(enable_ep=False)
+    swap_moe_blocks(plain_ep, ep_group=singles[rank])
+    _fp32_experts(plain_ep)
+    _titan_parallelize(plain_ep, _titan_dims(world, ep=1))
+    assert isinstance(plain_ep.layers["0"].moe.experts.w1_EFD, DTensor)
+    got = _run(plain_ep, x[rank:rank + 1])
+    torch.testing.assert_close(got, want[rank:rank + 1], atol=1e-5, rtol=1e-5)
+    (got.square().sum() / want.numel()).backward()
+    for name, p in plain_ep.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, atol=1e-5, rtol=1e-5, msg=name)
 
     # configurations the swapped blocks cannot run raise ValueError on every rank, naming the reason
     for degrees, swap_group, match in (({"ep": 2}, singles[rank], "EP group has 1 ranks, parallel_dims.ep=2"),
