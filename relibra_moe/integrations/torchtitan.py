@@ -56,8 +56,8 @@ from ..triton_kernels.routing import RoutingMeta
 from .hf_families import Family
 from .hf_layer import _RouterTuple, _subclass
 
-__all__ = ["TorchtitanReplayMoE", "TITAN_FAMILY", "is_titan_moe", "keep_load_balance_counts", "parallel_dims_error",
-           "titan_gates", "titan_replica_buffer"]
+__all__ = ["TorchtitanReplayMoE", "TITAN_FAMILY", "clip_grad_norm_", "is_titan_moe", "keep_load_balance_counts",
+           "parallel_dims_error", "titan_gates", "titan_replica_buffer"]
 
 TITAN_EXPERT_TENSORS = ("w1_EFD", "w3_EFD", "w2_EDF")
 
@@ -373,3 +373,43 @@ def keep_load_balance_counts(block: nn.Module) -> list[Any]:
                 module.tokens_per_expert_E.copy_(saved.pop())
 
     return [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
+
+
+@torch.no_grad()
+def clip_grad_norm_(model_parts: nn.Module | list[nn.Module], max_norm: float, *, pp_mesh: Any = None,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """torchtitan's gradient clipping for models with swapped blocks under EP: scale every gradient by
+    ``min(1, max_norm / (norm + 1e-6))`` (``torch.nn.utils.clip_grads_with_norm_``), ``norm`` the 2-norm of the
+    whole model's gradient: FSDP's DTensor gradients as torchtitan reduces them, every EP-sharded expert row once
+    (a sum of squares all-reduced over its EP group), then over ``pp_mesh``'s stages. Returns ``norm`` (fp32, the
+    same on every rank). torchtitan's own ``clip_grad_norm_(..., ep_enabled=True)`` asserts that every parameter is
+    a DTensor, which relibra's expert rows are not. A collective.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+    sharded, groups = {}, []
+    for part in parts:
+        for blk in part.modules():
+            if isinstance(blk, ReplayBalancedMoE) and blk.world_size > 1:
+                sharded.update((id(p), blk.ep_group) for p in blk.experts.expert_tensors())
+                groups.append(blk.ep_group)
+    params = [p for part in parts for p in part.parameters() if p.grad is not None]
+    dense = [p for p in params if id(p) not in sharded]
+    experts = [p for p in params if id(p) in sharded]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in dense], 2.0, False, foreach) if dense else torch.zeros(())
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    total = norm.float().square().reshape(())
+    if experts:
+        sq = sum(p.grad.detach().float().square().sum() for p in experts).to(total.device)
+        dist.all_reduce(sq, group=groups[0])  # one EP group for every block (parallel_dims_error checks it)
+        total = total + sq
+    if pp_mesh is not None:
+        dist.all_reduce(total, group=pp_mesh.get_group())
+    norm = total.sqrt()
+    for group in (dense, experts):  # separately: foreach cannot mix DTensor and Tensor gradients
+        if group:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach)
+    return norm

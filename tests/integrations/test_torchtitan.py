@@ -395,6 +395,19 @@ def _parallelize_worker(rank: int, world: int) -> None:
         else:
             g = p.grad.full_tensor()
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+    # clipping: the norm of the whole gradient (every expert row once), every gradient scaled alike
+    from relibra_moe.integrations.torchtitan import clip_grad_norm_
+
+    ref_norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters())))
+    norm = clip_grad_norm_([model], ref_norm / 2)
+    assert abs(float(norm) - ref_norm) <= 1e-5 * ref_norm, (float(norm), ref_norm)
+    scale = (ref_norm / 2) / (float(norm) + 1e-6)
+    expert_grad = blocks[0].experts.w1_EFD.grad
+    want_expert = ref_params["layers.0.moe.routed_experts.inner_experts.w1_EFD"].grad[
+        torch.as_tensor(blocks[0].home_experts)] * scale
+    torch.testing.assert_close(expert_grad, want_expert, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(model.tok_embeddings.weight.grad.full_tensor(),
+                               ref_params["tok_embeddings.weight"].grad * scale, atol=1e-6, rtol=1e-5)
 
     # ep = 1: one-rank blocks (all 8 experts), torchtitan's FSDP shards the experts too, as in the plain model
     plain_ep = qwen3_moe(enable_ep=False)
