@@ -57,7 +57,8 @@ from .hf_families import Family
 from .hf_layer import _RouterTuple, _subclass
 
 __all__ = ["TorchtitanReplayMoE", "TITAN_FAMILY", "clip_grad_norm_", "is_titan_moe", "keep_load_balance_counts",
-           "parallel_dims_error", "titan_gates", "titan_replica_buffer"]
+           "parallel_dims_error", "reduce_expert_grads", "register_expert_grad_reduction", "titan_gates",
+           "titan_replica_buffer"]
 
 TITAN_EXPERT_TENSORS = ("w1_EFD", "w3_EFD", "w2_EDF")
 
@@ -275,10 +276,16 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
         if self.world_size > 1:
             from torch.distributed.fsdp import fully_shard
 
+            self._expert_dp_groups = _expert_dp_groups(parallel_dims)
             experts = self._modules["routed_experts"]
             fully_shard(experts, mesh=parallel_dims.world_mesh, ignored_params=set(experts.parameters()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.__dict__.get("_expert_dp_groups") and not self.__dict__.get("_expert_grads_reduced") \
+                and self.training and torch.is_grad_enabled():
+            raise ValueError(f"{self.name}: {len(self._expert_dp_groups)} mesh dimension(s) of ranks hold the same "
+                             "experts and nothing sums their gradients: register_expert_grad_reduction(optimizers, "
+                             "model_parts) (replay_model_spec does)")
         self.router.__dict__["_expert_bias"] = self._buffers.get("expert_bias_E")
         out = super().forward(x)
         ids = self.last_routing
@@ -297,10 +304,10 @@ def parallel_dims_error(block: TorchtitanReplayMoE, parallel_dims: Any) -> str |
     """Why ``block`` cannot run under torchtitan's ``parallel_dims`` (``None``: it can).
 
     Supported: the ``partial_dtensor`` SPMD backend; FSDP / HSDP; expert parallelism over ``parallel_dims``'
-    ``ep`` mesh (the block's EP group, ``ep`` ranks) when no other rank holds the same experts
-    (``dp_replicate * dp_shard * cp == ep``; FSDP does not see relibra's experts, so nothing would reduce their
-    gradients over such ranks); with ``ep = 1`` the block's group must have one rank (FSDP then shards its
-    experts like the plain model's). Not supported: tensor / sequence parallelism and context parallelism.
+    ``ep`` mesh (the block's EP group, ``ep`` ranks; with ``dp_replicate * dp_shard * cp > ep`` several ranks hold
+    the same experts and :func:`register_expert_grad_reduction` sums their gradients); with ``ep = 1`` the block's
+    group must have one rank (FSDP then shards its experts like the plain model's). Not supported: tensor /
+    sequence parallelism and context parallelism.
     """
     import torch.distributed as dist
 
@@ -322,12 +329,53 @@ def parallel_dims_error(block: TorchtitanReplayMoE, parallel_dims: Any) -> str |
         if list(want) != list(have):
             return (f"{block.name}: the block's EP group holds ranks {have}, parallel_dims' ep mesh {want}: swap "
                     "with ep_group=parallel_dims.get_mesh('ep')")
-        replicas = d.dp_replicate * d.dp_shard * d.cp // d.ep
-        if replicas > 1:
-            return (f"{block.name}: dp_replicate * dp_shard * cp = {d.dp_replicate * d.dp_shard * d.cp} ranks over "
-                    f"ep={d.ep}: {replicas} ranks would hold the same experts, whose gradients nothing reduces; "
-                    "use ep = dp_replicate * dp_shard * cp")
     return None
+
+
+def _expert_dp_groups(parallel_dims: Any) -> list[Any]:
+    """The process groups over which ranks hold the same experts (torchtitan's ``dp_replicate`` and ``efsdp`` mesh
+    dimensions, those of more than one rank): an expert gradient is summed over each."""
+    out = []
+    for dim in ("dp_replicate", "efsdp"):
+        mesh = parallel_dims.get_optional_mesh(dim)
+        if mesh is not None and mesh.size() > 1:
+            out.append(mesh.get_group())
+    return out
+
+
+def _swapped_blocks(model_parts: nn.Module | list[nn.Module]) -> list[TorchtitanReplayMoE]:
+    parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+    return [m for part in parts for m in part.modules() if isinstance(m, TorchtitanReplayMoE)]
+
+
+@torch.no_grad()
+def reduce_expert_grads(model_parts: nn.Module | list[nn.Module]) -> None:
+    """Sum every expert gradient over the ranks that hold the same experts (``dp_replicate * dp_shard * cp / ep`` of
+    them; torchtitan's FSDP would do it for its own experts, it does not see relibra's). Once per optimizer step,
+    after the last backward: a gradient already reduced and not changed since is left alone, so calling it from
+    :func:`clip_grad_norm_` and again from the optimizer pre-step hook (:func:`register_expert_grad_reduction`)
+    reduces once. A collective over those groups (nothing when there are none)."""
+    import torch.distributed as dist
+
+    for blk in _swapped_blocks(model_parts):
+        groups = blk.__dict__.get("_expert_dp_groups") or []
+        for p in blk.experts.expert_tensors() if groups else ():
+            g = p.grad
+            if g is None or getattr(g, "_relibra_reduced_at", None) == g._version:
+                continue
+            for group in groups:
+                dist.all_reduce(g, group=group)
+            g._relibra_reduced_at = g._version
+
+
+def register_expert_grad_reduction(optimizers: Any, model_parts: nn.Module | list[nn.Module]) -> None:
+    """Run :func:`reduce_expert_grads` before every step of ``optimizers`` (torchtitan's ``OptimizersContainer`` or a
+    torch optimizer: ``register_step_pre_hook``); needed when ranks hold the same experts
+    (``dp_replicate * dp_shard * cp > ep``), which a training forward otherwise refuses. ``replay_model_spec``
+    registers it."""
+    optimizers.register_step_pre_hook(lambda *args, **kwargs: reduce_expert_grads(model_parts))
+    for blk in _swapped_blocks(model_parts):
+        blk._expert_grads_reduced = True
 
 
 def _parallelize_titan(module: nn.Module, parallel_dims: Any) -> None:
@@ -388,6 +436,7 @@ def clip_grad_norm_(model_parts: nn.Module | list[nn.Module], max_norm: float, *
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    reduce_expert_grads(model_parts)  # ranks holding the same experts first agree on their gradients
     parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
     sharded, groups = {}, []
     for part in parts:
@@ -412,4 +461,7 @@ def clip_grad_norm_(model_parts: nn.Module | list[nn.Module], max_norm: float, *
     for group in (dense, experts):  # separately: foreach cannot mix DTensor and Tensor gradients
         if group:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach)
+    for p in experts:  # scaled in place after the reduction: still reduced (the pre-step hook must not sum again)
+        if hasattr(p.grad, "_relibra_reduced_at"):
+            p.grad._relibra_reduced_at = p.grad._version
     return norm

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..layers.expert_sharding import install_sharded_checkpoints
 from .hf import swap_moe_blocks
+from .torchtitan import register_expert_grad_reduction
 
 __all__ = ["replay_model_spec", "with_replay"]
 
@@ -42,7 +43,8 @@ def replay_model_spec(spec: Any, *, replica_slots: int = 0, gpus_per_node: int |
     ``post_optimizer_build_fn`` runs the spec's own (torchtitan's load-balancing hook) and then makes the
     optimizers' ``state_dict`` describe the EP-sharded experts' state to DCP
     (:func:`relibra_moe.layers.expert_sharding.install_sharded_checkpoints`), so torchtitan's ``CheckpointManager``
-    saves and resumes every expert with its optimizer state."""
+    saves and resumes every expert with its optimizer state, and sums the expert gradients over ranks that hold the
+    same experts before each step (:func:`relibra_moe.integrations.torchtitan.register_expert_grad_reduction`)."""
     import dataclasses
 
     post = spec.post_optimizer_build_fn
@@ -51,6 +53,7 @@ def replay_model_spec(spec: Any, *, replica_slots: int = 0, gpus_per_node: int |
         if post is not None:
             post(optimizers, model_parts, parallel_dims)
         install_sharded_checkpoints(model_parts, optimizers)
+        register_expert_grad_reduction(optimizers, model_parts)
 
     fn = with_replay(spec.parallelize_fn, replica_slots=replica_slots, gpus_per_node=gpus_per_node,
                      dispatcher=dispatcher)

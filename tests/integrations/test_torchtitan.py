@@ -590,3 +590,55 @@ def test_torchtitan_dcp_checkpoint_holds_every_expert(tmp_path):
     plain.load_state_dict(sd)
     for name, p in plain.named_parameters():
         torch.testing.assert_close(p.detach(), want[name], atol=0, rtol=0, msg=name)
+
+
+def _expert_dp_worker(rank: int, world: int) -> None:
+    """4 ranks, EP 2, FSDP over 4: ranks r and r + 2 hold the same experts (torchtitan's efsdp dimension). A training
+    forward refuses to run until the expert-gradient reduction is registered; then rank r's sample gives the
+    one-process output and, after clip_grad_norm_ (which sums the expert gradients over efsdp first), every dense
+    and home-expert gradient equals the one-process model's and the norm is the one-process norm; a second
+    reduction (the optimizer pre-step hook) changes nothing."""
+    import torch.distributed as dist
+
+    from relibra_moe.integrations.torchtitan import clip_grad_norm_, reduce_expert_grads, register_expert_grad_reduction
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    x = torch.randint(0, V, (world, S), generator=torch.Generator().manual_seed(3))
+    ref = qwen3_moe(enable_ep=True)
+    swap_moe_blocks(ref, ep_group=singles[rank])
+    _fp32_experts(ref)
+    want = _run(ref, x)
+    want.square().mean().backward()
+
+    dims = _titan_dims(world, ep=2)
+    model = qwen3_moe(enable_ep=True)
+    swap_moe_blocks(model, ep_group=dims.get_mesh("ep"))
+    blocks = _fp32_experts(model)
+    _titan_parallelize(model, dims)
+    with pytest.raises(ValueError, match="hold the same experts and nothing sums their gradients"):
+        _run(model, x[rank:rank + 1])
+    opt = _titan_adamw(model)
+    register_expert_grad_reduction(opt, [model])
+    got = _run(model, x[rank:rank + 1])
+    torch.testing.assert_close(got, want[rank:rank + 1], atol=1e-5, rtol=1e-5)
+    (got.square().sum() / want.numel()).backward()
+    norm = clip_grad_norm_([model], 1e9)
+    ref_norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters())))
+    assert abs(float(norm) - ref_norm) <= 1e-5 * ref_norm, (float(norm), ref_norm)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        r = ref_params[name].grad
+        if ".inner_experts." in name:
+            g = p.grad
+            r = r[torch.as_tensor(blocks[int(name.split(".")[1])].home_experts)]
+        else:
+            g = p.grad.full_tensor()
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+    before = blocks[0].experts.w1_EFD.grad.clone()
+    reduce_expert_grads([model])
+    assert torch.equal(blocks[0].experts.w1_EFD.grad, before)
+
+
+@pytest.mark.timeout(400)
+def test_torchtitan_parallelize_with_expert_data_parallel_four_ranks():
+    run_group(_expert_dp_worker, 4, backend="gloo", timeout_s=200)

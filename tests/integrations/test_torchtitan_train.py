@@ -28,8 +28,8 @@ from .test_torchtitan import (  # noqa: E402
 def _train_spec_worker(rank: int, world: int) -> None:
     """The swap happens inside parallelize_fn, on the meta model, with torchtitan's ep mesh as the EP group; after
     to_empty + init_weights the experts are this rank's plain rows, the counters zero, the placement static, the
-    replica slots real; post_optimizer_build_fn registers torchtitan's bias-update hook and the DCP hooks; a forward
-    runs."""
+    replica slots real; post_optimizer_build_fn registers torchtitan's bias-update hook, the expert-gradient reduction
+    and the DCP hooks; a forward runs."""
     from torchtitan.components.optimizer import register_moe_load_balancing_hook
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
     from torchtitan.protocols.model_spec import ModelSpec
@@ -53,8 +53,9 @@ def _train_spec_worker(rank: int, world: int) -> None:
     assert blk.replica_buffer.device == torch.device("cpu")
     opt = _titan_adamw(model)
     spec.post_optimizer_build_fn(opt, [model], dims)
-    assert opt.optimizers[0]._sharded_state_hooks  # the DCP hooks, and torchtitan's bias-update hook
-    assert len(opt._optimizer_step_pre_hooks) == 1
+    assert opt.optimizers[0]._sharded_state_hooks  # the DCP hooks
+    assert len(opt._optimizer_step_pre_hooks) == 2  # torchtitan's bias update, relibra's expert-gradient reduction
+    assert blk._expert_grads_reduced
     for layer in model.layers.values():
         layer.attention.inner_attention = _CausalSDPA()
     assert torch.isfinite(_run(model, _tokens()[rank:rank + 1])).all()
