@@ -57,6 +57,7 @@ from torch import nn
 
 from ..errors import PlanError
 from ..layers.dispatch import ep_process_group, is_device_mesh
+from ..layers.expert_sharding import install_sharded_checkpoints
 from .hf import full_state_dict, moe_blocks, num_experts_top_k, replay, swap_moe_blocks
 
 if TYPE_CHECKING:
@@ -317,6 +318,15 @@ class MeshMoE:
                 g.mul_(coef)
         return norm
 
+    # -- distributed checkpoints
+    def shard_checkpoints(self, *optimizers: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.state_dict()`` (and ``get_optimizer_state_dict``) describe the experts' state to DCP as
+        :func:`parallelize` made ``model.state_dict()`` describe the experts: each EP-sharded tensor a
+        ShardedTensor of the whole ``[E, ...]`` tensor at the experts' logical offsets, so ``dcp.save`` writes every
+        expert and ``dcp.load`` restores them into any placement or EP size, or into the plain model
+        (:func:`relibra_moe.layers.expert_sharding.install_sharded_checkpoints`). Idempotent."""
+        install_sharded_checkpoints(self.model, *optimizers)
+
     # -- gathering (checks, checkpoints)
     def _gather_expert(self, layer: ReplayBalancedMoE, local: torch.Tensor) -> torch.Tensor:
         """This EP group's rows of one expert tensor ``[E_loc, ...]`` -> ``[E, ...]`` in logical order."""
@@ -372,7 +382,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, replica_slots: int = 0, g
     4. ``fully_shard`` of every decoder layer and of the root over ``dense_mesh`` (default: ``mesh``
        flattened, all ``dp * ep`` ranks; ``mesh`` itself: HSDP) with ``mp_policy`` and
        ``reshard_after_forward``, the expert tensors passed as ``ignored_params``; with
-       ``reduction="sum"`` FSDP's gradient divide factor is 1.
+       ``reduction="sum"`` FSDP's gradient divide factor is 1;
+    5. the layers' state-dict hooks for DCP (:meth:`MeshMoE.shard_checkpoints` adds the optimizers').
 
     Call it on the unsharded model, on its final device and dtype, on every rank of the mesh.
 
@@ -415,5 +426,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, replica_slots: int = 0, g
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)  # a plain sum (no PreMulSum, which gloo lacks)
     check_experts_not_sharded(model)
+    install_sharded_checkpoints(model)  # state_dict(): the EP-sharded experts as DCP ShardedTensors
     return MeshMoE(model, mesh, dense_mesh, dp_dim, ep_dim, reduction)
 

@@ -45,7 +45,7 @@ from ..layers.router import merge_live
 from ..validate import check_int
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
-from .torchtitan import TITAN_FAMILY, TorchtitanReplayMoE, is_titan_moe, titan_replica_buffer
+from .torchtitan import TITAN_FAMILY, TorchtitanReplayMoE, is_titan_moe, keep_load_balance_counts, titan_replica_buffer
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
@@ -154,6 +154,8 @@ class RoutingRecorder:
         self._handles.append(self._decoder().register_forward_pre_hook(self._on_step, with_kwargs=True))
         for li, block in enumerate(self._blocks):
             self._handles.append(block.register_forward_pre_hook(self._block_pre(li)))
+            if hasattr(block, "tokens_per_expert_E"):  # torchtitan's load-balancing counters: not the rollout's
+                self._handles.extend(keep_load_balance_counts(block))
             if isinstance(block, ReplayMoEBlock):
                 self._handles.append(block.add_routing_observer(self._on_ids(li)))
             else:  # HF or torchtitan block, or a swapped layer (its router returns the ids it used)
@@ -570,7 +572,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         home = torch.tensor(block.expert_gpu_host)
         for pname in block.experts.tensor_names:
             key = f"{name}.{getattr(block, 'experts_path', 'experts')}.{pname}"
-            local = sd[key].contiguous()
+            local = getattr(block.experts, pname).detach().contiguous()  # (state_dict may hold a ShardedTensor)
             parts = [torch.empty_like(local) for _ in range(block.world_size)]
             dist.all_gather(parts, local, group=block.ep_group)
             full = torch.empty((block.num_experts,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)

@@ -13,7 +13,10 @@ logical expert of every local row. Each framework turns it into its own sharding
   ``ShardedTensor`` with one ``[1, ...]`` shard per home expert at offset ``(expert, 0, ...)``, built from
   the placement alone (no collective), so ``dcp.save`` writes every expert once and ``dcp.load`` reads any
   layout (another EP size, another placement, the plain model's whole ``[E, ...]`` tensor). The shards are
-  views of the parameters: ``dcp.load`` writes the experts in place.
+  views of the parameters: ``dcp.load`` writes the experts in place. :func:`install_sharded_checkpoints` puts
+  the same conversion into the layers' ``state_dict()`` / ``load_state_dict`` (hooks) and the optimizers'
+  ``state_dict()`` / ``load_state_dict``, so checkpoint code that knows nothing of relibra (torchtitan's
+  ``CheckpointManager``, ``dcp.save(model.state_dict())``) writes and reads every expert.
 * Megatron ``dist_checkpointing``: one ``ShardedTensor`` per local row at the same global offset.
 * Whole tensors (Trainer / ``save_pretrained`` / ``torch.save``): :func:`gather_experts` (a collective)
   builds ``[E, ...]`` in logical order and :func:`local_experts` picks a rank's rows back out of it.
@@ -41,8 +44,9 @@ from torch import nn
 from ..errors import PlanError
 from .moe import ReplayBalancedMoE, moe_layers
 
-__all__ = ["ExpertShard", "expert_shards", "gather_experts", "local_experts", "placement_keys",
-           "sharded_optimizer_state", "sharded_state_dict", "to_sharded_tensor"]
+__all__ = ["ExpertShard", "expert_shards", "gather_experts", "install_sharded_checkpoints",
+           "install_sharded_optimizer_state", "install_sharded_state_dict", "local_experts", "local_rows",
+           "placement_keys", "sharded_optimizer_state", "sharded_state_dict", "to_sharded_tensor"]
 
 
 @dataclass(frozen=True)
@@ -131,13 +135,13 @@ def placement_keys(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def to_sharded_tensor(local: torch.Tensor, shard: ExpertShard) -> Any:
+def to_sharded_tensor(local: torch.Tensor, shard: ExpertShard, cls: type | None = None) -> Any:
     """``local [E_loc, ...]`` as a ``torch.distributed`` ``ShardedTensor`` of global shape ``[E, ...]``.
 
     One ``[1, ...]`` shard per local row at offset ``(expert_ids[i], 0, ...)``; the global metadata lists
     every expert's shard on its home rank, built from ``expert_gpu`` (no collective). The local shards are
     views of ``local`` (detached), so loading into the ShardedTensor (``dcp.load``) writes ``local`` in place.
-    Needs an initialized process group when ``world_size > 1``.
+    Needs an initialized process group when ``world_size > 1``. ``cls``: a ShardedTensor subclass to build.
     """
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -159,8 +163,11 @@ def to_sharded_tensor(local: torch.Tensor, shard: ExpertShard) -> Any:
                              memory_format=torch.contiguous_format, pin_memory=False)
     global_md = ShardedTensorMetadata(shards_metadata=[meta(e) for e in range(shard.num_experts)],
                                       size=torch.Size(shard.global_shape(data.shape)), tensor_properties=props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_md,
-                                                                     process_group=shard.group)
+    out = ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_md,
+                                                                    process_group=shard.group)
+    if cls is not None:
+        out.__class__ = cls  # (the constructor always builds a plain ShardedTensor)
+    return out
 
 
 def _group_ranks(shard: ExpertShard) -> list[int]:
@@ -182,7 +189,7 @@ def sharded_state_dict(model: nn.Module, state_dict: dict[str, Any] | None = Non
     """
     sd = dict(model.state_dict() if state_dict is None else state_dict)
     for key, shard in expert_shards(model).items():
-        if shard.world_size > 1 and key in sd:
+        if shard.world_size > 1 and key in sd and not _is_sharded(sd[key]):  # (hooks may have converted it)
             sd[key] = to_sharded_tensor(sd[key], shard)
     return sd
 
@@ -229,3 +236,176 @@ def local_experts(full: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
         raise PlanError(f"{shard.key}: expected the whole expert tensor with {shard.num_experts} rows, got shape "
                         f"{tuple(full.shape)}")
     return full[torch.from_numpy(shard.expert_ids.copy()).to(full.device)]
+
+
+# ------------------------------------------------------------------ state-dict hooks (DCP without extra calls)
+def local_rows(value: Any, shard: ExpertShard) -> torch.Tensor:
+    """This rank's rows ``[E_loc, ...]`` of ``value``: a ShardedTensor of the whole ``[E, ...]`` tensor (its
+    local shards must cover this rank's home experts), a whole ``[E, ...]`` tensor, or the local rows already.
+
+    Raises ``PlanError`` naming the key when a ShardedTensor lacks one of this rank's experts or a tensor has
+    neither ``E`` nor ``E_loc`` rows.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        rows: dict[int, torch.Tensor] = {}
+        for s in value.local_shards():
+            off, size = s.metadata.shard_offsets[0], s.metadata.shard_sizes[0]
+            for i in range(size):
+                rows[off + i] = s.tensor[i]
+        missing = [int(e) for e in shard.expert_ids if int(e) not in rows]
+        if missing:
+            raise PlanError(f"{shard.key}: the sharded tensor holds no rows for experts {missing} of rank "
+                            f"{shard.rank} (its local shards start at {sorted(rows)})")
+        return torch.stack([rows[int(e)] for e in shard.expert_ids])
+    if not isinstance(value, torch.Tensor) or value.dim() < 1:
+        raise PlanError(f"{shard.key}: expected an expert tensor, got {type(value).__name__}")
+    if value.shape[0] == len(shard.expert_ids):
+        return value
+    return local_experts(value, shard)
+
+
+def _tensor_names(layer: ReplayBalancedMoE) -> dict[int, str]:
+    """``id(expert tensor) -> its name relative to the layer`` (the layer's state-dict key suffix)."""
+    ids = {id(t) for t in layer.experts.expert_tensors()}
+    named = list(layer.named_parameters(remove_duplicate=False)) + list(layer.named_buffers(remove_duplicate=False))
+    return {id(t): n for n, t in named if id(t) in ids}
+
+
+def install_sharded_state_dict(layer: ReplayBalancedMoE) -> None:
+    """Make ``layer``'s ``state_dict()`` describe its EP-sharded experts to DCP; idempotent.
+
+    * state-dict post-hook: when the EP group has more than one rank, every stacked expert tensor becomes a
+      ShardedTensor of the whole ``[E, ...]`` tensor (:func:`to_sharded_tensor`, views of the parameter, no
+      collective), so ``torch.distributed.checkpoint.save(model.state_dict())`` writes every expert once and
+      ``dcp.load`` into ``model.state_dict()`` reads this rank's experts in place (the placement current at load
+      time decides which rows; it is not part of the checkpoint). ``state_dict(keep_vars=True)`` is left as is.
+    * load pre-hook: ``load_state_dict`` accepts for an expert key a ShardedTensor, the whole ``[E, ...]`` tensor
+      (the plain model's) or the local ``[E_loc, ...]`` rows (:func:`local_rows`).
+    """
+    if getattr(layer, "_sharded_state_dict_hooks", None):
+        return
+    views: dict[str, Any] = {}  # key -> the ShardedTensor handed out last (refreshed in place, see below)
+
+    def shard_of(key: str, tensor: torch.Tensor) -> ExpertShard:
+        return _layer_shards(layer, "", {id(tensor): [key]})[0]
+
+    def view(key: str, value: torch.Tensor, tensor: torch.Tensor) -> Any:
+        """One ShardedTensor object per key, its shards and metadata refreshed at every call: a caller that caches
+        the state dict and keeps entries whose storage did not change (torchtitan's ``ModelWrapper``) then holds
+        the current placement, never a stale one."""
+        new = to_sharded_tensor(value, shard_of(key, tensor), cls=_expert_sharded_tensor_class())
+        old = views.get(key)
+        if old is None or tuple(old.size()) != tuple(new.size()) or old.dtype != new.dtype:
+            views[key] = new
+            return new
+        old.__dict__.update(new.__dict__)
+        return old
+
+    def post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        if layer.world_size <= 1:
+            return
+        names = _tensor_names(layer)
+        for t in layer.experts.expert_tensors():
+            key = prefix + names.get(id(t), "")
+            value = state_dict.get(key)
+            if value is None or value is t or not isinstance(value, torch.Tensor) or _is_sharded(value):
+                continue  # absent, keep_vars=True (the Parameter itself), or already converted
+            state_dict[key] = view(key, value, t)
+
+    def pre_hook(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        names = _tensor_names(layer)
+        for t in layer.experts.expert_tensors():
+            key = prefix + names.get(id(t), "")
+            if key in state_dict:
+                state_dict[key] = local_rows(state_dict[key], shard_of(key, t))
+
+    layer._sharded_state_dict_hooks = [layer.register_state_dict_post_hook(post_hook),
+                                       layer.register_load_state_dict_pre_hook(pre_hook)]
+
+
+_EXPERT_ST: list[type] = []
+
+
+def _expert_sharded_tensor_class() -> type:
+    """A ShardedTensor whose ``untyped_storage()`` is its local rows' (the parameter's): torchtitan's
+    ``ModelWrapper`` compares storages to keep its cached state dict, which a plain ShardedTensor refuses."""
+    if not _EXPERT_ST:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        class ExpertShardedTensor(ShardedTensor):
+            def untyped_storage(self) -> torch.UntypedStorage:
+                shards = self.local_shards()
+                return shards[0].tensor.untyped_storage() if shards else torch.UntypedStorage(0)
+
+        _EXPERT_ST.append(ExpertShardedTensor)
+    return _EXPERT_ST[0]
+
+
+def _is_sharded(value: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def install_sharded_optimizer_state(optimizer: torch.optim.Optimizer, models: nn.Module | list[nn.Module]) -> None:
+    """Make ``optimizer.state_dict()`` describe the EP-sharded experts' state to DCP; idempotent.
+
+    State-dict post-hook: every state tensor of an expert parameter with the parameter's rows (Adam's
+    ``exp_avg``, ``exp_avg_sq``) becomes a ShardedTensor of the whole ``[E, ...]`` tensor (the same description
+    as the parameter; views of the state, so ``dcp.load`` writes it in place). Load pre-hook: such entries are
+    turned back into this rank's rows (:func:`local_rows`: a ShardedTensor, a whole tensor or the rows). The
+    placement is read from ``models`` (the model, or its pipeline parts) at each call. Works for torchtitan's
+    ``OptimizersContainer`` when installed on each of its ``optimizers``.
+    """
+    if getattr(optimizer, "_sharded_state_hooks", None):
+        return
+    models = [models] if isinstance(models, nn.Module) else list(models)
+
+    def shard_by_key(opt: torch.optim.Optimizer, state_dict: dict) -> dict[Any, ExpertShard]:
+        """The state dict's parameter keys (ints, or FQNs from ``torch.distributed.checkpoint.state_dict``) of the
+        EP-sharded experts, matched to the optimizer's parameters in order as ``Optimizer.load_state_dict`` does."""
+        by_param = {}
+        for model in models:
+            params = model.state_dict(keep_vars=True)
+            for key, shard in expert_shards(model).items():
+                if shard.world_size > 1:
+                    by_param[id(params[key])] = shard
+        keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+        params = [p for g in opt.param_groups for p in g["params"]]
+        return {k: by_param[id(p)] for k, p in zip(keys, params) if id(p) in by_param}
+
+    def convert(state: dict, shards: dict[Any, ExpertShard], rows: Any, fn: Any) -> None:
+        for index, shard in shards.items():
+            for name, v in list(state.get(index, {}).items()):
+                if _is_sharded(v) or (isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] in rows(shard)):
+                    state[index][name] = fn(v, shard)
+
+    def post_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        convert(state_dict["state"], shard_by_key(opt, state_dict), lambda s: (len(s.expert_ids),),
+                lambda v, s: v if _is_sharded(v) else to_sharded_tensor(v, s))
+        return state_dict
+
+    def pre_hook(opt: torch.optim.Optimizer, state_dict: dict) -> dict:
+        state_dict = dict(state_dict, state={k: dict(v) for k, v in state_dict["state"].items()})
+        convert(state_dict["state"], shard_by_key(opt, state_dict), lambda s: (len(s.expert_ids), s.num_experts),
+                local_rows)
+        return state_dict
+
+    optimizer._sharded_state_hooks = [optimizer.register_state_dict_post_hook(post_hook),
+                                      optimizer.register_load_state_dict_pre_hook(pre_hook)]
+
+
+def install_sharded_checkpoints(models: nn.Module | list[nn.Module], *optimizers: Any) -> None:
+    """:func:`install_sharded_state_dict` on every ReplayBalancedMoE layer of ``models`` and
+    :func:`install_sharded_optimizer_state` on every optimizer (a torch optimizer, or a container with an
+    ``optimizers`` list such as torchtitan's ``OptimizersContainer``), so ``dcp.save`` / ``dcp.load`` of
+    ``model.state_dict()`` and ``optimizer.state_dict()`` hold every expert."""
+    models = [models] if isinstance(models, nn.Module) else list(models)
+    for model in models:
+        for layer in moe_layers(model):
+            install_sharded_state_dict(layer)
+    for opt in optimizers:
+        for inner in getattr(opt, "optimizers", [opt]):
+            install_sharded_optimizer_state(inner, models)

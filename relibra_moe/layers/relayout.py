@@ -40,9 +40,10 @@ def _state_tensors(p: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> 
     out = [p.data]
     if p.grad is not None:
         out.append(p.grad)
-    if optimizer is not None and p in optimizer.state:
-        for name in sorted(optimizer.state[p]):
-            v = optimizer.state[p][name]
+    # a container of optimizers (torchtitan's OptimizersContainer) keeps the state in its inner optimizers
+    for opt in ([] if optimizer is None else getattr(optimizer, "optimizers", [optimizer])):
+        for name in sorted(opt.state.get(p, {})):
+            v = opt.state[p][name]
             if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
                 out.append(v)
     return out

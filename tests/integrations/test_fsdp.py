@@ -316,3 +316,79 @@ def test_fsdp_placeholder_round_and_bad_input():
     that does not divide the experts (3 on ep 2; 6 on a 1 x 4 mesh), a non-2-D mesh, parallelize on an
     already sharded model, and FSDP applied to the expert parameters (a DTensor expert, by name)."""
     run_group(_placeholder_and_errors_worker, 4, timeout_s=300)
+
+
+def _fsdp_trained(rank: int, seed: int, placement_seed: int):
+    """A tiny Qwen3-MoE under ``parallelize`` on a 1 x 2 mesh (EP 2), AdamW after one step on rank g's sample,
+    then its experts (and their AdamW state) moved to a random placement."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from relibra_moe.integrations.fsdp import parallelize
+
+    model, seqs = _setup("qwen3_moe", seed=seed)
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "ep"))
+    par = parallelize(model.train(), mesh, reduction="sum")
+    opt = torch.optim.AdamW(par.param_groups(), lr=LR)
+    par.shard_checkpoints(opt)
+    ids, mask, labels = batch_rows(seqs, [rank])
+    lm_loss_sum(model, ids, mask, labels).backward()
+    par.reduce_expert_grads()
+    opt.step()
+    rng = np.random.default_rng(placement_seed)
+    L = sum(1 for m in model.modules() if hasattr(m, "home_experts"))
+    par.relayout(np.stack([rng.permutation(np.arange(8) // 4) for _ in range(L)]), opt)
+    return model, par, opt
+
+
+def _fsdp_whole(model, par, opt) -> dict:
+    """The plain HF state dict (``par.full_state_dict``) and every expert's whole AdamW ``exp_avg``."""
+    from relibra_moe.layers.expert_sharding import expert_shards, gather_experts
+
+    out = par.full_state_dict()
+    params = dict(model.named_parameters())
+    for key, shard in expert_shards(model).items():
+        out[key + ".exp_avg"] = gather_experts(opt.state[params[key]]["exp_avg"], shard)
+    return out
+
+
+def _fsdp_dcp_worker(rank: int, world: int, folder: str) -> None:
+    """torch's DCP through torch.distributed.checkpoint.state_dict (get_/set_model_state_dict, get_/set_optimizer_
+    state_dict) on the FSDP2 + EP model: saved after a relayout, loaded into a model with other values and another
+    placement, every expert row, dense parameter and expert AdamW state comes back on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model, par, opt = _fsdp_trained(rank, seed=0, placement_seed=1)
+    want = _fsdp_whole(model, par, opt)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=folder)
+    if rank == 0:
+        torch.save(want, f"{folder}/want.pt")
+    other, other_par, other_opt = _fsdp_trained(rank, seed=1, placement_seed=2)
+    sd = {"model": get_model_state_dict(other), "optim": get_optimizer_state_dict(other, other_opt)}
+    dcp.load(sd, checkpoint_id=folder)
+    set_model_state_dict(other, sd["model"])
+    set_optimizer_state_dict(other, other_opt, sd["optim"])
+    got = _fsdp_whole(other, other_par, other_opt)
+    _compare("dcp", got, want, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(400)
+def test_fsdp_dcp_checkpoint_holds_every_expert(tmp_path):
+    """DCP of the FSDP2 + EP model (2 EP ranks, experts moved): every expert restored on every rank into another
+    placement, AdamW state too, and into the plain single-process HF model."""
+    import torch.distributed.checkpoint as dcp
+
+    run_group(_fsdp_dcp_worker, 2, str(tmp_path), timeout_s=150)
+    want = torch.load(tmp_path / "want.pt")
+    plain, _ = _setup("qwen3_moe", seed=2)
+    sd = plain.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=str(tmp_path), no_dist=True)
+    plain.load_state_dict(sd)
+    for name, p in plain.state_dict().items():
+        torch.testing.assert_close(p, want[name], atol=0, rtol=0, msg=name)

@@ -44,10 +44,13 @@ def _finish(model: nn.Module, seed: int) -> nn.Module:
     return model.float().train()
 
 
-def qwen3_moe(seed: int = 0, num_experts: int = 8, top_k: int = 2) -> nn.Module:
+def qwen3_config(num_experts: int = 8, top_k: int = 2, enable_ep: bool | None = None):
+    """A tiny Qwen3 MoE config (2 MoE layers); ``enable_ep`` not None: torchtitan's sharding config set as its
+    trainer sets it (``update_from_config``: expert parallelism on or off, no sequence parallelism)."""
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.qwen3 import _EMBEDDING_INIT, _LINEAR_INIT, _build_qwen3_moe_layers, _qwen3_norm
     from torchtitan.models.qwen3.model import Qwen3Model
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     dim, hd = 32, 8
     cfg = Qwen3Model.Config(
@@ -58,7 +61,13 @@ def qwen3_moe(seed: int = 0, num_experts: int = 8, top_k: int = 2) -> nn.Module:
                                        num_experts=num_experts, top_k=top_k, attn_backend="flex",
                                        moe_comm_backend="standard",
                                        rope=CosSinRoPE.Config(dim=hd, max_seq_len=64, theta=1e6)))
-    return _finish(cfg.build(), seed)
+    if enable_ep is not None:
+        set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=enable_ep)
+    return cfg
+
+
+def qwen3_moe(seed: int = 0, num_experts: int = 8, top_k: int = 2, enable_ep: bool | None = None) -> nn.Module:
+    return _finish(qwen3_config(num_experts, top_k, enable_ep).build(), seed)
 
 
 def deepseek_v3(seed: int = 0) -> nn.Module:
@@ -309,3 +318,327 @@ def _bias_hook_worker(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_torchtitan_load_balancing_hook_reads_the_counts():
     run_group(_bias_hook_worker, 1, backend="gloo", timeout_s=60)
+
+
+# ------------------------------------------------------------------ torchtitan's own parallelize, DCP, meta init
+def _titan_dims(world: int, **degrees):
+    """torchtitan's ParallelDims on CPU gloo (``partial_dtensor`` backend), meshes built."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (the "fake" backend of size-1 dimensions)
+    import torchtitan.distributed.parallel_dims as pdm
+
+    pdm.device_type = "cpu"  # torchtitan picks "cuda" at import; this process has none
+    dims = pdm.ParallelDims(**{"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "pp": 1, "ep": 1, **degrees},
+                            world_size=world, spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    return dims
+
+
+def _titan_parallelize(model: nn.Module, dims, parallelize_fn=None) -> nn.Module:
+    """torchtitan's Qwen3 parallelize_fn (or ``parallelize_fn``), unchanged, with fp32 FSDP; then FSDP's reduction as
+    a plain sum (torchtitan sets the divide factor 1, which FSDP sends as PREMUL_SUM(1), an op gloo lacks)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    par = ParallelismConfig(expert_parallel_degree=dims.ep, data_parallel_shard_degree=dims.dp_shard,
+                            spmd_backend="partial_dtensor")
+    training = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32")
+    (parallelize_fn or parallelize_qwen3)(model, parallel_dims=dims, training=training, parallelism=par,
+                                          compile_config=CompileConfig(), ac_config=None, dump_folder="")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _fp32_experts(model: nn.Module) -> list[TorchtitanReplayMoE]:
+    blocks = [m for m in model.modules() if isinstance(m, TorchtitanReplayMoE)]
+    for blk in blocks:
+        blk.experts.compute_dtype = None
+    return blocks
+
+
+def _parallelize_worker(rank: int, world: int) -> None:
+    """torchtitan's parallelize_qwen3 (EP 2 from its own sharding config, FSDP over 2 ranks) on a swapped model:
+    experts stay relibra's plain [E/2, ...] rows (not DTensors, not FSDP-managed), dense parameters become FSDP
+    DTensors; rank g's sample gives the one-rank swapped model's output, and after the backward (FSDP sum over
+    ranks) every dense gradient and every home expert row's gradient equals the one-rank model's. With ep = 1
+    (one-rank blocks) FSDP shards every parameter, experts included, and the same holds."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    ref = qwen3_moe(enable_ep=True)
+    swap_moe_blocks(ref, ep_group=singles[rank])
+    _fp32_experts(ref)
+    x = _tokens()
+    want = _run(ref, x)
+    want.square().mean().backward()
+
+    dims = _titan_dims(world, ep=world)
+    model = qwen3_moe(enable_ep=True)
+    swap_moe_blocks(model, ep_group=dims.get_mesh("ep"))
+    blocks = _fp32_experts(model)
+    _titan_parallelize(model, dims)
+    w1 = blocks[0].experts.w1_EFD
+    assert type(w1) is nn.Parameter and w1.shape[0] == 8 // world  # relibra's rows, left alone
+    assert isinstance(model.tok_embeddings.weight, DTensor)  # FSDP sharded the dense rest
+    got = _run(model, x[rank:rank + 1])
+    torch.testing.assert_close(got, want[rank:rank + 1], atol=1e-5, rtol=1e-5)
+    (got.square().sum() / want.numel()).backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        r = ref_params[name].grad
+        if ".inner_experts." in name:
+            r = r[torch.as_tensor(blocks[int(name.split(".")[1])].home_experts)]
+            g = p.grad
+        else:
+            g = p.grad.full_tensor()
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+    # clipping: the norm of the whole gradient (every expert row once), every gradient scaled alike
+    from relibra_moe.integrations.torchtitan import clip_grad_norm_
+
+    ref_norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters())))
+    norm = clip_grad_norm_([model], ref_norm / 2)
+    assert abs(float(norm) - ref_norm) <= 1e-5 * ref_norm, (float(norm), ref_norm)
+    scale = (ref_norm / 2) / (float(norm) + 1e-6)
+    expert_grad = blocks[0].experts.w1_EFD.grad
+    want_expert = ref_params["layers.0.moe.routed_experts.inner_experts.w1_EFD"].grad[
+        torch.as_tensor(blocks[0].home_experts)] * scale
+    torch.testing.assert_close(expert_grad, want_expert, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(model.tok_embeddings.weight.grad.full_tensor(),
+                               ref_params["tok_embeddings.weight"].grad * scale, atol=1e-6, rtol=1e-5)
+
+    # ep = 1: one-rank blocks (all 8 experts), torchtitan's FSDP shards the experts too, as in the plain model
+    plain_ep = qwen3_moe(enable_ep=False)
+    swap_moe_blocks(plain_ep, ep_group=singles[rank])
+    _fp32_experts(plain_ep)
+    _titan_parallelize(plain_ep, _titan_dims(world, ep=1))
+    assert isinstance(plain_ep.layers["0"].moe.experts.w1_EFD, DTensor)
+    got = _run(plain_ep, x[rank:rank + 1])
+    torch.testing.assert_close(got, want[rank:rank + 1], atol=1e-5, rtol=1e-5)
+    (got.square().sum() / want.numel()).backward()
+    for name, p in plain_ep.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, atol=1e-5, rtol=1e-5, msg=name)
+
+    # configurations the swapped blocks cannot run raise ValueError on every rank, naming the reason
+    for degrees, swap_group, match in (({"ep": 2}, singles[rank], "EP group has 1 ranks, parallel_dims.ep=2"),
+                                       ({"ep": 2, "tp": 2, "dp_shard": 1}, None, "parallel_dims.tp=2")):
+        bad = qwen3_moe(enable_ep=degrees["ep"] > 1)
+        swap_moe_blocks(bad, ep_group=swap_group)
+        with pytest.raises(ValueError, match=match):
+            _titan_parallelize(bad, _titan_dims(world, **degrees))
+
+
+@pytest.mark.timeout(300)
+def test_torchtitan_parallelize_on_a_swapped_model_two_ranks():
+    run_group(_parallelize_worker, 2, backend="gloo", timeout_s=120)
+
+
+def test_meta_device_build_then_init_weights_equals_the_eager_build():
+    """torchtitan's order (build on meta, swap, to_empty, init_weights) gives the eager plain model's init: every
+    parameter and buffer bit for bit under the same seed (the swapped block is a torchtitan Module, so init_states
+    visits its children in torchtitan's order and re-zeroes expert_bias_E / tokens_per_expert_E), expert_gpu the
+    static placement, the replica slots allocated beside the experts."""
+    cfg = qwen3_config(enable_ep=False)
+    eager = cfg.build()
+    torch.manual_seed(5)
+    eager.init_weights()
+    swap_moe_blocks(eager, replica_slots=1)
+    with torch.device("meta"):
+        model = cfg.build()
+    swap_moe_blocks(model, replica_slots=1)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.fill_(float("nan") if t.is_floating_point() else -7)  # what to_empty may leave
+    torch.manual_seed(5)
+    model.init_weights()
+    want = dict(eager.named_buffers()) | dict(eager.named_parameters())
+    got = dict(model.named_buffers()) | dict(model.named_parameters())
+    assert set(got) == set(want) and any(k.endswith("tokens_per_expert_E") for k in got)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=0, rtol=0, equal_nan=False, msg=k)
+    blk = model.layers["0"].moe
+    assert blk.expert_gpu.tolist() == [0] * 8 and float(blk.expert_bias_E.abs().sum()) == 0
+    assert blk.replica_buffer.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["plain", "swapped"])
+def test_recording_leaves_the_load_balancing_counts_alone(swap):
+    """A recording forward in train mode leaves tokens_per_expert_E (torchtitan's bias-update input) unchanged;
+    the same forward unrecorded adds the routed tokens (B * S * k per layer)."""
+    model = qwen3_moe()
+    if swap:
+        swap_moe_blocks(model)
+    moes = [layer.moe for layer in model.layers.values()]
+    for m in moes:
+        m.tokens_per_expert_E.copy_(torch.arange(8.0))
+    with torch.no_grad(), RoutingRecorder(model) as rec:
+        _run(model, _tokens())
+    assert rec.trace_batch().num_sequences == B and model.training
+    for m in moes:
+        torch.testing.assert_close(m.tokens_per_expert_E, torch.arange(8.0), atol=0, rtol=0)
+    with torch.no_grad():
+        _run(model, _tokens())
+    for m in moes:
+        assert float(m.tokens_per_expert_E.sum()) == float(torch.arange(8.0).sum()) + B * S * 2
+
+
+def _titan_adamw(model: nn.Module):
+    """torchtitan's OptimizersContainer (one AdamW over every parameter, the for-loop implementation on CPU)."""
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    group = ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})
+    return OptimizersContainer.Config(param_groups=[group], implementation="for-loop").build(model_parts=[model])
+
+
+def _titan_checkpointer(model: nn.Module, opt, folder: str):
+    """torchtitan's own DCP CheckpointManager, saving every step into ``folder``."""
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+
+    return CheckpointManager.Config(enable=True, folder="ckpt", interval=1).build(
+        dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=None, states={}, sd_adapter=None,
+        base_folder=folder)
+
+
+def _trained_titan_model(rank: int, world: int, seed: int, placement_seed: int, folder: str):
+    """The swapped Qwen3 under torchtitan's parallelize (EP 2, FSDP) with torchtitan's AdamW after one step and
+    torchtitan's CheckpointManager (built as its trainer builds it, before training: its ModelWrapper caches the
+    state dict), the experts (and their AdamW state) then moved to a random placement."""
+    from relibra_moe.layers.expert_sharding import install_sharded_checkpoints
+    from relibra_moe.layers.relayout import relayout
+
+    dims = _titan_dims(world, ep=world)
+    model = qwen3_moe(seed, enable_ep=True)
+    swap_moe_blocks(model, ep_group=dims.get_mesh("ep"))
+    _titan_parallelize(model, dims)
+    opt = _titan_adamw(model)
+    install_sharded_checkpoints(model, opt)
+    _run(model, _tokens(seed)[rank:rank + 1]).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt = _titan_checkpointer(model, opt, folder)
+    rng = np.random.default_rng(placement_seed)
+    relayout(model, np.stack([rng.permutation(np.arange(8) // (8 // world)) for _ in range(2)]), opt)
+    return model, opt, ckpt
+
+
+def _whole_state(model: nn.Module, opt) -> dict[str, torch.Tensor]:
+    """Every parameter whole (dense DTensors gathered, expert rows gathered in logical order) and every expert's
+    AdamW ``exp_avg`` whole (``<key>.exp_avg``). A collective."""
+    from torch.distributed.tensor import DTensor
+
+    from relibra_moe.layers.expert_sharding import expert_shards, gather_experts
+
+    shards = expert_shards(model)
+    params = dict(model.named_parameters())
+    state = {p: st for o in opt.optimizers for p, st in o.state.items()}
+    out = {}
+    for name, p in params.items():
+        if name in shards:
+            out[name] = gather_experts(p, shards[name])
+            out[name + ".exp_avg"] = gather_experts(state[p]["exp_avg"], shards[name])
+        else:
+            out[name] = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
+    return out
+
+
+def _dcp_worker(rank: int, world: int, folder: str) -> None:
+    """torchtitan's CheckpointManager, unchanged, saves the EP model (experts moved) and loads it into another EP
+    model with other values and another placement: every expert row on every rank, every dense parameter and every
+    expert's AdamW state come back; rank 0 also keeps the whole tensors for the one-process check."""
+    import torch.distributed as dist
+
+    model, opt, ckpt = _trained_titan_model(rank, world, seed=0, placement_seed=3, folder=folder)
+    want = _whole_state(model, opt)
+    assert ckpt.save(curr_step=1)
+    if rank == 0:
+        torch.save(want, f"{folder}/want.pt")
+
+    other, other_opt, other_ckpt = _trained_titan_model(rank, world, seed=1, placement_seed=4, folder=folder)
+    blocks = [m for m in other.modules() if isinstance(m, TorchtitanReplayMoE)]
+    assert not np.array_equal(blocks[0].expert_gpu_host, [m for m in model.modules()
+                                                           if isinstance(m, TorchtitanReplayMoE)][0].expert_gpu_host)
+    assert other_ckpt.load(step=1)
+    got = _whole_state(other, other_opt)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=0, rtol=0, msg=k)
+    # each rank's own rows: its home experts under its (new) placement
+    state = {p: st for o in other_opt.optimizers for p, st in o.state.items()}
+    for li, blk in enumerate(blocks):
+        home = torch.as_tensor(blk.home_experts)
+        for n in ("w1_EFD", "w3_EFD", "w2_EDF"):
+            key = f"layers.{li}.moe.routed_experts.inner_experts.{n}"
+            p = getattr(blk.experts, n)
+            torch.testing.assert_close(p.detach(), want[key][home], atol=0, rtol=0, msg=key)
+            torch.testing.assert_close(state[p]["exp_avg"], want[key + ".exp_avg"][home], atol=0, rtol=0, msg=key)
+    dist.barrier()
+
+
+@pytest.mark.timeout(400)
+def test_torchtitan_dcp_checkpoint_holds_every_expert(tmp_path):
+    """DCP (torchtitan's checkpoint format) of a 2-rank EP model: restored into another EP layout on 2 ranks, and
+    into the plain one-process torchtitan model (whole [E, ...] experts, dcp.load without a process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    run_group(_dcp_worker, 2, str(tmp_path), backend="gloo", timeout_s=150)
+    want = torch.load(tmp_path / "want.pt")
+    plain = qwen3_moe(seed=2)
+    sd = plain.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ckpt" / "step-1"), no_dist=True)
+    plain.load_state_dict(sd)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(p.detach(), want[name], atol=0, rtol=0, msg=name)
+
+
+def _expert_dp_worker(rank: int, world: int) -> None:
+    """4 ranks, EP 2, FSDP over 4: ranks r and r + 2 hold the same experts (torchtitan's efsdp dimension). A training
+    forward refuses to run until the expert-gradient reduction is registered; then rank r's sample gives the
+    one-process output and, after clip_grad_norm_ (which sums the expert gradients over efsdp first), every dense
+    and home-expert gradient equals the one-process model's and the norm is the one-process norm; a second
+    reduction (the optimizer pre-step hook) changes nothing."""
+    import torch.distributed as dist
+
+    from relibra_moe.integrations.torchtitan import clip_grad_norm_, reduce_expert_grads, register_expert_grad_reduction
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    x = torch.randint(0, V, (world, S), generator=torch.Generator().manual_seed(3))
+    ref = qwen3_moe(enable_ep=True)
+    swap_moe_blocks(ref, ep_group=singles[rank])
+    _fp32_experts(ref)
+    want = _run(ref, x)
+    want.square().mean().backward()
+
+    dims = _titan_dims(world, ep=2)
+    model = qwen3_moe(enable_ep=True)
+    swap_moe_blocks(model, ep_group=dims.get_mesh("ep"))
+    blocks = _fp32_experts(model)
+    _titan_parallelize(model, dims)
+    with pytest.raises(ValueError, match="hold the same experts and nothing sums their gradients"):
+        _run(model, x[rank:rank + 1])
+    opt = _titan_adamw(model)
+    register_expert_grad_reduction(opt, [model])
+    got = _run(model, x[rank:rank + 1])
+    torch.testing.assert_close(got, want[rank:rank + 1], atol=1e-5, rtol=1e-5)
+    (got.square().sum() / want.numel()).backward()
+    norm = clip_grad_norm_([model], 1e9)
+    ref_norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in ref.parameters())))
+    assert abs(float(norm) - ref_norm) <= 1e-5 * ref_norm, (float(norm), ref_norm)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        r = ref_params[name].grad
+        if ".inner_experts." in name:
+            g = p.grad
+            r = r[torch.as_tensor(blocks[int(name.split(".")[1])].home_experts)]
+        else:
+            g = p.grad.full_tensor()
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+    before = blocks[0].experts.w1_EFD.grad.clone()
+    reduce_expert_grads([model])
+    assert torch.equal(blocks[0].experts.w1_EFD.grad, before)
+
+
+@pytest.mark.timeout(400)
+def test_torchtitan_parallelize_with_expert_data_parallel_four_ranks():
+    run_group(_expert_dp_worker, 4, backend="gloo", timeout_s=200)

@@ -122,3 +122,25 @@ def test_dcp_round_trip_after_relayout_into_other_placements_and_whole_tensors(t
         name = key.rsplit(".", 1)[1]
         for e in range(E):
             assert torch.equal(t[e], expert_value(name, e, tuple(t.shape[1:]))), (key, e)
+
+
+def test_local_rows_and_the_load_hook_on_one_rank():
+    """local_rows: a whole [E, ...] tensor gives the home rows, local rows pass through, another row count is a
+    PlanError naming the key; with the hooks installed a one-rank layer's state_dict stays plain tensors and
+    load_state_dict still takes them."""
+    from relibra_moe.layers.expert_sharding import install_sharded_checkpoints, local_rows
+
+    model = torch.nn.Sequential(ReplayBalancedMoE(H, F, E, 2))
+    install_sharded_checkpoints(model)
+    install_sharded_checkpoints(model)  # idempotent
+    assert len(model[0]._sharded_state_dict_hooks) == 2
+    s = expert_shards(model)["0.experts.w_down"]
+    whole = torch.randn((E,) + tuple(model[0].experts.w_down.shape[1:]))
+    assert torch.equal(local_rows(whole, s), whole)
+    with pytest.raises(PlanError, match="0.experts.w_down.*8 rows"):
+        local_rows(torch.zeros(3, 2), s)
+    sd = model.state_dict()
+    assert all(type(v) is torch.Tensor for v in sd.values())
+    sd["0.experts.w_down"] = whole
+    model.load_state_dict(sd)
+    assert torch.equal(model[0].experts.w_down.detach(), whole)
