@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import write_json
 from .errors import PlanError
 from .spec_sources import group_topology, model_fields_from_hf_config
 from .validate import check_count, check_int, is_int, is_number
@@ -487,9 +488,7 @@ def cluster_from_profile(profile: dict[str, Any], nodes: int, gpus_per_node: int
 
 def save_cluster_profile(path: str | os.PathLike, profile: dict[str, Any]) -> None:
     """Write a profile dict as JSON (sorted keys, so the file is byte-stable)."""
-    with open(path, "w") as f:
-        json.dump(profile, f, indent=1, sort_keys=True)
-        f.write("\n")
+    write_json(path, profile, error=PlanError, indent=1, sort_keys=True)
 
 
 def load_cluster_profile(path: str | os.PathLike, nodes: int, gpus_per_node: int | None = None) -> ClusterSpec:

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_write
 from .errors import TraceError
 from .npzio import member_header, read_member
 from .validate import check_count
@@ -220,7 +221,8 @@ def write_trace_file(path: str | Path, *, num_experts: int, top_k: int, layer_id
     for key, value in info.items():
         arrays[INFO_PREFIX + key] = value
     mode = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
-    with open(path, "wb") as f, zipfile.ZipFile(f, mode="w", compression=mode, allowZip64=True) as zf:
+    with atomic_write(path, "wb", error=TraceError) as f, \
+            zipfile.ZipFile(f, mode="w", compression=mode, allowZip64=True) as zf:
         for key, value in arrays.items():  # what np.savez / np.savez_compressed write, member by member
             with zf.open(key + ".npy", "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=True)

@@ -13,7 +13,8 @@ PKG = Path(__file__).resolve().parents[2] / "relibra_moe"
 
 # Floors as in docs/architecture.md; the first matching prefix wins (module names relative to the package).
 FLOORS: tuple[tuple[str, int], ...] = (
-    ("errors", 1), ("validate", 1), ("spec_sources", 1), ("specs", 1), ("npzio", 1),
+    ("errors", 1), ("validate", 1), ("spec_sources", 1), ("specs", 1), ("npzio", 1), ("safe_pickle", 1),
+    ("atomic", 1),
     ("trace", 2), ("trace_files", 2), ("adapters", 2), ("dumps", 2), ("cost", 2), ("timing", 2), ("plan", 2),
     ("sample_order", 2),
     ("triton_kernels", 2),
