@@ -138,6 +138,14 @@ def _bytearray(*args: Any) -> bytearray:
     raise TraceError(f"a pickle calls bytearray with {[type(a).__name__ for a in args]}")
 
 
+def _size(dims: Any = ()) -> tuple[int, ...]:
+    """``torch.Size`` in a plain pickle, read as the tuple of its ints (torch is not needed to read it)."""
+    dims = tuple(dims) if isinstance(dims, (list, tuple)) else dims
+    if not isinstance(dims, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise TraceError(f"a pickled torch.Size of {dims!r}, not a sequence of ints")
+    return dims
+
+
 class _NDArrayName:
     """What the pickle name ``numpy.ndarray`` stands for: a token ``_reconstruct`` accepts (the real class is
     never handed to the unpickler, whose ``NEWOBJ`` would allocate any shape it is given)."""
@@ -158,7 +166,7 @@ NUMPY_GLOBALS: dict[str, Any] = {
 _PLAIN_GLOBALS: dict[str, Any] = {
     "_codecs.encode": _encode, "builtins.bytearray": _bytearray, "builtins.set": set,
     "builtins.frozenset": frozenset, "collections.OrderedDict": OrderedDict, "io.BytesIO": io.BytesIO,
-    "_io.BytesIO": io.BytesIO,
+    "_io.BytesIO": io.BytesIO, "torch.Size": _size,
 }
 
 
@@ -199,7 +207,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._where, self._allowed = where, {**NUMPY_GLOBALS, **_PLAIN_GLOBALS, **(stubs or {})}
 
     def find_class(self, module: str, name: str) -> Any:
-        full = f"{module}.{name}"
+        full = f"{'builtins' if module == '__builtin__' else module}.{name}"  # protocol 2 spells Python 2's name
         if full in self._allowed:
             return self._allowed[full]
         raise TraceError(f"{self._where}: the pickle names {full!r}, which is not on the allow-list of classes a "

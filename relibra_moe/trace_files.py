@@ -91,7 +91,10 @@ def as_int_array(name: str, value: Any) -> np.ndarray:
     """``value`` (ndarray, tensor, nested lists) as an integer ndarray; else TraceError naming ``name``."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch tensor, without importing torch
         value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:  # ragged nested lists
+        raise TraceError(f"{name} is not a rectangular integer array ({exc})") from None
     if arr.dtype.kind not in "iu":
         raise TraceError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr
