@@ -21,10 +21,13 @@ from typing import IO, Any
 
 from .errors import PlanError
 
-__all__ = ["atomic_write", "write_text", "write_json"]
+__all__ = ["atomic_write", "check_target", "write_text", "write_json"]
 
 
-def _check_target(path: Path, error: type[Exception]) -> None:
+def check_target(path: str | os.PathLike, error: type[Exception] = PlanError) -> None:
+    """``error`` naming ``path`` when it cannot be written: it is a directory, or its directory is missing (a
+    command checks its ``--out`` with this before working for minutes)."""
+    path = Path(path)
     if path.is_dir():
         raise error(f"cannot write {os.fspath(path)!r}: it is a directory")
     parent = path.parent
@@ -65,7 +68,7 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb", *, error: type[Excep
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write: mode={mode!r} is not 'w' or 'wb'")
     target = Path(path)
-    _check_target(target, error)
+    check_target(target, error)
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as exc:

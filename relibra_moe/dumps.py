@@ -50,7 +50,7 @@ from .npzio import MAX_MEMBER_BYTES, read_member
 from .safe_pickle import PickledObject, load_torch, stub_class
 from .trace import RoutingTrace, TraceBatch, as_int_array
 from .trace_files import scalar_int
-from .validate import check_count, check_int
+from .validate import check_count, check_int, is_int
 
 __all__ = ["FORMATS", "read_dump"]
 
@@ -128,8 +128,7 @@ def _verl_numpy_tensor(path: Path, key: str, enc: Any) -> np.ndarray:
                          f"({', '.join(_TORCH_DTYPES)})")
     dt = np.dtype(dtype)
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else shape
-    if not isinstance(shape, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                               for d in shape):
+    if not isinstance(shape, tuple) or not all(is_int(d) and d >= 0 for d in shape):
         raise TraceError(f"{at} has shape {shape!r}, not a tuple of ints >= 0")
     want = math.prod(shape) * dt.itemsize
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1 or data.size != want:

@@ -42,6 +42,7 @@ import numpy as np
 
 from .errors import TraceError
 from .npzio import MAX_MEMBER_BYTES
+from .validate import is_int
 
 __all__ = ["MAX_OBJECTS", "MAX_DEPTH", "NUMPY_GLOBALS", "PickledObject", "RestrictedUnpickler", "load_pickle",
            "load_torch", "check_tree", "is_zip"]
@@ -60,10 +61,9 @@ def _declared_bytes(shape: Any, dtype: Any, where: str) -> int:
     total is at most MAX_MEMBER_BYTES."""
     if not isinstance(dtype, np.dtype):
         raise TraceError(f"{where}: a pickled numpy array with dtype {type(dtype).__name__}, not a numpy dtype")
-    if isinstance(shape, int) and not isinstance(shape, bool):
+    if is_int(shape):
         shape = (shape,)
-    if not isinstance(shape, tuple) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
-                                               for s in shape):
+    if not isinstance(shape, tuple) or not all(is_int(s) and s >= 0 for s in shape):
         raise TraceError(f"{where}: a pickled numpy array declares shape {shape!r}, not a tuple of ints >= 0")
     n = math.prod(shape) * max(int(dtype.itemsize), 1)
     if n > MAX_MEMBER_BYTES:
@@ -141,7 +141,7 @@ def _bytearray(*args: Any) -> bytearray:
 def _size(dims: Any = ()) -> tuple[int, ...]:
     """``torch.Size`` in a plain pickle, read as the tuple of its ints (torch is not needed to read it)."""
     dims = tuple(dims) if isinstance(dims, (list, tuple)) else dims
-    if not isinstance(dims, tuple) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+    if not isinstance(dims, tuple) or not all(is_int(d) for d in dims):
         raise TraceError(f"a pickled torch.Size of {dims!r}, not a sequence of ints")
     return dims
 
@@ -302,7 +302,7 @@ def load_torch(source: Path | bytes, where: str, *, stubs: Mapping[str, type] | 
     data = _read_bounded(source, where) if isinstance(source, Path) else source
     if not is_zip(data):
         obj = load_pickle(data, where, stubs=stubs, trust=trust)
-        if isinstance(obj, int) and obj == 0x1950A86A20F9469CFC6C:  # torch's legacy-format magic number
+        if is_int(obj) and obj == 0x1950A86A20F9469CFC6C:  # torch's legacy-format magic number
             raise TraceError(f"{where}: torch's legacy (pre-1.6) save format, which allocates what it declares "
                              f"before reading it; re-save it with torch.save's default format, or {_TRUST_HINT}")
         return obj
@@ -332,6 +332,10 @@ def _check_tensor(t: Any, where: str) -> None:
                          f"{MAX_MEMBER_BYTES} bytes); refused")
 
 
+#: Types a loaded tree ends in (no children to walk).
+_LEAVES = (str, bytes, bytearray, int, float, complex, type(None), np.ndarray, np.generic)
+
+
 def check_tree(obj: Any, where: str) -> Any:
     """``obj`` after checking the loaded tree: at most :data:`MAX_DEPTH` levels, :data:`MAX_OBJECTS` nodes
     counted with repeats, tensors no larger than their storage. Checked arrays become plain ``np.ndarray``
@@ -345,7 +349,7 @@ def check_tree(obj: Any, where: str) -> Any:
                              "themselves)")
         if isinstance(o, _CheckedArray):
             return o.view(np.ndarray), 1
-        if isinstance(o, (str, bytes, bytearray, int, float, complex, bool, type(None), np.ndarray, np.generic)):
+        if isinstance(o, _LEAVES):
             return o, 1
         if id(o) in sizes:
             return o, sizes[id(o)]
