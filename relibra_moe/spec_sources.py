@@ -56,7 +56,7 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "torch.bfloat16": 2, 
 
 
 def _qwen_moe_layers(cfg: _ConfigReader, n: int) -> list[int]:
-    only = set(cfg.get("mlp_only_layers", []) or [])
+    only = set(cfg.layer_list("mlp_only_layers", n))
     step = cfg.int("decoder_sparse_step", 1)
     if step == 0:
         raise ValueError(f"{cfg.what}: field 'decoder_sparse_step' = 0 must be >= 1")
@@ -150,6 +150,15 @@ class _ConfigReader:
         if default is _MISSING:
             raise ValueError(f"{self.what}: field {key!r} is missing")
         return default
+
+    def layer_list(self, key: str, n: int) -> list[int]:
+        """``get(key, [])`` as a list of decoder-layer indices in ``[0, n)``, else ValueError naming the field and
+        the value (a string such as ``"0,1"``, a float or a bare int is not a list of layers)."""
+        v = self.get(key, [])
+        if not isinstance(v, (list, tuple)) or not all(is_int(i) and 0 <= i < n for i in v):
+            raise ValueError(f"{self.what}: field {key!r} = {v!r} must be a list of decoder-layer indices in "
+                             f"[0, {n}) (num_hidden_layers = {n})")
+        return [int(i) for i in v]
 
     def int(self, key: str, default: Any = _MISSING) -> int:
         """``get(key, default)`` as an int >= 0 (bool is not one), else ValueError naming the field and value."""

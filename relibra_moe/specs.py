@@ -39,6 +39,13 @@ DISPATCHERS = ("alltoall", "deepep")
 normal kernels (one RDMA copy per (token, remote node), NVLink forwarding, one copy per (token, GPU))."""
 
 
+#: Largest value of each ModelSpec size field (above any released MoE model by orders of magnitude; a config
+#: with hidden_size 10^12 is a damaged or hostile file, whose sizes would overflow the cost model's byte counts).
+MODEL_LIMITS: dict[str, int] = {"hidden": 1 << 20, "ffn": 1 << 20, "head_dim": 1 << 16, "num_heads": 1 << 14,
+                                "num_kv_heads": 1 << 14, "num_experts": 1 << 16, "num_layers": 1 << 14,
+                                "dtype_bytes": 8, "shared_experts": 1 << 10, "shared_ffn": 1 << 20}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The MoE part of a model.
@@ -76,8 +83,14 @@ class ModelSpec:
         check_count("ModelSpec.shared_experts", self.shared_experts, 0, error=ValueError)
         if self.shared_ffn is not None and (not is_int(self.shared_ffn) or self.shared_ffn <= 0):
             raise ValueError(f"ModelSpec.shared_ffn must be a positive int or None, got {self.shared_ffn!r}")
+        for f, hi in MODEL_LIMITS.items():
+            if getattr(self, f) is not None:
+                check_int(f"ModelSpec.{f}", getattr(self, f), 0, hi, error=ValueError)
         if self.top_k > self.num_experts:
             raise ValueError(f"ModelSpec.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.num_kv_heads > self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelSpec.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+                             "(grouped-query attention: each KV head serves num_heads / num_kv_heads query heads)")
 
     @property
     def token_bytes(self) -> int:
