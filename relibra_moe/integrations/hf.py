@@ -613,6 +613,50 @@ def _restore(model: nn.Module, saved: list[Any]) -> None:
         _set_submodule(model, name, block)
 
 
+def check_replay_trainer_args(model: Any, *, strategy: Any, replica_slots: Any, planner: Any,
+                              planner_options: Any, gpus_per_node: Any, cluster: Any) -> None:
+    """The checks of ``ReplayGRPOTrainer``'s own arguments, run before TRL loads anything: ``strategy`` a
+    planner strategy, ``replica_slots`` an int >= 0 at most the ceiling ``E - E/G`` (:func:`plan.max_replica_slots`;
+    G from ``torch.distributed`` or ``WORLD_SIZE``, the loosest group G = E on one process, where the trainer plans
+    no replicas; E from ``model`` when it is a module, else :data:`specs.MODEL_LIMITS`' expert bound),
+    ``planner_options`` known :class:`~relibra_moe.planners.options.PlanOptions` that apply to ``strategy``,
+    ``planner`` a :class:`~relibra_moe.planners.service.Planner` or None, ``gpus_per_node`` an int >= 1 or None,
+    ``cluster`` a ClusterSpec or None. ReplayError naming the argument and the value."""
+    import os
+
+    import torch.distributed as dist
+
+    from ..planners.options import PlanOptions
+    from ..planners.service import Planner
+    from ..planners.strategies import check_strategy
+    from ..specs import MODEL_LIMITS, ClusterSpec
+    from ..validate import check_optional_int
+
+    what = "ReplayGRPOTrainer"
+    try:
+        check_strategy(strategy)
+        if planner_options is not None and not isinstance(planner_options, dict):
+            raise ReplayError(f"planner_options={planner_options!r} must be a dict of plan options or None")
+        PlanOptions.from_kwargs(**(planner_options or {})).check_for(strategy)
+    except (ReplayError, ValueError, TypeError) as exc:
+        raise ReplayError(f"{what}: {exc}") from None
+    if planner is not None and not isinstance(planner, Planner):
+        raise ReplayError(f"{what}: planner={planner!r} must be a relibra_moe.Planner or None")
+    if cluster is not None and not isinstance(cluster, ClusterSpec):
+        raise ReplayError(f"{what}: cluster={cluster!r} must be a relibra_moe.ClusterSpec or None")
+    check_optional_int(f"{what}: gpus_per_node", gpus_per_node, 1, error=ReplayError)
+    slots = check_int(f"{what}: replica_slots", replica_slots, error=ReplayError)
+    blocks = moe_blocks(model) if isinstance(model, nn.Module) else []
+    E = num_experts_top_k(blocks[0][2])[0] if blocks else MODEL_LIMITS["num_experts"]
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1") or 1)
+    G = world if world > 1 and E % world == 0 else E
+    cap = max_replica_slots(E, G)
+    if slots > cap:
+        raise ReplayError(f"{what}: replica_slots={slots} is over the ceiling E - E/G = {cap} (E={E}, G={G}; "
+                          "plan.max_replica_slots)")
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's ``state_dict()`` with every expert parameter whole ``[E, ...]`` in logical expert order.
 

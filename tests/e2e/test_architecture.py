@@ -241,6 +241,7 @@ TESTS = Path(__file__).resolve().parents[1]
 E2E_TESTS = frozenset({
     "test_adversarial_dumps.py",  # hostile framework dumps: no code runs, sizes bounded, named errors
     "test_adversarial_files.py",  # bad files through the CLI, planners and simulator
+    "test_adversarial_numbers.py",  # absurd profile rates, model configs, swap and trainer arguments
     "test_adversarial_ranks.py",  # one bad rank in a multi-rank layer/replay/relayout group
     "test_adversarial_writes.py",  # a save killed at every member boundary; outputs into bad targets
     "test_architecture.py",  # import floors, test layout, docs/architecture.md names

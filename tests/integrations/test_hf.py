@@ -319,9 +319,7 @@ def test_replayed_routing_is_followed(backend):
 def test_gpt_oss_runs_as_the_layer_with_replica_slots():
     """GPT-OSS swaps into the layer (four per-expert tensors) with a replica buffer sized for them; the
     single-process 'local' backend takes no replica slots."""
-    from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE, HFReplicaBuffer
-
-    from relibra_moe.integrations.hf_layer import hf_replica_buffer
+    from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE, HFReplicaBuffer, hf_replica_buffer
 
     model = tiny_model("gpt_oss")
     with torch.no_grad():
