@@ -384,9 +384,10 @@ class ClusterSpec:
                            gpus_per_node: int | None = None) -> ClusterSpec:
         """The ClusterSpec of an EP group: a ``ProcessGroup``, a ``DeviceMesh`` (1-D, or its ``"ep"``
         dimension) or ``None`` (the world), sized ``nodes x gpus_per_node`` from the ranks' hosts (or
-        ``gpus_per_node`` given), on the links of ``fabric`` (:func:`cluster_preset`). A collective without
-        ``gpus_per_node``: every rank of the group calls it (see :func:`relibra_moe.spec_sources.group_topology`)."""
-        nodes, per_node = group_topology(group, gpus_per_node)
+        ``gpus_per_node`` given), on the links of ``fabric`` (:func:`cluster_preset`). A collective: every rank of the
+        group calls it, with the same arguments (ranks that differ all raise ValueError naming two of them; see
+        :func:`relibra_moe.spec_sources.group_topology`)."""
+        nodes, per_node = group_topology(group, gpus_per_node, agree=f"fabric={fabric!r}")
         return cluster_preset(fabric, nodes=nodes, gpus_per_node=per_node)
 
 
