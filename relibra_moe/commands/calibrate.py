@@ -356,7 +356,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--local-experts", type=int, default=8, help="experts per GPU in the GEMM measurement")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence in the attention measurement")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement")
-    p.add_argument("--device", default=None, help="torch device (default cuda; cpu: a functional check only)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default cuda; cpu: a functional check only, its profile labelled NOT A GPU "
+                        "PROFILE, which plan commands refuse)")
     p.add_argument("--dry-run", action="store_true", help="measure nothing: write the preset's profile")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.set_defaults(func=run)

@@ -391,3 +391,40 @@ def test_json_dump_never_builds_a_partial_out_file(tmp_path, capsys):
                "--top-k", str(K), "--num-experts", str(E)])
     assert rc == 1
     assert (tmp_path / "out.npz").read_bytes() == b"previous"
+
+
+def _fake_class(module: str, name: str, base: type) -> type:
+    """A class pickled under ``module.name`` (a framework's), registered in ``sys.modules`` while it exists."""
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    cls = type(name, (base,), {"__module__": module})
+    setattr(sys.modules[module], name, cls)
+    return cls
+
+
+def _forget(module: str) -> None:
+    for key in [k for k in sys.modules if k == module.split(".")[0] or k.startswith(module.split(".")[0] + ".")]:
+        del sys.modules[key]
+
+
+def test_framework_records_import_without_the_framework(tmp_path, capsys):
+    """A TensorDict batch (verl) and a BatchedDataDict (NeMo-RL, a UserDict) are read as records: their
+    tensors come out, no framework code is imported or run."""
+    from collections import UserDict
+
+    ids = torch.from_numpy(_ids(4)[None])
+    TD = _fake_class("tensordict._td", "TensorDict", object)
+    td = TD()
+    td._tensordict, td._batch_size = {"routed_experts": ids, "attention_mask": torch.ones(1, 4)}, torch.Size([1])
+    BDD = _fake_class("nemo_rl.distributed.batched_data_dict", "BatchedDataDict", UserDict)
+    try:
+        torch.save(td, tmp_path / "td.pt")
+        torch.save(BDD({"routed_experts": ids, "input_lengths": torch.tensor([4])}), tmp_path / "bdd.pt")
+    finally:
+        _forget("tensordict._td")
+        _forget("nemo_rl.distributed.batched_data_dict")
+    for fmt, name in (("verl", "td.pt"), ("nemo-rl", "bdd.pt")):
+        rc, text = _cli(capsys, fmt, tmp_path / name, tmp_path / f"{fmt}.npz")
+        assert rc == 0, text
+        np.testing.assert_array_equal(TraceBatch.load(tmp_path / f"{fmt}.npz").traces[0].experts, _ids(4))
