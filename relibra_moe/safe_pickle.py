@@ -30,6 +30,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import pickletools
 import re
 import zipfile
 import zlib
@@ -263,6 +264,17 @@ def _guard(where: str, fn: Any) -> Any:
         raise TraceError(f"{where}: not a readable pickle ({type(exc).__name__}: {str(exc)[:300]})") from None
 
 
+def _check_lengths(data: bytes, where: str) -> None:
+    """Walk the opcodes (``pickletools.genops``, which reads each counted argument from the bytes at hand) so a
+    length no file holds is refused before ``pickle`` allocates it (``BYTEARRAY8`` allocates its declared size
+    before reading)."""
+    try:
+        for _ in pickletools.genops(data):
+            pass
+    except (ValueError, EOFError, OverflowError) as exc:
+        raise TraceError(f"{where}: a damaged or forged pickle ({exc})") from None
+
+
 def load_pickle(data: bytes, where: str, *, stubs: Mapping[str, type] | None = None, trust: bool = False) -> Any:
     """The object of the plain pickle ``data`` (read with :class:`RestrictedUnpickler`, or plain ``pickle``
     when ``trust``), checked by :func:`check_tree`; TraceError naming ``where``."""
@@ -270,6 +282,8 @@ def load_pickle(data: bytes, where: str, *, stubs: Mapping[str, type] | None = N
         raise TraceError(f"{where}: a pickle of {len(data)} bytes, over the limit of {MAX_MEMBER_BYTES} bytes")
 
     def load() -> Any:
+        if not trust:
+            _check_lengths(data, where)
         f = io.BytesIO(data)
         up = _TrustingUnpickler(f, stubs or {}) if trust else RestrictedUnpickler(f, where, stubs)
         return check_tree(up.load(), where)

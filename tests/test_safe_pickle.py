@@ -110,6 +110,10 @@ def test_damaged_streams_are_trace_errors():
     for data in (b"", b"\x80\x05", pickle.dumps({"a": 1})[:-3], b"garbage"):
         with pytest.raises(TraceError, match="^f: "):
             load_pickle(data, "f")
+    # a bytearray declaring 8 GiB in a 30-byte file: refused before pickle allocates the declared size
+    forged = b"\x80\x05\x96" + (1 << 33).to_bytes(8, "little") + b"\x00" * 16 + b"."
+    with pytest.raises(TraceError, match="expected 8589934592 bytes in a bytearray8"):
+        load_pickle(forged, "f")
 
 
 def test_torch_files_load_weights_only_with_tensors_bounded_by_storage():
