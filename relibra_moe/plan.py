@@ -56,6 +56,17 @@ def max_replica_slots(num_experts: int, num_gpus: int) -> int:
     return int(num_experts) - int(num_experts) // int(num_gpus)
 
 
+def check_replica_slots(replica_slots: int, num_experts: int, num_gpus: int, field: str = "replica_slots") -> None:
+    """``PlanError`` naming ``field`` when ``replica_slots`` is over :func:`max_replica_slots` (the one check
+    of a requested ``replica_slots``: ``Planner``, ``plan_batch`` and the integrations that allocate replica slots
+    all call it)."""
+    cap = max_replica_slots(num_experts, num_gpus)
+    if int(replica_slots) > cap:
+        raise PlanError(f"{field}={int(replica_slots)} is over the ceiling E - E/G = {cap} (E={int(num_experts)}, "
+                        f"G={int(num_gpus)}: a GPU holds replicas of only the experts homed elsewhere; more slots "
+                        "always stay empty and cost memory and planning time)")
+
+
 def _readonly(a: Any, dtype: Any, name: str) -> np.ndarray:
     """A read-only copy of ``a`` as ``dtype``; PlanError (naming ``name``) instead of a lossy conversion.
 

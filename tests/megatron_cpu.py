@@ -140,3 +140,25 @@ def moe_layer(config, layer_number: int = 1):
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     return build_module(spec.submodules.mlp, config=config, layer_number=layer_number)
+
+
+def fp32_optimizer(optimizer: torch.optim.Optimizer):
+    """Megatron's ``FP32Optimizer`` around ``optimizer`` (Adam), on CPU: its constructor's only CUDA use, the
+    constant loss-scale tensor, is made on the CPU; everything else (``sharded_state_dict``,
+    ``load_state_dict``, ``step``) is Megatron's own."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer
+
+    def init_state_fn(opt, config=None):  # Megatron's Adam state initializer (get_megatron_optimizer's)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    opt.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    opt.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    out = FP32Optimizer.__new__(FP32Optimizer)
+    MegatronOptimizer.__init__(out, optimizer, OptimizerConfig(optimizer="adam", lr=0.0, bf16=False, fp16=False),
+                               init_state_fn)
+    out._scale = torch.tensor([1.0])
+    out.is_stub_optimizer = False
+    return out

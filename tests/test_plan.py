@@ -237,3 +237,14 @@ def test_load_errors(tmp_path):
         BatchPlan.load(rewrite(replica_scope=np.array("rack")))
     assert zipfile.is_zipfile(p)
     assert json.loads(str(np.load(p)["stats_json"])) == {"seed": 1, "strategy": "t"}
+
+
+def test_check_replica_slots_is_the_ceiling_e_minus_e_over_g():
+    from relibra_moe.plan import check_replica_slots
+
+    check_replica_slots(4, 8, 2)  # E - E/G = 4: allowed
+    check_replica_slots(0, 8, 1)
+    with pytest.raises(PlanError, match=r"replica_slots=5 is over the ceiling E - E/G = 4 \(E=8, G=2"):
+        check_replica_slots(5, 8, 2)
+    with pytest.raises(PlanError, match=r"slots=1 is over the ceiling E - E/G = 0 \(E=8, G=1"):
+        check_replica_slots(1, 8, 1, field="slots")  # one GPU homes every expert: nothing to replicate

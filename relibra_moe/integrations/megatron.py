@@ -42,11 +42,17 @@ biases (``gated_linear_unit=True``, ``activation_func=silu``, ``add_bias_linear=
 (``moe_expert_capacity_factor=None``), no latent MoE projections, no shared-expert overlap. The swapped
 layer's expert parameters are relibra's stacked ``w_gate_up [E_loc, H, 2F]`` / ``w_down [E_loc, F, H]``
 (``expert_state_dict`` gives them back in Megatron's ``SequentialMLP`` names and layout).
+
+Checkpoints. :meth:`RelibraMoELayer.sharded_state_dict` gives Megatron's ``dist_checkpointing`` the plain
+``SequentialMLP`` keys and layout, every home expert at the offset of its logical id
+(:mod:`relibra_moe.layers.expert_sharding`): every expert is saved once, in any placement, and loads into
+any EP size, relibra or plain Megatron; Megatron's ``FP32Optimizer`` saves the experts' state alike.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,15 +63,16 @@ from torch import nn
 
 from ..adapters import from_megatron
 from ..errors import PlanError, ReplayError
+from ..layers.expert_sharding import ExpertShard, expert_shards
 from ..layers.experts import GroupedSwiGLUExperts
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.relayout import relayout as _relayout_layers
 from ..layers.replay import LayerReplay, replay
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import RouterOutput, check_replay_ids
-from ..plan import BatchPlan, Placement
+from ..plan import BatchPlan, Placement, check_replica_slots
 from ..trace import TraceBatch
-from ..validate import is_int
+from ..validate import check_int, is_int
 
 try:  # optional dependency: megatron-core
     from megatron.core.tensor_parallel.random import checkpoint as _mcore_checkpoint
@@ -79,6 +86,9 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
     HAVE_MEGATRON = False
 
 LAYOUTS = ("packed", "sbh")
+#: Megatron optimizer wrappers relayout refuses by name: they step separate fp32 main copies of the parameters
+_MAIN_COPY_OPTIMIZERS = {"DistributedOptimizer": "sharded over the data-parallel ranks in flat buffers",
+                         "Float16OptimizerWithFloat16Params": "one fp32 copy per bf16/fp16 parameter"}
 _MAIN_GRAD_KEY = "relibra_megatron_main_grad"  # where relayout carries Megatron DDP's main_grad (removed after)
 
 __all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronRoutingRecorder", "RelibraMoELayer", "check_config",
@@ -136,6 +146,14 @@ def check_config(config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- layer
+
+
+def _ids_digest(ids: torch.Tensor) -> torch.Tensor:
+    """A 64-bit digest of replayed ids ``[T, k]`` as an int64 0-d tensor on their device (no host sync):
+    the ids weighted by position-dependent odd multipliers, summed with int64 wrap-around."""
+    flat = ids.detach().reshape(-1).to(torch.int64)
+    pos = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
+    return ((flat + 1) * (pos * 6364136223846793005 + 1442695040888963407)).sum()
 
 
 class _MegatronRouter(nn.Module):
@@ -240,8 +258,11 @@ class RelibraMoELayer(MoELayer):
         with torch.no_grad():
             experts.w_gate_up.copy_(w_gate_up)
             experts.w_down.copy_(w_down)
+        # Megatron's marker of expert-parallel parameters (False: reduced over the expert data-parallel group), as
+        # Megatron set it on the experts (True at EP 1): optimizers and DDP group the parameters as the plain model's
+        allreduce = all(getattr(p, "allreduce", True) for p in moe.experts.parameters())
         for p in experts.parameters():
-            p.allreduce = False  # Megatron's marker of expert-parallel parameters (reduced over expert DP)
+            p.allreduce = allreduce
         self.relibra = ReplayBalancedMoE(H, F, E, k, ep_group=moe.ep_group, gpus_per_node=gpus_per_node,
                                          replica_buffer=replica_buffer, router=_MegatronRouter(self, E, k),
                                          layer_index=layer_index, experts=experts)
@@ -249,6 +270,8 @@ class RelibraMoELayer(MoELayer):
             raise PlanError(f"the EP group's rank {self.relibra.rank} holds Megatron experts "
                             f"{list(moe.local_expert_indices)}, relibra's default placement gives it "
                             f"{self.relibra.home_experts.tolist()}")
+        # Megatron's expert data-parallel group (replicas of the same experts): checkpoint replica ids
+        self._expert_dp_group = getattr(moe.experts, "dp_group", None)
         self._call = _Call(torch.Size(), None, None)
         self._replaying = False
         self._pending: tuple[BatchPlan | None, int | None] = (None, None)
@@ -256,10 +279,46 @@ class RelibraMoELayer(MoELayer):
         # rank of the EP group through the layer's agreement, instead of this rank raising before a collective
         self._pending_error: ReplayError | PlanError | None = None
         self._recompute: collections.deque[tuple[BatchPlan | None, int | None, bool]] = collections.deque()
+        # replay_micro_batch calls so far, whether the last one left the ids in RouterReplay, and (call, tokens,
+        # digest) of the ids the last replayed forward used: how a forward finds another micro-batch's ids
+        self._arm = 0
+        self._arm_from_router = False
+        self._replayed: tuple[int, int, torch.Tensor] | None = None
 
     @property
     def name(self) -> str:
         return self.relibra.name
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Megatron ``dist_checkpointing``'s description of this layer, in plain Megatron's keys and layout.
+
+        Router and shared experts: as Megatron's ``MoELayer``. Routed experts: as the local spec's
+        ``SequentialMLP``: ``{prefix}experts.experts.linear_fc1.weight`` (global ``[*, E, 2F, H]``, gate
+        rows then up rows) and ``linear_fc2.weight`` (``[*, E, H, F]``), each home expert at the offset
+        of its logical id (:func:`~relibra_moe.layers.expert_sharding.expert_shards`: whatever the
+        placement), replica id ``(0, 0, expert data-parallel rank)``: every expert is written once and
+        loads into any EP size, relibra or plain Megatron. The placement (``relibra.expert_gpu``) is not
+        saved: a loaded model keeps its own and reads each of its home experts by logical id.
+        """
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+        from megatron.core.transformer.utils import sharded_state_dict_default
+
+        if (metadata or {}).get("singleton_local_shards", False):
+            raise ValueError("metadata singleton_local_shards=True is not supported by the relibra MoE layer "
+                             "(its experts are saved as shards of the global expert dimension)")
+        out: dict = {}
+        for name, module in self.named_children():
+            if name != "relibra":
+                out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
+        shards = expert_shards(self.relibra)
+        dp = self._expert_dp_group
+        replica_id = (0, 0, dist.get_rank(dp) if dp is not None and dist.is_initialized() else 0)
+        for tensor, fc, glu in (("w_gate_up", "linear_fc1", True), ("w_down", "linear_fc2", False)):
+            out[f"{prefix}relibra.experts.{tensor}"] = _expert_factory(
+                f"{prefix}experts.experts.{fc}.weight", getattr(self.relibra.experts, tensor),
+                shards[f"experts.{tensor}"], tuple(sharded_offsets), glu, replica_id)
+        out[f"{prefix}relibra.expert_gpu"] = LocalNonpersistentObject(self.relibra.expert_gpu)
+        return out
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
                 padding_mask: torch.Tensor | None = None):
@@ -273,6 +332,47 @@ class RelibraMoELayer(MoELayer):
             return _mcore_checkpoint(lambda h: self._forward(h, padding_mask), False, hidden_states)
         return self._forward(hidden_states, padding_mask)
 
+    def _follow_action(self, rr) -> bool:
+        """Whether this (not recomputed) forward replays: the router's action, as the user left it, decides.
+
+        ``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` (set by :func:`replay_micro_batch`, or by the framework, e.g.
+        ``RouterReplay.set_global_router_replay_action``): replay (the layer switches between the two itself).
+        ``RECORD`` or no action (``clear_global_router_replay_action``): the user ended replay; the layer
+        leaves replay mode (forgets the pending plan slice) and routes live, recording under ``RECORD``,
+        as Megatron's own router does.
+        """
+        action = getattr(rr, "router_replay_action", None)
+        if action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+            self._replaying = True
+        elif self._replaying:
+            self._replaying = False
+            self._pending = (None, None)
+        return self._replaying
+
+    def _stale_replay(self, rr) -> ReplayError | None:
+        """``ReplayError`` when this forward would replay the ids another micro-batch already replayed.
+
+        Replay data left in ``RouterReplay`` (``replay_micro_batch(model, None)``, verl / SkyRL style) is
+        identified by its token count and a digest; the first forward after each :func:`replay_micro_batch`
+        compares it with the data the previous micro-batch replayed: equal means ``set_replay_data`` was not
+        called for this micro-batch (without ``RouterReplay.clear_global_indices()`` in between the old ids
+        are still there). Ids handed to ``replay_micro_batch`` itself are this micro-batch's by definition.
+        """
+        target = getattr(rr, "target_topk_idx", None)
+        if not isinstance(target, torch.Tensor) or target.dim() != 2 or target.shape[0] == 0:
+            return None  # nothing to replay: the router adapter names the problem
+        T = int(target.shape[0])
+        prev, self._replayed = self._replayed, (self._arm, T, _ids_digest(target))
+        if prev is None or prev[0] == self._arm or not self._arm_from_router or prev[1] != T:
+            return None
+        if int(prev[2]) != int(self._replayed[2]):
+            return None
+        return ReplayError(f"layer {self.name}: this micro-batch would replay the ids the previous micro-batch "
+                           f"replayed ({T} tokens, digest {int(prev[2]) & (2**64 - 1):016x}): no "
+                           "RouterReplay.set_replay_data for this micro-batch, and no "
+                           "RouterReplay.clear_global_indices() since the last one; set this micro-batch's "
+                           "replay data (or pass it to replay_micro_batch)")
+
     def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None):
         rr = getattr(self.router, "router_replay", None)
         if _in_backward():  # a forward recomputed in backward: replay what its forward used
@@ -280,10 +380,12 @@ class RelibraMoELayer(MoELayer):
                 raise ReplayError(f"layer {self.name}: a recomputed forward has no matching forward")
             plan, m, replaying = self._recompute.popleft()
             action = RouterReplayAction.REPLAY_BACKWARD if replaying else None
+            stale = None
         else:
+            replaying = self._follow_action(rr)
             plan, m = self._pending
-            replaying = self._replaying
             action = RouterReplayAction.REPLAY_FORWARD if replaying else None
+            stale = self._stale_replay(rr) if replaying else None
             if is_checkpointing():
                 self._recompute.append((plan, m, replaying))
             elif replaying and rr is not None and rr.replay_backward_list \
@@ -297,8 +399,9 @@ class RelibraMoELayer(MoELayer):
         shared = self.shared_experts_compute(hidden_states)
         try:
             with replay(self.relibra, None, plan=plan, micro_batch=m):
-                if self._pending_error is not None:
-                    self.relibra.replay_state = LayerReplay(error=self._pending_error)
+                error = self._pending_error if self._pending_error is not None else stale
+                if error is not None:  # the agreement raises it on every rank of the EP group
+                    self.relibra.replay_state = LayerReplay(error=error)
                 out = self.relibra(hidden_states)
         finally:
             self._call = _Call(torch.Size(), None, None)
@@ -325,6 +428,51 @@ def _stacked_expert_weights(experts: nn.Module, H: int, F: int, E_loc: int) -> t
         return w1.view(H, E_loc, 2 * F).permute(1, 0, 2), w2.view(E_loc, F, H)
     raise ValueError(f"experts of type {kind} are not supported (SequentialMLP or GroupedMLP; for TE grouped "
                      "experts build the model with moe_grouped_gemm=False)")
+
+
+def _expert_factory(key: str, param: torch.Tensor, shard: ExpertShard, offsets: tuple, glu: bool, replica_id: tuple):
+    """A ``ShardedTensorFactory`` over one stacked expert tensor ``[E_loc, H, 2F]`` / ``[E_loc, F, H]``.
+
+    Built (model weights or, through Megatron's optimizer, any state tensor of the same shape): one
+    ``ShardedTensor`` per home expert ``e`` (two for the SwiGLU ``linear_fc1``: gate rows, up rows) of the
+    transposed row, at expert offset ``e`` of ``E`` on the axis after ``offsets``; for the model weights
+    also the (empty) ``_extra_state`` object Megatron's ``SequentialMLP`` writes per expert, so a plain
+    model finds every key it reads. Merged: the loaded rows stacked back into ``[E_loc, ...]``.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    return ShardedTensorFactory(key, param, functools.partial(_build_experts, shard=shard, offsets=offsets, glu=glu,
+                                                              param=param),
+                                functools.partial(_merge_experts, glu=glu), replica_id)
+
+
+def _build_experts(key: str, data: torch.Tensor, replica_id, flattened_range, *, shard: ExpertShard,
+                   offsets: tuple, glu: bool, param: torch.Tensor) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    if flattened_range is not None:
+        raise ValueError(f"{key}: a flattened range (Megatron's DistributedOptimizer) is not supported for the "
+                         "relibra MoE layer's experts; use a torch optimizer or FP32Optimizer")
+    shard.check_local(data)
+    ax, E = len(offsets), shard.num_experts
+    rows, extra = [], []
+    for i, e in enumerate(shard.expert_ids.tolist()):
+        at = (*offsets, (ax, e, E))
+        w = data[i].t()  # Megatron's [2F, H] / [H, F]
+        halves = torch.chunk(w, 2, dim=0) if glu else (w,)
+        rows.append([ShardedTensor.from_rank_offsets(key, h, *at, *([(ax + 1, j, 2)] if glu else []),
+                                                     replica_id=replica_id, prepend_axis_num=ax + 1)
+                     for j, h in enumerate(halves)])
+        if data is param:
+            extra.append(ShardedObject(key.rsplit(".", 1)[0] + "._extra_state", None,
+                                       tuple(o[2] for o in at), tuple(o[1] for o in at), replica_id))
+    # no empty list: dist_checkpointing would keep it as common (non-sharded) state and fail to merge it back
+    return {"rows": rows, "extra": extra} if extra else {"rows": rows}
+
+
+def _merge_experts(loaded: dict, *, glu: bool) -> torch.Tensor:
+    rows = [torch.cat(parts, dim=0) if glu else parts[0] for parts in loaded["rows"]]
+    return torch.stack(rows).transpose(1, 2).contiguous()
 
 
 def expert_state_dict(layer: RelibraMoELayer) -> dict[str, torch.Tensor]:
@@ -364,7 +512,8 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
     """Replace every Megatron ``MoELayer`` of a built model by a :class:`RelibraMoELayer` (same weights).
 
     ``replica_slots``: r replica slots per rank, one :class:`LayerSharedReplicaBuffer` shared by all the
-    model's MoE layers. ``gpus_per_node``: ranks per node of the EP group. Layer ``l`` (module order) is
+    model's MoE layers; at most ``E - E / EP`` (``PlanError`` above it, as ``Planner``: at EP 1 there is
+    nothing to replicate). ``gpus_per_node``: ranks per node of the EP group. Layer ``l`` (module order) is
     the plan's MoE layer ``l``. Call it on every rank (a collective on the EP group: the dispatcher's
     node sub-groups), after moving the model to its device and dtype, before building the optimizer.
     Returns the new layers.
@@ -374,6 +523,10 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
                if isinstance(child, MoELayer) and not isinstance(child, RelibraMoELayer)]
     if not targets:
         raise ValueError("the model has no megatron.core MoELayer to swap")
+    check_int("replica_slots", replica_slots, 0, error=ValueError)
+    first = targets[0][2]
+    ep = dist.get_world_size(first.ep_group) if dist.is_initialized() and first.ep_group is not None else 1
+    check_replica_slots(replica_slots, first.config.num_moe_experts, ep)
     buf = None
     out = []
     for i, (parent, name, child) in enumerate(targets):
@@ -560,7 +713,11 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
     tensor per MoE layer (:func:`replay_data`), handed to each layer's ``RouterReplay``; ``None`` keeps
     replay data set by ``RouterReplay.set_replay_data`` (verl-style). ``plan`` / ``micro_batch``: the
     replica plan slice of this micro-batch (``plan.placement`` must be applied with :func:`relayout`).
-    The layers switch ``REPLAY_FORWARD`` / ``REPLAY_BACKWARD`` themselves.
+    Sets every router's action to ``REPLAY_FORWARD``; the layers switch ``REPLAY_FORWARD`` /
+    ``REPLAY_BACKWARD`` themselves, and leave replay when the router's action is set to ``RECORD`` or
+    cleared (as Megatron's router does; no :func:`stop_replay` needed). With ``per_layer_ids=None`` the
+    first forward checks that the ids in ``RouterReplay`` are not the previous micro-batch's (token count
+    and digest; ``ReplayError`` on every rank of the EP group).
 
     ``ReplayError`` (wrong number of layers, or a router without ``RouterReplay``) and ``PlanError`` (a plan
     for another EP size, number of experts or layers): raised here on a one-rank group; on an EP group of
@@ -592,8 +749,11 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
         rr = layer.router.router_replay
         if per_layer_ids is not None:
             rr.set_target_indices(ids[i])
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         layer._replaying = True
         layer._pending = (plan, micro_batch)
+        layer._arm += 1
+        layer._arm_from_router = per_layer_ids is None
 
 
 def stop_replay(model: nn.Module) -> None:
@@ -603,6 +763,7 @@ def stop_replay(model: nn.Module) -> None:
         layer._pending = (None, None)
         layer._pending_error = None
         layer._recompute.clear()
+        layer._replayed = None
         layer.router.router_replay.clear_indices()
         layer.router.router_replay.clear_router_replay_action()
 
@@ -628,6 +789,41 @@ def _check_plan(layers: Sequence[RelibraMoELayer], plan: BatchPlan) -> None:
 # ---------------------------------------------------------------------------------------------- relayout
 
 
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside ``optimizer`` (itself, a Megatron wrapper's ``.optimizer``, every optimizer of
+    a ``ChainedOptimizer``); ``ValueError`` naming a wrapper that steps fp32 main copies, or an unknown type."""
+    kind = type(optimizer).__name__
+    if kind in _MAIN_COPY_OPTIMIZERS:
+        raise ValueError(f"relayout does not support Megatron's {kind}: it steps fp32 main copies of the parameters "
+                         f"({_MAIN_COPY_OPTIMIZERS[kind]}), not laid out per expert; use a torch optimizer or "
+                         "FP32Optimizer (fp32 parameters)")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    chained = vars(optimizer).get("chained_optimizers")
+    if chained is not None:
+        return [t for o in chained for t in _torch_optimizers(o)]
+    inner = vars(optimizer).get("optimizer")  # not ChainedOptimizer's property (it asserts a single optimizer)
+    if isinstance(inner, torch.optim.Optimizer):
+        return [inner]
+    raise ValueError(f"optimizer of type {kind} is neither a torch optimizer nor a Megatron wrapper with one")
+
+
+def _expert_optimizer(optimizer, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """The one torch optimizer inside ``optimizer`` that steps every expert parameter itself (``ValueError``)."""
+    want = {id(p) for p in params}
+    found = [o for o in _torch_optimizers(optimizer)
+             if want & {id(p) for g in o.param_groups for p in g["params"]}]
+    stepped = {id(p) for o in found for g in o.param_groups for p in g["params"]}
+    if not found or not want <= stepped:
+        raise ValueError(f"optimizer {type(optimizer).__name__} does not step the expert parameters themselves "
+                         "(it keeps separate main copies, e.g. a mixed-precision or distributed Megatron "
+                         "optimizer); use a torch optimizer over the model's parameters")
+    if len(found) > 1:
+        raise ValueError(f"optimizer {type(optimizer).__name__} steps the expert parameters with {len(found)} "
+                         "optimizers; relayout moves the state of one (put every expert parameter in one)")
+    return found[0]
+
+
 def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
              optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Move every relibra MoE layer's experts to ``placement`` with their gradients and optimizer state.
@@ -636,30 +832,18 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
     ``main_grad`` buffers when present, and of every optimizer state tensor shaped like the parameter
     (Adam's moments, SGD momentum). ``optimizer``: a ``torch.optim.Optimizer`` over the model's
     parameters, or a Megatron optimizer wrapper whose inner ``.optimizer`` steps the model's parameters
-    themselves (``FP32Optimizer``). Wrappers that step separate fp32 main copies (mixed-precision and
-    distributed optimizers, which also shard their state over data-parallel ranks) are refused with a
-    ``ValueError``: their shards are not laid out per expert. A collective over the EP group; raises
+    themselves (``FP32Optimizer``, alone or in a ``ChainedOptimizer``: the one stepping the experts).
+    Wrappers that step separate fp32 main copies (``Float16OptimizerWithFloat16Params``,
+    ``DistributedOptimizer``, which also shards its state over data-parallel ranks) are refused by name with
+    a ``ValueError``: their copies are not laid out per expert. A collective over the EP group; raises
     ``PlanError`` (on every rank) for a placement that does not fit. Also clears pending recomputes.
     """
     layers = _relibra_layers(model)
     if isinstance(placement, BatchPlan):
         _check_plan(layers, placement)
         placement = placement.placement
-    opt = optimizer
-    if opt is not None and not isinstance(opt, torch.optim.Optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise ValueError(f"optimizer of type {type(opt).__name__} is neither a torch optimizer nor a Megatron "
-                             "wrapper with one")
-        opt = inner
     params = [p for layer in layers for p in layer.relibra.experts.parameters()]
-    if opt is not None:
-        stepped = {id(p) for g in opt.param_groups for p in g["params"]}
-        missing = [p for p in params if id(p) not in stepped]
-        if missing:
-            raise ValueError(f"optimizer {type(optimizer).__name__} does not step the expert parameters themselves "
-                             "(it keeps separate main copies, e.g. a mixed-precision or distributed Megatron "
-                             "optimizer); use a torch optimizer over the model's parameters")
+    opt = _expert_optimizer(optimizer, params) if optimizer is not None else None
     # Megatron DDP keeps gradients in main_grad views of its grad buffer. relayout moves, in place, every
     # optimizer state tensor shaped like the parameter: main_grad rides along as one, under a reserved key
     carrier = opt if opt is not None else torch.optim.SGD(params, lr=0.0)

@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlanError
-from ..plan import BatchPlan, Placement, max_replica_slots
+from ..plan import BatchPlan, Placement, check_replica_slots
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
 from ..validate import check_choice, check_int, check_positive
@@ -157,10 +157,7 @@ class Planner:
         self.options = PlanOptions.from_kwargs(replica_slots=replica_slots, seed=seed, workers=self.workers,
                                                **options)
         self.options.check_for(strategy)
-        cap = max_replica_slots(model.num_experts, cluster.num_gpus)
-        if self.options.replica_slots > cap:
-            raise PlanError(f"replica_slots={self.options.replica_slots} is over the ceiling E - E/G = {cap} "
-                            f"(E={model.num_experts}, G={cluster.num_gpus}; plan.max_replica_slots)")
+        check_replica_slots(self.options.replica_slots, model.num_experts, cluster.num_gpus)
         self.replica_slots = self.options.replica_slots
         self.seed = self.options.seed
         self.executor = executor

@@ -52,7 +52,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import batch_sha1, check_batch_type, placement_loads
-from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, max_replica_slots
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, check_replica_slots
 from ..sim import reorder_traffic, simulate_loads
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import attention_backward, attention_forward, moe_step_seconds
@@ -531,11 +531,7 @@ def make_context(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, stra
     """The ``PlanContext`` of one call: the batch (re-assigned to micro-batches of ``micro_batch_size`` when
     given), its per-sample counts, the samples' start (round-robin, or the trainer's ranks with
     ``sample_owner="trainer"``: ``context.start_sample_gpu``) and the first ``stats``."""
-    cap = max_replica_slots(model.num_experts, cluster.num_gpus)
-    if options.replica_slots > cap:
-        raise PlanError(f"replica_slots={options.replica_slots} is over the ceiling E - E/G = {cap} (E="
-                        f"{model.num_experts}, G={cluster.num_gpus}: a GPU holds replicas of only the experts "
-                        "homed elsewhere; more slots always stay empty and cost memory and planning time)")
+    check_replica_slots(options.replica_slots, model.num_experts, cluster.num_gpus)
     if micro_batch_size is not None:
         batch = batch.with_micro_batch_size(int(micro_batch_size))
     mb = batch.resolve_micro_batch()

@@ -255,6 +255,17 @@ def _bad_input(rank: int, world: int) -> None:
                 torch.testing.assert_close(p.grad, p.detach() - 1)
                 torch.testing.assert_close(p.main_grad, p.detach() * 2 + 1)
 
+        # relayout refuses Megatron's optimizers that step fp32 main copies, by name (they need CUDA: a stand-in)
+        class DistributedOptimizer:
+            def __init__(self, optimizer):
+                self.optimizer = optimizer
+
+        with pytest.raises(ValueError, match="relayout does not support Megatron's DistributedOptimizer"):
+            rm.relayout(model, plan, DistributedOptimizer(opt))
+        # replica slots over the ceiling E - E/G (the Planner's check)
+        with pytest.raises(PlanError, match=r"replica_slots=5 is over the ceiling E - E/G = 4 \(E=8, G=2"):
+            rm.swap_moe_layers(build()[0], replica_slots=5)
+
         # fused router (replay bypassed) and routing replay off: named settings
         from tests import megatron_cpu as mc2
 
@@ -542,3 +553,287 @@ def test_gpt_model_step_with_recompute_matches_megatron():
     from relibra_moe.layers.testing import run_group
 
     run_group(_gpt_step, 2, 2, 5, timeout_s=240)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+
+
+def expert_truth(layer_number: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert ``e`` of MoE layer ``layer_number``:
+    Megatron's ``linear_fc1.weight [2F, H]``, ``linear_fc2.weight [H, F]``."""
+    g = torch.Generator().manual_seed(100 * layer_number + e)
+    return torch.randn(2 * F, H, generator=g) * 0.3, torch.randn(H, F, generator=g) * 0.3
+
+
+def held_experts(model, optimizer=None) -> dict:
+    """``{(layer_number, e): (fc1, fc2)}`` of this rank's experts in Megatron's layout (relibra or plain layers);
+    with ``optimizer`` (a torch optimizer) their ``exp_avg`` instead of the weights."""
+    from relibra_moe.integrations import megatron as rm
+
+    def t(p: torch.Tensor) -> torch.Tensor:
+        return (optimizer.state[p]["exp_avg"] if optimizer is not None else p).detach()
+
+    out = {}
+    for moe in rm.megatron_moe_layers(model):
+        if isinstance(moe, rm.RelibraMoELayer):
+            ex = moe.relibra.experts
+            for i, e in enumerate(moe.relibra.home_experts.tolist()):
+                out[(moe.layer_number, e)] = (t(ex.w_gate_up)[i].t(), t(ex.w_down)[i].t())
+        else:
+            for i, e in enumerate(moe.local_expert_indices):
+                m = moe.experts.local_experts[i]
+                out[(moe.layer_number, e)] = (t(m.linear_fc1.weight), t(m.linear_fc2.weight))
+    return out
+
+
+def assert_restored(model, what: str, optimizer=None, scale: float = 1.0) -> None:
+    """Every expert this rank holds equals its truth (``scale`` x: Adam's exp_avg of grad 2 w is 0.2 w), and the
+    ranks together hold all 16 (layer, expert) pairs."""
+    import torch.distributed as dist
+
+    held = held_experts(model, optimizer)
+    for (layer, e), (fc1, fc2) in held.items():
+        want1, want2 = expert_truth(layer, e)
+        torch.testing.assert_close(fc1, want1 * scale, msg=f"{what}: layer {layer} expert {e} linear_fc1")
+        torch.testing.assert_close(fc2, want2 * scale, msg=f"{what}: layer {layer} expert {e} linear_fc2")
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(held))
+    assert sorted(set().union(*map(set, every))) == [(l, e) for l in (1, 2) for e in range(E)], what
+
+
+def fresh_gpt(cfg, seed: int, relibra: bool, replica_slots: int = 0):
+    """A GPT model whose experts are zero (and dense weights from ``seed``): nothing to find but what is loaded."""
+    from relibra_moe.integrations import megatron as rm
+
+    torch.manual_seed(seed)
+    model = gpt_model(cfg)
+    with torch.no_grad():
+        for moe in rm.megatron_moe_layers(model):
+            for p in moe.experts.parameters():
+                p.zero_()
+    if relibra:
+        rm.swap_moe_layers(model, replica_slots=replica_slots)
+    return model
+
+
+def adam_with_state(model, mc):
+    """The optimizer Megatron's get_megatron_optimizer builds for fp32 without the distributed optimizer: a
+    ChainedOptimizer of FP32Optimizers over Adam, one for the dense parameters and one for the experts, after one
+    step (lr 0: the weights stay) on grads 2 w: exp_avg = 0.2 w. Returns (the experts' Adam, the chained optimizer).
+    (Megatron groups by ``allreduce``, which is True for experts at EP 1: its chain then differs between EP 2 and
+    EP 1; grouping by name keeps one chain, so the state can be checked across EP sizes.)"""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    adams = [torch.optim.Adam([{"params": [p for n, p in model.named_parameters() if (".experts." in n) == expert],
+                                "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": expert,
+                                "is_decoupled_lr": False}], lr=0.0)
+             for expert in (False, True)]
+    for p in model.parameters():
+        p.grad = 2 * p.detach()
+    for adam in adams:
+        adam.step()
+    return adams[1], ChainedOptimizer([mc.fp32_optimizer(adam) for adam in adams])
+
+
+def save_checkpoint(model, path: str, optimizer=None) -> None:
+    from megatron.core import dist_checkpointing
+
+    sd = {"model": model.sharded_state_dict()}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd["model"])
+    dist_checkpointing.save(sd, path)
+
+
+def load_checkpoint(model, path: str, optimizer=None) -> None:
+    """Megatron's resume: the model's (and optimizer's) sharded state dict -> dist_checkpointing.load ->
+    strict load_state_dict."""
+    from megatron.core import dist_checkpointing
+
+    model_sd = model.sharded_state_dict()
+    sd = {"model": model_sd}
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    state = dist_checkpointing.load(sd, path)
+    model.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def _checkpoints(rank: int, world: int, root: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from relibra_moe.errors import PlanError
+    from relibra_moe.integrations import megatron as rm
+    from tests import megatron_cpu as mc
+
+    paths = {name: os.path.join(root, name) for name in ("plain", "relibra")}
+    if rank == 0:
+        for p in paths.values():
+            os.makedirs(p)
+    dist.barrier()
+    mc.init_megatron(world)
+    try:
+        cfg = mc.moe_config(E, K, H, F, num_layers=L)
+        torch.manual_seed(0)
+        src = gpt_model(cfg)
+        with torch.no_grad():
+            for moe in rm.megatron_moe_layers(src):
+                for i, e in enumerate(moe.local_expert_indices):
+                    fc1, fc2 = expert_truth(moe.layer_number, e)
+                    moe.experts.local_experts[i].linear_fc1.weight.copy_(fc1)
+                    moe.experts.local_experts[i].linear_fc2.weight.copy_(fc2)
+        dense = {n: p.detach().clone() for n, p in src.named_parameters() if ".experts." not in n}
+        save_checkpoint(src, paths["plain"])
+
+        # a plain Megatron checkpoint into a relibra model whose experts moved (read by logical id)
+        model = fresh_gpt(cfg, 1, relibra=True, replica_slots=1)
+        assert all(p.allreduce is False for layer in rm.megatron_moe_layers(model)  # Megatron's marker at EP 2
+                   for p in layer.relibra.experts.parameters())
+        rm.relayout(model, two_micro_batch_plan(world, world, 3))
+        load_checkpoint(model, paths["plain"])
+        assert_restored(model, "plain checkpoint -> relibra EP 2 after a relayout")
+        for n, p in model.named_parameters():
+            if "relibra" not in n:
+                torch.testing.assert_close(p.detach(), dense[n], msg=n)
+
+        # relibra checkpoint after another relayout (optimizer state moved with it), Megatron's FP32Optimizer
+        adam, opt = adam_with_state(model, mc)
+        rm.relayout(model, two_micro_batch_plan(world, world, 4), opt)  # moves the state in the expert optimizer
+        assert_restored(model, "relibra after relayout (Adam exp_avg)", adam, 0.2)
+        sd = model.sharded_state_dict()
+        fc1 = [v for k, v in sd.items() if k.endswith("layers.0.mlp.relibra.experts.w_gate_up")][0]
+        assert fc1.key == "decoder.layers.mlp.experts.experts.linear_fc1.weight"  # plain Megatron's key
+        save_checkpoint(model, paths["relibra"], opt)
+        # the checkpoint's tensors: plain Megatron's keys and global shapes (no replica slot), plus the optimizer's
+        from megatron.core import dist_checkpointing
+
+        def tensors(path):
+            return {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(path).items()}
+
+        plain, ours = tensors(paths["plain"]), tensors(paths["relibra"])
+        assert {k: v for k, v in ours.items() if not k.startswith("chained_")} == plain
+        assert ours["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (L, E, 2 * F, H)
+
+        for what, relibra in (("relibra EP 2", True), ("plain EP 2", False)):
+            target = fresh_gpt(cfg, 2, relibra=relibra)
+            target_adam, target_opt = adam_with_state(target, mc)
+            load_checkpoint(target, paths["relibra"], target_opt)
+            assert_restored(target, f"relibra checkpoint -> {what}")
+            assert_restored(target, f"relibra checkpoint -> {what} (Adam exp_avg)", target_adam, 0.2)
+        mc.destroy_megatron()
+
+        mc.init_megatron(1)  # the same 2 processes as EP 1 (expert data parallel 2): every rank holds all 16
+        cfg = mc.moe_config(E, K, H, F, num_layers=L, expert_model_parallel_size=1)
+        with pytest.raises(PlanError, match=r"replica_slots=1 is over the ceiling E - E/G = 0 \(E=8, G=1"):
+            rm.swap_moe_layers(gpt_model(cfg), replica_slots=1)  # as Planner: nothing to replicate at EP 1
+        for what, relibra in (("relibra EP 1", True), ("plain EP 1", False)):
+            target = fresh_gpt(cfg, 3, relibra=relibra)
+            assert all(p.allreduce for n, p in target.named_parameters() if ".experts." in n)  # as Megatron at EP 1
+            target_adam, target_opt = adam_with_state(target, mc)
+            load_checkpoint(target, paths["relibra"], target_opt)
+            assert_restored(target, f"relibra checkpoint -> {what}")
+            assert_restored(target, f"relibra checkpoint -> {what} (Adam exp_avg)", target_adam, 0.2)
+            assert len(held_experts(target)) == 2 * E
+    finally:
+        mc.destroy_megatron()
+
+
+def test_dist_checkpointing_keeps_every_expert_and_cross_loads_with_plain_megatron(tmp_path):
+    """After relayouts on 2 EP ranks, dist_checkpointing save + load restores 16/16 (layer, expert) weights and
+    their Adam state (Megatron's FP32Optimizer) into EP 2 and EP 1, relibra and plain Megatron models; a plain
+    Megatron checkpoint loads into a relibra model."""
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_checkpoints, 2, str(tmp_path), timeout_s=240)
+
+
+# ---------------------------------------------------------------------------------------------- RouterReplay flows
+
+
+def _router_replay_sequences(rank: int, world: int) -> None:
+    """RouterReplay driven as verl's Megatron backend and SkyRL drive it (global actions, set_replay_data)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction as A
+
+    from relibra_moe.errors import ReplayError
+    from tests import megatron_cpu as mc
+
+    mc.init_megatron(world)
+    try:
+        ref, rm = build()  # plain Megatron twin: the reference
+        model, _ = build()
+        rm.swap_moe_layers(model)
+        # the framework's view: RouterReplay's global instances are the policy's routers
+        RouterReplay.global_router_replay_instances[:] = [layer.router.router_replay for layer in model.layers]
+        T = 6
+        xs = [torch.randn(T, 1, H, generator=torch.Generator().manual_seed(10 * rank + m)) for m in range(3)]
+
+        def reference(x):
+            """Plain Megatron recording live routing: its output and its recorded ids per layer."""
+            for layer in ref.layers:
+                layer.router.router_replay.clear_indices()
+                layer.router.router_replay.set_router_replay_action(A.RECORD)
+            with torch.no_grad():
+                y = ref(x)
+            return y, [layer.router.router_replay.get_recorded_indices().sort(dim=1).values for layer in ref.layers]
+
+        def recorded():
+            return [t.sort(dim=1).values for t in RouterReplay.get_recorded_data()]
+
+        # record / replay / record, as a framework runs log-prob, training and log-prob forwards: no stop_replay
+        RouterReplay.set_global_router_replay_action(A.RECORD)
+        with torch.no_grad():
+            y = model(xs[0])
+        want_y, want_ids = reference(xs[0])
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(recorded(), want_ids))
+        ids = [random_ids(T, 70 + 10 * rank + l) for l in range(2)]
+        RouterReplay.set_replay_data(ids)
+        rm.replay_micro_batch(model, None)
+        with torch.no_grad():
+            model(xs[1])
+        for layer, t in zip(model.layers, ids):
+            assert torch.equal(layer.relibra.last_routing.sort(dim=1).values, t.sort(dim=1).values)
+        RouterReplay.set_global_router_replay_action(A.RECORD)  # the user's action: record (replay data still set)
+        with torch.no_grad():
+            y = model(xs[2])
+        want_y, want_ids = reference(xs[2])
+        torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(recorded(), want_ids))
+        assert not any(layer._replaying for layer in model.layers)
+
+        # stale ids: micro-batch b's forward without set_replay_data (and without clear_global_indices) would
+        # replay micro-batch a's ids: a ReplayError on every rank, naming the rank that found it
+        RouterReplay.clear_global_indices()
+        RouterReplay.set_replay_data([random_ids(T, 80 + 10 * rank + l) for l in range(2)])
+        rm.replay_micro_batch(model, None)
+        with torch.no_grad():
+            model(xs[0])
+        rm.replay_micro_batch(model, None)
+        with pytest.raises(ReplayError, match=r"rank 0 of the EP group rejected its replay data: layer moe\[0\]: this "
+                                              r"micro-batch would replay the ids the previous micro-batch replayed "
+                                              r"\(6 tokens"):
+            model(xs[1])
+        if rank == 0:  # on rank 1 only: rank 0 sets its data, both raise
+            RouterReplay.set_replay_data([random_ids(T, 90 + l) for l in range(2)])
+        rm.replay_micro_batch(model, None)
+        with pytest.raises(ReplayError, match="rank 1 of the EP group rejected its replay data: .*would replay the ids "
+                                              "the previous micro-batch replayed"):
+            model(xs[1])
+        # fresh data for the next micro-batch: replays it
+        RouterReplay.set_replay_data([random_ids(T, 95 + rank + l) for l in range(2)])
+        rm.replay_micro_batch(model, None)
+        with torch.no_grad():
+            model(xs[1])
+    finally:
+        mc.destroy_megatron()
+
+
+def test_router_replay_record_replay_record_and_stale_ids():
+    """The record / replay / record sequence without stop_replay records live routing (as plain Megatron); a
+    forward that would replay another micro-batch's ids raises a named ReplayError on every rank."""
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_router_replay_sequences, 2, timeout_s=120)

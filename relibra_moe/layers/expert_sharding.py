@@ -1,0 +1,231 @@
+"""Which logical experts each rank's stacked expert tensors hold: the one description every checkpoint path uses.
+
+Under expert parallelism (EP group of ``G`` ranks) a :class:`~relibra_moe.layers.moe.ReplayBalancedMoE` keeps
+only its home experts: each stacked expert tensor is ``[E_loc, ...]`` with row ``i`` holding the logical
+expert ``home_experts[i]`` (ascending), and after a :func:`~relibra_moe.layers.relayout.relayout` those ids
+are any ``E_loc`` of the ``E`` experts, not a contiguous range. A checkpoint that treats the tensor as
+replicated (the same key and shape on every rank) keeps one rank's experts and silently drops the rest.
+
+:class:`ExpertShard` states, for one state-dict key of one rank, the global shape ``[E, ...]`` and the
+logical expert of every local row. Each framework turns it into its own sharding format:
+
+* PyTorch DCP (torchtitan, FSDP2): :func:`to_sharded_tensor` / :func:`sharded_state_dict` give a
+  ``ShardedTensor`` with one ``[1, ...]`` shard per home expert at offset ``(expert, 0, ...)``, built from
+  the placement alone (no collective), so ``dcp.save`` writes every expert once and ``dcp.load`` reads any
+  layout (another EP size, another placement, the plain model's whole ``[E, ...]`` tensor). The shards are
+  views of the parameters: ``dcp.load`` writes the experts in place.
+* Megatron ``dist_checkpointing``: one ``ShardedTensor`` per local row at the same global offset.
+* Whole tensors (Trainer / ``save_pretrained`` / ``torch.save``): :func:`gather_experts` (a collective)
+  builds ``[E, ...]`` in logical order and :func:`local_experts` picks a rank's rows back out of it.
+
+Optimizer state of an expert parameter has the parameter's shape and the same description
+(:func:`sharded_optimizer_state`). Replica slots (:class:`~relibra_moe.layers.replica_buffer.LayerSharedReplicaBuffer`)
+are scratch buffers, never part of a checkpoint.
+
+The placement itself is the layers' ``expert_gpu`` buffer (``[E]`` int64, identical on every rank of the
+group): :func:`placement_keys` names those entries. A loader that restores the placement must apply it
+(:meth:`~relibra_moe.layers.moe.ReplayBalancedMoE.set_placement_row`) *before* it reads the experts, since
+the rows a rank reads are those of the placement current at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import PlanError
+from .moe import ReplayBalancedMoE, moe_layers
+
+__all__ = ["ExpertShard", "expert_shards", "gather_experts", "local_experts", "placement_keys",
+           "sharded_optimizer_state", "sharded_state_dict", "to_sharded_tensor"]
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """One rank's share of one stacked expert tensor.
+
+    Attributes:
+        key: the tensor's ``state_dict()`` key (e.g. ``model.layers.0.mlp.experts.gate_up_proj``).
+        layer: the owning layer's module name in the model (``""`` for the model itself).
+        name: the tensor's name in the layer's experts (one of ``GroupedExperts.tensor_names``).
+        num_experts: ``E``, the size of dim 0 of the whole tensor.
+        expert_ids: int64 ``[E_loc]``: the logical expert held by each local row, ascending.
+        expert_gpu: int64 ``[E]``: the rank (in the EP group) homing each expert (the layer's placement row).
+        rank, world_size: this rank and the EP group's size.
+        group: the EP process group (``None``: the default group, or no group when ``world_size == 1``).
+    """
+
+    key: str
+    layer: str
+    name: str
+    num_experts: int
+    expert_ids: np.ndarray
+    expert_gpu: np.ndarray
+    rank: int
+    world_size: int
+    group: Any = None
+
+    def global_shape(self, local_shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        """``(E, *local_shape[1:])``: the whole tensor's shape for a local tensor of ``local_shape``."""
+        return (self.num_experts,) + tuple(local_shape[1:])
+
+    def check_local(self, local: torch.Tensor) -> None:
+        """``PlanError`` unless ``local`` is ``[E_loc, ...]`` with ``E_loc = len(expert_ids)``."""
+        if local.dim() < 1 or local.shape[0] != len(self.expert_ids):
+            raise PlanError(f"{self.key}: local expert tensor of shape {tuple(local.shape)} does not hold the "
+                            f"{len(self.expert_ids)} home experts {self.expert_ids.tolist()} of rank {self.rank}")
+
+
+def _layer_shards(layer: ReplayBalancedMoE, layer_name: str, keys_of: Mapping[int, list[str]]) -> list[ExpertShard]:
+    home = np.asarray(layer.expert_gpu_host, np.int64).copy()
+    home.setflags(write=False)
+    ids = np.flatnonzero(home == layer.rank).astype(np.int64)
+    ids.setflags(write=False)
+    out = []
+    for name, tensor in zip(layer.experts.tensor_names, layer.experts.expert_tensors()):
+        for key in keys_of.get(id(tensor), []):
+            out.append(ExpertShard(key=key, layer=layer_name, name=name, num_experts=layer.num_experts,
+                                   expert_ids=ids, expert_gpu=home, rank=layer.rank,
+                                   world_size=layer.world_size, group=layer.ep_group))
+    return out
+
+
+def expert_shards(model: nn.Module) -> dict[str, ExpertShard]:
+    """Every stacked expert tensor of the model's ReplayBalancedMoE layers, by ``state_dict()`` key.
+
+    Keys are found by identity of the tensors in ``model.state_dict(keep_vars=True)``, so they are exactly the
+    keys the model's state dict uses, whatever the wrapper (HF, torchtitan, Megatron) names its experts; a
+    tensor registered under two names (shared with an upstream module) gets both keys. Raises ``PlanError``
+    when a layer's expert tensor is not in the state dict (its checkpoint would silently lose it).
+    """
+    keys_of: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        keys_of.setdefault(id(value), []).append(key)
+    names = {id(m): n for n, m in model.named_modules()}
+    out: dict[str, ExpertShard] = {}
+    for layer in moe_layers(model):
+        shards = _layer_shards(layer, names.get(id(layer), ""), keys_of)
+        found = {s.name for s in shards}
+        missing = [n for n in layer.experts.tensor_names if n not in found]
+        if missing:
+            raise PlanError(f"layer {layer.name}: expert tensors {missing} are not in the model's state_dict(); "
+                            "a checkpoint would not hold them")
+        out.update((s.key, s) for s in shards)
+    return out
+
+
+def placement_keys(model: nn.Module) -> dict[str, str]:
+    """``{state_dict key of a layer's expert_gpu buffer: the layer's module name}`` in module order."""
+    names = {id(m): n for n, m in model.named_modules()}
+    keys_of = {id(v): k for k, v in model.state_dict(keep_vars=True).items()}
+    out = {}
+    for layer in moe_layers(model):
+        key = keys_of.get(id(layer.expert_gpu))
+        if key is not None:
+            out[key] = names.get(id(layer), "")
+    return out
+
+
+def to_sharded_tensor(local: torch.Tensor, shard: ExpertShard) -> Any:
+    """``local [E_loc, ...]`` as a ``torch.distributed`` ``ShardedTensor`` of global shape ``[E, ...]``.
+
+    One ``[1, ...]`` shard per local row at offset ``(expert_ids[i], 0, ...)``; the global metadata lists
+    every expert's shard on its home rank, built from ``expert_gpu`` (no collective). The local shards are
+    views of ``local`` (detached), so loading into the ShardedTensor (``dcp.load``) writes ``local`` in place.
+    Needs an initialized process group when ``world_size > 1``.
+    """
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    shard.check_local(local)
+    data = local.detach()
+    rest = list(data.shape[1:])
+    zeros = [0] * len(rest)
+    dev = str(data.device)
+    group_ranks = _group_ranks(shard)
+
+    def meta(expert: int) -> ShardMetadata:
+        return ShardMetadata(shard_offsets=[int(expert)] + zeros, shard_sizes=[1] + rest,
+                             placement=f"rank:{group_ranks[int(shard.expert_gpu[expert])]}/{dev}")
+
+    local_shards = [Shard(data[i:i + 1], meta(int(e))) for i, e in enumerate(shard.expert_ids)]
+    props = TensorProperties(dtype=data.dtype, layout=data.layout, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    global_md = ShardedTensorMetadata(shards_metadata=[meta(e) for e in range(shard.num_experts)],
+                                      size=torch.Size(shard.global_shape(data.shape)), tensor_properties=props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_md,
+                                                                     process_group=shard.group)
+
+
+def _group_ranks(shard: ExpertShard) -> list[int]:
+    """Global rank of each EP-group rank (ShardMetadata placements name global ranks)."""
+    if shard.world_size <= 1:
+        return [0]
+    import torch.distributed as dist
+
+    return [dist.get_global_rank(shard.group, g) if shard.group is not None else g for g in range(shard.world_size)]
+
+
+def sharded_state_dict(model: nn.Module, state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``state_dict`` (default ``model.state_dict()``) with every EP-sharded expert tensor as a ShardedTensor.
+
+    Entries of layers with a one-rank group stay plain tensors (they are already whole, in logical order).
+    Pass the result to ``torch.distributed.checkpoint.save``; for ``dcp.load``, build it the same way from the
+    model to load into (its current placement decides which rows each rank reads) and load into it: the
+    experts are written in place, the other entries need ``model.load_state_dict`` as usual.
+    """
+    sd = dict(model.state_dict() if state_dict is None else state_dict)
+    for key, shard in expert_shards(model).items():
+        if shard.world_size > 1 and key in sd:
+            sd[key] = to_sharded_tensor(sd[key], shard)
+    return sd
+
+
+def sharded_optimizer_state(model: nn.Module, state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Optimizer state keyed by parameter FQN (``state`` of ``get_optimizer_state_dict``'s result) with every
+    tensor of an EP-sharded expert parameter that has the parameter's shape as a ShardedTensor (scalars such as
+    Adam's ``step`` stay as they are)."""
+    shards = expert_shards(model)
+    out = {}
+    for fqn, entry in state.items():
+        shard = shards.get(fqn)
+        if shard is None or shard.world_size <= 1:
+            out[fqn] = entry
+            continue
+        out[fqn] = {k: (to_sharded_tensor(v, shard) if isinstance(v, torch.Tensor) and v.dim() >= 1
+                        and v.shape[0] == len(shard.expert_ids) else v) for k, v in entry.items()}
+    return out
+
+
+def gather_experts(local: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """The whole ``[E, ...]`` tensor in logical expert order from every rank's ``local [E_loc, ...]``.
+
+    A collective over the shard's EP group when ``world_size > 1`` (every rank must call it, with tensors of
+    one shape and dtype); a copy otherwise.
+    """
+    shard.check_local(local)
+    if shard.world_size <= 1:
+        return local.detach().clone()
+    import torch.distributed as dist
+
+    data = local.detach().contiguous()
+    parts = [torch.empty_like(data) for _ in range(shard.world_size)]
+    dist.all_gather(parts, data, group=shard.group)
+    full = torch.empty(shard.global_shape(data.shape), dtype=data.dtype, device=data.device)
+    for g, part in enumerate(parts):
+        full[torch.from_numpy(np.flatnonzero(shard.expert_gpu == g)).to(data.device)] = part
+    return full
+
+
+def local_experts(full: torch.Tensor, shard: ExpertShard) -> torch.Tensor:
+    """This rank's rows ``[E_loc, ...]`` (its home experts, ascending) of a whole ``full [E, ...]`` tensor."""
+    if full.dim() < 1 or full.shape[0] != shard.num_experts:
+        raise PlanError(f"{shard.key}: expected the whole expert tensor with {shard.num_experts} rows, got shape "
+                        f"{tuple(full.shape)}")
+    return full[torch.from_numpy(shard.expert_ids.copy()).to(full.device)]
