@@ -37,12 +37,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ReplayError
+from ..errors import PlanError, ReplayError
 from ..layers.data_parallel import mark_experts_for_ddp
 from ..layers.dispatch import ep_process_group
 from ..layers.replay import LayerReplay, layout_ids, replay
 from ..layers.router import merge_live
-from ..plan import max_replica_slots
+from ..plan import check_replica_slots
 from ..validate import check_int
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
@@ -550,7 +550,7 @@ def _check_swap(todo: list[tuple[int, int, str, nn.Module]], backend: str, repli
     """What each block to swap becomes (``"titan"``, ``"layer"``, ``"local"``), after every check that can fail
     for any block ran, before the first block changes: the backend for its family, the EP group size dividing
     E and divided by ``gpus_per_node``, and ``replica_slots`` at most the ceiling ``E - E/G``
-    (:func:`relibra_moe.plan.max_replica_slots`, the Planner's), so no buffer is allocated for nothing.
+    (:func:`relibra_moe.plan.check_replica_slots`, the Planner's), so no buffer is allocated for nothing.
     ValueError naming the block and the value."""
     if gpus_per_node is not None:
         check_int("gpus_per_node", gpus_per_node, 1, error=ValueError)
@@ -584,11 +584,7 @@ def _check_swap(todo: list[tuple[int, int, str, nn.Module]], backend: str, repli
         E = int(router.num_experts)
         if E % world:
             raise ValueError(f"{name}: num_experts={E} is not divisible by the EP group size {world}")
-        cap = max_replica_slots(E, world)
-        if replica_slots > cap:
-            raise ValueError(f"replica_slots={replica_slots} is over the ceiling E - E/G = {cap} (E={E}, G={world}; "
-                             "plan.max_replica_slots): a slot beyond it never holds a replica, yet costs one expert's "
-                             "weights of memory")
+        check_replica_slots(replica_slots, E, world, field=f"{name}: replica_slots")
     return kinds
 
 
@@ -616,7 +612,7 @@ def _restore(model: nn.Module, saved: list[Any]) -> None:
 def check_replay_trainer_args(model: Any, *, strategy: Any, replica_slots: Any, planner: Any,
                               planner_options: Any, gpus_per_node: Any, cluster: Any) -> None:
     """The checks of ``ReplayGRPOTrainer``'s own arguments, run before TRL loads anything: ``strategy`` a
-    planner strategy, ``replica_slots`` an int >= 0 at most the ceiling ``E - E/G`` (:func:`plan.max_replica_slots`;
+    planner strategy, ``replica_slots`` an int >= 0 at most the ceiling ``E - E/G`` (:func:`plan.check_replica_slots`;
     G from ``torch.distributed`` or ``WORLD_SIZE``, the loosest group G = E on one process, where the trainer plans
     no replicas; E from ``model`` when it is a module, else :data:`specs.MODEL_LIMITS`' expert bound),
     ``planner_options`` known :class:`~relibra_moe.planners.options.PlanOptions` that apply to ``strategy``,
@@ -651,10 +647,10 @@ def check_replay_trainer_args(model: Any, *, strategy: Any, replica_slots: Any, 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
         int(os.environ.get("WORLD_SIZE", "1") or 1)
     G = world if world > 1 and E % world == 0 else E
-    cap = max_replica_slots(E, G)
-    if slots > cap:
-        raise ReplayError(f"{what}: replica_slots={slots} is over the ceiling E - E/G = {cap} (E={E}, G={G}; "
-                          "plan.max_replica_slots)")
+    try:
+        check_replica_slots(slots, E, G, field=f"{what}: replica_slots")
+    except PlanError as exc:
+        raise ReplayError(str(exc)) from None
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
