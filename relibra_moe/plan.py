@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_write
 from .errors import PlanError
 from .npzio import read_member
 from .specs import ClusterSpec, ModelSpec
@@ -515,7 +516,7 @@ def _save_npz_deterministic(path: str | os.PathLike, arrays: dict[str, np.ndarra
 
     from numpy.lib import format as npformat
 
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+    with atomic_write(path, "wb", error=PlanError) as f, zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED) as zf:
         for name, arr in arrays.items():
             buf = io.BytesIO()
             npformat.write_array(buf, np.asarray(arr), allow_pickle=False)

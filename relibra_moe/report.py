@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .atomic import atomic_write
+
 if TYPE_CHECKING:
     from rich.table import Table
 
@@ -32,6 +34,14 @@ def _pyplot():
 
 def _color(name: str) -> str | None:
     return STRATEGY_COLORS.get(name.replace("+repack", ""))
+
+
+def _save_figure(fig: Any, path: str | Path) -> Path:
+    """``fig`` written to ``path`` (format from its suffix, png by default) through ``atomic_write``."""
+    path = Path(path)
+    with atomic_write(path, "wb") as f:
+        fig.savefig(f, dpi=110, format=path.suffix[1:] or "png")
+    return path
 
 
 def plot_gpu_loads(path: str | Path, loads: Mapping[str, np.ndarray], gpus_per_node: int, title: str) -> Path:
@@ -58,8 +68,7 @@ def plot_gpu_loads(path: str | Path, loads: Mapping[str, np.ndarray], gpus_per_n
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
+    path = _save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -77,8 +86,7 @@ def plot_rank_skew(path: str | Path, skew: Mapping[str, np.ndarray], title: str)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, ncol=3)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
+    path = _save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -106,8 +114,7 @@ def plot_throughput(path: str | Path, scenarios: Sequence[str], relative: Mappin
     ax.legend(fontsize=8, ncol=min(5, max(1, len(names))), loc="upper left")
     ax.set_ylim(0, max(1.5, float(np.nanmax([np.nanmax(np.asarray(v, float)) for v in relative.values()])) * 1.3))
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
+    path = _save_figure(fig, path)
     plt.close(fig)
     return path
 

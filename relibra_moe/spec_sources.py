@@ -56,7 +56,7 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "torch.bfloat16": 2, 
 
 
 def _qwen_moe_layers(cfg: _ConfigReader, n: int) -> list[int]:
-    only = set(cfg.get("mlp_only_layers", []) or [])
+    only = set(cfg.layer_list("mlp_only_layers", n))
     step = cfg.int("decoder_sparse_step", 1)
     if step == 0:
         raise ValueError(f"{cfg.what}: field 'decoder_sparse_step' = 0 must be >= 1")
@@ -151,6 +151,15 @@ class _ConfigReader:
             raise ValueError(f"{self.what}: field {key!r} is missing")
         return default
 
+    def layer_list(self, key: str, n: int) -> list[int]:
+        """``get(key, [])`` as a list of decoder-layer indices in ``[0, n)``, else ValueError naming the field and
+        the value (a string such as ``"0,1"``, a float or a bare int is not a list of layers)."""
+        v = self.get(key, [])
+        if not isinstance(v, (list, tuple)) or not all(is_int(i) and 0 <= i < n for i in v):
+            raise ValueError(f"{self.what}: field {key!r} = {v!r} must be a list of decoder-layer indices in "
+                             f"[0, {n}) (num_hidden_layers = {n})")
+        return [int(i) for i in v]
+
     def int(self, key: str, default: Any = _MISSING) -> int:
         """``get(key, default)`` as an int >= 0 (bool is not one), else ValueError naming the field and value."""
         v = self.get(key, default)
@@ -235,18 +244,21 @@ def ep_process_group(ep_group: object, ep_dim: str = "ep") -> Any:
     return ep_group[ep_dim].get_group()
 
 
-def group_topology(group: object = None, gpus_per_node: int | None = None) -> tuple[int, int]:
+def group_topology(group: object = None, gpus_per_node: int | None = None, *, agree: object = None) -> tuple[int, int]:
     """``(nodes, gpus_per_node)`` of an EP group (a ``ProcessGroup``, a ``DeviceMesh`` as for
     :func:`ep_process_group`, or ``None``: the world).
 
-    ``gpus_per_node`` given: checked to divide the group size. Otherwise the hosts of the group's ranks
-    are gathered (``all_gather_object`` of the host name: a collective, every rank of the group calls it)
-    and must form equal, contiguous blocks in group-rank order (rank g on node g // P), which is the
-    layout a ClusterSpec describes; ``torchrun`` places ranks that way.
+    A collective: every rank of the group calls it. One ``all_gather_object`` over the group carries each
+    rank's arguments (``gpus_per_node`` and ``agree``, the caller's other arguments as text, compared) and
+    host name, so ranks that disagree all raise, naming two ranks and what each passed, instead of some
+    waiting in a collective the others skip. ``gpus_per_node`` given: checked to divide the group size.
+    Otherwise the hosts must form equal, contiguous blocks in group-rank order (rank g on node g // P), which
+    is the layout a ClusterSpec describes; ``torchrun`` places ranks that way.
 
     Raises:
-        ValueError (on every rank alike): ``torch.distributed`` not initialized, ``gpus_per_node`` not
-            dividing the group size, hosts with unequal rank counts or interleaved ranks.
+        ValueError (on every rank alike): ``torch.distributed`` not initialized, ranks passing different
+            arguments, ``gpus_per_node`` not dividing the group size, hosts with unequal rank counts or
+            interleaved ranks.
     """
     import socket
 
@@ -256,12 +268,20 @@ def group_topology(group: object = None, gpus_per_node: int | None = None) -> tu
         raise ValueError("ClusterSpec.from_process_group: torch.distributed is not initialized")
     group = ep_process_group(group)
     world = dist.get_world_size(group)
+    gathered: list[Any] = [None] * world
+    extra = agree if isinstance(agree, str) else repr(agree)
+    dist.all_gather_object(gathered, (repr(gpus_per_node), extra, socket.gethostname()), group=group)
+    args = [g[:2] for g in gathered]
+    for r, a in enumerate(args):
+        if a != args[0]:
+            raise ValueError(f"ClusterSpec.from_process_group: group rank 0 passed gpus_per_node={args[0][0]}, "
+                             f"{args[0][1]}; group rank {r} passed gpus_per_node={a[0]}, {a[1]}: every rank of the "
+                             "group must pass the same arguments")
+    hosts = [g[2] for g in gathered]
     if gpus_per_node is not None:
         if not is_int(gpus_per_node) or gpus_per_node <= 0 or world % gpus_per_node:
             raise ValueError(f"gpus_per_node={gpus_per_node!r} does not divide the group size {world}")
         return world // int(gpus_per_node), int(gpus_per_node)
-    hosts: list[Any] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
     order = list(dict.fromkeys(hosts))
     per = world // len(order)
     expected = [h for h in order for _ in range(per)]

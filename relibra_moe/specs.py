@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import write_json
 from .errors import PlanError
 from .spec_sources import group_topology, model_fields_from_hf_config
-from .validate import check_count, check_int, is_int, is_number
+from .validate import check_count, check_int, check_range, is_int, is_number
 
 LOC, NV, SR, CR = 0, 1, 2, 3
 LINK_NAMES = ("loc", "nv", "sr", "cr")
@@ -43,6 +44,13 @@ report beside the presets' 413 TFLOP/s (docs/method.md, "Rates": sources and rea
 OVERLAPS = ("none", "megatron", "dualpipe")
 """How the trainer hides the MoE all-to-all behind compute (``ClusterSpec.overlap``; ``timing.layer_step_seconds``
 has the rules, docs/method.md "Overlap" their sources)."""
+
+
+#: Largest value of each ModelSpec size field (above any released MoE model by orders of magnitude; a config
+#: with hidden_size 10^12 is a damaged or hostile file, whose sizes would overflow the cost model's byte counts).
+MODEL_LIMITS: dict[str, int] = {"hidden": 1 << 20, "ffn": 1 << 20, "head_dim": 1 << 16, "num_heads": 1 << 14,
+                                "num_kv_heads": 1 << 14, "num_experts": 1 << 16, "num_layers": 1 << 14,
+                                "dtype_bytes": 8, "shared_experts": 1 << 10, "shared_ffn": 1 << 20}
 
 
 @dataclass(frozen=True)
@@ -82,8 +90,14 @@ class ModelSpec:
         check_count("ModelSpec.shared_experts", self.shared_experts, 0, error=ValueError)
         if self.shared_ffn is not None and (not is_int(self.shared_ffn) or self.shared_ffn <= 0):
             raise ValueError(f"ModelSpec.shared_ffn must be a positive int or None, got {self.shared_ffn!r}")
+        for f, hi in MODEL_LIMITS.items():
+            if getattr(self, f) is not None:
+                check_int(f"ModelSpec.{f}", getattr(self, f), 0, hi, error=ValueError)
         if self.top_k > self.num_experts:
             raise ValueError(f"ModelSpec.top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.num_kv_heads > self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelSpec.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+                             "(grouped-query attention: each KV head serves num_heads / num_kv_heads query heads)")
 
     @property
     def token_bytes(self) -> int:
@@ -235,6 +249,13 @@ def dispatch_traffic(src_gpu: np.ndarray, target_gpus: np.ndarray, cluster: Clus
     return out
 
 
+#: Accepted rates (FLOP/s, bytes/s) and latencies (seconds) of a ClusterSpec, wherever they come from (presets,
+#: profiles, flags): wide enough for hand-computed test clusters (a FLOP/s of 192), narrow enough that no time
+#: the cost model derives from them overflows or vanishes (5e-324 FLOP/s would make every GEMM take infinity).
+RATE_RANGE = (1e-6, 1e20)
+LATENCY_RANGE = (0.0, 1e6)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """An expert-parallel group on a rail-optimized cluster.
@@ -286,21 +307,24 @@ class ClusterSpec:
             v = getattr(self, f)
             if f == "attn_flops" and v is None:
                 continue
+            unit = "FLOP/s" if "flops" in f else "bytes/s"
             if not is_number(v) or not np.isfinite(v) or not v > 0:
                 raise ValueError(f"ClusterSpec.{f} must be a finite number > 0, got {v!r}")
+            check_range(f"ClusterSpec.{f}", v, *RATE_RANGE, what="a rate", unit=unit, error=ValueError)
         for f in ("nvlink_latency", "rdma_latency"):
             v = getattr(self, f)
             if not is_number(v) or not np.isfinite(v) or v < 0:
                 raise ValueError(f"ClusterSpec.{f} must be a finite number >= 0 (seconds), got {v!r}")
+            check_range(f"ClusterSpec.{f}", v, *LATENCY_RANGE, what="a latency", unit="seconds", error=ValueError)
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"ClusterSpec.dispatcher must be one of {list(DISPATCHERS)}, got {self.dispatcher!r}")
         if self.overlap not in OVERLAPS:
             raise ValueError(f"ClusterSpec.overlap must be one of {list(OVERLAPS)}, got {self.overlap!r}")
         curve = tuple((float(r), float(f)) for r, f in self.gemm_curve)
         for r, f in curve:
-            if not (np.isfinite(r) and r > 0 and np.isfinite(f) and f > 0):
+            if not (np.isfinite(r) and r > 0 and np.isfinite(f) and RATE_RANGE[0] <= f <= RATE_RANGE[1]):
                 raise ValueError(f"ClusterSpec.gemm_curve point ({r}, {f}) must hold a finite rows > 0 and "
-                                 f"FLOP/s > 0")
+                                 f"FLOP/s in [{RATE_RANGE[0]:g}, {RATE_RANGE[1]:g}]")
         if any(b[0] <= a[0] for a, b in zip(curve, curve[1:])):
             raise ValueError(f"ClusterSpec.gemm_curve must be sorted by strictly increasing rows, got "
                              f"{[r for r, _ in curve]}")
@@ -376,9 +400,10 @@ class ClusterSpec:
                            gpus_per_node: int | None = None) -> ClusterSpec:
         """The ClusterSpec of an EP group: a ``ProcessGroup``, a ``DeviceMesh`` (1-D, or its ``"ep"``
         dimension) or ``None`` (the world), sized ``nodes x gpus_per_node`` from the ranks' hosts (or
-        ``gpus_per_node`` given), on the links of ``fabric`` (:func:`cluster_preset`). A collective without
-        ``gpus_per_node``: every rank of the group calls it (see :func:`relibra_moe.spec_sources.group_topology`)."""
-        nodes, per_node = group_topology(group, gpus_per_node)
+        ``gpus_per_node`` given), on the links of ``fabric`` (:func:`cluster_preset`). A collective: every rank of the
+        group calls it, with the same arguments (ranks that differ all raise ValueError naming two of them; see
+        :func:`relibra_moe.spec_sources.group_topology`)."""
+        nodes, per_node = group_topology(group, gpus_per_node, agree=f"fabric={fabric!r}")
         return cluster_preset(fabric, nodes=nodes, gpus_per_node=per_node)
 
 
@@ -453,6 +478,9 @@ def cluster_preset(name: str = DEFAULT_CLUSTER, nodes: int = 1, gpus_per_node: i
                        nvlink_latency=nv_alpha, rdma_latency=rdma_alpha, overlap=overlap)
 
 
+#: ``measurements["device_kind"]`` of a profile ``relibra calibrate --device cpu`` wrote: a functional check whose
+#: rates are the CPU's, which ``cluster_from_profile`` refuses unless ``allow_cpu_profile=True``.
+CPU_PROFILE = "cpu (not a GPU profile)"
 PROFILE_FORMAT = "relibra-cluster-profile"
 PROFILE_VERSION = 1
 _PROFILE_RATES = ("flops", "attn_flops", "nvlink_bw", "rdma_bw")
@@ -475,10 +503,12 @@ def cluster_profile(cluster: ClusterSpec, source: str, measurements: dict[str, A
 
 
 def cluster_from_profile(profile: dict[str, Any], nodes: int, gpus_per_node: int | None = None,
-                         where: str = "cluster profile") -> ClusterSpec:
+                         where: str = "cluster profile", *, allow_cpu_profile: bool = False) -> ClusterSpec:
     """The ClusterSpec of a profile dict (see ``cluster_profile``) with ``nodes`` nodes.
 
     ``gpus_per_node`` (optional) must match the profile's: its NVLink rate was measured inside such a node.
+    A CPU profile (``calibrate --device cpu``) is refused unless ``allow_cpu_profile``. Every rate and latency
+    must lie in :data:`RATE_RANGE` / :data:`LATENCY_RANGE`.
     Raises PlanError naming the field and value for a malformed profile.
     """
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
@@ -489,6 +519,10 @@ def cluster_from_profile(profile: dict[str, Any], nodes: int, gpus_per_node: int
     missing = [k for k in (*_PROFILE_RATES, "dispatcher", "gpus_per_node") if k not in profile]
     if missing:
         raise PlanError(f"{where}: missing field(s) {missing}")
+    meas = profile.get("measurements")
+    if isinstance(meas, dict) and meas.get("device_kind") == CPU_PROFILE and not allow_cpu_profile:
+        raise PlanError(f"{where}: measured on the CPU by `relibra calibrate --device cpu` (a functional check), not "
+                        "a GPU profile; calibrate on the GPU box, or pass allow_cpu_profile=True to use it anyway")
     gpn = profile["gpus_per_node"]
     if gpus_per_node is not None and gpn != gpus_per_node:
         raise PlanError(f"{where}: gpus_per_node is {gpn!r} in the profile, the run asks for {gpus_per_node}")
@@ -504,19 +538,22 @@ def cluster_from_profile(profile: dict[str, Any], nodes: int, gpus_per_node: int
 
 def save_cluster_profile(path: str | os.PathLike, profile: dict[str, Any]) -> None:
     """Write a profile dict as JSON (sorted keys, so the file is byte-stable)."""
-    with open(path, "w") as f:
-        json.dump(profile, f, indent=1, sort_keys=True)
-        f.write("\n")
+    write_json(path, profile, error=PlanError, indent=1, sort_keys=True)
 
 
-def load_cluster_profile(path: str | os.PathLike, nodes: int, gpus_per_node: int | None = None) -> ClusterSpec:
-    """The ClusterSpec of the cluster profile file ``path`` with ``nodes`` nodes (PlanError for a bad file)."""
+def load_cluster_profile(path: str | os.PathLike, nodes: int, gpus_per_node: int | None = None, *,
+                         allow_cpu_profile: bool = False) -> ClusterSpec:
+    """The ClusterSpec of the cluster profile file ``path`` with ``nodes`` nodes (PlanError for a bad file; see
+    :func:`cluster_from_profile`)."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             profile = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"cluster profile {os.fspath(path)!r}: {e}") from None
-    return cluster_from_profile(profile, nodes, gpus_per_node, where=f"cluster profile {os.fspath(path)!r}")
+    except RecursionError:
+        raise PlanError(f"cluster profile {os.fspath(path)!r}: the JSON nests deeper than Python follows") from None
+    return cluster_from_profile(profile, nodes, gpus_per_node, where=f"cluster profile {os.fspath(path)!r}",
+                                allow_cpu_profile=allow_cpu_profile)
 
 
 def model_preset(name: str) -> ModelSpec:

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_write
 from .errors import TraceError
 from .npzio import member_header, read_member
 from .validate import check_count
@@ -90,7 +91,10 @@ def as_int_array(name: str, value: Any) -> np.ndarray:
     """``value`` (ndarray, tensor, nested lists) as an integer ndarray; else TraceError naming ``name``."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch tensor, without importing torch
         value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as exc:  # ragged nested lists
+        raise TraceError(f"{name} is not a rectangular integer array ({exc})") from None
     if arr.dtype.kind not in "iu":
         raise TraceError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr
@@ -220,7 +224,8 @@ def write_trace_file(path: str | Path, *, num_experts: int, top_k: int, layer_id
     for key, value in info.items():
         arrays[INFO_PREFIX + key] = value
     mode = zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED
-    with open(path, "wb") as f, zipfile.ZipFile(f, mode="w", compression=mode, allowZip64=True) as zf:
+    with atomic_write(path, "wb", error=TraceError) as f, \
+            zipfile.ZipFile(f, mode="w", compression=mode, allowZip64=True) as zf:
         for key, value in arrays.items():  # what np.savez / np.savez_compressed write, member by member
             with zf.open(key + ".npy", "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.asanyarray(value), allow_pickle=True)

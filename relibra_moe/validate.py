@@ -15,7 +15,7 @@ import numpy as np
 from .errors import PlanError
 
 __all__ = ["is_int", "is_number", "check_int", "check_count", "check_optional_int", "check_positive",
-           "check_nonnegative", "check_bool", "check_choice", "check_token_counts", "check_index_range"]
+           "check_nonnegative", "check_range", "check_bool", "check_choice", "check_token_counts", "check_index_range"]
 
 
 def is_int(value: object) -> bool:
@@ -69,6 +69,15 @@ def check_nonnegative(name: str, value: object, *, error: type[Exception] = Plan
     """``float(value)``; ``error`` naming ``name`` and the value unless it is a finite number >= 0."""
     if not is_number(value) or not (np.isfinite(value) and value >= 0):
         raise error(f"{name}={value!r} must be a finite number >= 0")
+    return float(value)
+
+
+def check_range(name: str, value: object, lo: float, hi: float, *, what: str = "a finite number", unit: str = "",
+                error: type[Exception] = PlanError) -> float:
+    """``float(value)``; ``error`` naming ``name``, the value and the accepted range unless it is a finite number in
+    ``[lo, hi]`` (``what`` and ``unit`` describe it in the message: ``"NAME must be WHAT in [LO, HI] UNIT, got V"``)."""
+    if not is_number(value) or not (np.isfinite(value) and lo <= value <= hi):
+        raise error(f"{name} must be {what} in [{lo:g}, {hi:g}]{' ' + unit if unit else ''}, got {value!r}")
     return float(value)
 
 

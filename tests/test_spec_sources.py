@@ -137,6 +137,12 @@ def _cluster_worker(rank: int, world: int) -> None:
     assert (c.nodes, c.gpus_per_node) == (1, 2)  # the "ep" dimension's group
     with pytest.raises(ValueError, match=r"gpus_per_node=3 does not divide the group size 4"):
         ClusterSpec.from_process_group(gpus_per_node=3)
+    # ranks passing different arguments: every rank raises (one all_gather of the arguments), none waits
+    with pytest.raises(ValueError, match=r"group rank 0 passed gpus_per_node=None, fabric='hopper-rail'; group "
+                                         r"rank 1 passed gpus_per_node=2.*must pass the same arguments"):
+        ClusterSpec.from_process_group(gpus_per_node=None if rank == 0 else 2)
+    with pytest.raises(ValueError, match=r"group rank 3 passed gpus_per_node=None, fabric='h100'"):
+        ClusterSpec.from_process_group(fabric="h100" if rank == 3 else "hopper-rail")
     real = socket.gethostname
     try:
         socket.gethostname = lambda: f"node{rank // 2}"  # ranks 0,1 on node0, 2,3 on node1

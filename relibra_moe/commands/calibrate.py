@@ -29,17 +29,20 @@ import os
 import time
 from typing import Any
 
+from ..atomic import check_target
 from ..errors import PlanError
 from ..specs import (
     CLUSTER_PRESETS,
+    CPU_PROFILE,
     DEFAULT_CLUSTER,
     DISPATCHERS,
+    RATE_RANGE,
     ModelSpec,
     cluster_preset,
     cluster_profile,
     save_cluster_profile,
 )
-from ..validate import check_positive
+from ..validate import check_count, check_positive, check_range, is_int
 from .plan import add_model_args, model_from_args
 
 DEFAULT_ROWS = (64, 256, 1024, 2048, 8192)
@@ -231,6 +234,25 @@ def measure_all_to_all_latency(world: int, sizes: tuple[int, ...] = LATENCY_SIZE
     return {"alpha": alpha, "bw": bw, "points": pts}
 
 
+def _device(device: str | None) -> Any:
+    """The torch device of ``--device`` (default ``cuda``): a CUDA device that exists here, or the CPU (whose
+    profile is labelled as no GPU profile); PlanError naming the value otherwise."""
+    import torch
+
+    try:
+        dev = torch.device(device or "cuda")
+    except (RuntimeError, TypeError, ValueError):
+        raise PlanError(f"--device {device!r} is not a torch device (cuda, cuda:N, or cpu)") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise PlanError(f"--device {device!r}: calibrate measures a CUDA GPU (cuda, cuda:N), or the CPU as a "
+                        "functional check (cpu)")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PlanError("relibra calibrate: no CUDA device here; pass --dry-run for the preset's profile")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise PlanError(f"--device {device!r}: this box has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
 def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str = "alltoall", gpus_per_node: int = 8,
               rdma_bw: float | None = None, rows: tuple[int, ...] = DEFAULT_ROWS, rows_per_expert: float = 2048,
               local_experts: int = 8, seq_len: int = 4096, attn_batch: int = 1, a2a_gpus: int | None = None,
@@ -247,9 +269,15 @@ def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str =
     if dispatcher not in DISPATCHERS:
         raise PlanError(f"--dispatcher {dispatcher!r} is not one of {list(DISPATCHERS)}")
     if rdma_bw is not None:
-        check_positive("--rdma-bw", rdma_bw)
-    if not rows or any(r < 1 for r in rows):
+        check_range("--rdma-bw (bytes/s)", rdma_bw, *RATE_RANGE, what="a rate")
+    if not rows or any(not is_int(r) or r < 1 for r in rows):
         raise PlanError(f"--rows={list(rows)} must be positive row counts")
+    for name, value in (("--gpus-per-node", gpus_per_node), ("--local-experts", local_experts),
+                        ("--seq-len", seq_len), ("--attn-batch", attn_batch), ("--iters", iters)):
+        check_count(name, value)
+    check_positive("--rows-per-expert", rows_per_expert)
+    if a2a_gpus is not None:
+        check_count("--a2a-gpus", a2a_gpus)
     base = cluster_preset(preset, nodes=1, gpus_per_node=gpus_per_node, dispatcher=dispatcher)
     if rdma_bw is not None:
         base = base.with_(rdma_bw=float(rdma_bw))
@@ -259,13 +287,13 @@ def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str =
                f"not at {model.name}'s expert shape {model.hidden} x {model.ffn})"
                + (f", rdma_bw {rdma_bw:.3g} B/s given by the user" if rdma_bw is not None else ""))
         return cluster_profile(base, src, {"dry_run": True, **shape})
+    dev = _device(device)
     import torch
 
-    dev = torch.device(device or "cuda")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise PlanError("relibra calibrate: no CUDA device here; pass --dry-run for the preset's profile")
     meas: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                             "torch": torch.__version__, **shape}
+    if dev.type == "cpu":
+        meas["device_kind"] = CPU_PROFILE
     curve = measure_gemm(model, tuple(rows), local_experts, dev, iters=iters)
     meas["gemm"] = curve
     base = base.with_(gemm_curve=tuple((p["rows_per_expert"], p["flops"]) for p in curve))
@@ -303,7 +331,11 @@ def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str =
         meas["deep_ep"] = "not importable"
     rd = "given by the user" if rdma_bw is not None else f"preset {preset}"
     src = f"measured on {meas['device']}: {', '.join(measured)}; rdma_bw {rd}; other rates preset {preset}"
-    return cluster_profile(base.with_(name=f"{preset}-calibrated"), src, meas)
+    if dev.type == "cpu":
+        src = ("NOT A GPU PROFILE (a functional check on the CPU, Triton interpreter; plan commands refuse it): "
+               + src)
+    name = f"{preset}-cpu-check" if dev.type == "cpu" else f"{preset}-calibrated"
+    return cluster_profile(base.with_(name=name), src, meas)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -327,7 +359,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--local-experts", type=int, default=8, help="experts per GPU in the GEMM measurement")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence in the attention measurement")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement")
-    p.add_argument("--device", default=None, help="torch device (default cuda; cpu: a functional check only)")
+    p.add_argument("--device", default=None,
+                   help="torch device (default cuda; cpu: a functional check only, its profile labelled NOT A GPU "
+                        "PROFILE, which plan commands refuse)")
     p.add_argument("--dry-run", action="store_true", help="measure nothing: write the preset's profile")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.set_defaults(func=run)
@@ -335,6 +369,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``relibra calibrate``: write the profile, print its rates and source; exit status 0."""
+    check_target(args.out)  # before minutes of measurement
     try:
         rows = tuple(int(r) for r in str(args.rows).split(",") if r.strip())
     except ValueError:

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
+from ..atomic import write_text
 from ..errors import PlanError
 from ..specs import DEFAULT_CLUSTER
 from .plan import (
@@ -217,6 +217,6 @@ def run(args: argparse.Namespace) -> int:
         console = Console(width=max(console.width, 160))
     console.print(steady_table(res))
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2, default=json_default))
+        write_text(args.json, json.dumps(res, indent=2, default=json_default))
         print(f"wrote {args.json}")
     return 0

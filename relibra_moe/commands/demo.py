@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import report
+from ..atomic import write_text
 from ..errors import PlanError, RelibraError
 from ..plan import json_default
 from .demo_steady import demo_steady_state
@@ -386,7 +387,7 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
                                           console=console, sample_owner=sample_owner),
         "plots": [os.path.relpath(p, out) for p in plots], "wall_s": time.perf_counter() - t0,
     }
-    (out / "report.json").write_text(json.dumps(rep, indent=2, default=json_default))
+    write_text(out / "report.json", json.dumps(rep, indent=2, default=json_default))
     console.print(f"wrote {out / 'report.json'} and {len(plots)} plots under {out} "
                   f"({rep['wall_s']:.1f} s)")
     return rep

@@ -84,6 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="sglang: decoder layers the payload covers, dense ones included")
     imp.add_argument("--dense-layers", type=int, nargs="+", default=(), metavar="I",
                      help="sglang, slime: decoder indices of dense layers in the dump (dropped)")
+    imp.add_argument("--trust-pickle", action="store_true",
+                     help="dumps: also read pickles that name classes outside the allow-list (tensors, numpy arrays, "
+                          "containers, verl's DataProto / TensorDict, NeMo-RL's BatchedDataDict) by running their "
+                          "code. Without it no code from a file runs. Only for dumps you wrote yourself")
     imp.add_argument("--out", required=True, help="output .npz file")
     imp.set_defaults(func=run_import)
 
@@ -152,7 +156,7 @@ def import_dump(args: argparse.Namespace) -> TraceBatch:
     E = args.num_experts if args.num_experts is not None else (model.num_experts if model else None)
     k = args.top_k if args.top_k is not None else (model.top_k if model else None)
     batch = read_dump(args.format, args.files, num_experts=E, top_k=k, num_layers=args.num_layers,
-                      dense_layers=args.dense_layers)
+                      dense_layers=args.dense_layers, trust_pickle=args.trust_pickle)
     if model is not None:
         for field, have, want in (("MoE layers", batch.num_layers, model.num_layers),
                                   ("num_experts", batch.num_experts, model.num_experts),

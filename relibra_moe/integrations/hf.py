@@ -37,11 +37,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import ReplayError
+from ..errors import PlanError, ReplayError
 from ..layers.data_parallel import mark_experts_for_ddp
 from ..layers.dispatch import ep_process_group
 from ..layers.replay import LayerReplay, layout_ids, replay
 from ..layers.router import merge_live
+from ..plan import check_replica_slots
 from ..validate import check_int
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
@@ -517,41 +518,141 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     check_int("replica_slots", replica_slots, error=ValueError)
-    blocks = moe_blocks(model)
-    buffer = None
-    for index, (layer_id, name, block) in enumerate(blocks):
-        if _is_swapped(block):
-            continue
-        if is_titan_moe(block):  # torchtitan: always the layer (see integrations/torchtitan.py)
+    todo = [(index, layer_id, name, block) for index, (layer_id, name, block) in enumerate(moe_blocks(model))
+            if not _is_swapped(block)]
+    kinds = _check_swap(todo, backend, replica_slots, gpus_per_node, _group_size(ep_group))
+    saved = _snapshot(model, todo)
+    try:
+        buffer = None
+        for (index, layer_id, name, block), kind in zip(todo, kinds, strict=True):
+            if kind == "titan":  # torchtitan: always the layer (see integrations/torchtitan.py)
+                if replica_slots and buffer is None:
+                    buffer = titan_replica_buffer(block, replica_slots)
+                new = TorchtitanReplayMoE(block, layer_id, index, ep_group=ep_group, gpus_per_node=gpus_per_node,
+                                          replica_buffer=buffer, dispatcher=dispatcher)
+            elif kind == "layer":
+                if replica_slots and buffer is None:
+                    buffer = hf_replica_buffer(block, replica_slots)
+                new = HFReplayBalancedMoE(block, layer_id, index, ep_group=ep_group, gpus_per_node=gpus_per_node,
+                                          replica_buffer=buffer, dispatcher=dispatcher)
+                new.train(block.training)
+            else:
+                new = ReplayMoEBlock(block, layer_id)
+                new.train(block.training)
+            _set_submodule(model, name, new)
+        mark_experts_for_ddp(model)  # DDP / accelerate must never average experts sharded by expert parallelism
+    except BaseException:
+        _restore(model, saved)  # a failure part way leaves the model as it was: a retry starts clean
+        raise
+    return model
+
+
+def _check_swap(todo: list[tuple[int, int, str, nn.Module]], backend: str, replica_slots: int,
+                gpus_per_node: int | None, world: int) -> list[str]:
+    """What each block to swap becomes (``"titan"``, ``"layer"``, ``"local"``), after every check that can fail
+    for any block ran, before the first block changes: the backend for its family, the EP group size dividing
+    E and divided by ``gpus_per_node``, and ``replica_slots`` at most the ceiling ``E - E/G``
+    (:func:`relibra_moe.plan.check_replica_slots`, the Planner's), so no buffer is allocated for nothing.
+    ValueError naming the block and the value."""
+    if gpus_per_node is not None:
+        check_int("gpus_per_node", gpus_per_node, 1, error=ValueError)
+        if world % gpus_per_node:
+            raise ValueError(f"gpus_per_node={gpus_per_node} does not divide the EP group size {world}")
+    kinds = []
+    for _, _, name, block in todo:
+        if is_titan_moe(block):
             if backend == "local":
                 raise ValueError(f"torchtitan's MoE ({name}) runs as a ReplayBalancedMoE only; use backend='layer'")
-            if replica_slots and buffer is None:
-                buffer = titan_replica_buffer(block, replica_slots)
-            new = TorchtitanReplayMoE(block, layer_id, index, ep_group=ep_group, gpus_per_node=gpus_per_node,
-                                      replica_buffer=buffer, dispatcher=dispatcher)
-            _set_submodule(model, name, new)
-            continue
-        fam = family_of(block)
-        use_layer = backend == "layer" or (backend == "auto" and fam.name in LAYER_FAMILIES)
-        if use_layer and fam.name not in LAYER_FAMILIES:
-            raise ValueError(f"{fam.name} ({type(block).__name__}) cannot run as a ReplayBalancedMoE; use "
-                             f"backend='local'. Layer families: {', '.join(LAYER_FAMILIES)}")
-        if use_layer:
-            if replica_slots and buffer is None:
-                buffer = hf_replica_buffer(block, replica_slots)
-            new = HFReplayBalancedMoE(block, layer_id, index, ep_group=ep_group, gpus_per_node=gpus_per_node,
-                                      replica_buffer=buffer, dispatcher=dispatcher)
+            if getattr(block.router, "_debug_force_load_balance", False):
+                raise ValueError(f"{name}: torchtitan's _debug_force_load_balance routing is not supported by the "
+                                 "swapped block")
+            kinds.append("titan")
+            router = block.router
         else:
-            world = _group_size(ep_group)
-            if world > 1 or replica_slots:
-                raise ValueError(f"the single-process 'local' backend ({fam.name}, {type(block).__name__}) runs no "
-                                 f"EP group ({world} ranks) and no replica slots (replica_slots={replica_slots}); use "
-                                 f"backend='layer'")
-            new = ReplayMoEBlock(block, layer_id)
-        new.train(block.training)
-        _set_submodule(model, name, new)
-    mark_experts_for_ddp(model)  # DDP / accelerate must never average experts sharded by expert parallelism
-    return model
+            fam = family_of(block)
+            use_layer = backend == "layer" or (backend == "auto" and fam.name in LAYER_FAMILIES)
+            if use_layer and fam.name not in LAYER_FAMILIES:
+                raise ValueError(f"{fam.name} ({type(block).__name__}) cannot run as a ReplayBalancedMoE; use "
+                                 f"backend='local'. Layer families: {', '.join(LAYER_FAMILIES)}")
+            if not use_layer:
+                if world > 1 or replica_slots:
+                    raise ValueError(f"the single-process 'local' backend ({fam.name}, {type(block).__name__}) runs "
+                                     f"no EP group ({world} ranks) and no replica slots (replica_slots="
+                                     f"{replica_slots}); use backend='layer'")
+                kinds.append("local")
+                continue
+            kinds.append("layer")
+            router = getattr(block, fam.router_attr)
+        E = int(router.num_experts)
+        if E % world:
+            raise ValueError(f"{name}: num_experts={E} is not divisible by the EP group size {world}")
+        check_replica_slots(replica_slots, E, world, field=f"{name}: replica_slots")
+    return kinds
+
+
+def _snapshot(model: nn.Module, todo: list[tuple[int, int, str, nn.Module]]) -> list[Any]:
+    """What :func:`_restore` needs to undo a swap: each block's place in ``model`` and, for every module in
+    it, its class and its attribute, parameter, buffer and child tables (references, nothing copied)."""
+    tables = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+    state = []
+    for m in [model, *(mod for _, _, _, block in todo for mod in block.modules())]:
+        d = {k: (type(v)(v) if k in tables else v) for k, v in m.__dict__.items()}
+        state.append((m, type(m), d))
+    return [[(name, block) for _, _, name, block in todo], state]
+
+
+def _restore(model: nn.Module, saved: list[Any]) -> None:
+    places, state = saved
+    for m, cls, d in state:
+        m.__class__ = cls
+        m.__dict__.clear()
+        m.__dict__.update(d)
+    for name, block in places:
+        _set_submodule(model, name, block)
+
+
+def check_replay_trainer_args(model: Any, *, strategy: Any, replica_slots: Any, planner: Any,
+                              planner_options: Any, gpus_per_node: Any, cluster: Any) -> None:
+    """The checks of ``ReplayGRPOTrainer``'s own arguments, run before TRL loads anything: ``strategy`` a
+    planner strategy, ``replica_slots`` an int >= 0 at most the ceiling ``E - E/G`` (:func:`plan.check_replica_slots`;
+    G from ``torch.distributed`` or ``WORLD_SIZE``, the loosest group G = E on one process, where the trainer plans
+    no replicas; E from ``model`` when it is a module, else :data:`specs.MODEL_LIMITS`' expert bound),
+    ``planner_options`` known :class:`~relibra_moe.planners.options.PlanOptions` that apply to ``strategy``,
+    ``planner`` a :class:`~relibra_moe.planners.service.Planner` or None, ``gpus_per_node`` an int >= 1 or None,
+    ``cluster`` a ClusterSpec or None. ReplayError naming the argument and the value."""
+    import os
+
+    import torch.distributed as dist
+
+    from ..planners.options import PlanOptions
+    from ..planners.service import Planner
+    from ..planners.strategies import check_strategy
+    from ..specs import MODEL_LIMITS, ClusterSpec
+    from ..validate import check_optional_int
+
+    what = "ReplayGRPOTrainer"
+    try:
+        check_strategy(strategy)
+        if planner_options is not None and not isinstance(planner_options, dict):
+            raise ReplayError(f"planner_options={planner_options!r} must be a dict of plan options or None")
+        PlanOptions.from_kwargs(**(planner_options or {})).check_for(strategy)
+    except (ReplayError, ValueError, TypeError) as exc:
+        raise ReplayError(f"{what}: {exc}") from None
+    if planner is not None and not isinstance(planner, Planner):
+        raise ReplayError(f"{what}: planner={planner!r} must be a relibra_moe.Planner or None")
+    if cluster is not None and not isinstance(cluster, ClusterSpec):
+        raise ReplayError(f"{what}: cluster={cluster!r} must be a relibra_moe.ClusterSpec or None")
+    check_optional_int(f"{what}: gpus_per_node", gpus_per_node, 1, error=ReplayError)
+    slots = check_int(f"{what}: replica_slots", replica_slots, error=ReplayError)
+    blocks = moe_blocks(model) if isinstance(model, nn.Module) else []
+    E = num_experts_top_k(blocks[0][2])[0] if blocks else MODEL_LIMITS["num_experts"]
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else \
+        int(os.environ.get("WORLD_SIZE", "1") or 1)
+    G = world if world > 1 and E % world == 0 else E
+    try:
+        check_replica_slots(slots, E, G, field=f"{what}: replica_slots")
+    except PlanError as exc:
+        raise ReplayError(str(exc)) from None
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ from ..planners.service import Planner
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import RoutingTrace, TraceBatch
 from ..validate import check_int
-from .hf import RoutingRecorder, full_state_dict, moe_blocks, swap_moe_blocks
+from .hf import RoutingRecorder, check_replay_trainer_args, full_state_dict, moe_blocks, swap_moe_blocks
 
 __all__ = ["ReplayGRPOTrainer", "model_spec"]
 
@@ -133,6 +133,9 @@ class ReplayGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, replica_slots: int = 2, strategy: str = "relibra", gpus_per_node: int | None = None,
                  cluster: ClusterSpec | None = None, planner: Planner | None = None,
                  planner_options: dict[str, Any] | None = None, unrouted: str = "live", **kwargs: Any) -> None:
+        check_replay_trainer_args(args[0] if args else kwargs.get("model"), strategy=strategy,
+                                  replica_slots=replica_slots, planner=planner, planner_options=planner_options,
+                                  gpus_per_node=gpus_per_node, cluster=cluster)
         if unrouted not in UNROUTED:  # checked before TRL loads anything
             raise ReplayError(f"ReplayGRPOTrainer: unrouted={unrouted!r} is not one of {UNROUTED}")
         check_int("ReplayGRPOTrainer: replica_slots", replica_slots, error=ReplayError)

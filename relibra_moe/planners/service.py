@@ -21,7 +21,8 @@ most that long. On failure ``on_ray_failure="raise"`` (default) raises ``PlanErr
 its thread later; the planner does not use it.
 
 Deadlines per executor: "process" and "ray" stop waiting for unfinished tasks at the deadline (their
-workers are killed / the tasks cancelled); "inline" cannot interrupt a running task: it checks the
+workers are killed with SIGKILL, so a frozen one never outlives the plan nor holds up the interpreter's
+exit / the tasks cancelled); "inline" cannot interrupt a running task: it checks the
 deadline before starting each task, so a plan can return up to one task's duration late. Every plan made
 with a deadline reports it: ``stats["deadline"]`` = ``{"deadline_s", "interrupts_tasks"}`` (False for
 "inline") and ``stats["timing"]["deadline_overrun_s"]`` (seconds past the deadline when the plan returned,
@@ -173,11 +174,15 @@ class Planner:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Stop the worker pool and the background thread (Ray itself is left running)."""
+        """Stop the worker pool and the background thread (Ray itself is left running). Workers still running a
+        task nobody waits for (a frozen one) are killed, so neither ``close`` nor the interpreter's exit waits for
+        them."""
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
-        self._drop_pool(kill=False)
+        pool = self._pool
+        busy = pool is not None and any(getattr(pool, "_pending_work_items", {}))
+        self._drop_pool(kill=busy)
 
     def __enter__(self) -> Planner:
         return self
@@ -316,9 +321,13 @@ class Planner:
         # BrokenProcessPool once the workers are gone, and on Python 3.11 it raises InvalidStateError in its
         # thread for any future already cancelled (cancel_futures=True, or Future.cancel()).
         pool.shutdown(wait=not kill, cancel_futures=not kill)
-        for p in procs:  # our own workers, still busy with tasks nobody waits for
+        # our own workers, busy with tasks nobody waits for: SIGKILL (a frozen worker may ignore SIGTERM, and would
+        # then keep the pool's manager thread, and with it the interpreter's exit, waiting forever)
+        for p in procs:
             if p.is_alive():
-                p.terminate()
+                p.kill()
+        for p in procs:
+            p.join(WORKER_JOIN_S)
 
     def _run_process(self, tasks, keys, deadline) -> list[Any]:
         pool = self._get_pool()
@@ -377,6 +386,10 @@ class Planner:
                 cause = exc.as_instanceof_cause() if hasattr(exc, "as_instanceof_cause") else exc
                 raise cause from None
         return out
+
+
+#: Seconds ``close`` / a deadline waits for each killed planner worker to be reaped.
+WORKER_JOIN_S = 1.0
 
 
 def _probe_ray_address(address: str | None, timeout_s: float) -> None:

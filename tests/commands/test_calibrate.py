@@ -10,7 +10,8 @@ import pytest
 
 from relibra_moe.cli import main
 from relibra_moe.commands.calibrate import calibrate, measure_all_to_all, measure_attention, measure_gemm
-from relibra_moe.specs import ModelSpec, cluster_preset, load_cluster_profile, model_preset
+from relibra_moe.errors import PlanError
+from relibra_moe.specs import ModelSpec, cluster_from_profile, cluster_preset, load_cluster_profile, model_preset
 from relibra_moe.synthetic import rl_batch
 
 TINY = ModelSpec("tiny", hidden=32, ffn=16, num_experts=8, top_k=2, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -75,7 +76,36 @@ def test_calibrate_on_cpu_builds_a_profile():
     assert prof["flops"] == pytest.approx(prof["measurements"]["gemm"][0]["flops"])
     assert prof["gemm_curve"][1][0] == 4.0 and prof["attn_flops"] == prof["measurements"]["attention"]["flops"]
     assert prof["nvlink_bw"] == cluster_preset("h100").nvlink_bw and "not measured" in prof["measurements"]["nvlink"]
-    assert prof["source"].startswith("measured on cpu")
+    assert prof["source"].startswith("NOT A GPU PROFILE") and prof["name"] == "h100-cpu-check"
+    with pytest.raises(PlanError, match="not a GPU profile"):
+        cluster_from_profile(prof, nodes=1)
+    assert cluster_from_profile(prof, nodes=1, allow_cpu_profile=True).flops == prof["flops"]
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--iters", "-1"], "--iters must be a positive int, got -1"),
+    (["--rows", "4,-2"], "--rows=[4, -2] must be positive row counts"),
+    (["--seq-len", "0"], "--seq-len must be a positive int, got 0"),
+    (["--local-experts", "-3"], "--local-experts must be a positive int, got -3"),
+    (["--rows-per-expert", "nan"], "--rows-per-expert=nan must be a finite number > 0"),
+    (["--gpus-per-node", "0"], "--gpus-per-node must be a positive int, got 0"),
+    (["--rdma-bw", "1e-300"], "--rdma-bw (bytes/s) must be a rate in [1e-06, 1e+20], got 1e-291"),
+    (["--device", "foo"], "--device 'foo' is not a torch device"),
+    (["--device", "meta"], "--device 'meta': calibrate measures a CUDA GPU"),
+])
+def test_calibrate_flags_are_checked(flags, fragment, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--model", "qwen3-30b-a3b", *flags, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "error: PlanError: " in err and fragment in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_calibrate_out_is_checked_before_measuring(tmp_path, capsys):
+    for out, want in ((tmp_path / "missing" / "p.json", "does not exist"), (tmp_path, "is a directory")):
+        assert main(["calibrate", "--model", "qwen3-30b-a3b", "--device", "foo", "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert want in err and "--device" not in err, err
 
 
 @pytest.mark.timeout(120)

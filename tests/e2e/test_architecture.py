@@ -13,7 +13,8 @@ PKG = Path(__file__).resolve().parents[2] / "relibra_moe"
 
 # Floors as in docs/architecture.md; the first matching prefix wins (module names relative to the package).
 FLOORS: tuple[tuple[str, int], ...] = (
-    ("errors", 1), ("validate", 1), ("spec_sources", 1), ("specs", 1), ("npzio", 1),
+    ("errors", 1), ("validate", 1), ("spec_sources", 1), ("specs", 1), ("npzio", 1), ("safe_pickle", 1),
+    ("atomic", 1),
     ("trace", 2), ("trace_files", 2), ("adapters", 2), ("dumps", 2), ("cost", 2), ("timing", 2), ("plan", 2),
     ("sample_order", 2),
     ("triton_kernels", 2),
@@ -238,8 +239,11 @@ TESTS = Path(__file__).resolve().parents[1]
 
 #: Test modules that pin no single package module (end to end across modules); nothing else lives in tests/e2e.
 E2E_TESTS = frozenset({
+    "test_adversarial_dumps.py",  # hostile framework dumps: no code runs, sizes bounded, named errors
     "test_adversarial_files.py",  # bad files through the CLI, planners and simulator
+    "test_adversarial_numbers.py",  # absurd profile rates, model configs, swap and trainer arguments
     "test_adversarial_ranks.py",  # one bad rank in a multi-rank layer/replay/relayout group
+    "test_adversarial_writes.py",  # a save killed at every member boundary; outputs into bad targets
     "test_architecture.py",  # import floors, test layout, docs/architecture.md names
     "test_fsdp_example.py",  # examples/rl_step_fsdp.py
     "test_gpu_check.py",  # bench/gpu_check.sh

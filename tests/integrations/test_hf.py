@@ -319,16 +319,19 @@ def test_replayed_routing_is_followed(backend):
 def test_gpt_oss_runs_as_the_layer_with_replica_slots():
     """GPT-OSS swaps into the layer (four per-expert tensors) with a replica buffer sized for them; the
     single-process 'local' backend takes no replica slots."""
-    from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE, HFReplicaBuffer
+    from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE, HFReplicaBuffer, hf_replica_buffer
 
     model = tiny_model("gpt_oss")
     with torch.no_grad():
         ref = model(PROMPTS, attention_mask=MASK).logits
-    swap_moe_blocks(model, replica_slots=2)
+    # one rank homes all E experts: the ceiling E - E/G of replica slots is 0 (plan.max_replica_slots)
+    with pytest.raises(ValueError, match=r"replica_slots=2 is over the ceiling E - E/G = 0 \(E=8, G=1"):
+        swap_moe_blocks(model, replica_slots=2)
+    buf = hf_replica_buffer(moe_blocks(model)[0][2], 2)  # the buffer a 2-rank swap would allocate
+    swap_moe_blocks(model)
     blocks = [b for _, _, b in moe_blocks(model)]
     assert all(isinstance(b, HFReplayBalancedMoE) for b in blocks)
-    buf = blocks[0].replica_buffer
-    assert isinstance(buf, HFReplicaBuffer) and all(b.replica_buffer is buf for b in blocks)
+    assert isinstance(buf, HFReplicaBuffer)
     assert buf.names == ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
     assert buf.shapes == ((32, 32), (32,), (16, 32), (32,))  # H=32, 2I=32 interleaved, I=16
     assert buf.nbytes == 2 * 4 * (32 * 32 + 32 + 16 * 32 + 32)
@@ -339,6 +342,53 @@ def test_gpt_oss_runs_as_the_layer_with_replica_slots():
         swap_moe_blocks(tiny_model("gpt_oss"), replica_slots=1, backend="local")
     with pytest.raises(ValueError, match="backend="):
         swap_moe_blocks(tiny_model("gpt_oss"), backend="fast")
+
+
+def test_a_failed_swap_leaves_the_model_untouched_and_a_retry_works(monkeypatch):
+    """A block that fails to swap part way (the second of the model's MoE blocks) leaves every block, router,
+    expert class and parameter as it was; the forward is the plain model's, and a retry swaps cleanly."""
+    import relibra_moe.integrations.hf as hf_mod
+
+    model = tiny_model("qwen3_moe")
+    with torch.no_grad():
+        ref = model(PROMPTS, attention_mask=MASK).logits
+    before = [(name, b, type(b), {n: type(m) for n, m in b.named_modules()}) for _, name, b in moe_blocks(model)]
+    params = {n: p for n, p in model.named_parameters()}
+    real = hf_mod.HFReplayBalancedMoE
+    calls = [0]
+
+    def fail_second(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected failure in the second block")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_mod, "HFReplayBalancedMoE", fail_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        swap_moe_blocks(model)
+    assert calls[0] == 2 and len(before) >= 2
+    after = [(name, b, type(b), {n: type(m) for n, m in b.named_modules()}) for _, name, b in moe_blocks(model)]
+    assert after == before  # block 0 was swapped, then put back with its router and experts' own classes
+    assert {n: p for n, p in model.named_parameters()} == params
+    with torch.no_grad():
+        assert torch.equal(model(PROMPTS, attention_mask=MASK).logits, ref)
+    monkeypatch.setattr(hf_mod, "HFReplayBalancedMoE", real)
+    swap_moe_blocks(model)
+    assert all(isinstance(b, real) for _, _, b in moe_blocks(model))
+    with torch.no_grad():
+        assert (model(PROMPTS, attention_mask=MASK).logits - ref).abs().max().item() <= 1e-5
+
+
+def test_bad_swap_arguments_change_no_block():
+    model = tiny_model("qwen3_moe")
+    blocks = [b for _, _, b in moe_blocks(model)]
+    for kwargs, msg in (({"gpus_per_node": 3}, "gpus_per_node=3 does not divide the EP group size 1"),
+                        ({"gpus_per_node": 0}, "gpus_per_node=0 must be an int >= 1"),
+                        ({"replica_slots": 100000}, "replica_slots=100000 is over the ceiling E - E/G = 0")):
+        with pytest.raises(ValueError, match=msg):
+            swap_moe_blocks(model, **kwargs)
+        assert [b for _, _, b in moe_blocks(model)] == blocks
+        assert all(type(b).__name__ == "Qwen3MoeSparseMoeBlock" for b in blocks)
 
 
 def test_local_backend_is_the_hf_model():

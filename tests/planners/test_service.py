@@ -435,3 +435,56 @@ def test_warnings_are_one_line_per_cause_with_a_count(caplog):
     assert any(m.startswith(f"relibra planner: {L * ADVERSARIAL_FAST['num_seeds']} reorder task(s) missed the deadline")
                for m in msgs), msgs                                                    # replicate: one line each
     assert any(m.startswith("relibra planner: 1 locality task(s) missed the deadline") for m in msgs), msgs
+
+
+FROZEN_SCRIPT = textwrap.dedent("""
+    import signal, sys, time
+    import numpy as np
+    from relibra_moe.planners.service import Planner
+    from relibra_moe.specs import ClusterSpec, ModelSpec
+    from relibra_moe.trace import TraceBatch
+
+    def frozen(kind, key):  # a worker frozen in its task, deaf to SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(0.05)
+
+    if __name__ == "__main__":
+        counts = np.zeros((4, 2, 8), np.int64)
+        counts[:, :, :2] = 3
+        batch = TraceBatch.from_counts(counts, 2).with_micro_batch([0, 0, 1, 1])
+        p = Planner(ModelSpec("t", hidden=64, ffn=64, num_experts=8, top_k=2, num_layers=2),
+                    ClusterSpec(nodes=1, gpus_per_node=2), "relibra", replica_slots=1, workers=1, executor="process",
+                    deadline_s=1.0, task_hook=frozen, iters=50, locality_iters=20, num_seeds=1, rounds=1,
+                    price_replicas=False, portfolio=False)
+        plan = p.plan(batch)
+        import multiprocessing
+        alive = [c.pid for c in multiprocessing.active_children() if c.is_alive()]
+        print("PLANNED", plan.stats["fallbacks"], "ALIVE", len(alive), flush=True)
+        if sys.argv[1] == "close":
+            p.close()
+        print("DONE", flush=True)
+""")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("end", ["close", "exit"])
+def test_a_frozen_worker_never_keeps_the_interpreter_alive(end, tmp_path):
+    """The plan returns on its deadline with no worker left alive, and neither ``close()`` nor the interpreter's
+    exit waits for a worker frozen in its task (before: SIGTERM, which the frozen worker ignores, left it running
+    and the exit waiting for it forever)."""
+    script = tmp_path / "frozen.py"
+    script.write_text(FROZEN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, str(script), end], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=90)  # imports take seconds on a loaded box; the hang was forever
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the script's own process group: it and its frozen worker
+        proc.communicate()
+        pytest.fail(f"the interpreter did not exit after the plan ({end})")
+    assert proc.returncode == 0, err[-2000:]
+    assert "PLANNED" in out and "DONE" in out, (out, err[-2000:])
+    assert int(out.split("PLANNED")[1].split()[0]) >= 1  # it did miss the deadline
+    assert out.split("ALIVE")[1].split()[0] == "0"  # no worker outlives the plan that gave up on it
