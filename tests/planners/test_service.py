@@ -181,6 +181,23 @@ def test_other_strategies_delegate():
     assert plan.stats["strategy"] == "lpt"
 
 
+@pytest.mark.parametrize("placement", ["length-balanced", "longest-first"])
+def test_planner_runs_a_baseline_on_a_sample_placement(placement):
+    """The option reaches the service's plans: a baseline on a placement equals plan_batch's, samples included."""
+    from relibra_moe.sample_placements import place_samples
+
+    batch = make_batch()
+    with Planner(MODEL, CLUSTER, strategy="online", replica_slots=1, executor="inline",
+                 sample_placement=placement) as p:
+        plan = p.plan(batch)
+    ref = plan_batch(batch, MODEL, CLUSTER, "online", replica_slots=1, sample_placement=placement)
+    mb, gpu = place_samples(placement, batch.lengths, batch.resolve_micro_batch(), CLUSTER.num_gpus)
+    np.testing.assert_array_equal(plan.samples.micro_batch, mb)
+    np.testing.assert_array_equal(plan.samples.gpu, gpu)
+    np.testing.assert_array_equal(plan.replicas.replica_expert, ref.replicas.replica_expert)
+    assert plan.stats["sample_placement"] == placement
+
+
 def test_invalid_inputs():
     with pytest.raises(PlanError, match="unknown strategy 'nope'"):
         Planner(MODEL, CLUSTER, strategy="nope")
