@@ -172,3 +172,21 @@ def test_on_one_node_nothing_to_gain_moves_nothing(r):
     assert simulate_step(plan, batch, model, cluster).step_s == pytest.approx(
         simulate_step(lb_static, batch, model, cluster).step_s, rel=1e-12)
     assert simulate_step(plan, batch, model, cluster).experts_moved == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_portfolio_ranks_by_the_sum_of_t_moe_when_asked(seed):
+    """``step_objective=False`` (the cost-model objective) with moves and replicas free: the portfolio's scores are
+    the candidates' Σ T_MoE, and relibra's Σ T_MoE is at most static's and online's on every placement."""
+    rng = np.random.default_rng(seed)
+    model = model_preset("gpt-oss-20b").with_(num_layers=2, num_experts=8, top_k=2)
+    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=2)
+    batch = _batch(rng, 2, 8, 2, 16, 4, 2)
+    rel = plan_batch(batch, model, cluster, "relibra", replica_slots=1, step_objective=False, migration=False,
+                     price_replicas=False, **FAST)
+    got = simulate_step(rel, batch, model, cluster).t_moe_s
+    assert got == pytest.approx(rel.stats["portfolio"]["step_s"][rel.stats["portfolio"]["chosen"]], rel=1e-12)
+    for placement in ("round-robin", "length-balanced", "longest-first"):
+        for name, r in (("static", 0), ("online", 1)):
+            other = plan_batch(batch, model, cluster, name, replica_slots=r, sample_placement=placement)
+            assert got <= simulate_step(other, batch, model, cluster).t_moe_s * (1 + 1e-9), (name, placement)
