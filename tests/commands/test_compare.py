@@ -140,3 +140,15 @@ def test_compare_agrees_with_plan_previous_and_simulate(trace_file, tmp_path, ca
             assert got["t_moe_s"] == pytest.approx(row["t_moe_s"], rel=1e-12)
             prev = plan
     assert res["strategies"]["online"]["per_step"][0]["replica_mode"] == "after-router"
+
+
+def test_placements_flag_is_checked_against_the_known_placements():
+    from relibra_moe.commands.compare import parse_placements
+    from relibra_moe.errors import PlanError
+    from relibra_moe.sample_placements import SAMPLE_PLACEMENTS
+
+    assert parse_placements(",".join(SAMPLE_PLACEMENTS)) == list(SAMPLE_PLACEMENTS)
+    for text, match in (("round-robin,packed", "unknown sample placement 'packed'"), (" , ", "names no sample"),
+                        ("longest-first,longest-first", "names 'longest-first' twice")):
+        with pytest.raises(PlanError, match=match):
+            parse_placements(text)

@@ -394,6 +394,8 @@ def test_defaults_are_plan_options_defaults():
     (["--replica-slots", "2"], "replica_slots", 2),
     (["--workers", "2"], "workers", 2),
     (["--seed", "9"], "seed", 9),
+    (["--sample-placement", "length-balanced"], "sample_placement", "length-balanced"),
+    (["--sample-placement", "longest-first"], "sample_placement", "longest-first"),
 ])
 def test_each_flag_sets_its_option(flags, field, value):
     opts = _options(*flags)
