@@ -349,14 +349,19 @@ Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]
 def portfolio_placements(ctx: PlanContext) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The sample placements the portfolio's baseline candidates run on, by candidate-name suffix: the trainer's
     (``""``) when it owns the samples; else round-robin (``""``) and every other placement of
-    ``sample_placements.SAMPLE_PLACEMENTS`` (``"@" + name``). Each ``(micro_batch [N], gpu [N])``, int64."""
+    ``sample_placements.SAMPLE_PLACEMENTS`` (``"@" + name``; with ``keep_cell_sizes`` only those whose (micro-batch,
+    GPU) cells hold equal counts, besides the call's start). Each ``(micro_batch [N], gpu [N])``, int64."""
     if ctx.trainer_owned:
         return {"": (ctx.micro_batch, ctx.sample_gpu)}
     mb0 = ctx.batch.resolve_micro_batch()
     G = ctx.cluster.num_gpus
     out = {"": (mb0, round_robin_gpus(mb0, G))}
     for name in SAMPLE_PLACEMENTS[1:]:
-        out["@" + name] = place_samples(name, ctx.lengths, mb0, G)
+        mb, sg = place_samples(name, ctx.lengths, mb0, G)
+        cells = np.bincount(mb * G + sg, minlength=ctx.num_micro_batches * G)
+        if ctx.options.keep_cell_sizes and cells.min() != cells.max() and name != ctx.options.placement_for("relibra"):
+            continue  # a trainer with a fixed per-rank micro-batch size could not follow it (sample_order)
+        out["@" + name] = (mb, sg)
     return out
 
 
