@@ -22,7 +22,7 @@ have ``lengths [N]`` tokens and the micro-batch assignment ``micro_batch [N]`` (
   its M micro-batches.
 - ``longest-first`` (``longest_first``): per micro-batch of the batch, the longest sample first (ties: the lower
   index) onto the GPU with the fewest tokens so far (ties: the lower GPU id). Token balance per micro-batch, as
-  packers that balance tokens per step do (slime, NeMo-RL); sample counts per GPU may differ.
+  token-budget packers group samples (slime's and NeMo-RL's dynamic batching); sample counts per GPU may differ.
 
 Same inputs, same placement (no randomness). docs/baselines.md, "Sample placements", says which framework does
 what.
