@@ -14,7 +14,9 @@ the simulator on that chain:
   of the forward T_MoE over micro-batches and layers with moves free (``t_moe_s``), and the simulated step with
   the moves, the replica traffic and the reorder traffic charged to every strategy alike (``step_s``,
   ``sim.simulate_step`` with ``previous`` = the strategy's last placement);
-- the first step (from the static placement) is reported apart from the steady state (steps 2..K).
+- the first step (from the static placement) is reported apart from the steady state (steps 2..K);
+- ``run_steady(placements=...)`` also runs the baselines on other sample placements (``sample_placements``: verl's
+  length-balanced ``balance_batch``, longest-first), rows ``"strategy@placement"``; relibra places its own samples.
 
 Batch sequences: ``consecutive_batches`` splits a trace in arrival (file) order into K consecutive batches
 (e.g. the real GPT-OSS trace); ``drifting_batches`` builds synthetic RL batches whose domain mix drifts from
