@@ -25,6 +25,17 @@ Usage::
 
 The recorded grid uses the ``hopper-rail`` preset (raw link rates, the planners' tuning reference); ``--cluster``
 re-runs it on another preset (e.g. ``h100``, the default of the CLI since issue 24: achieved rates with sources).
+
+``--placements`` (issue 27) runs the length-balanced grid instead (``LB_CELLS``, results in
+``results/never_lose_placements/``, the CLI's default cluster): static, eplb-history and online on round-robin
+(Megatron) and on verl's length-balanced ``balance_batch`` placement (``relibra_moe.sample_placements``), and
+relibra's default plan, on EP 1x8, 2x4, 2x8 and 4x4, real GPT-OSS-20B (703 requests, micro-batches of 44, 4
+consecutive batches, 24 layers) and synthetic qwen3-30b (mixed, 128 prompts x 4, micro-batches of 32, 4 of 48
+layers, one batch; ``relibra trace synth`` then ``--layers 4``), r = 2: the cells of issue 27's table and their
+neighbours. Per cell: every row's steady step and relibra's over the best of each placement.
+
+    python bench/never_lose.py --placements          # run the missing cells, then print the table
+    python bench/never_lose.py --placements --table
 """
 
 from __future__ import annotations
@@ -83,6 +94,89 @@ CELLS: list[tuple[str, int, int, int, tuple[int, int], int, int, str | None, int
     ("qwen3-235b-a22b", 48, 2, 24, (2, 4), 2, 1, "mixed", 4),
     ("qwen3-235b-a22b", 32, 3, 16, (4, 4), 1, 4, "math", 2),
 ]
+
+
+LB_STRATEGIES = ("static", "eplb-history", "online", "relibra")
+LB_PLACEMENTS = ("round-robin", "length-balanced")
+LB_OUT = RESULTS / "never_lose_placements"
+# (data, (nodes, gpus per node)): "gpt-oss" = the whole real trace, 703 requests, micro-batches of 44, K = 4, 24
+# layers; "qwen3-30b" = synthetic mixed, 128 prompts x 4, micro-batches of 32, 4 layers, K = 1
+LB_CELLS: list[tuple[str, tuple[int, int]]] = [(d, ep) for d in ("gpt-oss", "qwen3-30b")
+                                               for ep in ((1, 8), (2, 4), (2, 8), (4, 4))]
+
+
+def lb_cell_name(i: int) -> str:
+    data, (nodes, gpn) = LB_CELLS[i]
+    return f"{i:02d}-{data}-{nodes}x{gpn}"
+
+
+def lb_build(i: int):
+    """``(batches, model, cluster)`` of length-balanced cell ``i`` (the CLI's default cluster preset)."""
+    from relibra_moe.specs import DEFAULT_CLUSTER
+
+    data, (nodes, gpn) = LB_CELLS[i]
+    cluster = cluster_preset(DEFAULT_CLUSTER, nodes=nodes, gpus_per_node=gpn)
+    if data == "gpt-oss":
+        from relibra_moe.datasets import gpt_oss_batch
+
+        return consecutive_batches(gpt_oss_batch().with_micro_batch_size(44), 4), model_preset(GPTOSS), cluster
+    from relibra_moe.synthetic import rl_batch
+
+    full = model_preset("qwen3-30b-a3b")  # synthesized at full depth, as `relibra trace synth` does, then cut
+    batch = rl_batch(full, "mixed", 128, 4, seed=0, micro_batch_size=32).restrict_layers(4)
+    return [batch], full.with_(num_layers=4), cluster
+
+
+def run_lb_cell(i: int) -> dict[str, Any]:
+    batches, model, cluster = lb_build(i)
+    t0 = time.perf_counter()
+    res = run_steady(batches, model, cluster, LB_STRATEGIES, replica_slots=2, seed=0, workers=1,
+                     placements=LB_PLACEMENTS)
+    steps = {s: step_of(res, s) for s in res["strategies"]}
+    best = {p: min((v, s) for s, v in steps.items() if s != "relibra" and (("@" in s) == (p != LB_PLACEMENTS[0])))
+            for p in LB_PLACEMENTS}
+    chosen = [row.get("portfolio") for row in res["strategies"]["relibra"]["per_step"]]
+    return {"cell": lb_cell_name(i), "cluster": cluster.name, "steps": steps,
+            "best": {p: {"strategy": s, "step_s": v} for p, (v, s) in best.items()},
+            "relibra_over_best": {p: steps["relibra"] / v for p, (v, _) in best.items()},
+            "relibra_never_slower": all(steps["relibra"] <= v * (1 + 1e-12) for v, _ in best.values()),
+            "portfolio": chosen, "seconds": time.perf_counter() - t0, "machine": platform.machine(), "detail": res}
+
+
+def lb_table() -> str:
+    rows = [s if p == LB_PLACEMENTS[0] else f"{s}@{p}" for p in LB_PLACEMENTS for s in LB_STRATEGIES[:-1]]
+    lines = ["| cell | " + " | ".join(r.replace("@", ", ") for r in rows) + " | relibra | relibra / best "
+             "round-robin | relibra / best length-balanced | portfolio chose |",
+             "|---|" + "---:|" * (len(rows) + 3) + "---|"]
+    for i in range(len(LB_CELLS)):
+        f = LB_OUT / f"{lb_cell_name(i)}.json"
+        if not f.exists():
+            lines.append(f"| {lb_cell_name(i)} | (not run) |")
+            continue
+        d = json.loads(f.read_text())
+        st, ob = d["steps"], d["relibra_over_best"]
+        chosen = ", ".join(sorted({c for c in d["portfolio"] if c}))
+        lines.append(f"| {d['cell']} | " + " | ".join(f"{st[r]:.4f}" for r in rows) + f" | **{st['relibra']:.4f}** | "
+                     + " | ".join(f"{ob[p]:.4f}" for p in LB_PLACEMENTS) + f" | {chosen} |")
+    return "\n".join(lines)
+
+
+def main_placements(args: argparse.Namespace) -> None:
+    if not args.table:
+        LB_OUT.mkdir(parents=True, exist_ok=True)
+        for i in args.cells if args.cells else range(len(LB_CELLS)):
+            f = LB_OUT / f"{lb_cell_name(i)}.json"
+            if f.exists():
+                continue
+            d = run_lb_cell(i)
+            f.write_text(json.dumps(d, default=json_default, indent=1))
+            print(f"{d['cell']}: relibra {d['steps']['relibra']:.4f} s, over the best round-robin / length-balanced "
+                  + " / ".join(f"{v:.4f}" for v in d["relibra_over_best"].values()) + f", {d['seconds']:.0f} s",
+                  flush=True)
+    print(lb_table())
+    done = [json.loads(f.read_text()) for f in sorted(LB_OUT.glob("*.json"))]
+    print(f"\nrelibra never slower than static, eplb-history and online on either placement in "
+          f"{sum(d['relibra_never_slower'] for d in done)} of {len(done)} cells")
 
 
 def cell_name(i: int) -> str:
@@ -155,7 +249,13 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="print the markdown table from the files and exit")
     ap.add_argument("--cluster", default=CLUSTER, help=f"cluster preset (default {CLUSTER}); another one writes "
                                                         "results/never_lose_<preset>/")
+    ap.add_argument("--placements", action="store_true",
+                    help="the length-balanced grid (LB_CELLS): baselines on round-robin and on verl's length-balanced "
+                         "placement against relibra")
     args = ap.parse_args()
+    if args.placements:
+        main_placements(args)
+        return
     if args.cluster != CLUSTER:
         CLUSTER, OUT = args.cluster, RESULTS / f"never_lose_{args.cluster}"
     if not args.table:

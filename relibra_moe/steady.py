@@ -14,7 +14,9 @@ the simulator on that chain:
   of the forward T_MoE over micro-batches and layers with moves free (``t_moe_s``), and the simulated step with
   the moves, the replica traffic and the reorder traffic charged to every strategy alike (``step_s``,
   ``sim.simulate_step`` with ``previous`` = the strategy's last placement);
-- the first step (from the static placement) is reported apart from the steady state (steps 2..K).
+- the first step (from the static placement) is reported apart from the steady state (steps 2..K);
+- ``run_steady(placements=...)`` also runs the baselines on other sample placements (``sample_placements``: verl's
+  length-balanced ``balance_batch``, longest-first), rows ``"strategy@placement"``; relibra places its own samples.
 
 Batch sequences: ``consecutive_batches`` splits a trace in arrival (file) order into K consecutive batches
 (e.g. the real GPT-OSS trace); ``drifting_batches`` builds synthetic RL batches whose domain mix drifts from
@@ -35,6 +37,7 @@ from .plan import BatchPlan
 from .planners.history import EplbSchedule
 from .planners.options import HISTORY_STRATEGIES, RELIBRA_STRATEGIES, REPLICA_STRATEGIES
 from .planners.strategies import check_strategy, plan_batch
+from .sample_placements import PLACEMENT_USERS, SAMPLE_PLACEMENTS
 from .sim import StepResult, simulate_step
 from .specs import ClusterSpec, ModelSpec
 from .trace import TraceBatch
@@ -248,12 +251,18 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
                strategies: Sequence[str] = DEFAULT_STRATEGIES, *, replica_slots: int = 2, seed: int = 0,
                workers: int = 1, rebalance_every: int = 1, window: int = 1, reference: str = "relibra",
                progress: Callable[[str, int], None] | None = None, sample_owner: str = "planner",
-               sample_gpu: Sequence[Any] | None = None) -> dict[str, Any]:
+               sample_gpu: Sequence[Any] | None = None,
+               placements: Sequence[str] = ("round-robin",)) -> dict[str, Any]:
     """The steady-state comparison (JSON-ready): every strategy through ``plan_steady`` on the same batches.
 
     ``sample_owner``: "planner" (the strategies place the samples), "trainer" (every strategy keeps the trainer's
     ranks ``sample_gpu``, one int ``[N_k]`` per batch, default round-robin) or "both" (every strategy in both
     modes on the same batches: the planner-owned rows, then the trainer-owned ones).
+
+    ``placements`` (``sample_placements.SAMPLE_PLACEMENTS``, the first one plain, the others as rows
+    ``"name@placement"``): planner-owned, every strategy that does not place samples (not relibra*) runs once per
+    placement (option ``sample_placement``), relibra* once from its own start; trainer-owned without
+    ``sample_gpu``, every strategy runs once per placement as the trainer's.
 
     Returns:
         ``{"num_batches", "tokens_per_batch", "replica_slots", "rebalance_every", "window", "sample_owner",
@@ -265,13 +274,18 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
         planner-owned ones (> 1: what the trainer's placement costs).
     """
     check_choice("sample_owner", sample_owner, ("planner", "trainer", "both"))
+    if not placements:
+        raise PlanError("placements names no sample placement; give at least one of "
+                        f"{SAMPLE_PLACEMENTS}")
+    for p in placements:
+        check_choice("placements", p, SAMPLE_PLACEMENTS)
     out: dict[str, Any] = {
         "num_batches": len(batches), "tokens_per_batch": [int(b.num_tokens) for b in batches],
         "samples_per_batch": [int(b.num_sequences) for b in batches],
         "model": model.name, "layers": model.num_layers,
         "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         "replica_slots": int(replica_slots), "rebalance_every": int(rebalance_every), "window": int(window),
-        "seed": int(seed), "sample_owner": sample_owner, "strategies": {},
+        "seed": int(seed), "sample_owner": sample_owner, "placements": list(placements), "strategies": {},
         "metrics": {"t_moe_s": "sum of the forward T_MoE over micro-batches and layers, moves free (the paper's "
                                "metric)",
                     "step_s": "simulated training step: attention + MoE forward/backward, replica traffic and the "
@@ -281,10 +295,16 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
     runs: dict[str, dict[str, Any]] = {m: {} for m in modes}
     for mode in modes:
         for s in strategies:
-            _, rows = plan_steady(batches, model, cluster, s, replica_slots=replica_slots, seed=seed, workers=workers,
-                                  rebalance_every=rebalance_every, window=window, progress=progress,
-                                  sample_owner=mode, sample_gpu=sample_gpu if mode == "trainer" else None)
-            runs[mode][s] = {"per_step": rows, **summarize(rows)}
+            for i, p in enumerate(placements):
+                ranks = sample_gpu if mode == "trainer" else None
+                own = mode == "planner" and s in RELIBRA_STRATEGIES  # places the samples itself
+                if i and (ranks is not None or own):
+                    continue
+                opts = {"sample_placement": p} if ranks is None and not own and p != "round-robin" else {}
+                _, rows = plan_steady(batches, model, cluster, s, replica_slots=replica_slots, seed=seed,
+                                      workers=workers, rebalance_every=rebalance_every, window=window,
+                                      progress=progress, sample_owner=mode, sample_gpu=ranks, **opts)
+                runs[mode][s if i == 0 else f"{s}@{p}"] = {"per_step": rows, **summarize(rows)}
     out["strategies"] = runs[modes[0]]
     st = out["strategies"]
     if reference in st:
@@ -299,11 +319,17 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
             out["trainer_speedup"] = {s: ref["steady"]["tokens_per_s"] / v["steady"]["tokens_per_s"]
                                       for s, v in tr.items()}
         out["trainer_gap"] = {s: {k: tr[s]["steady"][k] / st[s]["steady"][k] for k in ("step_s", "t_moe_s")}
-                              for s in strategies}
+                              for s in tr if s in st}
     return out
 
 
 # ----------------------------------------------------------------------------------------- report
+def row_label(name: str) -> str:
+    """A table row's label: ``"static@length-balanced"`` -> ``"static, length-balanced"`` (the caption says what
+    each placement is: ``sample_placements.PLACEMENT_USERS``)."""
+    return name.replace("@", ", ", 1)
+
+
 def steady_table(res: dict[str, Any], title: str | None = None) -> Any:
     """A rich Table of a ``run_steady`` result: per strategy the first step, the steady-state sum of T_MoE
     (moves free) and step (moves charged), experts moved, rank skew, solve seconds, and the reference's
@@ -331,7 +357,12 @@ def steady_table(res: dict[str, Any], title: str | None = None) -> Any:
                       + (f" samples: who placed them (planner: the strategy chose every sample's rank; trainer: "
                          f"the trainer's ranks kept, only homes, replicas and splits planned; x {ref} of both "
                          f"blocks is against the planner-placed {ref}); trainer/planner: the trainer-placed "
-                         f"step over the planner-placed one." if both else ""))
+                         f"step over the planner-placed one." if both else "")
+                      + (" Rows 'strategy, placement': the strategy on that sample placement ("
+                         + "; ".join(f"{p}: {PLACEMENT_USERS[p]}" for p in res["placements"][1:])
+                         + "; length-balanced is on by default in verl: what a verl user already has); the plain "
+                         f"rows run on {res['placements'][0]}; relibra places its own samples (from "
+                         "length-balanced)." if len(res.get("placements", ())) > 1 else ""))
     t.add_column("strategy")
     if both:
         t.add_column("samples")
@@ -349,11 +380,12 @@ def steady_table(res: dict[str, Any], title: str | None = None) -> Any:
     for mode, runs, speedup in blocks:
         for name, v in runs.items():
             s = v["steady"]
-            row = [name] + ([mode] if both else []) + ([f"{v['first']['step_s']:.4f}"] if steady else [])
+            row = [row_label(name)] + ([mode] if both else []) + ([f"{v['first']['step_s']:.4f}"] if steady else [])
             row += [f"{s['t_moe_s']:.4f}", f"{s['step_s']:.4f}", f"{s['experts_moved']:.0f}",
                     f"{s['rank_skew_mean']:.3f}", f"{s['solve_s']:.2f}",
                     f"{speedup[name]:.3f}" if speedup else "-"]
             if both:
-                row.append(f"{res['trainer_gap'][name]['step_s']:.3f}" if mode == "trainer" else "")
+                gap = res["trainer_gap"].get(name)
+                row.append(f"{gap['step_s']:.3f}" if mode == "trainer" and gap else "")
             t.add_row(*row, end_section=both and mode == "planner" and name == list(runs)[-1])
     return t

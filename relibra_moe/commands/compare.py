@@ -16,6 +16,12 @@ with the expert-GEMM rate at each end of the band and adds ``rate_band`` to the 
 steady speedup over every strategy at each end (docs/method.md, "Rates": the rate at a model's own expert shape is
 a band where it was not measured).
 
+``--placements a,b`` (``sample_placements.SAMPLE_PLACEMENTS``; default round-robin,length-balanced): the baselines
+(every strategy but relibra*, which places its samples itself, from the length-balanced placement) run on each
+placement; the rows after the first placement's are labelled with theirs ("static, length-balanced (verl's
+balance_batch)": what a verl user already has). With ``--sample-owner trainer`` every strategy runs on each
+placement as the trainer's.
+
 ``--sample-owner trainer`` plans every strategy for the trainer's own sample placement (``--sample-gpu FILE.npy``,
 default round-robin within each micro-batch): only expert homes, replicas and splits are planned.
 ``--sample-owner both`` prints both modes on one table, the trainer-owned rows under the planner-owned ones, with
@@ -30,6 +36,7 @@ from typing import Any
 
 from ..atomic import write_text
 from ..errors import PlanError
+from ..sample_placements import SAMPLE_PLACEMENTS
 from ..specs import DEFAULT_CLUSTER
 from .plan import (
     add_cluster_args,
@@ -43,6 +50,9 @@ from .plan import (
 )
 
 DEFAULT_COMPARE = "static,eplb,eplb-history,online,relibra"
+DEFAULT_PLACEMENTS = "round-robin,length-balanced"
+"""The baselines' sample placements ``relibra compare`` shows by default: Megatron's round-robin and verl's
+length-balanced ``balance_batch`` (what a verl user already has; ``sample_placements``)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,6 +89,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rate-band", nargs="?", const="default", default=None, metavar="LO,HI",
                    help="also run at the ends of the expert-GEMM rate band, TFLOP/s (default 300,600: "
                         "specs.GEMM_RATE_BAND); the JSON's rate_band has the speedups there")
+    p.add_argument("--placements", default=DEFAULT_PLACEMENTS,
+                   help=f"comma-separated sample placements the baselines run on (default {DEFAULT_PLACEMENTS}; "
+                        f"known: {', '.join(SAMPLE_PLACEMENTS)}); relibra places its own samples")
     p.add_argument("--seed", type=int, default=0, help="plan seed")
     p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the full result as JSON to OUT")
@@ -101,13 +114,28 @@ def parse_strategies(text: str) -> list[str]:
     return names
 
 
+def parse_placements(text: str) -> list[str]:
+    """The sample placements of ``a,b`` (PlanError for an unknown or repeated name, or an empty list)."""
+    names = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not names:
+        raise PlanError(f"--placements={text!r} names no sample placement; known: {', '.join(SAMPLE_PLACEMENTS)}")
+    for p in names:
+        if p not in SAMPLE_PLACEMENTS:
+            raise PlanError(f"--placements: unknown sample placement {p!r}; known: {', '.join(SAMPLE_PLACEMENTS)}")
+    dup = sorted({p for p in names if names.count(p) > 1})
+    if dup:
+        raise PlanError(f"--placements names {dup[0]!r} twice")
+    return names
+
+
 def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: int = 8, *,
                  strategies: str = DEFAULT_COMPARE, cluster_name: str = DEFAULT_CLUSTER, replica_slots: int = 2,
                  micro_batch_size: int | None = None, layers: int | None = None, batches: int = 1,
                  rebalance_every: int = 1, window: int = 1, seed: int = 0, workers: int = 1,
                  sample_owner: str = "planner", sample_gpu_path: str | None = None,
                  cluster_profile: str | None = None, dispatcher: str | None = None,
-                 overlap: str | None = None, rate_band: tuple[float, float] | None = None) -> dict[str, Any]:
+                 overlap: str | None = None, rate_band: tuple[float, float] | None = None,
+                 placements: str = DEFAULT_PLACEMENTS) -> dict[str, Any]:
     """Load the trace, run the comparison, return the JSON-ready result (what ``--json OUT`` writes).
 
     ``sample_owner``: "planner", "trainer" or "both" (``steady.run_steady``); ``sample_gpu_path``: the trainer's
@@ -115,6 +143,7 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     ``rate_band``: ``(low, high)`` expert-GEMM FLOP/s; every strategy runs again at each (``rate_band`` in the
     result: ``{"flops": [low, high], "speedup": {"low": {...}, "high": {...}}}``, the reference's steady
     speedups; a cluster profile's GEMM curve is dropped there: the band replaces the rate).
+    ``placements``: the baselines' sample placements, ``a,b`` (``parse_placements``; ``steady.run_steady``).
 
     Raises:
         PlanError / TraceError: a bad argument (named with its value), a trace for another model, a trace
@@ -126,6 +155,7 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     from ..validate import check_choice
 
     names = parse_strategies(strategies)
+    places = parse_placements(placements)
     check_choice("--sample-owner", sample_owner, ("planner", "trainer", "both"))
     for flag, v, lo in (("--replica-slots", replica_slots, 0), ("--batches", batches, 1),
                         ("--rebalance-every", rebalance_every, 1), ("--window", window, 1), ("--seed", seed, 0),
@@ -153,12 +183,12 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     res = run_steady(seq, model, cluster, names, replica_slots=replica_slots, seed=seed, workers=workers,
                      rebalance_every=rebalance_every, window=window,
                      reference="relibra" if "relibra" in names else names[0], sample_owner=sample_owner,
-                     sample_gpu=per_batch)
+                     sample_gpu=per_batch, placements=places)
     if rate_band is not None:
         res["rate_band"] = _rate_band(rate_band, seq, model, cluster, names, replica_slots=replica_slots, seed=seed,
                                       workers=workers, rebalance_every=rebalance_every, window=window,
                                       reference=res.get("reference", names[0]), sample_owner=sample_owner,
-                                      sample_gpu=per_batch)
+                                      sample_gpu=per_batch, placements=places)
     if sample_owner != "planner":
         res["sample_gpu"] = "round-robin" if sample_gpu_path is None else str(sample_gpu_path)
     res.update({"trace": str(trace_path), "mode": "steady" if batches > 1 else "single",
@@ -211,10 +241,10 @@ def run(args: argparse.Namespace) -> int:
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
                        workers=args.workers, sample_owner=args.sample_owner, sample_gpu_path=args.sample_gpu,
                        cluster_profile=args.cluster_profile, dispatcher=args.dispatcher, overlap=args.overlap,
-                       rate_band=parse_rate_band(args.rate_band))
+                       rate_band=parse_rate_band(args.rate_band), placements=args.placements)
     console = Console()
     if not console.is_terminal:  # a pipe or a file: keep the table's rows and title unwrapped
-        console = Console(width=max(console.width, 160))
+        console = Console(width=max(console.width, 200))
     console.print(steady_table(res))
     if args.json:
         write_text(args.json, json.dumps(res, indent=2, default=json_default))

@@ -146,21 +146,29 @@ SAMPLE_OWNERS = ("planner", "trainer", "both")
 strategy in both modes (the trainer-owned runs labelled ``"<strategy> (trainer)"``)."""
 
 
-def strategy_runs(sc: Scenario, strategies: list[str], sample_owner: str = "planner"
-                  ) -> list[tuple[str, str, bool, str]]:
-    """``(label, strategy, repack, sample_owner)`` of every plan the scenario needs. The ``+repack`` runs move
-    samples between micro-batches, so they are planner-owned only."""
-    from ..planners.strategies import REPACK_COMPARED
+DEMO_PLACEMENT = "length-balanced"
+"""The second sample placement the demo runs every baseline on (beside round-robin): verl's ``balance_batch``,
+what a verl user already has (``sample_placements``); relibra* place their own samples."""
 
-    runs: list[tuple[str, str, bool, str]] = []
+
+def strategy_runs(sc: Scenario, strategies: list[str], sample_owner: str = "planner"
+                  ) -> list[tuple[str, str, bool, str, str | None]]:
+    """``(label, strategy, repack, sample_owner, sample_placement)`` of every plan the scenario needs. The
+    ``+repack`` runs move samples between micro-batches, so they are planner-owned only; the baselines (not
+    relibra*, not balanced) also run on ``DEMO_PLACEMENT``, labelled ``"<strategy>, length-balanced (verl)"``."""
+    from ..planners.strategies import RELIBRA_STRATEGIES, REPACK_COMPARED
+
+    runs: list[tuple[str, str, bool, str, str | None]] = []
     if sample_owner in ("planner", "both"):
-        runs += [(s, s, False, "planner") for s in strategies]
+        runs += [(s, s, False, "planner", None) for s in strategies]
+        runs += [(f"{s}, {DEMO_PLACEMENT} (verl)", s, False, "planner", DEMO_PLACEMENT) for s in strategies
+                 if s not in RELIBRA_STRATEGIES and s != "balanced" and len(strategies) > 1]
         if sc.repack and len(strategies) > 1:
-            runs += [(f"{s}+repack", s, True, "planner") for s in REPACK_COMPARED if s in strategies]
+            runs += [(f"{s}+repack", s, True, "planner", None) for s in REPACK_COMPARED if s in strategies]
     if sample_owner == "trainer":
-        runs += [(s, s, False, "trainer") for s in strategies]
+        runs += [(s, s, False, "trainer", None) for s in strategies]
     elif sample_owner == "both":
-        runs += [(f"{s} (trainer)", s, False, "trainer") for s in strategies]
+        runs += [(f"{s} (trainer)", s, False, "trainer", None) for s in strategies]
     return runs
 
 
@@ -198,19 +206,22 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
     }
     results: dict[str, Any] = {}
     details: dict[str, Any] = {}
-    for label, strategy, repack, owner in strategy_runs(sc, strategies, sample_owner):
+    for label, strategy, repack, owner, placement in strategy_runs(sc, strategies, sample_owner):
         if starting is not None:
             starting(label)
         t1 = time.perf_counter()
         r = sc.replica_slots if strategy in REPLICA_STRATEGIES else 0
         owner_kw = {"sample_owner": owner} if owner != "planner" else {}
+        if placement is not None:
+            owner_kw["sample_placement"] = placement
         plan = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=seed, workers=workers,
                           repack=repack, **owner_kw)
         solve_s = time.perf_counter() - t1
         step = simulate_step(plan, batch, model, cluster, balanced=strategy == "balanced")
         results[label] = {
             **StepResult.of(plan, step, solve_s).to_dict(), "strategy": strategy, "repack": repack,
-            "sample_owner": owner, "rank_skew_per_micro_batch": step.rank_skew.mean(axis=1).tolist(),
+            "sample_owner": owner, "sample_placement": placement or "round-robin",
+            "rank_skew_per_micro_batch": step.rank_skew.mean(axis=1).tolist(),
         }
         details[label] = step
         if advance is not None:

@@ -137,6 +137,28 @@ def add_sample_owner_flags(p: argparse.ArgumentParser, both: bool) -> None:
                         "owns them and only expert homes, replicas and splits are planned"
                         + ("; both: every strategy in both modes, one table" if both else ""))
     p.add_argument("--sample-gpu", default=None, metavar="FILE.npy", help=SAMPLE_GPU_HELP)
+    if not both:
+        add_sample_placement_flag(p)
+
+
+def placement_of(plan: BatchPlan) -> str:
+    """The sample placement a plan started from (its ``stats``): ``sample_placement`` when recorded, "given ranks"
+    for a trainer's ``sample_gpu``, else "round-robin" (plans record nothing for it)."""
+    if "sample_placement" in plan.stats:
+        return str(plan.stats["sample_placement"])
+    return "given ranks" if "sample_gpu" in plan.stats.get("options", {}) else "round-robin"
+
+
+def add_sample_placement_flag(p: argparse.ArgumentParser) -> None:
+    """``--sample-placement`` (``PlanOptions.sample_placement``; choices ``sample_placements.SAMPLE_PLACEMENTS``)."""
+    from ..sample_placements import PLACEMENT_USERS, SAMPLE_PLACEMENTS
+
+    p.add_argument("--sample-placement", choices=SAMPLE_PLACEMENTS, default=None,
+                   help="the samples' placement before planning: "
+                        + ", ".join(f"{k} ({v})" for k, v in PLACEMENT_USERS.items())
+                        + "; the strategies that do not place samples run on it, relibra's locality starts from it, "
+                          "with --sample-owner trainer it is the trainer's (default: relibra starts from "
+                          "length-balanced, everything else runs on round-robin)")
 
 
 def load_sample_gpu(path: str | None, owner: str, num_samples: int) -> np.ndarray | None:
@@ -295,6 +317,8 @@ def plan_options(args: argparse.Namespace, *, previous: Placement | None = None,
             kw[name] = value
     if getattr(args, "sample_owner", "planner") != "planner":
         kw["sample_owner"] = args.sample_owner
+    if getattr(args, "sample_placement", None) is not None:
+        kw["sample_placement"] = args.sample_placement
     return PlanOptions.from_kwargs(**kw)
 
 
@@ -390,6 +414,7 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
     out["repack"] = bool(args.repack)
     out["seed"] = args.seed
     out["sample_owner"] = plan.stats.get("sample_owner", "planner")
+    out["sample_placement"] = placement_of(plan)
     return out
 
 
@@ -410,6 +435,7 @@ def score_file(trace_path: str, plan_path: str, model_name: str | ModelSpec, clu
     out.update(_score(plan, batch, model, cluster, bound, allow_unfingerprinted))
     out.update(_step(plan, batch, model, cluster, previous, previous_path, allow_unfingerprinted))
     out["sample_owner"] = plan.stats.get("sample_owner", "planner")
+    out["sample_placement"] = placement_of(plan)
     return out
 
 
@@ -427,7 +453,8 @@ def _print(res: dict[str, Any], as_json: bool) -> None:
     t.add_column("metric")
     t.add_column("value", justify="right")
     for k in ("t_moe_s", "step_s", "experts_moved", "moe_fwd_comp_s", "moe_fwd_comm_s", "rank_skew_mean",
-              "rank_skew_max", "percent_of_bound", "solve_s", "num_micro_batches", "sample_owner"):
+              "rank_skew_max", "percent_of_bound", "solve_s", "num_micro_batches", "sample_owner",
+              "sample_placement"):
         if k in res:
             v = res[k]
             t.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..specs import DEFAULT_CLUSTER
 from ..timing import REPLICA_MODES
-from .plan import add_cluster_args, add_model_args, load_inputs, load_previous, model_from_args
+from .plan import add_cluster_args, add_model_args, load_inputs, load_previous, model_from_args, placement_of
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,7 +59,8 @@ def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_nam
            "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
                        "dispatcher": cluster.dispatcher, "overlap": cluster.overlap},
            "strategy": plan.stats.get("strategy"), "num_micro_batches": plan.num_micro_batches,
-           "replica_slots": plan.replica_slots, "sample_owner": plan.stats.get("sample_owner", "planner")}
+           "replica_slots": plan.replica_slots, "sample_owner": plan.stats.get("sample_owner", "planner"),
+           "sample_placement": placement_of(plan)}
     out.update(step.to_dict())
     return out
 
@@ -88,5 +89,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"tokens {res['tokens']:,}  throughput {res['tokens_per_s']:,.0f} tokens/s  "
                   f"rank skew {res['rank_skew_mean']:.3f}  experts moved {res['experts_moved']}  "
-                  f"replica mode {res['replica_mode']}  samples placed by the {res['sample_owner']}")
+                  f"replica mode {res['replica_mode']}  samples placed by the {res['sample_owner']} "
+                  f"({res['sample_placement']})")
     return 0

@@ -391,8 +391,23 @@ def rows_objective_exact(st, cf, n_plus, n_minus, j1, j2, nvm, rdm, cc, tnv, trd
 
 
 @njit(cache=True)
+def _row_max(row, ja, da, jb, db):
+    """``max_g row[g]`` after ``row[ja] += da`` and (``jb >= 0``) ``row[jb] += db``, without changing ``row``."""
+    out = -1e300
+    for g in range(row.shape[0]):
+        v = row[g]
+        if g == ja:
+            v += da
+        if g == jb:
+            v += db
+        if v > out:
+            out = v
+    return out
+
+
+@njit(cache=True)
 def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, smooth, repack, cap1, cap2,
-                   token_cap, t0_frac, eps_frac, iters, seed, swap_only=False):
+                   token_cap, t0_frac, eps_frac, iters, seed, swap_only, att, att_w):
     """Simulated annealing of where samples run, experts frozen.
 
     Moves: swap the GPUs of two samples of one micro-batch; move one sample to another GPU of its
@@ -408,10 +423,13 @@ def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, s
         tok1, tok2: float64 ``[N]`` tokens and tokens squared of each sample.
         mb0, gpu0: int64 ``[N]`` starting micro-batch and GPU of each sample.
         M: number of micro-batches.
+        att, att_w: float64 ``[N]`` seconds of each sample's local stage (one layer) and the weight of each
+            micro-batch's slowest GPU's sum of them in the objective (``att_w`` 0: not charged).
 
     Returns:
         (micro_batch int64 [N], gpu int64 [N], best objective, starting objective), the objective
-        being the sum over micro-batches and layers of the (smoothed or exact) T_MoE in seconds.
+        being the sum over micro-batches and layers of the (smoothed or exact) T_MoE in seconds (plus
+        ``att_w x max_g`` local seconds per micro-batch).
     """
     N, L, G = cf.shape
     np.random.seed(seed)
@@ -420,9 +438,16 @@ def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, s
     st = sample_states(cf, mb, gpu, M, nvm, rdm)
     buf = np.zeros(G)
     objm = np.zeros(M)
+    wa = np.zeros((M, G))
+    charge = att_w > 0.0
+    if charge:
+        for n in range(N):
+            wa[mb[n], gpu[n]] += att[n]
     cur = 0.0
     for m in range(M):
         objm[m] = mb_objective(st[m], cc, tnv, trd, beta, smooth, buf)
+        if charge:
+            objm[m] += att_w * _row_max(wa[m], -1, 0.0, -1, 0.0)
         cur += objm[m]
     start = cur
     best = cur
@@ -526,6 +551,14 @@ def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, s
         else:
             o1 = rows_objective_exact(st[m1], cf, n2, n1, j1, -1, nvm, rdm, cc, tnv, trd, buf)
             o2 = rows_objective_exact(st[m2], cf, n1, n2, j2, -1, nvm, rdm, cc, tnv, trd, buf)
+        da = 0.0
+        if charge:  # cell (m1, j1) loses da, cell (m2, j2) gains it
+            da = att[n1] - (att[n2] if n2 >= 0 else 0.0)
+            if m2 == m1:
+                o1 += att_w * _row_max(wa[m1], j1, -da, j2, da)
+            else:
+                o1 += att_w * _row_max(wa[m1], j1, -da, -1, 0.0)
+                o2 += att_w * _row_max(wa[m2], j2, da, -1, 0.0)
         if m2 == m1:
             new = cur - objm[m1] + o1
         else:
@@ -546,6 +579,9 @@ def anneal_samples(cf, tok1, tok2, mb0, gpu0, M, nvm, rdm, cc, tnv, trd, beta, s
         objm[m1] = o1
         if m2 != m1:
             objm[m2] = o2
+        if charge:
+            wa[m1, j1] -= da
+            wa[m2, j2] += da
         w1[m1, j1] = a1
         w2[m1, j1] = a2
         w1[m2, j2] = b1

@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import PlanError
 from ..evaluate import placement_loads
 from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
+from ..sample_placements import place_samples
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
 from . import baselines
@@ -24,7 +25,7 @@ from .locality import anneal_locality
 from .options import PlanOptions
 from .params import LocalityParams, ReorderParams, baseline_locality_params, locality_params, reorder_params
 
-__all__ = ["PlanContext", "make_plan", "baseline_samples", "previous_expert_gpu", "start_sample_gpu", "eplb_task",
+__all__ = ["PlanContext", "make_plan", "baseline_samples", "previous_expert_gpu", "start_samples", "eplb_task",
            "fallback_homes"]
 
 
@@ -36,9 +37,9 @@ class PlanContext:
         batch: the TraceBatch, with its micro-batch assignment.
         counts: int64 ``[N, L, E]`` tokens per sample, layer and expert.
         lengths: int64 ``[N]`` tokens per sample.
-        micro_batch: int64 ``[N]``; num_micro_batches: M.
-        sample_gpu: int64 ``[N]`` the start (round-robin), or the trainer's ranks when it owns the samples
-            (``options.sample_owner == "trainer"``: kept as given by every strategy).
+        micro_batch, sample_gpu: int64 ``[N]`` the samples' start (``start_samples``: the placement of
+            ``options.placement_for(strategy)``, or the trainer's ranks; with ``options.sample_owner == "trainer"``
+            kept as given by every strategy); num_micro_batches: M, the batch's.
         options: the call's ``PlanOptions``.
         executor: where the planning tasks run.
         fallback_expert_gpu: int64 ``[L, E]`` homes a reorder layer keeps when its tasks fail (None: its start).
@@ -138,9 +139,12 @@ def make_plan(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray,
                      replicas=replicas, num_gpus=G, gpus_per_node=ctx.cluster.gpus_per_node, stats=ctx.stats)
 
 
-def start_sample_gpu(options: PlanOptions, micro_batch: np.ndarray, num_gpus: int) -> np.ndarray:
-    """int64 ``[N]``: every sample's GPU before planning: the trainer's ranks (option ``sample_gpu``, checked
-    here against the batch) when ``sample_owner="trainer"``, else round-robin within each micro-batch.
+def start_samples(options: PlanOptions, strategy: str, lengths: np.ndarray, micro_batch: np.ndarray,
+                  num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 ``(micro_batch [N], gpu [N])``: every sample's place before planning: the trainer's ranks (option
+    ``sample_gpu``, checked here against the batch) in the batch's micro-batches when given, else the placement
+    ``options.placement_for(strategy)`` (``sample_placements.place_samples``; round-robin keeps the batch's
+    micro-batches).
 
     Raises:
         PlanError: ``sample_gpu`` of another length than the batch's N, or a rank outside ``[0, G)`` (naming
@@ -148,7 +152,10 @@ def start_sample_gpu(options: PlanOptions, micro_batch: np.ndarray, num_gpus: in
     """
     mb = np.asarray(micro_batch, dtype=np.int64)
     if options.sample_owner != "trainer" or options.sample_gpu is None:
-        return round_robin_gpus(mb, num_gpus)
+        placement = options.placement_for(strategy)
+        if placement == "round-robin":
+            return mb, round_robin_gpus(mb, num_gpus)
+        return place_samples(placement, lengths, mb, num_gpus)
     sg = np.asarray(options.sample_gpu)
     if sg.shape != mb.shape:
         raise PlanError(f"sample_gpu has {sg.shape[0] if sg.ndim == 1 else sg.shape} entries, the batch has "
@@ -158,11 +165,12 @@ def start_sample_gpu(options: PlanOptions, micro_batch: np.ndarray, num_gpus: in
         i = int(bad[0])
         raise PlanError(f"sample_gpu[{i}] = {int(sg[i])} is outside [0, {num_gpus}): the trainer's rank of every "
                         f"sample must be a GPU of the EP group")
-    return sg.astype(np.int64)
+    return mb, sg.astype(np.int64)
 
 
 def baseline_samples(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Samples for a baseline: round-robin, or annealed with repacking when ``ctx.repack``."""
+    """Samples for a baseline: its start (``ctx.micro_batch`` / ``ctx.sample_gpu``), or annealed with repacking
+    when ``ctx.repack``."""
     if not ctx.repack:
         return ctx.micro_batch, ctx.sample_gpu
     mb, sg, info = anneal_locality(ctx.counts, ctx.lengths, ctx.micro_batch, ctx.sample_gpu, expert_gpu, ctx.model,

@@ -15,7 +15,11 @@ move lowers that cell's work. The cap is ``(1 + tol)`` times the mean over cells
 sample when that is larger (a sample cannot be split).
 
 The objective is the sum over micro-batches and layers of T_MoE (exact by default, or LSE-smoothed as
-``cost.py`` defines it), and the result is kept only if its exact sum of T_MoE is lower than the start's.
+``cost.py`` defines it), with ``comp_weight`` on the compute term (the step's 3 comp + 2 comm, halved, under the
+planners' step objective); with ``charge_attention`` it also charges each micro-batch's slowest GPU's local stage
+(``timing.local_stage``: attention, quadratic in the sample's length, + shared experts) over the L layers at
+``comp_weight``, the step's ``A_fwd + A_bwd`` halved like the MoE terms. The result is kept only if its exact
+objective is lower than the start's.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import numpy as np
 from ..cost import cost_from_flow
 from ..errors import PlanError
 from ..specs import ClusterSpec, ModelSpec
+from ..timing import local_stage
 from ..validate import check_index_range
 from . import _kernels
 from .params import LocalityParams, params_or_fields
@@ -55,10 +60,31 @@ def flows_from_samples(cf: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.n
     return out
 
 
-def _exact_total(cf, mb, sg, M, model, cluster, comp_weight: float = 1.0) -> float:
-    """Sum over cells of ``comp_weight x max_g comp + max_g comm`` (seconds; 1: the sum of T_MoE)."""
+def sample_local_seconds(lengths: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray:
+    """float64 ``[N]``: seconds of one layer's local stage (attention + shared experts) of each sample alone,
+    ``timing.local_stage`` with every sample in a cell of its own (the stage is a sum over a cell's samples)."""
+    n = len(lengths)
+    return local_stage(lengths, np.arange(n), np.zeros(n, np.int64), n, model, cluster)[:, 0]
+
+
+def attention_weight(model: ModelSpec, comp_weight: float, charge_attention: bool) -> float:
+    """Weight of a micro-batch's slowest local stage (seconds, one layer) in the locality objective:
+    ``L x comp_weight`` when charged (``comp_weight`` = ``timing.STEP_COMP_WEIGHT`` is ``(A_fwd + A_bwd) / 2`` per
+    ``A_fwd``, as ``3 comp / 2``), else 0."""
+    return float(model.num_layers * comp_weight) if charge_attention else 0.0
+
+
+def _exact_total(cf, mb, sg, M, model, cluster, comp_weight: float = 1.0, att: np.ndarray | None = None,
+                 att_w: float = 0.0) -> float:
+    """Sum over cells of ``comp_weight x max_g comp + max_g comm`` (seconds; 1: the sum of T_MoE), plus
+    ``att_w x max_g`` of each micro-batch's local seconds ``att [N]`` summed per GPU when ``att_w > 0``."""
     c = cost_from_flow(flows_from_samples(cf, mb, sg, M, cluster.num_gpus), model, cluster)
-    return float((comp_weight * c.comp.max(axis=-1, initial=0.0) + c.comm.max(axis=-1, initial=0.0)).sum())
+    total = float((comp_weight * c.comp.max(axis=-1, initial=0.0) + c.comm.max(axis=-1, initial=0.0)).sum())
+    if att_w > 0.0 and att is not None:
+        cell = np.zeros((M, cluster.num_gpus))
+        np.add.at(cell, (np.asarray(mb, np.int64), np.asarray(sg, np.int64)), att)
+        total += att_w * float(cell.max(axis=1, initial=0.0).sum())
+    return total
 
 
 def attention_caps(lengths: np.ndarray, num_cells: int, tol: float) -> tuple[float, float]:
@@ -88,14 +114,15 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
             M x L cells has no plateaus, and the exact evaluation is ~2.5x cheaper at the same result),
             ``keep_cell_sizes`` (swaps only, so every (micro-batch, GPU) cell keeps its number of samples, what a
             trainer with a fixed per-rank micro-batch size needs; ``sample_order``), ``comp_weight`` (1 anneals
-            the sum of T_MoE, ``timing.STEP_COMP_WEIGHT`` the step's 3 comp + 2 comm, halved)); or give its
+            the sum of T_MoE, ``timing.STEP_COMP_WEIGHT`` the step's 3 comp + 2 comm, halved),
+            ``charge_attention`` (also each micro-batch's slowest local stage, module docstring)); or give its
             fields as keywords (``param_fields``).
         num_micro_batches: M (default: ``micro_batch.max() + 1``).
         seed: RNG seed (same inputs and seed -> same result).
 
     Returns:
         (micro_batch int64 [N], sample_gpu int64 [N], info) with info ``objective_start`` / ``objective``
-        = exact sum of T_MoE (seconds) before / after.
+        = the exact objective (seconds) before / after.
     """
     p = params_or_fields(LocalityParams, params, param_fields)
     counts = np.asarray(counts)
@@ -122,7 +149,9 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
                         f"E={model.num_experts}]")
     check_index_range("expert_gpu", expert_gpu, 0, G)
     cf = sample_flows(counts, expert_gpu, G)
-    start = _exact_total(cf, mb0, sg0, M, model, cluster, p.comp_weight)
+    att = sample_local_seconds(lengths, model, cluster)
+    att_w = attention_weight(model, p.comp_weight, p.charge_attention)
+    start = _exact_total(cf, mb0, sg0, M, model, cluster, p.comp_weight, att, att_w)
     info = {"objective_start": start, "objective": start, "repack": bool(p.repack)}
     if N < 2:
         return mb0.copy(), sg0.copy(), info
@@ -132,8 +161,8 @@ def anneal_locality(counts: np.ndarray, lengths: np.ndarray, micro_batch: np.nda
     mb, sg, _, _ = _kernels.anneal_samples(
         cf, lengths, lengths * lengths, mb0, sg0, M, nvm, rdm, cc, tnv, trd, float(p.beta), bool(p.smooth),
         bool(p.repack), cap1, cap2, float(p.token_cap or 0), float(p.t0_frac), float(p.eps_frac), int(iters),
-        int(seed) & 0x7FFFFFFF, bool(p.keep_cell_sizes))
-    obj = _exact_total(cf, mb, sg, M, model, cluster, p.comp_weight)
+        int(seed) & 0x7FFFFFFF, bool(p.keep_cell_sizes), att, att_w)
+    obj = _exact_total(cf, mb, sg, M, model, cluster, p.comp_weight, att, att_w)
     if obj < start:
         info["objective"] = obj
         return mb, sg, info

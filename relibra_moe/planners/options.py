@@ -22,6 +22,7 @@ import numpy as np
 from ..cost import DEFAULT_BETA
 from ..errors import PlanError
 from ..plan import Placement
+from ..sample_placements import SAMPLE_PLACEMENTS
 from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, STEP_COMP_WEIGHT
 from ..validate import (
     check_bool,
@@ -33,7 +34,7 @@ from ..validate import (
     check_token_counts,
 )
 
-__all__ = ["PlanOptions", "OBJECTIVES", "SAMPLE_OWNERS", "DEFAULT_ROUNDS", "DEFAULT_TOL",
+__all__ = ["PlanOptions", "OBJECTIVES", "SAMPLE_OWNERS", "SAMPLE_PLACEMENTS", "DEFAULT_ROUNDS", "DEFAULT_TOL",
            "FINAL_ITERS_FACTOR", "RELIBRA_STRATEGIES", "REPLICA_STRATEGIES", "HISTORY_STRATEGIES"]
 
 OBJECTIVES = ("batch", "aggregate")
@@ -101,6 +102,13 @@ class PlanOptions:
             sample's GPU, and its micro-batch with ``repack``) or "trainer" (the trainer's assignment is kept as
             given: ``micro_batch`` of the batch and ``sample_gpu``; the strategy chooses expert homes, replicas
             and splits only; ``repack`` is refused).
+        sample_placement: the samples' placement before planning (``sample_placements.SAMPLE_PLACEMENTS``):
+            "round-robin" (Megatron's order), "length-balanced" (verl's ``balance_batch``: equal sample counts per
+            rank, workloads balanced over the whole batch; samples change micro-batch) or "longest-first" (per
+            micro-batch, longest sample onto the GPU with the fewest tokens). The strategies that do not place samples
+            run on it; relibra*'s locality starts from it; with ``sample_owner="trainer"`` it is the trainer's
+            placement, kept as given. None: ``placement_for`` (relibra* planning the samples start from
+            "length-balanced", everything else runs on "round-robin"). Not with ``sample_gpu``.
         keep_cell_sizes: the sample placement only swaps samples, so every (micro-batch, GPU) cell keeps the
             number of samples of the start (round-robin: B / G each): what a trainer with a fixed per-rank
             micro-batch size (verl, slime without dynamic batching) needs to follow the plan through
@@ -143,6 +151,7 @@ class PlanOptions:
     replicate: Mapping[str, Any] = field(default_factory=dict)
     sample_owner: str = "planner"
     sample_gpu: Any = None
+    sample_placement: str | None = None
     keep_cell_sizes: bool = False
     portfolio: bool = True
     step_objective: bool = True
@@ -194,6 +203,11 @@ class PlanOptions:
             if sg.ndim != 1 or (sg.size and sg.dtype.kind not in "iu"):
                 raise PlanError(f"sample_gpu must be an int [N] array of ranks, got shape {sg.shape} of dtype "
                                 f"{sg.dtype}")
+        if self.sample_placement is not None:
+            check_choice("sample_placement", self.sample_placement, SAMPLE_PLACEMENTS)
+            if self.sample_gpu is not None:
+                raise PlanError(f"sample_placement={self.sample_placement!r} computes the trainer's ranks, sample_gpu= "
+                                "gives them: drop one of them")
         if self.previous is not None and not isinstance(self.previous, (Placement, np.ndarray, list, tuple)):
             raise PlanError(f"previous must be a Placement or an int [L, E] array (or None), got "
                             f"{type(self.previous).__name__}")
@@ -228,6 +242,16 @@ class PlanOptions:
         """``(node_comp, skew_cap)`` of the reorder: node_comp defaults to "on exactly when skew_cap is set"."""
         node_comp = self.skew_cap is not None if self.node_comp is None else bool(self.node_comp)
         return node_comp, None if self.skew_cap is None else float(self.skew_cap)
+
+    def placement_for(self, strategy: str) -> str:
+        """The sample placement a plan of ``strategy`` starts from (option ``sample_placement``; None: relibra*
+        planning the samples start from "length-balanced", what a verl user's trainer already does; every other
+        strategy, and the trainer's own default, is "round-robin")."""
+        if self.sample_placement is not None:
+            return self.sample_placement
+        if strategy in RELIBRA_STRATEGIES and self.sample_owner == "planner":
+            return "length-balanced"
+        return "round-robin"
 
     def final_iters_for(self, iters: int) -> int:
         """Proposals of the ``final_reorder`` pass for a round's ``iters``."""

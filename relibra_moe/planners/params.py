@@ -124,6 +124,9 @@ class LocalityParams:
         keep_cell_sizes: swaps only, so every (micro-batch, GPU) cell keeps its number of samples. Not with
             ``token_cap``.
         comp_weight: weight of the compute term (1: the sum of T_MoE; ``timing.STEP_COMP_WEIGHT``: the step).
+        charge_attention: also charge every micro-batch's slowest GPU's local stage (attention + shared experts,
+            ``timing.local_stage``) over the L layers at ``comp_weight``, as the step charges it (forward +
+            backward, halved like the MoE terms); the attention caps still apply.
     """
 
     repack: bool = False
@@ -136,6 +139,7 @@ class LocalityParams:
     smooth: bool = False
     keep_cell_sizes: bool = False
     comp_weight: float = 1.0
+    charge_attention: bool = False
 
     def __post_init__(self) -> None:
         check_nonnegative("tol", self.tol)
@@ -143,7 +147,7 @@ class LocalityParams:
         check_optional_int("token_cap", self.token_cap, 1)
         check_positive("beta", self.beta)
         _check_annealing(self.t0_frac, self.eps_frac, self.comp_weight)
-        for name in ("repack", "smooth", "keep_cell_sizes"):
+        for name in ("repack", "smooth", "keep_cell_sizes", "charge_attention"):
             check_bool(name, getattr(self, name))
         if self.keep_cell_sizes and self.token_cap is not None:
             raise PlanError(f"token_cap={self.token_cap} moves samples between micro-batches of different sizes; "
@@ -194,7 +198,8 @@ def locality_params(options: PlanOptions, num_samples: int, num_layers: int, num
     p = LocalityParams(repack=options.repack, token_cap=options.token_cap, tol=options.tol,
                        iters=options.locality_iters, beta=options.beta, smooth=options.locality_smooth,
                        keep_cell_sizes=options.keep_cell_sizes,
-                       comp_weight=options.comp_weight if comp_weight is None else comp_weight)
+                       comp_weight=options.comp_weight if comp_weight is None else comp_weight,
+                       charge_attention=options.step_objective)
     if options.locality_iters is None:
         whole = p.iters_for(num_samples, num_layers, num_gpus)
         p = dataclasses.replace(p, iters=max(whole // options.rounds, MIN_ROUND_LOCALITY_ITERS))

@@ -52,10 +52,11 @@ import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import batch_sha1, check_batch_type, placement_loads
-from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, check_replica_slots
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, check_replica_slots, round_robin_gpus
+from ..sample_placements import SAMPLE_PLACEMENTS, place_samples
 from ..sim import reorder_traffic, simulate_loads
 from ..specs import ClusterSpec, ModelSpec
-from ..timing import attention_backward, attention_forward, moe_step_seconds
+from ..timing import attention_backward, attention_forward, moe_forward_seconds, moe_step_seconds
 from ..trace import TraceBatch
 from . import baselines
 from .context import (
@@ -65,7 +66,7 @@ from .context import (
     fallback_homes,
     make_plan,
     previous_expert_gpu,
-    start_sample_gpu,
+    start_samples,
 )
 from .executor import TaskExecutor, TaskFailed, default_executor
 from .history import strategy_eplb_history
@@ -237,9 +238,10 @@ def finish_inter(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarr
 def relocate(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """Sample locality for the final homes ``expert_gpu [L, E]``: one locality pass from the given samples (the
-    annealed ones, permuted with the homes by the migration's relabelling) and one from the round-robin start;
+    annealed ones, permuted with the homes by the migration's relabelling) and one from the call's start
+    (``ctx.micro_batch`` / ``ctx.sample_gpu``: its ``sample_placement``);
     the lower exact objective wins (ties: the given samples). Returns (micro_batch [N], gpu [N], info)."""
-    starts = [("annealed", micro_batch, sample_gpu), ("round-robin", ctx.micro_batch, ctx.sample_gpu)]
+    starts = [("annealed", micro_batch, sample_gpu), ("start", ctx.micro_batch, ctx.sample_gpu)]
     args = [locality_args(ctx, m, g, expert_gpu, ctx.seed + ctx.options.rounds + 1) for _, m, g in starts]
     res = ctx.executor.map(locality_task, args, [("locality", ("relocate", n)) for n, _, _ in starts])
     best: tuple[np.ndarray, np.ndarray] = (micro_batch, sample_gpu)
@@ -344,34 +346,71 @@ Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]
 """A portfolio candidate: (homes [L, E], micro_batch [N], gpu [N], replicas or None)."""
 
 
+def portfolio_placements(ctx: PlanContext) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The sample placements the portfolio's baseline candidates run on, by candidate-name suffix: the trainer's
+    (``""``) when it owns the samples; else round-robin (``""``) and every other placement of
+    ``sample_placements.SAMPLE_PLACEMENTS`` (``"@" + name``; with ``keep_cell_sizes`` only those whose (micro-batch,
+    GPU) cells hold equal counts, besides the call's start). Each ``(micro_batch [N], gpu [N])``, int64."""
+    if ctx.trainer_owned:
+        return {"": (ctx.micro_batch, ctx.sample_gpu)}
+    mb0 = ctx.batch.resolve_micro_batch()
+    G = ctx.cluster.num_gpus
+    out = {"": (mb0, round_robin_gpus(mb0, G))}
+    for name in SAMPLE_PLACEMENTS[1:]:
+        mb, sg = place_samples(name, ctx.lengths, mb0, G)
+        cells = np.bincount(mb * G + sg, minlength=ctx.num_micro_batches * G)
+        if ctx.options.keep_cell_sizes and cells.min() != cells.max() and name != ctx.options.placement_for("relibra"):
+            continue  # a trainer with a fixed per-rank micro-batch size could not follow it (sample_order)
+        out["@" + name] = (mb, sg)
+    return out
+
+
+def portfolio_score(step: Any, options: PlanOptions) -> float:
+    """A portfolio candidate's figure under the caller's options (seconds; ``step`` a ``sim.StepTime``): the
+    simulated step, less the re-layout with ``migration=False`` (moves free) and less the exposed replica traffic
+    with ``price_replicas=False`` (replicas free); with ``step_objective=False`` the sum of the forward T_MoE, the
+    objective the planner was asked for."""
+    if not options.step_objective:
+        return float(step.t_moe_s)
+    score = float(step.step_s)
+    if not options.migration:
+        score -= float(step.reorder_s)
+    if not options.price_replicas:
+        score -= float(step.replica_exposed_s)
+    return score
+
+
 def portfolio(ctx: PlanContext, own: dict[str, Candidate],
               annealed: tuple[np.ndarray, np.ndarray, np.ndarray, bool]) -> BatchPlan:
-    """The end of ``relibra``: the fastest of ``own`` and the cheap alternatives, each simulated the way
+    """The end of ``relibra``: the best of ``own`` and the cheap alternatives, each simulated the way
     ``relibra compare`` / ``relibra simulate`` charge a plan (``sim.simulate_loads`` on the plan's loads, as
     ``sim.simulate_step`` and ``steady.evaluate_plan`` run it, moves charged against
     ``previous``, replica traffic by the one fetch rule of ``timing.replica_push_overlap``; the replicas of every
-    candidate are fetched as relibra's, known from the replay).
+    candidate are fetched as relibra's, known from the replay) and scored under the caller's options
+    (``portfolio_score``: moves and replicas free when the options say so).
 
-    Candidates, in order (ties keep the earlier): ``own`` (relibra's plan); ``relibra-inter`` (the annealed homes
-    finished without the replication-aware migration pricing, no replicas); the baselines' plans on the same
-    batch and options: eplb-history (with option ``history``), static; then ``previous`` (the previous
-    homes, round-robin samples, relibra's priced replicas) and online (with replica slots and a previous
-    placement other than static, where "previous" already dominates it), each built only when its lower bound
-    (``replicated_step_lower_bound``) is below the best step so far (else ``stats["portfolio"]["pruned"]``
-    holds the bound). eplb and lplb (EPLB+ / LPLB+, re-planned from scratch, moves not priced) are left out:
-    they never came near relibra on the never-lose grid (BENCHMARKS.md, "Never lose"), and lplb's LP splits cost
-    ~10x relibra's whole plan on the paper-scale batch. The replay
+    Candidates, in order: ``own`` (relibra's plan); ``relibra-inter`` (the annealed homes finished without the
+    replication-aware migration pricing, no replicas); then, on every placement of ``portfolio_placements``
+    (round-robin, verl's length-balanced, longest-first; the trainer's only when it owns the samples; the name
+    suffix says which), the baselines' plans on the same batch and options: eplb-history (with option
+    ``history``), static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with
+    replica slots and a previous placement other than static, where "previous" already dominates it), each built
+    only when its lower bound (``replicated_step_lower_bound``) is below the best score so far (else
+    ``stats["portfolio"]["pruned"]`` holds the bound). eplb and lplb are left out: never near relibra on the
+    never-lose grid (BENCHMARKS.md, "Never lose"), lplb's LP ~10x relibra's whole plan at paper scale. The replay
     shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are
-    charged as relibra's (fetched per layer, ``timing.replica_push_overlap``), never more than the baseline's own
-    after-router fetch. ``annealed`` is ``anneal_inter``'s (homes, micro_batch, gpu) and the option ``node_comp``.
-    Writes ``stats["portfolio"]``: ``chosen``, every simulated candidate's ``step_s`` and ``pruned``. Wall seconds
-    per candidate go to ``stats["timing"]``.
+    charged as relibra's (per layer), never more than the baseline's own after-router fetch. ``annealed`` is
+    ``anneal_inter``'s (homes, micro_batch, gpu) and the option ``node_comp``.
+
+    The chosen candidate (``least_moving_best``): the lowest score; among those within ``1e-9`` of it, the one that
+    moves the fewest experts, then samples: a move must buy step time (on one node, where locality saves no RDMA
+    traffic, a plan that only reshuffles does not win).
+    Writes ``stats["portfolio"]``: ``chosen``, every simulated candidate's ``step_s`` (its score) and ``pruned``.
+    Wall seconds per candidate go to ``stats["timing"]``.
     """
-    L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
-    prev = previous_expert_gpu(ctx.options, ctx.model, ctx.cluster)
-    rr = (ctx.micro_batch, ctx.sample_gpu)
+    L, G, M, o = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches, ctx.options
+    prev, places = previous_expert_gpu(o, ctx.model, ctx.cluster), portfolio_placements(ctx)
     cands: dict[str, Candidate] = dict(own)
-    eg0, mb0, sg0, node_comp = annealed
     timing = ctx.stats.setdefault("timing", {})
 
     def timed(name: str, make: Callable[[], Candidate]) -> None:
@@ -379,17 +418,19 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
         cands[name] = make()
         timing[f"portfolio_{name}_s"] = time.perf_counter() - t0
 
-    def baseline(name: str) -> Candidate:
-        bp = STRATEGIES[name](dataclasses.replace(ctx, stats={}))
+    def baseline(name: str, suffix: str) -> Candidate:
+        mb, sg = places[suffix]
+        bp = STRATEGIES[name](dataclasses.replace(ctx, stats={}, micro_batch=mb, sample_gpu=sg))
         return bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas
 
-    timed("relibra-inter", lambda: (*finish_inter(ctx, eg0, mb0, sg0, node_comp, {}), None))
+    timed("relibra-inter", lambda: (*finish_inter(ctx, *annealed, {}), None))
     static = baselines.static_placement(L, ctx.model.num_experts, G)
-    if ctx.options.history is not None:
-        timed("eplb-history", lambda: baseline("eplb-history"))
-    timed("static", lambda: baseline("static"))
+    for suffix in places:
+        if o.history is not None:
+            timed("eplb-history" + suffix, lambda s=suffix: baseline("eplb-history", s))
+        timed("static" + suffix, lambda s=suffix: baseline("static", s))
     previous = Placement(prev)
-    opb = float(ctx.options.optimizer_bytes_per_param)
+    opb = float(o.optimizer_bytes_per_param)
     steps: dict[str, float] = {}
     modes: dict[str, str] = {}
     loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x): each placement once
@@ -409,45 +450,67 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
                          gpus_per_node=ctx.cluster.gpus_per_node, stats={})
         st = simulate_loads(plan, ctx.lengths, loads_of(mb, sg), ctx.model, ctx.cluster, previous=previous,
                             optimizer_bytes_per_param=opb, validate=False)
-        steps[name], modes[name] = st.step_s, st.replica_mode
+        steps[name], modes[name] = portfolio_score(st, o), st.replica_mode
         timing["portfolio_simulate_s"] = timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
 
     for name in list(cands):
         simulate(name)
-    # The candidates with replicas on fixed homes and round-robin samples cost a replication pass each; one whose
-    # lower bound (attention + 3 comp_lb + 2 comm_lb per cell under any intra-node replication, + its moves)
-    # already reaches the best step cannot win and is not built ("pruned": its bound).
+    # Candidates with replicas on fixed homes cost a replication pass each; one whose lower bound already reaches
+    # the best score cannot win and is not built ("pruned": its bound).
     pruned: dict[str, float] = {}
-    for name, homes in (("previous", prev), ("online", static)):
-        if name == "online" and (not ctx.replica_slots or (np.array_equal(prev, static) and not ctx.repack and (
-                "previous" in pruned or modes.get("previous") == "per-layer"))):
-            # without slots online is the static plan; with the static homes as previous, "previous" is online's
-            # homes and samples with relibra's priced replicas: per cell the same greedy with 0 .. r slots, chosen
-            # by a window never shorter than online's and charged per layer, so never slower than online
-            continue
-        bound = replicated_step_lower_bound(ctx, homes, loads_of(*rr), previous, opb)
-        if bound >= min(steps.values()) and not (name == "online" and ctx.repack):  # repack: online's own samples
-            pruned[name] = bound
-            continue
-        timed(name, (lambda: (prev, *rr, relibra_replicas(ctx, prev, *rr) if ctx.replica_slots else None))
-              if name == "previous" else (lambda: baseline("online")))
-        simulate(name)
-    chosen = min(steps, key=lambda k: steps[k])  # dict order: ties keep the earlier candidate
+    for suffix, (mb, sg) in places.items():
+        for base, homes in (("previous", prev), ("online", static)):
+            name = base + suffix
+            if base == "online" and (not ctx.replica_slots or (np.array_equal(prev, static) and not ctx.repack and (
+                    "previous" + suffix in pruned or modes.get("previous" + suffix) == "per-layer"))):
+                # without slots online is the static plan; with the static homes as previous, "previous" is
+                # online's homes and samples with relibra's priced replicas: per cell the same greedy with 0 .. r
+                # slots, chosen by a window never shorter than online's and charged per layer, so never slower
+                continue
+            bound = replicated_step_lower_bound(ctx, homes, mb, sg, loads_of(mb, sg), previous, opb)
+            if bound >= min(steps.values()) and not (base == "online" and ctx.repack):  # repack: online's samples
+                pruned[name] = bound
+                continue
+            timed(name, (lambda m=mb, g=sg: (prev, m, g, relibra_replicas(ctx, prev, m, g) if ctx.replica_slots
+                                               else None))
+                  if base == "previous" else (lambda s=suffix: baseline("online", s)))
+            simulate(name)
+    chosen = least_moving_best(ctx, cands, steps, prev)
     ctx.stats["portfolio"] = {"chosen": chosen, "step_s": steps, **({"pruned": pruned} if pruned else {})}
     eg, mb, sg, reps = cands[chosen]
     return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
 
 
-def replicated_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, x: np.ndarray, previous: Placement,
+def least_moving_best(ctx: PlanContext, cands: dict[str, Candidate], scores: dict[str, float],
+                      previous: np.ndarray) -> str:
+    """The portfolio's choice among the scored candidates: the lowest score; among those within ``1e-9`` of it
+    (relative), the one that moves the fewest experts off ``previous [L, E]``, then the fewest samples off the
+    call's start (``ctx.micro_batch`` / ``ctx.sample_gpu``), then the earlier in ``scores``."""
+    best = min(scores.values())
+    close = [k for k in scores if scores[k] <= best + 1e-9 * abs(best)]
+    order = list(scores)
+    return min(close, key=lambda k: (int((cands[k][0] != previous).sum()),
+                                     int(((cands[k][1] != ctx.micro_batch) | (cands[k][2] != ctx.sample_gpu)).sum()),
+                                     order.index(k)))
+
+
+def replicated_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray,
+                                sample_gpu: np.ndarray, x: np.ndarray, previous: Placement,
                                 optimizer_bytes_per_param: float) -> float:
-    """A lower bound (seconds) on the simulated step of any plan with homes ``expert_gpu [L, E]``, round-robin
-    samples (loads ``x [M, L, G, E]``) and any intra-node replicas: ``L sum_m (A_fwd + A_bwd)`` + ``sum_{m, l}
-    (3 comp_lb + 2 comm_lb)`` (``split.lower_bound_terms``; ``timing.moe_step_seconds``) + the re-layout from
-    ``previous`` (``sim.reorder_traffic``); replica traffic counts 0."""
-    a_fwd = attention_forward(ctx.lengths, ctx.micro_batch, ctx.sample_gpu, ctx.num_micro_batches, ctx.model,
-                              ctx.cluster)
+    """A lower bound (seconds) on the portfolio score (``portfolio_score`` under ``ctx.options``) of any plan
+    with homes ``expert_gpu [L, E]``, samples ``micro_batch`` / ``sample_gpu [N]`` (loads ``x [M, L, G, E]``) and
+    any intra-node replicas: ``L sum_m (A_fwd + A_bwd)`` + ``sum_{m, l} (3 comp_lb + 2 comm_lb)``
+    (``split.lower_bound_terms``; ``timing.moe_step_seconds``) + the re-layout from ``previous``
+    (``sim.reorder_traffic``; 0 with ``migration=False``); replica traffic counts 0. With
+    ``step_objective=False`` the score is the sum of T_MoE: ``sum_{m, l} (comp_lb + comm_lb)``."""
     comp, comm = lower_bound_terms(x, np.asarray(expert_gpu)[None], ctx.model, ctx.cluster)
-    relayout = reorder_traffic(previous, Placement(expert_gpu), ctx.model, ctx.cluster, optimizer_bytes_per_param)[0]
+    if not ctx.options.step_objective:
+        return float(np.sum(moe_forward_seconds(comp, comm)))
+    a_fwd = attention_forward(ctx.lengths, micro_batch, sample_gpu, ctx.num_micro_batches, ctx.model, ctx.cluster)
+    relayout = 0.0
+    if ctx.options.migration:
+        relayout = reorder_traffic(previous, Placement(expert_gpu), ctx.model, ctx.cluster,
+                                   optimizer_bytes_per_param)[0]
     return float(ctx.model.num_layers * (a_fwd + attention_backward(a_fwd)).sum()
                  + moe_step_seconds(comp, comm).sum() + relayout)
 
@@ -529,15 +592,16 @@ def make_context(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, stra
                  executor: TaskExecutor, micro_batch_size: int | None = None,
                  fallback_expert_gpu: np.ndarray | None = None) -> PlanContext:
     """The ``PlanContext`` of one call: the batch (re-assigned to micro-batches of ``micro_batch_size`` when
-    given), its per-sample counts, the samples' start (round-robin, or the trainer's ranks with
-    ``sample_owner="trainer"``: ``context.start_sample_gpu``) and the first ``stats``."""
+    given), its per-sample counts, the samples' start (``context.start_samples``: the placement
+    ``options.placement_for(strategy)``, or the trainer's ranks) and the first ``stats``."""
     check_replica_slots(options.replica_slots, model.num_experts, cluster.num_gpus)
     if micro_batch_size is not None:
         batch = batch.with_micro_batch_size(int(micro_batch_size))
-    mb = batch.resolve_micro_batch()
+    lengths = np.asarray(batch.lengths, dtype=np.int64)
+    mb0 = batch.resolve_micro_batch()
+    mb, sg = start_samples(options, strategy, lengths, mb0, cluster.num_gpus)
     ctx = PlanContext(batch=batch, model=model, cluster=cluster, counts=batch.sample_expert_counts(),
-                      lengths=np.asarray(batch.lengths, dtype=np.int64), micro_batch=mb,
-                      num_micro_batches=int(mb.max()) + 1, sample_gpu=start_sample_gpu(options, mb, cluster.num_gpus),
+                      lengths=lengths, micro_batch=mb, num_micro_batches=int(mb0.max()) + 1, sample_gpu=sg,
                       options=options, executor=executor, fallback_expert_gpu=fallback_expert_gpu)
     ctx.stats.update({"strategy": strategy, "seed": options.seed, "replica_slots": options.replica_slots,
                       "repack": options.repack, "fallbacks": 0, "options": options.strategy_options()})
@@ -545,6 +609,9 @@ def make_context(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, stra
         ctx.stats["sample_owner"] = "trainer"
     if cluster.overlap != "none":  # the objective's weights follow it (PlanContext.comp_weight); absent: none
         ctx.stats["overlap"] = cluster.overlap
+    placement = options.placement_for(strategy)
+    if options.sample_gpu is None and placement != "round-robin":  # absent on round-robin: those plans stay
+        ctx.stats["sample_placement"] = placement  # byte-identical too
     return ctx
 
 

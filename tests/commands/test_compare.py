@@ -38,16 +38,21 @@ def test_compare_single_batch_matches_library(trace_file, tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["mode"] == "single" and res["num_batches"] == 1 and res["layers"] == 2 and res["layers_total"] == 24
-    assert list(res["strategies"]) == ["static", "eplb", "online", "relibra"]
+    # the baselines on round-robin and on verl's length-balanced placement (the default --placements), labelled
+    assert list(res["strategies"]) == ["static", "static@length-balanced", "eplb", "eplb@length-balanced", "online",
+                                       "online@length-balanced", "relibra"]
+    assert res["placements"] == ["round-robin", "length-balanced"]
     for name in res["strategies"]:
-        assert name in text
-    assert "sum T_MoE" in text and "moves free" in text
+        assert name.replace("@", ", ") in text
+    assert "sum T_MoE" in text and "moves free" in text and "what a verl user already has" in text
     model = model_preset("gpt-oss-20b").with_(num_layers=2)
     cluster = cluster_preset(nodes=2, gpus_per_node=2)  # the default preset
     small = TraceBatch.load(path).restrict_layers(2)
     for name, v in res["strategies"].items():
-        r = 1 if name != "static" else 0
-        plan = plan_batch(small, model, cluster, name, replica_slots=r)
+        strategy, _, placement = name.partition("@")
+        r = 1 if strategy != "static" else 0
+        kw = {"sample_placement": placement} if placement else {}
+        plan = plan_batch(small, model, cluster, strategy, replica_slots=r, **kw)
         step = simulate_step(plan, small, model, cluster)
         row = v["per_step"][0]
         assert row["step_s"] == pytest.approx(step.step_s) and row["t_moe_s"] == pytest.approx(step.t_moe.sum())
@@ -163,3 +168,15 @@ def test_compare_rate_band_and_overlap(trace_file, tmp_path, capsys):
     assert "--rate-band='600,300' must hold 0 < LO <= HI" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["compare", str(path), "--model", "gpt-oss-20b", "--nodes", "2", "--overlap", "full"])
+
+
+def test_placements_flag_is_checked_against_the_known_placements():
+    from relibra_moe.commands.compare import parse_placements
+    from relibra_moe.errors import PlanError
+    from relibra_moe.sample_placements import SAMPLE_PLACEMENTS
+
+    assert parse_placements(",".join(SAMPLE_PLACEMENTS)) == list(SAMPLE_PLACEMENTS)
+    for text, match in (("round-robin,packed", "unknown sample placement 'packed'"), (" , ", "names no sample"),
+                        ("longest-first,longest-first", "names 'longest-first' twice")):
+        with pytest.raises(PlanError, match=match):
+            parse_placements(text)

@@ -46,6 +46,10 @@ def test_demo_quick_report(tmp_path, capsys):
             assert sum(r["breakdown"].values()) == pytest.approx(r["step_s"])
             assert len(r["rank_skew_per_micro_batch"]) == sc["num_micro_batches"]
         assert sc["strategies"]["static"]["speedup_vs_static"] == pytest.approx(1.0)
+        # the baselines also on verl's length-balanced placement (what a verl user already has), relibra once
+        lb = sc["strategies"]["static, length-balanced (verl)"]
+        assert lb["sample_placement"] == "length-balanced" and lb["strategy"] == "static"
+        assert not any(k.startswith("relibra") and "length-balanced" in k for k in sc["strategies"])
         if "balanced" in sc["strategies"]:
             assert sc["strategies"]["balanced"]["percent_of_bound_throughput"] == pytest.approx(100.0)
             for r in sc["strategies"].values():  # the bound: no strategy beats it

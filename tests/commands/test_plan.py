@@ -328,7 +328,10 @@ def test_empty_micro_batch_and_zero_token_sample(strategy):
     batch = TraceBatch([base.trace(i) for i in range(3)] + [empty] + [base.trace(i) for i in range(3, 8)],
                        micro_batch=np.array([0, 0, 0, 0, 2, 2, 2, 2, 2], np.int32))
     assert batch.lengths[3] == 0
-    plan = plan_batch(batch, MODEL, CLUSTER, strategy, replica_slots=1, iters=100, locality_iters=100)
+    # relibra* start from verl's length-balanced placement by default, which re-cuts the micro-batches (and so
+    # fills micro-batch 1); on the round-robin start they keep the batch's, empty one included
+    kw = {"sample_placement": "round-robin"} if strategy in ("relibra", "relibra-inter") else {}
+    plan = plan_batch(batch, MODEL, CLUSTER, strategy, replica_slots=1, iters=100, locality_iters=100, **kw)
     plan.validate(MODEL, CLUSTER, num_samples=9)
     assert plan.num_micro_batches == 3 and not (plan.samples.micro_batch == 1).any()
     s = score_plan(plan, batch, MODEL, CLUSTER)
@@ -390,6 +393,8 @@ def test_defaults_are_plan_options_defaults():
     (["--replica-slots", "2"], "replica_slots", 2),
     (["--workers", "2"], "workers", 2),
     (["--seed", "9"], "seed", 9),
+    (["--sample-placement", "length-balanced"], "sample_placement", "length-balanced"),
+    (["--sample-placement", "longest-first"], "sample_placement", "longest-first"),
 ])
 def test_each_flag_sets_its_option(flags, field, value):
     opts = _options(*flags)
@@ -591,10 +596,12 @@ def test_demo_runs_both_modes_side_by_side():
     sc = Scenario(name="qwen3-30b-a3b/mixed", model="qwen3-30b-a3b", nodes=2, gpus_per_node=2, data="synthetic",
                   domain="mixed", num_samples=16, micro_batch_size=8, layers=2, replica_slots=1, repack=True)
     runs = strategy_runs(sc, ["static", "relibra"], "both")
-    assert [(lab, own) for lab, _, _, own in runs] == [
-        ("static", "planner"), ("relibra", "planner"), ("static+repack", "planner"), ("relibra+repack", "planner"),
-        ("static (trainer)", "trainer"), ("relibra (trainer)", "trainer")]
-    assert all(not rep for _, _, rep, own in runs if own == "trainer")
+    assert [(lab, own, place) for lab, _, _, own, place in runs] == [
+        ("static", "planner", None), ("relibra", "planner", None),
+        ("static, length-balanced (verl)", "planner", "length-balanced"),
+        ("static+repack", "planner", None), ("relibra+repack", "planner", None),
+        ("static (trainer)", "trainer", None), ("relibra (trainer)", "trainer", None)]
+    assert all(not rep for _, _, rep, own, _ in runs if own == "trainer")
     assert [lab for lab, *_ in strategy_runs(sc, ["static", "relibra"], "trainer")] == ["static", "relibra"]
     res = run_scenario(sc, 0, 1, pb, ["static", "relibra"], sample_owner="both")
     st = res["strategies"]

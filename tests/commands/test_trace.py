@@ -285,7 +285,7 @@ def test_verl_dataproto_pickle(tmp_path, capsys, model_config):
                "--gpus-per-node", "2", "--strategies", "static,eplb", "--json", str(tmp_path / "cmp.json")])
     assert rc == 0
     res = json.loads((tmp_path / "cmp.json").read_text())
-    assert sorted(res["strategies"]) == ["eplb", "static"]
+    assert sorted(res["strategies"]) == ["eplb", "eplb@length-balanced", "static", "static@length-balanced"]
 
 
 def test_verl_missing_field_names_file_and_field(tmp_path, capsys):
@@ -467,7 +467,7 @@ def test_model_config_matches_preset(gpt_oss, tmp_path, capsys):
         outs.append({s: {k: v["first"][k] for k in ("experts_moved", "rank_skew_mean", "step_s", "t_moe_s")}
                      for s, v in res["strategies"].items()})
     capsys.readouterr()
-    assert outs[0] == outs[1] and set(outs[0]) == {"static", "eplb"}
+    assert outs[0] == outs[1] and set(outs[0]) == {"static", "eplb", "static@length-balanced", "eplb@length-balanced"}
 
 
 def test_model_flags_are_exclusive_and_required(gpt_oss, tmp_path, capsys):

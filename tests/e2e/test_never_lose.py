@@ -11,12 +11,13 @@ from hypothesis import strategies as st
 
 from relibra_moe.cost import moe_cost
 from relibra_moe.evaluate import placement_loads
-from relibra_moe.plan import round_robin_gpus
 from relibra_moe.planners.baselines import static_placement
-from relibra_moe.planners.strategies import plan_batch
+from relibra_moe.planners.options import PlanOptions
+from relibra_moe.planners.strategies import plan_batch, portfolio_score
+from relibra_moe.sample_placements import length_balanced
 from relibra_moe.sim import simulate_step
 from relibra_moe.specs import cluster_preset, model_preset
-from relibra_moe.timing import STEP_COMP_WEIGHT, cell_step_seconds, replica_push_overlap
+from relibra_moe.timing import STEP_COMP_WEIGHT, attention_flops, cell_step_seconds, replica_push_overlap
 from relibra_moe.trace import TraceBatch
 
 FAST = dict(iters=200, locality_iters=150, num_seeds=1, rounds=1)
@@ -49,50 +50,63 @@ def test_a_replayed_fetch_is_never_charged_more_than_an_after_router_one(comp, c
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), r=st.sampled_from([0, 1, 2]), nodes=st.sampled_from([1, 2]),
        mbs=st.sampled_from([3, 4, 8]), hot=st.integers(1, 3), with_history=st.booleans(),
-       migration=st.booleans(), iters=st.sampled_from([0, 50, 200]))
+       migration=st.booleans(), price_replicas=st.booleans(), iters=st.sampled_from([0, 50, 200]))
 def test_relibra_is_never_slower_than_static_online_and_eplb_history(seed, r, nodes, mbs, hot, with_history,
-                                                                          migration, iters):
-    """Random small batches (gpt-oss widths, 2 layers, 8 experts, EP 1x4 or 2x2, r = 0..2): relibra's simulated
-    step (moves charged from the static placement, as ``relibra compare`` charges the first step) is at most every
-    cheap baseline's, each planned and simulated on its own; the portfolio's pruning bound is at most the step of
-    the static and online plans it bounds. Whatever relibra's own search does (a short anneal,
-    moves not priced with ``migration=False``: a plan that often loses on its own), the portfolio holds."""
+                                                                          migration, price_replicas, iters):
+    """Random small batches (gpt-oss widths, 2 layers, 8 experts, EP 1x4 or 2x2, r = 0..2), over the option space
+    of the moves (``migration``, ``price_replicas``: price or free): relibra's simulated step (moves charged from
+    the static placement, as ``relibra compare`` charges the first step), less what the options make free, is
+    at most every cheap baseline's, each planned on round-robin, on verl's length-balanced placement and on
+    longest-first, and simulated on its own; the portfolio's pruning bound is at most the score of the static
+    and online plans it bounds. Whatever relibra's own search does (a short anneal, moves not priced: a plan that
+    often loses on its own), the portfolio holds."""
     rng = np.random.default_rng(seed)
     model = model_preset("gpt-oss-20b").with_(num_layers=2, num_experts=8, top_k=2)
     cluster = cluster_preset("hopper-rail", nodes=nodes, gpus_per_node=4 // nodes)
     batch = _batch(rng, 2, 8, 2, int(rng.integers(8, 20)), mbs, hot)
     history = _batch(rng, 2, 8, 2, 12, 4, hot).sample_expert_counts().sum(axis=0) if with_history else None
     opts = {} if history is None else {"history": history}
-    kw = dict(FAST, iters=iters, migration=migration, **opts)
+    free = {"migration": migration, "price_replicas": price_replicas}
+    kw = dict(FAST, iters=iters, **free, **opts)
     rel = plan_batch(batch, model, cluster, "relibra", replica_slots=r, seed=seed % 1000, **kw)
-    got = simulate_step(rel, batch, model, cluster).step_s
+    options = PlanOptions(replica_slots=r, **free)
+
+    def score(plan) -> float:
+        st = simulate_step(plan, batch, model, cluster)
+        # the hand rule of the options: moves free drops the re-layout, replicas free their exposed traffic
+        return st.step_s - (0.0 if migration else st.reorder_s) - (0.0 if price_replicas else st.replica_exposed_s)
+
+    got = score(rel)
+    assert got == pytest.approx(portfolio_score(simulate_step(rel, batch, model, cluster), options), rel=1e-12)
     assert got == pytest.approx(rel.stats["portfolio"]["step_s"][rel.stats["portfolio"]["chosen"]], rel=1e-12)
-    rivals = {"static": plan_batch(batch, model, cluster, "static"),
-              "online": plan_batch(batch, model, cluster, "online", replica_slots=r),
-              "eplb-history": plan_batch(batch, model, cluster, "eplb-history", replica_slots=r, **opts)}
-    for name, plan in rivals.items():
-        other = simulate_step(plan, batch, model, cluster).step_s
-        assert got <= other * (1 + 1e-12), f"relibra {got} slower than {name} {other}"
-        if name in ("static", "online"):
-            # the portfolio's pruning bound (static homes, round-robin samples, any intra-node replicas) is sound
-            assert static_bound(batch, model, cluster, r) <= other * (1 + 1e-12)
+    for placement in ("round-robin", "length-balanced", "longest-first"):
+        sp = {"sample_placement": placement}
+        rivals = {"static": plan_batch(batch, model, cluster, "static", **sp),
+                  "online": plan_batch(batch, model, cluster, "online", replica_slots=r, **sp),
+                  "eplb-history": plan_batch(batch, model, cluster, "eplb-history", replica_slots=r, **sp, **opts)}
+        for name, plan in rivals.items():
+            other = score(plan)
+            assert got <= other * (1 + 1e-9), f"relibra {got} slower than {name} on {placement} {other}"
+            if name in ("static", "online"):
+                # the portfolio's pruning bound (static homes, these samples, any intra-node replicas) is sound
+                assert static_bound(batch, model, cluster, r, plan, free) <= other * (1 + 1e-12)
 
 
-def static_bound(batch: TraceBatch, model, cluster, r: int) -> float:
+def static_bound(batch: TraceBatch, model, cluster, r: int, plan, free: dict) -> float:
     from relibra_moe.plan import Placement
-    from relibra_moe.planners.strategies import PlanOptions, default_executor, make_context, replicated_step_lower_bound
+    from relibra_moe.planners.strategies import default_executor, make_context, replicated_step_lower_bound
 
-    ctx = make_context(batch, model, cluster, "relibra", PlanOptions(replica_slots=r), default_executor(1))
+    ctx = make_context(batch, model, cluster, "relibra", PlanOptions(replica_slots=r, **free), default_executor(1))
     static = static_placement(model.num_layers, model.num_experts, cluster.num_gpus)
-    x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
-    return replicated_step_lower_bound(ctx, static, x, Placement(static), 12.0)
+    mb, sg = plan.samples.micro_batch.astype(np.int64), plan.samples.gpu.astype(np.int64)
+    return replicated_step_lower_bound(ctx, static, mb, sg, ctx.loads(mb, sg), Placement(static), 12.0)
 
 
 def test_locality_follows_the_final_homes_after_migration():
     """Moves made ~free to forbid: with a huge optimizer state every layer keeps its previous (static) homes, so
-    the samples annealed for the thrown-away homes are re-annealed for the static ones (from the permuted and the
-    round-robin start); the result is at least as good, under the step objective computed here from the cost
-    model, as round-robin samples on those homes."""
+    the samples annealed for the thrown-away homes are re-annealed for the static ones (from the permuted start and
+    the call's start, verl's length-balanced placement); the result is at least as good, under the step objective
+    computed here from the cost model and the attention FLOPs, as the length-balanced samples on those homes."""
     rng = np.random.default_rng(3)
     model = model_preset("gpt-oss-20b").with_(num_layers=2, num_experts=8, top_k=2)
     cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=2)
@@ -101,21 +115,24 @@ def test_locality_follows_the_final_homes_after_migration():
     static = static_placement(2, 8, 4)
     np.testing.assert_array_equal(plan.placement.expert_gpu, static)
     info = plan.stats["relocate"]
-    assert info["chosen"] in ("annealed", "round-robin")
+    assert info["chosen"] in ("annealed", "start")
 
     def objective(mb: np.ndarray, sg: np.ndarray) -> float:
         x = placement_loads(batch, mb, sg, plan.num_micro_batches, 4)
         total = 0.0
         for m in range(x.shape[0]):
+            attn = [sum(attention_flops(np.array([batch.lengths[n]]), model)[0] for n in range(len(mb))
+                        if mb[n] == m and sg[n] == g) / cluster.rates(model).attention_flops for g in range(4)]
+            total += 2 * STEP_COMP_WEIGHT * max(attn)  # L = 2 layers, forward + backward halved as 3 comp / 2
             for l in range(2):
                 c = moe_cost(x[m, l].astype(np.float64), static[l], model, cluster)
                 total += STEP_COMP_WEIGHT * c.comp.max() + c.comm.max()
         return total
 
+    assert model.shared_experts == 0  # the local stage is the attention alone
     got = objective(plan.samples.micro_batch, plan.samples.gpu)
     assert got == pytest.approx(min(v for k, v in info.items() if k != "chosen"), rel=1e-9)
-    mb = batch.resolve_micro_batch()
-    assert got <= objective(mb, round_robin_gpus(mb, 4)) * (1 + 1e-12)
+    assert got <= objective(*length_balanced(batch.lengths, batch.resolve_micro_batch(), 4)) * (1 + 1e-12)
 
 
 def test_portfolio_option_off_keeps_relibras_own_plan():
@@ -127,8 +144,49 @@ def test_portfolio_option_off_keeps_relibras_own_plan():
     off = plan_batch(batch, model, cluster, "relibra", replica_slots=1, portfolio=False, **FAST)
     assert "portfolio" not in off.stats
     pf = on.stats["portfolio"]
-    assert set(pf["step_s"]) | set(pf.get("pruned", {})) == {"relibra", "relibra-inter", "previous", "static"}
+    assert set(pf["step_s"]) | set(pf.get("pruned", {})) == {"relibra", "relibra-inter", "previous", "static",
+                                                             "previous@length-balanced", "static@length-balanced",
+                                                             "previous@longest-first", "static@longest-first"}
     assert all(bound >= min(pf["step_s"].values()) for bound in pf.get("pruned", {}).values())
     # the portfolio's "relibra" candidate is the plan without the portfolio, simulated the same way
     assert pf["step_s"]["relibra"] == pytest.approx(simulate_step(off, batch, model, cluster).step_s, rel=1e-12)
     assert simulate_step(on, batch, model, cluster).step_s == pytest.approx(min(pf["step_s"].values()), rel=1e-12)
+
+
+@pytest.mark.parametrize("r", [0, 2])
+def test_on_one_node_nothing_to_gain_moves_nothing(r):
+    """One node (locality saves no RDMA traffic) and a batch where no plan can gain: equal lengths, every sample
+    routing the same tokens to every expert. relibra must keep the static homes (no move) and the samples where
+    the trainer's length-balanced placement put them, with no replica, and its step equals static's there."""
+    model = model_preset("gpt-oss-20b").with_(num_layers=2, num_experts=8, top_k=2)
+    cluster = cluster_preset("hopper-rail", nodes=1, gpus_per_node=4)
+    counts = np.full((16, 2, 8), 3, np.int64)  # 12 tokens per sample, 3 to each of the 8 experts (k = 2)
+    batch = TraceBatch.from_counts(counts, 2, micro_batch=np.arange(16) // 8)
+    plan = plan_batch(batch, model, cluster, "relibra", replica_slots=r)
+    np.testing.assert_array_equal(plan.placement.expert_gpu, static_placement(2, 8, 4))
+    mb, gpu = length_balanced(batch.lengths, batch.resolve_micro_batch(), 4)
+    np.testing.assert_array_equal(plan.samples.micro_batch, mb)
+    np.testing.assert_array_equal(plan.samples.gpu, gpu)
+    assert (plan.replicas.replica_expert < 0).all()
+    lb_static = plan_batch(batch, model, cluster, "static", sample_placement="length-balanced")
+    assert simulate_step(plan, batch, model, cluster).step_s == pytest.approx(
+        simulate_step(lb_static, batch, model, cluster).step_s, rel=1e-12)
+    assert simulate_step(plan, batch, model, cluster).experts_moved == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_portfolio_ranks_by_the_sum_of_t_moe_when_asked(seed):
+    """``step_objective=False`` (the cost-model objective) with moves and replicas free: the portfolio's scores are
+    the candidates' Σ T_MoE, and relibra's Σ T_MoE is at most static's and online's on every placement."""
+    rng = np.random.default_rng(seed)
+    model = model_preset("gpt-oss-20b").with_(num_layers=2, num_experts=8, top_k=2)
+    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=2)
+    batch = _batch(rng, 2, 8, 2, 16, 4, 2)
+    rel = plan_batch(batch, model, cluster, "relibra", replica_slots=1, step_objective=False, migration=False,
+                     price_replicas=False, **FAST)
+    got = simulate_step(rel, batch, model, cluster).t_moe_s
+    assert got == pytest.approx(rel.stats["portfolio"]["step_s"][rel.stats["portfolio"]["chosen"]], rel=1e-12)
+    for placement in ("round-robin", "length-balanced", "longest-first"):
+        for name, r in (("static", 0), ("online", 1)):
+            other = plan_batch(batch, model, cluster, name, replica_slots=r, sample_placement=placement)
+            assert got <= simulate_step(other, batch, model, cluster).t_moe_s * (1 + 1e-9), (name, placement)

@@ -205,3 +205,59 @@ def test_sample_flows_fast_path_matches_loop():
             for e in range(8):
                 ref2[n, l, uneven[l, e]] += counts[n, l, e]
     np.testing.assert_array_equal(sample_flows(counts, uneven, G), ref2)
+
+
+def _charged_reference(counts, lengths, mb, sg, eg, model, cluster, M, comp_weight):
+    """Float64 loops: per cell comp_weight max_g comp + max_g comm (moe_cost), plus per micro-batch
+    L comp_weight max_g of the attention FLOPs of its samples on g over the attention rate (no shared experts)."""
+    G = cluster.num_gpus
+    x = loads_from_counts(counts, mb, sg, M, G)
+    h, d, nq, nkv = model.hidden, model.head_dim, model.num_heads, model.num_kv_heads
+    f_attn = cluster.rates(model).attention_flops
+    total = 0.0
+    for m in range(M):
+        for l in range(model.num_layers):
+            c = moe_cost(x[m, l].astype(np.float64), eg[l], model, cluster)
+            total += comp_weight * c.comp.max() + c.comm.max()
+        per_gpu = [0.0] * G
+        for n in range(len(lengths)):
+            if mb[n] == m:
+                s = float(lengths[n])
+                per_gpu[sg[n]] += (2 * s * h * d * (2 * nq + 2 * nkv) + 2 * nq * d * s * (s + 1)) / f_attn
+        total += model.num_layers * comp_weight * max(per_gpu)
+    return total
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_charged_attention_objective_equals_the_float64_reference(seed):
+    """With ``charge_attention`` the locality objective (start and end) is the step's MoE weighting plus every
+    micro-batch's slowest GPU's attention over the L layers at the compute weight; the kernel's running value
+    agrees with the exact one it is checked against (the end is kept only when lower)."""
+    model, cluster, counts, lengths, mb, eg = _case(seed)
+    assert model.shared_experts == 0
+    sg = round_robin_gpus(mb, cluster.num_gpus)
+    mb2, sg2, info = anneal_locality(counts, lengths, mb, sg, eg, model, cluster, iters=400, seed=seed,
+                                     comp_weight=1.5, charge_attention=True)
+    ref0 = _charged_reference(counts, lengths, mb, sg, eg, model, cluster, 3, 1.5)
+    ref1 = _charged_reference(counts, lengths, mb2, sg2, eg, model, cluster, 3, 1.5)
+    assert info["objective_start"] == pytest.approx(ref0, rel=1e-9)
+    assert info["objective"] == pytest.approx(ref1, rel=1e-9)
+    assert ref1 <= ref0 * (1 + 1e-12)
+    # without the charge the objective leaves the attention out
+    _, _, plain = anneal_locality(counts, lengths, mb, sg, eg, model, cluster, iters=0, comp_weight=1.5)
+    assert plain["objective_start"] < ref0
+
+
+def test_charged_attention_balances_long_samples_when_routing_is_even():
+    """Every sample routes the same share to every expert, so the MoE terms hardly depend on where samples run;
+    two long samples start on the same GPU. Charged, the annealing splits them; uncharged it has no reason to."""
+    model = ModelSpec("t", hidden=256, ffn=128, num_experts=4, top_k=2, num_layers=2)
+    cluster = ClusterSpec(nodes=1, gpus_per_node=2)
+    lengths = np.array([400, 400, 4, 4, 4, 4])
+    counts = np.repeat((lengths[:, None] // 2)[:, None, :].repeat(4, axis=2), 2, axis=1)  # [N, L, E]
+    mb = np.zeros(6, np.int64)
+    sg = np.array([0, 0, 1, 1, 1, 1])
+    eg = np.array([[0, 0, 1, 1], [0, 0, 1, 1]])
+    _, sg2, _ = anneal_locality(counts, lengths, mb, sg, eg, model, cluster, iters=2000, tol=10.0, comp_weight=1.5,
+                                charge_attention=True)
+    assert sg2[0] != sg2[1]

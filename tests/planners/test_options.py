@@ -75,3 +75,26 @@ def test_strategy_options_records_what_differs_from_the_defaults():
     rec = PlanOptions(previous=homes).strategy_options()["previous"]
     assert rec == PlanOptions(previous=np.asarray(homes.expert_gpu)).strategy_options()["previous"]
     assert rec.startswith("sha1:") and len(rec) == 45
+
+
+def test_sample_placement_defaults_per_strategy_and_owner():
+    """None: relibra* planning the samples start from verl's length-balanced placement, every baseline (and a
+    trainer that gives no ranks) runs on round-robin; a set value holds for every strategy."""
+    o = PlanOptions()
+    assert [o.placement_for(s) for s in ("static", "online", "eplb-history", "relibra", "relibra-inter")] == \
+        ["round-robin", "round-robin", "round-robin", "length-balanced", "length-balanced"]
+    assert PlanOptions(sample_owner="trainer").placement_for("relibra") == "round-robin"
+    lf = PlanOptions(sample_placement="longest-first")
+    assert {lf.placement_for(s) for s in ("static", "relibra")} == {"longest-first"}
+    assert "sample_placement" not in o.strategy_options()
+    assert lf.strategy_options()["sample_placement"] == "longest-first"
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"sample_placement": "packed"}, "sample_placement='packed' is not one of"),
+    ({"sample_placement": "length-balanced", "sample_owner": "trainer", "sample_gpu": np.zeros(4, np.int64)},
+     "sample_placement='length-balanced' computes the trainer's ranks, sample_gpu= gives them"),
+])
+def test_bad_sample_placement_names_the_option(kw, match):
+    with pytest.raises(PlanError, match=match):
+        PlanOptions(**kw)

@@ -106,9 +106,12 @@ def test_tiny_deadline_falls_back_everywhere(caplog):
     M, L = 2, 3
     assert plan.stats["fallbacks"] == L + 1 + M * L  # every reorder layer, locality, every cell
     assert (plan.replicas.replica_expert == -1).all() and len(plan.replicas.split_index) == 0
-    # reorder fell back to the LPT start (no previous placement), samples stayed round-robin
-    from relibra_moe.plan import round_robin_gpus
-    np.testing.assert_array_equal(plan.samples.gpu, round_robin_gpus(batch.resolve_micro_batch(), 4))
+    # reorder fell back to the LPT start (no previous placement), samples stayed at relibra's start, verl's
+    # length-balanced placement
+    from relibra_moe.sample_placements import length_balanced
+    mb, gpu = length_balanced(batch.lengths, batch.resolve_micro_batch(), 4)
+    np.testing.assert_array_equal(plan.samples.gpu, gpu)
+    np.testing.assert_array_equal(plan.samples.micro_batch, mb)
     assert any("falling back" in r.message for r in caplog.records)
 
 
@@ -181,6 +184,23 @@ def test_other_strategies_delegate():
     assert plan.stats["strategy"] == "lpt"
 
 
+@pytest.mark.parametrize("placement", ["length-balanced", "longest-first"])
+def test_planner_runs_a_baseline_on_a_sample_placement(placement):
+    """The option reaches the service's plans: a baseline on a placement equals plan_batch's, samples included."""
+    from relibra_moe.sample_placements import place_samples
+
+    batch = make_batch()
+    with Planner(MODEL, CLUSTER, strategy="online", replica_slots=1, executor="inline",
+                 sample_placement=placement) as p:
+        plan = p.plan(batch)
+    ref = plan_batch(batch, MODEL, CLUSTER, "online", replica_slots=1, sample_placement=placement)
+    mb, gpu = place_samples(placement, batch.lengths, batch.resolve_micro_batch(), CLUSTER.num_gpus)
+    np.testing.assert_array_equal(plan.samples.micro_batch, mb)
+    np.testing.assert_array_equal(plan.samples.gpu, gpu)
+    np.testing.assert_array_equal(plan.replicas.replica_expert, ref.replicas.replica_expert)
+    assert plan.stats["sample_placement"] == placement
+
+
 def test_invalid_inputs():
     with pytest.raises(PlanError, match="unknown strategy 'nope'"):
         Planner(MODEL, CLUSTER, strategy="nope")
@@ -249,9 +269,11 @@ def test_plan_batch_loop_falls_back_per_task_on_any_executor():
     assert set(ex.seen) == {"reorder", "locality", "replicate"}
     x = batch.loads(plan.samples.gpu, CLUSTER.num_gpus, plan.samples.micro_batch)
     np.testing.assert_array_equal(plan.placement.expert_gpu[1], lpt_placement(x[:, 1].sum(axis=(0, 1)), 4))
-    from relibra_moe.plan import round_robin_gpus
+    from relibra_moe.sample_placements import length_balanced
 
-    np.testing.assert_array_equal(plan.samples.gpu, round_robin_gpus(batch.resolve_micro_batch(), 4))
+    mb, gpu = length_balanced(batch.lengths, batch.resolve_micro_batch(), 4)  # relibra's start, kept
+    np.testing.assert_array_equal(plan.samples.gpu, gpu)
+    np.testing.assert_array_equal(plan.samples.micro_batch, mb)
     assert not (plan.replicas.replica_expert >= 0).any()
     cells = plan.num_micro_batches * MODEL.num_layers
     assert plan.stats["fallbacks"] == 1 + 1 + cells  # one reorder layer, one locality round, every cell
