@@ -43,7 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+import json
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,19 +57,32 @@ from trl import GRPOTrainer
 
 from ..errors import PlanError, ReplayError, TraceError
 from ..layers.data_parallel import use_global_clip
+from ..layers.expert_sharding import gather_optimizer_state, local_optimizer_state
+from ..layers.moe import moe_layers
 from ..layers.relayout import relayout
 from ..layers.replay import UNROUTED, replay
-from ..plan import BatchPlan
+from ..plan import BatchPlan, Placement
 from ..planners.service import Planner
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import RoutingTrace, TraceBatch
-from ..validate import check_int
-from .hf import RoutingRecorder, full_state_dict, moe_blocks, swap_moe_blocks
+from ..validate import check_int, check_positive
+from .hf import (
+    RoutingRecorder,
+    checkpoint_state_dict,
+    full_state_dict,
+    load_full_state_dict,
+    moe_blocks,
+    swap_moe_blocks,
+)
 
 __all__ = ["ReplayGRPOTrainer", "model_spec"]
 
 ROW = "relibra_row"
 """Key of the sample index every row of TRL's generation batch carries through its shuffle and split."""
+PLACEMENT_FILE = "relibra_placement.json"
+"""The experts' homes in a saved checkpoint: ``{"world_size": G, "expert_gpu": [L][E] ranks}``."""
+
+logger = logging.getLogger(__name__)
 
 
 def model_spec(model: nn.Module, name: str = "") -> ModelSpec:
@@ -102,6 +118,37 @@ def _synced_generate(model: nn.Module, on: bool) -> Iterator[None]:
             del model.generate
 
 
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, fn: Callable) -> Iterator[None]:
+    """Within the block, ``obj.name`` is ``fn`` (an instance attribute; the class's method afterwards)."""
+    had = name in obj.__dict__
+    previous = obj.__dict__.get(name)
+    setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)
+
+
+def _read_safetensors(checkpoint: str) -> dict[str, torch.Tensor] | None:
+    """Every tensor of a ``save_pretrained`` checkpoint's safetensors file(s) (on the CPU); None without any."""
+    from safetensors.torch import load_file
+
+    folder = Path(checkpoint)
+    if (folder / "model.safetensors").is_file():
+        return load_file(str(folder / "model.safetensors"), device="cpu")
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        out.update(load_file(str(folder / name), device="cpu"))
+    return out
+
+
 class ReplayGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with routing replay, ReLibra plans and expert parallelism over all ranks (see
     the module docstring for what it does).
@@ -132,10 +179,14 @@ class ReplayGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args: Any, replica_slots: int = 2, strategy: str = "relibra", gpus_per_node: int | None = None,
                  cluster: ClusterSpec | None = None, planner: Planner | None = None,
-                 planner_options: dict[str, Any] | None = None, unrouted: str = "live", **kwargs: Any) -> None:
+                 planner_options: dict[str, Any] | None = None, unrouted: str = "live", save_timeout_s: float = 60.0,
+                 **kwargs: Any) -> None:
         if unrouted not in UNROUTED:  # checked before TRL loads anything
             raise ReplayError(f"ReplayGRPOTrainer: unrouted={unrouted!r} is not one of {UNROUTED}")
         check_int("ReplayGRPOTrainer: replica_slots", replica_slots, error=ReplayError)
+        check_positive("ReplayGRPOTrainer: save_timeout_s", save_timeout_s, error=ReplayError)
+        self.save_timeout_s = float(save_timeout_s)
+        self._save_calls = 0
         super().__init__(*args, **kwargs)
         refused = [name for name, on in (("use_vllm", self.use_vllm),
                                          ("use_transformers_continuous_batching",
@@ -234,20 +285,103 @@ class ReplayGRPOTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------------------------- saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """TRL's / the Trainer's save, with the whole experts: every rank gathers the full HF state dict
-        (:func:`~relibra_moe.integrations.hf.full_state_dict`, a collective), the main process writes it, so
-        the checkpoint loads into the plain HF class. (Optimizer state is saved as the Trainer does, by the
-        main process only: the other ranks' expert AdamW state is not in it.)"""
-        self._full_state = full_state_dict(self.model) if self.world > 1 else None
+        """TRL's / the Trainer's save, with the whole experts and the placement: every rank gathers the full HF
+        state dict (:func:`~relibra_moe.integrations.hf.full_state_dict`, a collective), the main process
+        writes it (it loads into the plain HF class) and ``relibra_placement.json`` (the current homes).
+
+        Every rank must call it. The ranks meet first (``save_timeout_s``): a call on some ranks only raises
+        ``ReplayError`` on those ranks, naming the missing ones, instead of waiting in the gather."""
+        self._save_rendezvous("save_model")
+        self._full_state = full_state_dict(self.model)
         try:
             super().save_model(output_dir, _internal_call)
         finally:
             self._full_state = None
+        if self.args.should_save:
+            self._write_placement(output_dir if output_dir is not None else self.args.output_dir)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if state_dict is None and getattr(self, "_full_state", None) is not None:
             state_dict = self._full_state
         super()._save(output_dir, state_dict)
+
+    def _save_rendezvous(self, what: str) -> None:
+        """Meet every rank before a save's collectives, through the process group's store (no collective, so
+        a missing rank cannot desynchronize one): ``ReplayError`` after ``save_timeout_s`` without them."""
+        if self.world == 1:
+            return
+        from datetime import timedelta
+
+        store = dist.distributed_c10d._get_default_store()
+        key = f"relibra/save/{self._save_calls}/".__add__
+        store.set(key(str(self.rank)), what)
+        try:
+            store.wait([key(str(r)) for r in range(self.world)], timedelta(seconds=self.save_timeout_s))
+        except RuntimeError:
+            missing = [r for r in range(self.world) if not store.check([key(str(r))])]
+            store.delete_key(key(str(self.rank)))  # a rank arriving later waits for a matching call again
+            raise ReplayError(f"ReplayGRPOTrainer.{what}: ranks {missing} did not call it within save_timeout_s="
+                              f"{self.save_timeout_s:g} s; every rank must call {what} (each holds only its home "
+                              "experts, gathered into the checkpoint)") from None
+        self._save_calls += 1
+
+    def _write_placement(self, output_dir: str) -> None:
+        homes = [np.asarray(layer.expert_gpu_host, np.int64).tolist() for layer in moe_layers(self.model)]
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        Path(output_dir, PLACEMENT_FILE).write_text(json.dumps({"world_size": self.world, "expert_gpu": homes}))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's ``optimizer.pt`` with every expert's state whole ``[E, ...]`` in logical order
+        (:func:`~relibra_moe.layers.expert_sharding.gather_optimizer_state`, a collective): the plain model's
+        optimizer state, whatever the homes and the EP size."""
+        self._save_rendezvous("_save_optimizer_and_scheduler")
+        whole = gather_optimizer_state(self.model, self.optimizer)
+        with _patched(self.optimizer, "state_dict", lambda: whole):
+            super()._save_optimizer_and_scheduler(output_dir)
+
+    # ---------------------------------------------------------------------------------- resuming
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Resume: restore the saved homes (``relibra_placement.json``, same EP size; another EP size keeps
+        the static homes), then load the whole HF checkpoint, each rank taking its home experts' rows
+        (:func:`~relibra_moe.integrations.hf.load_full_state_dict`: the swapped blocks load their own
+        weights, which the Trainer's plain ``load_state_dict`` of the converted file misses)."""
+        model = self.model if model is None else model
+        self._restore_placement(resume_from_checkpoint, model)
+        saved = _read_safetensors(resume_from_checkpoint)
+        if saved is None:  # not a safetensors checkpoint: the Trainer's own loader and its messages
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        result = load_full_state_dict(model, checkpoint_state_dict(model, saved), strict=False)
+        self._issue_warnings_after_load(result)
+
+    def _restore_placement(self, checkpoint: str, model: nn.Module) -> None:
+        path = Path(checkpoint, PLACEMENT_FILE)
+        layers = moe_layers(model)
+        if not path.is_file() or not layers:
+            return
+        saved = json.loads(path.read_text())
+        grid = np.asarray(saved.get("expert_gpu"), dtype=np.int64)
+        E = layers[0].num_experts
+        if grid.shape != (len(layers), E):
+            raise ReplayError(f"{path}: expert_gpu has shape {grid.shape}, the model has {len(layers)} MoE layers of "
+                              f"{E} experts")
+        if int(saved.get("world_size", -1)) != self.world:
+            logger.warning(f"{path}: saved on {saved.get('world_size')} ranks, resumed on {self.world}: the experts "
+                           "keep the static homes (weights and optimizer state load by logical expert)")
+            return
+        if self.world > 1:
+            relayout(model, grid)  # a collective; before any expert is read, so each rank reads its saved homes
+            if self.rank == 0 and self.planner is not None:
+                self.planner.previous = Placement(grid)  # moves of the next plan are priced from these homes
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's load of ``optimizer.pt``, each expert parameter's whole state cut to this rank's homes
+        (:func:`~relibra_moe.layers.expert_sharding.local_optimizer_state`)."""
+        if checkpoint is None or self.optimizer is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load = self.optimizer.load_state_dict
+        with _patched(self.optimizer, "load_state_dict",
+                      lambda sd: load(local_optimizer_state(self.model, self.optimizer, sd))):
+            super()._load_optimizer_and_scheduler(checkpoint)
 
     def _plan_generation(self) -> None:
         """Gather every rank's traces and TRL's micro-batch of each sample, plan (rank 0), relayout."""
