@@ -45,7 +45,9 @@ import contextlib
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +65,11 @@ from ..layers.relayout import relayout
 from ..layers.replay import UNROUTED, replay
 from ..plan import BatchPlan, Placement
 from ..planners.service import Planner
+from ..planners.strategies import plan_batch
+from ..sim import simulate_step
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import RoutingTrace, TraceBatch
-from ..validate import check_int, check_positive
+from ..validate import check_choice, check_int, check_positive
 from .hf import (
     RoutingRecorder,
     checkpoint_state_dict,
@@ -81,6 +85,37 @@ ROW = "relibra_row"
 """Key of the sample index every row of TRL's generation batch carries through its shuffle and split."""
 PLACEMENT_FILE = "relibra_placement.json"
 """The experts' homes in a saved checkpoint: ``{"world_size": G, "expert_gpu": [L][E] ranks}``."""
+
+SAMPLE_OWNERS = ("planner", "trainer")
+"""``sample_owner``: the plan chooses every sample's rank (its samples are exchanged after generation), or TRL's
+data loader does (each rank trains the samples it generated)."""
+OWNER_TEXT = {"planner": "the plan puts each sample on a rank: samples exchanged after generation, planning overlapped "
+                         "with rewards and log-prob forwards",
+              "trainer": "samples stay on TRL's rank and micro-batch; planning waits at the first micro-step"}
+REPLAY_ROUTING = ("rollout", "refresh")
+"""``replay_routing``: what optimizer steps after the first of a generation batch (``num_iterations > 1`` or
+``steps_per_generation > gradient_accumulation_steps``) route by: the rollout's recorded routing, or the current
+policy's routing (live, as plain TRL)."""
+ROUTING_TEXT = {"rollout": "every training forward replays the rollout's routing (also after the policy moved)",
+                "refresh": "the first optimizer step of a generation batch replays the rollout's routing, later ones "
+                           "route live by the current policy"}
+BASELINES = ("static", "eplb", "online")
+"""The baselines the telemetry prices each plan against (``online`` only with replica slots)."""
+TELEMETRY = {
+    "experts_moved": "(layer, expert) pairs whose home the relayout changed this generation batch",
+    "experts_proposed": "moves the planner's annealed homes proposed (before its migration pricing kept some layers)",
+    "replicas": "replica slots the plan filled (over micro-batches, layers and ranks)",
+    "step_s": "the plan's modelled step (simulator, planner's model and cluster), seconds",
+    "static_step_s": "the static layout's modelled step, seconds",
+    "speedup_vs_static": "static_step_s / step_s",
+    "best_baseline_step_s": "the fastest baseline's (static, eplb, online) modelled step, seconds",
+    "speedup_vs_best_baseline": "best_baseline_step_s / step_s",
+    "planning_s": "wall seconds from the planner's start to its plan (rank 0)",
+    "planning_wait_s": "wall seconds the first micro-step waited for the plan",
+    "planning_hidden": "1 when the plan was ready before the first micro-step needed it (overlapped), else 0",
+    "fallbacks": "planner cells that fell back (deadline, dead worker)",
+}
+"""``log_history`` fields (``relibra/<name>``, one value per generation batch, averaged per logging step)."""
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +184,54 @@ def _read_safetensors(checkpoint: str) -> dict[str, torch.Tensor] | None:
     return out
 
 
+def _rows_of(batch: dict[str, Any]) -> int:
+    return int(batch[ROW].shape[0])
+
+
+def _is_row_tensor(value: Any, rows: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows
+
+
+def _concat_micro_batches(batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rank's TRL micro-batches back as one dict: per-row tensors concatenated (the micro-batches of one
+    generation batch share their widths), everything else (``num_items_in_batch``, ...) from the first."""
+    rows = _rows_of(batches[0])
+    return {k: (torch.cat([b[k] for b in batches]) if _is_row_tensor(v, rows) else v) for k, v in batches[0].items()}
+
+
+def _pad_width(t: torch.Tensor, width: int, left: bool, value: int) -> torch.Tensor:
+    """``t [B, W, ...]`` padded with ``value`` to ``[B, width, ...]`` on the left or the right of dim 1."""
+    if t.shape[1] == width:
+        return t
+    out = t.new_full((t.shape[0], width) + tuple(t.shape[2:]), value)
+    if left:
+        out[:, width - t.shape[1]:] = t
+    else:
+        out[:, :t.shape[1]] = t
+    return out
+
+
+def _stack_parts(parts: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Every rank's generation batch (``parts[g]``) as one: each per-row tensor concatenated in rank order, token
+    tensors ``[B, W, ...]`` padded to the widest rank's ``W`` (``prompt_*`` on the left, the rest on the right;
+    ``*_ids`` with the pad token, the rest with 0). A per-row entry that is not a tensor is refused by name."""
+    rows = _rows_of(parts[0])
+    out = {}
+    for key, value in parts[0].items():
+        if isinstance(value, (list, tuple)) and len(value) == rows:
+            raise ReplayError(f"ReplayGRPOTrainer: the generation batch's {key!r} is a per-sample "
+                              f"{type(value).__name__}; sample_owner='planner' exchanges tensors only (use "
+                              "sample_owner='trainer')")
+        if not _is_row_tensor(value, rows):
+            continue
+        ts = [p[key] for p in parts]
+        if value.dim() >= 2:
+            width = max(int(t.shape[1]) for t in ts)
+            ts = [_pad_width(t, width, key.startswith("prompt"), pad_id if key.endswith("_ids") else 0) for t in ts]
+        out[key] = torch.cat(ts)
+    return out
+
+
 class ReplayGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` with routing replay, ReLibra plans and expert parallelism over all ranks (see
     the module docstring for what it does).
@@ -180,11 +263,14 @@ class ReplayGRPOTrainer(GRPOTrainer):
     def __init__(self, *args: Any, replica_slots: int = 2, strategy: str = "relibra", gpus_per_node: int | None = None,
                  cluster: ClusterSpec | None = None, planner: Planner | None = None,
                  planner_options: dict[str, Any] | None = None, unrouted: str = "live", save_timeout_s: float = 60.0,
-                 **kwargs: Any) -> None:
+                 sample_owner: str = "planner", replay_routing: str = "rollout", **kwargs: Any) -> None:
         if unrouted not in UNROUTED:  # checked before TRL loads anything
             raise ReplayError(f"ReplayGRPOTrainer: unrouted={unrouted!r} is not one of {UNROUTED}")
         check_int("ReplayGRPOTrainer: replica_slots", replica_slots, error=ReplayError)
         check_positive("ReplayGRPOTrainer: save_timeout_s", save_timeout_s, error=ReplayError)
+        check_choice("ReplayGRPOTrainer: sample_owner", sample_owner, SAMPLE_OWNERS, error=ReplayError)
+        check_choice("ReplayGRPOTrainer: replay_routing", replay_routing, REPLAY_ROUTING, error=ReplayError)
+        self.replay_routing = replay_routing
         self.save_timeout_s = float(save_timeout_s)
         self._save_calls = 0
         super().__init__(*args, **kwargs)
@@ -209,16 +295,35 @@ class ReplayGRPOTrainer(GRPOTrainer):
             if planner is None:
                 per_node = self.world if gpus_per_node is None else int(gpus_per_node)
                 cluster = cluster or ClusterSpec(nodes=self.world // per_node, gpus_per_node=per_node)
+                owned = {"keep_cell_sizes": True} if sample_owner == "planner" else {}  # TRL's fixed micro-batch size
                 planner = Planner(model_spec(self.model), cluster, strategy=strategy, replica_slots=replica_slots,
-                                  workers=1, executor="inline", seed=int(self.args.seed), sample_owner="trainer",
-                                  **(planner_options or {}))
+                                  workers=1, executor="inline", seed=int(self.args.seed), sample_owner=sample_owner,
+                                  **{**owned, **(planner_options or {})})
         self.planner = planner
+        self.sample_owner = planner.options.sample_owner if planner is not None else sample_owner
         self.recorder = RoutingRecorder(self.model, source="trl")
         self.last_batch: TraceBatch | None = None
         self.last_plan: BatchPlan | None = None
         self._local_traces: list[RoutingTrace] | None = None
         self._new_generation = False
         self._replay = contextlib.ExitStack()
+        self._plan_future: Future | None = None
+        self._plan_thread: ThreadPoolExecutor | None = None
+        self._rollout_lengths: np.ndarray | None = None
+        self._generation_step = 0
+        if self.accelerator.is_main_process:
+            print(self.describe(), flush=True)
+
+    def describe(self) -> str:
+        """One line: what relibra does in this run (printed by the main process at construction)."""
+        if self.world == 1:
+            return ("relibra: 1 rank, all experts local: routing replay only (no plan, no expert parallelism); "
+                    f"{ROUTING_TEXT[self.replay_routing]}")
+        E = moe_layers(self.model)[0].num_experts
+        return (f"relibra: expert parallelism over {self.world} ranks ({E // self.world} of {E} experts each), "
+                f"strategy={self.planner.strategy!r}, replica_slots={self.planner.replica_slots}, "
+                f"sample_owner={self.sample_owner!r} ({OWNER_TEXT[self.sample_owner]}); "
+                f"{ROUTING_TEXT[self.replay_routing]}; per-step plan telemetry in log_history as relibra/*")
 
     # ---------------------------------------------------------------------------------- rollout
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -233,18 +338,37 @@ class ReplayGRPOTrainer(GRPOTrainer):
                                                 has_tool_images)
         return out
 
+    def _generate(self, prompts: list):
+        """TRL's rollout; with ``sample_owner="planner"`` on several ranks the traces are gathered right after it
+        and rank 0 starts planning on a background thread, while TRL computes rewards and log-probs."""
+        out = super()._generate(prompts)
+        if self.model.training and self.world > 1 and self.sample_owner == "planner":
+            prompt_ids, completion_ids = out[0], out[1]
+            keep = [len(c) if not self.mask_truncated_completions or (c and c[-1] in self._eos_and_pad()) else 0
+                    for c in completion_ids]  # TRL's completion_mask: a truncated completion masked entirely
+            self._rollout_lengths = np.asarray([len(p) + k for p, k in zip(prompt_ids, keep)], dtype=np.int64)
+            self._start_planning(self.recorder.traces(lengths=self._rollout_lengths))
+        return out
+
+    def _eos_and_pad(self) -> list[int]:
+        return [*self.eos_token_ids, self._tokenizer.pad_token_id]
+
     def _generate_and_score_completions(self, inputs):
         """TRL's batch, plus each row's sample index (``relibra_row``) and this rank's trimmed traces."""
         out = super()._generate_and_score_completions(inputs)
         if not self.model.training:
             return out
         lengths = (out["prompt_mask"].sum(1) + out["completion_mask"].sum(1)).cpu().numpy()
+        if self._rollout_lengths is not None and not np.array_equal(lengths, self._rollout_lengths):
+            raise ReplayError(f"ReplayGRPOTrainer: the traces planned after generation have lengths "
+                              f"{self._rollout_lengths.tolist()}, TRL's masks feed {lengths.tolist()}")
         traces = self.recorder.traces(lengths=lengths)
         if len(traces) != len(lengths):
             raise ReplayError(f"ReplayGRPOTrainer: recorded {len(traces)} sequences for {len(lengths)} rows")
         n = len(traces)
         out[ROW] = torch.arange(n, device=out["prompt_ids"].device) + self.rank * n
         self._local_traces = traces
+        self._rollout_lengths = None
         self._new_generation = True
         return out
 
@@ -255,17 +379,22 @@ class ReplayGRPOTrainer(GRPOTrainer):
         inputs = super()._prepare_inputs(generation_batch)
         if not self.model.training:
             return inputs
+        m = self._step % self.args.steps_per_generation
         if self._new_generation:
             self._new_generation = False
+            self._generation_step = self._step
             self._plan_generation()
-        m = self._step % self.args.steps_per_generation
+            inputs = self._buffered_inputs[m]
         rows = inputs[ROW]
         order = torch.argsort(rows)
         B = int(rows.shape[0])
         inputs = {k: (v[order] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == B else v)
                   for k, v in inputs.items()}
-        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         self._replay.close()
+        if self.replay_routing == "refresh" and ((self._step - self._generation_step)
+                                                 // self.current_gradient_accumulation_steps) > 0:
+            return inputs  # the policy moved since the rollout: route live (TRL's own forward)
+        mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         selected = self._replay.enter_context(replay(self.model, self.last_batch, self.last_plan, micro_batch=m,
                                                      attention_mask=mask, rank=self.rank if self.last_plan else None,
                                                      unrouted=self.unrouted))
@@ -383,36 +512,125 @@ class ReplayGRPOTrainer(GRPOTrainer):
                       lambda sd: load(local_optimizer_state(self.model, self.optimizer, sd))):
             super()._load_optimizer_and_scheduler(checkpoint)
 
-    def _plan_generation(self) -> None:
-        """Gather every rank's traces and TRL's micro-batch of each sample, plan (rank 0), relayout."""
-        local = self._local_traces
-        n = len(local)
-        micro = np.full(n, -1, dtype=np.int64)
-        for m, mb in enumerate(self._buffered_inputs):
-            micro[mb[ROW].cpu().numpy() - self.rank * n] = m
-        if (micro < 0).any():
-            raise ReplayError(f"ReplayGRPOTrainer: samples {np.flatnonzero(micro < 0).tolist()} of rank {self.rank} "
-                              "are in no micro-batch of TRL's split")
-        if self.world == 1:
-            self.last_batch = TraceBatch(local, micro.astype(np.int32), source="trl")
-            self.last_plan = None
-            return
+    def _start_planning(self, local: list[RoutingTrace]) -> None:
+        """Gather every rank's traces (a collective) and start the plan on rank 0's background thread
+        (``sample_owner="planner"``: micro-batch ``m`` holds each rank's local rows ``m*B .. (m+1)*B - 1``,
+        ``B = per_device_train_batch_size``, and the plan chooses each sample's rank)."""
+        B = int(self.args.per_device_train_batch_size)
+        micro = (np.arange(len(local)) // B).astype(np.int64)
+        batch, _ = self._gather_batch(local, micro)
+        if self.rank == 0:
+            if self._plan_thread is None:
+                self._plan_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relibra-trl-plan")
+            self._plan_future = self._plan_thread.submit(self._plan_job, batch, None)
+        self.last_batch = batch
+
+    def _gather_batch(self, local: list[RoutingTrace], micro: np.ndarray) -> tuple[TraceBatch, np.ndarray]:
+        """All ranks' traces as one TraceBatch (sample ``n`` = row ``n % N_local`` of rank ``n // N_local``) and
+        each sample's generating rank; a collective."""
         parts: list[Any] = [None] * self.world
         dist.all_gather_object(parts, (local, micro))
         traces = [t for part in parts for t in part[0]]
         micro_batch = np.concatenate([part[1] for part in parts]).astype(np.int32)
-        batch = TraceBatch(traces, micro_batch, source="trl")
-        sample_gpu = np.repeat(np.arange(self.world), [len(part[0]) for part in parts])
+        return TraceBatch(traces, micro_batch, source="trl"), np.repeat(np.arange(self.world),
+                                                                        [len(part[0]) for part in parts])
+
+    def _plan_job(self, batch: TraceBatch, sample_gpu: np.ndarray | None) -> tuple[BatchPlan, dict[str, float]]:
+        """Plan and price one batch (rank 0; on the background thread when overlapped)."""
+        t0 = time.perf_counter()
+        plan = self.planner.plan(batch, sample_gpu=sample_gpu)
+        return plan, self._plan_telemetry(batch, plan, sample_gpu, time.perf_counter() - t0)
+
+    def _plan_generation(self) -> None:
+        """Get the plan (rank 0's, broadcast), relayout, and with ``sample_owner="planner"`` exchange the samples
+        so each rank's micro-batches are the plan's; with ``"trainer"`` plan here for TRL's own split."""
+        local = self._local_traces
+        n = len(local)
+        if self.world == 1:
+            micro = np.full(n, -1, dtype=np.int64)
+            for m, mb in enumerate(self._buffered_inputs):
+                micro[mb[ROW].cpu().numpy()] = m
+            self.last_batch = TraceBatch(local, micro.astype(np.int32), source="trl")
+            self.last_plan = None
+            return
         box: list[Any] = [None]
+        t0 = time.perf_counter()
+        if self.sample_owner == "trainer":
+            micro = np.full(n, -1, dtype=np.int64)
+            for m, mb in enumerate(self._buffered_inputs):
+                micro[mb[ROW].cpu().numpy() - self.rank * n] = m
+            if (micro < 0).any():
+                raise ReplayError(f"ReplayGRPOTrainer: samples {np.flatnonzero(micro < 0).tolist()} of rank "
+                                  f"{self.rank} are in no micro-batch of TRL's split")
+            self.last_batch, sample_gpu = self._gather_batch(local, micro)
         if self.rank == 0:
+            hidden = self._plan_future is not None and self._plan_future.done()
             try:
-                box[0] = self.planner.submit(batch, sample_gpu=sample_gpu).result()
+                future, self._plan_future = self._plan_future, None
+                box[0] = future.result() if future is not None else self._plan_job(self.last_batch, sample_gpu)
+                box[0][1]["planning_wait_s"] = 0.0 if hidden else time.perf_counter() - t0
+                box[0][1]["planning_hidden"] = float(hidden)
             except (PlanError, TraceError) as exc:  # every rank raises, none waits in the broadcast
                 box[0] = exc.with_traceback(None)
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):
             raise box[0]
-        plan: BatchPlan = box[0]
+        plan, telemetry = box[0]
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        relayout(self.model, plan.placement, optimizer)
-        self.last_batch, self.last_plan = batch, plan
+        moved = relayout(self.model, plan.placement, optimizer)["experts_moved"]
+        self.last_plan = plan
+        if self.sample_owner == "planner":
+            self._buffered_inputs = self._exchange_samples(plan)
+        self._log_telemetry({**telemetry, "experts_moved": float(moved)})
+
+    def _exchange_samples(self, plan: BatchPlan) -> list[dict[str, Any]]:
+        """Every rank's generation batch to every rank (one ``all_gather_object`` of TRL's per-sample tensors, on
+        the CPU), then this rank's micro-batches as the plan places them: micro-batch ``m`` = the samples with
+        ``plan.samples.micro_batch == m`` and ``gpu == rank``, ascending. Token tensors are padded to the widest
+        rank's width (prompts on the left, everything else on the right, as TRL pads)."""
+        local = _concat_micro_batches(self._buffered_inputs)
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in local.items()})
+        whole = _stack_parts(parts, self._tokenizer.pad_token_id)
+        device = self.accelerator.device
+        pos = {int(r): i for i, r in enumerate(whole[ROW].tolist())}
+        out = []
+        for m in range(plan.num_micro_batches):
+            mine = np.flatnonzero((plan.samples.micro_batch == m) & (plan.samples.gpu == self.rank))
+            idx = torch.as_tensor([pos[int(n)] for n in mine], dtype=torch.long)
+            out.append({k: (whole[k][idx].to(device) if k in whole else v) for k, v in local.items()})
+        return out
+
+    def _plan_telemetry(self, batch: TraceBatch, plan: BatchPlan, sample_gpu: np.ndarray | None,
+                        planning_s: float) -> dict[str, float]:
+        """What the plan does, for ``log_history`` (rank 0; see :data:`TELEMETRY`). The modelled steps are the
+        simulator's (:func:`relibra_moe.sim.simulate_step`, the planner's model and cluster), every plan priced
+        from the current homes; the baselines are planned for the same samples."""
+        spec, cluster = self.planner.model, self.planner.cluster
+        previous = Placement(np.stack([layer.expert_gpu_host for layer in moe_layers(self.model)]))
+        step = simulate_step(plan, batch, spec, cluster, previous=previous).step_s
+        owner = {} if sample_gpu is None else {"sample_owner": "trainer", "sample_gpu": sample_gpu}
+        slots = self.planner.replica_slots
+        baselines = {}
+        for name in BASELINES:
+            if name == "online" and not slots:
+                continue
+            base = plan_batch(batch, spec, cluster, name, replica_slots=slots if name == "online" else 0,
+                              seed=self.planner.seed, **owner)
+            baselines[name] = simulate_step(base, batch, spec, cluster,
+                                            previous=None if name == "static" else previous).step_s
+        best = min(baselines.values())
+        migration = plan.stats.get("migration", {})
+        moved = int((plan.placement.expert_gpu != previous.expert_gpu).sum())
+        return {"experts_proposed": float(migration.get("moved_after_relabel", moved)),
+                "replicas": float((plan.replicas.replica_expert >= 0).sum()),
+                "step_s": step, "static_step_s": baselines["static"], "speedup_vs_static": baselines["static"] / step,
+                "best_baseline_step_s": best, "speedup_vs_best_baseline": best / step,
+                "planning_s": planning_s,
+                "fallbacks": float(plan.stats.get("fallbacks", 0))}
+
+    def _log_telemetry(self, telemetry: dict[str, float]) -> None:
+        """Append each field to TRL's metrics (averaged per logging step into ``log_history`` as ``relibra/<field>``,
+        and from there to W&B / TensorBoard through the Trainer's callbacks)."""
+        for key, value in telemetry.items():
+            self._metrics["train"][f"relibra/{key}"].append(float(value))
