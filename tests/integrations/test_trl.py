@@ -109,6 +109,10 @@ class _Probe:
         finally:
             del model.generate
 
+    def _calculate_rewards(self, *args, **kwargs):
+        self.plan_started_before_rewards = getattr(self, "_plan_future", None) is not None
+        return super()._calculate_rewards(*args, **kwargs)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.losses.append(float(loss))
@@ -186,6 +190,7 @@ def _replay_worker(rank: int, world: int, out_dir: str) -> None:
             rep = {"losses": trainer.losses, "prompts": trainer.seen_prompts, "homes": homes, "grad_norm": norms,
                    "replicas": int((plan.replicas.replica_expert >= 0).sum()),
                    "moved": int((plan.placement.expert_gpu != static).sum()),
+                   "plan_started_before_rewards": trainer.plan_started_before_rewards,
                    "telemetry": {k: v for k, v in logged[0].items() if k.startswith("relibra/")},
                    "sample_owner": plan.stats.get("sample_owner"),
                    "micro": {int(m): [int(n) for n in range(batch.num_sequences)
@@ -296,6 +301,8 @@ def _compare(reps, ref, gc):
         assert rep["rollout_match"]
     # planner-owned: the plan moved samples between ranks (rank r generated global rows 4r .. 4r+3), each rank
     # still trains 2 per micro-step; trainer-owned: every rank trains the rows it generated
+    # planner-owned: rank 0 plans while TRL computes the rewards (overlapped); trainer-owned: after TRL's split
+    assert [rep["plan_started_before_rewards"] for rep in reps] == [not gc, False]
     trained = {r: sorted(n for m in ("0", "1") for n in reps[r]["micro"][m]) for r in range(2)}
     assert all(len(reps[r]["micro"][m]) == 2 for r in range(2) for m in ("0", "1"))
     assert (trained == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}) == bool(gc), trained
