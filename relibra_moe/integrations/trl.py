@@ -301,6 +301,9 @@ class ReplayGRPOTrainer(GRPOTrainer):
                                   **{**owned, **(planner_options or {})})
         self.planner = planner
         self.sample_owner = planner.options.sample_owner if planner is not None else sample_owner
+        if planner is not None and self.sample_owner == "planner" and not planner.options.keep_cell_sizes:
+            raise ReplayError("ReplayGRPOTrainer: a planner with sample_owner='planner' needs keep_cell_sizes=True "
+                              "(TRL trains per_device_train_batch_size samples per rank and micro-step)")
         self.recorder = RoutingRecorder(self.model, source="trl")
         self.last_batch: TraceBatch | None = None
         self.last_plan: BatchPlan | None = None
@@ -572,6 +575,8 @@ class ReplayGRPOTrainer(GRPOTrainer):
                 box[0][1]["planning_hidden"] = float(hidden)
             except (PlanError, TraceError) as exc:  # every rank raises, none waits in the broadcast
                 box[0] = exc.with_traceback(None)
+            except Exception as exc:  # noqa: BLE001 - a bug in planning must not leave the other ranks waiting
+                box[0] = ReplayError(f"ReplayGRPOTrainer: planning failed on rank 0: {type(exc).__name__}: {exc}")
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):
             raise box[0]
