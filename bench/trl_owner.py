@@ -25,13 +25,18 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+# This folder holds kernels.py, which would shadow the `kernels` package transformers probes for (and that file
+# sets TRITON_INTERPRET=1 for the kernel benchmarks): keep it off the import path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from relibra_moe.layers.testing import run_group
+import numpy as np  # noqa: E402
+
+from relibra_moe.layers.testing import run_group  # noqa: E402
 
 MODES = ("plain", "trainer", "planner")
 FIELDS = ("step_s", "static_step_s", "best_baseline_step_s", "speedup_vs_static", "speedup_vs_best_baseline",
@@ -48,8 +53,6 @@ def _worker(rank: int, world: int, out_dir: str, mode: str, steps: int) -> None:
 
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29541"})
-    import sys
-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     from trl_grpo import char_tokenizer, reward_e
 
@@ -69,6 +72,9 @@ def _worker(rank: int, world: int, out_dir: str, mode: str, steps: int) -> None:
     trainer.train()
     wall = time.perf_counter() - t0
     logs = [h for h in trainer.state.log_history if "step_time" in h]
+    from relibra_moe.triton_kernels.backend import INTERPRET
+
+    assert not INTERPRET, "the Triton interpreter is on: the figures would time it, not the CPU reference"
     rep = {"step_time": [h["step_time"] for h in logs], "train_s": wall,
            "telemetry": {f: [h.get(f"relibra/{f}") for h in logs] for f in FIELDS}}
     if rank == 0:

@@ -10,9 +10,10 @@ keyword arguments)::
                                 train_dataset=dataset, processing_class=tokenizer, replica_slots=2)
     trainer.train()
 
-Launch on several ranks as any TRL script (``accelerate launch --num_processes G train.py`` or
-``torchrun --nproc-per-node G train.py``); expert parallelism spans all ranks. What the trainer does per
-generation batch (docs/rl-frameworks.md, "TRL"):
+Launch on several ranks as any TRL script (``torchrun --nproc-per-node G train.py``, or ``accelerate launch
+--multi_gpu --num_processes G train.py``: on a CPU-only machine accelerate starts one process without
+``--multi_gpu``); expert parallelism spans all ranks. What the trainer does per generation batch
+(docs/rl-frameworks.md, "TRL"):
 
 1. **Swap** (once, in ``__init__``): :func:`~relibra_moe.integrations.hf.swap_moe_blocks` over the world
    (E/G experts per rank, ``replica_slots`` slots); the experts are kept out of DDP's reducer, their
@@ -23,16 +24,23 @@ generation batch (docs/rl-frameworks.md, "TRL"):
    finished keeps stepping until every rank is done (no deadlock, no ``min_new_tokens`` workaround).
    Traces are trimmed to what the training forward feeds (prompt + completion up to its EOS, TRL's
    masks); the last completion token, never fed during the rollout, is routed live (``unrouted``).
-3. **Plan** once TRL has shuffled and split the generation batch into micro-batches: every row carries
-   its sample index (``relibra_row``) through TRL's shuffle and split, so the plan is made for TRL's
-   own assignment (``sample_owner="trainer"``: accelerate keeps each rank's samples on that rank and
-   each micro-step's rows are TRL's); rank 0 plans with :class:`~relibra_moe.planners.service.Planner`
-   (``submit``: on its background thread) and broadcasts the plan.
+3. **Plan** on rank 0, broadcast to every rank. ``sample_owner="planner"`` (default): right after
+   ``_generate`` the traces are gathered and the plan runs on a background thread while TRL computes rewards
+   and log-probs; at the first micro-step the samples are exchanged (one ``all_gather_object`` of TRL's
+   per-sample tensors) so each rank trains the samples the plan puts on it. ``"trainer"``: the plan is made
+   once TRL has shuffled and split the batch, for TRL's own assignment (every row carries its sample index
+   ``relibra_row`` through the shuffle and split).
 4. **Relayout** the experts with their gradients and optimizer state to the plan's homes
-   (:func:`relibra_moe.relayout`).
+   (:func:`relibra_moe.relayout`), and log what the plan did (:data:`TELEMETRY`, ``relibra/*`` in
+   ``log_history``).
 5. **Replay** every micro-step: :func:`relibra_moe.replay` is open from the micro-step's input
    preparation until after its backward, so activation checkpointing (TRL's default) recomputes with
-   the same routing; each micro-batch's rows follow the plan's sample order.
+   the same routing; each micro-batch's rows follow the plan's sample order. ``replay_routing`` names what
+   the optimizer steps after the first of a generation batch route by (:data:`REPLAY_ROUTING`).
+
+Checkpoints (``save_model``, the Trainer's ``_save_checkpoint``) hold every rank's experts, their optimizer
+state whole in logical order, and the placement (``relibra_placement.json``); ``resume_from_checkpoint``
+restores the homes, the weights and the state (docs/rl-frameworks.md, "Checkpoints and resume").
 
 Rollouts through vLLM, transformers' continuous batching, ``rollout_func`` or tools are not recorded by
 this trainer, and DeepSpeed / FSDP launches are not its layout: all are refused in ``__init__``
@@ -244,13 +252,18 @@ class ReplayGRPOTrainer(GRPOTrainer):
         gpus_per_node: ranks per node (replicas stay inside a node); default: all ranks are one node.
         cluster: the :class:`~relibra_moe.specs.ClusterSpec` the planner prices (default: ``nodes x
             gpus_per_node`` with the default link and FLOP figures).
-        planner: a ready :class:`~relibra_moe.planners.service.Planner` (built with
-            ``sample_owner="trainer"``); default: one with ``strategy``, ``replica_slots``, one inline worker,
-            the run's seed and ``planner_options``.
+        planner: a ready :class:`~relibra_moe.planners.service.Planner` (its ``sample_owner`` option decides the
+            mode; ``"planner"`` needs ``keep_cell_sizes=True``); default: one with ``strategy``, ``replica_slots``,
+            one inline worker, the run's seed, ``sample_owner`` and ``planner_options``.
         planner_options: further :class:`~relibra_moe.planners.options.PlanOptions` fields for the default
             planner (e.g. ``{"migration": False}``).
         unrouted: what a token the rollout never routed gets in the training forward (``"live"``: routed
             live, the plain model's math; ``"none"``: no expert; ``"error"``).
+        save_timeout_s: seconds a save waits for every rank to call it before ``ReplayError`` (a save called
+            on some ranks only fails by name instead of hanging in the experts' gather).
+        sample_owner: ``"planner"`` (the plan places every sample; samples exchanged after generation, planning
+            overlapped) or ``"trainer"`` (TRL's placement kept): :data:`SAMPLE_OWNERS`.
+        replay_routing: ``"rollout"`` or ``"refresh"``: :data:`REPLAY_ROUTING`.
 
     Attributes:
         recorder: the :class:`~relibra_moe.integrations.hf.RoutingRecorder` of the rollouts.
