@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -67,12 +68,13 @@ def main() -> None:
     ap.add_argument("--replica-slots", type=int, default=1)
     ap.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     ap.add_argument("--resume", action="store_true", help="then train again from the first checkpoint")
-    ap.add_argument("--output-dir", default=None, help="default: a temporary directory")
+    ap.add_argument("--output-dir", default=None, help="default: a temporary directory (with --save-steps: "
+                    f"{Path(tempfile.gettempdir(), 'relibra-trl-example')}, one folder for every rank)")
     a = ap.parse_args()
     torch.manual_seed(0)
     dataset = Dataset.from_dict({"prompt": ["hello", "moe", "tree", "see", "bee", "green", "deep", "keep"] * 4})
-    with tempfile.TemporaryDirectory(prefix="relibra-trl-") as tmp:
-        out = a.output_dir or tmp
+    with tempfile.TemporaryDirectory(prefix="relibra-trl-") as tmp:  # per process: fine while nothing is saved
+        out = a.output_dir or (str(Path(tempfile.gettempdir(), "relibra-trl-example")) if a.save_steps else tmp)
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                           num_generations=4, max_completion_length=8, max_steps=a.steps, learning_rate=1e-3,
                           logging_steps=1, report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
