@@ -528,13 +528,13 @@ def _iterations_worker(rank: int, world: int, out_dir: str) -> None:
         Path(out_dir, f"iter_{name}.json").write_text(json.dumps(rep))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_replay_routing_refresh_is_plain_trl_and_rollout_replays_the_rollout():
     """replay_routing="refresh": the second optimizer step on a generation batch routes live, so both steps equal
     plain GRPOTrainer; "rollout": the second step replays the same recorded ids as the first (the rollout's
     routing, also after the policy moved), so its step-1 losses equal plain TRL's and its result differs."""
     with tempfile.TemporaryDirectory(prefix="relibra-trl-iter-") as tmp:
-        run_group(_iterations_worker, 1, tmp, timeout_s=120)
+        run_group(_iterations_worker, 1, tmp, timeout_s=300)
         plain, refresh, rollout = (json.loads(Path(tmp, f"iter_{n}.json").read_text())
                                    for n in ("plain", "refresh", "rollout"))
         assert len(plain["losses"]) == 4  # 2 optimizer steps x 2 micro-steps
