@@ -444,6 +444,30 @@ def test_resume_after_experts_moved_equals_the_uninterrupted_run():
         opt = torch.load(Path(tmp, "a", "checkpoint-2", "optimizer.pt"), weights_only=True)
         shapes = {tuple(v.shape) for e in opt["state"].values() for k, v in e.items() if k == "exp_avg"}
         assert {(8, 32, 32), (8, 32, 16)} <= shapes, shapes  # gate_up_proj, down_proj of 8 experts (4 per rank)
+        # another EP size: one rank loads the 2-rank checkpoint, every expert's weights and state at its row
+        run_group(_load_on_one_rank_worker, 1, str(Path(tmp, "a", "checkpoint-2")), timeout_s=120)
+
+
+def _load_on_one_rank_worker(rank: int, world: int, checkpoint: str) -> None:
+    from relibra_moe.integrations.hf import checkpoint_state_dict, full_state_dict
+    from relibra_moe.integrations.trl import ReplayGRPOTrainer, _read_safetensors
+    from relibra_moe.layers.expert_sharding import gather_optimizer_state
+
+    _env(0, 1)
+    trainer = ReplayGRPOTrainer(model=_model(), reward_funcs=_reward, args=_resume_config(str(Path(checkpoint).parent)),
+                                train_dataset=_dataset(), processing_class=_tokenizer())
+    trainer.create_optimizer_and_scheduler(4)
+    trainer._load_from_checkpoint(checkpoint)  # what train(resume_from_checkpoint=...) runs first
+    trainer._load_optimizer_and_scheduler(checkpoint)
+    saved = checkpoint_state_dict(trainer.model, _read_safetensors(checkpoint))
+    full = full_state_dict(trainer.model)
+    assert set(full) == set(saved) and all(torch.equal(full[k], saved[k]) for k in full)
+    whole = torch.load(Path(checkpoint, "optimizer.pt"), weights_only=True)["state"]
+    mine = gather_optimizer_state(trainer.model, trainer.optimizer)["state"]
+    assert set(mine) == set(whole)
+    for i, entry in whole.items():
+        for k, v in entry.items():
+            assert torch.equal(torch.as_tensor(mine[i][k]), torch.as_tensor(v)), (i, k)
 
 
 def _save_on_rank0_worker(rank: int, world: int, out_dir: str) -> None:
