@@ -5,18 +5,23 @@ downloaded), learns for a few steps to write short completions rich in the lette
 that differ from the plain TRL script are marked ``# relibra``.
 
 Run on one process, or with expert parallelism over several (the experts are split over the ranks, the
-plan's replicas placed per micro-batch, accelerate's DDP handled)::
+samples placed by the plan, its replicas placed per micro-batch, accelerate's DDP handled)::
 
     python examples/trl_grpo.py
-    torchrun --nproc-per-node 2 examples/trl_grpo.py          # or: accelerate launch --num_processes 2 ...
+    torchrun --nproc-per-node 2 examples/trl_grpo.py
+    accelerate launch --multi_gpu --num_processes 2 examples/trl_grpo.py   # also on CPU: without --multi_gpu
+                                                                          # accelerate starts ONE process there
+    torchrun --nproc-per-node 2 examples/trl_grpo.py --steps 4 --save-steps 2 --resume   # save, then resume
 
-Each rank prints the plan of every generation batch (replicas placed, experts moved) and the logged loss.
+The main process prints what relibra does, then each step's plan telemetry (``log_history``'s ``relibra/*``
+fields: experts moved, replicas, modelled step against static, planning seconds) and the losses.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -46,41 +51,52 @@ def reward_e(completions: list[str], **kwargs) -> list[float]:
 
 
 class ShowPlan(TrainerCallback):
-    """Print the plan of each generation batch (rank, replicas placed, samples, sample owner)."""
+    """Print each logged step's plan telemetry (the ``relibra/*`` fields of ``log_history``) on the main process."""
 
-    def __init__(self) -> None:
-        self.trainer: ReplayGRPOTrainer | None = None
-
-    def on_step_end(self, args, state, control, **kwargs):
-        t = self.trainer
-        plan = t.last_plan
-        reps = int((plan.replicas.replica_expert >= 0).sum()) if plan is not None else 0
-        print(f"rank {t.rank}/{t.world} step {state.global_step}: {t.last_batch.num_sequences} samples, "
-              f"replicas placed {reps}, plan {'none (one rank)' if plan is None else plan.stats.get('sample_owner')}",
-              flush=True)
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        fields = {k.removeprefix("relibra/"): v for k, v in (logs or {}).items() if k.startswith("relibra/")}
+        if fields and state.is_world_process_zero:
+            print(f"step {state.global_step}: experts moved {fields['experts_moved']:.0f}, replicas "
+                  f"{fields['replicas']:.0f}, modelled step {fields['step_s']:.3g} s (static "
+                  f"{fields['static_step_s']:.3g} s, x{fields['speedup_vs_static']:.3f}), planning "
+                  f"{fields['planning_s']:.3f} s (hidden: {fields['planning_hidden']:.0f})", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--replica-slots", type=int, default=1)
+    ap.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    ap.add_argument("--resume", action="store_true", help="then train again from the first checkpoint")
+    ap.add_argument("--output-dir", default=None, help="default: a temporary directory (with --save-steps: "
+                    f"{Path(tempfile.gettempdir(), 'relibra-trl-example')}, one folder for every rank)")
     a = ap.parse_args()
     torch.manual_seed(0)
-    dataset = Dataset.from_dict({"prompt": ["hello", "moe", "tree", "see", "bee", "green", "deep", "keep"]})
-    show = ShowPlan()
-    with tempfile.TemporaryDirectory(prefix="relibra-trl-") as out:
+    dataset = Dataset.from_dict({"prompt": ["hello", "moe", "tree", "see", "bee", "green", "deep", "keep"] * 4})
+    with tempfile.TemporaryDirectory(prefix="relibra-trl-") as tmp:  # per process: fine while nothing is saved
+        out = a.output_dir or (str(Path(tempfile.gettempdir(), "relibra-trl-example")) if a.save_steps else tmp)
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                           num_generations=4, max_completion_length=8, max_steps=a.steps, learning_rate=1e-3,
-                          logging_steps=1, report_to="none", use_cpu=True, bf16=False, save_strategy="no",
-                          disable_tqdm=True)
-        trainer = ReplayGRPOTrainer(  # relibra (was: GRPOTrainer); replica_slots is a ReLibra option
-            model=tiny_model("qwen3_moe", seed=0).train(), reward_funcs=reward_e, args=args,
-            train_dataset=dataset, processing_class=char_tokenizer(), callbacks=[show],
-            replica_slots=a.replica_slots)
-        show.trainer = trainer
-        trainer.train()
+                          logging_steps=1, report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
+                          save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500)
+
+        def run(resume: str | None) -> ReplayGRPOTrainer:
+            trainer = ReplayGRPOTrainer(  # relibra (was: GRPOTrainer); replica_slots is a ReLibra option
+                model=tiny_model("qwen3_moe", seed=0).train(), reward_funcs=reward_e, args=args,
+                train_dataset=dataset, processing_class=char_tokenizer(), callbacks=[ShowPlan()],
+                replica_slots=a.replica_slots)
+            trainer.train(resume_from_checkpoint=resume)
+            return trainer
+
+        trainer = run(None)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        print(f"rank {trainer.rank}: losses {[round(x, 4) for x in losses]}", flush=True)
+        if trainer.accelerator.is_main_process:
+            print(f"losses {[round(x, 4) for x in losses]}", flush=True)
+        if a.resume and a.save_steps:
+            first = f"{out}/checkpoint-{a.save_steps}"
+            again = [h["loss"] for h in run(first).state.log_history if "loss" in h]
+            if trainer.accelerator.is_main_process:
+                print(f"resumed from {first}: losses {[round(x, 4) for x in again]} (the same as above)", flush=True)
 
 
 if __name__ == "__main__":

@@ -330,6 +330,12 @@ def row_label(name: str) -> str:
     return name.replace("@", ", ", 1)
 
 
+def _seconds(v: float) -> str:
+    """Seconds for the table: 4 decimals, or 4 significant digits below 0.01 s (a tiny model's step would print
+    0.0000)."""
+    return f"{v:.4f}" if abs(v) >= 0.01 or v == 0 else f"{v:.3e}"
+
+
 def steady_table(res: dict[str, Any], title: str | None = None) -> Any:
     """A rich Table of a ``run_steady`` result: per strategy the first step, the steady-state sum of T_MoE
     (moves free) and step (moves charged), experts moved, rank skew, solve seconds, and the reference's
@@ -380,8 +386,8 @@ def steady_table(res: dict[str, Any], title: str | None = None) -> Any:
     for mode, runs, speedup in blocks:
         for name, v in runs.items():
             s = v["steady"]
-            row = [row_label(name)] + ([mode] if both else []) + ([f"{v['first']['step_s']:.4f}"] if steady else [])
-            row += [f"{s['t_moe_s']:.4f}", f"{s['step_s']:.4f}", f"{s['experts_moved']:.0f}",
+            row = [row_label(name)] + ([mode] if both else []) + ([_seconds(v['first']['step_s'])] if steady else [])
+            row += [_seconds(s['t_moe_s']), _seconds(s['step_s']), f"{s['experts_moved']:.0f}",
                     f"{s['rank_skew_mean']:.3f}", f"{s['solve_s']:.2f}",
                     f"{speedup[name]:.3f}" if speedup else "-"]
             if both:

@@ -194,3 +194,11 @@ def test_bad_inputs(chain):
         plan_steady(batches, model, cluster, "nope")
     with pytest.raises(PlanError, match="no batches"):
         plan_steady([], model, cluster, "static")
+
+
+def test_table_seconds_keep_their_digits_on_a_tiny_model():
+    """The compare table prints a tiny model's step (microseconds) with 4 significant digits, not 0.0000."""
+    from relibra_moe.steady import _seconds
+
+    assert _seconds(1.23456) == "1.2346" and _seconds(0.0) == "0.0000"
+    assert _seconds(3.456789e-05) == "3.457e-05" and float(_seconds(2.5e-7)) == 2.5e-7

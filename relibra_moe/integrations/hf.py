@@ -40,6 +40,7 @@ from torch import nn
 from ..errors import PlanError, ReplayError
 from ..layers.data_parallel import mark_experts_for_ddp
 from ..layers.dispatch import ep_process_group
+from ..layers.expert_sharding import expert_shards, gather_experts, local_experts
 from ..layers.replay import LayerReplay, layout_ids, replay
 from ..layers.router import merge_live
 from ..plan import check_replica_slots
@@ -51,7 +52,8 @@ from .torchtitan import TITAN_FAMILY, TorchtitanReplayMoE, is_titan_moe, keep_lo
 if TYPE_CHECKING:
     from ..trace import TraceBatch
 
-__all__ = ["RoutingRecorder", "swap_moe_blocks", "replay", "full_state_dict", "ReplayMoEBlock", "moe_blocks",
+__all__ = ["RoutingRecorder", "swap_moe_blocks", "replay", "full_state_dict", "load_full_state_dict",
+           "checkpoint_state_dict", "ReplayMoEBlock", "moe_blocks",
            "moe_layer_ids", "layout_ids", "SUPPORTED_BLOCKS"]
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -659,28 +661,76 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's ``state_dict()`` with every expert parameter whole ``[E, ...]`` in logical expert order.
 
     With an EP group of G ranks each rank holds only its home experts' rows (in its current placement,
-    after any ``relayout``); this all-gathers them over each layer's group and puts row e back at
-    position e, so the result is the plain HF state dict on every rank (``save_pretrained`` from one
-    rank, ``load_state_dict`` into the HF class). A collective when G > 1; a plain ``state_dict()``
-    copy otherwise.
+    after any ``relayout``); this all-gathers them over each layer's group
+    (:func:`~relibra_moe.layers.expert_sharding.gather_experts`, one collective per expert tensor, in
+    module order) and puts row e back at position e, so the result is the plain HF state dict on every
+    rank (``save_pretrained`` from one rank, ``load_state_dict`` into the HF class). A collective when
+    G > 1: every rank of the group must call it; a plain ``state_dict()`` copy otherwise.
     """
-    import torch.distributed as dist
-
     sd = dict(model.state_dict())
-    for _, name, block in moe_blocks(model):
-        if getattr(block, "world_size", 1) <= 1:
-            continue
-        home = torch.tensor(block.expert_gpu_host)
-        for pname in block.experts.tensor_names:
-            key = f"{name}.{getattr(block, 'experts_path', 'experts')}.{pname}"
-            local = getattr(block.experts, pname).detach().contiguous()  # (state_dict may hold a ShardedTensor)
-            parts = [torch.empty_like(local) for _ in range(block.world_size)]
-            dist.all_gather(parts, local, group=block.ep_group)
-            full = torch.empty((block.num_experts,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-            for g, part in enumerate(parts):
-                full[torch.nonzero(home == g).view(-1).to(local.device)] = part
-            sd[key] = full
+    params = model.state_dict(keep_vars=True)  # the parameters: state_dict() may hold ShardedTensors (DCP hooks)
+    for key, shard in expert_shards(model).items():
+        if key in sd and shard.world_size > 1:
+            sd[key] = gather_experts(params[key], shard)
     return sd
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:
+    """Load a whole state dict (``full_state_dict``'s or the plain HF model's: experts ``[E, ...]`` in logical
+    order) into a swapped model: each rank keeps the rows of its current home experts
+    (:func:`~relibra_moe.layers.expert_sharding.local_experts`; restore a placement first, with
+    :func:`relibra_moe.relayout`, if the homes must be those of a saved run). Works on any EP size that
+    divides E; no collective. Returns ``load_state_dict``'s result (``strict`` as there).
+    """
+    sd = dict(state_dict)
+    for key, shard in expert_shards(model).items():
+        if key in sd:
+            sd[key] = local_experts(sd[key], shard)
+    return model.load_state_dict(sd, strict=strict)
+
+
+def checkpoint_state_dict(model: nn.Module, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``save_pretrained`` file's tensors under the model's own ``state_dict()`` keys.
+
+    transformers 5 saves fused expert tensors in the checkpoint layout (one ``experts.{e}.gate_proj.weight``
+    per expert, ...) through the model's weight-conversion mapping and converts back only in
+    ``from_pretrained``; a plain ``load_state_dict`` of the file (the ``Trainer``'s resume) misses every
+    expert tensor. This applies the same mapping forwards with transformers' own transforms (the
+    inverse of ``transformers.core_model_loading.revert_weight_conversion``), so the result loads with
+    :func:`load_full_state_dict`.
+    """
+    from copy import deepcopy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        PrefixChange,
+        WeightConverter,
+        WeightRenaming,
+        apply_converters,
+        apply_renamings,
+        dot_natural_key,
+    )
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # as revert_weight_conversion: a model not made by from_pretrained has no prefix change
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, Any] = {}
+    for key, tensor in sorted(saved.items(), key=lambda kv: dot_natural_key(kv[0])):
+        renamed = apply_renamings(key, renamings)
+        target, pattern = apply_converters(renamed, converters)
+        if pattern is None:
+            out[renamed] = tensor
+        else:
+            pending.setdefault(target, deepcopy(by_pattern[pattern])).add_tensor(target, key, pattern, tensor)
+    for first, converter in pending.items():
+        for name, value in converter.convert(first, model=model, config=model.config).items():
+            out[name] = value[0] if isinstance(value, list) else value
+    return out
 
 
 def _group_size(ep_group: Any) -> int:

@@ -19,7 +19,9 @@ logical expert of every local row. Each framework turns it into its own sharding
   ``CheckpointManager``, ``dcp.save(model.state_dict())``) writes and reads every expert.
 * Megatron ``dist_checkpointing``: one ``ShardedTensor`` per local row at the same global offset.
 * Whole tensors (Trainer / ``save_pretrained`` / ``torch.save``): :func:`gather_experts` (a collective)
-  builds ``[E, ...]`` in logical order and :func:`local_experts` picks a rank's rows back out of it.
+  builds ``[E, ...]`` in logical order and :func:`local_experts` picks a rank's rows back out of it;
+  :func:`gather_optimizer_state` / :func:`local_optimizer_state` do the same for a ``torch.optim``
+  ``state_dict()`` (the Trainer's ``optimizer.pt``).
 
 Optimizer state of an expert parameter has the parameter's shape and the same description
 (:func:`sharded_optimizer_state`). Replica slots (:class:`~relibra_moe.layers.replica_buffer.LayerSharedReplicaBuffer`)
@@ -44,9 +46,10 @@ from torch import nn
 from ..errors import PlanError
 from .moe import ReplayBalancedMoE, moe_layers
 
-__all__ = ["ExpertShard", "expert_shards", "gather_experts", "install_sharded_checkpoints",
-           "install_sharded_optimizer_state", "install_sharded_state_dict", "local_experts", "local_rows",
-           "placement_keys", "sharded_optimizer_state", "sharded_state_dict", "to_sharded_tensor"]
+__all__ = ["ExpertShard", "expert_shards", "gather_experts", "gather_optimizer_state", "install_sharded_checkpoints",
+           "install_sharded_optimizer_state", "install_sharded_state_dict", "local_experts", "local_optimizer_state",
+           "local_rows", "optimizer_shards", "placement_keys", "sharded_optimizer_state", "sharded_state_dict",
+           "to_sharded_tensor"]
 
 
 @dataclass(frozen=True)
@@ -409,3 +412,79 @@ def install_sharded_checkpoints(models: nn.Module | list[nn.Module], *optimizers
     for opt in optimizers:
         for inner in getattr(opt, "optimizers", [opt]):
             install_sharded_optimizer_state(inner, models)
+
+
+def optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, tuple[ExpertShard, torch.Size]]:
+    """``{index of an expert parameter in optimizer.state_dict(): (its ExpertShard, the parameter's local shape)}``.
+
+    Indices are ``torch.optim``'s: parameters numbered in ``param_groups`` order. ``optimizer`` may be a wrapper
+    with the torch optimizer in ``.optimizer`` (accelerate's ``AcceleratedOptimizer``).
+    """
+    opt = getattr(optimizer, "optimizer", optimizer)
+    named = model.state_dict(keep_vars=True)
+    by_id = {id(named[key]): shard for key, shard in expert_shards(model).items() if key in named}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    return {i: (by_id[id(p)], p.shape) for i, p in enumerate(params) if id(p) in by_id}
+
+
+def _per_expert(value: Any, shape: torch.Size) -> bool:
+    """State shaped like its parameter (Adam's ``exp_avg``, ``exp_avg_sq``; SGD momentum): one row per expert."""
+    return isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape == shape
+
+
+def gather_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                           state_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (or ``state_dict``) with every per-expert state tensor of an expert parameter
+    whole ``[E, ...]`` in logical expert order (:func:`gather_experts`); scalars (Adam's ``step``) and the other
+    parameters' state unchanged. The result is the optimizer state of the plain (unsharded) model.
+
+    A collective over the EP group when ``world_size > 1``: the ranks first exchange which (parameter, state)
+    tensors they will gather, and raise ``PlanError`` on every rank when those lists differ (a rank without
+    state for a parameter), so none waits in a mismatched gather.
+    """
+    sd = optimizer.state_dict() if state_dict is None else state_dict
+    shards = optimizer_shards(model, optimizer)
+    todo = [(i, name) for i in sorted(shards) for name, v in sorted(sd["state"].get(i, {}).items())
+            if _per_expert(v, shards[i][1])]
+    multi = next((s for s, _ in shards.values() if s.world_size > 1), None)
+    if multi is not None:
+        import torch.distributed as dist
+
+        seen: list[Any] = [None] * multi.world_size
+        dist.all_gather_object(seen, todo, group=multi.group)
+        if any(other != todo for other in seen):
+            bad = next(g for g, other in enumerate(seen) if other != todo)
+            raise PlanError(f"gather_optimizer_state: rank {bad} of the EP group holds other expert optimizer state "
+                            f"than rank {multi.rank} ({len(seen[bad])} vs {len(todo)} tensors); every rank must have "
+                            "stepped the same parameters")
+    state = {i: dict(entry) for i, entry in sd["state"].items()}
+    for i, name in todo:
+        state[i][name] = gather_experts(state[i][name], shards[i][0])
+    return {**sd, "state": state}
+
+
+def local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`gather_optimizer_state`: a whole optimizer ``state_dict`` (expert state ``[E, ...]``)
+    with each expert parameter's state cut to this rank's current home rows (:func:`local_experts`), ready for
+    ``optimizer.load_state_dict``. Any EP size that divides E; no collective. ``PlanError`` names a per-expert
+    state tensor whose shape is neither whole nor local."""
+    shards = optimizer_shards(model, optimizer)
+    state = {}
+    for i, entry in state_dict["state"].items():
+        i = int(i)
+        if i not in shards:
+            state[i] = entry
+            continue
+        shard, shape = shards[i]
+        whole = torch.Size(shard.global_shape(shape))
+        out = {}
+        for name, v in entry.items():
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[1:] == shape[1:] and v.shape != shape:
+                if v.shape != whole:
+                    raise PlanError(f"{shard.key}: optimizer state {name!r} has shape {tuple(v.shape)}, neither the "
+                                    f"whole {tuple(whole)} nor the local {tuple(shape)}")
+                v = local_experts(v, shard)
+            out[name] = v
+        state[i] = out
+    return {**state_dict, "state": state}

@@ -33,8 +33,10 @@ from relibra_moe.errors import ReplayError  # noqa: E402
 from relibra_moe.integrations.hf import (  # noqa: E402
     ReplayMoEBlock,
     RoutingRecorder,
+    checkpoint_state_dict,
     full_state_dict,
     layout_ids,
+    load_full_state_dict,
     moe_blocks,
     moe_layer_ids,
     replay,
@@ -233,6 +235,17 @@ def test_save_pretrained_round_trip(fam, tmp_path):
     with torch.no_grad():
         c = other(PROMPTS, attention_mask=MASK).logits
     assert (a - c).abs().max().item() <= 1e-5
+    # the saved file's own tensors (transformers' checkpoint layout: one tensor per expert) under the model's keys,
+    # as a Trainer resume reads them; a plain load_state_dict of the file would miss every expert tensor
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert any(".experts.0." in k for k in saved) or fam == "gpt_oss"
+    converted = checkpoint_state_dict(other, saved)
+    assert set(converted) == set(sd) and all(torch.equal(converted[k], sd[k]) for k in sd)
+    fresh = swap_moe_blocks(tiny_model(fam, seed=5))
+    assert not load_full_state_dict(fresh, converted).missing_keys
+    assert all(torch.equal(v, sd[k]) for k, v in fresh.state_dict().items())
 
 
 def test_unsupported_family_lists_supported():

@@ -144,3 +144,56 @@ def test_local_rows_and_the_load_hook_on_one_rank():
     sd["0.experts.w_down"] = whole
     model.load_state_dict(sd)
     assert torch.equal(model[0].experts.w_down.detach(), whole)
+
+
+def _optimizer_worker(rank: int, world: int) -> None:
+    """gather_optimizer_state puts every expert's Adam state at its logical row; local_optimizer_state gives another
+    placement's rows back; ranks with different state raise PlanError on both ranks."""
+    from relibra_moe.layers.expert_sharding import gather_optimizer_state, local_optimizer_state
+
+    def stepped(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(ReplayBalancedMoE(H, F, E, 2))
+        model[0].set_placement_row(_placement(seed))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        layer = model[0]
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for name, t in zip(layer.experts.tensor_names, layer.experts.expert_tensors()):
+            for i, e in enumerate(layer.home_experts):
+                t.grad[i] = expert_value(name, int(e), tuple(t.shape[1:]))
+        opt.step()
+        return model, opt
+
+    model, opt = stepped(10)
+    whole = gather_optimizer_state(model, opt)
+    names = dict(zip(model[0].experts.expert_tensors(), model[0].experts.tensor_names))
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        if p in names:
+            avg = whole["state"][i]["exp_avg"]
+            assert avg.shape == (E,) + tuple(p.shape[1:])
+            for e in range(E):  # Adam's first step: exp_avg = (1 - beta1) * grad
+                torch.testing.assert_close(avg[e], 0.1 * expert_value(names[p], e, tuple(p.shape[1:])))
+            assert whole["state"][i]["step"] == opt.state_dict()["state"][i]["step"]
+    other, other_opt = stepped(20)  # another placement
+    other_opt.load_state_dict(local_optimizer_state(other, other_opt, whole))
+    layer = other[0]
+    for name, t in zip(layer.experts.tensor_names, layer.experts.expert_tensors()):
+        for i, e in enumerate(layer.home_experts):
+            want = 0.1 * expert_value(name, int(e), tuple(t.shape[1:]))
+            torch.testing.assert_close(other_opt.state[t]["exp_avg"][i], want)
+    bad = {**whole, "state": {k: {**v, "exp_avg": v["exp_avg"][:3]} if v["exp_avg"].shape[0] == E else v
+                              for k, v in whole["state"].items()}}
+    with pytest.raises(PlanError, match="neither the whole"):
+        local_optimizer_state(other, other_opt, bad)
+    fresh = torch.nn.Sequential(ReplayBalancedMoE(H, F, E, 2))
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-3)
+    if rank == 0:  # rank 0 has stepped, rank 1 has no state: both raise, neither waits in a gather
+        fresh_opt = opt
+        fresh = model
+    with pytest.raises(PlanError, match="holds other expert optimizer state"):
+        gather_optimizer_state(fresh, fresh_opt)
+
+
+def test_optimizer_state_whole_in_logical_order_and_back_into_another_placement():
+    run_group(_optimizer_worker, 2, timeout_s=60)
