@@ -121,10 +121,6 @@ class Placement:
         row = np.arange(num_experts) // (num_experts // num_gpus)
         return cls(np.tile(row, (num_layers, 1)))
 
-    def experts_of(self, layer: int, gpu: int) -> np.ndarray:
-        """Expert ids homed on ``gpu`` in ``layer``, ascending."""
-        return np.flatnonzero(self.expert_gpu[layer] == gpu)
-
     def validate(self, model: ModelSpec, cluster: ClusterSpec) -> None:
         """Raise PlanError unless ``expert_gpu`` is ``[L, E]`` of the model and every GPU homes E / G experts."""
         L, E, G = model.num_layers, model.num_experts, cluster.num_gpus
