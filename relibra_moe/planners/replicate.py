@@ -537,9 +537,9 @@ def replicate_cells_task(loads: np.ndarray, expert_gpu: np.ndarray, model: Model
 
 
 def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int, num_layers: int,
-             num_gpus: int, slots: int) -> ReplicaPlan:
+             num_gpus: int, replica_slots: int) -> ReplicaPlan:
     """Build a ReplicaPlan from per-(m, l) cell results (missing cells: no replicas)."""
-    rep = np.full((num_micro_batches, num_layers, num_gpus, slots), -1, np.int32)
+    rep = np.full((num_micro_batches, num_layers, num_gpus, replica_slots), -1, np.int32)
     idx, sh = [], []
     for (m, l), res in sorted(results.items()):
         rep[m, l] = res.replica_expert
@@ -554,7 +554,7 @@ def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int,
 def map_cells(executor: TaskExecutor, task: Callable[..., list[CellResult]], cells: list[tuple[int, int]],
               chunks: Iterable[np.ndarray], task_args: Callable[[np.ndarray, np.ndarray], tuple],
               fallbacks: FallbackLog | None, num_micro_batches: int, num_layers: int, num_gpus: int,
-              slots: int) -> ReplicaPlan:
+              replica_slots: int) -> ReplicaPlan:
     """Run ``task`` on ``executor`` once per chunk of ``cells`` and assemble the ReplicaPlan.
 
     Args:
@@ -578,7 +578,7 @@ def map_cells(executor: TaskExecutor, task: Callable[..., list[CellResult]], cel
                 fallbacks.replicate.extend([list(c) for c in cs])
             continue
         results.update(zip(cs, res))
-    return assemble(results, num_micro_batches, num_layers, num_gpus, slots)
+    return assemble(results, num_micro_batches, num_layers, num_gpus, replica_slots)
 
 
 def replicate_batch(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
