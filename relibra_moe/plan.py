@@ -121,10 +121,6 @@ class Placement:
         row = np.arange(num_experts) // (num_experts // num_gpus)
         return cls(np.tile(row, (num_layers, 1)))
 
-    def experts_of(self, layer: int, gpu: int) -> np.ndarray:
-        """Expert ids homed on ``gpu`` in ``layer``, ascending."""
-        return np.flatnonzero(self.expert_gpu[layer] == gpu)
-
     def validate(self, model: ModelSpec, cluster: ClusterSpec) -> None:
         """Raise PlanError unless ``expert_gpu`` is ``[L, E]`` of the model and every GPU homes E / G experts."""
         L, E, G = model.num_layers, model.num_experts, cluster.num_gpus
@@ -215,9 +211,9 @@ class ReplicaPlan:
             raise PlanError(f"replica scope {self.scope!r} is not one of {_SCOPES}")
 
     @classmethod
-    def empty(cls, num_micro_batches: int, num_layers: int, num_gpus: int, slots: int = 0) -> ReplicaPlan:
-        """No replicas: every slot empty, no split rows."""
-        return cls(np.full((num_micro_batches, num_layers, num_gpus, slots), -1, np.int32),
+    def empty(cls, num_micro_batches: int, num_layers: int, num_gpus: int, replica_slots: int = 0) -> ReplicaPlan:
+        """No replicas: every one of the ``replica_slots`` slots per GPU empty, no split rows."""
+        return cls(np.full((num_micro_batches, num_layers, num_gpus, replica_slots), -1, np.int32),
                    np.zeros((0, 5), np.int32), np.zeros(0, np.float32))
 
     @property
@@ -226,9 +222,18 @@ class ReplicaPlan:
         return self.replica_expert.shape[0]
 
     @property
-    def slots(self) -> int:
+    def replica_slots(self) -> int:
         """Replica slots per GPU r."""
         return self.replica_expert.shape[3]
+
+    @property
+    def slots(self) -> int:
+        """Deprecated name of ``replica_slots`` (docs/architecture.md, "One name per concept")."""
+        import warnings
+
+        warnings.warn("ReplicaPlan.slots is deprecated: use ReplicaPlan.replica_slots", DeprecationWarning,
+                      stacklevel=2)
+        return self.replica_slots
 
     def rows_of(self, micro_batch: int, layer: int | None = None) -> np.ndarray:
         """Indices into split_index/split_share of one micro-batch (and layer)."""
@@ -379,7 +384,7 @@ class BatchPlan:
     @property
     def replica_slots(self) -> int:
         """Replica slots per GPU r."""
-        return self.replicas.slots
+        return self.replicas.replica_slots
 
     def validate(self, model: ModelSpec, cluster: ClusterSpec, num_samples: int | None = None) -> None:
         """Raise PlanError naming the field and the rule if the plan does not fit model and cluster (and the

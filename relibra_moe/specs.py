@@ -378,8 +378,7 @@ class ClusterSpec:
     def link_classes(self) -> np.ndarray:
         """int8 ``[G, G]``: link class (LOC, NV, SR, CR) from source GPU j (row) to target g (column)."""
         g = np.arange(self.num_gpus)
-        node = g // self.gpus_per_node
-        rail = g % self.gpus_per_node
+        node, rail = self.node_of(g), self.rail_of(g)
         same_node = node[:, None] == node[None, :]
         same_rail = rail[:, None] == rail[None, :]
         out = np.where(same_node, NV, np.where(same_rail, SR, CR)).astype(np.int8)

@@ -248,3 +248,11 @@ def test_check_replica_slots_is_the_ceiling_e_minus_e_over_g():
         check_replica_slots(5, 8, 2)
     with pytest.raises(PlanError, match=r"slots=1 is over the ceiling E - E/G = 0 \(E=8, G=1"):
         check_replica_slots(1, 8, 1, field="slots")  # one GPU homes every expert: nothing to replicate
+
+
+def test_replica_slots_is_the_one_name_and_slots_is_deprecated():
+    rp = ReplicaPlan.empty(2, 3, 4, replica_slots=2)
+    assert rp.replica_expert.shape == (2, 3, 4, 2) and (rp.replica_expert == -1).all()
+    assert rp.replica_slots == 2
+    with pytest.deprecated_call(match="use ReplicaPlan.replica_slots"):
+        assert rp.slots == 2

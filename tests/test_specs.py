@@ -65,6 +65,14 @@ def test_link_classes_2x2():
     assert c.link_class(0, 3) == "cr" and c.link_class(1, 3) == "sr"
 
 
+def test_node_and_rail_of_a_gpu():
+    c = ClusterSpec(nodes=3, gpus_per_node=4)  # GPU g is on node g // 4, rail g % 4
+    assert (c.node_of(0), c.node_of(3), c.node_of(4), c.node_of(11)) == (0, 0, 1, 2)
+    assert (c.rail_of(0), c.rail_of(5), c.rail_of(11)) == (0, 1, 3)
+    np.testing.assert_array_equal(c.node_of(np.arange(12)), [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
+    np.testing.assert_array_equal(c.rail_of(np.array([[4, 9], [10, 3]])), [[0, 1], [2, 3]])
+
+
 def test_link_classes_are_symmetric_and_counted():
     c = cluster_preset(nodes=4, gpus_per_node=8)
     lc = c.link_classes

@@ -37,11 +37,12 @@ from typing import Any
 from ..atomic import write_text
 from ..errors import PlanError
 from ..sample_placements import SAMPLE_PLACEMENTS
-from ..specs import DEFAULT_CLUSTER
+from ..specs import DEFAULT_CLUSTER, GEMM_RATE_BAND
 from .plan import (
     add_cluster_args,
     add_model_args,
     add_sample_owner_flags,
+    add_seed_workers_flags,
     check_micro_batches,
     cluster_by_name,
     load_sample_gpu,
@@ -68,32 +69,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_cluster_args(p)
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default %(default)s)")
     p.add_argument("--strategies", default=DEFAULT_COMPARE,
                    help=f"comma-separated strategies (default {DEFAULT_COMPARE}; known: {', '.join(STRATEGIES)})")
     p.add_argument("--replica-slots", type=int, default=2,
-                   help="replica slots per GPU r for the strategies that place replicas (default 2)")
+                   help="replica slots per GPU r for the strategies that place replicas (default %(default)s)")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="samples per micro-batch (default: the trace's own assignment)")
     p.add_argument("--layers", type=int, default=None,
                    help="plan and simulate only the first N MoE layers (the model is restricted to match)")
     p.add_argument("--batches", type=int, default=1,
                    help="steady state: cut the trace into K consecutive batches planned one after another "
-                        "(default 1: one batch from the static placement)")
+                        "(default %(default)s: one batch from the static placement)")
     p.add_argument("--rebalance-every", type=int, default=1,
-                   help="eplb-history: re-balance every n batches (default 1); with one batch it has no history "
-                        "and keeps the static layout")
+                   help="eplb-history: re-balance every n batches (default %(default)s); with one batch it has no "
+                        "history and keeps the static layout")
     p.add_argument("--window", type=int, default=1,
-                   help="eplb-history: batches of load history EPLB sees (default 1: the previous batch)")
+                   help="eplb-history: batches of load history EPLB sees (default %(default)s: the previous batch)")
     add_sample_owner_flags(p, both=True)
     p.add_argument("--rate-band", nargs="?", const="default", default=None, metavar="LO,HI",
-                   help="also run at the ends of the expert-GEMM rate band, TFLOP/s (default 300,600: "
-                        "specs.GEMM_RATE_BAND); the JSON's rate_band has the speedups there")
+                   help="also run at the ends of the expert-GEMM rate band, TFLOP/s (default "
+                        f"{','.join(format(r / 1e12, 'g') for r in GEMM_RATE_BAND)}: specs.GEMM_RATE_BAND); the "
+                        "JSON's rate_band has the speedups there")
     p.add_argument("--placements", default=DEFAULT_PLACEMENTS,
                    help=f"comma-separated sample placements the baselines run on (default {DEFAULT_PLACEMENTS}; "
                         f"known: {', '.join(SAMPLE_PLACEMENTS)}); relibra places its own samples")
-    p.add_argument("--seed", type=int, default=0, help="plan seed")
-    p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
+    add_seed_workers_flags(p)
     p.add_argument("--json", default=None, metavar="OUT", help="also write the full result as JSON to OUT")
     p.set_defaults(func=run)
 

@@ -33,6 +33,7 @@ from ..atomic import write_text
 from ..errors import PlanError, RelibraError
 from ..plan import json_default
 from .demo_steady import demo_steady_state
+from .plan import add_seed_workers_flags, option_default
 
 DOMAINS = ("math", "code", "instruction", "mixed")
 PAPER_CLUSTERS = {"qwen3-30b-a3b": (2, 8), "glm4.5-106b-a12b": (4, 8), "qwen3-235b-a22b": (4, 8)}
@@ -415,13 +416,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--scenario", action="append", default=None,
                    help="run only this scenario (name, glob or prefix; repeatable), e.g. qwen3-235b-a22b/mixed")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=None, help="planner processes (default: the CPU count)")
+    add_seed_workers_flags(p, workers_help="planner processes (default: the CPU count)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--sample-owner", choices=SAMPLE_OWNERS, default="planner",
-                   help="who places the samples: the planner (default), the trainer (round-robin within each "
+    p.add_argument("--sample-owner", choices=SAMPLE_OWNERS, default=option_default("sample_owner"),
+                   help="who places the samples: the planner, the trainer (round-robin within each "
                         "micro-batch kept; only homes, replicas and splits planned), or both (every strategy in "
-                        "both modes, side by side)")
+                        "both modes, side by side); default %(default)s")
     p.set_defaults(func=run)
 
 

@@ -30,24 +30,60 @@ if TYPE_CHECKING:
 PRICE_CHOICES = ("price", "free")
 """``--migration`` / ``--replica-pricing``: charge the traffic in the plan's objective, or plan as if it were free."""
 
-# flag -> (PlanOptions field, type, help); None-valued flags leave the option at its default
+# flag -> (PlanOptions field, type, help); None-valued flags leave the option at its default. "{default}" in a help
+# text is the field's default (``option_default``), so the help cannot drift from ``PlanOptions``.
 _OPTION_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--iters", "iters", int, "annealing proposals per layer, seed and round (default: from the problem size)"),
     ("--locality-iters", "locality_iters", int, "sample-placement annealing proposals per round"),
     ("--num-seeds", "num_seeds", int, "annealing runs per layer (default: one per worker)"),
-    ("--rounds", "rounds", int, "reorder + locality rounds (relibra*; default 2)"),
-    ("--tol", "tol", float, "attention-work tolerance of the sample placement over the mean (default 0.05)"),
-    ("--beta", "beta", float, "LSE sharpness of the smoothed objectives"),
+    ("--rounds", "rounds", int, "reorder + locality rounds (relibra*; default {default})"),
+    ("--tol", "tol", float, "attention-work tolerance of the sample placement over the mean (default {default})"),
+    ("--beta", "beta", float, "LSE sharpness of the smoothed objectives (default {default})"),
     ("--token-cap", "token_cap", int, "with --repack: micro-batches may change sample counts, tokens at most this"),
     ("--num-groups", "num_groups", int, "EPLB expert groups (eplb, lplb; default: no hierarchy)"),
-    ("--final-iters", "final_iters", int, "proposals of --final-reorder (default 8 x a round's)"),
+    ("--final-iters", "final_iters", int, "proposals of --final-reorder (default {final_iters_factor} x a round's)"),
     ("--optimizer-bytes", "optimizer_bytes_per_param", float,
-     "optimizer-state bytes per parameter that move with a re-laid-out expert (default 12)"),
+     "optimizer-state bytes per parameter that move with a re-laid-out expert (default {default})"),
     ("--skew-cap", "skew_cap", float,
      "rank-balance mode (relibra*): soft cap on the node-level compute skew, e.g. 0.05; trades communication for "
      "rank balance (off by default: it lengthens T_MoE on multi-node clusters)"),
     ("--cell-chunk", "cell_chunk", int, "replication cells per task (default: about 16 tasks per worker)"),
 )
+
+
+def option_default(name: str) -> Any:
+    """The default of ``PlanOptions`` field ``name``: the one value every planning command's flag of that option
+    defaults to and shows in its help (floats without a trailing ``.0``, as ``format(v, "g")``)."""
+    import dataclasses
+
+    from ..planners.options import PlanOptions
+
+    for f in dataclasses.fields(PlanOptions):
+        if f.name == name:
+            return f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    raise PlanError(f"unknown plan option {name!r}; known: {sorted(PlanOptions.names())}")
+
+
+def option_help(name: str, text: str) -> str:
+    """``text`` with ``{default}`` replaced by ``option_default(name)`` (``{final_iters_factor}``: the
+    ``final_iters`` rule's ``options.FINAL_ITERS_FACTOR``)."""
+    from ..planners.options import FINAL_ITERS_FACTOR
+
+    default = option_default(name)
+    return text.format(default=format(default, "g") if isinstance(default, float) else default,
+                       final_iters_factor=FINAL_ITERS_FACTOR)
+
+
+def add_seed_workers_flags(p: argparse.ArgumentParser, workers_help: str | None = None) -> None:
+    """``--seed`` and ``--workers`` with ``PlanOptions``' defaults (``workers_help``: a command's own help text,
+    and then no default: the command chooses, e.g. the CPU count)."""
+    p.add_argument("--seed", type=int, default=option_default("seed"),
+                   help=option_help("seed", "plan seed (same inputs and seed -> same plan; default {default})"))
+    if workers_help is None:
+        p.add_argument("--workers", type=int, default=option_default("workers"),
+                       help=option_help("workers", "processes for the parallel parts (default {default})"))
+    else:
+        p.add_argument("--workers", type=int, default=None, help=workers_help)
 
 
 def _strategy_registry() -> tuple[str, ...]:
@@ -65,12 +101,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_model_args(p)
     add_cluster_args(p)
     p.add_argument("--nodes", type=int, required=True, help="nodes in the EP group")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default %(default)s)")
     p.add_argument("--strategy", required=True, choices=_strategy_registry(), help="planning strategy")
     from ..planners.options import OBJECTIVES, REPLICA_STRATEGIES
 
-    p.add_argument("--replica-slots", type=int, default=0,
-                   help=f"replica slots per GPU r ({', '.join(REPLICA_STRATEGIES)})")
+    p.add_argument("--replica-slots", type=int, default=option_default("replica_slots"),
+                   help=f"replica slots per GPU r ({', '.join(REPLICA_STRATEGIES)}; default %(default)s)")
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="assign sample i to micro-batch i // B (default: the trace's own assignment)")
     p.add_argument("--repack", action="store_true", help="also choose each sample's micro-batch")
@@ -79,12 +115,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "count, so a trainer with a fixed per-rank micro-batch size (verl, slime) can follow the "
                         "plan (relibra_moe.sample_order)")
     add_sample_owner_flags(p, both=False)
-    p.add_argument("--seed", type=int, default=0, help="plan seed (same inputs and seed -> same file)")
-    p.add_argument("--workers", type=int, default=1, help="processes for the parallel parts (default 1)")
+    add_seed_workers_flags(p)
     p.add_argument("--objective", choices=OBJECTIVES, default=None,
-                   help="reorder objective: sum over micro-batches of T_MoE (default) or aggregated loads")
+                   help=option_help("objective", "reorder objective: batch (sum over micro-batches of T_MoE) or "
+                                                 "aggregate (T_MoE of the aggregated loads); default {default}"))
     for flag, name, typ, help_ in _OPTION_FLAGS:
-        p.add_argument(flag, dest=name, type=typ, default=None, help=help_)
+        p.add_argument(flag, dest=name, type=typ, default=None, help=option_help(name, help_))
     p.add_argument("--final-reorder", action="store_true",
                    help="re-anneal the homes once more after the last locality pass (relibra*)")
     p.add_argument("--previous", default=None, metavar="PLAN.npz",
@@ -94,11 +130,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="eplb-history: a past batch's trace whose expert loads EPLB re-balances on (repeat for a "
                         "window, oldest first; default: none, the trivial layout); relibra: its portfolio then "
                         "includes that eplb-history plan")
-    p.add_argument("--migration", choices=PRICE_CHOICES, default="price",
-                   help="expert moves: priced against the previous placement (default) or free (relibra*)")
-    p.add_argument("--replica-pricing", choices=PRICE_CHOICES, default="price",
+    p.add_argument("--migration", choices=PRICE_CHOICES, default=price_choice("migration"),
+                   help="expert moves: priced against the previous placement or free (relibra*; default "
+                        "%(default)s)")
+    p.add_argument("--replica-pricing", choices=PRICE_CHOICES, default=price_choice("price_replicas"),
                    help="replica pushes / pulls not hidden behind their window (max(attention, dispatch)): priced "
-                        "(default) or free (relibra)")
+                        "or free (relibra; default %(default)s)")
     p.add_argument("--bound", "--balanced", dest="bound", action="store_true",
                    help="also report percent of the bound (a lower bound of every plan's sum of T_MoE)")
     p.add_argument("--out", required=True, help="plan file to write (.npz)")
@@ -129,13 +166,21 @@ SAMPLE_GPU_HELP = ("with --sample-owner trainer: the trainer's rank of every sam
                    "rank k mod G, what a trainer that does not reorder its micro-batches does)")
 
 
+def price_choice(name: str) -> str:
+    """``PRICE_CHOICES``' value of the boolean ``PlanOptions`` field ``name`` at its default ("price" for True)."""
+    return PRICE_CHOICES[0] if option_default(name) else PRICE_CHOICES[1]
+
+
 def add_sample_owner_flags(p: argparse.ArgumentParser, both: bool) -> None:
     """``--sample-owner`` (``both``: also the value "both") and ``--sample-gpu FILE.npy``."""
-    choices = ("planner", "trainer", "both") if both else ("planner", "trainer")
-    p.add_argument("--sample-owner", choices=choices, default="planner",
-                   help="who places the samples: the planner chooses every sample's rank (default), or the trainer "
+    from ..planners.options import SAMPLE_OWNERS
+
+    choices = (*SAMPLE_OWNERS, "both") if both else SAMPLE_OWNERS
+    p.add_argument("--sample-owner", choices=choices, default=option_default("sample_owner"),
+                   help="who places the samples: the planner chooses every sample's rank, or the trainer "
                         "owns them and only expert homes, replicas and splits are planned"
-                        + ("; both: every strategy in both modes, one table" if both else ""))
+                        + ("; both: every strategy in both modes, one table" if both else "")
+                        + " (default %(default)s)")
     p.add_argument("--sample-gpu", default=None, metavar="FILE.npy", help=SAMPLE_GPU_HELP)
     if not both:
         add_sample_placement_flag(p)

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from ..specs import DEFAULT_CLUSTER
-from ..timing import REPLICA_MODES
+from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, REPLICA_MODES
 from .plan import add_cluster_args, add_model_args, load_inputs, load_previous, model_from_args, placement_of
 
 
@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--previous", default=None,
                    help="plan file whose placement precedes this one (default: the static placement)")
     p.add_argument("--optimizer-bytes", type=float, default=None,
-                   help="optimizer-state bytes per parameter that move with a re-laid-out expert (default 12)")
+                   help="optimizer-state bytes per parameter that move with a re-laid-out expert (default "
+                        f"{DEFAULT_OPTIMIZER_BYTES_PER_PARAM:g})")
     p.add_argument("--replica-mode", choices=REPLICA_MODES, default="auto",
                    help="how replica weights travel (see relibra_moe.sim; default auto: after-router for online "
                         "plans, persistent for replicas fixed over the batch, else per-layer)")
@@ -47,7 +48,6 @@ def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_nam
     """Load the files, simulate, return the JSON-ready result (what ``--json`` prints); ``allow_unfingerprinted``
     accepts a plan without a batch fingerprint (``check_plan_batch``)."""
     from ..sim import simulate_step
-    from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
 
     model, batch, plan, cluster = load_inputs(trace_path, plan_path, model_name, cluster_name, cluster_profile,
                                               dispatcher, overlap)

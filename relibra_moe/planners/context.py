@@ -70,10 +70,6 @@ class PlanContext:
         return self.options.seed
 
     @property
-    def workers(self) -> int:
-        return self.options.workers
-
-    @property
     def repack(self) -> bool:
         return self.options.repack
 

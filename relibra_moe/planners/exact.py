@@ -121,8 +121,7 @@ def solve_milp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster:
     if G != cluster.num_gpus or expert_gpu.shape != (E,):
         raise PlanError(f"x {x.shape} / expert_gpu {expert_gpu.shape} do not match G={cluster.num_gpus}")
     check_int("replica_slots", replica_slots, 0)
-    P = cluster.gpus_per_node
-    node = np.arange(G) // P
+    node = cluster.node_of(np.arange(G))
     in_node = (node[expert_gpu][:, None] == node[None, :]).astype(np.float64)  # [E, G]
     home = (expert_gpu[:, None] == np.arange(G)[None, :]).astype(np.float64)
     cp_, Y, a, b, cons, scale, w = _model(x, in_node, model, cluster)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,8 +34,9 @@ from ..validate import (
     check_token_counts,
 )
 
-__all__ = ["PlanOptions", "OBJECTIVES", "SAMPLE_OWNERS", "SAMPLE_PLACEMENTS", "DEFAULT_ROUNDS", "DEFAULT_TOL",
-           "FINAL_ITERS_FACTOR", "RELIBRA_STRATEGIES", "REPLICA_STRATEGIES", "HISTORY_STRATEGIES"]
+__all__ = ["PlanOptions", "ReplicateOptions", "OBJECTIVES", "SAMPLE_OWNERS", "SAMPLE_PLACEMENTS", "DEFAULT_ROUNDS",
+           "DEFAULT_TOL", "DEFAULT_CANDIDATES", "FINAL_ITERS_FACTOR", "RELIBRA_STRATEGIES", "REPLICA_STRATEGIES",
+           "HISTORY_STRATEGIES"]
 
 OBJECTIVES = ("batch", "aggregate")
 SAMPLE_OWNERS = ("planner", "trainer")
@@ -55,6 +56,62 @@ RELIBRA_STRATEGIES = ("relibra", "relibra-inter")
 """The ReLibra strategies: reorder + locality (+ replication); they read ``skew_cap`` / ``node_comp``."""
 HISTORY_STRATEGIES = ("eplb-history", "relibra")
 """The strategies that plan from past batches' loads (read ``history``)."""
+
+DEFAULT_CANDIDATES = 4
+"""``ReplicateOptions.candidates`` default up to 16 GPUs (2 beyond): experts tried per greedy move."""
+
+
+@dataclass(frozen=True)
+class ReplicateOptions:
+    """How Algorithm 2 replicates one cell (``replicate.replicate_cell``), validated on construction; the option
+    ``PlanOptions.replicate`` (a dict of these fields is accepted there and converted, an unknown field is a
+    PlanError naming it).
+
+    Attributes:
+        candidates: experts tried per move on each bottleneck, int >= 1 (None: ``DEFAULT_CANDIDATES`` up to 16
+            GPUs, 2 beyond; 1 with ``comm_candidates=False`` is the paper's loop).
+        comm_candidates: also try replicas that relieve the communication bottleneck.
+        passes: water-filling passes after each move over the replicated experts sharing a GPU, int >= 0.
+        polish: re-solve the final split with the exact LP and keep the better (None: only on cells of at most 16
+            GPUs whose greedy T_MoE is more than ``polish_tol`` above ``split.lower_bound``).
+        polish_tol: that tolerance, a fraction >= 0 (0.005 = 0.5 %).
+    """
+
+    candidates: int | None = None
+    comm_candidates: bool = True
+    passes: int = 0
+    polish: bool | None = None
+    polish_tol: float = 0.005
+
+    def __post_init__(self) -> None:
+        check_optional_int("candidates", self.candidates, 1)
+        check_bool("comm_candidates", self.comm_candidates)
+        check_int("passes", self.passes, 0)
+        if self.polish is not None:
+            check_bool("polish", self.polish)
+        check_nonnegative("polish_tol", self.polish_tol)
+
+    @classmethod
+    def of(cls, value: ReplicateOptions | Mapping[str, Any] | None, name: str = "replicate") -> ReplicateOptions:
+        """``value`` as a ReplicateOptions: itself, the defaults for None, or a dict of its fields (PlanError
+        naming ``name``, the unknown field and the known ones; or a value that is neither)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise PlanError(f"{name}={value!r} must be a dict of ReplicateOptions fields (replicate_cell keywords) "
+                            "or a ReplicateOptions")
+        known = tuple(f.name for f in dataclasses.fields(cls))
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise PlanError(f"unknown {name} option {unknown[0]}={value[unknown[0]]!r}; known: {list(known)}")
+        return cls(**value)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The fields as ``replicate_cell`` keywords."""
+        return dataclasses.asdict(self)
+
 
 _BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "keep_cell_sizes", "portfolio",
           "step_objective")
@@ -97,7 +154,8 @@ class PlanOptions:
         final_reorder: re-anneal the homes once more after the last locality pass.
         final_iters: proposals of that pass, int >= 0 (None: ``FINAL_ITERS_FACTOR`` x a round's ``iters``).
         cell_chunk: replication cells per executor task, int >= 1 (None: about 16 tasks per worker).
-        replicate: keywords of ``replicate.replicate_cell`` (e.g. ``candidates``, ``polish``).
+        replicate: how Algorithm 2 replicates a cell (``ReplicateOptions``; a dict of its fields, e.g.
+            ``{"candidates": 2}``, is converted, an unknown field is a PlanError).
         sample_owner: who places the samples (``SAMPLE_OWNERS``): "planner" (default: the strategy chooses every
             sample's GPU, and its micro-batch with ``repack``) or "trainer" (the trainer's assignment is kept as
             given: ``micro_batch`` of the batch and ``sample_gpu``; the strategy chooses expert homes, replicas
@@ -148,7 +206,7 @@ class PlanOptions:
     final_reorder: bool = False
     final_iters: int | None = None
     cell_chunk: int | None = None
-    replicate: Mapping[str, Any] = field(default_factory=dict)
+    replicate: ReplicateOptions = ReplicateOptions()
     sample_owner: str = "planner"
     sample_gpu: Any = None
     sample_placement: str | None = None
@@ -183,8 +241,7 @@ class PlanOptions:
                             "keep_cell_sizes=True keeps every (micro-batch, GPU) cell's count: drop one of them")
         if self.token_cap is not None and not self.repack:
             raise PlanError(f"token_cap={self.token_cap!r} only applies with repack=True (--repack)")
-        if not isinstance(self.replicate, Mapping):
-            raise PlanError(f"replicate={self.replicate!r} must be a dict of replicate_cell keywords")
+        object.__setattr__(self, "replicate", ReplicateOptions.of(self.replicate))
         if self.history is not None:
             h = np.asarray(self.history)
             if h.ndim not in (2, 3) or h.size == 0 or h.dtype.kind not in "iuf":

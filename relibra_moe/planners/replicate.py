@@ -37,6 +37,7 @@ from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
 from ..timing import attention_backward, cell_step_seconds, moe_comm_seconds, replica_push_overlap, transfer_seconds
 from ..validate import check_int
 from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
+from .options import DEFAULT_CANDIDATES, ReplicateOptions
 from .split import (
     aggregates,
     cell_weights,
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 __all__ = ["CellResult", "replicate_cell", "replicate_cell_greedy", "replicate_cell_lp", "replicate_batch",
            "DEFAULT_CANDIDATES"]
 
-DEFAULT_CANDIDATES = 4
 _BETA = 20.0
 _EPS = 1e-12
 
@@ -361,19 +361,19 @@ def replica_push_seconds(expert_gpu: np.ndarray, replica_expert: np.ndarray, mod
     return float(transfer_seconds(src, tg, model.expert_bytes, None, 1, cluster)[0])
 
 
-def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
-                   *, attn_fwd: float | None = None, **kw) -> CellResult:
+def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                   replica_slots: int, *, attn_fwd: float | None = None, **kw) -> CellResult:
     """Greedy replication + token split of one cell (Algorithm 2), priced for its replica traffic.
 
     Without ``attn_fwd`` this is ``replicate_cell_greedy``. With ``attn_fwd`` (seconds of the micro-batch's
     attention forward; the per-layer replica push overlaps ``timing.replica_push_overlap(attn_fwd, comm)`` =
     ``max(attn_fwd, comm / 2)``, the gradient pull the backward), a replica set whose transfers are not hidden
     is accepted only where it pays: the greedy is
-    re-run with 0 .. r slots per GPU and the result with the lowest ``timing.cell_step_seconds`` (forward + backward
-    MoE time + exposed transfers) wins; ties keep more replicas.
+    re-run with 0 .. r replica slots per GPU and the result with the lowest ``timing.cell_step_seconds`` (forward +
+    backward MoE time + exposed transfers) wins; ties keep more replicas.
     """
-    res = replicate_cell_greedy(x, expert_gpu, model, cluster, slots, **kw)
-    if attn_fwd is None or slots == 0 or not (res.replica_expert >= 0).any():
+    res = replicate_cell_greedy(x, expert_gpu, model, cluster, replica_slots, **kw)
+    if attn_fwd is None or replica_slots == 0 or not (res.replica_expert >= 0).any():
         return res
     x = np.ascontiguousarray(x, dtype=np.float64)
     eg = np.ascontiguousarray(expert_gpu, dtype=np.int64)
@@ -384,13 +384,13 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     if push <= replica_push_overlap(attn_fwd, comm) and push <= attention_backward(attn_fwd):
         return res  # push and gradient pull fully hidden: nothing to trade
     best, best_t = res, cell_step_seconds(comp, comm, push, attn_fwd)
-    for c in range(slots - 1, -1, -1):
+    for c in range(replica_slots - 1, -1, -1):
         if c == 0:
-            cand = CellResult(np.full((cluster.num_gpus, slots), -1, np.int32), np.zeros((0, 3), np.int32),
+            cand = CellResult(np.full((cluster.num_gpus, replica_slots), -1, np.int32), np.zeros((0, 3), np.int32),
                               np.zeros(0), 0.0)
         else:
             r = replicate_cell_greedy(x, eg, model, cluster, c, **kw)
-            pad = np.full((cluster.num_gpus, slots), -1, np.int32)
+            pad = np.full((cluster.num_gpus, replica_slots), -1, np.int32)
             pad[:, :c] = r.replica_expert
             cand = CellResult(pad, r.rows, r.share, r.t_moe)
         cc_, cm_, cp_ = cell_step_terms(x, eg, cand, model, cluster)
@@ -402,7 +402,8 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     return best
 
 
-def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
+def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                          replica_slots: int,
                           *, candidates: int | None = None, comm_candidates: bool = True, passes: int = 0,
                           polish: bool | None = None, polish_tol: float = 0.005) -> CellResult:
     """Greedy replication + token split of one cell (Algorithm 2).
@@ -411,7 +412,7 @@ def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpe
         x: ``[G, E]`` tokens per (source GPU, expert) of one micro-batch and layer.
         expert_gpu: ``[E]`` home GPU of every expert.
         model, cluster: specs of the cost model.
-        slots: r, replica slots per GPU.
+        replica_slots: r, replica slots per GPU.
         candidates: experts tried per move on each bottleneck (1 and ``comm_candidates=False`` is the
             paper's loop: only the compute bottleneck's heaviest expert). None: ``DEFAULT_CANDIDATES``
             (4) up to 16 GPUs, 2 beyond (same quality within 0.1% on the bench scenarios, half the time).
@@ -428,7 +429,7 @@ def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpe
     """
     x, expert_gpu = check_loads_homes(x, expert_gpu, cluster)
     G, E = x.shape
-    check_int("replica_slots", slots, 0)
+    check_int("replica_slots", replica_slots, 0)
     if candidates is None:
         candidates = DEFAULT_CANDIDATES if G <= 16 else 2
     P = cluster.gpus_per_node
@@ -447,11 +448,11 @@ def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpe
     seen = set()
     auto = polish is None
     if auto:
-        polish = G <= 16 and bool(slots)
+        polish = G <= 16 and bool(replica_slots)
     for ncand, comm in configs:
         if runs and min(r[0] for r in runs) <= lb * (1 + 1e-9):
             break
-        hold, rep, flows, T = greedy_cell(xs, expert_gpu, P, int(slots), cls, w.w_nv, w.w_rdma, ncand, comm,
+        hold, rep, flows, T = greedy_cell(xs, expert_gpu, P, int(replica_slots), cls, w.w_nv, w.w_rdma, ncand, comm,
                                           int(passes))
         key = rep.tobytes()
         if key not in seen:
@@ -472,7 +473,8 @@ def replicate_cell_greedy(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpe
     return CellResult(rep.astype(np.int32), rows, share, float(t))
 
 
-def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec, slots: int,
+def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                      replica_slots: int,
                       *, candidates: int = 1) -> CellResult:
     """Algorithm 2 literally, with the exact split LP re-solved after every move (slow: small cells only).
 
@@ -486,11 +488,11 @@ def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
     G, P = cluster.num_gpus, cluster.gpus_per_node
     if x.ndim != 2 or x.shape[0] != G or expert_gpu.shape != (x.shape[1],):
         raise PlanError(f"x {x.shape} / expert_gpu {expert_gpu.shape} do not match G={G}")
-    check_int("replica_slots", slots, 0)
-    rep = np.full((G, slots), -1, np.int64)
+    check_int("replica_slots", replica_slots, 0)
+    rep = np.full((G, replica_slots), -1, np.int64)
     used = np.zeros(G, np.int64)
     sol = solve_split_lp(x, expert_gpu, rep, model, cluster)
-    while slots > 0:
+    while replica_slots > 0:
         served = x * 0.0  # [G(target), E]: tokens of e served on each GPU under the current split
         np.add.at(served.T, (np.arange(x.shape[1]), expert_gpu), x.sum(axis=0))
         if len(sol.rows):
@@ -507,7 +509,7 @@ def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
                 break
             node = expert_gpu[e] // P
             free = [g for g in range(node * P, node * P + P)
-                    if used[g] < slots and g != expert_gpu[e] and not (rep[g] == e).any()]
+                    if used[g] < replica_slots and g != expert_gpu[e] and not (rep[g] == e).any()]
             if not free:
                 continue
             t = min(free, key=lambda g: (load[g], g))
@@ -525,17 +527,19 @@ def replicate_cell_lp(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
 
 
 def replicate_cells_task(loads: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
-                         slots: int, kw: dict, attn_fwd: np.ndarray | None = None) -> list[CellResult]:
-    """One replication task for an executor: ``replicate_cell`` on cells ``loads [C, G, E]`` with homes
-    ``expert_gpu [C, E]`` (and ``attn_fwd [C]`` seconds when replicas are priced)."""
-    return [replicate_cell(loads[i], expert_gpu[i], model, cluster, slots,
+                         replica_slots: int, options: ReplicateOptions, attn_fwd: np.ndarray | None = None
+                         ) -> list[CellResult]:
+    """One replication task for an executor: ``replicate_cell`` with ``options`` on cells ``loads [C, G, E]`` with
+    homes ``expert_gpu [C, E]`` (and ``attn_fwd [C]`` seconds when replicas are priced)."""
+    kw = options.kwargs()
+    return [replicate_cell(loads[i], expert_gpu[i], model, cluster, replica_slots,
                            attn_fwd=None if attn_fwd is None else float(attn_fwd[i]), **kw) for i in range(len(loads))]
 
 
 def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int, num_layers: int,
-             num_gpus: int, slots: int) -> ReplicaPlan:
+             num_gpus: int, replica_slots: int) -> ReplicaPlan:
     """Build a ReplicaPlan from per-(m, l) cell results (missing cells: no replicas)."""
-    rep = np.full((num_micro_batches, num_layers, num_gpus, slots), -1, np.int32)
+    rep = np.full((num_micro_batches, num_layers, num_gpus, replica_slots), -1, np.int32)
     idx, sh = [], []
     for (m, l), res in sorted(results.items()):
         rep[m, l] = res.replica_expert
@@ -550,7 +554,7 @@ def assemble(results: dict[tuple[int, int], CellResult], num_micro_batches: int,
 def map_cells(executor: TaskExecutor, task: Callable[..., list[CellResult]], cells: list[tuple[int, int]],
               chunks: Iterable[np.ndarray], task_args: Callable[[np.ndarray, np.ndarray], tuple],
               fallbacks: FallbackLog | None, num_micro_batches: int, num_layers: int, num_gpus: int,
-              slots: int) -> ReplicaPlan:
+              replica_slots: int) -> ReplicaPlan:
     """Run ``task`` on ``executor`` once per chunk of ``cells`` and assemble the ReplicaPlan.
 
     Args:
@@ -574,13 +578,14 @@ def map_cells(executor: TaskExecutor, task: Callable[..., list[CellResult]], cel
                 fallbacks.replicate.extend([list(c) for c in cs])
             continue
         results.update(zip(cs, res))
-    return assemble(results, num_micro_batches, num_layers, num_gpus, slots)
+    return assemble(results, num_micro_batches, num_layers, num_gpus, replica_slots)
 
 
 def replicate_batch(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
-                    cluster: ClusterSpec, replica_slots: int, workers: int = 1, seed: int = 0,
+                    cluster: ClusterSpec, replica_slots: int, workers: int = 1,
                     attn_fwd: np.ndarray | None = None, *, executor: TaskExecutor | None = None,
-                    cell_chunk: int | None = None, fallbacks: FallbackLog | None = None, **cell_kw) -> ReplicaPlan:
+                    cell_chunk: int | None = None, fallbacks: FallbackLog | None = None,
+                    options: ReplicateOptions | None = None, **cell_kw) -> ReplicaPlan:
     """Algorithm 2 for every micro-batch x layer of a batch.
 
     Args:
@@ -588,15 +593,18 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch: Trace
         batch: a ``TraceBatch`` (``loads(sample_gpu, G, micro_batch) -> [M, L, G, E]``).
         replica_slots: r per GPU (0: an empty ReplicaPlan).
         workers: processes for the cells when no ``executor`` is given (1: in this process).
-        seed: unused by the deterministic greedy; kept for the strategy signature.
         attn_fwd: optional ``[M]`` seconds of each micro-batch's attention forward (``timing.attention_forward``):
             replicas are then priced for their exposed push / pull (:func:`replicate_cell`).
         executor: runs the chunks of cells (``executor.TaskExecutor``; default ``default_executor(workers)``);
             a chunk that does not finish leaves its cells without replicas, recorded in ``fallbacks``.
         cell_chunk: cells per task (default: about 16 tasks per worker).
-        cell_kw: forwarded to :func:`replicate_cell`.
+        options: how each cell is replicated (``options.ReplicateOptions``; default its defaults).
+        cell_kw: ``ReplicateOptions`` fields as keywords instead of ``options`` (e.g. ``candidates=2``): checked
+            here, so a misspelt one is a PlanError naming it before any cell runs; not together with ``options``.
     """
-    del seed
+    if options is not None and cell_kw:
+        raise PlanError(f"give options= (ReplicateOptions) or its fields as keywords, not both: got {sorted(cell_kw)}")
+    options = ReplicateOptions.of(cell_kw if options is None else options, "replicate_batch")
     G = cluster.num_gpus
     if placement.expert_gpu.shape != (model.num_layers, model.num_experts):
         raise PlanError(f"placement expert_gpu has shape {placement.expert_gpu.shape}, expected "
@@ -616,6 +624,6 @@ def replicate_batch(placement: Placement, samples: SamplePlacement, batch: Trace
         max(1, math.ceil(len(cells) / (16 * executor.workers)))
     chunks = (np.arange(i, min(i + chunk, len(cells))) for i in range(0, len(cells), chunk))
     return map_cells(executor, replicate_cells_task, cells, chunks,
-                     lambda ms, ls: (loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, cell_kw,
+                     lambda ms, ls: (loads[ms, ls], placement.expert_gpu[ls], model, cluster, replica_slots, options,
                                      None if attn_fwd is None else np.asarray(attn_fwd)[ms]),
                      fallbacks, M, L, G, replica_slots)

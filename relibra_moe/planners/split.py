@@ -401,12 +401,12 @@ def lower_bound(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster
     expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
     G, P = cluster.num_gpus, cluster.gpus_per_node
     w = cell_weights(model, cluster)
-    nodes = G // P
-    node_of_e = expert_gpu // P
+    nodes = cluster.nodes
+    node_of_e = cluster.node_of(expert_gpu)
     xn = np.zeros((G, nodes))
     np.add.at(xn.T, node_of_e, x.T)  # xn[j, n]: tokens of source j for experts homed in node n
     comp = xn.sum(axis=0).max() / P
-    src_node = np.arange(G) // P
+    src_node = cluster.node_of(np.arange(G))
     remote = xn.copy()
     remote[np.arange(G), src_node] = 0.0
     tx = remote.sum(axis=1).max()
@@ -424,11 +424,11 @@ def lower_bound_terms(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
     eg = np.broadcast_to(np.asarray(expert_gpu, dtype=np.int64), x.shape[:-2] + x.shape[-1:])
     G, P = cluster.num_gpus, cluster.gpus_per_node
     w = cell_weights(model, cluster)
-    nodes = G // P
-    onehot = (eg[..., None] // P == np.arange(nodes)).astype(np.float64)  # [..., E, nodes]
+    nodes = cluster.nodes
+    onehot = (cluster.node_of(eg)[..., None] == np.arange(nodes)).astype(np.float64)  # [..., E, nodes]
     xn = x @ onehot  # [..., G, nodes]: tokens of source j for experts homed in node n
     comp = xn.sum(axis=-2).max(axis=-1) / P
-    remote = xn * (np.arange(G)[:, None] // P != np.arange(nodes)[None, :])
+    remote = xn * (cluster.node_of(np.arange(G))[:, None] != np.arange(nodes)[None, :])
     tx = remote.sum(axis=-1).max(axis=-1)
     rx = remote.sum(axis=-2).max(axis=-1) / P
     return comp * w.sec_per_token, w.w_rdma * np.maximum(tx, rx) * w.sec_per_token

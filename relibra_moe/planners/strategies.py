@@ -339,7 +339,7 @@ def relibra_replicas(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.n
                            ctx.replica_slots,
                            attn_fwd=replica_pricing(ctx.options, ctx.lengths, samples, ctx.model, ctx.cluster),
                            executor=ctx.executor, cell_chunk=ctx.options.cell_chunk, fallbacks=ctx.fallbacks,
-                           **dict(ctx.options.replicate))
+                           options=ctx.options.replicate)
 
 
 Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]

@@ -372,6 +372,80 @@ def test_defaults_are_plan_options_defaults():
     assert _options() == PlanOptions()
 
 
+def _subparser(name: str):
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+def _help_defaults(parser) -> dict[str, str]:
+    """dest -> the value after "default " in the action's expanded help (argparse's %(default)s filled in)."""
+    fmt = parser._get_formatter()
+    out = {}
+    for action in parser._actions:
+        if action.help and (m := re.search(r"default:? ([^\s;:),]+)", fmt._expand_help(action))):
+            out[action.dest] = m.group(1)
+    return out
+
+
+def _field_default(name: str):
+    import dataclasses
+
+    (f,) = [f for f in dataclasses.fields(PlanOptions) if f.name == name]
+    return f.default
+
+
+# the option flags' help names the PlanOptions default (hand-written once here: a drift of either side fails)
+HELP_DEFAULTS = {"rounds": "2", "tol": "0.05", "beta": "20", "optimizer_bytes_per_param": "12", "objective": "batch",
+                 "replica_slots": "0", "seed": "0", "workers": "1", "sample_owner": "planner", "final_iters": "8"}
+
+
+@pytest.mark.parametrize("command", ["plan", "compare", "demo"])
+def test_help_defaults_are_the_plan_options_defaults(command):
+    parser = _subparser(command)
+    shown = _help_defaults(parser)
+    checked = 0
+    for dest, text in shown.items():
+        if dest not in PlanOptions.names() or (command == "compare" and dest == "replica_slots") or \
+                (command == "demo" and dest == "workers"):
+            continue  # demo: the CPU count; compare: its own default (2), shown by %(default)s
+        if _field_default(dest) is None and dest != "final_iters":
+            continue  # None is a rule the help describes in words ("default: one per worker")
+        if isinstance(_field_default(dest), bool):
+            continue  # --migration / --replica-pricing show price / free: test_parser_defaults_... checks them
+        want = HELP_DEFAULTS[dest] if dest == "final_iters" else format(_field_default(dest), "g") \
+            if isinstance(_field_default(dest), float) else str(_field_default(dest))
+        assert text == want, (command, dest, text, want)
+        assert HELP_DEFAULTS[dest] == want, f"PlanOptions.{dest} default moved to {want}: update the docs and here"
+        checked += 1
+    assert checked >= {"plan": 9, "compare": 3, "demo": 2}[command]
+    from relibra_moe.planners.options import FINAL_ITERS_FACTOR
+
+    assert str(FINAL_ITERS_FACTOR) == HELP_DEFAULTS["final_iters"]
+
+
+@pytest.mark.parametrize("command", ["plan", "compare", "demo"])
+def test_parser_defaults_are_the_plan_options_defaults(command):
+    """Every flag of a PlanOptions field that has a parser default has the field's default (demo's --workers is
+    None: the CPU count; plan's None-valued flags leave the option at its default)."""
+    parser = _subparser(command)
+    for action in parser._actions:
+        if action.dest in PlanOptions.names() and action.default is not None and action.dest != "migration":
+            if command == "compare" and action.dest == "replica_slots":
+                assert action.default == 2  # compare shows replicas by default
+                continue
+            assert action.default == _field_default(action.dest), (command, action.dest)
+    migration = [a for a in _subparser("plan")._actions if a.dest in ("migration", "replica_pricing")]
+    assert [a.default for a in migration] == ["price", "price"]
+    assert PlanOptions().migration and PlanOptions().price_replicas
+
+
+def test_simulate_optimizer_bytes_help_is_the_timing_default():
+    from relibra_moe.timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM
+
+    shown = _help_defaults(_subparser("simulate"))
+    assert shown["optimizer_bytes"] == format(DEFAULT_OPTIMIZER_BYTES_PER_PARAM, "g") == "12"
+    assert _field_default("optimizer_bytes_per_param") == DEFAULT_OPTIMIZER_BYTES_PER_PARAM
+
+
 @pytest.mark.parametrize("flags, field, value", [
     (["--iters", "123"], "iters", 123),
     (["--locality-iters", "45"], "locality_iters", 45),

@@ -98,3 +98,35 @@ def test_sample_placement_defaults_per_strategy_and_owner():
 def test_bad_sample_placement_names_the_option(kw, match):
     with pytest.raises(PlanError, match=match):
         PlanOptions(**kw)
+
+
+def test_replicate_options_from_a_dict_and_a_typo_names_the_field():
+    from relibra_moe.planners.options import ReplicateOptions
+
+    o = PlanOptions(replicate={"candidates": 2, "polish": False})
+    assert o.replicate == ReplicateOptions(candidates=2, polish=False)
+    assert PlanOptions().replicate == ReplicateOptions()
+    assert PlanOptions(replicate=None).replicate == ReplicateOptions()
+    with pytest.raises(PlanError, match=r"unknown replicate option candidats=2; known: \['candidates', "):
+        PlanOptions(replicate={"candidats": 2})
+    with pytest.raises(PlanError, match="candidates=0 must be an int >= 1"):
+        PlanOptions(replicate={"candidates": 0})
+    with pytest.raises(PlanError, match="polish_tol=-1 must be a finite number >= 0"):
+        ReplicateOptions(polish_tol=-1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.replicate.passes = 3  # type: ignore[misc]
+    assert "replicate" not in PlanOptions(replicate={"candidates": 2}).strategy_options()  # not in the plan's stats
+
+
+def test_replicate_options_are_replicate_cells_keywords_with_its_defaults():
+    """The fields of ReplicateOptions are exactly replicate_cell_greedy's keyword-only parameters, with the same
+    defaults: a default changed on one side only fails here."""
+    import inspect
+
+    from relibra_moe.planners.options import ReplicateOptions
+    from relibra_moe.planners.replicate import replicate_cell_greedy
+
+    params = {n: p.default for n, p in inspect.signature(replicate_cell_greedy).parameters.items()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert params == ReplicateOptions().kwargs()
+    assert params == {"candidates": None, "comm_candidates": True, "passes": 0, "polish": None, "polish_tol": 0.005}

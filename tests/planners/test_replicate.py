@@ -120,6 +120,24 @@ def test_errors():
                         CLUSTER, 1)
 
 
+def test_replicate_batch_options_equal_keywords_and_a_typo_is_a_plan_error():
+    from relibra_moe.planners.options import ReplicateOptions
+
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng)
+    placement = Placement(np.tile(np.repeat(np.arange(4), 2), (3, 1)))
+    samples = SamplePlacement(np.repeat(np.arange(2), 4), np.tile(np.arange(4), 2))
+    kw = replicate_batch(placement, samples, batch, MODEL, CLUSTER, 2, candidates=1, comm_candidates=False)
+    typed = replicate_batch(placement, samples, batch, MODEL, CLUSTER, 2,
+                            options=ReplicateOptions(candidates=1, comm_candidates=False))
+    np.testing.assert_array_equal(kw.replica_expert, typed.replica_expert)
+    np.testing.assert_array_equal(kw.split_share, typed.split_share)
+    with pytest.raises(PlanError, match="unknown replicate_batch option polsh=True"):
+        replicate_batch(placement, samples, batch, MODEL, CLUSTER, 2, polsh=True)
+    with pytest.raises(PlanError, match="not both"):
+        replicate_batch(placement, samples, batch, MODEL, CLUSTER, 2, options=ReplicateOptions(), passes=1)
+
+
 def _step_reference(x, eg, res, model, cluster, attn):
     """Independent reference of a cell's priced step: dense shares through moe_cost, transfers by hand."""
     G = cluster.num_gpus
