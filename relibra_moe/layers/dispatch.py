@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -208,8 +209,17 @@ def _wait(work, group) -> None:
     except RuntimeError as exc:  # gloo: a peer died ("Connection closed by peer") or timed out
         if getattr(exc, "peer_notice", False):
             raise
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise _peer_error(group, f"a peer of the EP group stopped answering ({first[:200]})") from None
+        raise _peer_error(group, _backend_reason(str(exc))) from None
+
+
+def _backend_reason(text: str) -> str:
+    """gloo's error text in words (its source location and advice dropped)."""
+    if "Connection" in text and ("closed" in text or "reset" in text):
+        return "a peer of the EP group closed its connection (the process died or left the group)"
+    if "Timed out" in text or "timeout" in text.lower():
+        return "the process group's own timeout expired while a peer did not answer"
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
+    return f"a peer of the EP group stopped answering ({first.split('. ')[0][:200] or 'no detail'})"
 
 
 
