@@ -61,6 +61,7 @@ from torch import nn
 
 from ..errors import PlanError, ReplayError
 from ..plan import BatchPlan, ReplicaPlan
+from ..triton_kernels.heuristics import row_tile
 from ..triton_kernels.permute import combine as combine_pairs
 from ..triton_kernels.permute import permute
 from ..triton_kernels.routing import RoutingMeta, routing_metadata, trusted_indices
@@ -245,6 +246,9 @@ class LayerSchedule:
         slot_send: int64 ``[R]``, the local slot (on its destination) of every sorted row, -1 for padding.
         exchange_in_forward: set by the agreement when some rank has ``LIVE`` rows in this layer: every rank
             then exchanges its pair counts in the forward (the live path).
+        local_meta: one rank without replicas: the :class:`RoutingMeta` sorting the ``(token, k)`` pairs by
+            local slot directly (``T * k`` rows, unrouted pairs as padding rows: fixed shapes), so the forward
+            skips the dispatch sort; ``slot_counts`` (int64 ``[E_loc + r]``) the pairs per slot.
         error: the ``ReplayError`` / ``PlanError`` of this layer (or the one agreed by the EP group), raised
             by the forward.
         home: the homes ``[E]`` the schedule was built against.
@@ -264,6 +268,8 @@ class LayerSchedule:
     error: ReplayError | PlanError | None = None
     home: np.ndarray | None = None
     ids_dev: torch.Tensor | None = field(default=None, repr=False)
+    local_meta: RoutingMeta | None = None
+    slot_counts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -615,9 +621,18 @@ class ReplayBalancedMoE(nn.Module):
         slot_send = np.where(gather >= 0, slot.reshape(-1)[np.maximum(gather, 0)], -1) if gather.size else \
             np.zeros(0, np.int64)
         splits = tuple(int(v) for v in send)
+        local_meta = slot_counts = None
+        if G == 1 and plan.transfer is None:  # one rank: the pairs go straight to their slots (no dispatch sort)
+            S = self.num_local
+            w = self.experts.expert_tensors()[0]
+            block_m = self.experts.block_m or row_tile(max(rows, 1) / S, w.dtype)
+            local_meta = routing_metadata(torch.from_numpy(slot), S, block_m=block_m)
+            r = 0 if self.replica_buffer is None else self.replica_buffer.slots
+            slot_counts = torch.from_numpy(np.bincount(slot[slot >= 0], minlength=S + r).astype(np.int64))
         return LayerSchedule(ids=ids, plan=plan, dest=dest, slot=slot, send_splits=splits,
                              recv_splits=splits if G == 1 else None, num_rows=rows, send_meta=meta,
-                             slot_send=torch.from_numpy(slot_send), home=home)
+                             slot_send=torch.from_numpy(slot_send), home=home, local_meta=local_meta,
+                             slot_counts=slot_counts)
 
     def upload_schedule(self, sched: LayerSchedule) -> LayerSchedule:
         """``sched`` with its tensors on the layer's device (pinned memory and non-blocking copies on CUDA)."""
@@ -626,9 +641,11 @@ class ReplayBalancedMoE(nn.Module):
             return sched
         up = {"ids_dev": _pinned(torch.from_numpy(sched.ids), dev)}
         if sched.send_meta is not None:
-            m = sched.send_meta
-            up["send_meta"] = replace(m, **{f: _pinned(getattr(m, f), dev) for f in _META_TENSORS})
+            up["send_meta"] = _upload_meta(sched.send_meta, dev)
             up["slot_send"] = _pinned(sched.slot_send, dev)
+        if sched.local_meta is not None:
+            up["local_meta"] = _upload_meta(sched.local_meta, dev)
+            up["slot_counts"] = _pinned(sched.slot_counts, dev)
         t = sched.plan.transfer
         if t is not None:
             t = replace(t, slot_expert=_pinned(t.slot_expert, dev), send_local=_pinned(t.send_local, dev),
@@ -731,6 +748,16 @@ class ReplayBalancedMoE(nn.Module):
         stage = "dispatch"
         prev = set_collective_stage(self.name, stage)
         try:
+            if sched.local_meta is not None:
+                stage = "experts"
+                with trusted_indices():
+                    out = self._local_experts(x2, sched.local_meta, route.gates)
+                    slot_recv = None
+                if self.shared_expert is not None:
+                    stage = "shared expert"
+                    out = out + self.shared_expert(x2)
+                self._record(route, sched, None)
+                return out.to(x.dtype).reshape(x.shape)
             with trusted_indices():  # every index below was built (and checked) on the host
                 x_recv, slot_recv = self.dispatch(x2, sched)
                 stage = "experts"
@@ -861,18 +888,33 @@ class ReplayBalancedMoE(nn.Module):
         y_send = self.dispatcher.combine(y_recv, sched.send_splits, sched.recv_splits)
         return combine_pairs(y_send, sched.send_meta, gates)
 
-    def _record(self, route: RouterOutput, sched: LayerSchedule, slot_recv: torch.Tensor) -> None:
+    def _local_experts(self, x2: torch.Tensor, meta: RoutingMeta, gates: torch.Tensor) -> torch.Tensor:
+        """One rank, no replicas: the home experts on the pairs sorted by slot (``meta``, from the schedule),
+        summed with ``gates`` in fp32; ``[T, H]``."""
+        home = self.experts.expert_tensors()
+        ys = self.experts.mlp(permute(x2.to(home[0].dtype), meta), meta, self.experts.slot_tensors(home, None))
+        return combine_pairs(ys, meta, gates)
+
+    def _record(self, route: RouterOutput, sched: LayerSchedule, slot_recv: torch.Tensor | None) -> None:
         """Keep the ``last_*`` attributes of the class docstring (host ints from the schedule, device counts)."""
         r = 0 if self.replica_buffer is None else self.replica_buffer.slots
         self.last_routing = route.ids.detach()
         self.last_send_counts = np.asarray(sched.send_splits, np.int64)
         self.last_load = int(sum(sched.recv_splits))
+        if slot_recv is None:
+            self.last_slot_counts = sched.slot_counts
+            return
         counts = torch.zeros(self.num_local + r + 1, dtype=torch.int64, device=slot_recv.device)
         counts.scatter_add_(0, slot_recv.detach().view(-1) + 1, torch.ones_like(slot_recv.view(-1)))
         self.last_slot_counts = counts[1:]  # bucket 0: padding rows (slot -1)
 
 
 _META_TENSORS = ("counts", "offsets", "gather_idx", "scatter_idx", "tile_slot", "tile_row", "num_dropped")
+
+
+def _upload_meta(meta: RoutingMeta, device: torch.device) -> RoutingMeta:
+    """``meta`` with its tensors on ``device`` (:func:`_pinned`)."""
+    return replace(meta, **{f: _pinned(getattr(meta, f), device) for f in _META_TENSORS})
 
 
 def _differing_slices(name: str, digests: np.ndarray) -> str | None:
