@@ -420,3 +420,27 @@ def test_replayed_layers_on_two_ranks_with_replicas_make_no_host_sync():
     from relibra_moe.layers.testing import run_group
 
     run_group(_no_sync_worker, 2)
+
+
+def test_single_rank_replayed_layer_compiles_with_fullgraph():
+    """torch.compile(fullgraph=True) traces the replayed layer (schedule, router, kernel ops) in one graph,
+    forward and backward, with the eager outputs and gradients. The "eager" backend checks the capture
+    (dynamo) without Inductor's code generation, which is slow on a shared CPU."""
+    layer = _stack(1)[0]
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        layer(x)
+    ids = layer.last_routing.clone()
+    ids[3] = -1
+    grads = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        layer.zero_grad()
+        xr = x.clone().requires_grad_()
+        fn = torch.compile(layer, fullgraph=True, backend="eager") if compiled else layer
+        with replay(layer, [ids]):
+            out = fn(xr)
+        out.square().sum().backward()
+        grads.append([out.detach(), xr.grad] + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
