@@ -30,6 +30,11 @@ stage 2, since this rank's pair counts per destination travel with its status in
 1. route: live top-k, or the replayed ids with gates from the live logits (``TopKRouter``), and the plan
    slice of this layer and micro-batch (:meth:`~ReplayBalancedMoE.plan_slice`, ``PlanError``); a bad
    replay or plan is kept, not raised;
+Inside :func:`relibra_moe.replay`, stages 1 (the checks), 2 and 3 run on the host before the forward, for all
+layers at once (:meth:`~ReplayBalancedMoE.build_schedule`, :meth:`~ReplayBalancedMoE.agree_schedules`: one
+exchange per micro-batch): the replayed forward and backward only launch work, with no device-to-host sync
+(:class:`LayerSchedule`). Live routing runs the stages in the forward:
+
 2. agree on errors across the EP group (:meth:`~ReplayBalancedMoE.agree`): every rank reports its status
    (and the message of its error), and the digest of the plan slice it follows (:func:`slice_digest`),
    in the one exchange of pair counts, so a bad input, bad replay data or a bad plan on any rank (also
@@ -275,6 +280,32 @@ class LayerSchedule:
     def num_tokens(self) -> int:
         return 0 if self.ids is None else int(self.ids.shape[0])
 
+    def copy_(self, other: LayerSchedule) -> LayerSchedule:
+        """Refresh this uploaded one-rank schedule in place with ``other`` (another micro-batch of the same
+        token count): its device tensors are overwritten, so a CUDA graph captured while following this
+        schedule replays ``other``'s routing. Both must have ``local_meta`` (one rank, no replicas) and the same
+        shapes (``ReplayError`` otherwise). Returns ``self``."""
+        mine, theirs = self._device_tensors(), other._device_tensors()
+        if self.local_meta is None or other.local_meta is None or len(mine) != len(theirs) or any(
+                a.shape != b.shape or a.dtype != b.dtype for a, b in zip(mine, theirs)):
+            raise ReplayError("LayerSchedule.copy_: both schedules must be uploaded one-rank schedules without "
+                              f"replicas of the same shapes (tokens {self.num_tokens} and {other.num_tokens})")
+        for a, b in zip(mine, theirs):
+            a.copy_(b, non_blocking=True)
+        for name in ("ids", "plan", "dest", "slot", "send_splits", "recv_splits", "home"):
+            setattr(self, name, getattr(other, name))
+        return self
+
+    def _device_tensors(self) -> list[torch.Tensor]:
+        """The uploaded tensors the forward reads (``[]`` before the upload)."""
+        if self.ids_dev is None:
+            return []
+        out = [self.ids_dev]
+        for meta in (self.send_meta, self.local_meta):
+            if meta is not None:
+                out += [getattr(meta, f) for f in _META_TENSORS]
+        return out + [t for t in (self.slot_send, self.slot_counts) if t is not None]
+
     @property
     def replayed(self) -> bool:
         """Whether the forward follows it without an exchange (replayed ids, no ``LIVE`` row on any rank)."""
@@ -366,9 +397,10 @@ class ReplayBalancedMoE(nn.Module):
         dtype, device: of the expert weights (the router weight too).
 
     ``forward(x [..., H]) -> [..., H]``. After each forward, ``last_routing`` holds the ids used
-    (``[T, k]``), ``last_send_counts`` (int64 ``[G]``) the pairs this rank sent to each rank,
-    ``last_load`` the pairs this rank's experts computed (home and replica slots), and
-    ``last_slot_counts`` (int64 ``[E_loc + r]``) those pairs per local slot. ``replay_state`` (a
+    (``[T, k]``, on the device), ``last_send_counts`` (int64 numpy ``[G]``) the pairs this rank sent to each
+    rank, ``last_load`` (an int) the pairs this rank's experts computed (home and replica slots), and
+    ``last_slot_counts`` (an int64 tensor ``[E_loc + r]`` on the layer's device: reading it is the caller's
+    sync) those pairs per local slot. ``replay_state`` (a
     :class:`~relibra_moe.layers.replay.LayerReplay` or ``None``) is what :func:`relibra_moe.replay` sets and
     the forward follows; :meth:`prepare_replay` builds it. ``expert_gpu`` (int64 ``[E]`` buffer) holds the
     rank homing each expert, ``expert_gpu_host`` its host copy.
@@ -603,7 +635,8 @@ class ReplayBalancedMoE(nn.Module):
             if isinstance(raw, torch.Tensor):
                 raw = raw.detach().cpu()  # recorded ids on a device: one copy at replay entry, not in the forward
             n = int(np.shape(raw)[0]) if np.ndim(raw) else 0
-            ids = check_replay_ids(raw, n, self.top_k, self.num_experts, self.name, allow_live=True).numpy()
+            # a copy the schedule owns (never the caller's memory: uploads on the CPU are the same tensor)
+            ids = check_replay_ids(raw, n, self.top_k, self.num_experts, self.name, allow_live=True).numpy().copy()
         except (ReplayError, PlanError) as exc:
             return LayerSchedule(error=exc.with_traceback(None), home=home)
         if (ids == LIVE).any():
