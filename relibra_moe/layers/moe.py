@@ -251,6 +251,9 @@ class LayerSchedule:
         slot_send: int64 ``[R]``, the local slot (on its destination) of every sorted row, -1 for padding.
         exchange_in_forward: set by the agreement when some rank has ``LIVE`` rows in this layer: every rank
             then exchanges its pair counts in the forward (the live path).
+        send_slot_counts: int64 ``[G, S]``, the pairs sent to each rank per local slot there (``S = E_loc + r``);
+            the send side is sorted by destination, then slot. ``slot_recv``: int64 ``[sum(recv_splits)]``, the
+            local slot of every received row, from the agreement's counts (no all-to-all of slot ids).
         local_meta: one rank without replicas: the :class:`RoutingMeta` sorting the ``(token, k)`` pairs by
             local slot directly (``T * k`` rows, unrouted pairs as padding rows: fixed shapes), so the forward
             skips the dispatch sort; ``slot_counts`` (int64 ``[E_loc + r]``) the pairs per slot.
@@ -275,6 +278,8 @@ class LayerSchedule:
     ids_dev: torch.Tensor | None = field(default=None, repr=False)
     local_meta: RoutingMeta | None = None
     slot_counts: torch.Tensor | None = None
+    send_slot_counts: np.ndarray | None = None
+    slot_recv: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -498,6 +503,11 @@ class ReplayBalancedMoE(nn.Module):
         return cache[2]
 
     @property
+    def num_slots(self) -> int:
+        """``S = E_loc + r``: local slots of this rank (home experts, then the replica buffer's slots)."""
+        return self.num_local + (0 if self.replica_buffer is None else self.replica_buffer.slots)
+
+    @property
     def home_experts(self) -> np.ndarray:
         """Logical ids of this rank's home experts, ascending (row i of the expert parameters)."""
         return np.flatnonzero(self.expert_gpu_host == self.rank)
@@ -649,7 +659,11 @@ class ReplayBalancedMoE(nn.Module):
         dest, slot = host_destinations(ids, home, plan.slot_table, plan.shares)
         send = np.bincount(dest[dest >= 0], minlength=G).astype(np.int64)
         rows = dest.size if G == 1 else int(send.sum())
-        meta = routing_metadata(torch.from_numpy(dest), G, num_rows=rows)
+        S = self.num_slots
+        # sorted by destination, then by the slot there (stable: pair order): a receiver knows every row's slot
+        # from the per-slot counts of the agreement, and a slot's rows keep the order of the destination sort
+        key = np.where(dest >= 0, dest * S + slot, -1)
+        meta = routing_metadata(torch.from_numpy(key), G * S, num_rows=rows)
         gather = meta.gather_idx.numpy().astype(np.int64)
         slot_send = np.where(gather >= 0, slot.reshape(-1)[np.maximum(gather, 0)], -1) if gather.size else \
             np.zeros(0, np.int64)
@@ -665,7 +679,8 @@ class ReplayBalancedMoE(nn.Module):
         return LayerSchedule(ids=ids, plan=plan, dest=dest, slot=slot, send_splits=splits,
                              recv_splits=splits if G == 1 else None, num_rows=rows, send_meta=meta,
                              slot_send=torch.from_numpy(slot_send), home=home, local_meta=local_meta,
-                             slot_counts=slot_counts)
+                             slot_counts=slot_counts,
+                             send_slot_counts=np.bincount(key[key >= 0], minlength=G * S).reshape(G, S))
 
     def upload_schedule(self, sched: LayerSchedule) -> LayerSchedule:
         """``sched`` with its tensors on the layer's device (pinned memory and non-blocking copies on CUDA)."""
@@ -676,6 +691,8 @@ class ReplayBalancedMoE(nn.Module):
         if sched.send_meta is not None:
             up["send_meta"] = _upload_meta(sched.send_meta, dev)
             up["slot_send"] = _pinned(sched.slot_send, dev)
+        if sched.slot_recv is not None:
+            up["slot_recv"] = _pinned(sched.slot_recv, dev)
         if sched.local_meta is not None:
             up["local_meta"] = _upload_meta(sched.local_meta, dev)
             up["slot_counts"] = _pinned(sched.slot_counts, dev)
@@ -700,9 +717,10 @@ class ReplayBalancedMoE(nn.Module):
         first = next(lay for lay in layers if lay.world_size > 1)
         G, L = first.world_size, len(layers)
         bad = next((i for i, s in enumerate(schedules) if s.error is not None), None)
-        cols = 3 + _MSG_WORDS + 7 * L
-        row = np.zeros(cols, np.int64)
-        sends = np.zeros((G, L), np.int64)
+        base = 3 + _MSG_WORDS + 6 * L
+        offs = np.concatenate([[0], np.cumsum([lay.num_slots for lay in layers])]) + base
+        row = np.zeros(int(offs[-1]), np.int64)
+        sends = np.zeros((G, int(offs[-1]) - base), np.int64)
         if bad is not None:
             err = schedules[bad].error
             row[0] = _REPLAY_BAD if isinstance(err, ReplayError) else _PLAN_BAD
@@ -714,10 +732,10 @@ class ReplayBalancedMoE(nn.Module):
                     _slice_row(lay.expert_gpu_host, None, 0, lay.layer_index)
                 row[3 + _MSG_WORDS + 6 * i:3 + _MSG_WORDS + 6 * i + 5] = digest
                 row[3 + _MSG_WORDS + 6 * i + 5] = int(s.live_rows)
-                if s.send_splits is not None:
-                    sends[:, i] = s.send_splits
+                if s.send_slot_counts is not None:
+                    sends[:, offs[i] - base:offs[i + 1] - base] = s.send_slot_counts
         meta = np.tile(row, (G, 1))
-        meta[:, 3 + _MSG_WORDS + 6 * L:] = sends
+        meta[:, base:] = sends
         exchange = getattr(first.dispatcher, "agree_exchange", first.dispatcher.exchange)
         recv = exchange(torch.from_numpy(meta).to(first.expert_gpu.device)).cpu().numpy()
         error = _agreed_error(layers, recv, L)
@@ -726,8 +744,13 @@ class ReplayBalancedMoE(nn.Module):
         out = []
         for i, s in enumerate(schedules):
             live = bool(recv[:, 3 + _MSG_WORDS + 6 * i + 5].any())
-            recv_splits = tuple(int(v) for v in recv[:, 3 + _MSG_WORDS + 6 * L + i])
-            out.append(replace(s, exchange_in_forward=live, recv_splits=None if live else recv_splits))
+            counts = recv[:, offs[i]:offs[i + 1]]  # [source, slot]: the rows this rank receives
+            if live or s.send_splits is None:
+                out.append(replace(s, exchange_in_forward=live, recv_splits=None if live else (0,) * G))
+                continue
+            slots = np.repeat(np.tile(np.arange(counts.shape[1]), G), counts.reshape(-1))
+            out.append(replace(s, recv_splits=tuple(int(v) for v in counts.sum(axis=1)),
+                               slot_recv=torch.from_numpy(slots.astype(np.int64))))
         return out
 
     # ------------------------------------------------------------------ forward
@@ -903,7 +926,9 @@ class ReplayBalancedMoE(nn.Module):
         local slots (int64, same length; -1 for padding rows)."""
         x_send = permute(x2.to(self.experts.expert_tensors()[0].dtype), sched.send_meta)
         x_recv = self.dispatcher.dispatch(x_send, sched.send_splits, sched.recv_splits)
-        slot_recv = self.dispatcher.dispatch_ids(sched.slot_send, sched.send_splits, sched.recv_splits)
+        slot_recv = sched.slot_recv  # from the agreement's per-slot counts (replay)
+        if slot_recv is None:  # live routing: the slots travel with the rows
+            slot_recv = self.dispatcher.dispatch_ids(sched.slot_send, sched.send_splits, sched.recv_splits)
         return x_recv, slot_recv
 
     def compute_experts(self, x_recv: torch.Tensor, slot_recv: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
