@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from ..errors import ReplayError
 from ..spec_sources import ep_process_group, is_device_mesh  # noqa: F401  (re-exported: the layer's EP group)
+from ..validate import check_positive
 
 try:  # optional: DeepEP (https://github.com/deepseek-ai/DeepEP), GPU only
     import deep_ep  # type: ignore[import-not-found]
@@ -68,9 +69,7 @@ _POLL_STORE_S = 0.05  # how often a waiting rank reads the store for a peer's no
 
 def set_collective_timeout(seconds: float | None) -> None:
     """Set the deadline of every layer collective on gloo (``None``: back to the environment / default)."""
-    if seconds is not None and not (isinstance(seconds, (int, float)) and 0 < float(seconds) < float("inf")):
-        raise ValueError(f"collective timeout={seconds!r} must be a positive number of seconds")
-    _timeout[0] = None if seconds is None else float(seconds)
+    _timeout[0] = None if seconds is None else check_positive("collective timeout (s)", seconds, error=ValueError)
 
 
 def collective_timeout() -> float:
@@ -84,10 +83,8 @@ def collective_timeout() -> float:
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
-    return value
+        value = raw
+    return check_positive(_TIMEOUT_ENV, value, error=ValueError)
 
 
 @contextlib.contextmanager
@@ -150,7 +147,8 @@ def post_failure(dispatcher: Dispatcher, layer: str, stage: str, error: BaseExce
     if getattr(dispatcher, "world_size", 1) <= 1 or getattr(error, "peer_notice", False) or not dist.is_initialized():
         return
     store = _store()
-    text = json.dumps({"rank": dispatcher.rank, "layer": layer, "stage": stage,
+    rejected = str(error)[:400] if stage == "route" and isinstance(error, ReplayError) else None
+    text = json.dumps({"rank": dispatcher.rank, "layer": layer, "stage": stage, "rejected": rejected,
                        "error": f"{type(error).__name__}: {error}"[:400]})
     try:
         if store is not None:
@@ -176,7 +174,10 @@ def _notice(group) -> dict | None:
 def _peer_error(group, reason: str) -> ReplayError:
     layer, stage = _where()
     note = _notice(group)
-    if note is not None:
+    if note is not None and note.get("rejected"):  # its input, found before any token moved
+        text = (f"layer {note['layer']}: rank {note['rank']} of the EP group rejected its replay data: "
+                f"{note['rejected']}")
+    elif note is not None:
         text = (f"layer {note['layer']}: rank {note['rank']} of the EP group stopped in stage '{note['stage']}' "
                 f"({note['error']}); this rank stopped waiting in stage '{stage}' of layer {layer}")
     else:
@@ -206,6 +207,8 @@ def _wait(work, group) -> None:
             time.sleep(nap)
             nap = min(2 * nap, 2e-3)
         work.wait()
+        if _notice(group) is not None:  # a peer that failed joined this collective only to let it complete
+            raise _peer_error(group, "")
     except RuntimeError as exc:  # gloo: a peer died ("Connection closed by peer") or timed out
         if getattr(exc, "peer_notice", False):
             raise

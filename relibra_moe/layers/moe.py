@@ -793,10 +793,24 @@ class ReplayBalancedMoE(nn.Module):
                 route = self.router(x2, replay_ids=sched.ids_dev)
         except BaseException as exc:
             post_failure(self.dispatcher, self.name, "route", exc)
+            if self.world_size > 1 and sched.local_meta is None:
+                self._stand_in_dispatch(sched)
             raise
         finally:
             set_collective_stage(*prev)
         return self._stages(x, x2, route, sched)
+
+    def _stand_in_dispatch(self, sched: LayerSchedule) -> None:
+        """After a failure before this layer's first collective (posted already): join the dispatch the other
+        ranks are waiting in with zero rows of the agreed splits, so no collective is left half done; they read
+        the notice when it completes and raise, and the process group stays usable."""
+        try:
+            w = self.experts.expert_tensors()[0]
+            rows = torch.zeros(sum(sched.send_splits), self.hidden, dtype=w.dtype, device=w.device)
+            with torch.no_grad():
+                self.dispatcher.dispatch(rows, sched.send_splits, sched.recv_splits)
+        except Exception:  # noqa: BLE001 - best effort: the peers still have the notice and the deadline
+            pass
 
     def _stages(self, x: torch.Tensor, x2: torch.Tensor, route: RouterOutput, sched: LayerSchedule) -> torch.Tensor:
         """Stages 4-6 (and the shared expert), the layer's collectives: a failure here is posted for the EP group

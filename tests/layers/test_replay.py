@@ -444,3 +444,55 @@ def test_single_rank_replayed_layer_compiles_with_fullgraph():
         grads.append([out.detach(), xr.grad] + [p.grad.clone() for p in layer.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_next_micro_batch_is_built_ahead_and_schedules_refresh_in_place():
+    """With traces and a BatchPlan, entering micro-batch m starts building m + 1 in the background thread; the next
+    replay takes it (same outputs as a fresh build; a relayout in between drops it). LayerSchedule.copy_ refreshes
+    an uploaded one-rank schedule with another micro-batch's, and refuses other shapes by name."""
+    from relibra_moe.layers.replay import _PREFETCH
+    from relibra_moe.trace import RoutingTrace
+
+    layers = _stack(2)
+    for i, layer in enumerate(layers):
+        layer.layer_index = i
+    g = np.random.default_rng(0)
+    traces = [RoutingTrace(np.stack([np.stack([g.permutation(6)[:2] for _ in range(2)]) for _ in range(5)]),
+                           np.arange(2), 6, 2) for _ in range(2)]
+    plan = BatchPlan(Placement(np.zeros((2, 6))), SamplePlacement(np.array([0, 1]), np.zeros(2), 2),
+                     ReplicaPlan.empty(2, 2, 1, 0), num_gpus=1, gpus_per_node=1)
+    x = torch.randn(5, 8)
+    outs = []
+    with replay(layers, traces, plan, micro_batch=0) as rows:
+        assert rows == [0]
+        assert layers.__dict__[_PREFETCH][0][2] == 1  # micro-batch 1 is being built
+        outs.append(_run(layers, x))
+        sched0 = [layer.replay_state.schedule for layer in layers]
+    pending = layers.__dict__[_PREFETCH][1]
+    with replay(layers, traces, plan, micro_batch=1) as rows:
+        assert rows == [1] and pending.done() and _PREFETCH not in layers.__dict__
+        outs.append(_run(layers, x))
+        sched1 = [layer.replay_state.schedule for layer in layers]
+    with torch.no_grad(), replay(layers, [torch.as_tensor(traces[1].experts[:, i]) for i in range(2)]):
+        torch.testing.assert_close(_run(layers, x), outs[1].detach(), rtol=0, atol=0)  # the prefetched build
+    assert not torch.equal(outs[0], outs[1])
+    sched0[0].copy_(sched1[0])
+    assert np.array_equal(sched0[0].ids, sched1[0].ids) and torch.equal(sched0[0].ids_dev, sched1[0].ids_dev)
+    with replay(layers, [torch.tensor([[0, 1]] * 3)] * 2):
+        short = layers[0].replay_state.schedule
+    with pytest.raises(ReplayError, match="same shapes"):
+        sched0[0].copy_(short)
+
+
+def test_collective_timeout_is_checked():
+    from relibra_moe.layers.dispatch import DEFAULT_COLLECTIVE_TIMEOUT_S, collective_timeout, set_collective_timeout
+
+    assert collective_timeout() == DEFAULT_COLLECTIVE_TIMEOUT_S
+    set_collective_timeout(5)
+    try:
+        assert collective_timeout() == 5.0
+        for bad in (0, -1, float("nan"), "10", True):
+            with pytest.raises(ValueError, match=r"collective timeout \(s\)=.* must be a finite number > 0"):
+                set_collective_timeout(bad)
+    finally:
+        set_collective_timeout(None)
