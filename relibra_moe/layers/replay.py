@@ -425,11 +425,17 @@ def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None 
             different token count or bad ids.
         PlanError: the plan covers a different number of layers, or (at forward time, on every rank) a
             layer's slice breaks a rule or differs from the layer's homes, or the ranks follow different
-            slices (``ReplayBalancedMoE.agree``).
+            slices (``ReplayBalancedMoE.agree_schedules``).
+
+    Entering the block builds and checks every layer's schedule on the host (the ids, the plan slice, each
+    pair's destination, the sorts: ``ReplayBalancedMoE.build_schedule``; with traces and a ``BatchPlan`` and no
+    ``attention_mask`` the next micro-batch's is built in a background thread meanwhile) and, on an EP group,
+    runs the micro-batch's one agreement for all layers (``ReplayBalancedMoE.agree_schedules``, a collective:
+    every rank enters ``replay`` for the same micro-batches). The forwards inside then make no host sync.
 
     On an EP group of several ranks every error but "no replay target" is deferred: the block is entered
     (with traces it yields ``[]``, so the rank runs a placeholder forward) and the first layer forward
-    raises it on every rank of the group, naming this rank, through the layer's agreement; an argument
+    raises it on every rank of the group, naming this rank, as agreed at entry; an argument
     bad on one rank only never leaves the others waiting in a collective.
     """
     targets = replay_targets(model)
