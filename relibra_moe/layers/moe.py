@@ -663,7 +663,8 @@ class ReplayBalancedMoE(nn.Module):
         # sorted by destination, then by the slot there (stable: pair order): a receiver knows every row's slot
         # from the per-slot counts of the agreement, and a slot's rows keep the order of the destination sort
         key = np.where(dest >= 0, dest * S + slot, -1)
-        meta = routing_metadata(torch.from_numpy(key), G * S, num_rows=rows)
+        with trusted_indices():  # keys built here from checked ids: no range check to read back
+            meta = routing_metadata(torch.from_numpy(key), G * S, num_rows=rows)
         gather = meta.gather_idx.numpy().astype(np.int64)
         slot_send = np.where(gather >= 0, slot.reshape(-1)[np.maximum(gather, 0)], -1) if gather.size else \
             np.zeros(0, np.int64)
@@ -673,7 +674,8 @@ class ReplayBalancedMoE(nn.Module):
             S = self.num_local
             w = self.experts.expert_tensors()[0]
             block_m = self.experts.block_m or row_tile(max(rows, 1) / S, w.dtype)
-            local_meta = routing_metadata(torch.from_numpy(slot), S, block_m=block_m)
+            with trusted_indices():
+                local_meta = routing_metadata(torch.from_numpy(slot), S, block_m=block_m)
             r = 0 if self.replica_buffer is None else self.replica_buffer.slots
             slot_counts = torch.from_numpy(np.bincount(slot[slot >= 0], minlength=S + r).astype(np.int64))
         return LayerSchedule(ids=ids, plan=plan, dest=dest, slot=slot, send_splits=splits,
