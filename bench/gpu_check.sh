@@ -14,6 +14,8 @@
 #   layer     bench/moe_layer_gpu.py: ReplayBalancedMoE and the expert side with replica slots at the
 #             30B layer shape, against an eager per-expert loop and torch._grouped_mm experts
 #   graph     bench/cuda_graph.py: CUDA-graph capture + replay of routing -> permute -> MLP -> combine
+#   replay_graph bench/replay_graph.py: a single-rank stack of replayed ReplayBalancedMoE layers captured in a
+#             CUDA graph, replayed with another micro-batch's schedules; captured vs eager forward time
 #   calibrate relibra calibrate: grouped-GEMM curve and attention rate at the Qwen3-30B-A3B shapes (NVLink
 #             all-to-all bandwidth and latency when 2+ GPUs) into OUTDIR/cluster_profile.json, the rest from h200
 #             (--dry-run: the preset's profile, nothing measured)
@@ -44,18 +46,20 @@ tests/layers/test_relayout.py tests/layers/test_replica_buffer.py tests/integrat
 if [ $DRY = 1 ]; then
     export CUDA_VISIBLE_DEVICES=""   # the CPU path everywhere, also on a machine with a GPU
     # stage limits (s): generous for a loaded CPU; the dry run itself takes well under a minute unloaded
-    T_ENV=60; T_TESTS=90; T_KERNELS=120; T_LAYER=90; T_GRAPH=90; T_CALIBRATE=60
+    T_ENV=60; T_TESTS=90; T_KERNELS=120; T_LAYER=90; T_GRAPH=90; T_RGRAPH=90; T_CALIBRATE=60
     GPU_TESTS="tests/e2e/test_kernels_cuda.py"  # collects and skips without CUDA: checks the stage's invocation
     KERNEL_ARGS="--dtypes bfloat16"
     LAYER_ARGS="--tiny"
     GRAPH_ARGS="--tiny"
+    RGRAPH_ARGS="--tiny"
     CALIBRATE_ARGS="--dry-run"
 else
-    # 20 + 130 + 180 + 80 + 50 + 60 = 520 s of stage limits, inside 9 minutes with start-up
-    T_ENV=20; T_TESTS=130; T_KERNELS=180; T_LAYER=80; T_GRAPH=50; T_CALIBRATE=60
+    # 20 + 130 + 170 + 80 + 50 + 30 + 60 = 540 s of stage limits, inside 9 minutes with start-up
+    T_ENV=20; T_TESTS=130; T_KERNELS=170; T_LAYER=80; T_GRAPH=50; T_RGRAPH=30; T_CALIBRATE=60
     KERNEL_ARGS=""
     LAYER_ARGS=""
     GRAPH_ARGS=""
+    RGRAPH_ARGS=""
     CALIBRATE_ARGS="--iters 5"
 fi
 
@@ -107,6 +111,8 @@ stage kernels "$T_KERNELS" "$PY" bench/kernels.py --out "$OUT/kernels.json" $KER
 stage layer "$T_LAYER" "$PY" bench/moe_layer_gpu.py --out "$OUT/layer.json" $LAYER_ARGS
 # shellcheck disable=SC2086
 stage graph "$T_GRAPH" "$PY" bench/cuda_graph.py --out "$OUT/graph.json" $GRAPH_ARGS
+# shellcheck disable=SC2086
+stage replay_graph "$T_RGRAPH" "$PY" bench/replay_graph.py --out "$OUT/replay_graph.json" $RGRAPH_ARGS
 # shellcheck disable=SC2086
 stage calibrate "$T_CALIBRATE" "$PY" -m relibra_moe.cli calibrate --model qwen3-30b-a3b --preset h200 \
     --out "$OUT/cluster_profile.json" $CALIBRATE_ARGS

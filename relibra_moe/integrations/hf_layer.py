@@ -273,7 +273,9 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
             scores = self.router.__dict__.pop("_last_gates", None)
         with torch.no_grad():
             ids = self.last_routing
-            self.last_expert_counts = torch.bincount(ids[ids >= 0].reshape(-1), minlength=self.num_experts)
+            counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
+            counts.scatter_add_(0, ids.reshape(-1).clamp_min(-1) + 1, torch.ones_like(ids.reshape(-1)))
+            self.last_expert_counts = counts[1:]  # bucket 0: unrouted pairs (no bincount: no host sync)
         if fam.shared is not None:
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             shared_name, gate_name = fam.shared

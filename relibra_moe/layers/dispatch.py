@@ -16,25 +16,214 @@ Implementations:
 
 Use :func:`get_dispatcher` to get one per (group, gpus_per_node): constructing an
 :class:`AllToAllDispatcher` creates sub-groups, which is itself a collective.
+
+Failing peers. Every collective of an :class:`AllToAllDispatcher` on CPU tensors (gloo) runs under the
+library's own deadline (:func:`set_collective_timeout`, default :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`, or the
+``RELIBRA_COLLECTIVE_TIMEOUT_S`` environment variable; keep it under the process group's timeout): the host
+polls the collective and the process group's store. A rank whose layer fails between two collectives posts a
+notice there (:func:`post_failure`: the layer, the stage, its rank and its error) before it re-raises, and
+every rank waiting in a collective of the same agreement epoch raises ``ReplayError`` naming them; a peer that
+died (the connection closed) or did not answer within the deadline is a ``ReplayError`` too, naming the
+layer and the stage this rank waited in. An epoch is counted by :meth:`AllToAllDispatcher.agree_exchange` (the
+agreements of ``replay`` entry, live forwards and ``relayout``), so a notice of an earlier epoch is never read
+again. After such an error the process group is not reusable (a collective may be left half done): destroy
+and re-create it. On CUDA (NCCL) a collective does not block the host, so the process group's own timeout and
+NCCL's watchdog apply there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
+from ..errors import ReplayError
 from ..spec_sources import ep_process_group, is_device_mesh  # noqa: F401  (re-exported: the layer's EP group)
+from ..validate import check_positive
 
 try:  # optional: DeepEP (https://github.com/deepseek-ai/DeepEP), GPU only
     import deep_ep  # type: ignore[import-not-found]
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     deep_ep = None
 
-__all__ = ["AllToAllDispatcher", "DeepEPDispatcher", "Dispatcher", "LocalDispatcher", "all_to_all",
-           "clear_dispatcher_cache", "get_dispatcher", "has_deep_ep"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "AllToAllDispatcher", "DeepEPDispatcher", "Dispatcher", "LocalDispatcher",
+           "all_to_all", "clear_dispatcher_cache", "collective_stage", "collective_timeout", "get_dispatcher",
+           "has_deep_ep", "post_failure", "set_collective_stage", "set_collective_timeout"]
+
+#: Default deadline (seconds) of one collective of the layer on gloo; well under torch's default process group
+#: timeout (30 min on gloo).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+_TIMEOUT_ENV = "RELIBRA_COLLECTIVE_TIMEOUT_S"
+_timeout: list[float | None] = [None]
+_stage = threading.local()
+_POLL_STORE_S = 0.05  # how often a waiting rank reads the store for a peer's notice
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Set the deadline of every layer collective on gloo (``None``: back to the environment / default)."""
+    _timeout[0] = None if seconds is None else check_positive("collective timeout (s)", seconds, error=ValueError)
+
+
+def collective_timeout() -> float:
+    """The deadline in seconds (:func:`set_collective_timeout`, else ``RELIBRA_COLLECTIVE_TIMEOUT_S``, else
+    :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`)."""
+    if _timeout[0] is not None:
+        return _timeout[0]
+    raw = os.environ.get(_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = raw
+    return check_positive(_TIMEOUT_ENV, value, error=ValueError)
+
+
+@contextlib.contextmanager
+def collective_stage(layer: str, stage: str) -> Iterator[None]:
+    """Name the layer and stage of the collectives this thread runs inside the block (for error messages)."""
+    prev = getattr(_stage, "where", None)
+    _stage.where = (layer, stage)
+    try:
+        yield
+    finally:
+        _stage.where = prev
+
+
+def set_collective_stage(layer: str, stage: str | None) -> tuple[str, str | None]:
+    """Name the layer and stage of this thread's collectives from now on (``stage=None``: unnamed); returns
+    the previous ``(layer, stage)`` to restore."""
+    prev = getattr(_stage, "where", None) or ("moe", None)
+    _stage.where = None if stage is None else (layer, stage)
+    return prev
+
+
+def _where() -> tuple[str, str]:
+    return getattr(_stage, "where", None) or ("moe", "collective")
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: notices are not posted, the deadline still applies
+        return None
+
+
+class _Epochs:
+    """Agreement epochs per process group (see the module docstring)."""
+
+    count: dict[str, int] = {}
+
+    @staticmethod
+    def tag(group) -> str:
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        return "-".join(str(r) for r in ranks)
+
+    @classmethod
+    def key(cls, group) -> str:
+        tag = cls.tag(group)
+        return f"relibra_moe/failure/{tag}/{cls.count.get(tag, 0)}"
+
+    @classmethod
+    def next(cls, group) -> None:
+        """Open the next epoch: after an agreement, and after an incident (every rank of the group raises in
+        one: the failing rank, and the others through its notice), so no notice is read twice."""
+        tag = cls.tag(group)
+        cls.count[tag] = cls.count.get(tag, 0) + 1
+
+
+def post_failure(dispatcher: Dispatcher, layer: str, stage: str, error: BaseException) -> None:
+    """Tell the other ranks of ``dispatcher``'s group that this rank stopped in ``stage`` of ``layer`` (a
+    notice in the process group's store for the current agreement epoch); best effort, never raises."""
+    group = getattr(dispatcher, "group", None)
+    if getattr(dispatcher, "world_size", 1) <= 1 or getattr(error, "peer_notice", False) or not dist.is_initialized():
+        return
+    store = _store()
+    rejected = str(error)[:400] if stage == "route" and isinstance(error, ReplayError) else None
+    text = json.dumps({"rank": dispatcher.rank, "layer": layer, "stage": stage, "rejected": rejected,
+                       "error": f"{type(error).__name__}: {error}"[:400]})
+    try:
+        if store is not None:
+            store.set(_Epochs.key(group), text)
+    except Exception:  # noqa: BLE001 - a notice is best effort
+        pass
+    _Epochs.next(group)
+
+
+def _notice(group) -> dict | None:
+    store = _store()
+    if store is None:
+        return None
+    key = _Epochs.key(group)
+    try:
+        if not store.check([key]):
+            return None
+        return json.loads(store.get(key).decode())
+    except Exception:  # noqa: BLE001 - an unreadable store reads as no notice
+        return None
+
+
+def _peer_error(group, reason: str) -> ReplayError:
+    layer, stage = _where()
+    note = _notice(group)
+    if note is not None and note.get("rejected"):  # its input, found before any token moved
+        text = (f"layer {note['layer']}: rank {note['rank']} of the EP group rejected its replay data: "
+                f"{note['rejected']}")
+    elif note is not None:
+        text = (f"layer {note['layer']}: rank {note['rank']} of the EP group stopped in stage '{note['stage']}' "
+                f"({note['error']}); this rank stopped waiting in stage '{stage}' of layer {layer}")
+    else:
+        text = f"layer {layer}: stage '{stage}': {reason}"
+    err = ReplayError(text)
+    err.peer_notice = True  # not re-posted as this rank's own failure
+    _Epochs.next(group)
+    return err
+
+
+def _wait(work, group) -> None:
+    """Wait for a gloo collective under the deadline, reading the store for a peer's notice."""
+    limit = collective_timeout()
+    start = time.monotonic()
+    next_store = start + _POLL_STORE_S
+    nap = 5e-5
+    try:
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= next_store:
+                if _notice(group) is not None:
+                    raise _peer_error(group, "")
+                next_store = now + _POLL_STORE_S
+            if now - start > limit:
+                raise _peer_error(group, f"the EP group did not answer within the collective timeout of {limit:g} s "
+                                         "(relibra_moe.layers.dispatch.set_collective_timeout)")
+            time.sleep(nap)
+            nap = min(2 * nap, 2e-3)
+        work.wait()
+        if _notice(group) is not None:  # a peer that failed joined this collective only to let it complete
+            raise _peer_error(group, "")
+    except RuntimeError as exc:  # gloo: a peer died ("Connection closed by peer") or timed out
+        if getattr(exc, "peer_notice", False):
+            raise
+        raise _peer_error(group, _backend_reason(str(exc))) from None
+
+
+def _backend_reason(text: str) -> str:
+    """gloo's error text in words (its source location and advice dropped)."""
+    if "Connection" in text and ("closed" in text or "reset" in text):
+        return "a peer of the EP group closed its connection (the process died or left the group)"
+    if "Timed out" in text or "timeout" in text.lower():
+        return "the process group's own timeout expired while a peer did not answer"
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().splitlines()[0] if text.strip() else "")
+    return f"a peer of the EP group stopped answering ({first.split('. ')[0][:200] or 'no detail'})"
+
 
 
 def has_deep_ep() -> bool:
@@ -53,6 +242,10 @@ class Dispatcher(Protocol):
     def exchange(self, send: torch.Tensor) -> torch.Tensor:
         """Small integer metadata: ``send [G, C]`` int64, row g goes to rank g; returns ``[G, C]``, row g
         received from rank g. Not differentiable."""
+        ...
+
+    def agree_exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """``exchange`` of an agreement (every rank of the group arrived: a new epoch of failure notices)."""
         ...
 
     def dispatch(self, x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
@@ -88,6 +281,9 @@ class LocalDispatcher:
     def exchange(self, send: torch.Tensor) -> torch.Tensor:
         return send.clone()
 
+    def agree_exchange(self, send: torch.Tensor) -> torch.Tensor:
+        return send.clone()
+
     def dispatch(self, x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
         return x
 
@@ -109,15 +305,21 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
         ctx.splits = (send_splits, recv_splits)
         ctx.group = group
+        ctx.where = _where()
         return _all_to_all_raw(x, send_splits, recv_splits, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         send_splits, recv_splits = ctx.splits
-        return _AllToAll.apply(grad, recv_splits, send_splits, ctx.group), None, None, None
+        layer, stage = ctx.where
+        with collective_stage(layer, f"{stage} (backward)"):
+            return _AllToAll.apply(grad, recv_splits, send_splits, ctx.group), None, None, None
 
 
-def _all_to_all_raw(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+def _all_to_all_raw(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group,
+                    notice_group=None) -> torch.Tensor:
+    """``all_to_all_single`` over rows; on CPU tensors under the deadline, reading the notices of
+    ``notice_group`` (default ``group``: the EP group, also for a collective on one of its node sub-groups)."""
     if x.shape[0] != sum(send_splits):
         raise ValueError(f"all_to_all: {x.shape[0]} rows, send splits sum to {sum(send_splits)}")
     out = x.new_empty((sum(recv_splits),) + tuple(x.shape[1:]))
@@ -127,8 +329,13 @@ def _all_to_all_raw(x: torch.Tensor, send_splits: list[int], recv_splits: list[i
     if row == 0:  # nothing to move; skip the collective consistently on every rank
         return out
     # gloo and NCCL both want contiguous 1-D-able buffers; flatten rows so splits are in elements
-    dist.all_to_all_single(out.view(-1), x.contiguous().view(-1), [s * row for s in recv_splits],
-                           [s * row for s in send_splits], group=group)
+    if out.is_cuda:  # NCCL: the host does not wait (module docstring)
+        dist.all_to_all_single(out.view(-1), x.contiguous().view(-1), [s * row for s in recv_splits],
+                               [s * row for s in send_splits], group=group)
+        return out
+    work = dist.all_to_all_single(out.view(-1), x.contiguous().view(-1), [s * row for s in recv_splits],
+                                  [s * row for s in send_splits], group=group, async_op=True)
+    _wait(work, group if notice_group is None else notice_group)
     return out
 
 
@@ -171,6 +378,12 @@ class AllToAllDispatcher:
             raise ValueError(f"exchange: send has {send.shape[0]} rows, the group has {G} ranks")
         return _all_to_all_raw(send.contiguous(), [1] * G, [1] * G, self.group)
 
+    def agree_exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """:meth:`exchange` of an agreement; opens a new epoch of failure notices once every rank arrived."""
+        out = self.exchange(send)
+        _Epochs.next(self.group)
+        return out
+
     def dispatch(self, x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> torch.Tensor:
         return all_to_all(x, send_splits, recv_splits, self.group)
 
@@ -191,7 +404,7 @@ class AllToAllDispatcher:
         if outside:
             raise ValueError(f"replica_exchange(intra_node=True): rank {self.rank} (node {self.node}) has "
                              f"traffic with rank {outside[0]} on another node")
-        return _all_to_all_raw(x, send_splits[lo:lo + P], recv_splits[lo:lo + P], self.node_group)
+        return _all_to_all_raw(x, send_splits[lo:lo + P], recv_splits[lo:lo + P], self.node_group, self.group)
 
 
 class _DeepEPRows(torch.autograd.Function):

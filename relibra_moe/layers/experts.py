@@ -33,7 +33,7 @@ from torch import nn
 from ..triton_kernels.grouped_gemm import ExpertWeights, grouped_mm, swiglu, swiglu_experts
 from ..triton_kernels.heuristics import row_tile
 from ..triton_kernels.permute import combine, permute
-from ..triton_kernels.routing import RoutingMeta, routing_metadata
+from ..triton_kernels.routing import RoutingMeta, routing_metadata, trusted_indices
 from .dispatch import Dispatcher
 from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
 
@@ -254,6 +254,11 @@ class _ExpertsWithReplicas(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        with trusted_indices():  # the forward's indices, built by the layer
+            return _ExpertsWithReplicas._backward(ctx, grad_y)
+
+    @staticmethod
+    def _backward(ctx, grad_y):
         y, xl, ws, slots = ctx.graph
         active, buffer, transfer, dispatcher, key, home = ctx.state
         ctx.graph = ctx.state = None

@@ -30,6 +30,11 @@ stage 2, since this rank's pair counts per destination travel with its status in
 1. route: live top-k, or the replayed ids with gates from the live logits (``TopKRouter``), and the plan
    slice of this layer and micro-batch (:meth:`~ReplayBalancedMoE.plan_slice`, ``PlanError``); a bad
    replay or plan is kept, not raised;
+Inside :func:`relibra_moe.replay`, stages 1 (the checks), 2 and 3 run on the host before the forward, for all
+layers at once (:meth:`~ReplayBalancedMoE.build_schedule`, :meth:`~ReplayBalancedMoE.agree_schedules`: one
+exchange per micro-batch): the replayed forward and backward only launch work, with no device-to-host sync
+(:class:`LayerSchedule`). Live routing runs the stages in the forward:
+
 2. agree on errors across the EP group (:meth:`~ReplayBalancedMoE.agree`): every rank reports its status
    (and the message of its error), and the digest of the plan slice it follows (:func:`slice_digest`),
    in the one exchange of pair counts, so a bad input, bad replay data or a bad plan on any rank (also
@@ -53,7 +58,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -61,18 +66,20 @@ from torch import nn
 
 from ..errors import PlanError, ReplayError
 from ..plan import BatchPlan, ReplicaPlan
+from ..triton_kernels.heuristics import row_tile
 from ..triton_kernels.permute import combine as combine_pairs
 from ..triton_kernels.permute import permute
-from ..triton_kernels.routing import RoutingMeta, routing_metadata
+from ..triton_kernels.routing import RoutingMeta, routing_metadata, trusted_indices
 from ..validate import check_int, is_int
 from .data_parallel import check_data_parallel
-from .dispatch import Dispatcher, ep_process_group, get_dispatcher
+from .dispatch import Dispatcher, ep_process_group, get_dispatcher, post_failure, set_collective_stage
 from .experts import GroupedExperts, GroupedSwiGLUExperts, experts_forward
 from .replay import LayerReplay
 from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
-from .router import RouterOutput, TopKRouter
+from .router import LIVE, RouterOutput, TopKRouter, check_replay_ids, trusted_replay
 
-__all__ = ["LayerPlan", "ReplayBalancedMoE", "RoutedPairs", "materialize_counts", "moe_layers", "slice_digest"]
+__all__ = ["LayerPlan", "LayerSchedule", "ReplayBalancedMoE", "RoutedPairs", "host_destinations", "materialize_counts",
+           "moe_layers", "slice_digest"]
 
 _OK, _REPLAY_BAD, _PLAN_BAD = 0, 1, 2
 _MSG_WORDS = 48  # int64 words of an error message in the agreement row (384 UTF-8 bytes, longer ones cut)
@@ -171,6 +178,36 @@ def materialize_counts(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
     return base + np.where(s > 0, extra, 0)
 
 
+def host_destinations(ids: np.ndarray, home: np.ndarray, slot_table: np.ndarray, shares: np.ndarray | None
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Destination rank and local slot of every routed pair, two int64 arrays shaped like ``ids [T, k]``
+    (-1 for unrouted pairs), on the host.
+
+    ``home [E]``: each expert's rank; ``slot_table [E, G]``: the local slot on rank g serving expert e;
+    ``shares [E, G]`` (or ``None``: every pair goes home): this rank's split of each expert's pairs. The
+    pairs of expert ``e`` are split by :func:`materialize_counts` of this rank's counts and go, in pair
+    order, to the destinations in ascending rank order.
+    """
+    E, G = slot_table.shape
+    flat = np.asarray(ids, np.int64).reshape(-1)
+    valid = flat >= 0
+    e = np.maximum(flat, 0)
+    if shares is None:
+        dest = np.asarray(home, np.int64)[e]
+    else:
+        cum = np.cumsum(materialize_counts(np.bincount(flat[valid], minlength=E), shares), axis=1)
+        key = np.where(valid, flat, E)
+        order = np.argsort(key, kind="stable")
+        start = np.zeros(E + 1, np.int64)
+        start[1:] = np.cumsum(np.bincount(key, minlength=E + 1)[:-1])
+        pos = np.empty_like(flat)
+        pos[order] = np.arange(flat.size) - start[key[order]]
+        dest = (pos[:, None] >= cum[e]).sum(axis=1)
+    slot = slot_table[e, np.minimum(dest, G - 1)]
+    shape = np.shape(ids)
+    return np.where(valid, dest, -1).reshape(shape), np.where(valid, slot, -1).reshape(shape)
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """One layer's validated plan slice for one forward: the destination tables and the replica transfer.
@@ -191,6 +228,105 @@ class LayerPlan:
     digest: np.ndarray | None = None
 
 
+@dataclass(eq=False)
+class LayerSchedule:
+    """Everything one layer's forward needs for one micro-batch, computed and checked on the host before the
+    forward (:meth:`ReplayBalancedMoE.build_schedule`, possibly in a background thread), agreed across the
+    EP group once per micro-batch for all layers (:meth:`ReplayBalancedMoE.agree_schedules`) and uploaded
+    (:meth:`ReplayBalancedMoE.upload_schedule`: pinned memory, non-blocking copies on CUDA).
+
+    Attributes:
+        ids: int64 ``[T, k]`` replayed expert ids, validated (:data:`~relibra_moe.layers.router.LIVE` rows
+            included), on the host; after upload ``ids_dev`` on the layer's device.
+        plan: the layer's validated plan slice (destination tables, replica transfer, digest).
+        live_rows: some row is ``LIVE``: its experts are chosen in the forward, so the destinations too
+            (the forward takes the live path, with its one sync point).
+        dest, slot: int64 ``[T, k]``, destination rank and local slot of every pair (-1: unrouted); ``None``
+            with ``live_rows``.
+        send_splits: pairs sent to each rank (``G`` ints); ``recv_splits`` the pairs received from each rank
+            (from the agreement; one rank: ``send_splits``).
+        num_rows: R, rows of the send side: ``T * k`` on one rank (fixed shapes: CUDA-graph capturable, the
+            unrouted pairs are padding rows), else ``sum(send_splits)``.
+        send_meta: the :class:`RoutingMeta` sorting the pairs by destination (``R`` rows).
+        slot_send: int64 ``[R]``, the local slot (on its destination) of every sorted row, -1 for padding.
+        exchange_in_forward: set by the agreement when some rank has ``LIVE`` rows in this layer: every rank
+            then exchanges its pair counts in the forward (the live path).
+        send_slot_counts: int64 ``[G, S]``, the pairs sent to each rank per local slot there (``S = E_loc + r``);
+            the send side is sorted by destination, then slot. ``slot_recv``: int64 ``[sum(recv_splits)]``, the
+            local slot of every received row, from the agreement's counts (no all-to-all of slot ids).
+        local_meta: one rank without replicas: the :class:`RoutingMeta` sorting the ``(token, k)`` pairs by
+            local slot directly (``T * k`` rows, unrouted pairs as padding rows: fixed shapes), so the forward
+            skips the dispatch sort; ``slot_counts`` (int64 ``[E_loc + r]``) the pairs per slot.
+        error: the ``ReplayError`` / ``PlanError`` of this layer (or the one agreed by the EP group), raised
+            by the forward.
+        home: the homes ``[E]`` the schedule was built against.
+    """
+
+    ids: np.ndarray | None = None
+    plan: LayerPlan | None = None
+    live_rows: bool = False
+    dest: np.ndarray | None = None
+    slot: np.ndarray | None = None
+    send_splits: tuple[int, ...] | None = None
+    recv_splits: tuple[int, ...] | None = None
+    num_rows: int = 0
+    send_meta: RoutingMeta | None = None
+    slot_send: torch.Tensor | None = None
+    exchange_in_forward: bool = False
+    error: ReplayError | PlanError | None = None
+    home: np.ndarray | None = None
+    ids_dev: torch.Tensor | None = field(default=None, repr=False)
+    local_meta: RoutingMeta | None = None
+    slot_counts: torch.Tensor | None = None
+    send_slot_counts: np.ndarray | None = None
+    slot_recv: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.ids is None else int(self.ids.shape[0])
+
+    def copy_(self, other: LayerSchedule) -> LayerSchedule:
+        """Refresh this uploaded one-rank schedule in place with ``other`` (another micro-batch of the same
+        token count): its device tensors are overwritten, so a CUDA graph captured while following this
+        schedule replays ``other``'s routing. Both must have ``local_meta`` (one rank, no replicas) and the same
+        shapes (``ReplayError`` otherwise). Returns ``self``."""
+        mine, theirs = self._device_tensors(), other._device_tensors()
+        if self.local_meta is None or other.local_meta is None or len(mine) != len(theirs) or any(
+                a.shape != b.shape or a.dtype != b.dtype for a, b in zip(mine, theirs)):
+            raise ReplayError("LayerSchedule.copy_: both schedules must be uploaded one-rank schedules without "
+                              f"replicas of the same shapes (tokens {self.num_tokens} and {other.num_tokens})")
+        for a, b in zip(mine, theirs):
+            a.copy_(b, non_blocking=True)
+        for name in ("ids", "plan", "dest", "slot", "send_splits", "recv_splits", "home"):
+            setattr(self, name, getattr(other, name))
+        return self
+
+    def _device_tensors(self) -> list[torch.Tensor]:
+        """The uploaded tensors the forward reads (``[]`` before the upload)."""
+        if self.ids_dev is None:
+            return []
+        out = [self.ids_dev]
+        for meta in (self.send_meta, self.local_meta):
+            if meta is not None:
+                out += [getattr(meta, f) for f in _META_TENSORS]
+        return out + [t for t in (self.slot_send, self.slot_counts) if t is not None]
+
+    @property
+    def replayed(self) -> bool:
+        """Whether the forward follows it without an exchange (replayed ids, no ``LIVE`` row on any rank)."""
+        return self.ids is not None and self.error is None and not self.live_rows and not self.exchange_in_forward \
+            and self.recv_splits is not None
+
+
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: from pinned memory with a non-blocking copy on CUDA, as is on the CPU."""
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 @dataclass
 class RoutedPairs:
     """This rank's routed (token, k) pairs of one forward, before any token moves (stages 1-3).
@@ -200,6 +336,7 @@ class RoutedPairs:
         plan: the layer's plan slice; ``None`` when ``error`` is set.
         dest, slot: int64 ``[T, k]``, destination rank and its local slot of every pair (-1: unrouted).
         error: the replay or plan error of this rank, raised by :meth:`ReplayBalancedMoE.agree`.
+        sched: the pairs' :class:`LayerSchedule` (placed on the host, uploaded; ``recv_splits`` not yet known).
     """
 
     route: RouterOutput | None
@@ -207,6 +344,7 @@ class RoutedPairs:
     dest: torch.Tensor | None
     slot: torch.Tensor | None
     error: ReplayError | PlanError | None = None
+    sched: LayerSchedule | None = None
 
 
 class ReplayBalancedMoE(nn.Module):
@@ -264,9 +402,10 @@ class ReplayBalancedMoE(nn.Module):
         dtype, device: of the expert weights (the router weight too).
 
     ``forward(x [..., H]) -> [..., H]``. After each forward, ``last_routing`` holds the ids used
-    (``[T, k]``), ``last_send_counts`` (int64 ``[G]``) the pairs this rank sent to each rank,
-    ``last_load`` the pairs this rank's experts computed (home and replica slots), and
-    ``last_slot_counts`` (int64 ``[E_loc + r]``) those pairs per local slot. ``replay_state`` (a
+    (``[T, k]``, on the device), ``last_send_counts`` (int64 numpy ``[G]``) the pairs this rank sent to each
+    rank, ``last_load`` (an int) the pairs this rank's experts computed (home and replica slots), and
+    ``last_slot_counts`` (an int64 tensor ``[E_loc + r]`` on the layer's device: reading it is the caller's
+    sync) those pairs per local slot. ``replay_state`` (a
     :class:`~relibra_moe.layers.replay.LayerReplay` or ``None``) is what :func:`relibra_moe.replay` sets and
     the forward follows; :meth:`prepare_replay` builds it. ``expert_gpu`` (int64 ``[E]`` buffer) holds the
     rank homing each expert, ``expert_gpu_host`` its host copy.
@@ -281,8 +420,8 @@ class ReplayBalancedMoE(nn.Module):
                  block_m: int | None = None, experts: GroupedExperts | None = None,
                  router_attr: str = "router") -> None:
         super().__init__()
-        for field, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("top_k", top_k)):
-            check_int(field, value, 1, error=ValueError)
+        for name, value in (("hidden", hidden), ("ffn", ffn), ("num_experts", num_experts), ("top_k", top_k)):
+            check_int(name, value, 1, error=ValueError)
         if block_m is not None:
             check_int("block_m", block_m, 1, error=ValueError)
         if gpus_per_node is not None:
@@ -362,6 +501,11 @@ class ReplayBalancedMoE(nn.Module):
             cache = (buf, buf._version, arr)
             self.__dict__["_home_cache"] = cache
         return cache[2]
+
+    @property
+    def num_slots(self) -> int:
+        """``S = E_loc + r``: local slots of this rank (home experts, then the replica buffer's slots)."""
+        return self.num_local + (0 if self.replica_buffer is None else self.replica_buffer.slots)
 
     @property
     def home_experts(self) -> np.ndarray:
@@ -480,24 +624,229 @@ class ReplayBalancedMoE(nn.Module):
             shares[slot_table < 0] = 0.0  # share-0 rows to non-holders passed validation; drop them
         return LayerPlan(slot_table, shares, transfer, _slice_row(home, plan, m, l))
 
+    # ------------------------------------------------------------------ schedule (host, before the forward)
+
+    def build_schedule(self, state: LayerReplay | None) -> LayerSchedule:
+        """This layer's :class:`LayerSchedule` for ``state`` (host work only; safe in a background thread).
+
+        Checks the replayed ids (:func:`~relibra_moe.layers.router.check_replay_ids`) and the plan slice
+        (:meth:`plan_slice`), places every pair (:func:`host_destinations`) and sorts the pairs by destination.
+        A bad replay or plan is kept in ``error`` (the forward raises it, on every rank after the agreement).
+        Without replayed ids (live routing) only the plan slice is kept: the forward routes and places then.
+        """
+        home = self.expert_gpu_host
+        try:
+            if state is not None and state.error is not None:
+                raise state.error
+            plan = self.plan_slice(state)
+            if state is None or state.ids is None:
+                return LayerSchedule(plan=plan, home=home)
+            raw = state.ids
+            if isinstance(raw, torch.Tensor):
+                raw = raw.detach().cpu()  # recorded ids on a device: one copy at replay entry, not in the forward
+            n = int(np.shape(raw)[0]) if np.ndim(raw) else 0
+            # a copy the schedule owns (never the caller's memory: uploads on the CPU are the same tensor)
+            ids = check_replay_ids(raw, n, self.top_k, self.num_experts, self.name, allow_live=True).numpy().copy()
+        except (ReplayError, PlanError) as exc:
+            return LayerSchedule(error=exc.with_traceback(None), home=home)
+        if (ids == LIVE).any():
+            return LayerSchedule(ids=ids, plan=plan, live_rows=True, home=home)
+        return self._place(ids, plan, home)
+
+    def _place(self, ids: np.ndarray, plan: LayerPlan, home: np.ndarray) -> LayerSchedule:
+        """Host placement of ``ids [T, k]`` (no ``LIVE`` row): destinations, send splits, the send-side sort."""
+        G = self.world_size
+        dest, slot = host_destinations(ids, home, plan.slot_table, plan.shares)
+        send = np.bincount(dest[dest >= 0], minlength=G).astype(np.int64)
+        rows = dest.size if G == 1 else int(send.sum())
+        S = self.num_slots
+        # sorted by destination, then by the slot there (stable: pair order): a receiver knows every row's slot
+        # from the per-slot counts of the agreement, and a slot's rows keep the order of the destination sort
+        key = np.where(dest >= 0, dest * S + slot, -1)
+        with trusted_indices():  # keys built here from checked ids: no range check to read back
+            meta = routing_metadata(torch.from_numpy(key), G * S, num_rows=rows)
+        gather = meta.gather_idx.numpy().astype(np.int64)
+        slot_send = np.where(gather >= 0, slot.reshape(-1)[np.maximum(gather, 0)], -1) if gather.size else \
+            np.zeros(0, np.int64)
+        splits = tuple(int(v) for v in send)
+        local_meta = slot_counts = None
+        if G == 1 and plan.transfer is None:  # one rank: the pairs go straight to their slots (no dispatch sort)
+            S = self.num_local
+            w = self.experts.expert_tensors()[0]
+            block_m = self.experts.block_m or row_tile(max(rows, 1) / S, w.dtype)
+            with trusted_indices():
+                local_meta = routing_metadata(torch.from_numpy(slot), S, block_m=block_m)
+            r = 0 if self.replica_buffer is None else self.replica_buffer.slots
+            slot_counts = torch.from_numpy(np.bincount(slot[slot >= 0], minlength=S + r).astype(np.int64))
+        return LayerSchedule(ids=ids, plan=plan, dest=dest, slot=slot, send_splits=splits,
+                             recv_splits=splits if G == 1 else None, num_rows=rows, send_meta=meta,
+                             slot_send=torch.from_numpy(slot_send), home=home, local_meta=local_meta,
+                             slot_counts=slot_counts,
+                             send_slot_counts=np.bincount(key[key >= 0], minlength=G * S).reshape(G, S))
+
+    def upload_schedule(self, sched: LayerSchedule) -> LayerSchedule:
+        """``sched`` with its tensors on the layer's device (pinned memory and non-blocking copies on CUDA)."""
+        dev = self.expert_gpu.device
+        if sched.ids is None or sched.error is not None:
+            return sched
+        up = {"ids_dev": _pinned(torch.from_numpy(sched.ids), dev)}
+        if sched.send_meta is not None:
+            up["send_meta"] = _upload_meta(sched.send_meta, dev)
+            up["slot_send"] = _pinned(sched.slot_send, dev)
+        if sched.slot_recv is not None:
+            up["slot_recv"] = _pinned(sched.slot_recv, dev)
+        if sched.local_meta is not None:
+            up["local_meta"] = _upload_meta(sched.local_meta, dev)
+            up["slot_counts"] = _pinned(sched.slot_counts, dev)
+        t = sched.plan.transfer
+        if t is not None:
+            t = replace(t, slot_expert=_pinned(t.slot_expert, dev), send_local=_pinned(t.send_local, dev),
+                        recv_slots=_pinned(t.recv_slots, dev))
+            up["plan"] = replace(sched.plan, transfer=t)
+        return replace(sched, **up)
+
+    @staticmethod
+    def agree_schedules(layers: list[ReplayBalancedMoE], schedules: list[LayerSchedule]) -> list[LayerSchedule]:
+        """The one agreement of a micro-batch, for all ``layers`` of an EP group (a collective; host ints).
+
+        Each rank sends every other rank one row: its status and error message (the first layer with an
+        error), and per layer the pairs it sends that rank, whether it has ``LIVE`` rows, and the digest of
+        the plan slice it follows (``LayerPlan.digest``). Returns the schedules with ``recv_splits`` and
+        ``exchange_in_forward`` filled, or, when a rank rejected its input or the ranks follow different
+        plan slices, every schedule carrying the same error on every rank (the first forward raises it:
+        nothing hangs, no token moves).
+        """
+        first = next(lay for lay in layers if lay.world_size > 1)
+        G, L = first.world_size, len(layers)
+        bad = next((i for i, s in enumerate(schedules) if s.error is not None), None)
+        base = 3 + _MSG_WORDS + 6 * L
+        offs = np.concatenate([[0], np.cumsum([lay.num_slots for lay in layers])]) + base
+        row = np.zeros(int(offs[-1]), np.int64)
+        sends = np.zeros((G, int(offs[-1]) - base), np.int64)
+        if bad is not None:
+            err = schedules[bad].error
+            row[0] = _REPLAY_BAD if isinstance(err, ReplayError) else _PLAN_BAD
+            row[1] = bad
+            row[2:3 + _MSG_WORDS] = _encode_message(str(err))
+        else:
+            for i, (lay, s) in enumerate(zip(layers, schedules)):
+                digest = s.plan.digest if s.plan.digest is not None else \
+                    _slice_row(lay.expert_gpu_host, None, 0, lay.layer_index)
+                row[3 + _MSG_WORDS + 6 * i:3 + _MSG_WORDS + 6 * i + 5] = digest
+                row[3 + _MSG_WORDS + 6 * i + 5] = int(s.live_rows)
+                if s.send_slot_counts is not None:
+                    sends[:, offs[i] - base:offs[i + 1] - base] = s.send_slot_counts
+        meta = np.tile(row, (G, 1))
+        meta[:, base:] = sends
+        exchange = getattr(first.dispatcher, "agree_exchange", first.dispatcher.exchange)
+        recv = exchange(torch.from_numpy(meta).to(first.expert_gpu.device)).cpu().numpy()
+        error = _agreed_error(layers, recv, L)
+        if error is not None:
+            return [LayerSchedule(error=error, home=s.home) for s in schedules]
+        out = []
+        for i, s in enumerate(schedules):
+            live = bool(recv[:, 3 + _MSG_WORDS + 6 * i + 5].any())
+            counts = recv[:, offs[i]:offs[i + 1]]  # [source, slot]: the rows this rank receives
+            if live or s.send_splits is None:
+                out.append(replace(s, exchange_in_forward=live, recv_splits=None if live else (0,) * G))
+                continue
+            slots = np.repeat(np.tile(np.arange(counts.shape[1]), G), counts.reshape(-1))
+            out.append(replace(s, recv_splits=tuple(int(v) for v in counts.sum(axis=1)),
+                               slot_recv=torch.from_numpy(slots.astype(np.int64))))
+        return out
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., H]`` -> ``[..., H]``: the stages of the module docstring, in order."""
+        """``x [..., H]`` -> ``[..., H]``: the stages of the module docstring, in order.
+
+        Inside :func:`relibra_moe.replay` the forward follows the layer's :class:`LayerSchedule` (built,
+        checked and agreed before it): no device-to-host sync, no numpy, host ints for the splits. Live
+        routing (no replay, or ``LIVE`` rows on some rank) has one sync point: the live ids are copied to the
+        host once to place the pairs (and, on an EP group, the agreement's answer is read there)."""
         check_data_parallel(self)  # DDP: refuse a reducer over the experts, scale expert grads by 1 / D
+        state = self.replay_state
+        sched = None if state is None else state.schedule
+        if sched is not None and sched.error is not None:
+            raise copy.copy(sched.error)  # every rank holds the same error (agreed at replay entry)
+        if sched is not None and sched.replayed:
+            return self._forward_replayed(x, sched)
         try:
             x2 = self._tokens(x)
         except ReplayError as exc:  # may be bad on this rank only: agree raises it on every rank
             x2, pairs = None, RoutedPairs(None, None, None, None, exc)
         else:
-            pairs = self.route_and_place(x2, self.replay_state)
+            pairs = self.route_and_place(x2, state)
         send_splits, recv_splits = self.agree(pairs, x.device)
-        x_recv, slot_recv, meta_send = self.dispatch(x2, pairs, send_splits, recv_splits)
-        y_recv = self.compute_experts(x_recv, slot_recv, pairs.plan)
-        out = self.combine(y_recv, meta_send, pairs.route.gates, send_splits, recv_splits)
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(x2)
-        self._record(pairs, send_splits, recv_splits, slot_recv)
+        sched = replace(pairs.sched, recv_splits=tuple(recv_splits))
+        return self._stages(x, x2, pairs.route, sched)
+
+    def _forward_replayed(self, x: torch.Tensor, sched: LayerSchedule) -> torch.Tensor:
+        """Stages 1 and 4-6 following ``sched`` (stages 2-3 ran before the forward)."""
+        prev = set_collective_stage(self.name, "route")
+        try:
+            x2 = self._tokens(x)
+            if x2.shape[0] != sched.num_tokens:
+                raise ReplayError(f"layer {self.name}: replayed ids cover {sched.num_tokens} tokens, the batch has "
+                                  f"{x2.shape[0]}")
+            if hasattr(self.router, "name"):
+                self.router.name = self.name
+            with trusted_replay(sched.ids, live_rows=False):
+                route = self.router(x2, replay_ids=sched.ids_dev)
+        except BaseException as exc:
+            post_failure(self.dispatcher, self.name, "route", exc)
+            if self.world_size > 1 and sched.local_meta is None:
+                self._stand_in_dispatch(sched)
+            raise
+        finally:
+            set_collective_stage(*prev)
+        return self._stages(x, x2, route, sched)
+
+    def _stand_in_dispatch(self, sched: LayerSchedule) -> None:
+        """After a failure before this layer's first collective (posted already): join the dispatch the other
+        ranks are waiting in with zero rows of the agreed splits, so no collective is left half done; they read
+        the notice when it completes and raise, and the process group stays usable."""
+        try:
+            w = self.experts.expert_tensors()[0]
+            rows = torch.zeros(sum(sched.send_splits), self.hidden, dtype=w.dtype, device=w.device)
+            with torch.no_grad():
+                self.dispatcher.dispatch(rows, sched.send_splits, sched.recv_splits)
+        except Exception:  # noqa: BLE001 - best effort: the peers still have the notice and the deadline
+            pass
+
+    def _stages(self, x: torch.Tensor, x2: torch.Tensor, route: RouterOutput, sched: LayerSchedule) -> torch.Tensor:
+        """Stages 4-6 (and the shared expert), the layer's collectives: a failure here is posted for the EP group
+        (:func:`~relibra_moe.layers.dispatch.post_failure`) before it propagates."""
+        stage = "dispatch"
+        prev = set_collective_stage(self.name, stage)
+        try:
+            if sched.local_meta is not None:
+                stage = "experts"
+                with trusted_indices():
+                    out = self._local_experts(x2, sched.local_meta, route.gates)
+                    slot_recv = None
+                if self.shared_expert is not None:
+                    stage = "shared expert"
+                    out = out + self.shared_expert(x2)
+                self._record(route, sched, None)
+                return out.to(x.dtype).reshape(x.shape)
+            with trusted_indices():  # every index below was built (and checked) on the host
+                x_recv, slot_recv = self.dispatch(x2, sched)
+                stage = "experts"
+                set_collective_stage(self.name, stage)
+                y_recv = self.compute_experts(x_recv, slot_recv, sched.plan)
+                stage = "combine"
+                set_collective_stage(self.name, stage)
+                out = self.combine(y_recv, sched, route.gates)
+            if self.shared_expert is not None:
+                stage = "shared expert"
+                out = out + self.shared_expert(x2)
+        except BaseException as exc:
+            post_failure(self.dispatcher, self.name, stage, exc)
+            raise
+        finally:
+            set_collective_stage(*prev)
+        self._record(route, sched, slot_recv)
         return out.to(x.dtype).reshape(x.shape)
 
     def _tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -510,9 +859,10 @@ class ReplayBalancedMoE(nn.Module):
         return x.reshape(-1, self.hidden)
 
     def route_and_place(self, x2: torch.Tensor, state: LayerReplay | None) -> RoutedPairs:
-        """Stages 1-3 on this rank alone: route ``x2 [T, H]`` (live or replayed), check the plan slice,
-        place every pair. A bad replay or plan is kept in ``error`` (not raised): :meth:`agree` raises it
-        on every rank."""
+        """Stages 1-3 on this rank alone (the live path): route ``x2 [T, H]`` (live or replayed), check the
+        plan slice, place every pair. The live ids come to the host once (the live path's sync point) and the
+        pairs are placed there as for a schedule. A bad replay or plan is kept in ``error`` (not raised):
+        :meth:`agree` raises it on every rank."""
         if hasattr(self.router, "name"):
             self.router.name = self.name
         try:
@@ -522,11 +872,14 @@ class ReplayBalancedMoE(nn.Module):
             plan = self.plan_slice(state)
         except (ReplayError, PlanError) as exc:
             return RoutedPairs(None, None, None, None, exc)
-        dest, slot = self.destinations(route.ids, plan)
-        return RoutedPairs(route, plan, dest, slot)
+        sched = self.upload_schedule(self._place(route.ids.detach().cpu().numpy(), plan, self.expert_gpu_host))
+        dev = route.ids.device
+        return RoutedPairs(route, plan, torch.from_numpy(sched.dest).to(dev), torch.from_numpy(sched.slot).to(dev),
+                           sched=sched)
 
     def agree(self, pairs: RoutedPairs, device: torch.device) -> tuple[list[int], list[int]]:
-        """Stage 2 across the EP group: one exchange of every rank's pair counts, status and plan slice.
+        """Stage 2 of the live path across the EP group: one exchange of every rank's pair counts, status and
+        plan slice.
 
         Each rank sends every other rank one row of ``_AGREE_COLS`` int64: its pair count for that rank,
         its status (ok / bad replay data or input / bad plan), the digest of the plan slice it follows
@@ -541,14 +894,17 @@ class ReplayBalancedMoE(nn.Module):
           other homes): ``PlanError`` naming two ranks, what each follows and its digest.
 
         Returns ``(send_splits, recv_splits)``: pairs this rank sends to / receives from each rank, two
-        lists of ``G`` ints.
+        lists of ``G`` ints. One rank: no exchange.
         """
         G = self.world_size
         error, pairs.error = pairs.error, None
+        if G == 1 and error is None:
+            send = list(pairs.sched.send_splits)
+            return send, send
         row = np.zeros(_AGREE_COLS, np.int64)
+        send = np.zeros(G, np.int64)
         if error is None:
-            flat = pairs.dest.view(-1)
-            send = torch.bincount(flat[flat >= 0], minlength=G).to(torch.int64)
+            send[:] = pairs.sched.send_splits
             digest = pairs.plan.digest
             if digest is None:  # a LayerPlan built without one: every expert at its home, no plan
                 digest = _slice_row(self.expert_gpu_host, None, 0, self.layer_index)
@@ -556,10 +912,10 @@ class ReplayBalancedMoE(nn.Module):
         else:
             row[1] = _REPLAY_BAD if isinstance(error, ReplayError) else _PLAN_BAD
             row[7:] = _encode_message(str(error))
-            send = torch.zeros(G, dtype=torch.int64, device=device)
-        meta = torch.from_numpy(np.tile(row, (G, 1)))
-        meta[:, 0] = send.cpu()
-        recv_meta = self.dispatcher.exchange(meta.to(device)).cpu().numpy()
+        meta = np.tile(row, (G, 1))
+        meta[:, 0] = send
+        exchange = getattr(self.dispatcher, "agree_exchange", self.dispatcher.exchange)
+        recv_meta = exchange(torch.from_numpy(meta).to(device)).cpu().numpy()
         bad = np.flatnonzero(recv_meta[:, 1])
         if len(bad):
             other = int(bad[0])
@@ -569,55 +925,27 @@ class ReplayBalancedMoE(nn.Module):
                     f"{_decode_message(recv_meta[other, 7:])}")
             cause, error = error, None  # no frame -> error -> traceback -> frame cycle (it pins activations)
             raise cls(text) from cause
-        digests = recv_meta[:, 2:7]
-        differ = np.flatnonzero((digests[:, 3:] != digests[:1, 3:]).any(axis=1))
-        if len(differ):
-            a, b = 0, int(differ[0])
-            raise PlanError(f"layer {self.name}: the ranks of the EP group follow different plan slices: "
-                            f"rank {a} {_describe_slice(digests[a])}, rank {b} {_describe_slice(digests[b])}")
-        return send.cpu().tolist(), recv_meta[:, 0].tolist()
+        text = _differing_slices(self.name, recv_meta[:, 2:7])
+        if text is not None:
+            raise PlanError(text)
+        return send.tolist(), recv_meta[:, 0].tolist()
 
     def destinations(self, ids: torch.Tensor, plan: LayerPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Stage 3: destination rank and local slot of every pair, two int64 ``[T, k]`` (-1 for unrouted
-        pairs). Without shares a pair goes to its expert's home; with shares the pairs of expert ``e``
-        are split by :func:`materialize_counts` of this rank's counts and go, in pair order, to the
-        destinations in ascending rank order."""
-        dev = ids.device
-        flat = ids.reshape(-1)
-        valid = flat >= 0
-        e = flat.clamp_min(0)
-        home = torch.tensor(self.expert_gpu_host, device=dev)
-        table = torch.as_tensor(plan.slot_table, device=dev)
-        if plan.shares is None:
-            dest = home[e]
-        else:
-            counts = torch.bincount(flat[valid], minlength=self.num_experts).cpu().numpy()
-            cum = torch.as_tensor(np.cumsum(materialize_counts(counts, plan.shares), axis=1), device=dev)
-            key = torch.where(valid, flat, torch.full_like(flat, self.num_experts))
-            order = torch.sort(key, stable=True).indices
-            start = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=dev)
-            start[1:] = torch.cumsum(torch.bincount(key, minlength=self.num_experts + 1)[:-1], 0)
-            pos = torch.empty_like(flat)
-            pos[order] = torch.arange(flat.numel(), device=dev) - start[key[order]]
-            dest = (pos[:, None] >= cum[e]).sum(dim=1)
-        slot = table[e, dest.clamp_max(self.world_size - 1)]
-        dest = torch.where(valid, dest, torch.full_like(dest, -1))
-        slot = torch.where(valid, slot, torch.full_like(slot, -1))
-        return dest.view(ids.shape), slot.view(ids.shape)
+        pairs), by :func:`host_destinations` (the ids are read on the host)."""
+        dest, slot = host_destinations(ids.detach().cpu().numpy(), self.expert_gpu_host, plan.slot_table, plan.shares)
+        return torch.from_numpy(dest).to(ids.device), torch.from_numpy(slot).to(ids.device)
 
-    def dispatch(self, x2: torch.Tensor, pairs: RoutedPairs, send_splits: list[int],
-                 recv_splits: list[int]) -> tuple[torch.Tensor, torch.Tensor, RoutingMeta]:
-        """Stage 4: sort this rank's pairs by destination (stable in pair order) and send them (all-to-all).
-
-        Returns the received rows ``[sum(recv_splits), H]`` in the experts' dtype, their local slots
-        (int64, same length) and the source-side permutation (for :meth:`combine`).
-        """
-        meta_send = routing_metadata(pairs.dest, self.world_size, num_rows=sum(send_splits))
-        x_send = permute(x2.to(self.experts.expert_tensors()[0].dtype), meta_send)
-        slot_send = pairs.slot.view(-1).index_select(0, meta_send.gather_idx.long())
-        x_recv = self.dispatcher.dispatch(x_send, send_splits, recv_splits)
-        slot_recv = self.dispatcher.dispatch_ids(slot_send, send_splits, recv_splits)
-        return x_recv, slot_recv, meta_send
+    def dispatch(self, x2: torch.Tensor, sched: LayerSchedule) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 4: sort this rank's pairs by destination (stable in pair order; ``sched.send_meta``) and send
+        them (all-to-all). Returns the received rows ``[sum(recv_splits), H]`` in the experts' dtype and their
+        local slots (int64, same length; -1 for padding rows)."""
+        x_send = permute(x2.to(self.experts.expert_tensors()[0].dtype), sched.send_meta)
+        x_recv = self.dispatcher.dispatch(x_send, sched.send_splits, sched.recv_splits)
+        slot_recv = sched.slot_recv  # from the agreement's per-slot counts (replay)
+        if slot_recv is None:  # live routing: the slots travel with the rows
+            slot_recv = self.dispatcher.dispatch_ids(sched.slot_send, sched.send_splits, sched.recv_splits)
+        return x_recv, slot_recv
 
     def compute_experts(self, x_recv: torch.Tensor, slot_recv: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
         """Stage 5: grouped expert MLP of the received rows over home experts and replica slots (the slots
@@ -628,21 +956,68 @@ class ReplayBalancedMoE(nn.Module):
         return experts_forward(self.experts, x_recv, slot_recv, self.replica_buffer if transfer else None,
                                transfer, self.dispatcher, key)
 
-    def combine(self, y_recv: torch.Tensor, meta_send: RoutingMeta, gates: torch.Tensor, send_splits: list[int],
-                recv_splits: list[int]) -> torch.Tensor:
+    def combine(self, y_recv: torch.Tensor, sched: LayerSchedule, gates: torch.Tensor) -> torch.Tensor:
         """Stage 6: send the expert outputs back (all-to-all) and sum each token's k outputs weighted by
         ``gates [T, k]``, in fp32; returns ``[T, H]``."""
-        y_send = self.dispatcher.combine(y_recv, send_splits, recv_splits)
-        return combine_pairs(y_send, meta_send, gates)
+        y_send = self.dispatcher.combine(y_recv, sched.send_splits, sched.recv_splits)
+        return combine_pairs(y_send, sched.send_meta, gates)
 
-    def _record(self, pairs: RoutedPairs, send_splits: list[int], recv_splits: list[int],
-                slot_recv: torch.Tensor) -> None:
-        """Keep the ``last_*`` attributes of the class docstring."""
+    def _local_experts(self, x2: torch.Tensor, meta: RoutingMeta, gates: torch.Tensor) -> torch.Tensor:
+        """One rank, no replicas: the home experts on the pairs sorted by slot (``meta``, from the schedule),
+        summed with ``gates`` in fp32; ``[T, H]``."""
+        home = self.experts.expert_tensors()
+        ys = self.experts.mlp(permute(x2.to(home[0].dtype), meta), meta, self.experts.slot_tensors(home, None))
+        return combine_pairs(ys, meta, gates)
+
+    def _record(self, route: RouterOutput, sched: LayerSchedule, slot_recv: torch.Tensor | None) -> None:
+        """Keep the ``last_*`` attributes of the class docstring (host ints from the schedule, device counts)."""
         r = 0 if self.replica_buffer is None else self.replica_buffer.slots
-        self.last_routing = pairs.route.ids.detach()
-        self.last_send_counts = np.asarray(send_splits, np.int64)
-        self.last_load = int(sum(recv_splits))
-        self.last_slot_counts = torch.bincount(slot_recv.cpu(), minlength=self.num_local + r).numpy()
+        self.last_routing = route.ids.detach()
+        self.last_send_counts = np.asarray(sched.send_splits, np.int64)
+        self.last_load = int(sum(sched.recv_splits))
+        if slot_recv is None:
+            self.last_slot_counts = sched.slot_counts
+            return
+        counts = torch.zeros(self.num_local + r + 1, dtype=torch.int64, device=slot_recv.device)
+        counts.scatter_add_(0, slot_recv.detach().view(-1) + 1, torch.ones_like(slot_recv.view(-1)))
+        self.last_slot_counts = counts[1:]  # bucket 0: padding rows (slot -1)
+
+
+_META_TENSORS = ("counts", "offsets", "gather_idx", "scatter_idx", "tile_slot", "tile_row", "num_dropped")
+
+
+def _upload_meta(meta: RoutingMeta, device: torch.device) -> RoutingMeta:
+    """``meta`` with its tensors on ``device`` (:func:`_pinned`)."""
+    return replace(meta, **{f: _pinned(getattr(meta, f), device) for f in _META_TENSORS})
+
+
+def _differing_slices(name: str, digests: np.ndarray) -> str | None:
+    """The ``PlanError`` text when the ranks' ``LayerPlan.digest`` rows ``[G, 5]`` differ, else ``None``."""
+    differ = np.flatnonzero((digests[:, 3:] != digests[:1, 3:]).any(axis=1))
+    if not len(differ):
+        return None
+    a, b = 0, int(differ[0])
+    return (f"layer {name}: the ranks of the EP group follow different plan slices: "
+            f"rank {a} {_describe_slice(digests[a])}, rank {b} {_describe_slice(digests[b])}")
+
+
+def _agreed_error(layers: list[ReplayBalancedMoE], recv: np.ndarray, L: int) -> ReplayError | PlanError | None:
+    """The error every rank raises after :meth:`ReplayBalancedMoE.agree_schedules` (``recv``: the rows received
+    from each rank), or ``None``."""
+    bad = np.flatnonzero(recv[:, 0])
+    if len(bad):
+        other = int(bad[0])
+        cls = ReplayError if int(recv[other, 0]) == _REPLAY_BAD else PlanError
+        what = "replay data" if cls is ReplayError else "plan"
+        at = int(recv[other, 1])
+        name = layers[at].name if 0 <= at < L else layers[0].name
+        return cls(f"layer {name}: rank {other} of the EP group rejected its {what}: "
+                   f"{_decode_message(recv[other, 2:3 + _MSG_WORDS])}")
+    for i, lay in enumerate(layers):
+        text = _differing_slices(lay.name, recv[:, 3 + _MSG_WORDS + 6 * i:3 + _MSG_WORDS + 6 * i + 5])
+        if text is not None:
+            return PlanError(text)
+    return None
 
 
 def moe_layers(model: nn.Module) -> list[ReplayBalancedMoE]:

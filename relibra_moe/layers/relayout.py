@@ -127,7 +127,8 @@ def _agree(layers: list[ReplayBalancedMoE], order: list[tuple[ReplayBalancedMoE,
         return
     G = layer.world_size
     row = torch.tensor([[_digest(order), 0 if error is None else 1]], dtype=torch.int64)
-    recv = layer.dispatcher.exchange(row.repeat(G, 1).to(layer.expert_gpu.device)).cpu()
+    exchange = getattr(layer.dispatcher, "agree_exchange", layer.dispatcher.exchange)
+    recv = exchange(row.repeat(G, 1).to(layer.expert_gpu.device)).cpu()
     if error is not None:
         raise error
     bad = np.flatnonzero(recv[:, 1].numpy())
@@ -158,6 +159,8 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
         order = _checked_rows(layers, placement)
     except PlanError as exc:
         error = exc
+    except Exception as exc:  # noqa: BLE001 - e.g. a ragged list: refused on every rank through the agreement
+        error = PlanError(f"placement could not be read as expert_gpu [L, E] GPU ids: {type(exc).__name__}: {exc}")
     try:
         _agree(layers, order, error)
     finally:

@@ -64,6 +64,8 @@ class LayerReplay:
         error: a ``ReplayError`` / ``PlanError`` found before the forward; the forward raises it on every
             rank of the EP group (so no rank is left waiting in a collective).
         desc: what ``ids`` cover (e.g. the sequences and their lengths), for error messages.
+        schedule: the layer's :class:`~relibra_moe.layers.moe.LayerSchedule` for this block (built, checked,
+            agreed and uploaded by :func:`replay`); ``None`` for targets without one.
     """
 
     ids: torch.Tensor | None = None
@@ -72,6 +74,7 @@ class LayerReplay:
     micro_batch: int = 0
     error: ReplayError | PlanError | None = None
     desc: str = ""
+    schedule: Any = None
 
 
 @runtime_checkable
@@ -278,6 +281,113 @@ def _prepare(target: ReplayTarget, ids: torch.Tensor | ReplayError | PlanError |
     return replace(state, desc=desc)
 
 
+def _build(targets: list[ReplayTarget], routing: Any, plan: Any, micro_batch: int | None, attention_mask: Any,
+           rank: int | None, unrouted: str) -> tuple[np.ndarray | None, list[LayerReplay]]:
+    """The host part of :func:`replay` (any thread): the entry checks, every target's replay state and, for
+    layers with one, its schedule (``LayerReplay.schedule``). On an EP group of several ranks an error is kept
+    in the states (the agreement makes it every rank's); on one rank it is raised."""
+    sel, desc = None, ""
+    try:
+        if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+            raise ReplayError(f"replay: attention_mask must be a torch.Tensor [B, S], got "
+                              f"{type(attention_mask).__name__}")
+        try:
+            sel, per_layer, desc = _entry_ids(targets, routing, plan, micro_batch, attention_mask, rank, unrouted)
+        except (ReplayError, PlanError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unreadable argument is a named error on every rank
+            raise ReplayError(f"replay: the routing could not be read: {type(exc).__name__}: {exc}") from None
+    except (ReplayError, PlanError) as exc:
+        if all(getattr(t, "world_size", 1) <= 1 for t in targets):
+            raise
+        # on an EP group the argument may be bad on this rank only: every layer carries the error, and the
+        # agreement makes it every rank's (the first forward raises it; no rank waits in a collective)
+        exc = exc.with_traceback(None)
+        per_layer = [exc] * len(targets)
+        if _as_traces(routing) is not None:  # the caller runs a placeholder forward, which raises
+            sel = np.zeros(0, np.int64)
+    states = [_prepare(t, ids, plan, micro_batch, desc) for t, ids in zip(targets, per_layer)]
+    out = []
+    for t, state in zip(targets, states):
+        if hasattr(t, "build_schedule"):
+            state = replace(state, schedule=t.build_schedule(state))
+        out.append(state)
+    return sel, out
+
+
+def _agree_and_upload(targets: list[ReplayTarget], states: list[LayerReplay]) -> list[LayerReplay]:
+    """The one agreement of the micro-batch across the EP group (all its layers at once) and the upload of every
+    schedule to its layer's device."""
+    idx = [i for i, t in enumerate(targets) if states[i].schedule is not None]
+    if not idx:
+        return states
+    layers = [targets[i] for i in idx]
+    scheds = [states[i].schedule for i in idx]
+    if any(getattr(t, "world_size", 1) > 1 for t in layers):
+        scheds = type(next(t for t in layers if t.world_size > 1)).agree_schedules(layers, scheds)
+    out = list(states)
+    for i, t, sc in zip(idx, layers, scheds):
+        out[i] = replace(states[i], schedule=t.upload_schedule(sc))
+    return out
+
+
+_PREFETCH = "_relibra_prefetch"
+
+
+def _prefetch_key(routing: Any, plan: Any, micro_batch: int | None, attention_mask: Any, rank: int | None,
+                  unrouted: str) -> tuple | None:
+    """What identifies a micro-batch whose host part can be built ahead: traces with a ``BatchPlan``, no mask."""
+    if not isinstance(plan, BatchPlan) or attention_mask is not None or _as_traces(routing) is None:
+        return None
+    if not isinstance(micro_batch, int) or isinstance(micro_batch, bool):
+        return None
+    return (id(routing), id(plan), micro_batch, rank, unrouted)
+
+
+def _homes(targets: list[ReplayTarget]) -> list[bytes]:
+    return [np.asarray(t.expert_gpu_host).tobytes() if hasattr(t, "expert_gpu_host") else b"" for t in targets]
+
+
+def _take_prefetched(model: nn.Module, targets: list[ReplayTarget], key: tuple | None):
+    """The prefetched host part for ``key`` when it was built against the layers' current homes, else ``None``."""
+    pending = model.__dict__.pop(_PREFETCH, None)
+    if pending is None or key is None or pending[0] != key:
+        return None
+    try:
+        homes, built = pending[1].result()
+    except Exception:  # noqa: BLE001 - rebuilt on this thread, where its error is raised as usual
+        return None
+    return built if homes == _homes(targets) else None
+
+
+def _prefetch_next(model: nn.Module, targets: list[ReplayTarget], routing: Any, plan: Any, micro_batch: int | None,
+                   attention_mask: Any, rank: int | None, unrouted: str) -> None:
+    """Start building the host part of micro-batch ``micro_batch + 1`` of the same traces and plan in the
+    background thread (taken by the next :func:`replay` call that asks for it)."""
+    key = _prefetch_key(routing, plan, micro_batch, attention_mask, rank, unrouted)
+    if key is None or micro_batch + 1 >= plan.replicas.num_micro_batches:
+        return
+    nxt = (*key[:2], micro_batch + 1, *key[3:])
+    homes = _homes(targets)
+
+    def work():
+        return homes, _build(targets, routing, plan, micro_batch + 1, None, rank, unrouted)
+
+    model.__dict__[_PREFETCH] = (nxt, _executor().submit(work))
+
+
+def _executor():
+    from concurrent.futures import ThreadPoolExecutor
+
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relibra-schedule")
+    return _POOL
+
+
+_POOL = None
+
+
 @contextlib.contextmanager
 def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None = None,
            micro_batch: int | None = None, *, attention_mask: torch.Tensor | None = None,
@@ -315,31 +425,30 @@ def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None 
             different token count or bad ids.
         PlanError: the plan covers a different number of layers, or (at forward time, on every rank) a
             layer's slice breaks a rule or differs from the layer's homes, or the ranks follow different
-            slices (``ReplayBalancedMoE.agree``).
+            slices (``ReplayBalancedMoE.agree_schedules``).
+
+    Entering the block builds and checks every layer's schedule on the host (the ids, the plan slice, each
+    pair's destination, the sorts: ``ReplayBalancedMoE.build_schedule``; with traces and a ``BatchPlan`` and no
+    ``attention_mask`` the next micro-batch's is built in a background thread meanwhile) and, on an EP group,
+    runs the micro-batch's one agreement for all layers (``ReplayBalancedMoE.agree_schedules``, a collective:
+    every rank enters ``replay`` for the same micro-batches). The forwards inside then make no host sync.
 
     On an EP group of several ranks every error but "no replay target" is deferred: the block is entered
     (with traces it yields ``[]``, so the rank runs a placeholder forward) and the first layer forward
-    raises it on every rank of the group, naming this rank, through the layer's agreement; an argument
+    raises it on every rank of the group, naming this rank, as agreed at entry; an argument
     bad on one rank only never leaves the others waiting in a collective.
     """
     targets = replay_targets(model)
     if not targets:
         raise ReplayError(f"replay: {type(model).__name__} has no MoE layer that replays (ReplayBalancedMoE, or a "
                           "block of swap_moe_blocks): for a Hugging Face model call swap_moe_blocks(model) first")
-    sel, desc = None, ""
-    try:
-        sel, per_layer, desc = _entry_ids(targets, routing, plan, micro_batch, attention_mask, rank,
-                                            unrouted)
-    except (ReplayError, PlanError) as exc:
-        if all(getattr(t, "world_size", 1) <= 1 for t in targets):
-            raise
-        # on an EP group the argument may be bad on this rank only: every layer carries the error, and the
-        # first forward raises it on every rank through its agreement (no rank waits in a collective)
-        exc = exc.with_traceback(None)
-        per_layer = [exc] * len(targets)
-        if _as_traces(routing) is not None:  # the caller runs a placeholder forward, which raises
-            sel = np.zeros(0, np.int64)
-    states = [_prepare(t, ids, plan, micro_batch, desc) for t, ids in zip(targets, per_layer)]
+    key = _prefetch_key(routing, plan, micro_batch, attention_mask, rank, unrouted)
+    built = _take_prefetched(model, targets, key)
+    if built is None:
+        built = _build(targets, routing, plan, micro_batch, attention_mask, rank, unrouted)
+    sel, states = built
+    states = _agree_and_upload(targets, states)
+    _prefetch_next(model, targets, routing, plan, micro_batch, attention_mask, rank, unrouted)
     previous = [t.replay_state for t in targets]
     for t, state in zip(targets, states):
         t.replay_state = state

@@ -30,11 +30,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .dispatch import clear_dispatcher_cache
 
-__all__ = ["TEST_DEVICE_ENV", "GroupSkipped", "gpu_target", "hot_replica_plan", "kernel_backend", "rank_device",
-           "require_ranks", "run_group"]
+__all__ = ["HOST_READS", "TEST_DEVICE_ENV", "GroupSkipped", "SyncCounter", "gpu_target", "hot_replica_plan",
+           "kernel_backend", "rank_device", "require_ranks", "run_group"]
 
 #: The environment variable of the test target: ``cpu`` (default) or ``cuda``.
 TEST_DEVICE_ENV = "RELIBRA_TEST_DEVICE"
@@ -148,3 +149,87 @@ def hot_replica_plan(num_layers: int, num_experts: int, num_gpus: int, gpus_per_
     return BatchPlan(Placement(eg), SamplePlacement(np.zeros(G), np.arange(G), 1),
                      ReplicaPlan(rep, np.array(idx), np.array(share), scope), num_gpus=G,
                      gpus_per_node=gpus_per_node)
+
+
+#: Tensor methods that hand a device value to the host (each one a device-to-host synchronization on a GPU),
+#: counted by :class:`SyncCounter` at the Python level.
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+class SyncCounter(TorchDispatchMode):
+    """Count what would stop the host until the device drained, while the block runs (forward and backward).
+
+    Counted, by name:
+
+    * aten ops that read a device value on the host or whose output shape depends on the data: those tagged
+      ``data_dependent_output`` (``aten._local_scalar_dense``, ``aten.item``, ``aten.equal``) or
+      ``dynamic_output_shape`` (``aten.nonzero``, ``aten.bincount``, ``aten.masked_select``,
+      ``aten.repeat_interleave`` without ``output_size``, ...); ``aten.index.Tensor`` only with a boolean
+      index (integer gathers have a static shape);
+    * the Python-level host reads of :data:`HOST_READS` (``Tensor.item``, ``tolist``, ``numpy``, ``cpu``,
+      ``__bool__``, ``__int__``, ...), on tensors of any device (the CPU run counts what a GPU run would pay).
+
+    Work inside a kernel op of this library (namespace ``relibra``: permute, combine, grouped GEMM, replica
+    copies) is one device launch: its CPU reference implementation may read offsets on the host, which
+    the compiled kernel does not, so nothing inside it is counted.
+
+    Use::
+
+        with SyncCounter() as syncs:
+            loss = model(x).sum()
+            loss.backward()
+        assert syncs.total == 0, syncs.counts
+
+    Attributes:
+        counts: ``{name: calls}`` (aten ops as ``aten.<op>.<overload>``, host reads as ``Tensor.<method>``).
+        total: the sum of ``counts``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+        self._kernel_depth = 0
+        self._saved: dict[str, object] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def _count(self, name: str) -> None:
+        if self._kernel_depth == 0:
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "relibra":
+            self._kernel_depth += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self._kernel_depth -= 1
+        tags = func.tags
+        if torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags:
+            if func is not torch.ops.aten.index.Tensor or any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ())):
+                self._count(str(func).replace("aten::", "aten."))
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> SyncCounter:
+        for name in HOST_READS:
+            orig = getattr(torch.Tensor, name)
+            self._saved[name] = orig
+
+            def wrapped(t, *a, __orig=orig, __name=name, **kw):
+                self._count(f"Tensor.{__name}")
+                return __orig(t, *a, **kw)
+
+            setattr(torch.Tensor, name, wrapped)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            for name, orig in self._saved.items():
+                setattr(torch.Tensor, name, orig)
+            self._saved.clear()
+        finally:
+            super().__exit__(*exc)

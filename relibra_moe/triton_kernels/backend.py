@@ -86,6 +86,8 @@ def keep_backend(backward: Callable) -> Callable:
 
     @functools.wraps(backward)
     def wrapped(ctx: Any, *grads: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced with its forward, on this thread: the backend is this one
+            return backward(ctx, *grads)
         with force_backend(getattr(ctx, "relibra_backend", None)):
             return backward(ctx, *grads)
 

@@ -63,7 +63,7 @@ from relibra_moe.triton_kernels.backend import (
     use_triton,
 )
 from relibra_moe.triton_kernels.heuristics import dw_config, gemm_config
-from relibra_moe.triton_kernels.routing import RoutingMeta, tile_schedule
+from relibra_moe.triton_kernels.routing import RoutingMeta, indices_trusted, tile_schedule
 
 __all__ = [
     "ExpertWeights",
@@ -117,7 +117,7 @@ class ExpertWeights:
                 f"slot_source {tuple(self.slot_source.shape)} and slot_index {tuple(self.slot_index.shape)} "
                 "must be 1-D of equal length"
             )
-        if not self.slot_source.is_cuda and self.slot_source.numel() and not torch.compiler.is_compiling():
+        if not self.slot_source.is_cuda and self.slot_source.numel() and not indices_trusted():
             src = self.slot_source.long()
             if int(src.min()) < 0 or int(src.max()) >= len(self.sources):
                 raise ValueError(f"slot_source must lie in [0, {len(self.sources)}), got {self.slot_source.tolist()}")

@@ -39,6 +39,7 @@ import triton
 
 from relibra_moe.triton_kernels._details import replica_copy as _k
 from relibra_moe.triton_kernels.backend import INTERPRET, bf16_rne, use_triton
+from relibra_moe.triton_kernels.routing import indices_trusted
 from relibra_moe.validate import check_count
 
 __all__ = [
@@ -73,7 +74,7 @@ def _check_index(i: torch.Tensor, j: torch.Tensor, name_i: str, name_j: str) -> 
 
 def _check_range(index: torch.Tensor, size: int, name: str) -> None:
     """Range check on CPU indices (on CUDA it would need a host sync; out-of-range rows are skipped)."""
-    if index.is_cuda or index.numel() == 0 or torch.compiler.is_compiling():
+    if index.is_cuda or index.numel() == 0 or indices_trusted():
         return
     lo, hi = int(index.min()), int(index.max())
     if lo < -1 or hi >= size:

@@ -29,13 +29,38 @@ number of tiles is ``cdiv(R, block_m) + min(S, R)``: each slot adds at most one 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from relibra_moe.errors import ReplayError
 
-__all__ = ["RoutingMeta", "num_tiles_bound", "routing_metadata", "tile_schedule"]
+__all__ = ["RoutingMeta", "indices_trusted", "num_tiles_bound", "routing_metadata", "tile_schedule",
+           "trusted_indices"]
+
+_trust = threading.local()
+
+
+@contextlib.contextmanager
+def trusted_indices() -> Iterator[None]:
+    """Inside the block (this thread), the range checks of CPU index tensors in this package's ops
+    (:func:`routing_metadata`, ``ExpertWeights``, the replica copies) are skipped: the caller built the
+    indices itself from values checked on the host, and a check would read the device (a host sync on a
+    GPU, counted as one on the CPU too). Used by the MoE layer's hot path."""
+    prev = getattr(_trust, "on", False)
+    _trust.on = True
+    try:
+        yield
+    finally:
+        _trust.on = prev
+
+
+def indices_trusted() -> bool:
+    """Whether this thread runs inside :func:`trusted_indices` (or ``torch.compile`` is tracing)."""
+    return getattr(_trust, "on", False) or torch.compiler.is_compiling()
 
 
 def num_tiles_bound(num_rows: int, num_slots: int, block_m: int) -> int:
@@ -140,7 +165,7 @@ def routing_metadata(
         raise ReplayError(f"num_rows must lie in [0, T*k={n_pairs}], got {num_rows}")
     device = slot_ids.device
     flat = slot_ids.reshape(-1)
-    if not flat.is_cuda and n_pairs and not torch.compiler.is_compiling():
+    if not flat.is_cuda and n_pairs and not indices_trusted():
         lo, hi = int(flat.min()), int(flat.max())
         if lo < -1 or hi >= num_slots:
             raise ReplayError(f"slot_ids must lie in [-1, num_slots={num_slots}), got range [{lo}, {hi}]")

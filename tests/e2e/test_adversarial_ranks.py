@@ -67,6 +67,8 @@ def _worker(rank: int, world: int, out_dir: str) -> None:
         "plan_on_rank0_only": lambda: _run(model, ids, x, None if one else plan, 0),
         "other_micro_batch": lambda: _run(model, ids, x, plan, 1 if one else 0),
         "traces_3_layers": lambda: _run_traces(model, 3 if one else 2),
+        "relayout_ragged": lambda: _relayout(model, [[0, 1, 0, 1], [0]] if one else plan.placement),
+        "mask_numpy": lambda: _run_traces(model, 2, np.ones((1, 6), np.int64) if one else torch.ones(1, 6)),
         "valid_plan": lambda: _run(model, ids, x, plan, 1),
         "valid_no_plan": lambda: _run(model, ids, x),
     }
@@ -90,14 +92,21 @@ def _run(model: nn.Module, ids, x: torch.Tensor, plan=None, micro_batch=None) ->
         return model(x)
 
 
-def _run_traces(model: nn.Module, num_layers: int) -> torch.Tensor:
+def _relayout(model: nn.Module, placement) -> torch.Tensor:
+    from relibra_moe.layers.relayout import relayout
+
+    relayout(model, placement)
+    return torch.zeros(1)
+
+
+def _run_traces(model: nn.Module, num_layers: int, attention_mask=None) -> torch.Tensor:
     """Replay one recorded sequence of 6 tokens; a rank whose routing is refused at entry gets no rows and
     runs the placeholder forward (one token), which raises with every rank."""
     from relibra_moe.layers.replay import replay
     from relibra_moe.trace import RoutingTrace
 
     tr = RoutingTrace(np.tile(np.array([0, 3], np.int16), (6, num_layers, 1)), np.arange(num_layers), E, K)
-    with replay(model, [tr]) as rows:
+    with replay(model, [tr], attention_mask=attention_mask) as rows:
         x = torch.randn(6 if rows else 1, H)
         return model(x)
 
@@ -127,6 +136,22 @@ def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(reports, case
 
 
 @pytest.mark.timeout(120)
+def test_unreadable_arguments_on_one_rank_raise_on_every_rank(reports):
+    """A ragged placement list given to relayout, and a numpy attention_mask given to replay, on rank 1 only:
+    every rank raises the named error (through the agreement), none waits."""
+    r0, r1 = reports[0]["relayout_ragged"], reports[1]["relayout_ragged"]
+    assert r0.get("cls") == r1.get("cls") == "PlanError", (r0, r1)
+    assert "rank 1 of the EP group rejected the placement" in r0["msg"], r0
+    assert "placement could not be read as expert_gpu [L, E]" in r1["msg"], r1
+    r0, r1 = reports[0]["mask_numpy"], reports[1]["mask_numpy"]
+    assert r0.get("cls") == r1.get("cls") == "ReplayError" and r0["msg"] == r1["msg"], (r0, r1)
+    assert "rank 1 of the EP group rejected its replay data: replay: attention_mask must be a torch.Tensor " \
+        "[B, S], got ndarray" in r0["msg"], r0
+    for case in ("relayout_ragged", "mask_numpy"):
+        assert reports[0][case]["secs"] < CASE_SECONDS and reports[1][case]["secs"] < CASE_SECONDS
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("case, rank1_follows", [
     ("plan_on_rank0_only", "rank 1 follows no plan"),
     ("other_micro_batch", "rank 1 follows micro-batch 1 of layer 0 of its plan"),
@@ -147,3 +172,87 @@ def test_group_still_serves_valid_forwards_after_the_errors(reports):
     # a plan never changes the math: the same ids give the same outputs with and without it
     for r in reports:
         assert abs(r["valid_plan"]["ok"] - r["valid_no_plan"]["ok"]) < 1e-4, r
+
+
+# ----------------------------------------------------------------------------- peers failing past the agreement
+
+
+class _Boom:
+    """The layer's dispatcher, except that ``dispatch`` raises (or, ``kill``, ends the process) on this rank."""
+
+    def __init__(self, inner, kill: bool) -> None:
+        self.inner, self.kill = inner, kill
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def dispatch(self, *args):
+        if self.kill:
+            import os
+
+            os._exit(0)  # noqa: SLF001 - a rank that dies mid-dispatch
+        raise RuntimeError("boom in dispatch")
+
+
+def _failing_worker(rank: int, world: int, out_dir: str, case: str) -> None:
+    from relibra_moe.layers.dispatch import set_collective_timeout
+    from relibra_moe.layers.relayout import relayout
+    from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
+
+    set_collective_timeout(3 * CASE_SECONDS)
+    buf = LayerSharedReplicaBuffer(H, FF, 1)
+    model = _model(2, buf)
+    plan = _two_mb_plan(2, seed=3)
+    relayout(model, plan.placement)
+    torch.manual_seed(1)
+    x = torch.randn(6, H, requires_grad=True)
+    ids = [torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2], [1, 3]]) for _ in range(2)]
+    _run(model, ids, x, plan, 0).sum().backward()  # warm (the first kernel call imports torch._dynamo: slow)
+    if rank == 1:
+        if case == "experts":
+            def mlp(*args):
+                raise RuntimeError("boom in expert compute")
+
+            model[1].experts.mlp = mlp
+        else:
+            model[1].dispatcher = _Boom(model[1].dispatcher, kill=case == "killed")
+    t0 = time.perf_counter()
+    try:
+        _run(model, ids, x, plan, 0).sum().backward()
+        res = {"ok": True}
+    except Exception as exc:  # noqa: BLE001 - the report names what was raised
+        res = {"cls": type(exc).__name__, "msg": str(exc)}
+    res["secs"] = time.perf_counter() - t0
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case, stage, text", [
+    ("dispatch", "dispatch", "RuntimeError: boom in dispatch"),
+    ("experts", "experts", "RuntimeError: boom in expert compute"),
+])
+def test_a_rank_failing_mid_forward_makes_the_other_raise_by_name(case, stage, text):
+    """Rank 1 raises in layer 1's dispatch (or expert compute), past the micro-batch's agreement: it re-raises
+    its own error, and rank 0, waiting in a collective, raises ReplayError naming the layer, the stage and
+    rank 1 within seconds (not gloo's timeout text after the process group's timeout)."""
+    with tempfile.TemporaryDirectory(prefix="relibra-adv-peer-") as tmp:
+        run_group(_failing_worker, 2, tmp, case, timeout_s=6 * CASE_SECONDS)
+        r0, r1 = (json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2))
+    assert r1.get("cls") == "RuntimeError" and text.split(": ")[1] in r1["msg"], r1
+    assert r0.get("cls") == "ReplayError", r0
+    assert f"layer moe[1]: rank 1 of the EP group stopped in stage '{stage}' ({text})" in r0["msg"], r0
+    assert r0["secs"] < CASE_SECONDS, r0
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_gives_a_named_error():
+    """Rank 1 dies inside layer 1's dispatch: rank 0 raises ReplayError naming the layer and the stage it waited
+    in (gloo's connection error, or the deadline), within seconds."""
+    with tempfile.TemporaryDirectory(prefix="relibra-adv-kill-") as tmp:
+        run_group(_failing_worker, 2, tmp, "killed", timeout_s=6 * CASE_SECONDS)
+        r0 = json.loads(Path(tmp, "rank0.json").read_text())
+        assert not Path(tmp, "rank1.json").exists()
+    assert r0.get("cls") == "ReplayError", r0
+    assert r0["msg"].startswith("layer moe[1]: stage 'dispatch': a peer of the EP group"), r0
+    assert "gloo" not in r0["msg"] and "pair.cc" not in r0["msg"], r0
+    assert r0["secs"] < 3 * CASE_SECONDS, r0

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
-STAGES = ("env", "tests", "kernels", "layer", "graph", "calibrate")
+STAGES = ("env", "tests", "kernels", "layer", "graph", "replay_graph", "calibrate")
 
 
 def _summary(out: Path) -> dict[str, str]:
@@ -39,6 +39,9 @@ def test_dry_run_passes_every_stage(tmp_path):
     assert layer["replica_slot_rows"] > 0 and "layer_world1_fwd_bwd_ms" in layer
     graph = json.loads((tmp_path / "graph.json").read_text())
     assert graph["ok"] and graph["eager_bitwise_deterministic"] and graph["capture"].startswith("not run")
+    rgraph = json.loads((tmp_path / "replay_graph.json").read_text())
+    assert rgraph["ok"] and rgraph["routing_a_differs_from_b"] and rgraph["max_abs_err_vs_eager_b"] < 1e-5
+    assert rgraph["capture"].startswith("not run")
     assert (tmp_path / "tests.xml").exists() and (tmp_path / "tests.log").exists()
     prof = json.loads((tmp_path / "cluster_profile.json").read_text())
     assert prof["name"] == "h200" and prof["measurements"] == {"dry_run": True}

@@ -693,3 +693,97 @@ def test_replay_placeholder_when_no_sample_selected():
         assert rows == []
         model(torch.tensor([[0]]))  # the placeholder forward: served by no expert
     assert all(int(b.last_expert_counts.sum()) == 0 for b in (model.model.layers[0].mlp, model.model.layers[2].mlp))
+
+
+# ----------------------------------------------------------------------------- no host sync in the swapped blocks
+
+
+def _block_syncs(blocks) -> tuple[dict, list]:
+    """Forward hooks that count, with one SyncCounter per call, what each block's forward waits for."""
+    from relibra_moe.layers.testing import SyncCounter
+
+    seen: dict[str, int] = {}
+    hooks = []
+    for b in blocks:
+        def pre(mod, args):
+            mod.__dict__["_sync_counter"] = SyncCounter().__enter__()
+
+        def post(mod, args, out):
+            c = mod.__dict__.pop("_sync_counter")
+            c.__exit__(None, None, None)
+            for k, v in c.counts.items():
+                seen[k] = seen.get(k, 0) + v
+
+        hooks += [b.register_forward_pre_hook(pre), b.register_forward_hook(post)]
+    return seen, hooks
+
+
+def _loss_syncs(model, ids) -> tuple[torch.Tensor, dict]:
+    from relibra_moe.layers.testing import SyncCounter
+
+    with SyncCounter() as syncs:
+        logits = model(ids).logits
+        logits.square().mean().backward()
+    return logits.detach(), syncs.counts
+
+
+def test_replayed_hf_model_makes_no_host_sync_in_its_moe_blocks():
+    """The swapped tiny Qwen3-MoE inside replay: its MoE blocks' forwards wait for nothing, and the whole model's
+    forward + backward waits exactly where the plain HF model's does (attention and loss: the same counts);
+    logits and gradients are the plain model's."""
+    with force_backend("torch"):
+        plain = tiny_model("qwen3_moe", mlp_only_layers=[]).train()
+        ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]])
+        ref, plain_syncs = _loss_syncs(plain, ids)
+        with RoutingRecorder(plain) as rec, torch.no_grad():
+            plain(ids)
+        model = swap_moe_blocks(tiny_model("qwen3_moe", mlp_only_layers=[])).train()
+        blocks = [b for _, _, b in moe_blocks(model)]
+        seen, hooks = _block_syncs(blocks)
+        with replay(model, rec.traces()):
+            out, syncs = _loss_syncs(model, ids)
+        for h in hooks:
+            h.remove()
+    assert seen == {} and len(blocks) == 3, seen
+    assert syncs == plain_syncs, (syncs, plain_syncs)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _hf_no_sync_worker(rank: int, world: int) -> None:
+    from relibra_moe.layers.relayout import relayout
+    from relibra_moe.layers.testing import hot_replica_plan
+
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]])
+    with force_backend("torch"):
+        plain = tiny_model("qwen3_moe", mlp_only_layers=[]).train()
+        with RoutingRecorder(plain) as rec, torch.no_grad():
+            ref_all = plain(ids).logits
+        traces = rec.traces()
+        counts = sum(t.expert_counts() for t in traces)
+        plan = hot_replica_plan(3, 8, 2, 2, counts.argmax(1), seed=3)
+        ref, plain_syncs = _loss_syncs(plain, ids[rank:rank + 1])
+        model = swap_moe_blocks(tiny_model("qwen3_moe", mlp_only_layers=[]), replica_slots=1,
+                                gpus_per_node=2).train()
+        relayout(model, plan.placement)
+        blocks = [b for _, _, b in moe_blocks(model)]
+        seen, hooks = _block_syncs(blocks)
+        with replay(model, traces, plan, micro_batch=0) as rows:
+            assert rows == [rank], rows
+            out, syncs = _loss_syncs(model, ids[rank:rank + 1])
+        for h in hooks:
+            h.remove()
+    assert seen == {}, (rank, seen)
+    assert syncs == plain_syncs, (rank, syncs, plain_syncs)
+    torch.testing.assert_close(out, ref_all[rank:rank + 1], rtol=1e-5, atol=1e-6)
+    assert blocks[0].replica_buffer.fills >= 1
+    assert sum(int(b.last_slot_counts[b.num_local:].sum()) for b in blocks) > 0  # replica slots computed rows
+
+
+@pytest.mark.timeout(300)
+def test_replayed_hf_model_on_two_ranks_with_replicas_makes_no_host_sync():
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_hf_no_sync_worker, 2)

@@ -338,3 +338,164 @@ def test_materialize_counts_rejects_bad_input():
         materialize_counts(np.array([3, 1]), np.array([[np.nan, 1], [1, 1]]))
     with pytest.raises(PlanError, match=r"shares of expert 1 = \[2.0, -1.0\]"):
         materialize_counts(np.array([3, 1]), np.array([[1, 1], [2, -1]]))
+
+
+# ----------------------------------------------------------------------------- no host sync in the hot path
+
+
+def test_replayed_forward_and_backward_make_no_host_sync():
+    """Inside replay the layer follows its schedule: SyncCounter sees nothing in forward or backward (the live
+    forward of the same layers does sync, so the counter is watching), and the outputs and gradients are the
+    live forward's with the same routing."""
+    from relibra_moe.layers.testing import SyncCounter
+
+    layers = _stack(3, router={"scoring": "sigmoid", "num_groups": 2, "topk_group": 1})
+    x = torch.randn(2, 5, 8)
+    xl = x.clone().requires_grad_()
+    with torch.no_grad():
+        _run(layers, x)  # first use: each layer reads its homes to the host once (kept until they change)
+    with SyncCounter() as live_syncs:
+        live = _run(layers, xl)
+    live.square().sum().backward()
+    # live routing's one sync point per layer: the live ids come to the host (numpy views of host tensors aside)
+    assert live_syncs.counts == {"Tensor.cpu": 3, "Tensor.numpy": 6}, live_syncs.counts
+    g_live = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    recorded = [layer.last_routing.clone() for layer in layers]
+    recorded[1][3] = -1  # a padded token (no expert)
+    xr = x.clone().requires_grad_()
+    with replay(layers, recorded):
+        with SyncCounter() as syncs:
+            out = _run(layers, xr)
+            out.square().sum().backward()
+    assert syncs.counts == {}, syncs.counts
+    with torch.no_grad(), replay(layers, [recorded[0], None, recorded[2]]):
+        ref = _run(layers, x)  # layer 1 live: the padded token is routed there
+    assert not torch.equal(out.detach(), ref)
+    recorded[1] = layers[1].last_routing.clone()
+    layers.zero_grad()
+    xr.grad = None
+    with replay(layers, recorded):
+        out = _run(layers, xr)
+    out.square().sum().backward()
+    torch.testing.assert_close(out.detach(), live.detach(), rtol=0, atol=0)
+    for p, g in zip(layers.parameters(), g_live):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7)
+    assert torch.equal(layers[0].last_slot_counts.cpu(), torch.bincount(recorded[0].view(-1), minlength=6))
+
+
+def _no_sync_worker(rank: int, world: int) -> None:
+    from relibra_moe.layers.relayout import relayout
+    from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
+    from relibra_moe.layers.testing import SyncCounter, hot_replica_plan
+
+    E, L = 4, 2
+    torch.manual_seed(0)
+    buf = LayerSharedReplicaBuffer(8, 12, 1)
+    layers = torch.nn.ModuleList([ReplayBalancedMoE(8, 12, E, 2, layer_index=i, replica_buffer=buf, gpus_per_node=2)
+                                  for i in range(L)])
+    plan = hot_replica_plan(L, E, 2, 2, np.zeros(L, np.int64), seed=4)
+    relayout(layers, plan.placement)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(6, 8)
+    ids = [torch.stack([torch.randperm(E)[:2] for _ in range(6)]) for _ in range(L)]
+    ids[0] = torch.stack([torch.zeros(6, dtype=torch.long), torch.randint(1, E, (6,))], dim=1)  # expert 0 is hot
+    results = []
+    for p in (plan, None):
+        layers.zero_grad()
+        xr = x.clone().requires_grad_()
+        with replay(layers, ids, plan=p, micro_batch=0 if p is not None else None):
+            with SyncCounter() as syncs:
+                out = _run(layers, xr)
+                out.square().sum().backward()
+        assert syncs.counts == {}, (rank, p is not None, syncs.counts)
+        results.append((out.detach(), xr.grad, [q.grad.clone() for q in layers.parameters()]))
+    assert buf.fills >= 2 * L - 1
+    (o1, gx1, gp1), (o0, gx0, gp0) = results
+    torch.testing.assert_close(o1, o0, rtol=1e-5, atol=1e-6)  # a plan never changes the math
+    torch.testing.assert_close(gx1, gx0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(gp1, gp0):  # replica gradients are summed at home: another fp32 order
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_replayed_layers_on_two_ranks_with_replicas_make_no_host_sync():
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_no_sync_worker, 2)
+
+
+def test_single_rank_replayed_layer_compiles_with_fullgraph():
+    """torch.compile(fullgraph=True) traces the replayed layer (schedule, router, kernel ops) in one graph,
+    forward and backward, with the eager outputs and gradients. The "eager" backend checks the capture
+    (dynamo) without Inductor's code generation, which is slow on a shared CPU."""
+    layer = _stack(1)[0]
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        layer(x)
+    ids = layer.last_routing.clone()
+    ids[3] = -1
+    grads = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        layer.zero_grad()
+        xr = x.clone().requires_grad_()
+        fn = torch.compile(layer, fullgraph=True, backend="eager") if compiled else layer
+        with replay(layer, [ids]):
+            out = fn(xr)
+        out.square().sum().backward()
+        grads.append([out.detach(), xr.grad] + [p.grad.clone() for p in layer.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_next_micro_batch_is_built_ahead_and_schedules_refresh_in_place():
+    """With traces and a BatchPlan, entering micro-batch m starts building m + 1 in the background thread; the next
+    replay takes it (same outputs as a fresh build; a relayout in between drops it). LayerSchedule.copy_ refreshes
+    an uploaded one-rank schedule with another micro-batch's, and refuses other shapes by name."""
+    from relibra_moe.layers.replay import _PREFETCH
+    from relibra_moe.trace import RoutingTrace
+
+    layers = _stack(2)
+    for i, layer in enumerate(layers):
+        layer.layer_index = i
+    g = np.random.default_rng(0)
+    traces = [RoutingTrace(np.stack([np.stack([g.permutation(6)[:2] for _ in range(2)]) for _ in range(5)]),
+                           np.arange(2), 6, 2) for _ in range(2)]
+    plan = BatchPlan(Placement(np.zeros((2, 6))), SamplePlacement(np.array([0, 1]), np.zeros(2), 2),
+                     ReplicaPlan.empty(2, 2, 1, 0), num_gpus=1, gpus_per_node=1)
+    x = torch.randn(5, 8)
+    outs = []
+    with replay(layers, traces, plan, micro_batch=0) as rows:
+        assert rows == [0]
+        assert layers.__dict__[_PREFETCH][0][2] == 1  # micro-batch 1 is being built
+        outs.append(_run(layers, x))
+        sched0 = [layer.replay_state.schedule for layer in layers]
+    pending = layers.__dict__[_PREFETCH][1]
+    with replay(layers, traces, plan, micro_batch=1) as rows:
+        assert rows == [1] and pending.done() and _PREFETCH not in layers.__dict__
+        outs.append(_run(layers, x))
+        sched1 = [layer.replay_state.schedule for layer in layers]
+    with torch.no_grad(), replay(layers, [torch.as_tensor(traces[1].experts[:, i]) for i in range(2)]):
+        torch.testing.assert_close(_run(layers, x), outs[1].detach(), rtol=0, atol=0)  # the prefetched build
+    assert not torch.equal(outs[0], outs[1])
+    sched0[0].copy_(sched1[0])
+    assert np.array_equal(sched0[0].ids, sched1[0].ids) and torch.equal(sched0[0].ids_dev, sched1[0].ids_dev)
+    with replay(layers, [torch.tensor([[0, 1]] * 3)] * 2):
+        short = layers[0].replay_state.schedule
+    with pytest.raises(ReplayError, match="same shapes"):
+        sched0[0].copy_(short)
+
+
+def test_collective_timeout_is_checked():
+    from relibra_moe.layers.dispatch import DEFAULT_COLLECTIVE_TIMEOUT_S, collective_timeout, set_collective_timeout
+
+    assert collective_timeout() == DEFAULT_COLLECTIVE_TIMEOUT_S
+    set_collective_timeout(5)
+    try:
+        assert collective_timeout() == 5.0
+        for bad in (0, -1, float("nan"), "10", True):
+            with pytest.raises(ValueError, match=r"collective timeout \(s\)=.* must be a finite number > 0"):
+                set_collective_timeout(bad)
+    finally:
+        set_collective_timeout(None)

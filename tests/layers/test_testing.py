@@ -64,3 +64,37 @@ def test_cpu_group_runs_on_gloo(tmp_path, monkeypatch):
     monkeypatch.delenv(testing.TEST_DEVICE_ENV, raising=False)
     run_group(_worker, 2, str(tmp_path), timeout_s=60)
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["gloo cpu 2.0 torch"] * 2
+
+
+def test_sync_counter_counts_host_reads_and_data_dependent_ops():
+    """Each way of waiting for the device is counted by name; integer gathers, static-shape ops and the inside
+    of a kernel op of this library are not."""
+    from relibra_moe.layers.testing import SyncCounter
+    from relibra_moe.triton_kernels.permute import permute
+    from relibra_moe.triton_kernels.routing import routing_metadata
+
+    t = torch.tensor([[0, 1], [1, 2]])
+    meta = routing_metadata(t, 3)
+    x = torch.randn(2, 4)
+    with SyncCounter() as syncs:
+        y = t * 2 + 1
+        y = y[torch.tensor([1, 0])]  # integer gather: static shape
+        permute(x, meta)  # a relibra kernel op: its CPU reference may read offsets, the kernel does not
+    assert syncs.counts == {}, syncs.counts
+    with SyncCounter() as syncs:
+        t.sum().item()
+        bool(t.any())
+        int(t[0, 0])
+        t.tolist()
+        t.numpy()
+        t.cpu()
+        t.nonzero()
+        t[t > 0]
+        torch.bincount(t.view(-1))
+    c = syncs.counts
+    for name in ("Tensor.item", "Tensor.__bool__", "Tensor.__int__", "Tensor.tolist", "Tensor.numpy", "Tensor.cpu",
+                 "aten.nonzero.default", "aten.index.Tensor", "aten.bincount.default",
+                 "aten._local_scalar_dense.default"):
+        assert c.get(name, 0) >= 1, (name, c)
+    assert syncs.total == sum(c.values())
+    assert torch.Tensor.item is not None and "wrapped" not in torch.Tensor.item.__name__  # restored on exit
