@@ -110,36 +110,50 @@ def layout_ids(traces: Sequence[RoutingTrace], layer_index: int,
     order (left or right padding); without it sequences are right-padded to the longest. Padding rows
     are ``-1`` (served by no expert).
 
-    A mask row with more ones than the trace has rows feeds tokens the rollout never routed (a trainer
-    that feeds prompt + completion: ``generate()`` returns the last completion token but never feeds it).
-    ``unrouted`` says what they get: ``"live"`` (default): :data:`~relibra_moe.layers.router.LIVE` rows,
-    the layer routes them live as the plain model does; ``"none"``: ``-1``, served by no expert;
-    ``"error"``: a ``ReplayError``. A mask row with fewer ones than the trace is always an error.
+    A trace's rows start at its ``start`` token (``RoutingTrace.start``: a dump that routed only the response, or
+    slime's ``routed_experts_start_len``): sequence b's row i lands on its ``start + i``-th token, and its first
+    ``start`` tokens are tokens the rollout never routed. So are the tokens past the trace's last row when the mask
+    row has more ones than ``start`` + rows (a trainer that feeds prompt + completion: ``generate()`` returns the
+    last completion token but never feeds it). ``unrouted`` says what unrouted tokens get: ``"live"`` (default):
+    :data:`~relibra_moe.layers.router.LIVE` rows, the layer routes them live as the plain model does; ``"none"``:
+    ``-1``, served by no expert; ``"error"``: a ``ReplayError``. A mask row with fewer ones than ``start`` + rows is
+    always an error. Without a mask, sequence b's positions ``[0, start)`` are unrouted tokens and its positions
+    past ``start`` + rows are padding.
     """
     if unrouted not in UNROUTED:
         raise ReplayError(f"replay: unrouted={unrouted!r} is not one of {UNROUTED}")
     k = traces[0].top_k
     lengths = [t.num_tokens for t in traces]
+    starts = [int(t.start) for t in traces]
+    fill = LIVE if unrouted == "live" else -1
+    if unrouted == "error" and any(starts):
+        b = next(i for i, s0 in enumerate(starts) if s0)
+        raise ReplayError(f"replay: sequence {b} of the micro-batch starts routing at token {starts[b]}: its first "
+                          f"{starts[b]} tokens were never routed (unrouted='error')")
     if attention_mask is None:
-        S = max(lengths)
+        S = max(s0 + n for s0, n in zip(starts, lengths))
         out = np.full((len(traces), S, k), -1, dtype=np.int64)
         for b, t in enumerate(traces):
-            out[b, : lengths[b]] = t.experts[:, layer_index]
+            out[b, :starts[b]] = fill
+            out[b, starts[b]:starts[b] + lengths[b]] = t.experts[:, layer_index]
     else:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise ReplayError(f"replay: attention_mask must be a torch.Tensor [B, S], got "
+                              f"{type(attention_mask).__name__}")
         mask = attention_mask.detach().cpu().bool().numpy()
         if mask.ndim != 2 or mask.shape[0] != len(traces):
             raise ReplayError(f"replay: attention_mask has shape {mask.shape}, expected [B={len(traces)}, S]")
         out = np.full(mask.shape + (k,), -1, dtype=np.int64)
-        fill = LIVE if unrouted == "live" else -1
         for b, t in enumerate(traces):
-            ones = int(mask[b].sum())
-            if ones < lengths[b] or (ones > lengths[b] and unrouted == "error"):
-                raise ReplayError(f"replay: sequence {b} of the micro-batch has {lengths[b]} routed tokens, "
-                                  f"its attention_mask row has {ones} ones"
-                                  + (" (unrouted='error')" if ones > lengths[b] else ""))
+            ones, need = int(mask[b].sum()), starts[b] + lengths[b]
+            if ones < need or (ones > need and unrouted == "error"):
+                routed = f"{lengths[b]} routed tokens" + (f" from token {starts[b]}" if starts[b] else "")
+                raise ReplayError(f"replay: sequence {b} of the micro-batch has {routed}, its attention_mask row "
+                                  f"has {ones} ones" + (" (unrouted='error')" if ones > need else ""))
             pos = np.flatnonzero(mask[b])
-            out[b, pos[: lengths[b]]] = t.experts[:, layer_index]
-            out[b, pos[lengths[b]:]] = fill
+            out[b, pos[:starts[b]]] = fill
+            out[b, pos[starts[b]:need]] = t.experts[:, layer_index]
+            out[b, pos[need:]] = fill
     return torch.from_numpy(out.reshape(-1, k))
 
 

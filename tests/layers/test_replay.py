@@ -499,3 +499,27 @@ def test_collective_timeout_is_checked():
                 set_collective_timeout(bad)
     finally:
         set_collective_timeout(None)
+
+
+def test_layout_ids_honours_the_trace_start():
+    """A trace whose routing starts at token s (a response-only dump, slime's routed_experts_start_len): row i
+    lands on the sequence's (s + i)-th token; the first s tokens are unrouted (LIVE, -1 or an error as asked)."""
+    from relibra_moe.layers.replay import LIVE, layout_ids
+    from relibra_moe.trace import RoutingTrace
+
+    ids = np.array([[[1, 2]], [[3, 4]], [[5, 6]]])  # 3 rows, one layer, top-2
+    tr = RoutingTrace(ids, [0], 8, 2, start=2)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1]])  # left padding, 6 tokens: 2 unrouted, 3 routed, 1 unrouted
+    out = layout_ids([tr], 0, mask).numpy()
+    assert out.tolist() == [[-1, -1], [LIVE, LIVE], [LIVE, LIVE], [1, 2], [3, 4], [5, 6], [LIVE, LIVE]]
+    assert layout_ids([tr], 0, mask, unrouted="none").numpy().tolist() == \
+        [[-1, -1], [-1, -1], [-1, -1], [1, 2], [3, 4], [5, 6], [-1, -1]]
+    with pytest.raises(ReplayError, match="starts routing at token 2"):
+        layout_ids([tr], 0, mask, unrouted="error")
+    with pytest.raises(ReplayError, match="3 routed tokens from token 2, its attention_mask row has 4 ones"):
+        layout_ids([tr], 0, torch.tensor([[0, 0, 0, 1, 1, 1, 1]]))
+    no_mask = layout_ids([tr, RoutingTrace(ids[:1], [0], 8, 2)], 0).numpy().reshape(2, 5, 2)
+    assert no_mask[0].tolist() == [[LIVE, LIVE], [LIVE, LIVE], [1, 2], [3, 4], [5, 6]]
+    assert no_mask[1].tolist() == [[1, 2], [-1, -1], [-1, -1], [-1, -1], [-1, -1]]
+    with pytest.raises(ReplayError, match="must be a torch.Tensor"):
+        layout_ids([tr], 0, mask.numpy())
