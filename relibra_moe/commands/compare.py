@@ -99,34 +99,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def parse_strategies(text: str) -> list[str]:
-    """The strategy names of ``a,b,c`` (PlanError for an unknown or repeated name, or an empty list)."""
-    from ..planners.strategies import STRATEGIES
-
+def parse_names(flag: str, text: str, known: Any, what: str) -> list[str]:
+    """The names of ``a,b,c`` given to ``flag``; PlanError for an unknown or repeated name, or an empty list."""
     names = [s.strip() for s in str(text).split(",") if s.strip()]
     if not names:
-        raise PlanError(f"--strategies={text!r} names no strategy; known: {', '.join(STRATEGIES)}")
+        raise PlanError(f"{flag}={text!r} names no {what}; known: {', '.join(known)}")
     for s in names:
-        if s not in STRATEGIES:
-            raise PlanError(f"--strategies: unknown strategy {s!r}; known: {', '.join(STRATEGIES)}")
+        if s not in known:
+            raise PlanError(f"{flag}: unknown {what} {s!r}; known: {', '.join(known)}")
     dup = sorted({s for s in names if names.count(s) > 1})
     if dup:
-        raise PlanError(f"--strategies names {dup[0]!r} twice")
+        raise PlanError(f"{flag} names {dup[0]!r} twice")
     return names
+
+
+def parse_strategies(text: str) -> list[str]:
+    """The strategy names of ``a,b,c`` (:func:`parse_names`)."""
+    from ..planners.strategies import STRATEGIES
+
+    return parse_names("--strategies", text, STRATEGIES, "strategy")
 
 
 def parse_placements(text: str) -> list[str]:
-    """The sample placements of ``a,b`` (PlanError for an unknown or repeated name, or an empty list)."""
-    names = [s.strip() for s in str(text).split(",") if s.strip()]
-    if not names:
-        raise PlanError(f"--placements={text!r} names no sample placement; known: {', '.join(SAMPLE_PLACEMENTS)}")
-    for p in names:
-        if p not in SAMPLE_PLACEMENTS:
-            raise PlanError(f"--placements: unknown sample placement {p!r}; known: {', '.join(SAMPLE_PLACEMENTS)}")
-    dup = sorted({p for p in names if names.count(p) > 1})
-    if dup:
-        raise PlanError(f"--placements names {dup[0]!r} twice")
-    return names
+    """The sample placements of ``a,b`` (:func:`parse_names`)."""
+    return parse_names("--placements", text, SAMPLE_PLACEMENTS, "sample placement")
 
 
 def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: int = 8, *,
