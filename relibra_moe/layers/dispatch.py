@@ -140,11 +140,24 @@ class _Epochs:
         cls.count[tag] = cls.count.get(tag, 0) + 1
 
 
+def _is_control_flow(error: BaseException) -> bool:
+    """Whether ``error`` is control flow, not a failure: non-reentrant activation checkpointing stops a
+    recomputation early by raising ``_StopRecomputationError`` once it has the tensors the backward needs. Every
+    rank of the group stops at the same point of the same recomputation (after the same collectives), so no peer
+    is left waiting and nothing must be posted."""
+    try:
+        from torch.utils.checkpoint import _StopRecomputationError
+    except ImportError:  # a torch without early stopping never raises it
+        return False
+    return isinstance(error, _StopRecomputationError)
+
+
 def post_failure(dispatcher: Dispatcher, layer: str, stage: str, error: BaseException) -> None:
     """Tell the other ranks of ``dispatcher``'s group that this rank stopped in ``stage`` of ``layer`` (a
     notice in the process group's store for the current agreement epoch); best effort, never raises."""
     group = getattr(dispatcher, "group", None)
-    if getattr(dispatcher, "world_size", 1) <= 1 or getattr(error, "peer_notice", False) or not dist.is_initialized():
+    if getattr(dispatcher, "world_size", 1) <= 1 or getattr(error, "peer_notice", False) or not dist.is_initialized() \
+            or _is_control_flow(error):
         return
     store = _store()
     rejected = str(error)[:400] if stage == "route" and isinstance(error, ReplayError) else None

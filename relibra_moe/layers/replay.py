@@ -45,6 +45,7 @@ from torch import nn
 from ..errors import PlanError, ReplayError
 from ..plan import BatchPlan, ReplicaPlan
 from ..trace import RoutingTrace, TraceBatch
+from ..validate import is_int
 from .router import LIVE
 
 __all__ = ["LIVE", "UNROUTED", "LayerReplay", "ReplayTarget", "layout_ids", "replay", "replay_targets"]
@@ -353,9 +354,9 @@ def _prefetch_key(routing: Any, plan: Any, micro_batch: int | None, attention_ma
     """What identifies a micro-batch whose host part can be built ahead: traces with a ``BatchPlan``, no mask."""
     if not isinstance(plan, BatchPlan) or attention_mask is not None or _as_traces(routing) is None:
         return None
-    if not isinstance(micro_batch, int) or isinstance(micro_batch, bool):
+    if not is_int(micro_batch):
         return None
-    return (id(routing), id(plan), micro_batch, rank, unrouted)
+    return (id(routing), id(plan), int(micro_batch), rank, unrouted)
 
 
 def _homes(targets: list[ReplayTarget]) -> list[bytes]:

@@ -44,7 +44,8 @@ def test_dry_run_passes_every_stage(tmp_path):
     assert rgraph["capture"].startswith("not run")
     assert (tmp_path / "tests.xml").exists() and (tmp_path / "tests.log").exists()
     prof = json.loads((tmp_path / "cluster_profile.json").read_text())
-    assert prof["name"] == "h200" and prof["measurements"] == {"dry_run": True}
+    assert prof["name"] == "h200" and prof["measurements"] == {"dry_run": True, "model": "qwen3-30b-a3b",
+                                                              "expert_shape": [2048, 768]}
     assert "dry run: nothing measured" in (tmp_path / "calibrate.log").read_text()
 
 
