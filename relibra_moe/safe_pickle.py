@@ -329,8 +329,17 @@ def load_torch(source: Path | bytes, where: str, *, stubs: Mapping[str, type] | 
         allowed = [(v, k) for k, v in {**NUMPY_GLOBALS, **(stubs or {})}.items()]
         # BUILD may fill a checked array; the name no GLOBAL can spell (a newline) keeps NEWOBJ from making one
         allowed.append((_CheckedArray, "relibra\nchecked-ndarray"))
-        with torch.serialization.safe_globals(allowed):
+        # Exactly this allow-list: torch keeps one process-wide set and resolves a name to whichever entry its
+        # iteration meets last, so an entry another library added for the same name (accelerate and transformers
+        # allow the real numpy rebuild functions) could replace a size-checked one here, or widen what a dump holds.
+        saved = torch.serialization.get_safe_globals()
+        torch.serialization.clear_safe_globals()
+        try:
+            torch.serialization.add_safe_globals(allowed)
             return check_tree(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True), where)
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(saved)
 
     return _guard(where, load)
 

@@ -134,3 +134,38 @@ def test_torch_files_load_weights_only_with_tensors_bounded_by_storage():
     torch.save({"a": 1}, buf, _use_new_zipfile_serialization=False)
     with pytest.raises(TraceError, match="legacy"):
         load_torch(buf.getvalue(), "f")
+
+
+class _Record:
+    """A class a dump may not hold unless someone allows it."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_a_process_wide_allow_list_neither_replaces_nor_widens_ours(tmp_path):
+    """torch keeps one process-wide allow-list (accelerate / transformers add the real numpy rebuild functions to
+    it): load_torch reads with exactly its own list, so a dump still loads through the size-checked rebuilders, a
+    class another library allowed is still refused, and the process-wide list is restored."""
+    import numpy as np
+    import torch
+
+    from relibra_moe.errors import TraceError
+    from relibra_moe.safe_pickle import load_torch
+
+    arr = np.arange(6, dtype=np.int64).reshape(2, 3)
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    torch.save({"a": arr}, good)
+    torch.save({"c": _Record(3)}, bad)
+    extra = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.int64)), _Record]
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.add_safe_globals(extra)
+    try:
+        for _ in range(20):  # the process-wide set's iteration order varies with its contents
+            np.testing.assert_array_equal(load_torch(good, "good.pt")["a"], arr)
+        with pytest.raises(TraceError, match="allow-list"):
+            load_torch(bad, "bad.pt")
+        assert set(torch.serialization.get_safe_globals()) == set(before) | set(extra)
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
