@@ -352,6 +352,15 @@ def _is_sharded(value: Any) -> bool:
     return isinstance(value, ShardedTensor)
 
 
+def _shards_by_param(models: list[nn.Module]) -> dict[int, ExpertShard]:
+    """``{id(expert parameter): its ExpertShard}`` over ``models`` (how optimizer state finds its experts)."""
+    out: dict[int, ExpertShard] = {}
+    for model in models:
+        params = model.state_dict(keep_vars=True)
+        out.update((id(params[key]), shard) for key, shard in expert_shards(model).items())
+    return out
+
+
 def install_sharded_optimizer_state(optimizer: torch.optim.Optimizer, models: nn.Module | list[nn.Module]) -> None:
     """Make ``optimizer.state_dict()`` describe the EP-sharded experts' state to DCP; idempotent.
 
@@ -369,12 +378,7 @@ def install_sharded_optimizer_state(optimizer: torch.optim.Optimizer, models: nn
     def shard_by_key(opt: torch.optim.Optimizer, state_dict: dict) -> dict[Any, ExpertShard]:
         """The state dict's parameter keys (ints, or FQNs from ``torch.distributed.checkpoint.state_dict``) of the
         EP-sharded experts, matched to the optimizer's parameters in order as ``Optimizer.load_state_dict`` does."""
-        by_param = {}
-        for model in models:
-            params = model.state_dict(keep_vars=True)
-            for key, shard in expert_shards(model).items():
-                if shard.world_size > 1:
-                    by_param[id(params[key])] = shard
+        by_param = {i: shard for i, shard in _shards_by_param(models).items() if shard.world_size > 1}
         keys = [k for g in state_dict["param_groups"] for k in g["params"]]
         params = [p for g in opt.param_groups for p in g["params"]]
         return {k: by_param[id(p)] for k, p in zip(keys, params) if id(p) in by_param}
@@ -421,8 +425,7 @@ def optimizer_shards(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     with the torch optimizer in ``.optimizer`` (accelerate's ``AcceleratedOptimizer``).
     """
     opt = getattr(optimizer, "optimizer", optimizer)
-    named = model.state_dict(keep_vars=True)
-    by_id = {id(named[key]): shard for key, shard in expert_shards(model).items() if key in named}
+    by_id = _shards_by_param([model])
     params = [p for group in opt.param_groups for p in group["params"]]
     return {i: (by_id[id(p)], p.shape) for i, p in enumerate(params) if id(p) in by_id}
 
