@@ -203,6 +203,11 @@ def test_bound_holds_for_plans_that_regroup_micro_batches():
     assert bound_step(batch, model, cluster, 0, batch.resolve_micro_batch()).step_s > 1.9 * step.step_s
     assert bound.step_s == pytest.approx(step.step_s, rel=1e-5)
     assert bound_micro_batch(plan_batch(batch, model, cluster, "balanced", repack=True), batch) is None
+    # a Balanced plan made on the length-balanced placement still covers the batch's own micro-batches
+    bal_lb = plan_batch(batch, model, cluster, "balanced", sample_placement="length-balanced")
+    assert {tuple(p) for p in bound_micro_batch(bal_lb, batch)} == {(0, 0, 1, 1), tuple(lb)}
+    with pytest.raises(PlanError, match=r"micro_batch has shape \(2, 3\), the batch has 4 samples"):
+        bound_terms(batch, model, cluster, micro_batch=np.zeros((2, 3), np.int64))
 
 
 def _node_locality_replicas(plan: BatchPlan, batch: TraceBatch, cluster: ClusterSpec, r: int) -> BatchPlan:
