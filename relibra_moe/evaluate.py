@@ -22,13 +22,14 @@ import numpy as np
 from .cost import DEFAULT_BETA, cost_from_flow
 from .errors import PlanError
 from .plan import BatchPlan
+from .sample_placements import place_samples
 from .specs import ClusterSpec, ModelSpec
 from .trace import TraceBatch
 from .validate import check_int, check_positive
 
 __all__ = ["batch_sha1", "check_batch_type", "check_batch_model", "check_plan_batch", "placement_loads", "plan_loads",
-           "plan_flow", "Bound", "bound_terms", "bound_t_moe", "bound_micro_batch", "token_shares", "PlanScore",
-           "score_plan"]
+           "plan_flow", "Bound", "bound_terms", "bound_t_moe", "bound_micro_batch", "micro_batch_rows", "token_shares",
+           "PlanScore", "score_plan"]
 
 
 def batch_sha1(batch: TraceBatch) -> str:
@@ -278,8 +279,8 @@ def bound_terms(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, repli
                 micro_batch: np.ndarray | None = None, peak_flops: float | None = None) -> Bound:
     """Lower bounds of the MoE terms of every plan of ``batch`` with at most ``replica_slots`` replica slots per
     GPU, whatever its expert homes, replicas, splits and sample placement (docs/method.md, "The bound", has the
-    proof). ``micro_batch`` int ``[N]``: the plans keep these micro-batches (no repacking), which tightens the
-    communication term; None: any packing.
+    proof). ``micro_batch`` int ``[N]`` or ``[K, N]``: the plans keep these micro-batches (no repacking), or one of
+    the K packings (``bound_micro_batch``), which tightens the communication term; None: any packing.
 
     Compute: a layer's pairs ``P_l`` are served somewhere, so ``sum_m max_g comp >= P_l c / G`` with ``c`` the
     seconds of one pair at ``peak_flops`` (default ``cluster.flops``, the cost model's single rate; the simulator
@@ -289,7 +290,8 @@ def bound_terms(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, repli
     GPU over NVLink or RDMA (off the node: RDMA), at least ``_link_seconds`` of that GPU's links, dispatch and
     combine alike. Per micro-batch ``max_g comm`` is at least twice the larger of that time for the
     micro-batch's worst sample and for its total spread evenly over the G GPUs; the layer's bound sums these
-    (without fixed micro-batches: the larger of the batch's worst sample and its total over G).
+    (without fixed micro-batches: the larger of the batch's worst sample and its total over G; with K packings:
+    the least of the K sums, per layer).
 
     Raises:
         PlanError: a batch for another model, ``replica_slots`` < 0, a ``micro_batch`` of another length.
@@ -309,16 +311,33 @@ def bound_terms(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, repli
     if micro_batch is None:
         comm = np.maximum(_link_seconds(off_gpu.sum(0), off_node.sum(0), cluster, model) / G, worst.max(0))
     else:
-        mb = np.asarray(micro_batch, dtype=np.int64)
-        if mb.shape != (counts.shape[0],):
-            raise PlanError(f"micro_batch has shape {mb.shape}, the batch has {counts.shape[0]} samples")
-        M, L = int(mb.max(initial=-1)) + 1, counts.shape[1]
-        tot_gpu, tot_node, top = np.zeros((M, L)), np.zeros((M, L)), np.zeros((M, L))
-        np.add.at(tot_gpu, mb, off_gpu)
-        np.add.at(tot_node, mb, off_node)
-        np.maximum.at(top, mb, worst)
-        comm = np.maximum(_link_seconds(tot_gpu, tot_node, cluster, model) / G, top).sum(0)
+        comm = np.min([_packed_comm(mb, off_gpu, off_node, worst, cluster, model)
+                       for mb in micro_batch_rows(micro_batch, counts.shape[0])], axis=0)
     return Bound(comp=comp, comm=2.0 * comm, off_gpu=off_gpu.sum(0), off_node=off_node.sum(0))
+
+
+def micro_batch_rows(micro_batch: np.ndarray, num_samples: int) -> np.ndarray:
+    """int64 ``[K, N]``: ``micro_batch`` (int ``[N]``, one packing, or ``[K, N]``, K of them) as rows.
+
+    Raises:
+        PlanError: a ``micro_batch`` whose last axis is not the batch's ``num_samples``, or of more than 2 axes.
+    """
+    mb = np.asarray(micro_batch, dtype=np.int64)
+    if mb.ndim not in (1, 2) or mb.shape[-1] != num_samples or mb.shape[0] == 0:
+        raise PlanError(f"micro_batch has shape {mb.shape}, the batch has {num_samples} samples")
+    return mb.reshape(-1, num_samples)
+
+
+def _packed_comm(mb: np.ndarray, off_gpu: np.ndarray, off_node: np.ndarray, worst: np.ndarray, cluster: ClusterSpec,
+                 model: ModelSpec) -> np.ndarray:
+    """float64 ``[L]``: the dispatch half of the communication bound for the micro-batches ``mb`` int ``[N]``: per
+    micro-batch the larger of its worst sample's link seconds and its off pairs spread over the G GPUs, summed."""
+    M, L = int(mb.max(initial=-1)) + 1, off_gpu.shape[1]
+    tot_gpu, tot_node, top = np.zeros((M, L)), np.zeros((M, L)), np.zeros((M, L))
+    np.add.at(tot_gpu, mb, off_gpu)
+    np.add.at(tot_node, mb, off_node)
+    np.maximum.at(top, mb, worst)
+    return np.maximum(_link_seconds(tot_gpu, tot_node, cluster, model) / cluster.num_gpus, top).sum(0)
 
 
 def _pairs_beyond(counts: np.ndarray, slots: int) -> np.ndarray:
@@ -338,10 +357,24 @@ def bound_t_moe(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, repli
     return bound_terms(batch, model, cluster, replica_slots, micro_batch=micro_batch).t_moe_s
 
 
-def bound_micro_batch(plan: BatchPlan) -> np.ndarray | None:
-    """The micro-batches the Balanced ``plan`` bounds plans for: its own (the batch's) unless it was made with
-    ``repack`` (``stats["repack"]``: then any packing, None)."""
-    return None if plan.stats.get("repack") else np.asarray(plan.samples.micro_batch, dtype=np.int64)
+def bound_micro_batch(plan: BatchPlan, batch: TraceBatch) -> np.ndarray | None:
+    """int64 ``[K, N]``: the packings the Balanced ``plan`` bounds plans for, or None (any packing) when it was made
+    with ``repack`` (``stats["repack"]``).
+
+    Without repacking a plan keeps the micro-batches of its sample placement (``sample_placements``): round-robin,
+    longest-first and a trainer's own keep the batch's, verl's length-balanced regroups them. So the rows are the
+    Balanced plan's own micro-batches, the batch's (when it has them, with the same count), and the length-balanced
+    regrouping of the plan's (``place_samples``; it reads only their count); the bound takes the least over them.
+    """
+    if plan.stats.get("repack"):
+        return None
+    own = np.asarray(plan.samples.micro_batch, dtype=np.int64)
+    rows = [own, place_samples("length-balanced", np.asarray(batch.lengths), own, plan.num_gpus)[0]]
+    if batch.micro_batch is not None:
+        mb = np.asarray(batch.micro_batch, dtype=np.int64)
+        if mb.shape == own.shape and mb.min(initial=0) >= 0 and mb.max(initial=-1) + 1 == plan.num_micro_batches:
+            rows.append(mb)
+    return np.unique(np.stack(rows), axis=0)
 
 
 def token_shares(batch: TraceBatch, micro_batch: np.ndarray, num_micro_batches: int) -> np.ndarray:
@@ -358,7 +391,7 @@ def _bound_score(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: 
     ``t_moe`` spreads each layer's bound over the plan's micro-batches by their tokens (``token_shares``); rank
     skew 1."""
     b = bound_terms(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)),
-                    micro_batch=bound_micro_batch(plan))
+                    micro_batch=bound_micro_batch(plan, batch))
     M = plan.num_micro_batches
     t = token_shares(batch, plan.samples.micro_batch, M)[:, None] * (b.comp + b.comm)[None, :]
     total = b.t_moe_s

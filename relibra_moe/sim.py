@@ -77,6 +77,7 @@ from .evaluate import (
     check_batch_model,
     check_batch_type,
     check_plan_batch,
+    micro_batch_rows,
     plan_expert_rows,
     plan_flow,
     plan_loads,
@@ -367,19 +368,22 @@ def _attention_bound(lengths: np.ndarray, micro_batch: np.ndarray | None, model:
                      cluster: ClusterSpec) -> float:
     """Seconds: a lower bound of ``sum_m A_fwd[m]`` (one layer's local stage, slowest GPU) over every sample
     placement: per micro-batch the larger of its local work over G, its longest sample's, and (with more than G
-    samples) the G-th plus the (G+1)-th longest (two of the G+1 longest share a GPU); without fixed micro-batches
-    (``micro_batch`` None) the larger of the batch's work over G and its longest sample's."""
+    samples) the G-th plus the (G+1)-th longest (two of the G+1 longest share a GPU), summed; with K packings
+    (``micro_batch`` int ``[K, N]``, ``evaluate.bound_micro_batch``) the least of the K sums; without fixed
+    micro-batches (``micro_batch`` None) the larger of the batch's work over G and its longest sample's."""
     G, N = cluster.num_gpus, len(lengths)
     own = local_stage(lengths, np.arange(N), np.zeros(N, np.int64), N, model, cluster)[:, 0]  # [N] each alone
     if micro_batch is None:
         return max(float(own.sum()) / G, float(own.max(initial=0.0)))
-    total = 0.0
-    mb = np.asarray(micro_batch, dtype=np.int64)
-    for m in np.unique(mb):
-        w = np.sort(own[mb == m])[::-1]
-        pair = w[G - 1] + w[G] if len(w) > G else 0.0
-        total += max(float(w.sum()) / G, float(w[0]), float(pair))
-    return total
+    sums = []
+    for mb in micro_batch_rows(micro_batch, N):
+        total = 0.0
+        for m in np.unique(mb):
+            w = np.sort(own[mb == m])[::-1]
+            pair = w[G - 1] + w[G] if len(w) > G else 0.0
+            total += max(float(w.sum()) / G, float(w[0]), float(pair))
+        sums.append(total)
+    return min(sums)
 
 
 def bound_step(batch: Any, model: ModelSpec, cluster: ClusterSpec, replica_slots: int = 0,
@@ -387,16 +391,17 @@ def bound_step(batch: Any, model: ModelSpec, cluster: ClusterSpec, replica_slots
                layout: np.ndarray | None = None) -> StepTime:
     """A lower bound of the simulated step of every plan of ``batch`` with at most ``replica_slots`` replica slots
     (docs/method.md, "The bound"): no strategy, expert or sample placement or option beats it on this cluster.
-    ``micro_batch`` int ``[N]``: the plans keep these micro-batches (None: any packing, ``repack``).
+    ``micro_batch`` int ``[N]``: the plans keep these micro-batches; int ``[K, N]``: one of these K packings
+    (``evaluate.bound_micro_batch``); None: any packing (``repack``).
 
     Local stage: ``_attention_bound``. MoE: ``evaluate.bound_terms`` at the fastest GEMM rate
     (``ClusterSpec.gemm_curve``'s peak, else ``flops``); the all-to-all latency and the replica, reorder and
     persistent transfers are >= 0. ``timing.layer_step_seconds`` is convex, positively homogeneous and
     non-decreasing, so the sum over cells is at least the rule applied to the sums, which is at least the rule
     applied to these lower bounds. The result's figures are those bounds (``t_moe``, ``attention_fwd`` and
-    ``micro_batch_s`` spread over the micro-batches of ``layout`` (int ``[N]``; default ``micro_batch``, else the
-    batch's own) by their tokens, ``evaluate.token_shares``, padded to ``num_micro_batches``; rank skew 1; no
-    moves).
+    ``micro_batch_s`` spread over the micro-batches of ``layout`` (int ``[N]``; default ``micro_batch``'s first
+    packing, else the batch's own) by their tokens, ``evaluate.token_shares``, padded to ``num_micro_batches``;
+    rank skew 1; no moves).
     """
     check_batch_type(batch)
     check_batch_model(batch, model)
@@ -409,7 +414,8 @@ def bound_step(batch: Any, model: ModelSpec, cluster: ClusterSpec, replica_slots
     step = float(layer_step_seconds(L * attn, comp, comm, cluster.overlap))
     back_to_back = float(layer_step_seconds(L * attn, comp, comm, "none"))
     if layout is None:
-        layout = micro_batch if micro_batch is not None else batch.resolve_micro_batch()
+        layout = micro_batch_rows(micro_batch, len(lengths))[0] if micro_batch is not None else \
+            batch.resolve_micro_batch()
     M = int(np.max(layout)) + 1 if num_micro_batches is None else int(num_micro_batches)
     w = token_shares(batch, layout, M)
     tokens = int(lengths.sum())
@@ -438,6 +444,6 @@ def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: Cluste
         balanced = plan.stats.get("strategy") == "balanced"
     if balanced:
         return bound_step(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)),
-                          bound_micro_batch(plan), plan.num_micro_batches, layout=plan.samples.micro_batch)
+                          bound_micro_batch(plan, batch), plan.num_micro_batches, layout=plan.samples.micro_batch)
     x = plan_loads(plan, batch, cluster.num_gpus)
     return simulate_loads(plan, batch.lengths, x, model, cluster, **kwargs)

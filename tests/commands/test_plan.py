@@ -20,7 +20,7 @@ from relibra_moe.cli import build_parser, main
 from relibra_moe.commands.plan import plan_options
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError, TraceError
-from relibra_moe.evaluate import bound_t_moe, score_plan
+from relibra_moe.evaluate import bound_micro_batch, bound_t_moe, score_plan
 from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
 from relibra_moe.planners.options import PlanOptions
 from relibra_moe.planners.strategies import STRATEGIES, plan_batch
@@ -192,8 +192,8 @@ def test_plan_batch_scores_match_reference_and_ordering():
     # relibra-inter keeps LPT as a candidate per layer and only accepts improving locality
     assert scores["relibra-inter-free"] <= scores["lpt"] + 1e-15
     assert plans["relibra-inter-free"].stats["objective"] == pytest.approx(scores["relibra-inter-free"], rel=1e-9)
-    bal = bound_t_moe(batch, MODEL, CLUSTER, 1, micro_batch=batch.resolve_micro_batch())
     pb = plan_batch(batch, MODEL, CLUSTER, "balanced", replica_slots=1, seed=0)
+    bal = bound_t_moe(batch, MODEL, CLUSTER, 1, micro_batch=bound_micro_batch(pb, batch))
     assert score_plan(pb, batch, MODEL, CLUSTER).t_moe_s == pytest.approx(bal, rel=1e-12)
     assert bal <= min(scores.values())  # no plan beats the bound
     s = score_plan(plans["static"], batch, MODEL, CLUSTER, bound_t_moe_s=bal)

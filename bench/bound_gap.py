@@ -1,0 +1,123 @@
+"""How far relibra is from the bound on real routing, term by term, and how far the bound can be from the optimum.
+
+GPT-OSS-20B real trace, EP 2 x 4, r = 2, all 24 layers. Two cases:
+
+- ``held-out`` (default): 256 requests drawn with seed 1, micro-batches of 8, planned with seed 1, preset
+  ``hopper-rail``: the held-out moves-free case of BENCHMARKS.md ("Options honoured";
+  ``bench/replication.py --only quality --seed 1``).
+- ``--requests 703 --micro-batch-size 44 --seed 0 --cluster h100``: the whole trace as one batch on the CLI's
+  default preset (BENCHMARKS.md, "The bound on real routing").
+
+Per plan (static, EPLB+, LPLB+ with r = 2, relibra with moves and replicas free): the sum of T_MoE with its forward
+compute and communication terms (``evaluate.score_plan``), the simulated step, and "% of bound". The bound is the
+``balanced`` strategy's (``evaluate.bound_terms`` over ``evaluate.bound_micro_batch``'s packings); the figures with
+the batch's own micro-batches only (the packing the bound used before it covered verl's regrouping) and with any
+packing are recorded beside it.
+
+The ceiling of any bound: two valid plans that no strategy builds, relibra's homes and samples with global-scope
+replicas (EPLB's scope) chosen for locality (each node's ``P x r`` slots hold the experts homed on the other node
+that its samples route most to, and its sources send those pairs to the copy in their node), once for the whole
+batch ("persistent") and per micro-batch. Every valid lower bound is at most the best valid plan, so relibra's "%
+of bound" against ANY proven bound is at most (best plan) / relibra.
+
+    python bench/bound_gap.py                                                   # held-out, ~3 min on 2 cores
+    python bench/bound_gap.py --requests 703 --micro-batch-size 44 --seed 0 --cluster h100 \
+        --out bench/results/bound_gap_703.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from pathlib import Path
+
+import numpy as np
+from common import JsonReport, environment
+
+from relibra_moe.datasets import gpt_oss_batch
+from relibra_moe.evaluate import bound_micro_batch, bound_terms, plan_loads, score_plan
+from relibra_moe.plan import BatchPlan, ReplicaPlan
+from relibra_moe.planners.strategies import plan_batch
+from relibra_moe.sim import simulate_step
+from relibra_moe.specs import ClusterSpec, cluster_preset, model_preset
+
+
+def locality_replicas(plan: BatchPlan, batch, cluster: ClusterSpec, r: int, per_micro_batch: bool) -> BatchPlan:
+    """``plan`` with global-scope replicas for locality (module docstring); validated by the caller."""
+    G, P = cluster.num_gpus, cluster.gpus_per_node
+    x = plan_loads(plan, batch, G).astype(np.float64)
+    M, L, _, E = x.shape
+    home, node = plan.placement.expert_gpu, np.arange(G) // P
+    rep = np.full((M, L, G, r), -1, np.int32)
+    rows = []
+    for m, l, nu in itertools.product(range(M), range(L), range(cluster.nodes)):
+        gs = np.flatnonzero(node == nu)
+        want = x[m, l, gs].sum(0) if per_micro_batch else x[:, l, gs].sum((0, 1))
+        remote = np.flatnonzero(node[home[l]] != nu)
+        for i, e in enumerate(remote[np.argsort(-want[remote], kind="stable")][: P * r]):
+            g = gs[i % P]
+            rep[m, l, g, i // P] = e
+            rows += [(m, l, j, e, g) for j in gs if x[m, l, j, e] > 0]
+    idx = np.array(rows, np.int32).reshape(-1, 5)
+    reps = ReplicaPlan(rep, idx, np.ones(len(idx), np.float32), scope="global")
+    return BatchPlan(plan.placement, plan.samples, reps, G, P, {**plan.stats, "strategy": "locality-replicas"})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--micro-batch-size", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1, help="seed of the draw and of the plans")
+    ap.add_argument("--cluster", default="hopper-rail", help="cluster preset")
+    ap.add_argument("--out", default="bench/results/bound_gap.json")
+    args = ap.parse_args()
+    model = model_preset("gpt-oss-20b")
+    cluster = cluster_preset(args.cluster, nodes=2, gpus_per_node=4)
+    full = args.requests >= 703
+    batch = (gpt_oss_batch() if full else gpt_oss_batch(num_requests=args.requests, seed=args.seed)
+             ).with_micro_batch_size(args.micro_batch_size)
+    rep = JsonReport(Path(args.out), environment=environment(), requests=batch.num_sequences,
+                     micro_batch_size=args.micro_batch_size, seed=args.seed, ep="2x4", replica_slots=2,
+                     cluster=args.cluster, command="bench/bound_gap.py " + " ".join(
+                         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()))
+    bal = plan_batch(batch, model, cluster, "balanced", replica_slots=2, seed=args.seed)
+    bound = score_plan(bal, batch, model, cluster)
+    bstep = simulate_step(bal, batch, model, cluster)
+    rep.set("bound", {"t_moe_s": bound.t_moe_s, "comp_fwd_s": bound.moe_fwd_comp_s, "comm_fwd_s": bound.moe_fwd_comm_s,
+                      "step_s": bstep.step_s, "packings": len(bound_micro_batch(bal, batch)),
+                      "t_moe_s_batch_packing_only": bound_terms(batch, model, cluster, 2,
+                                                                micro_batch=batch.resolve_micro_batch()).t_moe_s,
+                      "t_moe_s_any_packing": bound_terms(batch, model, cluster, 2).t_moe_s})
+    plans = {}
+    for name, strategy, r, kw in (("static", "static", 0, {}), ("eplb", "eplb", 2, {}), ("lplb", "lplb", 2, {}),
+                                  ("relibra", "relibra", 2, {"migration": False, "price_replicas": False})):
+        t0 = time.perf_counter()
+        plans[name] = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=args.seed, **kw)
+        solve = time.perf_counter() - t0
+        print(f"{name}: planned in {solve:.0f} s", flush=True)
+        rep.set("plans", name, {"solve_s": solve})
+    for per_mb in (False, True):
+        q = locality_replicas(plans["relibra"], batch, cluster, 2, per_mb)
+        q.validate(model, cluster, batch.num_sequences)
+        plans["relibra + locality replicas, " + ("per micro-batch" if per_mb else "persistent")] = q
+    for name, p in plans.items():
+        s = score_plan(p, batch, model, cluster, bound_t_moe_s=bound.t_moe_s)
+        st = simulate_step(p, batch, model, cluster, balanced=False)
+        rep.set("plans", name, {**rep.data["plans"].get(name, {}), "t_moe_s": s.t_moe_s,
+                                "comp_fwd_s": s.moe_fwd_comp_s, "comm_fwd_s": s.moe_fwd_comm_s,
+                                "percent_of_bound": s.percent_of_bound, "step_s": st.step_s})
+        print(f"{name:45s} T_MoE {s.t_moe_s:.4f} (comp {s.moe_fwd_comp_s:.4f}, comm {s.moe_fwd_comm_s:.4f}) "
+              f"{s.percent_of_bound:5.1f}% of bound, step {st.step_s:.4f}", flush=True)
+    t = {k: v["t_moe_s"] for k, v in rep.data["plans"].items()}
+    best = min(t.values())
+    rep.set("relibra_vs_eplb", t["eplb"] / t["relibra"])
+    rep.set("relibra_vs_lplb", t["lplb"] / t["relibra"])
+    rep.set("ceiling_percent_of_any_bound", 100.0 * best / t["relibra"])
+    print(f"bound {bound.t_moe_s:.4f} (comp {bound.moe_fwd_comp_s:.4f}, comm {bound.moe_fwd_comm_s:.4f}); relibra / "
+          f"EPLB+ {t['eplb'] / t['relibra']:.3f}x, / LPLB+ {t['lplb'] / t['relibra']:.3f}x; no valid bound exceeds "
+          f"{best:.4f}, so relibra is at most {100 * best / t['relibra']:.1f}% of any bound")
+
+
+if __name__ == "__main__":
+    main()
