@@ -20,6 +20,7 @@ from ..sample_placements import place_samples
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
 from . import baselines
+from .evaluation import SIMULATED_STEP, StepEvaluator
 from .executor import FallbackLog, TaskExecutor, TaskFailed
 from .locality import anneal_locality
 from .options import PlanOptions
@@ -44,6 +45,7 @@ class PlanContext:
         executor: where the planning tasks run.
         fallback_expert_gpu: int64 ``[L, E]`` homes a reorder layer keeps when its tasks fail (None: its start).
         stats: the plan's ``stats`` being built; fallbacks: cells that fell back (``FallbackLog``).
+        evaluator: the judge of finished candidates (the portfolio's; default the step simulator).
     """
 
     batch: TraceBatch
@@ -59,6 +61,7 @@ class PlanContext:
     fallback_expert_gpu: np.ndarray | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     fallbacks: FallbackLog = field(default_factory=FallbackLog)
+    evaluator: StepEvaluator = field(default=SIMULATED_STEP, repr=False)
     _comp_weight: float | None = field(default=None, repr=False)
 
     @property

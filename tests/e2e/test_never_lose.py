@@ -13,7 +13,8 @@ from relibra_moe.cost import moe_cost
 from relibra_moe.evaluate import placement_loads
 from relibra_moe.planners.baselines import static_placement
 from relibra_moe.planners.options import PlanOptions
-from relibra_moe.planners.strategies import plan_batch, portfolio_score
+from relibra_moe.planners.portfolio import portfolio_score
+from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.sample_placements import length_balanced
 from relibra_moe.sim import simulate_step
 from relibra_moe.specs import cluster_preset, model_preset
@@ -94,7 +95,9 @@ def test_relibra_is_never_slower_than_static_online_and_eplb_history(seed, r, no
 
 def static_bound(batch: TraceBatch, model, cluster, r: int, plan, free: dict) -> float:
     from relibra_moe.plan import Placement
-    from relibra_moe.planners.strategies import default_executor, make_context, replicated_step_lower_bound
+    from relibra_moe.planners.bounds import replicated_step_lower_bound
+    from relibra_moe.planners.executor import default_executor
+    from relibra_moe.planners.strategies import make_context
 
     ctx = make_context(batch, model, cluster, "relibra", PlanOptions(replica_slots=r, **free), default_executor(1))
     static = static_placement(model.num_layers, model.num_experts, cluster.num_gpus)

@@ -13,6 +13,7 @@ from relibra_moe.errors import PlanError
 from relibra_moe.planners.migration import (
     is_symmetry,
     keep_previous_layers,
+    migrate,
     relabel_to_previous,
     step_moe_seconds,
     symmetry_perm,
@@ -124,3 +125,32 @@ def test_plan_batch_migration_option_and_previous_validation():
     with pytest.raises(PlanError, match="previous placement: expert_gpu: GPU 0 homes 12 experts in layer 0; "
                                         "every GPU must home exactly E/G = 2"):
         plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=np.zeros((3, 12), np.int64))
+
+
+def test_migrate_relabels_samples_with_homes_unless_the_trainer_owns_them():
+    from relibra_moe.evaluate import placement_loads
+    from relibra_moe.planners.options import PlanOptions
+    from relibra_moe.synthetic import rl_batch
+
+    batch = rl_batch(MODEL, "mixed", 3, responses_per_prompt=4, seed=1, micro_batch_size=6, max_len=48)
+    mb = batch.resolve_micro_batch().astype(np.int64)
+    sg = np.arange(batch.num_sequences) % CLUSTER.num_gpus
+    static = np.repeat(np.arange(CLUSTER.num_gpus), MODEL.num_experts // CLUSTER.num_gpus)[None].repeat(3, axis=0)
+    perm = symmetry_perm(np.array([1, 0]), np.array([2, 0, 1]), CLUSTER.gpus_per_node)
+    eg = perm[static]  # the static homes under a symmetry: relabelling back moves nothing
+    args = (eg, mb, sg, batch, 2, MODEL, CLUSTER)
+    assert migrate(*args, PlanOptions(migration=False), False) == (eg, sg, {"enabled": False})
+    got_eg, got_sg, info = migrate(*args, PlanOptions(), False)
+    relabel = np.asarray(info["relabel"])
+    assert np.array_equal(got_eg, static) and info["moved"] == info["moved_after_relabel"] == 0
+    assert np.array_equal(got_sg, relabel[sg]) and np.array_equal(relabel[perm], np.arange(CLUSTER.num_gpus))
+    fixed_eg, fixed_sg, fixed = migrate(*args, PlanOptions(), False, samples_fixed=True)
+    assert fixed["samples_fixed"] and np.array_equal(fixed_sg, sg)
+    # the identity or the relabelling, whichever prices lower with these samples (hand sum of the two terms)
+    x = placement_loads(batch, mb, sg, 2, CLUSTER.num_gpus)
+    totals = []
+    for p in (np.arange(CLUSTER.num_gpus), perm.argsort()):
+        kept, inf = keep_previous_layers(x, p[eg], static, MODEL, CLUSTER)
+        totals.append(sum(step_moe_seconds(x[:, l], kept[l], MODEL, CLUSTER) for l in range(3)) + inf["relayout_s"])
+    want = perm.argsort() if totals[1] < totals[0] * (1 - 1e-12) else np.arange(CLUSTER.num_gpus)  # ties: identity
+    assert np.array_equal(np.asarray(fixed["relabel"]), want)

@@ -1,0 +1,196 @@
+"""relibra's portfolio: the best of its own plan and the cheap alternatives, each judged by the step evaluator
+the context carries (``evaluation.StepEvaluator``; docs/method.md, "The portfolio").
+
+Every candidate is judged by ``ctx.evaluator`` (default ``evaluation.SimulatedStep``: the way ``relibra compare``
+/ ``relibra simulate`` charge a plan, ``sim.simulate_loads`` on the plan's loads, as ``sim.simulate_step`` and
+``steady.evaluate_plan`` run it, moves charged against ``previous``, replica traffic by the one fetch rule of
+``timing.replica_push_overlap``; the replicas of every candidate are fetched as relibra's, known from the replay)
+and scored under the caller's options (``portfolio_score``: moves and replicas free when the options say so).
+
+Candidates, in order: relibra's own plan; ``relibra-inter`` (the annealed homes finished without the
+replication-aware migration pricing, no replicas); then, on every placement of ``portfolio_placements``
+(round-robin, verl's length-balanced, longest-first; the trainer's only when it owns the samples; the name
+suffix says which), the baselines' plans on the same batch and options: eplb-history (with option ``history``),
+static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with replica slots and a
+previous placement other than static, where "previous" already dominates it), each built only when its lower
+bound (``bounds.replicated_step_lower_bound``) is below the best score so far (else
+``stats["portfolio"]["pruned"]`` holds the bound). eplb and lplb are left out: never near relibra on the
+never-lose grid (BENCHMARKS.md, "Never lose"), lplb's LP ~10x relibra's whole plan at paper scale. The replay
+shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are charged
+as relibra's (per layer), never more than the baseline's own after-router fetch.
+
+The chosen candidate (``least_moving_best``): the lowest score; among those within ``1e-9`` of it, the one that
+moves the fewest experts, then samples: a move must buy step time (on one node, where locality saves no RDMA
+traffic, a plan that only reshuffles does not win).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
+from ..sample_placements import SAMPLE_PLACEMENTS, place_samples
+from . import baselines
+from .annealing import finish_inter
+from .bounds import replicated_step_lower_bound
+from .context import PlanContext, make_plan, previous_expert_gpu
+from .evaluation import CandidateStep
+from .options import PlanOptions
+
+__all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
+
+
+Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]
+"""A portfolio candidate: (homes [L, E], micro_batch [N], gpu [N], replicas or None)."""
+
+
+def portfolio_placements(ctx: PlanContext) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The sample placements the portfolio's baseline candidates run on, by candidate-name suffix: the trainer's
+    (``""``) when it owns the samples; else round-robin (``""``) and every other placement of
+    ``sample_placements.SAMPLE_PLACEMENTS`` (``"@" + name``; with ``keep_cell_sizes`` only those whose (micro-batch,
+    GPU) cells hold equal counts, besides the call's start). Each ``(micro_batch [N], gpu [N])``, int64."""
+    if ctx.trainer_owned:
+        return {"": (ctx.micro_batch, ctx.sample_gpu)}
+    mb0 = ctx.batch.resolve_micro_batch()
+    G = ctx.cluster.num_gpus
+    out = {"": (mb0, round_robin_gpus(mb0, G))}
+    for name in SAMPLE_PLACEMENTS[1:]:
+        mb, sg = place_samples(name, ctx.lengths, mb0, G)
+        cells = np.bincount(mb * G + sg, minlength=ctx.num_micro_batches * G)
+        if ctx.options.keep_cell_sizes and cells.min() != cells.max() and name != ctx.options.placement_for("relibra"):
+            continue  # a trainer with a fixed per-rank micro-batch size could not follow it (sample_order)
+        out["@" + name] = (mb, sg)
+    return out
+
+
+def portfolio_score(step: CandidateStep, options: PlanOptions) -> float:
+    """A portfolio candidate's figure under the caller's options (seconds; ``step`` an
+    ``evaluation.CandidateStep``, e.g. a ``sim.StepTime``): the
+    simulated step, less the re-layout with ``migration=False`` (moves free) and less the exposed replica traffic
+    with ``price_replicas=False`` (replicas free); with ``step_objective=False`` the sum of the forward T_MoE, the
+    objective the planner was asked for."""
+    if not options.step_objective:
+        return float(step.t_moe_s)
+    score = float(step.step_s)
+    if not options.migration:
+        score -= float(step.reorder_s)
+    if not options.price_replicas:
+        score -= float(step.replica_exposed_s)
+    return score
+
+
+def portfolio(ctx: PlanContext, own: dict[str, Candidate],
+              annealed: tuple[np.ndarray, np.ndarray, np.ndarray, bool],
+              strategies: Mapping[str, Callable[[PlanContext], BatchPlan]],
+              replicas: Callable[[PlanContext, np.ndarray, np.ndarray, np.ndarray], ReplicaPlan]) -> BatchPlan:
+    """The end of ``relibra``: the best of ``own`` (relibra's plan) and the cheap alternatives (this module's
+    docstring), judged by ``ctx.evaluator`` and scored by ``portfolio_score``, chosen by ``least_moving_best``.
+
+    ``annealed`` is ``anneal_inter``'s (homes, micro_batch, gpu) and the option ``node_comp``; ``strategies`` the
+    baselines by name (``static``, ``online``, ``eplb-history``: the registry's); ``replicas`` relibra's
+    replication pass ``(ctx, homes [L, E], micro_batch [N], gpu [N]) -> ReplicaPlan``
+    (``strategies.relibra_replicas``). Writes ``stats["portfolio"]``: ``chosen``, every judged candidate's
+    ``step_s`` (its score) and ``pruned``; wall seconds per candidate go to ``stats["timing"]``.
+    """
+    L, G, M, o = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches, ctx.options
+    prev, places = previous_expert_gpu(o, ctx.model, ctx.cluster), portfolio_placements(ctx)
+    cands: dict[str, Candidate] = dict(own)
+    timing = ctx.stats.setdefault("timing", {})
+
+    def timed(name: str, make: Callable[[], Candidate]) -> None:
+        t0 = time.perf_counter()
+        cands[name] = make()
+        timing[f"portfolio_{name}_s"] = time.perf_counter() - t0
+
+    def baseline(name: str, suffix: str) -> Candidate:
+        mb, sg = places[suffix]
+        bp = strategies[name](dataclasses.replace(ctx, stats={}, micro_batch=mb, sample_gpu=sg))
+        return bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas
+
+    timed("relibra-inter", lambda: (*finish_inter(ctx, *annealed, {}), None))
+    static = baselines.static_placement(L, ctx.model.num_experts, G)
+    for suffix in places:
+        if o.history is not None:
+            timed("eplb-history" + suffix, lambda s=suffix: baseline("eplb-history", s))
+        timed("static" + suffix, lambda s=suffix: baseline("static", s))
+    previous = Placement(prev)
+    opb = float(o.optimizer_bytes_per_param)
+    steps: dict[str, float] = {}
+    modes: dict[str, str] = {}
+    loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x): each placement once
+
+    def loads_of(mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
+        x = next((x for m, g, x in loads if np.array_equal(m, mb) and np.array_equal(g, sg)), None)
+        if x is None:
+            x = ctx.loads(mb, sg)
+            loads.append((mb, sg, x))
+        return x
+
+    def simulate(name: str) -> None:
+        t0 = time.perf_counter()
+        eg, mb, sg, reps = cands[name]
+        plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M),
+                         replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
+                         gpus_per_node=ctx.cluster.gpus_per_node, stats={})
+        st = ctx.evaluator.step(plan, ctx.lengths, loads_of(mb, sg), ctx.model, ctx.cluster, previous, opb)
+        steps[name], modes[name] = portfolio_score(st, o), st.replica_mode
+        timing["portfolio_simulate_s"] = timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
+
+    for name in list(cands):
+        simulate(name)
+    # Candidates with replicas on fixed homes cost a replication pass each; one whose lower bound already reaches
+    # the best score cannot win and is not built ("pruned": its bound).
+    pruned: dict[str, float] = {}
+    for suffix, (mb, sg) in places.items():
+        for base, homes in (("previous", prev), ("online", static)):
+            name = base + suffix
+            if base == "online" and (not ctx.replica_slots or (np.array_equal(prev, static) and not ctx.repack and (
+                    "previous" + suffix in pruned or modes.get("previous" + suffix) == "per-layer"))):
+                # without slots online is the static plan; with the static homes as previous, "previous" is
+                # online's homes and samples with relibra's priced replicas: per cell the same greedy with 0 .. r
+                # slots, chosen by a window never shorter than online's and charged per layer, so never slower
+                continue
+            bound = replicated_step_lower_bound(ctx, homes, mb, sg, loads_of(mb, sg), previous, opb)
+            if bound >= min(steps.values()) and not (base == "online" and ctx.repack):  # repack: online's samples
+                pruned[name] = bound
+                continue
+            timed(name, (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots
+                                               else None))
+                  if base == "previous" else (lambda s=suffix: baseline("online", s)))
+            simulate(name)
+    chosen = least_moving_best(ctx, cands, steps, prev)
+    ctx.stats["portfolio"] = {"chosen": chosen, "step_s": steps, **({"pruned": pruned} if pruned else {})}
+    eg, mb, sg, reps = cands[chosen]
+    return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
+
+
+def least_moving_best(ctx: PlanContext, cands: dict[str, Candidate], scores: dict[str, float],
+                      previous: np.ndarray) -> str:
+    """The portfolio's choice among the scored candidates: the lowest score; among those within ``1e-9`` of it
+    (relative), the one that moves the fewest experts off ``previous [L, E]``, then the fewest samples off the
+    call's start (``ctx.micro_batch`` / ``ctx.sample_gpu``), then the earlier in ``scores``."""
+    best = min(scores.values())
+    close = [k for k in scores if scores[k] <= best + 1e-9 * abs(best)]
+    order = list(scores)
+    return min(close, key=lambda k: (int((cands[k][0] != previous).sum()),
+                                     int(((cands[k][1] != ctx.micro_batch) | (cands[k][2] != ctx.sample_gpu)).sum()),
+                                     order.index(k)))
+
+
+
+def padded(replicas: ReplicaPlan | None, num_micro_batches: int, num_layers: int, num_gpus: int,
+           replica_slots: int) -> ReplicaPlan:
+    """``replicas`` with ``replica_slots`` slots per GPU (empty ones appended; None: no replicas), so that every
+    portfolio candidate has the ``[M, L, G, r]`` shape of relibra's plans."""
+    if replicas is None:
+        return ReplicaPlan.empty(num_micro_batches, num_layers, num_gpus, replica_slots)
+    rep = replicas.replica_expert
+    if rep.shape[-1] >= replica_slots:
+        return replicas
+    pad = np.full(rep.shape[:-1] + (replica_slots - rep.shape[-1],), -1, np.int32)
+    return dataclasses.replace(replicas, replica_expert=np.concatenate([rep, pad], axis=-1))
+
