@@ -261,24 +261,10 @@ def _resolve_replica_mode(plan: BatchPlan, mode: str) -> str:
     return "per-layer"
 
 
-def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
-                   *, previous: Placement | None = None,
-                   optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM,
-                   replica_mode: ReplicaMode = "auto", validate: bool = True) -> StepTime:
-    """Simulate one step from sequence lengths and loads (see the module docstring for the formulas).
-
-    Args:
-        plan: the batch's plan (placement, sample placement, replicas); checked against the specs.
-        lengths: int ``[N]`` tokens of each sequence (sample n runs on ``plan.samples.gpu[n]`` in
-            micro-batch ``plan.samples.micro_batch[n]``).
-        x: ``[M, L, G, E]`` tokens of source GPU j routed to expert e per micro-batch and MoE layer,
-            for that same sample placement (``TraceBatch.loads``).
-        previous: placement before this batch (default: static); the re-layout moves the difference.
-        optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter.
-        replica_mode: "auto", "per-layer", "persistent" or "after-router" (see the module docstring).
-        validate: check the plan against the specs (``BatchPlan.validate``); False only for plans the caller
-            built and validates itself (relibra's portfolio candidates: the one it returns is validated).
-    """
+def _check_step_inputs(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                       previous: Placement | None, optimizer_bytes_per_param: float, validate: bool
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """``simulate_loads``'s argument checks (PlanError naming the argument); returns ``(lengths, x)`` as arrays."""
     G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
     lengths = np.asarray(lengths)
     x = np.asarray(x)
@@ -300,24 +286,15 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
             previous.validate(model, cluster)
         except PlanError as exc:
             raise PlanError(f"previous placement: {exc}") from None
+    return lengths, x
 
-    # Local stage: attention (+ shared experts) per (m, g); the slowest GPU counts.
-    a_fwd = attention_forward(lengths, plan.samples.micro_batch, plan.samples.gpu, M, model, cluster)  # [M]
-    a_bwd = attention_backward(a_fwd)
 
-    # MoE forward / backward from the plan's flow.
-    flow = plan_flow(plan, x)
-    cost = cost_from_flow(flow, model, cluster)
-    if cluster.gemm_curve:  # expert GEMMs at the measured rate of each expert's rows
-        comp_max = expert_compute_seconds(plan_expert_rows(plan, x), model, cluster).max(axis=-1)  # [M, L]
-    else:
-        comp_max = cost.comp.max(axis=-1)  # [M, L]
-    comm_max = moe_comm_seconds(cost.comm.max(axis=-1), flow, cluster)  # + all-to-all latency
-    t_fwd = moe_forward_seconds(comp_max, comm_max)
-    t_bwd = moe_backward_seconds(comp_max, comm_max)
-
-    # Replica transfers.
-    mode = _resolve_replica_mode(plan, replica_mode)
+def _replica_transfers(plan: BatchPlan, mode: str, a_fwd: np.ndarray, a_bwd: np.ndarray, comm_max: np.ndarray,
+                       model: ModelSpec, cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """The replica traffic of ``plan`` fetched by ``mode``: ``(push [M, L], exposed_fwd [M, L], exposed_bwd [M, L],
+    persistent_s)`` seconds; ``a_fwd`` / ``a_bwd`` ``[M]`` attention seconds, ``comm_max`` ``[M, L]`` the forward
+    all-to-all (module docstring, "Replica transfers")."""
+    M, L = plan.num_micro_batches, model.num_layers
     rep = plan.replicas.replica_expert  # [M, L, G, r]
     filled = np.argwhere(rep >= 0)
     push = np.zeros((M, L))
@@ -337,6 +314,50 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
             once = fm == 0
             persistent_s = 2.0 * float(transfer_seconds(fh[once], fg[once], model.expert_bytes, None, 1,
                                                         cluster)[0])
+    return push, exposed_fwd, exposed_bwd, persistent_s
+
+
+def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                   *, previous: Placement | None = None,
+                   optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM,
+                   replica_mode: ReplicaMode = "auto", validate: bool = True) -> StepTime:
+    """Simulate one step from sequence lengths and loads (see the module docstring for the formulas).
+
+    Args:
+        plan: the batch's plan (placement, sample placement, replicas); checked against the specs.
+        lengths: int ``[N]`` tokens of each sequence (sample n runs on ``plan.samples.gpu[n]`` in
+            micro-batch ``plan.samples.micro_batch[n]``).
+        x: ``[M, L, G, E]`` tokens of source GPU j routed to expert e per micro-batch and MoE layer,
+            for that same sample placement (``TraceBatch.loads``).
+        previous: placement before this batch (default: static); the re-layout moves the difference.
+        optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter.
+        replica_mode: "auto", "per-layer", "persistent" or "after-router" (see the module docstring).
+        validate: check the plan against the specs (``BatchPlan.validate``); False only for plans the caller
+            built and validates itself (relibra's portfolio candidates: the one it returns is validated).
+    """
+    G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
+    lengths, x = _check_step_inputs(plan, lengths, x, model, cluster, previous, optimizer_bytes_per_param, validate)
+    M = plan.num_micro_batches
+
+    # Local stage: attention (+ shared experts) per (m, g); the slowest GPU counts.
+    a_fwd = attention_forward(lengths, plan.samples.micro_batch, plan.samples.gpu, M, model, cluster)  # [M]
+    a_bwd = attention_backward(a_fwd)
+
+    # MoE forward / backward from the plan's flow.
+    flow = plan_flow(plan, x)
+    cost = cost_from_flow(flow, model, cluster)
+    if cluster.gemm_curve:  # expert GEMMs at the measured rate of each expert's rows
+        comp_max = expert_compute_seconds(plan_expert_rows(plan, x), model, cluster).max(axis=-1)  # [M, L]
+    else:
+        comp_max = cost.comp.max(axis=-1)  # [M, L]
+    comm_max = moe_comm_seconds(cost.comm.max(axis=-1), flow, cluster)  # + all-to-all latency
+    t_fwd = moe_forward_seconds(comp_max, comm_max)
+    t_bwd = moe_backward_seconds(comp_max, comm_max)
+
+    # Replica transfers.
+    mode = _resolve_replica_mode(plan, replica_mode)
+    push, exposed_fwd, exposed_bwd, persistent_s = _replica_transfers(plan, mode, a_fwd, a_bwd, comm_max, model,
+                                                                      cluster)
     pull = push  # the gradient has the weights' size and goes the other way: same link time
 
     prev = previous if previous is not None else Placement.static(L, E, G)

@@ -92,6 +92,18 @@ def _strategy_registry() -> tuple[str, ...]:
     return tuple(STRATEGIES)
 
 
+def add_trace_plan_parser(subparsers: argparse._SubParsersAction, name: str, help: str, description: str
+                          ) -> argparse.ArgumentParser:
+    """The parser of a subcommand that reads a TRACE and a PLAN file (``relibra score``, ``relibra simulate``):
+    the two positionals, the model and the cluster arguments."""
+    p = subparsers.add_parser(name, help=help, description=description)
+    p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
+    p.add_argument("plan", help="plan file (.npz from `relibra plan`)")
+    add_model_args(p)
+    add_cluster_args(p)
+    return p
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``relibra plan`` and ``relibra score`` to the CLI."""
     p = subparsers.add_parser(
@@ -142,14 +154,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
 
-    s = subparsers.add_parser(
-        "score", help="exact cost of a plan file on a trace",
-        description="Re-score PLAN on the batch in TRACE with the exact cost model (the same numbers as "
-                    "`relibra plan` prints).")
-    s.add_argument("trace", help="trace file (.npz)")
-    s.add_argument("plan", help="plan file (.npz from `relibra plan`)")
-    add_model_args(s)
-    add_cluster_args(s)
+    s = add_trace_plan_parser(subparsers, "score", "exact cost of a plan file on a trace",
+                              "Re-score PLAN on the batch in TRACE with the exact cost model (the same numbers as "
+                              "`relibra plan` prints).")
     s.add_argument("--bound", "--balanced", dest="bound", action="store_true",
                    help="also report percent of the bound (a lower bound of every plan's sum of T_MoE)")
     s.add_argument("--previous", default=None, metavar="PLAN.npz",

@@ -96,76 +96,97 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     (``strategies.relibra_replicas``). Writes ``stats["portfolio"]``: ``chosen``, every judged candidate's
     ``step_s`` (its score) and ``pruned``; wall seconds per candidate go to ``stats["timing"]``.
     """
-    L, G, M, o = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches, ctx.options
-    prev, places = previous_expert_gpu(o, ctx.model, ctx.cluster), portfolio_placements(ctx)
-    cands: dict[str, Candidate] = dict(own)
-    timing = ctx.stats.setdefault("timing", {})
+    L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
+    pf = _Candidates(ctx, own, portfolio_placements(ctx), strategies)
+    pf.add("relibra-inter", lambda: (*finish_inter(ctx, *annealed, {}), None))
+    for suffix in pf.places:
+        if ctx.options.history is not None:
+            pf.add("eplb-history" + suffix, lambda s=suffix: pf.baseline("eplb-history", s))
+        pf.add("static" + suffix, lambda s=suffix: pf.baseline("static", s))
+    for name in list(pf.cands):
+        pf.judge(name)
+    _add_replicated(pf, replicas)
+    chosen = least_moving_best(ctx, pf.cands, pf.steps, pf.previous_homes)
+    ctx.stats["portfolio"] = {"chosen": chosen, "step_s": pf.steps, **({"pruned": pf.pruned} if pf.pruned else {})}
+    eg, mb, sg, reps = pf.cands[chosen]
+    return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
 
-    def timed(name: str, make: Callable[[], Candidate]) -> None:
+
+class _Candidates:
+    """The candidates of one ``portfolio`` call (by name, in order), their scores (``steps``) and replica modes, the
+    pruned ones' bounds, and the loads ``[M, L, G, E]`` of each sample placement (computed once)."""
+
+    def __init__(self, ctx: PlanContext, own: dict[str, Candidate], places: dict[str, tuple[np.ndarray, np.ndarray]],
+                 strategies: Mapping[str, Callable[[PlanContext], BatchPlan]]) -> None:
+        self.ctx, self.places, self.strategies = ctx, places, strategies
+        self.previous_homes = previous_expert_gpu(ctx.options, ctx.model, ctx.cluster)
+        self.previous = Placement(self.previous_homes)
+        self.opb = float(ctx.options.optimizer_bytes_per_param)
+        self.cands: dict[str, Candidate] = dict(own)
+        self.steps: dict[str, float] = {}
+        self.modes: dict[str, str] = {}
+        self.pruned: dict[str, float] = {}
+        self.timing = ctx.stats.setdefault("timing", {})
+        self._loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x)
+
+    def add(self, name: str, make: Callable[[], Candidate]) -> None:
+        """Build candidate ``name`` (its wall seconds to ``timing["portfolio_<name>_s"]``)."""
         t0 = time.perf_counter()
-        cands[name] = make()
-        timing[f"portfolio_{name}_s"] = time.perf_counter() - t0
+        self.cands[name] = make()
+        self.timing[f"portfolio_{name}_s"] = time.perf_counter() - t0
 
-    def baseline(name: str, suffix: str) -> Candidate:
-        mb, sg = places[suffix]
-        bp = strategies[name](dataclasses.replace(ctx, stats={}, micro_batch=mb, sample_gpu=sg))
+    def baseline(self, name: str, suffix: str) -> Candidate:
+        """Strategy ``name``'s plan on the placement ``suffix`` of ``places`` (its own stats dropped)."""
+        mb, sg = self.places[suffix]
+        bp = self.strategies[name](dataclasses.replace(self.ctx, stats={}, micro_batch=mb, sample_gpu=sg))
         return bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas
 
-    timed("relibra-inter", lambda: (*finish_inter(ctx, *annealed, {}), None))
-    static = baselines.static_placement(L, ctx.model.num_experts, G)
-    for suffix in places:
-        if o.history is not None:
-            timed("eplb-history" + suffix, lambda s=suffix: baseline("eplb-history", s))
-        timed("static" + suffix, lambda s=suffix: baseline("static", s))
-    previous = Placement(prev)
-    opb = float(o.optimizer_bytes_per_param)
-    steps: dict[str, float] = {}
-    modes: dict[str, str] = {}
-    loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x): each placement once
-
-    def loads_of(mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
-        x = next((x for m, g, x in loads if np.array_equal(m, mb) and np.array_equal(g, sg)), None)
+    def loads_of(self, mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
+        """``ctx.loads(mb, sg)``, computed once per placement."""
+        x = next((x for m, g, x in self._loads if np.array_equal(m, mb) and np.array_equal(g, sg)), None)
         if x is None:
-            x = ctx.loads(mb, sg)
-            loads.append((mb, sg, x))
+            x = self.ctx.loads(mb, sg)
+            self._loads.append((mb, sg, x))
         return x
 
-    def simulate(name: str) -> None:
-        t0 = time.perf_counter()
-        eg, mb, sg, reps = cands[name]
+    def judge(self, name: str) -> None:
+        """Score candidate ``name`` with ``ctx.evaluator`` (``portfolio_score``; wall seconds to
+        ``timing["portfolio_simulate_s"]``)."""
+        ctx, t0 = self.ctx, time.perf_counter()
+        L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
+        eg, mb, sg, reps = self.cands[name]
         plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M),
                          replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
                          gpus_per_node=ctx.cluster.gpus_per_node, stats={})
-        st = ctx.evaluator.step(plan, ctx.lengths, loads_of(mb, sg), ctx.model, ctx.cluster, previous, opb)
-        steps[name], modes[name] = portfolio_score(st, o), st.replica_mode
-        timing["portfolio_simulate_s"] = timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
+        st = ctx.evaluator.step(plan, ctx.lengths, self.loads_of(mb, sg), ctx.model, ctx.cluster, self.previous,
+                                self.opb)
+        self.steps[name], self.modes[name] = portfolio_score(st, ctx.options), st.replica_mode
+        self.timing["portfolio_simulate_s"] = self.timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
 
-    for name in list(cands):
-        simulate(name)
-    # Candidates with replicas on fixed homes cost a replication pass each; one whose lower bound already reaches
-    # the best score cannot win and is not built ("pruned": its bound).
-    pruned: dict[str, float] = {}
-    for suffix, (mb, sg) in places.items():
+
+def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray, np.ndarray, np.ndarray],
+                                                         ReplicaPlan]) -> None:
+    """The candidates with replicas on fixed homes, ``previous`` and ``online`` on every placement: each costs a
+    replication pass, so one whose lower bound already reaches the best score cannot win and is not built
+    (``pf.pruned``: its bound)."""
+    ctx, prev = pf.ctx, pf.previous_homes
+    static = baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
+    for suffix, (mb, sg) in pf.places.items():
         for base, homes in (("previous", prev), ("online", static)):
             name = base + suffix
             if base == "online" and (not ctx.replica_slots or (np.array_equal(prev, static) and not ctx.repack and (
-                    "previous" + suffix in pruned or modes.get("previous" + suffix) == "per-layer"))):
+                    "previous" + suffix in pf.pruned or pf.modes.get("previous" + suffix) == "per-layer"))):
                 # without slots online is the static plan; with the static homes as previous, "previous" is
                 # online's homes and samples with relibra's priced replicas: per cell the same greedy with 0 .. r
                 # slots, chosen by a window never shorter than online's and charged per layer, so never slower
                 continue
-            bound = replicated_step_lower_bound(ctx, homes, mb, sg, loads_of(mb, sg), previous, opb)
-            if bound >= min(steps.values()) and not (base == "online" and ctx.repack):  # repack: online's samples
-                pruned[name] = bound
+            bound = replicated_step_lower_bound(ctx, homes, mb, sg, pf.loads_of(mb, sg), pf.previous, pf.opb)
+            if bound >= min(pf.steps.values()) and not (base == "online" and ctx.repack):  # repack: online's samples
+                pf.pruned[name] = bound
                 continue
-            timed(name, (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots
-                                               else None))
-                  if base == "previous" else (lambda s=suffix: baseline("online", s)))
-            simulate(name)
-    chosen = least_moving_best(ctx, cands, steps, prev)
-    ctx.stats["portfolio"] = {"chosen": chosen, "step_s": steps, **({"pruned": pruned} if pruned else {})}
-    eg, mb, sg, reps = cands[chosen]
-    return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
+            pf.add(name, (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots else None))
+                   if base == "previous" else (lambda s=suffix: pf.baseline("online", s)))
+            pf.judge(name)
 
 
 def least_moving_best(ctx: PlanContext, cands: dict[str, Candidate], scores: dict[str, float],
