@@ -72,7 +72,7 @@ def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, *,
                         f"L={model.num_layers}, E={model.num_experts}")
     if batch.num_sequences != plan.samples.num_samples:
         raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
-    want = plan.stats.get("batch_sha1")
+    want = plan.stats.batch_sha1
     if want is None and not allow_missing_fingerprint:
         at = f"plan file {plan.origin}" if plan.origin is not None else "the plan"
         raise PlanError(f"{at} has no batch fingerprint (stats batch_sha1), so it cannot be checked against this "
@@ -220,13 +220,13 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
     check_positive("beta", beta)
     if bound_t_moe_s is not None:
         check_positive("bound_t_moe_s", bound_t_moe_s)
-    if plan.stats.get("strategy") == "balanced":
+    if plan.stats.strategy == "balanced":
         return _bound_score(plan, batch, model, cluster, bound_t_moe_s)
     x = plan_loads(plan, batch, cluster.num_gpus)
     cost = cost_from_flow(plan_flow(plan, x), model, cluster, beta)
     t_moe_s = float(cost.t_moe.sum())
     return PlanScore(
-        strategy=plan.stats.get("strategy", "unknown"), t_moe_s=t_moe_s,
+        strategy=plan.stats.strategy or "unknown", t_moe_s=t_moe_s,
         t_moe_smooth_s=float(cost.t_moe_smooth.sum()),
         moe_fwd_comp_s=float(cost.comp.max(axis=-1).sum()), moe_fwd_comm_s=float(cost.comm.max(axis=-1).sum()),
         rank_skew_mean=float(cost.rank_skew.mean()), rank_skew_max=float(cost.rank_skew.max()),
@@ -341,7 +341,7 @@ def bound_t_moe(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, repli
 def bound_micro_batch(plan: BatchPlan) -> np.ndarray | None:
     """The micro-batches the Balanced ``plan`` bounds plans for: its own (the batch's) unless it was made with
     ``repack`` (``stats["repack"]``: then any packing, None)."""
-    return None if plan.stats.get("repack") else np.asarray(plan.samples.micro_batch, dtype=np.int64)
+    return None if plan.stats.repack else np.asarray(plan.samples.micro_batch, dtype=np.int64)
 
 
 def token_shares(batch: TraceBatch, micro_batch: np.ndarray, num_micro_batches: int) -> np.ndarray:
@@ -357,7 +357,7 @@ def _bound_score(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: 
     """The ``PlanScore`` of the bound for the replica slots ``plan.stats["replica_slots"]`` (the Balanced plan's):
     ``t_moe`` spreads each layer's bound over the plan's micro-batches by their tokens (``token_shares``); rank
     skew 1."""
-    b = bound_terms(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)),
+    b = bound_terms(batch, model, cluster, plan.planned_replica_slots,
                     micro_batch=bound_micro_batch(plan))
     M = plan.num_micro_batches
     t = token_shares(batch, plan.samples.micro_batch, M)[:, None] * (b.comp + b.comm)[None, :]

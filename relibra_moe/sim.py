@@ -44,7 +44,7 @@ Two modes:
   (``timing.replica_push_overlap``);
   the gradient pull overlaps the attention backward as in ``per-layer``.
 
-``replica_mode="auto"`` picks ``after-router`` for plans whose ``stats["replica_fetch"]`` says so,
+``replica_mode="auto"`` picks ``after-router`` for plans whose ``stats.replica_fetch`` says so,
 ``persistent`` when there are several micro-batches and the replica
 slots hold the same experts in every micro-batch, else ``per-layer``.
 
@@ -217,11 +217,11 @@ class StepResult:
     (``relibra simulate``, ``relibra compare``, the demo, ``steady.plan_steady``).
 
     Attributes:
-        strategy: ``plan.stats["strategy"]`` (None when absent).
+        strategy: ``plan.stats.strategy`` (None when absent).
         replica_slots: the plan's r.
         solve_s: seconds the planner took (wall clock; nan when unknown).
         step: the simulated ``StepTime``.
-        portfolio: relibra's chosen portfolio candidate (``plan.stats["portfolio"]["chosen"]``), None elsewhere.
+        portfolio: relibra's chosen portfolio candidate (``plan.stats.portfolio.chosen``), None elsewhere.
     """
 
     strategy: str | None
@@ -232,11 +232,13 @@ class StepResult:
 
     @classmethod
     def of(cls, plan: BatchPlan, step: StepTime, solve_s: float | None = None) -> StepResult:
-        """The result of ``plan``'s simulated ``step``; ``solve_s`` defaults to ``plan.stats["solve_seconds"]``."""
-        return cls(strategy=plan.stats.get("strategy"), replica_slots=plan.replica_slots,
-                   solve_s=float(plan.stats.get("solve_seconds", float("nan")) if solve_s is None else solve_s),
+        """The result of ``plan``'s simulated ``step``; ``solve_s`` defaults to ``plan.stats.solve_seconds``."""
+        st = plan.stats
+        return cls(strategy=st.strategy, replica_slots=plan.replica_slots,
+                   solve_s=float((float("nan") if st.solve_seconds is None else st.solve_seconds) if solve_s is None
+                                 else solve_s),
                    step=step,
-                   portfolio=plan.stats["portfolio"]["chosen"] if "portfolio" in plan.stats else None)
+                   portfolio=st.portfolio.chosen if st.portfolio is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``strategy``, ``replica_slots``, ``solve_s``, the step's ``StepTime.to_dict`` figures and
@@ -253,7 +255,7 @@ def _resolve_replica_mode(plan: BatchPlan, mode: str) -> str:
         raise PlanError(f"replica_mode {mode!r} is not one of {REPLICA_MODES}")
     if mode != "auto":
         return mode
-    if plan.stats.get("replica_fetch") == "after-router":
+    if plan.stats.replica_fetch == "after-router":
         return "after-router"
     rep = plan.replicas.replica_expert
     if rep.shape[0] > 1 and (rep >= 0).any() and bool((rep == rep[:1]).all()):
@@ -449,16 +451,16 @@ def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: Cluste
     """Simulate one step of ``batch`` (a ``TraceBatch``) under ``plan``; keyword args as ``simulate_loads``.
 
     The loads follow the plan's sample placement (``evaluate.plan_loads``). ``balanced`` (default: whether
-    ``plan.stats["strategy"] == "balanced"``) returns the bound instead (``bound_step`` for the plan's
-    ``stats["replica_slots"]``, micro-batches (``evaluate.bound_micro_batch``) and micro-batch count), as
+    ``plan.stats.strategy == "balanced"``) returns the bound instead (``bound_step`` for the plan's
+    ``stats.replica_slots``, micro-batches (``evaluate.bound_micro_batch``) and micro-batch count), as
     ``score_plan`` scores a Balanced plan as the bound.
-    ``allow_missing_fingerprint``: simulate a plan without ``stats["batch_sha1"]`` (``check_plan_batch``).
+    ``allow_missing_fingerprint``: simulate a plan without ``stats.batch_sha1`` (``check_plan_batch``).
     """
     check_plan_batch(plan, batch, model, allow_missing_fingerprint=allow_missing_fingerprint)
     if balanced is None:
-        balanced = plan.stats.get("strategy") == "balanced"
+        balanced = plan.stats.strategy == "balanced"
     if balanced:
-        return bound_step(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)),
+        return bound_step(batch, model, cluster, plan.planned_replica_slots,
                           bound_micro_batch(plan), plan.num_micro_batches, layout=plan.samples.micro_batch)
     x = plan_loads(plan, batch, cluster.num_gpus)
     return simulate_loads(plan, batch.lengths, x, model, cluster, **kwargs)

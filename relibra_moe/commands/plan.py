@@ -196,9 +196,9 @@ def add_sample_owner_flags(p: argparse.ArgumentParser, both: bool) -> None:
 def placement_of(plan: BatchPlan) -> str:
     """The sample placement a plan started from (its ``stats``): ``sample_placement`` when recorded, "given ranks"
     for a trainer's ``sample_gpu``, else "round-robin" (plans record nothing for it)."""
-    if "sample_placement" in plan.stats:
-        return str(plan.stats["sample_placement"])
-    return "given ranks" if "sample_gpu" in plan.stats.get("options", {}) else "round-robin"
+    if plan.stats.sample_placement is not None:
+        return str(plan.stats.sample_placement)
+    return "given ranks" if "sample_gpu" in (plan.stats.options or {}) else "round-robin"
 
 
 def add_sample_placement_flag(p: argparse.ArgumentParser) -> None:
@@ -412,7 +412,7 @@ def _score(plan, batch, model, cluster, bound: bool, allow_unfingerprinted: bool
 
     bnd = None
     if bound:
-        bnd = bound_t_moe(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)))
+        bnd = bound_t_moe(batch, model, cluster, plan.planned_replica_slots)
     out = score_plan(plan, batch, model, cluster, bound_t_moe_s=bnd,
                      allow_missing_fingerprint=allow_unfingerprinted).to_dict()
     if bnd is not None:
@@ -461,11 +461,11 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
                                        "overlap": cluster.overlap}}
     out.update(_score(plan, batch, model, cluster, args.bound))
     out.update(_step(plan, batch, model, cluster, previous, args.previous))
-    out["solve_s"] = float(plan.stats["solve_seconds"])
+    out["solve_s"] = float(plan.stats.solve_seconds)
     out["replica_slots"] = plan.replica_slots
     out["repack"] = bool(args.repack)
     out["seed"] = args.seed
-    out["sample_owner"] = plan.stats.get("sample_owner", "planner")
+    out["sample_owner"] = plan.stats.sample_owner or "planner"
     out["sample_placement"] = placement_of(plan)
     return out
 
@@ -486,7 +486,7 @@ def score_file(trace_path: str, plan_path: str, model_name: str | ModelSpec, clu
                                        "overlap": cluster.overlap}}
     out.update(_score(plan, batch, model, cluster, bound, allow_unfingerprinted))
     out.update(_step(plan, batch, model, cluster, previous, previous_path, allow_unfingerprinted))
-    out["sample_owner"] = plan.stats.get("sample_owner", "planner")
+    out["sample_owner"] = plan.stats.sample_owner or "planner"
     out["sample_placement"] = placement_of(plan)
     return out
 

@@ -54,8 +54,8 @@ def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_nam
     out = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
            "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
                        "dispatcher": cluster.dispatcher, "overlap": cluster.overlap},
-           "strategy": plan.stats.get("strategy"), "num_micro_batches": plan.num_micro_batches,
-           "replica_slots": plan.replica_slots, "sample_owner": plan.stats.get("sample_owner", "planner"),
+           "strategy": plan.stats.strategy, "num_micro_batches": plan.num_micro_batches,
+           "replica_slots": plan.replica_slots, "sample_owner": plan.stats.sample_owner or "planner",
            "sample_placement": placement_of(plan)}
     out.update(step.to_dict())
     return out

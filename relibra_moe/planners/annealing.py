@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..plan_stats import PlanStats, RelocateStats
 from ..specs import ClusterSpec, ModelSpec
 from .context import PlanContext
 from .executor import TaskFailed
@@ -79,7 +80,7 @@ def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     mb, sg = ctx.micro_batch, ctx.sample_gpu
     eg = None
     objectives: list[dict[str, Any]] = []
-    timing = ctx.stats.setdefault("timing", {})
+    timing = ctx.stats.timings()
     params = ctx.reorder_params
     reorder_kw = dict(num_seeds=o.num_seeds, executor=ctx.executor, fallback=ctx.fallback_expert_gpu,
                       fallbacks=ctx.fallbacks)
@@ -98,46 +99,46 @@ def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             linfo: dict[str, Any] = {"fallback": res.reason}
         else:
             mb, sg, linfo = res
-            ctx.stats["objective"] = linfo["objective"]
+            ctx.stats.objective = linfo["objective"]
         timing[f"reorder_s_{rnd}"] = t1 - t0
         timing[f"locality_s_{rnd}"] = time.perf_counter() - t1
         objectives.append({"reorder": rinfo, "locality": linfo})
     if o.final_reorder and not ctx.executor.expired:
         t0 = time.perf_counter()
         final = dataclasses.replace(params, iters=o.final_iters_for(params.iters))
-        eg, ctx.stats["final_reorder"] = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, final,
-                                                 seed=ctx.seed + o.rounds, init=eg, **reorder_kw)
+        eg, ctx.stats.final_reorder = reorder(ctx.loads(mb, sg), ctx.model, ctx.cluster, final,
+                                              seed=ctx.seed + o.rounds, init=eg, **reorder_kw)
         timing["reorder_s_final"] = time.perf_counter() - t0
-    ctx.stats["rounds"] = objectives
+    ctx.stats.rounds = objectives
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
 
 
 def finish_inter(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
-                 node_comp: bool, stats: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 node_comp: bool, stats: PlanStats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The end of relibra-inter for annealed homes ``[L, E]`` and samples ``[N]``: ``migrate``, then, where the
     migration pricing put some layers back on their previous homes, the sample placement re-annealed for the
-    homes actually used (``relocate``). Writes ``stats["migration"]`` (and ``stats["relocate"]``); returns
+    homes actually used (``relocate``). Writes ``stats.migration`` (and ``stats.relocate``); returns
     (homes [L, E], micro_batch [N], gpu [N]), int64."""
     o = ctx.options
-    timing = ctx.stats.setdefault("timing", {})
+    timing = ctx.stats.timings()
     t0 = time.perf_counter()
     mo = o.replace(migration=False) if ctx.executor.expired else o  # past the deadline: the fallbacks stand
     eg, sg, info = migrate(expert_gpu, micro_batch, sample_gpu, ctx.batch, ctx.num_micro_batches, ctx.model,
                            ctx.cluster, mo, node_comp, samples_fixed=ctx.trainer_owned)
-    stats["migration"] = info
+    stats.migration = info
     timing["migration_s"] = timing.get("migration_s", 0.0) + time.perf_counter() - t0
     mb = np.asarray(micro_batch, dtype=np.int64)
-    if info.get("enabled") and not ctx.executor.expired and not ctx.trainer_owned:
-        perm = np.asarray(info["relabel"], dtype=np.int64)
+    if info.enabled and not ctx.executor.expired and not ctx.trainer_owned:
+        perm = np.asarray(info.relabel, dtype=np.int64)
         if (eg != perm[np.asarray(expert_gpu, dtype=np.int64)]).any():
             t0 = time.perf_counter()
-            mb, sg, stats["relocate"] = relocate(ctx, eg, mb, sg)
+            mb, sg, stats.relocate = relocate(ctx, eg, mb, sg)
             timing["relocate_s"] = timing.get("relocate_s", 0.0) + time.perf_counter() - t0
     return eg, np.asarray(mb, dtype=np.int64), np.asarray(sg, dtype=np.int64)
 
 
 def relocate(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+             ) -> tuple[np.ndarray, np.ndarray, RelocateStats]:
     """Sample locality for the final homes ``expert_gpu [L, E]``: one locality pass from the given samples (the
     annealed ones, permuted with the homes by the migration's relabelling) and one from the call's start
     (``ctx.micro_batch`` / ``ctx.sample_gpu``: its ``sample_placement``);
@@ -157,6 +158,5 @@ def relocate(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, 
         info[name] = li["objective"]
         if li["objective"] < best_obj:
             best, best_obj, chosen = (rm, rg), li["objective"], name
-    info["chosen"] = chosen
-    return best[0], best[1], info
+    return best[0], best[1], RelocateStats(chosen=chosen, **info)
 

@@ -9,13 +9,13 @@ its top without a cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import placement_loads
 from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
+from ..plan_stats import PlanStats
 from ..sample_placements import place_samples
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
@@ -59,7 +59,7 @@ class PlanContext:
     options: PlanOptions
     executor: TaskExecutor
     fallback_expert_gpu: np.ndarray | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: PlanStats = field(default_factory=PlanStats)
     fallbacks: FallbackLog = field(default_factory=FallbackLog)
     evaluator: StepEvaluator = field(default=SIMULATED_STEP, repr=False)
     _comp_weight: float | None = field(default=None, repr=False)
@@ -175,7 +175,7 @@ def baseline_samples(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarr
     mb, sg, info = anneal_locality(ctx.counts, ctx.lengths, ctx.micro_batch, ctx.sample_gpu, expert_gpu, ctx.model,
                                    ctx.cluster, baseline_locality_params(ctx.options),
                                    num_micro_batches=ctx.num_micro_batches, seed=ctx.seed)
-    ctx.stats["locality"] = info
+    ctx.stats.locality = info
     return mb, sg
 
 

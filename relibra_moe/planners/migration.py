@@ -29,6 +29,7 @@ from scipy.optimize import linear_sum_assignment
 from ..cost import moe_cost
 from ..errors import PlanError
 from ..evaluate import placement_loads
+from ..plan_stats import MigrationStats
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, moe_step_seconds, move_bytes, transfer_seconds
 from ..trace import TraceBatch
@@ -175,7 +176,7 @@ def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.nda
 
 def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, batch: TraceBatch,
             num_micro_batches: int, model: ModelSpec, cluster: ClusterSpec, options: PlanOptions, node_comp: bool,
-            samples_fixed: bool = False) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+            samples_fixed: bool = False) -> tuple[np.ndarray, np.ndarray, MigrationStats]:
     """Migration-aware finish of relibra-inter (this module): relabel GPUs by the fabric's
     symmetries to keep the most experts at their previous homes (cost unchanged), then keep a layer's
     previous homes where the new ones do not pay for their move. Option ``migration=False`` skips both.
@@ -185,10 +186,10 @@ def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndar
     one with the lower ``sum_l step_moe_seconds + relayout_s`` (forward + backward MoE seconds of the kept
     homes plus the re-layout) wins, the identity on ties. ``sample_gpu`` is returned unchanged.
 
-    Returns (expert_gpu [L, E], sample_gpu [N], info).
+    Returns (expert_gpu [L, E], sample_gpu [N], ``MigrationStats``).
     """
     if not options.migration:
-        return expert_gpu, sample_gpu, {"enabled": False}
+        return expert_gpu, sample_gpu, MigrationStats(enabled=False)
     prev = previous_expert_gpu(options, model, cluster)
     perm = relabel_to_previous(expert_gpu, prev, cluster)
     obpp = float(options.optimizer_bytes_per_param)
@@ -213,7 +214,6 @@ def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndar
         moved_before = int((eg != prev).sum())
         eg, info = keep_previous_layers(x, eg, prev, model, cluster, node_comp=node_comp,
                                         optimizer_bytes_per_param=obpp)
-    info.update({"enabled": True, "relabel": perm.tolist(), "moved_after_relabel": moved_before,
-                 "moved": int((eg != prev).sum())})
-    return eg, sg, info
+    return eg, sg, MigrationStats(enabled=True, relabel=perm.tolist(), moved_after_relabel=moved_before,
+                                  moved=int((eg != prev).sum()), **info)
 

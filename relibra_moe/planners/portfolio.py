@@ -14,7 +14,7 @@ suffix says which), the baselines' plans on the same batch and options: eplb-his
 static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with replica slots and a
 previous placement other than static, where "previous" already dominates it), each built only when its lower
 bound (``bounds.replicated_step_lower_bound``) is below the best score so far (else
-``stats["portfolio"]["pruned"]`` holds the bound). eplb and lplb are left out: never near relibra on the
+``stats.portfolio.pruned`` holds the bound). eplb and lplb are left out: never near relibra on the
 never-lose grid (BENCHMARKS.md, "Never lose"), lplb's LP ~10x relibra's whole plan at paper scale. The replay
 shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are charged
 as relibra's (per layer), never more than the baseline's own after-router fetch.
@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
+from ..plan_stats import PlanStats, PortfolioStats
 from ..sample_placements import SAMPLE_PLACEMENTS, place_samples
 from . import baselines
 from .annealing import finish_inter
@@ -93,12 +94,12 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     ``annealed`` is ``anneal_inter``'s (homes, micro_batch, gpu) and the option ``node_comp``; ``strategies`` the
     baselines by name (``static``, ``online``, ``eplb-history``: the registry's); ``replicas`` relibra's
     replication pass ``(ctx, homes [L, E], micro_batch [N], gpu [N]) -> ReplicaPlan``
-    (``strategies.relibra_replicas``). Writes ``stats["portfolio"]``: ``chosen``, every judged candidate's
-    ``step_s`` (its score) and ``pruned``; wall seconds per candidate go to ``stats["timing"]``.
+    (``strategies.relibra_replicas``). Writes ``stats.portfolio`` (``PortfolioStats``: ``chosen``, every judged
+    candidate's ``step_s``, its score, and ``pruned``); wall seconds per candidate go to ``stats.timing``.
     """
     L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
     pf = _Candidates(ctx, own, portfolio_placements(ctx), strategies)
-    pf.add("relibra-inter", lambda: (*finish_inter(ctx, *annealed, {}), None))
+    pf.add("relibra-inter", lambda: (*finish_inter(ctx, *annealed, PlanStats()), None))
     for suffix in pf.places:
         if ctx.options.history is not None:
             pf.add("eplb-history" + suffix, lambda s=suffix: pf.baseline("eplb-history", s))
@@ -107,7 +108,7 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
         pf.judge(name)
     _add_replicated(pf, replicas)
     chosen = least_moving_best(ctx, pf.cands, pf.steps, pf.previous_homes)
-    ctx.stats["portfolio"] = {"chosen": chosen, "step_s": pf.steps, **({"pruned": pf.pruned} if pf.pruned else {})}
+    ctx.stats.portfolio = PortfolioStats(chosen=chosen, step_s=pf.steps, pruned=pf.pruned or None)
     eg, mb, sg, reps = pf.cands[chosen]
     return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
 
@@ -126,7 +127,7 @@ class _Candidates:
         self.steps: dict[str, float] = {}
         self.modes: dict[str, str] = {}
         self.pruned: dict[str, float] = {}
-        self.timing = ctx.stats.setdefault("timing", {})
+        self.timing = ctx.stats.timings()
         self._loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x)
 
     def add(self, name: str, make: Callable[[], Candidate]) -> None:
@@ -138,7 +139,7 @@ class _Candidates:
     def baseline(self, name: str, suffix: str) -> Candidate:
         """Strategy ``name``'s plan on the placement ``suffix`` of ``places`` (its own stats dropped)."""
         mb, sg = self.places[suffix]
-        bp = self.strategies[name](dataclasses.replace(self.ctx, stats={}, micro_batch=mb, sample_gpu=sg))
+        bp = self.strategies[name](dataclasses.replace(self.ctx, stats=PlanStats(), micro_batch=mb, sample_gpu=sg))
         return bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas
 
     def loads_of(self, mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
@@ -157,7 +158,7 @@ class _Candidates:
         eg, mb, sg, reps = self.cands[name]
         plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M),
                          replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
-                         gpus_per_node=ctx.cluster.gpus_per_node, stats={})
+                         gpus_per_node=ctx.cluster.gpus_per_node)
         st = ctx.evaluator.step(plan, ctx.lengths, self.loads_of(mb, sg), ctx.model, ctx.cluster, self.previous,
                                 self.opb)
         self.steps[name], self.modes[name] = portfolio_score(st, ctx.options), st.replica_mode

@@ -61,6 +61,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..plan import BatchPlan, Placement, check_replica_slots
+from ..plan_stats import DeadlineStats
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
 from ..validate import check_choice, check_int, check_positive
@@ -224,20 +225,19 @@ class Planner:
                                                                  dtype=np.int64)
         ctx = make_context(batch, self.model, self.cluster, self.strategy, opts, _PlannerExecutor(self, deadline),
                            micro_batch_size, fallback_expert_gpu=fallback)
-        ctx.stats.update({"options": base.strategy_options(), "executor": self.executor,
-                          "workers": self.workers})
+        ctx.stats.options, ctx.stats.executor, ctx.stats.workers = base.strategy_options(), self.executor, self.workers
         if self.executor_fallback is not None:
-            ctx.stats["executor_fallback"] = self.executor_fallback
+            ctx.stats.executor_fallback = self.executor_fallback
         if deadline is not None:
-            ctx.stats["deadline"] = {"deadline_s": float(self.deadline_s),
-                                     "interrupts_tasks": self.executor != "inline"}
+            ctx.stats.deadline = DeadlineStats(deadline_s=float(self.deadline_s),
+                                               interrupts_tasks=self.executor != "inline")
         try:
             plan = run_strategy(ctx, self.strategy)
         finally:
             ctx.executor.warn()
-        plan.stats["fallback_cells"] = ctx.fallbacks.as_dict()
+        plan.stats.fallback_cells = ctx.fallbacks.as_dict()
         if deadline is not None:
-            plan.stats.setdefault("timing", {})["deadline_overrun_s"] = max(0.0, time.monotonic() - deadline)
+            plan.stats.timings()["deadline_overrun_s"] = max(0.0, time.monotonic() - deadline)
         self.previous = plan.placement
         return plan
 

@@ -39,8 +39,8 @@ The sum of T_MoE alone charges neither; ``migration=False, price_replicas=False,
 step_objective=False`` plan for it (bench/planners.py's cost-model rows). relibra ends with the portfolio
 (``portfolio.portfolio``: docs/method.md, "The portfolio").
 
-``stats`` hold strategy, seed, objective values and
-fallbacks; wall-clock values go under ``stats["timing"]`` / ``stats["solve_seconds"]``, which
+``stats`` (``plan_stats.PlanStats``) hold strategy, seed, objective values and
+fallbacks; wall-clock values go under ``stats.timing`` / ``stats.solve_seconds``, which
 ``BatchPlan.save`` leaves out of the file unless asked, so same inputs and seed give the same bytes.
 """
 
@@ -111,8 +111,8 @@ def strategy_eplb(ctx: PlanContext) -> BatchPlan:
     if ctx.replica_slots > 0:
         xx = ctx.loads(mb, sg)
         replicas = baselines.even_split_replicas(eg, slots, xx)
-        ctx.stats["eplb_replicas_dropped"] = int(ctx.replica_slots * ctx.cluster.num_gpus * ctx.model.num_layers
-                                                 - (slots >= 0).sum())
+        ctx.stats.eplb_replicas_dropped = int(ctx.replica_slots * ctx.cluster.num_gpus * ctx.model.num_layers
+                                              - (slots >= 0).sum())
     return make_plan(ctx, eg, mb, sg, replicas)
 
 
@@ -139,13 +139,13 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
     eg, mb, sg = finish_inter(ctx, eg0, mb0, sg0, node_comp or ctx.replica_slots > 0, ctx.stats)
     t0 = time.perf_counter()
     replicas = relibra_replicas(ctx, eg, mb, sg)
-    ctx.stats.setdefault("timing", {})["replicate_s"] = time.perf_counter() - t0
+    ctx.stats.timings()["replicate_s"] = time.perf_counter() - t0
     if not ctx.options.portfolio or ctx.executor.expired:
         return make_plan(ctx, eg, mb, sg, replicas)
     t0 = time.perf_counter()
     plan = portfolio(ctx, {"relibra": (eg, mb, sg, replicas)}, (eg0, mb0, sg0, node_comp), STRATEGIES,
                      relibra_replicas)
-    ctx.stats["timing"]["portfolio_s"] = time.perf_counter() - t0
+    ctx.stats.timings()["portfolio_s"] = time.perf_counter() - t0
     return plan
 
 
@@ -240,15 +240,16 @@ def make_context(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, stra
                       options=options, executor=executor, fallback_expert_gpu=fallback_expert_gpu)
     if evaluator is not None:
         ctx.evaluator = evaluator
-    ctx.stats.update({"strategy": strategy, "seed": options.seed, "replica_slots": options.replica_slots,
-                      "repack": options.repack, "fallbacks": 0, "options": options.strategy_options()})
+    st = ctx.stats
+    st.strategy, st.seed, st.replica_slots, st.repack = strategy, options.seed, options.replica_slots, options.repack
+    st.fallbacks, st.options = 0, options.strategy_options()
     if ctx.trainer_owned:  # absent in planner mode: its plans stay byte-identical to before the option existed
-        ctx.stats["sample_owner"] = "trainer"
+        st.sample_owner = "trainer"
     if cluster.overlap != "none":  # the objective's weights follow it (PlanContext.comp_weight); absent: none
-        ctx.stats["overlap"] = cluster.overlap
+        st.overlap = cluster.overlap
     placement = options.placement_for(strategy)
     if options.sample_gpu is None and placement != "round-robin":  # absent on round-robin: those plans stay
-        ctx.stats["sample_placement"] = placement  # byte-identical too
+        st.sample_placement = placement  # byte-identical too
     return ctx
 
 
@@ -256,9 +257,9 @@ def run_strategy(ctx: PlanContext, strategy: str) -> BatchPlan:
     """Run ``strategy`` on ``ctx``; the validated BatchPlan with ``fallbacks``, ``solve_seconds``, ``batch_sha1``."""
     t0 = time.perf_counter()
     plan = STRATEGIES[strategy](ctx)
-    plan.stats["fallbacks"] = ctx.fallbacks.count
-    plan.stats["solve_seconds"] = time.perf_counter() - t0
-    plan.stats["batch_sha1"] = batch_sha1(ctx.batch)
+    plan.stats.fallbacks = ctx.fallbacks.count
+    plan.stats.solve_seconds = time.perf_counter() - t0
+    plan.stats.batch_sha1 = batch_sha1(ctx.batch)
     plan.validate(ctx.model, ctx.cluster, num_samples=ctx.batch.num_sequences)
     return plan
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from relibra_moe.plan_stats import PlanStats
 from relibra_moe.planners.annealing import (
     anneal_inter,
     finish_inter,
@@ -44,13 +45,13 @@ def test_anneal_inter_runs_the_rounds_and_keeps_a_trainers_samples():
     ctx = _ctx(rounds=3)
     eg, mb, sg = anneal_inter(ctx)
     assert eg.shape == (MODEL.num_layers, MODEL.num_experts) and mb.dtype == sg.dtype == np.int64
-    assert len(ctx.stats["rounds"]) == 3 and set(ctx.stats["timing"]) >= {"reorder_s_2", "locality_s_2"}
-    assert ctx.stats["objective"] == ctx.stats["rounds"][-1]["locality"]["objective"]
+    assert len(ctx.stats.rounds) == 3 and set(ctx.stats.timing) >= {"reorder_s_2", "locality_s_2"}
+    assert ctx.stats.objective == ctx.stats.rounds[-1]["locality"]["objective"]
     ranks = np.arange(len(ctx.lengths)) % CLUSTER.num_gpus
     own = _ctx(rounds=2, sample_owner="trainer", sample_gpu=ranks)
     _, mb, sg = anneal_inter(own)
     assert np.array_equal(sg, ranks) and np.array_equal(mb, own.micro_batch)
-    assert [r["locality"] for r in own.stats["rounds"]] == [{"skipped": "sample_owner=trainer"}] * 2
+    assert [r["locality"] for r in own.stats.rounds] == [{"skipped": "sample_owner=trainer"}] * 2
 
 
 def test_relocate_keeps_the_lower_objective_of_its_two_passes():
@@ -58,9 +59,9 @@ def test_relocate_keeps_the_lower_objective_of_its_two_passes():
     eg = np.roll(static_placement(MODEL.num_layers, MODEL.num_experts, CLUSTER.num_gpus), 3, axis=1)
     start = (np.zeros_like(ctx.micro_batch), ctx.sample_gpu[::-1].copy())  # another start than the call's
     mb, sg, info = relocate(ctx, eg, *start)
-    objectives = {k: info[k] for k in ("annealed", "start")}
-    assert info["chosen"] == min(objectives, key=lambda k: (objectives[k], k != "annealed"))
-    want = locality_task(*locality_args(ctx, *(start if info["chosen"] == "annealed" else
+    objectives = {k: getattr(info, k) for k in ("annealed", "start")}
+    assert info.chosen == min(objectives, key=lambda k: (objectives[k], k != "annealed"))
+    want = locality_task(*locality_args(ctx, *(start if info.chosen == "annealed" else
                                                (ctx.micro_batch, ctx.sample_gpu)), eg, ctx.seed + 2))
     assert np.array_equal(mb, want[0]) and np.array_equal(sg, want[1])
 
@@ -68,9 +69,9 @@ def test_relocate_keeps_the_lower_objective_of_its_two_passes():
 def test_finish_inter_without_migration_returns_the_annealed_plan():
     ctx = _ctx(rounds=1, migration=False)
     eg, mb, sg = anneal_inter(ctx)
-    stats: dict = {}
+    stats = PlanStats()
     got = finish_inter(ctx, eg, mb, sg, False, stats)
-    assert stats == {"migration": {"enabled": False}}
+    assert stats.to_dict() == {"migration": {"enabled": False}}
     assert all(np.array_equal(a, b) for a, b in zip(got, (eg, mb, sg)))
 
 

@@ -109,14 +109,14 @@ def test_plan_batch_migration_option_and_previous_validation():
     batch = TraceBatch(traces).with_micro_batch_size(6)
     off = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", migration=False, iters=300, locality_iters=200)
     on = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", iters=300, locality_iters=200)
-    assert off.stats["migration"] == {"enabled": False}
-    mig = on.stats["migration"]
-    assert mig["enabled"] and mig["moved"] <= mig["moved_after_relabel"]
+    assert off.stats.migration.to_dict() == {"enabled": False}
+    mig = on.stats.migration
+    assert mig.enabled and mig.moved <= mig.moved_after_relabel
     static = np.repeat(np.arange(CLUSTER.num_gpus), MODEL.num_experts // CLUSTER.num_gpus)
-    assert int((on.placement.expert_gpu != static).sum()) == mig["moved"]
+    assert int((on.placement.expert_gpu != static).sum()) == mig.moved
     # previous = the plan's own homes: nothing moves
     again = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=on.placement, iters=300, locality_iters=200)
-    assert again.stats["migration"]["moved"] <= int((again.placement.expert_gpu != on.placement.expert_gpu).sum())
+    assert again.stats.migration.moved <= int((again.placement.expert_gpu != on.placement.expert_gpu).sum())
     with pytest.raises(PlanError, match=r"previous placement must be \[L=3, E=12\] GPUs in \[0, 6\), got shape "
                                         r"\(2, 2\)"):
         plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=np.zeros((2, 2), np.int64))
@@ -129,6 +129,7 @@ def test_plan_batch_migration_option_and_previous_validation():
 
 def test_migrate_relabels_samples_with_homes_unless_the_trainer_owns_them():
     from relibra_moe.evaluate import placement_loads
+    from relibra_moe.plan_stats import MigrationStats
     from relibra_moe.planners.options import PlanOptions
     from relibra_moe.synthetic import rl_batch
 
@@ -139,13 +140,14 @@ def test_migrate_relabels_samples_with_homes_unless_the_trainer_owns_them():
     perm = symmetry_perm(np.array([1, 0]), np.array([2, 0, 1]), CLUSTER.gpus_per_node)
     eg = perm[static]  # the static homes under a symmetry: relabelling back moves nothing
     args = (eg, mb, sg, batch, 2, MODEL, CLUSTER)
-    assert migrate(*args, PlanOptions(migration=False), False) == (eg, sg, {"enabled": False})
+    off = migrate(*args, PlanOptions(migration=False), False)
+    assert off[0] is eg and off[1] is sg and off[2] == MigrationStats(enabled=False)
     got_eg, got_sg, info = migrate(*args, PlanOptions(), False)
-    relabel = np.asarray(info["relabel"])
-    assert np.array_equal(got_eg, static) and info["moved"] == info["moved_after_relabel"] == 0
+    relabel = np.asarray(info.relabel)
+    assert np.array_equal(got_eg, static) and info.moved == info.moved_after_relabel == 0
     assert np.array_equal(got_sg, relabel[sg]) and np.array_equal(relabel[perm], np.arange(CLUSTER.num_gpus))
     fixed_eg, fixed_sg, fixed = migrate(*args, PlanOptions(), False, samples_fixed=True)
-    assert fixed["samples_fixed"] and np.array_equal(fixed_sg, sg)
+    assert fixed.samples_fixed and np.array_equal(fixed_sg, sg)
     # the identity or the relabelling, whichever prices lower with these samples (hand sum of the two terms)
     x = placement_loads(batch, mb, sg, 2, CLUSTER.num_gpus)
     totals = []
@@ -153,4 +155,4 @@ def test_migrate_relabels_samples_with_homes_unless_the_trainer_owns_them():
         kept, inf = keep_previous_layers(x, p[eg], static, MODEL, CLUSTER)
         totals.append(sum(step_moe_seconds(x[:, l], kept[l], MODEL, CLUSTER) for l in range(3)) + inf["relayout_s"])
     want = perm.argsort() if totals[1] < totals[0] * (1 - 1e-12) else np.arange(CLUSTER.num_gpus)  # ties: identity
-    assert np.array_equal(np.asarray(fixed["relabel"]), want)
+    assert np.array_equal(np.asarray(fixed.relabel), want)

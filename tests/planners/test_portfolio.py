@@ -99,7 +99,7 @@ def test_the_injected_judge_decides_the_choice():
     default = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts)
     judged = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, evaluator=PenaliseReplicas())
     assert (default.replicas.replica_expert >= 0).any()  # the simulator's choice has replicas
-    port = judged.stats["portfolio"]
-    assert port["chosen"] != default.stats["portfolio"]["chosen"]
-    assert port["step_s"][port["chosen"]] == min(port["step_s"].values()) < 1.0
+    port = judged.stats.portfolio
+    assert port.chosen != default.stats.portfolio.chosen
+    assert port.step_s[port.chosen] == min(port.step_s.values()) < 1.0
     assert not (judged.replicas.replica_expert >= 0).any()
