@@ -87,8 +87,8 @@ def _row(plan: Any, step: Any, solve: float, cells: int) -> dict[str, Any]:
              attention_bwd_ms_per_cell=1e3 * step.attention_bwd_s / cells,
              moe_comm_over_comp_fwd=step.moe_fwd_comm_s / max(step.moe_fwd_comp_s, 1e-30),
              experts_moved=step.experts_moved)
-    if "portfolio" in plan.stats:
-        d["portfolio"] = plan.stats["portfolio"]["chosen"]
+    if plan.stats.portfolio is not None:
+        d["portfolio"] = plan.stats.portfolio.chosen
     return d
 
 

@@ -111,10 +111,10 @@ def run_scenario(name: str, rows: list[tuple[str, str, dict]], workers: int, see
         results.append({
             "row": label, "strategy": strategy, "options": kw, "t_moe_total_ms": 1e3 * s.t_moe_s,
             "percent_of_bound": s.percent_of_bound,
-            "rank_skew_mean": s.rank_skew_mean, "solve_s": plan.stats["solve_seconds"],
-            "timing": plan.stats.get("timing", {}),
+            "rank_skew_mean": s.rank_skew_mean, "solve_s": plan.stats.solve_seconds,
+            "timing": (plan.stats.timing or {}),
         })
-        print(f"  {name}: {label:38s} {1e3 * s.t_moe_s:9.2f} ms  {plan.stats['solve_seconds']:7.2f} s",
+        print(f"  {name}: {label:38s} {1e3 * s.t_moe_s:9.2f} ms  {plan.stats.solve_seconds:7.2f} s",
               flush=True)
     for r in results:
         r["speedup_vs_static"] = static_total / (r["t_moe_total_ms"] / 1e3) if static_total else None

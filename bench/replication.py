@@ -140,7 +140,7 @@ def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
         dt = time.perf_counter() - t0
         res[name] = {"replica_slots": r, "options": kw, "t_moe_s": _score(plan, batch, model, cluster),
                      "solve_s": dt,
-                     "timing": plan.stats.get("timing", {})}
+                     "timing": (plan.stats.timing or {})}
     bal = res["balanced"]["t_moe_s"]
     for v in res.values():
         v["of_balanced"] = bal / v["t_moe_s"]
@@ -194,7 +194,7 @@ def bench_skew(num_prompts: int, eps: list[int], seed: int = 0, workers: int = 2
         reps = replicate_batch(lpt.placement, lpt.samples, batch.with_micro_batch(lpt.samples.micro_batch), model,
                                cluster, 2, workers=workers)
         plan = BatchPlan(lpt.placement, lpt.samples, reps, cluster.num_gpus, cluster.gpus_per_node,
-                         {"strategy": "lpt+replicate", "seed": seed, "batch_sha1": lpt.stats["batch_sha1"]})
+                         {"strategy": "lpt+replicate", "seed": seed, "batch_sha1": lpt.stats.batch_sha1})
         sc = score_plan(plan, batch, model, cluster)
         row["lpt+replicate"] = {"rank_skew_mean": sc.rank_skew_mean,
                                 "t_moe_s": sc.t_moe_s, "solve_s": time.perf_counter() - t0}
@@ -232,7 +232,7 @@ def bench_time(num_prompts: int, seed: int = 0, workers: int = 2, **options) -> 
     out["wall_s"] = time.perf_counter() - t0
     out["cpu_s"] = cpu() - c0  # this process + its (finished) worker processes
     out["loadavg_after"] = os.getloadavg()
-    out["timing"] = plan.stats.get("timing", {})
+    out["timing"] = (plan.stats.timing or {})
     sc = score_plan(plan, batch, model, cluster)
     out["t_moe_s"] = sc.t_moe_s
     out["rank_skew_mean"] = sc.rank_skew_mean
@@ -246,7 +246,7 @@ def bench_time(num_prompts: int, seed: int = 0, workers: int = 2, **options) -> 
         splan = planner.plan(batch)
         out["service_wall_s"] = time.perf_counter() - t0
     out["service_cpu_s"] = cpu() - c0
-    out["service_timing"] = splan.stats.get("timing", {})
+    out["service_timing"] = (splan.stats.timing or {})
     out["service_same_plan"] = bool(np.array_equal(splan.placement.expert_gpu, plan.placement.expert_gpu)
                                     and np.array_equal(splan.replicas.replica_expert, plan.replicas.replica_expert))
     out["loadavg_after_service"] = os.getloadavg()

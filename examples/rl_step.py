@@ -336,7 +336,7 @@ def _one_step(rank: int, cfg: Config, step: int, model, opt, reference, ref_opt,
         "split_pairs": split_pairs.tolist(),
         "replicas": int((plan.replicas.replica_expert >= 0).sum()), "experts_moved": moved["experts_moved"],
         "optimizer_state_params_at_relayout": int(state_before),
-        "micro_batches": M, "timings": timings, "plan_stats": {k: v for k, v in plan.stats.items()
+        "micro_batches": M, "timings": timings, "plan_stats": {k: v for k, v in plan.stats.to_dict().items()
                                                              if isinstance(v, (int, float, str))},
     }
     return record, full

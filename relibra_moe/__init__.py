@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "SamplePlacement": "relibra_moe.plan",
     "ReplicaPlan": "relibra_moe.plan",
     "BatchPlan": "relibra_moe.plan",
+    "PlanStats": "relibra_moe.plan_stats",
     "Planner": "relibra_moe.planners.service",
     "PlanOptions": "relibra_moe.planners.options",
     "plan_batch": "relibra_moe.planners.strategies",

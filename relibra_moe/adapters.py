@@ -58,6 +58,29 @@ def _infer_num_experts(experts: np.ndarray, top_k: int, num_experts: int | None)
     return max(hi, top_k)
 
 
+def _sglang_ids(meta_info: dict) -> np.ndarray:
+    """int64 flat ids of ``meta_info["routed_experts"]`` (base64 of ``routed_experts_dtype``, or an array), the
+    unsigned all-ones value as -1 (``from_sglang``)."""
+    payload = meta_info["routed_experts"]
+    dtype_name = str(meta_info.get("routed_experts_dtype", "int32"))
+    if dtype_name not in _SGLANG_DTYPES:
+        raise TraceError(f"routed_experts_dtype {dtype_name!r} not supported (known: {sorted(_SGLANG_DTYPES)})")
+    dtype = np.dtype(_SGLANG_DTYPES[dtype_name])
+    if isinstance(payload, (str, bytes)):
+        raw = _b64(payload, "meta_info['routed_experts']")
+        if len(raw) % dtype.itemsize:
+            raise TraceError(f"routed_experts holds {len(raw)} bytes, not a multiple of {dtype_name}'s "
+                             f"{dtype.itemsize}")
+        flat = np.frombuffer(raw, dtype=dtype)
+    else:
+        flat = as_int_array("routed_experts", payload).ravel()
+        dtype = flat.dtype
+    ids = flat.astype(np.int64)
+    if dtype.kind == "u":
+        ids[flat == np.iinfo(dtype).max] = -1
+    return ids
+
+
 def from_sglang(meta_info: dict, num_moe_layers: int | None = None, dense_layers: Sequence[int] = (), *,
                 top_k: int | None = None, num_experts: int | None = None, source: str = "sglang") -> RoutingTrace:
     """A RoutingTrace from an SGLang response's ``meta_info`` (``--enable-return-routed-experts``).
@@ -85,23 +108,7 @@ def from_sglang(meta_info: dict, num_moe_layers: int | None = None, dense_layers
     if "routed_experts" not in meta_info or meta_info["routed_experts"] is None:
         raise TraceError("meta_info has no 'routed_experts' (launch SGLang with --enable-return-routed-experts "
                          "and send return_routed_experts=True)")
-    payload = meta_info["routed_experts"]
-    dtype_name = str(meta_info.get("routed_experts_dtype", "int32"))
-    if dtype_name not in _SGLANG_DTYPES:
-        raise TraceError(f"routed_experts_dtype {dtype_name!r} not supported (known: {sorted(_SGLANG_DTYPES)})")
-    dtype = np.dtype(_SGLANG_DTYPES[dtype_name])
-    if isinstance(payload, (str, bytes)):
-        raw = _b64(payload, "meta_info['routed_experts']")
-        if len(raw) % dtype.itemsize:
-            raise TraceError(f"routed_experts holds {len(raw)} bytes, not a multiple of {dtype_name}'s "
-                             f"{dtype.itemsize}")
-        flat = np.frombuffer(raw, dtype=dtype)
-    else:
-        flat = as_int_array("routed_experts", payload).ravel()
-        dtype = flat.dtype
-    ids = flat.astype(np.int64)
-    if dtype.kind == "u":
-        ids[flat == np.iinfo(dtype).max] = -1
+    ids = _sglang_ids(meta_info)
     start = nonnegative_int("meta_info['routed_experts_start']", meta_info.get("routed_experts_start", 0))
     for d in dense_layers:
         if not is_int(d):

@@ -3,9 +3,9 @@
 One evaluation for every strategy (docs/architecture.md, "Contracts"). ``score_plan`` rebuilds the loads
 ``x [M, L, G, E]`` from the batch and the plan's sample placement (``plan_loads``), routes them with the plan
 (homes, plus the replica split rows where present, as ``ReplicaPlan.shares`` defines them: ``plan_flow``)
-and evaluates ``cost.cost_from_flow`` (docs/method.md, "Cost model"). A plan whose ``stats["strategy"]`` is
+and evaluates ``cost.cost_from_flow`` (docs/method.md, "Cost model"). A plan whose ``stats.strategy`` is
 ``"balanced"`` scores as the bound instead (``bound_terms``: a proven lower bound of the sum of T_MoE of every
-plan of the batch with at most ``stats["replica_slots"]`` replica slots, docs/method.md, "The bound"). The
+plan of the batch with at most ``stats.replica_slots`` replica slots, docs/method.md, "The bound"). The
 simulated step (moves, replica and reorder traffic charged) is ``relibra_moe.sim``, on the same loads.
 
 Importable without the planners: the planners, the simulator and the CLI all evaluate through this module.
@@ -36,7 +36,7 @@ def batch_sha1(batch: TraceBatch) -> str:
     """Fingerprint of a batch's routing: SHA-1 (hex) of its lengths int64 ``[N]`` and
     ``sample_expert_counts()`` int64 ``[N, L, E]`` (not of its micro-batch assignment: the plan carries its own).
 
-    ``plan_batch`` and ``Planner`` store it as ``stats["batch_sha1"]``; ``check_plan_batch`` compares it.
+    ``plan_batch`` and ``Planner`` store it as ``stats.batch_sha1``; ``check_plan_batch`` compares it.
     """
     h = hashlib.sha1(np.asarray(batch.lengths, dtype=np.int64).tobytes())
     h.update(np.ascontiguousarray(batch.sample_expert_counts(), dtype=np.int64).data)
@@ -60,7 +60,7 @@ def check_batch_model(batch: TraceBatch, model: ModelSpec, where: str = "batch")
 def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, *,
                      allow_missing_fingerprint: bool = False) -> None:
     """Raise PlanError unless ``plan`` is a BatchPlan and ``batch`` a TraceBatch that fits ``model`` and is the batch
-    ``plan`` was made for: same L and E, same sample count, and the same fingerprint (``stats["batch_sha1"]``,
+    ``plan`` was made for: same L and E, same sample count, and the same fingerprint (``stats.batch_sha1``,
     which ``plan_batch`` and ``Planner`` record). A plan without a fingerprint (a hand-built plan, or a file
     whose ``stats_json`` lost it) cannot prove it was made for ``batch``: ``PlanError`` saying so, unless
     ``allow_missing_fingerprint=True`` (the CLI's ``--allow-unfingerprinted``)."""
@@ -73,7 +73,7 @@ def check_plan_batch(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, *,
                         f"L={model.num_layers}, E={model.num_experts}")
     if batch.num_sequences != plan.samples.num_samples:
         raise PlanError(f"the plan places {plan.samples.num_samples} samples, the batch has {batch.num_sequences}")
-    want = plan.stats.get("batch_sha1")
+    want = plan.stats.batch_sha1
     if want is None and not allow_missing_fingerprint:
         at = f"plan file {plan.origin}" if plan.origin is not None else "the plan"
         raise PlanError(f"{at} has no batch fingerprint (stats batch_sha1), so it cannot be checked against this "
@@ -167,7 +167,7 @@ class PlanScore:
     """The cost-model score of one plan on its batch (``score_plan``). Seconds; sums run over (m, l).
 
     Attributes:
-        strategy: ``plan.stats["strategy"]`` ("unknown" when absent).
+        strategy: ``plan.stats.strategy`` ("unknown" when absent).
         t_moe_s: sum over micro-batches and layers of the exact forward T_MoE (the paper's metric; the
             simulator's ``StepTime.t_moe_s`` is the same figure).
         t_moe_smooth_s: the same sum of the smooth (log-sum-exp, ``beta``) T_MoE.
@@ -208,7 +208,7 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
         batch: the TraceBatch the plan was made for (same samples; ``check_plan_batch``).
         bound_t_moe_s: the bound's sum of T_MoE (``bound_t_moe``); when given, the result's
             ``percent_of_bound = 100 * bound / t_moe_s``.
-        allow_missing_fingerprint: score a plan without ``stats["batch_sha1"]`` (``check_plan_batch``).
+        allow_missing_fingerprint: score a plan without ``stats.batch_sha1`` (``check_plan_batch``).
 
     Returns:
         the ``PlanScore``.
@@ -221,13 +221,13 @@ def score_plan(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: Cl
     check_positive("beta", beta)
     if bound_t_moe_s is not None:
         check_positive("bound_t_moe_s", bound_t_moe_s)
-    if plan.stats.get("strategy") == "balanced":
+    if plan.stats.strategy == "balanced":
         return _bound_score(plan, batch, model, cluster, bound_t_moe_s)
     x = plan_loads(plan, batch, cluster.num_gpus)
     cost = cost_from_flow(plan_flow(plan, x), model, cluster, beta)
     t_moe_s = float(cost.t_moe.sum())
     return PlanScore(
-        strategy=plan.stats.get("strategy", "unknown"), t_moe_s=t_moe_s,
+        strategy=plan.stats.strategy or "unknown", t_moe_s=t_moe_s,
         t_moe_smooth_s=float(cost.t_moe_smooth.sum()),
         moe_fwd_comp_s=float(cost.comp.max(axis=-1).sum()), moe_fwd_comm_s=float(cost.comm.max(axis=-1).sum()),
         rank_skew_mean=float(cost.rank_skew.mean()), rank_skew_max=float(cost.rank_skew.max()),
@@ -359,14 +359,14 @@ def bound_t_moe(batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec, repli
 
 def bound_micro_batch(plan: BatchPlan, batch: TraceBatch) -> np.ndarray | None:
     """int64 ``[K, N]``: the packings the Balanced ``plan`` bounds plans for, or None (any packing) when it was made
-    with ``repack`` (``stats["repack"]``).
+    with ``repack`` (``stats.repack``).
 
     Without repacking a plan keeps the micro-batches of its sample placement (``sample_placements``): round-robin,
     longest-first and a trainer's own keep the batch's, verl's length-balanced regroups them. So the rows are the
     Balanced plan's own micro-batches, the batch's (when it has them, with the same count), and the length-balanced
     regrouping of the plan's (``place_samples``; it reads only their count); the bound takes the least over them.
     """
-    if plan.stats.get("repack"):
+    if plan.stats.repack:
         return None
     own = np.asarray(plan.samples.micro_batch, dtype=np.int64)
     rows = [own, place_samples("length-balanced", np.asarray(batch.lengths), own, plan.num_gpus)[0]]
@@ -387,10 +387,10 @@ def token_shares(batch: TraceBatch, micro_batch: np.ndarray, num_micro_batches: 
 
 def _bound_score(plan: BatchPlan, batch: TraceBatch, model: ModelSpec, cluster: ClusterSpec,
                  bound_t_moe_s: float | None) -> PlanScore:
-    """The ``PlanScore`` of the bound for the replica slots ``plan.stats["replica_slots"]`` (the Balanced plan's):
+    """The ``PlanScore`` of the bound for the replica slots ``plan.stats.replica_slots`` (the Balanced plan's):
     ``t_moe`` spreads each layer's bound over the plan's micro-batches by their tokens (``token_shares``); rank
     skew 1."""
-    b = bound_terms(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)),
+    b = bound_terms(batch, model, cluster, plan.planned_replica_slots,
                     micro_batch=bound_micro_batch(plan, batch))
     M = plan.num_micro_batches
     t = token_shares(batch, plan.samples.micro_batch, M)[:, None] * (b.comp + b.comm)[None, :]

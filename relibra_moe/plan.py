@@ -12,7 +12,7 @@ A ``BatchPlan`` for one global batch holds
   ``split_share [Z]``: the share of the tokens from source GPU j for expert e served on GPU g).
   Shares of one ``(m, l, j, e)`` sum to 1. A replicated expert with no rows for some source j sends
   all of j's tokens home; experts without replicas have no rows.
-- ``stats``: a JSON-serializable dict (strategy, seed, solve seconds, objective values, fallbacks).
+- ``stats``: a ``plan_stats.PlanStats`` (strategy, seed, solve seconds, objective values, fallbacks), saved as JSON.
 
 File format (``np.savez``, ``allow_pickle=False``), version 1: ``version``, ``num_gpus``,
 ``gpus_per_node``, ``num_experts``, ``num_layers``, ``replica_slots``, ``num_micro_batches``,
@@ -36,11 +36,11 @@ import numpy as np
 from .atomic import atomic_write
 from .errors import PlanError
 from .npzio import read_member
+from .plan_stats import TIMING_FIELDS, PlanStats
 from .specs import ClusterSpec, ModelSpec
 
 PLAN_VERSION = 1
-# stats keys holding wall-clock values: left out of saved files unless asked (byte-deterministic plans)
-TIMING_KEYS = ("solve_seconds", "timing")
+TIMING_KEYS = TIMING_FIELDS  # the stats holding wall-clock values: left out of saved files unless asked
 SHARE_TOL = 1e-5
 _SCOPES = ("node", "global")
 
@@ -362,9 +362,16 @@ class BatchPlan:
     replicas: ReplicaPlan
     num_gpus: int
     gpus_per_node: int
-    stats: dict[str, Any] = field(default_factory=dict)
+    #: what the strategy did (``plan_stats.PlanStats``; a dict given here is read as its JSON form)
+    stats: PlanStats = field(default_factory=PlanStats)
     #: the file the plan was loaded from (``None``: built in memory); :meth:`validate`'s errors name it
     origin: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stats, dict):
+            object.__setattr__(self, "stats", PlanStats.from_dict(self.stats))
+        elif not isinstance(self.stats, PlanStats):
+            raise PlanError(f"stats must be a PlanStats (or its JSON dict), got {type(self.stats).__name__}")
 
     @property
     def num_layers(self) -> int:
@@ -385,6 +392,12 @@ class BatchPlan:
     def replica_slots(self) -> int:
         """Replica slots per GPU r."""
         return self.replicas.replica_slots
+
+    @property
+    def planned_replica_slots(self) -> int:
+        """The replica slots the plan was made for (``stats.replica_slots``; the bound of a ``balanced`` plan is
+        the bound for them), else ``replica_slots``."""
+        return self.replica_slots if self.stats.replica_slots is None else int(self.stats.replica_slots)
 
     def validate(self, model: ModelSpec, cluster: ClusterSpec, num_samples: int | None = None) -> None:
         """Raise PlanError naming the field and the rule if the plan does not fit model and cluster (and the
@@ -407,9 +420,9 @@ class BatchPlan:
     def save(self, path: str | os.PathLike, *, include_timing: bool = False) -> None:
         """Write the plan as a version-1 ``.npz`` (deterministic bytes for equal plans).
 
-        The stats keys in ``TIMING_KEYS`` (wall-clock values) are written only with ``include_timing``.
+        The stats in ``TIMING_KEYS`` (wall-clock values) are written only with ``include_timing``.
         """
-        stats = self.stats if include_timing else {k: v for k, v in self.stats.items() if k not in TIMING_KEYS}
+        stats = self.stats.saved(include_timing)
         arrays = {
             "version": np.array(PLAN_VERSION, np.int32),
             "num_gpus": np.array(self.num_gpus, np.int32),

@@ -44,7 +44,7 @@ Two modes:
   (``timing.replica_push_overlap``);
   the gradient pull overlaps the attention backward as in ``per-layer``.
 
-``replica_mode="auto"`` picks ``after-router`` for plans whose ``stats["replica_fetch"]`` says so,
+``replica_mode="auto"`` picks ``after-router`` for plans whose ``stats.replica_fetch`` says so,
 ``persistent`` when there are several micro-batches and the replica
 slots hold the same experts in every micro-batch, else ``per-layer``.
 
@@ -218,11 +218,11 @@ class StepResult:
     (``relibra simulate``, ``relibra compare``, the demo, ``steady.plan_steady``).
 
     Attributes:
-        strategy: ``plan.stats["strategy"]`` (None when absent).
+        strategy: ``plan.stats.strategy`` (None when absent).
         replica_slots: the plan's r.
         solve_s: seconds the planner took (wall clock; nan when unknown).
         step: the simulated ``StepTime``.
-        portfolio: relibra's chosen portfolio candidate (``plan.stats["portfolio"]["chosen"]``), None elsewhere.
+        portfolio: relibra's chosen portfolio candidate (``plan.stats.portfolio.chosen``), None elsewhere.
     """
 
     strategy: str | None
@@ -233,11 +233,13 @@ class StepResult:
 
     @classmethod
     def of(cls, plan: BatchPlan, step: StepTime, solve_s: float | None = None) -> StepResult:
-        """The result of ``plan``'s simulated ``step``; ``solve_s`` defaults to ``plan.stats["solve_seconds"]``."""
-        return cls(strategy=plan.stats.get("strategy"), replica_slots=plan.replica_slots,
-                   solve_s=float(plan.stats.get("solve_seconds", float("nan")) if solve_s is None else solve_s),
+        """The result of ``plan``'s simulated ``step``; ``solve_s`` defaults to ``plan.stats.solve_seconds``."""
+        st = plan.stats
+        return cls(strategy=st.strategy, replica_slots=plan.replica_slots,
+                   solve_s=float((float("nan") if st.solve_seconds is None else st.solve_seconds) if solve_s is None
+                                 else solve_s),
                    step=step,
-                   portfolio=plan.stats["portfolio"]["chosen"] if "portfolio" in plan.stats else None)
+                   portfolio=st.portfolio.chosen if st.portfolio is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``strategy``, ``replica_slots``, ``solve_s``, the step's ``StepTime.to_dict`` figures and
@@ -254,7 +256,7 @@ def _resolve_replica_mode(plan: BatchPlan, mode: str) -> str:
         raise PlanError(f"replica_mode {mode!r} is not one of {REPLICA_MODES}")
     if mode != "auto":
         return mode
-    if plan.stats.get("replica_fetch") == "after-router":
+    if plan.stats.replica_fetch == "after-router":
         return "after-router"
     rep = plan.replicas.replica_expert
     if rep.shape[0] > 1 and (rep >= 0).any() and bool((rep == rep[:1]).all()):
@@ -262,24 +264,10 @@ def _resolve_replica_mode(plan: BatchPlan, mode: str) -> str:
     return "per-layer"
 
 
-def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
-                   *, previous: Placement | None = None,
-                   optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM,
-                   replica_mode: ReplicaMode = "auto", validate: bool = True) -> StepTime:
-    """Simulate one step from sequence lengths and loads (see the module docstring for the formulas).
-
-    Args:
-        plan: the batch's plan (placement, sample placement, replicas); checked against the specs.
-        lengths: int ``[N]`` tokens of each sequence (sample n runs on ``plan.samples.gpu[n]`` in
-            micro-batch ``plan.samples.micro_batch[n]``).
-        x: ``[M, L, G, E]`` tokens of source GPU j routed to expert e per micro-batch and MoE layer,
-            for that same sample placement (``TraceBatch.loads``).
-        previous: placement before this batch (default: static); the re-layout moves the difference.
-        optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter.
-        replica_mode: "auto", "per-layer", "persistent" or "after-router" (see the module docstring).
-        validate: check the plan against the specs (``BatchPlan.validate``); False only for plans the caller
-            built and validates itself (relibra's portfolio candidates: the one it returns is validated).
-    """
+def _check_step_inputs(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                       previous: Placement | None, optimizer_bytes_per_param: float, validate: bool
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """``simulate_loads``'s argument checks (PlanError naming the argument); returns ``(lengths, x)`` as arrays."""
     G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
     lengths = np.asarray(lengths)
     x = np.asarray(x)
@@ -301,24 +289,15 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
             previous.validate(model, cluster)
         except PlanError as exc:
             raise PlanError(f"previous placement: {exc}") from None
+    return lengths, x
 
-    # Local stage: attention (+ shared experts) per (m, g); the slowest GPU counts.
-    a_fwd = attention_forward(lengths, plan.samples.micro_batch, plan.samples.gpu, M, model, cluster)  # [M]
-    a_bwd = attention_backward(a_fwd)
 
-    # MoE forward / backward from the plan's flow.
-    flow = plan_flow(plan, x)
-    cost = cost_from_flow(flow, model, cluster)
-    if cluster.gemm_curve:  # expert GEMMs at the measured rate of each expert's rows
-        comp_max = expert_compute_seconds(plan_expert_rows(plan, x), model, cluster).max(axis=-1)  # [M, L]
-    else:
-        comp_max = cost.comp.max(axis=-1)  # [M, L]
-    comm_max = moe_comm_seconds(cost.comm.max(axis=-1), flow, cluster)  # + all-to-all latency
-    t_fwd = moe_forward_seconds(comp_max, comm_max)
-    t_bwd = moe_backward_seconds(comp_max, comm_max)
-
-    # Replica transfers.
-    mode = _resolve_replica_mode(plan, replica_mode)
+def _replica_transfers(plan: BatchPlan, mode: str, a_fwd: np.ndarray, a_bwd: np.ndarray, comm_max: np.ndarray,
+                       model: ModelSpec, cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """The replica traffic of ``plan`` fetched by ``mode``: ``(push [M, L], exposed_fwd [M, L], exposed_bwd [M, L],
+    persistent_s)`` seconds; ``a_fwd`` / ``a_bwd`` ``[M]`` attention seconds, ``comm_max`` ``[M, L]`` the forward
+    all-to-all (module docstring, "Replica transfers")."""
+    M, L = plan.num_micro_batches, model.num_layers
     rep = plan.replicas.replica_expert  # [M, L, G, r]
     filled = np.argwhere(rep >= 0)
     push = np.zeros((M, L))
@@ -338,6 +317,50 @@ def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: M
             once = fm == 0
             persistent_s = 2.0 * float(transfer_seconds(fh[once], fg[once], model.expert_bytes, None, 1,
                                                         cluster)[0])
+    return push, exposed_fwd, exposed_bwd, persistent_s
+
+
+def simulate_loads(plan: BatchPlan, lengths: np.ndarray, x: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                   *, previous: Placement | None = None,
+                   optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM,
+                   replica_mode: ReplicaMode = "auto", validate: bool = True) -> StepTime:
+    """Simulate one step from sequence lengths and loads (see the module docstring for the formulas).
+
+    Args:
+        plan: the batch's plan (placement, sample placement, replicas); checked against the specs.
+        lengths: int ``[N]`` tokens of each sequence (sample n runs on ``plan.samples.gpu[n]`` in
+            micro-batch ``plan.samples.micro_batch[n]``).
+        x: ``[M, L, G, E]`` tokens of source GPU j routed to expert e per micro-batch and MoE layer,
+            for that same sample placement (``TraceBatch.loads``).
+        previous: placement before this batch (default: static); the re-layout moves the difference.
+        optimizer_bytes_per_param: optimizer-state bytes that move with each expert parameter.
+        replica_mode: "auto", "per-layer", "persistent" or "after-router" (see the module docstring).
+        validate: check the plan against the specs (``BatchPlan.validate``); False only for plans the caller
+            built and validates itself (relibra's portfolio candidates: the one it returns is validated).
+    """
+    G, L, E = cluster.num_gpus, model.num_layers, model.num_experts
+    lengths, x = _check_step_inputs(plan, lengths, x, model, cluster, previous, optimizer_bytes_per_param, validate)
+    M = plan.num_micro_batches
+
+    # Local stage: attention (+ shared experts) per (m, g); the slowest GPU counts.
+    a_fwd = attention_forward(lengths, plan.samples.micro_batch, plan.samples.gpu, M, model, cluster)  # [M]
+    a_bwd = attention_backward(a_fwd)
+
+    # MoE forward / backward from the plan's flow.
+    flow = plan_flow(plan, x)
+    cost = cost_from_flow(flow, model, cluster)
+    if cluster.gemm_curve:  # expert GEMMs at the measured rate of each expert's rows
+        comp_max = expert_compute_seconds(plan_expert_rows(plan, x), model, cluster).max(axis=-1)  # [M, L]
+    else:
+        comp_max = cost.comp.max(axis=-1)  # [M, L]
+    comm_max = moe_comm_seconds(cost.comm.max(axis=-1), flow, cluster)  # + all-to-all latency
+    t_fwd = moe_forward_seconds(comp_max, comm_max)
+    t_bwd = moe_backward_seconds(comp_max, comm_max)
+
+    # Replica transfers.
+    mode = _resolve_replica_mode(plan, replica_mode)
+    push, exposed_fwd, exposed_bwd, persistent_s = _replica_transfers(plan, mode, a_fwd, a_bwd, comm_max, model,
+                                                                      cluster)
     pull = push  # the gradient has the weights' size and goes the other way: same link time
 
     prev = previous if previous is not None else Placement.static(L, E, G)
@@ -434,16 +457,16 @@ def simulate_step(plan: BatchPlan, batch: Any, model: ModelSpec, cluster: Cluste
     """Simulate one step of ``batch`` (a ``TraceBatch``) under ``plan``; keyword args as ``simulate_loads``.
 
     The loads follow the plan's sample placement (``evaluate.plan_loads``). ``balanced`` (default: whether
-    ``plan.stats["strategy"] == "balanced"``) returns the bound instead (``bound_step`` for the plan's
-    ``stats["replica_slots"]``, micro-batches (``evaluate.bound_micro_batch``) and micro-batch count), as
+    ``plan.stats.strategy == "balanced"``) returns the bound instead (``bound_step`` for the plan's
+    ``stats.replica_slots``, micro-batches (``evaluate.bound_micro_batch``) and micro-batch count), as
     ``score_plan`` scores a Balanced plan as the bound.
-    ``allow_missing_fingerprint``: simulate a plan without ``stats["batch_sha1"]`` (``check_plan_batch``).
+    ``allow_missing_fingerprint``: simulate a plan without ``stats.batch_sha1`` (``check_plan_batch``).
     """
     check_plan_batch(plan, batch, model, allow_missing_fingerprint=allow_missing_fingerprint)
     if balanced is None:
-        balanced = plan.stats.get("strategy") == "balanced"
+        balanced = plan.stats.strategy == "balanced"
     if balanced:
-        return bound_step(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)),
+        return bound_step(batch, model, cluster, plan.planned_replica_slots,
                           bound_micro_batch(plan, batch), plan.num_micro_batches, layout=plan.samples.micro_batch)
     x = plan_loads(plan, batch, cluster.num_gpus)
     return simulate_loads(plan, batch.lengths, x, model, cluster, **kwargs)

@@ -48,7 +48,7 @@ DEFAULT_STRATEGIES = ("static", "eplb", "eplb-history", "online", "relibra")
 history, online replication without replay, relibra."""
 PRICED_STRATEGIES = RELIBRA_STRATEGIES
 """Strategies that price their moves against the ``previous`` placement (option ``previous``): the ReLibra ones
-(their migration pricing, ``strategies.migrate``)."""
+(their migration pricing, ``migration.migrate``)."""
 
 
 # ---------------------------------------------------------------------------------------- batches

@@ -34,6 +34,7 @@ micro-batches below 0.5.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -327,6 +328,68 @@ def _prompt_domains(domain: str, num_prompts: int, r: int, micro_batch_size: int
     return seq[sample_block[::r]]
 
 
+def _per_prompt(dom_idx: np.ndarray, attr: str) -> np.ndarray:
+    """float64 ``[P]``: style attribute ``attr`` of each prompt's base domain (``dom_idx``: index into BASE_DOMAINS)."""
+    return np.array([getattr(STYLES[BASE_DOMAINS[i]], attr) for i in dom_idx], dtype=np.float64)
+
+
+def _routing_counts(spec: ModelSpec, dom_idx: np.ndarray, prompt_len: np.ndarray, resp_len: np.ndarray, r: int,
+                    rng: np.random.Generator, profile_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``rl_batch``'s routing: int64 ``(prompt_counts [P, L, E], resp_counts [P r, L, E])`` tokens per expert of
+    each prompt (shared by its group) and each response, drawn from ``rng`` (after the lengths)."""
+    num_prompts, num_layers, e, k = len(dom_idx), spec.num_layers, spec.num_experts, spec.top_k
+    n = num_prompts * r
+    styles = [STYLES[d] for d in BASE_DOMAINS]
+
+    def per_prompt(attr: str) -> np.ndarray:
+        return _per_prompt(dom_idx, attr)
+
+    # model popularity + focus x domain component + the prompt's own hot experts and noise
+    shared, profiles = _profiles(spec, profile_seed)
+    base = np.stack([profiles[d] for d in BASE_DOMAINS])                       # [3, L, E]
+    focus = np.exp(per_prompt("focus_sigma") * rng.standard_normal(num_prompts))
+    prompt_logits = shared[None] + focus[:, None, None] * base[dom_idx]       # [P, L, E]
+    prompt_logits += per_prompt("prompt_sigma")[:, None, None] * rng.standard_normal((num_prompts, num_layers, e))
+    n_hot = int(min(max(st.prompt_hot for st in styles), e))
+    if n_hot:
+        own = np.argpartition(rng.random((num_prompts, num_layers, e)), n_hot - 1, axis=2)[:, :, :n_hot]
+        boost = per_prompt("prompt_hot_boost")[:, None, None] * (
+            0.5 + 0.5 * rng.random((num_prompts, num_layers, n_hot)))
+        boost *= np.arange(n_hot)[None, None, :] < per_prompt("prompt_hot")[:, None, None]
+        np.put_along_axis(prompt_logits, own, np.take_along_axis(prompt_logits, own, 2) + boost, axis=2)
+    prompt_q = _inclusion_rates(prompt_logits, k)
+    prompt_counts = _round_counts(np.broadcast_to(prompt_len[:, None], (num_prompts, num_layers)), prompt_q, k, rng)
+    del prompt_q
+    resp_logits = np.repeat(prompt_logits, r, axis=0)
+    del prompt_logits
+    resp_logits += np.repeat(per_prompt("response_sigma_r"), r)[:, None, None] * rng.standard_normal(
+        (n, num_layers, e))
+    resp_q = _inclusion_rates(resp_logits, k)
+    del resp_logits
+    resp_counts = _round_counts(np.broadcast_to(resp_len[:, None], (n, num_layers)), resp_q, k, rng)
+    del resp_q
+    return prompt_counts, resp_counts
+
+
+def _materializer(seed: int, r: int, prompt_len: np.ndarray, resp_len: np.ndarray, prompt_counts: np.ndarray,
+                  resp_counts: np.ndarray, num_layers: int, k: int, dtype: np.dtype) -> Callable[[int], np.ndarray]:
+    """``rl_batch``'s per-sample ids on demand: sample i -> ``[T_i, L, k]`` ids of ``dtype`` holding exactly its
+    counts (prompt part from the prompt's seed, response part from the sample's)."""
+
+    def materialize(i: int) -> np.ndarray:
+        p = i // r
+        prompt_rng = np.random.default_rng([_stable_seed("relibra-synthetic-prompt", seed), p])
+        resp_rng = np.random.default_rng([_stable_seed("relibra-synthetic-response", seed), i])
+        head = int(prompt_len[p])
+        out = np.empty((head + int(resp_len[i]), num_layers, k), dtype=dtype)  # filled in place, no concatenation
+        for part, c, rg in ((out[:head], prompt_counts[p], prompt_rng), (out[head:], resp_counts[i], resp_rng)):
+            if not _fill_ids(c, k, np.uint64(rg.integers(0, 2**63, dtype=np.int64)), part):
+                raise TraceError(f"synthetic ids of sample {i}: counts inconsistent with the lengths (report this)")
+        return out
+
+    return materialize
+
+
 def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_per_prompt: int = 4, seed: int = 0,
              micro_batch_size: int | None = None, *, max_len: int = MAX_LEN, profile_seed: int = 0) -> TraceBatch:
     """A synthetic RL global batch of ``num_prompts * responses_per_prompt`` samples (labelled synthetic).
@@ -362,10 +425,9 @@ def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_pe
 
     prompt_domain = _prompt_domains(domain, num_prompts, r, micro_batch_size, seed)
     dom_idx = np.array([BASE_DOMAINS.index(d) for d in prompt_domain])
-    styles = [STYLES[d] for d in BASE_DOMAINS]
 
     def per_prompt(attr: str) -> np.ndarray:
-        return np.array([getattr(styles[i], attr) for i in dom_idx], dtype=np.float64)
+        return _per_prompt(dom_idx, attr)
 
     # lengths: prompt tokens shared by the group, responses long-tailed (log-normal, capped)
     prompt_len = _lengths(rng, per_prompt("prompt_median"), np.full(num_prompts, 0.5), 8, max_len // 2)
@@ -374,46 +436,12 @@ def rl_batch(model: ModelSpec | str, domain: str, num_prompts: int, responses_pe
                         max_len)
     resp_len = np.minimum(resp_len, max_len - np.repeat(prompt_len, r))
 
-    # routing: model popularity + focus x domain component + the prompt's own hot experts and noise
-    shared, profiles = _profiles(spec, profile_seed)
-    base = np.stack([profiles[d] for d in BASE_DOMAINS])                       # [3, L, E]
-    focus = np.exp(per_prompt("focus_sigma") * rng.standard_normal(num_prompts))
-    prompt_logits = shared[None] + focus[:, None, None] * base[dom_idx]       # [P, L, E]
-    prompt_logits += per_prompt("prompt_sigma")[:, None, None] * rng.standard_normal((num_prompts, num_layers, e))
-    n_hot = int(min(max(st.prompt_hot for st in styles), e))
-    if n_hot:
-        own = np.argpartition(rng.random((num_prompts, num_layers, e)), n_hot - 1, axis=2)[:, :, :n_hot]
-        boost = per_prompt("prompt_hot_boost")[:, None, None] * (
-            0.5 + 0.5 * rng.random((num_prompts, num_layers, n_hot)))
-        boost *= np.arange(n_hot)[None, None, :] < per_prompt("prompt_hot")[:, None, None]
-        np.put_along_axis(prompt_logits, own, np.take_along_axis(prompt_logits, own, 2) + boost, axis=2)
-    prompt_q = _inclusion_rates(prompt_logits, k)
-    prompt_counts = _round_counts(np.broadcast_to(prompt_len[:, None], (num_prompts, num_layers)), prompt_q, k, rng)
-    del prompt_q
-    resp_logits = np.repeat(prompt_logits, r, axis=0)
-    del prompt_logits
-    resp_logits += np.repeat(per_prompt("response_sigma_r"), r)[:, None, None] * rng.standard_normal(
-        (n, num_layers, e))
-    resp_q = _inclusion_rates(resp_logits, k)
-    del resp_logits
-    resp_counts = _round_counts(np.broadcast_to(resp_len[:, None], (n, num_layers)), resp_q, k, rng)
-    del resp_q
+    prompt_counts, resp_counts = _routing_counts(spec, dom_idx, prompt_len, resp_len, r, rng, profile_seed)
     counts = resp_counts + np.repeat(prompt_counts, r, axis=0)
 
-    dtype = ids_dtype(e)
     prompt_len_rep = np.repeat(prompt_len, r)
-
-    def materialize(i: int) -> np.ndarray:
-        p = i // r
-        prompt_rng = np.random.default_rng([_stable_seed("relibra-synthetic-prompt", seed), p])
-        resp_rng = np.random.default_rng([_stable_seed("relibra-synthetic-response", seed), i])
-        head = int(prompt_len[p])
-        out = np.empty((head + int(resp_len[i]), num_layers, k), dtype=dtype)  # filled in place, no concatenation
-        for part, c, rg in ((out[:head], prompt_counts[p], prompt_rng), (out[head:], resp_counts[i], resp_rng)):
-            if not _fill_ids(c, k, np.uint64(rg.integers(0, 2**63, dtype=np.int64)), part):
-                raise TraceError(f"synthetic ids of sample {i}: counts inconsistent with the lengths (report this)")
-        return out
-
+    materialize = _materializer(seed, r, prompt_len, resp_len, prompt_counts, resp_counts, num_layers, k,
+                                ids_dtype(e))
     micro_batch = None if micro_batch_size is None else (np.arange(n) // int(micro_batch_size)).astype(np.int32)
     source = (f"synthetic RL batch (relibra_moe.synthetic, not real routing): model {spec.name}, domain {domain}, "
               f"{num_prompts} prompts x {r} responses, seed {seed}")

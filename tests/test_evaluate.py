@@ -231,7 +231,7 @@ def _node_locality_replicas(plan: BatchPlan, batch: TraceBatch, cluster: Cluster
             rows += [(m, l, j, e, g) for j in gs if x[m, l, j, e] > 0]
     idx = np.array(rows, np.int32).reshape(-1, 5)
     reps = ReplicaPlan(rep, idx, np.ones(len(idx), np.float32), scope="global")
-    return BatchPlan(plan.placement, plan.samples, reps, G, P, {**plan.stats, "strategy": "node-locality"})
+    return BatchPlan(plan.placement, plan.samples, reps, G, P, {**plan.stats.to_dict(), "strategy": "node-locality"})
 
 
 @given(seed=st.integers(0, 10_000), shape=st.sampled_from([(2, 2), (4, 1), (2, 4)]), r=st.integers(1, 2),

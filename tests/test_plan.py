@@ -185,7 +185,7 @@ def test_round_trip(tmp_path):
     np.testing.assert_array_equal(q.replicas.split_index, p.replicas.split_index)
     np.testing.assert_array_equal(q.replicas.split_share, p.replicas.split_share)
     assert q.replicas.scope == "node" and q.num_micro_batches == 2
-    assert q.stats == {"strategy": "t", "seed": 1, "objective": 0.5, "arr": [0, 1]}
+    assert q.stats.to_dict() == {"strategy": "t", "seed": 1, "objective": 0.5, "arr": [0, 1]}
     with np.load(path, allow_pickle=False) as f:
         assert f["expert_gpu"].dtype == np.int32 and f["split_share"].dtype == np.float32
         assert f["split_index"].shape == (2, 5) and int(f["version"]) == 1
@@ -196,9 +196,9 @@ def test_save_is_byte_deterministic_and_timing_is_optional(tmp_path):
     _plan(stats={"seed": 1, "solve_seconds": 1.5, "timing": {"x": 1}}).save(a)
     _plan(stats={"seed": 1, "solve_seconds": 9.0, "timing": {"x": 2}}).save(b)
     assert a.read_bytes() == b.read_bytes()
-    assert BatchPlan.load(a).stats == {"seed": 1}
+    assert BatchPlan.load(a).stats.to_dict() == {"seed": 1}
     _plan(stats={"seed": 1, "solve_seconds": 1.5}).save(b, include_timing=True)
-    assert BatchPlan.load(b).stats == {"seed": 1, "solve_seconds": 1.5}
+    assert BatchPlan.load(b).stats.to_dict() == {"seed": 1, "solve_seconds": 1.5}
 
 
 def test_load_errors(tmp_path):

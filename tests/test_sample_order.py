@@ -101,7 +101,7 @@ def test_keep_cell_sizes_moves_samples_but_keeps_every_cell_count(planned):
     counts = np.zeros((plan.num_micro_batches, CLUSTER.num_gpus), np.int64)
     np.add.at(counts, (plan.samples.micro_batch, plan.samples.gpu), 1)
     assert (counts == 2).all()
-    assert plan.stats["options"]["keep_cell_sizes"] is True
+    assert plan.stats.options["keep_cell_sizes"] is True
 
 
 @pytest.mark.parametrize("which", ["planner", "trainer"])

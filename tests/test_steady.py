@@ -115,15 +115,15 @@ def test_previous_plan_chain_is_what_the_simulator_charges(chain, strategy):
             assert other.experts_moved == from_static
         if strategy == "relibra":
             # the portfolio's figure of the chosen candidate is the simulator's step against the same previous
-            pf = plan.stats["portfolio"]
-            assert pf["step_s"][pf["chosen"]] == pytest.approx(row["step_s"], rel=1e-12)
-            assert row["step_s"] == pytest.approx(min(pf["step_s"].values()), rel=1e-12)
-        if strategy == "relibra" and k > 0 and plan.stats["portfolio"]["chosen"] == "relibra":
+            pf = plan.stats.portfolio
+            assert pf.step_s[pf.chosen] == pytest.approx(row["step_s"], rel=1e-12)
+            assert row["step_s"] == pytest.approx(min(pf.step_s.values()), rel=1e-12)
+        if strategy == "relibra" and k > 0 and plan.stats.portfolio.chosen == "relibra":
             # the planner priced its moves against the same placement the simulator charges
-            assert plan.stats["migration"]["moved"] == moved
+            assert plan.stats.migration.moved == moved
         if strategy == "relibra" and k > 0:
             # stats record the previous placement by its fingerprint (PlanOptions.strategy_options)
-            assert plan.stats["options"]["previous"] == PlanOptions(previous=prev).strategy_options()["previous"]
+            assert plan.stats.options["previous"] == PlanOptions(previous=prev).strategy_options()["previous"]
     if strategy in ("static", "online"):
         assert all(r["experts_moved"] == 0 and r["reorder_s"] == 0.0 for r in rows)
     if strategy == "eplb":
@@ -137,14 +137,14 @@ def test_relibra_chain_prices_against_the_last_plan(chain):
     again = plan_batch(batches[1], model, cluster, "relibra", replica_slots=1, previous=plans[0].placement)
     np.testing.assert_array_equal(again.placement.expert_gpu, plans[1].placement.expert_gpu)
     fresh = plan_batch(batches[1], model, cluster, "relibra", replica_slots=1)
-    assert fresh.stats["migration"]["moved"] == int((fresh.placement.expert_gpu != np.asarray(
+    assert fresh.stats.migration.moved == int((fresh.placement.expert_gpu != np.asarray(
         plan_batch(batches[1], model, cluster, "static").placement.expert_gpu)).sum())
 
 
 def test_eplb_history_in_the_chain(chain):
     model, cluster, batches = chain
     plans, rows = plan_steady(batches, model, cluster, "eplb-history", replica_slots=1)
-    assert plans[0].stats["eplb_history"]["layout"].startswith("trivial") and rows[0]["experts_moved"] == 0
+    assert plans[0].stats.eplb_history.layout.startswith("trivial") and rows[0]["experts_moved"] == 0
     h0 = batches[0].sample_expert_counts().sum(axis=0)
     ref = plan_batch(batches[1], model, cluster, "eplb-history", replica_slots=1, history=h0,
                      previous=plans[0].placement)
@@ -184,7 +184,7 @@ def test_evaluate_matches_the_simulator(chain):
     step = simulate_step(plan, batches[0], model, cluster)
     ev = StepResult.of(plan, step).to_dict()
     assert ev["t_moe_s"] == pytest.approx(float(step.t_moe.sum())) and ev["step_s"] == step.step_s
-    assert ev["experts_moved"] == step.experts_moved and ev["solve_s"] == plan.stats["solve_seconds"]
+    assert ev["experts_moved"] == step.experts_moved and ev["solve_s"] == plan.stats.solve_seconds
     assert sum(ev["breakdown"].values()) == pytest.approx(ev["step_s"])
 
 

@@ -253,6 +253,25 @@ def _device(device: str | None) -> Any:
     return dev
 
 
+def _check_calibrate_args(preset: str, dispatcher: str, rdma_bw: float | None, rows: tuple[int, ...],
+                          rows_per_expert: float, a2a_gpus: int | None, counts: tuple[tuple[str, int], ...]) -> None:
+    """``calibrate``'s argument checks: PlanError naming the flag and the value (``counts``: (flag, value) pairs
+    that must be positive integers)."""
+    if preset not in CLUSTER_PRESETS:
+        raise PlanError(f"--preset {preset!r} is unknown; known: {sorted(CLUSTER_PRESETS)}")
+    if dispatcher not in DISPATCHERS:
+        raise PlanError(f"--dispatcher {dispatcher!r} is not one of {list(DISPATCHERS)}")
+    if rdma_bw is not None:
+        check_range("--rdma-bw (bytes/s)", rdma_bw, *RATE_RANGE, what="a rate")
+    if not rows or any(not is_int(r) or r < 1 for r in rows):
+        raise PlanError(f"--rows={list(rows)} must be positive row counts")
+    for name, value in counts:
+        check_count(name, value)
+    check_positive("--rows-per-expert", rows_per_expert)
+    if a2a_gpus is not None:
+        check_count("--a2a-gpus", a2a_gpus)
+
+
 def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str = "alltoall", gpus_per_node: int = 8,
               rdma_bw: float | None = None, rows: tuple[int, ...] = DEFAULT_ROWS, rows_per_expert: float = 2048,
               local_experts: int = 8, seq_len: int = 4096, attn_batch: int = 1, a2a_gpus: int | None = None,
@@ -264,20 +283,9 @@ def calibrate(model: ModelSpec, preset: str = DEFAULT_CLUSTER, dispatcher: str =
     are written and ``source`` says so. ``device`` (default ``cuda``): ``cpu`` runs the GEMM and attention
     measurements on the CPU (the Triton interpreter; a functional check, not a rate to plan with).
     """
-    if preset not in CLUSTER_PRESETS:
-        raise PlanError(f"--preset {preset!r} is unknown; known: {sorted(CLUSTER_PRESETS)}")
-    if dispatcher not in DISPATCHERS:
-        raise PlanError(f"--dispatcher {dispatcher!r} is not one of {list(DISPATCHERS)}")
-    if rdma_bw is not None:
-        check_range("--rdma-bw (bytes/s)", rdma_bw, *RATE_RANGE, what="a rate")
-    if not rows or any(not is_int(r) or r < 1 for r in rows):
-        raise PlanError(f"--rows={list(rows)} must be positive row counts")
-    for name, value in (("--gpus-per-node", gpus_per_node), ("--local-experts", local_experts),
-                        ("--seq-len", seq_len), ("--attn-batch", attn_batch), ("--iters", iters)):
-        check_count(name, value)
-    check_positive("--rows-per-expert", rows_per_expert)
-    if a2a_gpus is not None:
-        check_count("--a2a-gpus", a2a_gpus)
+    _check_calibrate_args(preset, dispatcher, rdma_bw, rows, rows_per_expert, a2a_gpus,
+                          (("--gpus-per-node", gpus_per_node), ("--local-experts", local_experts),
+                           ("--seq-len", seq_len), ("--attn-batch", attn_batch), ("--iters", iters)))
     base = cluster_preset(preset, nodes=1, gpus_per_node=gpus_per_node, dispatcher=dispatcher)
     if rdma_bw is not None:
         base = base.with_(rdma_bw=float(rdma_bw))

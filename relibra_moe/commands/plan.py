@@ -92,6 +92,18 @@ def _strategy_registry() -> tuple[str, ...]:
     return tuple(STRATEGIES)
 
 
+def add_trace_plan_parser(subparsers: argparse._SubParsersAction, name: str, help: str, description: str
+                          ) -> argparse.ArgumentParser:
+    """The parser of a subcommand that reads a TRACE and a PLAN file (``relibra score``, ``relibra simulate``):
+    the two positionals, the model and the cluster arguments."""
+    p = subparsers.add_parser(name, help=help, description=description)
+    p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
+    p.add_argument("plan", help="plan file (.npz from `relibra plan`)")
+    add_model_args(p)
+    add_cluster_args(p)
+    return p
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``relibra plan`` and ``relibra score`` to the CLI."""
     p = subparsers.add_parser(
@@ -142,14 +154,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_plan)
 
-    s = subparsers.add_parser(
-        "score", help="exact cost of a plan file on a trace",
-        description="Re-score PLAN on the batch in TRACE with the exact cost model (the same numbers as "
-                    "`relibra plan` prints).")
-    s.add_argument("trace", help="trace file (.npz)")
-    s.add_argument("plan", help="plan file (.npz from `relibra plan`)")
-    add_model_args(s)
-    add_cluster_args(s)
+    s = add_trace_plan_parser(subparsers, "score", "exact cost of a plan file on a trace",
+                              "Re-score PLAN on the batch in TRACE with the exact cost model (the same numbers as "
+                              "`relibra plan` prints).")
     s.add_argument("--bound", "--balanced", dest="bound", action="store_true",
                    help="also report percent of the bound (a lower bound of every plan's sum of T_MoE)")
     s.add_argument("--previous", default=None, metavar="PLAN.npz",
@@ -189,9 +196,9 @@ def add_sample_owner_flags(p: argparse.ArgumentParser, both: bool) -> None:
 def placement_of(plan: BatchPlan) -> str:
     """The sample placement a plan started from (its ``stats``): ``sample_placement`` when recorded, "given ranks"
     for a trainer's ``sample_gpu``, else "round-robin" (plans record nothing for it)."""
-    if "sample_placement" in plan.stats:
-        return str(plan.stats["sample_placement"])
-    return "given ranks" if "sample_gpu" in plan.stats.get("options", {}) else "round-robin"
+    if plan.stats.sample_placement is not None:
+        return str(plan.stats.sample_placement)
+    return "given ranks" if "sample_gpu" in (plan.stats.options or {}) else "round-robin"
 
 
 def add_sample_placement_flag(p: argparse.ArgumentParser) -> None:
@@ -405,7 +412,7 @@ def _score(plan, batch, model, cluster, bound: bool, allow_unfingerprinted: bool
 
     bnd = None
     if bound:
-        bnd = bound_t_moe(batch, model, cluster, int(plan.stats.get("replica_slots", plan.replica_slots)))
+        bnd = bound_t_moe(batch, model, cluster, plan.planned_replica_slots)
     out = score_plan(plan, batch, model, cluster, bound_t_moe_s=bnd,
                      allow_missing_fingerprint=allow_unfingerprinted).to_dict()
     if bnd is not None:
@@ -454,11 +461,11 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
                                        "overlap": cluster.overlap}}
     out.update(_score(plan, batch, model, cluster, args.bound))
     out.update(_step(plan, batch, model, cluster, previous, args.previous))
-    out["solve_s"] = float(plan.stats["solve_seconds"])
+    out["solve_s"] = float(plan.stats.solve_seconds)
     out["replica_slots"] = plan.replica_slots
     out["repack"] = bool(args.repack)
     out["seed"] = args.seed
-    out["sample_owner"] = plan.stats.get("sample_owner", "planner")
+    out["sample_owner"] = plan.stats.sample_owner or "planner"
     out["sample_placement"] = placement_of(plan)
     return out
 
@@ -479,7 +486,7 @@ def score_file(trace_path: str, plan_path: str, model_name: str | ModelSpec, clu
                                        "overlap": cluster.overlap}}
     out.update(_score(plan, batch, model, cluster, bound, allow_unfingerprinted))
     out.update(_step(plan, batch, model, cluster, previous, previous_path, allow_unfingerprinted))
-    out["sample_owner"] = plan.stats.get("sample_owner", "planner")
+    out["sample_owner"] = plan.stats.sample_owner or "planner"
     out["sample_placement"] = placement_of(plan)
     return out
 

@@ -12,19 +12,15 @@ from typing import Any
 
 from ..specs import DEFAULT_CLUSTER
 from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, REPLICA_MODES
-from .plan import add_cluster_args, add_model_args, load_inputs, load_previous, model_from_args, placement_of
+from .plan import add_trace_plan_parser, load_inputs, load_previous, model_from_args, placement_of
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``relibra simulate`` to the CLI."""
-    p = subparsers.add_parser(
-        "simulate", help="simulated training-step time of a trace under a plan",
-        description="Simulate one training step (attention + MoE forward/backward per micro-batch and layer, "
-                    "replica transfers, reorder traffic) of the batch in TRACE under the plan in PLAN.")
-    p.add_argument("trace", help="trace file (.npz from `relibra trace import/synth`)")
-    p.add_argument("plan", help="plan file (.npz from `relibra plan`)")
-    add_model_args(p)
-    add_cluster_args(p)
+    p = add_trace_plan_parser(subparsers, "simulate", "simulated training-step time of a trace under a plan",
+                              "Simulate one training step (attention + MoE forward/backward per micro-batch and "
+                              "layer, replica transfers, reorder traffic) of the batch in TRACE under the plan in "
+                              "PLAN.")
     p.add_argument("--previous", default=None,
                    help="plan file whose placement precedes this one (default: the static placement)")
     p.add_argument("--optimizer-bytes", type=float, default=None,
@@ -58,8 +54,8 @@ def simulate_files(trace_path: str, plan_path: str, model_name: Any, cluster_nam
     out = {"trace": str(trace_path), "plan": str(plan_path), "model": model.name,
            "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node,
                        "dispatcher": cluster.dispatcher, "overlap": cluster.overlap},
-           "strategy": plan.stats.get("strategy"), "num_micro_batches": plan.num_micro_batches,
-           "replica_slots": plan.replica_slots, "sample_owner": plan.stats.get("sample_owner", "planner"),
+           "strategy": plan.stats.strategy, "num_micro_batches": plan.num_micro_batches,
+           "replica_slots": plan.replica_slots, "sample_owner": plan.stats.sample_owner or "planner",
            "sample_placement": placement_of(plan)}
     out.update(step.to_dict())
     return out

@@ -642,14 +642,16 @@ class ReplayGRPOTrainer(GRPOTrainer):
             baselines[name] = simulate_step(base, batch, spec, cluster,
                                             previous=None if name == "static" else previous).step_s
         best = min(baselines.values())
-        migration = plan.stats.get("migration", {})
+        migration = plan.stats.migration
         moved = int((plan.placement.expert_gpu != previous.expert_gpu).sum())
-        return {"experts_proposed": float(migration.get("moved_after_relabel", moved)),
+        if migration is not None and migration.moved_after_relabel is not None:
+            moved = migration.moved_after_relabel
+        return {"experts_proposed": float(moved),
                 "replicas": float((plan.replicas.replica_expert >= 0).sum()),
                 "step_s": step, "static_step_s": baselines["static"], "speedup_vs_static": baselines["static"] / step,
                 "best_baseline_step_s": best, "speedup_vs_best_baseline": best / step,
                 "planning_s": planning_s,
-                "fallbacks": float(plan.stats.get("fallbacks", 0))}
+                "fallbacks": float(plan.stats.fallbacks or 0)}
 
     def _log_telemetry(self, telemetry: dict[str, float]) -> None:
         """Append each field to TRL's metrics (averaged per logging step into ``log_history`` as ``relibra/<field>``,

@@ -9,17 +9,18 @@ its top without a cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from ..errors import PlanError
 from ..evaluate import placement_loads
 from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
+from ..plan_stats import PlanStats
 from ..sample_placements import place_samples
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
 from . import baselines
+from .evaluation import SIMULATED_STEP, StepEvaluator
 from .executor import FallbackLog, TaskExecutor, TaskFailed
 from .locality import anneal_locality
 from .options import PlanOptions
@@ -44,6 +45,7 @@ class PlanContext:
         executor: where the planning tasks run.
         fallback_expert_gpu: int64 ``[L, E]`` homes a reorder layer keeps when its tasks fail (None: its start).
         stats: the plan's ``stats`` being built; fallbacks: cells that fell back (``FallbackLog``).
+        evaluator: the judge of finished candidates (the portfolio's; default the step simulator).
     """
 
     batch: TraceBatch
@@ -57,8 +59,9 @@ class PlanContext:
     options: PlanOptions
     executor: TaskExecutor
     fallback_expert_gpu: np.ndarray | None = None
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: PlanStats = field(default_factory=PlanStats)
     fallbacks: FallbackLog = field(default_factory=FallbackLog)
+    evaluator: StepEvaluator = field(default=SIMULATED_STEP, repr=False)
     _comp_weight: float | None = field(default=None, repr=False)
 
     @property
@@ -172,7 +175,7 @@ def baseline_samples(ctx: PlanContext, expert_gpu: np.ndarray) -> tuple[np.ndarr
     mb, sg, info = anneal_locality(ctx.counts, ctx.lengths, ctx.micro_batch, ctx.sample_gpu, expert_gpu, ctx.model,
                                    ctx.cluster, baseline_locality_params(ctx.options),
                                    num_micro_batches=ctx.num_micro_batches, seed=ctx.seed)
-    ctx.stats["locality"] = info
+    ctx.stats.locality = info
     return mb, sg
 
 

@@ -113,7 +113,7 @@ class FallbackLog:
         return len(self.reorder) + self.locality + len(self.replicate) + self.strategy
 
     def as_dict(self) -> dict[str, Any]:
-        """``stats["fallback_cells"]`` of a Planner plan (``"strategy"`` only when a whole-strategy task fell back)."""
+        """``stats.fallback_cells`` of a Planner plan (``"strategy"`` only when a whole-strategy task fell back)."""
         out: dict[str, Any] = {"reorder": list(self.reorder), "locality": self.locality,
                                "replicate": list(self.replicate)}
         if self.strategy:

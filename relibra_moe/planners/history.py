@@ -37,6 +37,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..plan import BatchPlan
+from ..plan_stats import EplbHistoryStats
 from ..validate import check_int, check_token_counts
 from . import baselines
 from .context import PlanContext, baseline_samples, eplb_task, fallback_homes, make_plan, previous_expert_gpu
@@ -74,16 +75,16 @@ def strategy_eplb_history(ctx: PlanContext) -> BatchPlan:
     if w is None:
         eg = baselines.static_placement(L, E, G)
         slots = np.full((L, G, r), -1, np.int32)
-        ctx.stats["eplb_history"] = {"window": 0, "layout": "trivial (no history yet)"}
+        ctx.stats.eplb_history = EplbHistoryStats(window=0, layout="trivial (no history yet)")
     else:
         res = eplb_task(ctx, w, "eplb-history")
         if res is None:  # past the deadline (or lost its worker): the fallback homes, no replicas
             eg = fallback_homes(ctx)
-            ctx.stats["eplb_history"] = {"window": 0, "layout": "fallback (the eplb task failed)"}
+            ctx.stats.eplb_history = EplbHistoryStats(window=0, layout="fallback (the eplb task failed)")
             return make_plan(ctx, eg, *baseline_samples(ctx, eg))
         eg, slots = res
         window = 1 if np.ndim(history) == 2 else int(np.shape(history)[0])
-        ctx.stats["eplb_history"] = {"window": window, "layout": "eplb"}
+        ctx.stats.eplb_history = EplbHistoryStats(window=window, layout="eplb")
     prev = previous_expert_gpu(ctx.options, ctx.model, ctx.cluster)
     perm = relabel_to_previous(eg, prev, ctx.cluster)
     eg = perm[eg]
@@ -93,11 +94,11 @@ def strategy_eplb_history(ctx: PlanContext) -> BatchPlan:
     mb, sg = baseline_samples(ctx, eg)
     if not ctx.repack and not ctx.trainer_owned:  # the trainer's samples stay on its ranks
         sg = perm[np.asarray(sg, dtype=np.int64)]
-    ctx.stats["eplb_history"]["relabel"] = perm.tolist()
+    ctx.stats.eplb_history.relabel = perm.tolist()
     replicas = None
     if r > 0:
         replicas = baselines.even_split_replicas(eg, slots, ctx.loads(mb, sg))
-        ctx.stats["eplb_replicas_dropped"] = int(r * G * L - (slots >= 0).sum()) if w is not None else 0
+        ctx.stats.eplb_replicas_dropped = int(r * G * L - (slots >= 0).sum()) if w is not None else 0
     return make_plan(ctx, eg, mb, sg, replicas)
 
 

@@ -14,17 +14,27 @@ per batch, not overlapped. Two steps lower that traffic after the reorder:
    MoE time summed over micro-batches (``timing.moe_step_seconds``: ``3 max comp + 2 max comm``, as the
    simulator charges it); the price is the transfer time of the layer's moved experts on their own (an
    upper bound of their share of the concurrent re-layout).
+
+``migrate`` runs both for relibra-inter (``annealing.finish_inter``), the relabelling not free when the trainer
+owns the samples.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from ..cost import moe_cost
 from ..errors import PlanError
+from ..evaluate import placement_loads
+from ..plan_stats import MigrationStats
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import DEFAULT_OPTIMIZER_BYTES_PER_PARAM, moe_step_seconds, move_bytes, transfer_seconds
+from ..trace import TraceBatch
+from .context import previous_expert_gpu
+from .options import PlanOptions
 
 
 def symmetry_perm(node_perm: np.ndarray, rail_perm: np.ndarray, gpus_per_node: int) -> np.ndarray:
@@ -162,3 +172,48 @@ def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.nda
     kept = [l for l in range(L) if moves[l] > 0.0 and l not in taken]
     eg[kept] = prev[kept]
     return eg, {"layers_kept": kept, "gain_s": gains.tolist(), "move_s": moves.tolist(), "relayout_s": cur}
+
+
+def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, batch: TraceBatch,
+            num_micro_batches: int, model: ModelSpec, cluster: ClusterSpec, options: PlanOptions, node_comp: bool,
+            samples_fixed: bool = False) -> tuple[np.ndarray, np.ndarray, MigrationStats]:
+    """Migration-aware finish of relibra-inter (this module): relabel GPUs by the fabric's
+    symmetries to keep the most experts at their previous homes (cost unchanged), then keep a layer's
+    previous homes where the new ones do not pay for their move. Option ``migration=False`` skips both.
+
+    ``samples_fixed`` (the trainer owns the samples): the relabelling may not move samples, so it is no longer
+    free. Both the identity and the relabelling of the experts alone go through ``keep_previous_layers``; the
+    one with the lower ``sum_l step_moe_seconds + relayout_s`` (forward + backward MoE seconds of the kept
+    homes plus the re-layout) wins, the identity on ties. ``sample_gpu`` is returned unchanged.
+
+    Returns (expert_gpu [L, E], sample_gpu [N], ``MigrationStats``).
+    """
+    if not options.migration:
+        return expert_gpu, sample_gpu, MigrationStats(enabled=False)
+    prev = previous_expert_gpu(options, model, cluster)
+    perm = relabel_to_previous(expert_gpu, prev, cluster)
+    obpp = float(options.optimizer_bytes_per_param)
+    if samples_fixed:
+        sg = np.asarray(sample_gpu, dtype=np.int64)
+        x = placement_loads(batch, micro_batch, sg, num_micro_batches, cluster.num_gpus)
+        best: tuple[float, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]] | None = None
+        for p in (np.arange(cluster.num_gpus), perm):
+            eg_p = p[expert_gpu]
+            kept, inf = keep_previous_layers(x, eg_p, prev, model, cluster, node_comp=node_comp,
+                                             optimizer_bytes_per_param=obpp)
+            total = sum(step_moe_seconds(x[:, l], kept[l], model, cluster, node_comp) for l in range(x.shape[1]))
+            total += inf["relayout_s"]
+            if best is None or total < best[0] * (1 - 1e-12):
+                best = (total, p, eg_p, kept, inf)
+        _, perm, eg_p, eg, info = best
+        moved_before = int((eg_p != prev).sum())
+        info["samples_fixed"] = True
+    else:
+        eg, sg = perm[expert_gpu], perm[np.asarray(sample_gpu, dtype=np.int64)]
+        x = placement_loads(batch, micro_batch, sg, num_micro_batches, cluster.num_gpus)
+        moved_before = int((eg != prev).sum())
+        eg, info = keep_previous_layers(x, eg, prev, model, cluster, node_comp=node_comp,
+                                        optimizer_bytes_per_param=obpp)
+    return eg, sg, MigrationStats(enabled=True, relabel=perm.tolist(), moved_after_relabel=moved_before,
+                                  moved=int((eg != prev).sum()), **info)
+

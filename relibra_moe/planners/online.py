@@ -43,7 +43,7 @@ from .executor import FallbackLog, TaskExecutor, default_executor
 from .replicate import CellResult, cell_step_terms, map_cells, replicate_cell_greedy
 
 REPLICA_FETCH = "after-router"
-"""``BatchPlan.stats["replica_fetch"]`` of an online plan: the simulator's replica mode for it (and the
+"""``BatchPlan.stats.replica_fetch`` of an online plan: the simulator's replica mode for it (and the
 ``timing.REPLICA_FETCHES`` value its cells are priced with)."""
 
 
@@ -126,7 +126,7 @@ def strategy_online(ctx: PlanContext) -> BatchPlan:
     with the fetch after the router (module docstring); the cells run on ``ctx.executor``."""
     eg = static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
     mb, sg = baseline_samples(ctx, eg)
-    ctx.stats["replica_fetch"] = REPLICA_FETCH
+    ctx.stats.replica_fetch = REPLICA_FETCH
     if ctx.replica_slots == 0:
         return make_plan(ctx, eg, mb, sg)
     t0 = time.perf_counter()
@@ -135,5 +135,5 @@ def strategy_online(ctx: PlanContext) -> BatchPlan:
     x = np.asarray(ctx.loads(mb, sg), dtype=np.float64)
     replicas = online_replicas(Placement(eg), samples, x, ctx.model, ctx.cluster, ctx.replica_slots, attn,
                                executor=ctx.executor, fallbacks=ctx.fallbacks)
-    ctx.stats.setdefault("timing", {})["online_replicate_s"] = time.perf_counter() - t0
+    ctx.stats.timings()["online_replicate_s"] = time.perf_counter() - t0
     return make_plan(ctx, eg, mb, sg, replicas)

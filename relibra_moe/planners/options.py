@@ -325,7 +325,7 @@ class PlanOptions:
                             f"{' and '.join(map(repr, HISTORY_STRATEGIES))}, not {strategy!r}")
 
     def strategy_options(self) -> dict[str, Any]:
-        """The strategy options that differ from their defaults (``stats["options"]`` of a plan): JSON-ready,
+        """The strategy options that differ from their defaults (``stats.options`` of a plan): JSON-ready,
         ``previous`` recorded as the SHA-1 of its int64 ``[L, E]`` homes, ``history`` as the SHA-1 of its float64
         loads and their shape."""
         out: dict[str, Any] = {}

@@ -16,16 +16,16 @@ Executors: ``"inline"`` (this process, in order), ``"process"`` (a process pool 
 Connecting to Ray runs under a time limit (``ray_connect_timeout_s``, and never past the deadline): a
 cluster address is first probed over TCP, then ``ray.init`` runs on a helper thread that is waited for at
 most that long. On failure ``on_ray_failure="raise"`` (default) raises ``PlanError`` naming the address;
-``"process"`` logs one warning and plans on a process pool instead (``stats["executor"]`` says
-``"process"`` and ``stats["executor_fallback"]`` why). A connection that timed out may still complete on
+``"process"`` logs one warning and plans on a process pool instead (``stats.executor`` says
+``"process"`` and ``stats.executor_fallback`` why). A connection that timed out may still complete on
 its thread later; the planner does not use it.
 
 Deadlines per executor: "process" and "ray" stop waiting for unfinished tasks at the deadline (their
 workers are killed with SIGKILL, so a frozen one never outlives the plan nor holds up the interpreter's
 exit / the tasks cancelled); "inline" cannot interrupt a running task: it checks the
 deadline before starting each task, so a plan can return up to one task's duration late. Every plan made
-with a deadline reports it: ``stats["deadline"]`` = ``{"deadline_s", "interrupts_tasks"}`` (False for
-"inline") and ``stats["timing"]["deadline_overrun_s"]`` (seconds past the deadline when the plan returned,
+with a deadline reports it: ``stats.deadline`` = ``{"deadline_s", "interrupts_tasks"}`` (False for
+"inline") and ``stats.timing.deadline_overrun_s`` (seconds past the deadline when the plan returned,
 0 when on time; wall clock, so kept out of saved files like all of ``timing``). Every strategy honours the
 deadline: the EPLB strategies run their layout as one task (``context.eplb_task``); static, lpt and
 balanced do no search (milliseconds).
@@ -34,8 +34,8 @@ Fallbacks keep results correct, only slower: when a task misses ``deadline_s`` (
 start of ``plan``) or its worker dies, each of its cells falls back: a reorder layer keeps the
 previous placement (option ``previous``, else the last plan's, else its start), locality keeps the samples
 where the previous round left them, a replication cell gets no replicas; past the deadline the final
-reorder and the migration pricing are skipped. Each fallen-back cell counts in ``plan.stats["fallbacks"]``
-(details in ``stats["fallback_cells"]``); warnings are aggregated: one line per cause (task kind and
+reorder and the migration pricing are skipped. Each fallen-back cell counts in ``plan.stats.fallbacks``
+(details in ``stats.fallback_cells``); warnings are aggregated: one line per cause (task kind and
 reason) per ``plan`` call, with the count of tasks. Any other exception in a task is a bug or bad input
 and propagates.
 
@@ -61,6 +61,7 @@ import numpy as np
 
 from ..errors import PlanError
 from ..plan import BatchPlan, Placement, check_replica_slots
+from ..plan_stats import DeadlineStats
 from ..specs import ClusterSpec, ModelSpec
 from ..trace import TraceBatch
 from ..validate import check_choice, check_int, check_positive
@@ -200,8 +201,8 @@ class Planner:
 
     # ------------------------------------------------------------------ planning
     def plan(self, batch: TraceBatch, micro_batch_size: int | None = None, *, sample_gpu: Any = None) -> BatchPlan:
-        """Plan one global batch; returns a validated BatchPlan (``stats["fallbacks"]`` counts fallen-back cells,
-        ``stats["fallback_cells"]`` names them).
+        """Plan one global batch; returns a validated BatchPlan (``stats.fallbacks`` counts fallen-back cells,
+        ``stats.fallback_cells`` names them).
 
         ``sample_gpu``: with ``sample_owner="trainer"``, this batch's trainer ranks, int ``[N]`` in ``[0, G)``
         (replaces the option ``sample_gpu`` for this call; None: the option's, else round-robin). With the
@@ -224,20 +225,19 @@ class Planner:
                                                                  dtype=np.int64)
         ctx = make_context(batch, self.model, self.cluster, self.strategy, opts, _PlannerExecutor(self, deadline),
                            micro_batch_size, fallback_expert_gpu=fallback)
-        ctx.stats.update({"options": base.strategy_options(), "executor": self.executor,
-                          "workers": self.workers})
+        ctx.stats.options, ctx.stats.executor, ctx.stats.workers = base.strategy_options(), self.executor, self.workers
         if self.executor_fallback is not None:
-            ctx.stats["executor_fallback"] = self.executor_fallback
+            ctx.stats.executor_fallback = self.executor_fallback
         if deadline is not None:
-            ctx.stats["deadline"] = {"deadline_s": float(self.deadline_s),
-                                     "interrupts_tasks": self.executor != "inline"}
+            ctx.stats.deadline = DeadlineStats(deadline_s=float(self.deadline_s),
+                                               interrupts_tasks=self.executor != "inline")
         try:
             plan = run_strategy(ctx, self.strategy)
         finally:
             ctx.executor.warn()
-        plan.stats["fallback_cells"] = ctx.fallbacks.as_dict()
+        plan.stats.fallback_cells = ctx.fallbacks.as_dict()
         if deadline is not None:
-            plan.stats.setdefault("timing", {})["deadline_overrun_s"] = max(0.0, time.monotonic() - deadline)
+            plan.stats.timings()["deadline_overrun_s"] = max(0.0, time.monotonic() - deadline)
         self.previous = plan.placement
         return plan
 

@@ -124,6 +124,38 @@ class RoutingMeta:
         return torch.searchsorted(self.offsets[1:].long(), rows, right=True)
 
 
+def _check_routing_args(slot_ids: torch.Tensor, num_slots: int, block_m: int, num_rows: int | None,
+                        overflow: str) -> int:
+    """``routing_metadata``'s argument checks (ReplayError naming the argument); returns R, the sorted rows."""
+    if overflow not in ("raise", "report"):
+        raise ReplayError(f"overflow must be 'raise' or 'report', got {overflow!r}")
+    if slot_ids.dim() != 2:
+        raise ReplayError(f"slot_ids must be [T, k], got shape {tuple(slot_ids.shape)}")
+    if slot_ids.dtype.is_floating_point or slot_ids.dtype == torch.bool or slot_ids.is_complex():
+        raise ReplayError(f"slot_ids must be an integer tensor, got dtype {slot_ids.dtype}")
+    if num_slots < 1:
+        raise ReplayError(f"num_slots must be >= 1, got {num_slots}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ReplayError(f"block_m must be a power of two, got {block_m}")
+    T, k = (int(s) for s in slot_ids.shape)
+    n_pairs = T * k
+    R = n_pairs if num_rows is None else int(num_rows)
+    if R < 0 or R > n_pairs:
+        raise ReplayError(f"num_rows must lie in [0, T*k={n_pairs}], got {num_rows}")
+    flat = slot_ids.reshape(-1)
+    if not flat.is_cuda and n_pairs and not indices_trusted():
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < -1 or hi >= num_slots:
+            raise ReplayError(f"slot_ids must lie in [-1, num_slots={num_slots}), got range [{lo}, {hi}]")
+        if num_rows is not None and overflow == "raise":
+            routed = int((flat >= 0).sum())
+            if routed > R:
+                raise ReplayError(
+                    f"num_rows={R} is smaller than the {routed} routed pairs of slot_ids (pass num_rows >= {routed})"
+                )
+    return R
+
+
 def routing_metadata(
     slot_ids: torch.Tensor,
     num_slots: int,
@@ -148,34 +180,11 @@ def routing_metadata(
     Returns:
         The :class:`RoutingMeta`. Raises :class:`ReplayError` on a malformed ``slot_ids``.
     """
-    if overflow not in ("raise", "report"):
-        raise ReplayError(f"overflow must be 'raise' or 'report', got {overflow!r}")
-    if slot_ids.dim() != 2:
-        raise ReplayError(f"slot_ids must be [T, k], got shape {tuple(slot_ids.shape)}")
-    if slot_ids.dtype.is_floating_point or slot_ids.dtype == torch.bool or slot_ids.is_complex():
-        raise ReplayError(f"slot_ids must be an integer tensor, got dtype {slot_ids.dtype}")
-    if num_slots < 1:
-        raise ReplayError(f"num_slots must be >= 1, got {num_slots}")
-    if block_m < 1 or block_m & (block_m - 1):
-        raise ReplayError(f"block_m must be a power of two, got {block_m}")
+    R = _check_routing_args(slot_ids, num_slots, block_m, num_rows, overflow)
     T, k = (int(s) for s in slot_ids.shape)
     n_pairs = T * k
-    R = n_pairs if num_rows is None else int(num_rows)
-    if R < 0 or R > n_pairs:
-        raise ReplayError(f"num_rows must lie in [0, T*k={n_pairs}], got {num_rows}")
     device = slot_ids.device
     flat = slot_ids.reshape(-1)
-    if not flat.is_cuda and n_pairs and not indices_trusted():
-        lo, hi = int(flat.min()), int(flat.max())
-        if lo < -1 or hi >= num_slots:
-            raise ReplayError(f"slot_ids must lie in [-1, num_slots={num_slots}), got range [{lo}, {hi}]")
-        if num_rows is not None and overflow == "raise":
-            routed = int((flat >= 0).sum())
-            if routed > R:
-                raise ReplayError(
-                    f"num_rows={R} is smaller than the {routed} routed pairs of slot_ids (pass num_rows >= {routed})"
-                )
-
     S = num_slots
     # Unrouted pairs get key S: they sort last (stable), and their bucket is dropped from the counts.
     key = torch.where(flat >= 0, flat.to(torch.int64), torch.full_like(flat, S, dtype=torch.int64))

@@ -80,7 +80,7 @@ def test_every_strategy_plans_and_scores_agree(trace_file, tmp_path, capsys, str
     assert res["strategy"] == strategy
     plan = BatchPlan.load(out)
     plan.validate(MODEL, CLUSTER, num_samples=16)
-    assert plan.stats["strategy"] == strategy and "solve_seconds" not in plan.stats
+    assert plan.stats.strategy == strategy and plan.stats.solve_seconds is None
     scored = _run(["score", str(trace_file), str(out), "--model", "gpt-oss-20b", "--json"], capsys)
     assert scored["t_moe_s"] == pytest.approx(res["t_moe_s"], rel=1e-12)
     assert scored["rank_skew_mean"] == pytest.approx(res["rank_skew_mean"], rel=1e-12)
@@ -191,7 +191,7 @@ def test_plan_batch_scores_match_reference_and_ordering():
         scores[name] = s.t_moe_s
     # relibra-inter keeps LPT as a candidate per layer and only accepts improving locality
     assert scores["relibra-inter-free"] <= scores["lpt"] + 1e-15
-    assert plans["relibra-inter-free"].stats["objective"] == pytest.approx(scores["relibra-inter-free"], rel=1e-9)
+    assert plans["relibra-inter-free"].stats.objective == pytest.approx(scores["relibra-inter-free"], rel=1e-9)
     pb = plan_batch(batch, MODEL, CLUSTER, "balanced", replica_slots=1, seed=0)
     bal = bound_t_moe(batch, MODEL, CLUSTER, 1, micro_batch=bound_micro_batch(pb, batch))
     assert score_plan(pb, batch, MODEL, CLUSTER).t_moe_s == pytest.approx(bal, rel=1e-12)
@@ -222,7 +222,7 @@ def test_relibra_is_relibra_inter_plus_replication_and_rank_balance_mode():
         return float((gl.reshape(*gl.shape[:2], 2, 4).mean(-1).max(-1) / gl.mean(-1)).mean())
 
     bal = plan_batch(batch, MODEL, CLUSTER, "relibra", replica_slots=1, skew_cap=0.0, **free)
-    assert bal.stats["options"]["skew_cap"] == 0.0
+    assert bal.stats.options["skew_cap"] == 0.0
     assert node_skew(bal) < node_skew(rel)
 
 
@@ -256,7 +256,7 @@ def test_plan_batch_and_score_reject_non_batches():
     with pytest.raises(PlanError, match="batch must be a TraceBatch, got ndarray"):
         score_plan(plan, batch.loads(plan.samples.gpu, 8), MODEL, CLUSTER)
     with pytest.raises(PlanError, match="plan must be a BatchPlan, got dict"):
-        score_plan(plan.stats, batch, MODEL, CLUSTER)
+        score_plan(plan.stats.to_dict(), batch, MODEL, CLUSTER)
 
 
 def test_rank_balance_options_only_for_relibra():
@@ -494,7 +494,7 @@ def test_migration_free_skips_the_pricing_and_equals_plan_batch(trace_file, tmp_
     out = tmp_path / "free.npz"
     _run(_plan_args(trace_file, out, "relibra-inter", "--migration", "free"), capsys)
     plan = BatchPlan.load(out)
-    assert plan.stats["migration"] == {"enabled": False}
+    assert plan.stats.migration.to_dict() == {"enabled": False}
     ref = plan_batch(_batch().with_micro_batch_size(4), MODEL, CLUSTER, "relibra-inter", iters=300,
                      locality_iters=300, migration=False)
     np.testing.assert_array_equal(plan.placement.expert_gpu, ref.placement.expert_gpu)
@@ -506,7 +506,7 @@ def test_replica_pricing_free_equals_plan_batch_unpriced(trace_file, tmp_path, c
     out = tmp_path / "unpriced.npz"
     _run(_plan_args(trace_file, out, "relibra", "--replica-slots", "1", "--replica-pricing", "free"), capsys)
     plan = BatchPlan.load(out)
-    assert plan.stats["options"] == {"iters": 300, "locality_iters": 300, "price_replicas": False}
+    assert plan.stats.options == {"iters": 300, "locality_iters": 300, "price_replicas": False}
     ref = plan_batch(_batch().with_micro_batch_size(4), MODEL, CLUSTER, "relibra", replica_slots=1, iters=300,
                      locality_iters=300, price_replicas=False)
     np.testing.assert_array_equal(plan.replicas.replica_expert, ref.replicas.replica_expert)
@@ -519,10 +519,10 @@ def test_previous_prices_moves_against_that_plan(trace_file, tmp_path, capsys):
     _run(_plan_args(trace_file, first, "relibra-inter"), capsys)
     _run(_plan_args(trace_file, second, "relibra-inter", "--seed", "1", "--previous", str(first)), capsys)
     a, b = BatchPlan.load(first), BatchPlan.load(second)
-    assert b.stats["migration"]["enabled"]
+    assert b.stats.migration.enabled
     # the pricing counted moves against the first plan's homes, not against the static placement
-    assert b.stats["migration"]["moved"] == int((a.placement.expert_gpu != b.placement.expert_gpu).sum())
-    assert b.stats["options"]["previous"].startswith("sha1:")
+    assert b.stats.migration.moved == int((a.placement.expert_gpu != b.placement.expert_gpu).sum())
+    assert b.stats.options["previous"].startswith("sha1:")
     ref = plan_batch(_batch().with_micro_batch_size(4), MODEL, CLUSTER, "relibra-inter", seed=1, iters=300,
                      locality_iters=300, previous=a.placement)
     np.testing.assert_array_equal(b.placement.expert_gpu, ref.placement.expert_gpu)
@@ -692,7 +692,7 @@ def test_cli_overlap_and_bound(trace_file, tmp_path, capsys):
     assert res["cluster"]["overlap"] == "megatron" and res["overlap_hidden_s"] > 0
     assert 0 < res["percent_of_bound"] <= 100.0 and res["bound_t_moe_s"] <= res["t_moe_s"]
     plan = BatchPlan.load(out)
-    assert plan.stats["overlap"] == "megatron"
+    assert plan.stats.overlap == "megatron"
     batch = TraceBatch.load(trace_file).with_micro_batch_size(4)
     cluster = CLUSTER.with_(overlap="megatron")
     assert res["step_s"] == pytest.approx(simulate_step(plan, batch, MODEL, cluster).step_s, rel=1e-12)

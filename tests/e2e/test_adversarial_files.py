@@ -262,7 +262,7 @@ def test_replica_slots_ceiling(files, capsys):
 
     p = files["plan"]
     wide = BatchPlan(p.placement, p.samples, ReplicaPlan(np.full((2, 24, 8, 29), -1), np.zeros((0, 5)),
-                                                         np.zeros(0), p.replicas.scope), 8, 8, dict(p.stats))
+                                                         np.zeros(0), p.replicas.scope), 8, 8, p.stats.to_dict())
     path = files["d"] / "wide.npz"
     wide.save(path)
     with pytest.raises(PlanError, match=r"wide.npz: replica_expert has r=29 slots per GPU, over the ceiling"):

@@ -13,7 +13,8 @@ from relibra_moe.cost import moe_cost
 from relibra_moe.evaluate import placement_loads
 from relibra_moe.planners.baselines import static_placement
 from relibra_moe.planners.options import PlanOptions
-from relibra_moe.planners.strategies import plan_batch, portfolio_score
+from relibra_moe.planners.portfolio import portfolio_score
+from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.sample_placements import length_balanced
 from relibra_moe.sim import simulate_step
 from relibra_moe.specs import cluster_preset, model_preset
@@ -78,7 +79,7 @@ def test_relibra_is_never_slower_than_static_online_and_eplb_history(seed, r, no
 
     got = score(rel)
     assert got == pytest.approx(portfolio_score(simulate_step(rel, batch, model, cluster), options), rel=1e-12)
-    assert got == pytest.approx(rel.stats["portfolio"]["step_s"][rel.stats["portfolio"]["chosen"]], rel=1e-12)
+    assert got == pytest.approx(rel.stats.portfolio.step_s[rel.stats.portfolio.chosen], rel=1e-12)
     for placement in ("round-robin", "length-balanced", "longest-first"):
         sp = {"sample_placement": placement}
         rivals = {"static": plan_batch(batch, model, cluster, "static", **sp),
@@ -94,7 +95,9 @@ def test_relibra_is_never_slower_than_static_online_and_eplb_history(seed, r, no
 
 def static_bound(batch: TraceBatch, model, cluster, r: int, plan, free: dict) -> float:
     from relibra_moe.plan import Placement
-    from relibra_moe.planners.strategies import default_executor, make_context, replicated_step_lower_bound
+    from relibra_moe.planners.bounds import replicated_step_lower_bound
+    from relibra_moe.planners.executor import default_executor
+    from relibra_moe.planners.strategies import make_context
 
     ctx = make_context(batch, model, cluster, "relibra", PlanOptions(replica_slots=r, **free), default_executor(1))
     static = static_placement(model.num_layers, model.num_experts, cluster.num_gpus)
@@ -114,8 +117,8 @@ def test_locality_follows_the_final_homes_after_migration():
     plan = plan_batch(batch, model, cluster, "relibra-inter", optimizer_bytes_per_param=1e9, **FAST)
     static = static_placement(2, 8, 4)
     np.testing.assert_array_equal(plan.placement.expert_gpu, static)
-    info = plan.stats["relocate"]
-    assert info["chosen"] in ("annealed", "start")
+    info = plan.stats.relocate
+    assert info.chosen in ("annealed", "start")
 
     def objective(mb: np.ndarray, sg: np.ndarray) -> float:
         x = placement_loads(batch, mb, sg, plan.num_micro_batches, 4)
@@ -131,7 +134,7 @@ def test_locality_follows_the_final_homes_after_migration():
 
     assert model.shared_experts == 0  # the local stage is the attention alone
     got = objective(plan.samples.micro_batch, plan.samples.gpu)
-    assert got == pytest.approx(min(v for k, v in info.items() if k != "chosen"), rel=1e-9)
+    assert got == pytest.approx(min(info.annealed, info.start), rel=1e-9)
     assert got <= objective(*length_balanced(batch.lengths, batch.resolve_micro_batch(), 4)) * (1 + 1e-12)
 
 
@@ -142,15 +145,15 @@ def test_portfolio_option_off_keeps_relibras_own_plan():
     batch = _batch(rng, 2, 8, 2, 12, 4, 2)
     on = plan_batch(batch, model, cluster, "relibra", replica_slots=1, **FAST)
     off = plan_batch(batch, model, cluster, "relibra", replica_slots=1, portfolio=False, **FAST)
-    assert "portfolio" not in off.stats
-    pf = on.stats["portfolio"]
-    assert set(pf["step_s"]) | set(pf.get("pruned", {})) == {"relibra", "relibra-inter", "previous", "static",
+    assert off.stats.portfolio is None
+    pf = on.stats.portfolio
+    assert set(pf.step_s) | set(pf.pruned or {}) == {"relibra", "relibra-inter", "previous", "static",
                                                              "previous@length-balanced", "static@length-balanced",
                                                              "previous@longest-first", "static@longest-first"}
-    assert all(bound >= min(pf["step_s"].values()) for bound in pf.get("pruned", {}).values())
+    assert all(bound >= min(pf.step_s.values()) for bound in (pf.pruned or {}).values())
     # the portfolio's "relibra" candidate is the plan without the portfolio, simulated the same way
-    assert pf["step_s"]["relibra"] == pytest.approx(simulate_step(off, batch, model, cluster).step_s, rel=1e-12)
-    assert simulate_step(on, batch, model, cluster).step_s == pytest.approx(min(pf["step_s"].values()), rel=1e-12)
+    assert pf.step_s["relibra"] == pytest.approx(simulate_step(off, batch, model, cluster).step_s, rel=1e-12)
+    assert simulate_step(on, batch, model, cluster).step_s == pytest.approx(min(pf.step_s.values()), rel=1e-12)
 
 
 @pytest.mark.parametrize("r", [0, 2])
@@ -185,7 +188,7 @@ def test_portfolio_ranks_by_the_sum_of_t_moe_when_asked(seed):
     rel = plan_batch(batch, model, cluster, "relibra", replica_slots=1, step_objective=False, migration=False,
                      price_replicas=False, **FAST)
     got = simulate_step(rel, batch, model, cluster).t_moe_s
-    assert got == pytest.approx(rel.stats["portfolio"]["step_s"][rel.stats["portfolio"]["chosen"]], rel=1e-12)
+    assert got == pytest.approx(rel.stats.portfolio.step_s[rel.stats.portfolio.chosen], rel=1e-12)
     for placement in ("round-robin", "length-balanced", "longest-first"):
         for name, r in (("static", 0), ("online", 1)):
             other = plan_batch(batch, model, cluster, name, replica_slots=r, sample_placement=placement)

@@ -192,7 +192,7 @@ def _replay_worker(rank: int, world: int, out_dir: str) -> None:
                    "moved": int((plan.placement.expert_gpu != static).sum()),
                    "plan_started_before_rewards": trainer.plan_started_before_rewards,
                    "telemetry": {k: v for k, v in logged[0].items() if k.startswith("relibra/")},
-                   "sample_owner": plan.stats.get("sample_owner"),
+                   "sample_owner": plan.stats.sample_owner,
                    "micro": {int(m): [int(n) for n in range(batch.num_sequences)
                                       if plan.samples.micro_batch[n] == m and plan.samples.gpu[n] == rank]
                              for m in range(2)},

@@ -57,7 +57,7 @@ def test_hand_computed_packing_one_node():
     batch = TraceBatch.from_counts(np.array([[[3, 3, 2, 2]], [[1, 1, 2, 2]]]), 2, micro_batch=[0, 0])
     plan = plan_batch(batch, model, cluster, "eplb-history", history=np.array([[10.0, 1, 1, 1]]))
     np.testing.assert_array_equal(plan.placement.expert_gpu, [[0, 1, 1, 0]])
-    assert plan.stats["eplb_history"]["window"] == 1
+    assert plan.stats.eplb_history.window == 1
 
 
 def test_no_history_is_the_trivial_layout(setup):
@@ -67,7 +67,7 @@ def test_no_history_is_the_trivial_layout(setup):
     np.testing.assert_array_equal(plan.placement.expert_gpu,
                                   static_placement(model.num_layers, model.num_experts, cluster.num_gpus))
     assert (plan.replicas.replica_expert == -1).all() and len(plan.replicas.split_index) == 0
-    assert plan.stats["eplb_history"]["layout"].startswith("trivial")
+    assert plan.stats.eplb_history.layout.startswith("trivial")
 
 
 def test_history_plan_is_eplb_on_the_past_loads_relabelled(setup):
@@ -78,7 +78,7 @@ def test_history_plan_is_eplb_on_the_past_loads_relabelled(setup):
     hist = a.sample_expert_counts().sum(axis=0)
     plan = plan_batch(b, model, cluster, "eplb-history", replica_slots=1, history=hist)
     raw_homes, raw_slots = eplb(hist.astype(np.float64), cluster.num_gpus, cluster.gpus_per_node, 1)
-    perm = np.array(plan.stats["eplb_history"]["relabel"])
+    perm = np.array(plan.stats.eplb_history.relabel)
     np.testing.assert_array_equal(plan.placement.expert_gpu, perm[raw_homes])
     rep = plan.replicas.replica_expert
     for g in range(cluster.num_gpus):
@@ -174,7 +174,7 @@ def test_cli_history_is_the_option(tmp_path, capsys):
                      history=past.sample_expert_counts().sum(axis=0)[None])
     np.testing.assert_array_equal(got.placement.expert_gpu, ref.placement.expert_gpu)
     np.testing.assert_array_equal(got.replicas.replica_expert, ref.replicas.replica_expert)
-    assert got.stats["eplb_history"]["window"] == 1 and got.stats["options"]["history"].startswith("sha1:")
+    assert got.stats.eplb_history.window == 1 and got.stats.options["history"].startswith("sha1:")
     assert not (got.placement.expert_gpu == static_placement(24, 32, 4)).all()  # it re-balanced on the past
     capsys.readouterr()
     assert main(argv + ["--strategy", "eplb", "--history", str(past_f)]) == 1

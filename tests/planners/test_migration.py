@@ -13,6 +13,7 @@ from relibra_moe.errors import PlanError
 from relibra_moe.planners.migration import (
     is_symmetry,
     keep_previous_layers,
+    migrate,
     relabel_to_previous,
     step_moe_seconds,
     symmetry_perm,
@@ -108,14 +109,14 @@ def test_plan_batch_migration_option_and_previous_validation():
     batch = TraceBatch(traces).with_micro_batch_size(6)
     off = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", migration=False, iters=300, locality_iters=200)
     on = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", iters=300, locality_iters=200)
-    assert off.stats["migration"] == {"enabled": False}
-    mig = on.stats["migration"]
-    assert mig["enabled"] and mig["moved"] <= mig["moved_after_relabel"]
+    assert off.stats.migration.to_dict() == {"enabled": False}
+    mig = on.stats.migration
+    assert mig.enabled and mig.moved <= mig.moved_after_relabel
     static = np.repeat(np.arange(CLUSTER.num_gpus), MODEL.num_experts // CLUSTER.num_gpus)
-    assert int((on.placement.expert_gpu != static).sum()) == mig["moved"]
+    assert int((on.placement.expert_gpu != static).sum()) == mig.moved
     # previous = the plan's own homes: nothing moves
     again = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=on.placement, iters=300, locality_iters=200)
-    assert again.stats["migration"]["moved"] <= int((again.placement.expert_gpu != on.placement.expert_gpu).sum())
+    assert again.stats.migration.moved <= int((again.placement.expert_gpu != on.placement.expert_gpu).sum())
     with pytest.raises(PlanError, match=r"previous placement must be \[L=3, E=12\] GPUs in \[0, 6\), got shape "
                                         r"\(2, 2\)"):
         plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=np.zeros((2, 2), np.int64))
@@ -124,3 +125,34 @@ def test_plan_batch_migration_option_and_previous_validation():
     with pytest.raises(PlanError, match="previous placement: expert_gpu: GPU 0 homes 12 experts in layer 0; "
                                         "every GPU must home exactly E/G = 2"):
         plan_batch(batch, MODEL, CLUSTER, "relibra-inter", previous=np.zeros((3, 12), np.int64))
+
+
+def test_migrate_relabels_samples_with_homes_unless_the_trainer_owns_them():
+    from relibra_moe.evaluate import placement_loads
+    from relibra_moe.plan_stats import MigrationStats
+    from relibra_moe.planners.options import PlanOptions
+    from relibra_moe.synthetic import rl_batch
+
+    batch = rl_batch(MODEL, "mixed", 3, responses_per_prompt=4, seed=1, micro_batch_size=6, max_len=48)
+    mb = batch.resolve_micro_batch().astype(np.int64)
+    sg = np.arange(batch.num_sequences) % CLUSTER.num_gpus
+    static = np.repeat(np.arange(CLUSTER.num_gpus), MODEL.num_experts // CLUSTER.num_gpus)[None].repeat(3, axis=0)
+    perm = symmetry_perm(np.array([1, 0]), np.array([2, 0, 1]), CLUSTER.gpus_per_node)
+    eg = perm[static]  # the static homes under a symmetry: relabelling back moves nothing
+    args = (eg, mb, sg, batch, 2, MODEL, CLUSTER)
+    off = migrate(*args, PlanOptions(migration=False), False)
+    assert off[0] is eg and off[1] is sg and off[2] == MigrationStats(enabled=False)
+    got_eg, got_sg, info = migrate(*args, PlanOptions(), False)
+    relabel = np.asarray(info.relabel)
+    assert np.array_equal(got_eg, static) and info.moved == info.moved_after_relabel == 0
+    assert np.array_equal(got_sg, relabel[sg]) and np.array_equal(relabel[perm], np.arange(CLUSTER.num_gpus))
+    fixed_eg, fixed_sg, fixed = migrate(*args, PlanOptions(), False, samples_fixed=True)
+    assert fixed.samples_fixed and np.array_equal(fixed_sg, sg)
+    # the identity or the relabelling, whichever prices lower with these samples (hand sum of the two terms)
+    x = placement_loads(batch, mb, sg, 2, CLUSTER.num_gpus)
+    totals = []
+    for p in (np.arange(CLUSTER.num_gpus), perm.argsort()):
+        kept, inf = keep_previous_layers(x, p[eg], static, MODEL, CLUSTER)
+        totals.append(sum(step_moe_seconds(x[:, l], kept[l], MODEL, CLUSTER) for l in range(3)) + inf["relayout_s"])
+    want = perm.argsort() if totals[1] < totals[0] * (1 - 1e-12) else np.arange(CLUSTER.num_gpus)  # ties: identity
+    assert np.array_equal(np.asarray(fixed.relabel), want)

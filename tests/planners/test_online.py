@@ -45,7 +45,7 @@ def test_online_plan_shape_and_mode(setup):
     plan = plan_batch(batch, model, cluster, "online", replica_slots=2)
     np.testing.assert_array_equal(plan.placement.expert_gpu,
                                   static_placement(model.num_layers, model.num_experts, cluster.num_gpus))
-    assert plan.stats["replica_fetch"] == REPLICA_FETCH == "after-router"
+    assert plan.stats.replica_fetch == REPLICA_FETCH == "after-router"
     assert plan.replicas.scope == "node"  # validated by plan_batch: replicas inside the home's node
     assert (plan.replicas.replica_expert >= 0).any(), "a skewed batch should get replicas"
     step = simulate_step(plan, batch, model, cluster)
@@ -80,7 +80,7 @@ def test_online_never_slower_than_no_replicas_or_all_replicas(setup):
     full = replicate_batch(online.placement, online.samples, batch, model, slow, 2)
     full_plan = BatchPlan(online.placement, online.samples, full, slow.num_gpus, slow.gpus_per_node,
                           {"strategy": "greedy-all", "replica_fetch": "after-router",
-                           "batch_sha1": online.stats["batch_sha1"]})
+                           "batch_sha1": online.stats.batch_sha1})
     t_online = simulate_step(online, batch, model, slow).step_s
     t_static = simulate_step(static, batch, model, slow).step_s
     t_full = simulate_step(full_plan, batch, model, slow).step_s
@@ -138,7 +138,7 @@ def test_saved_online_plan_keeps_its_fetch_mode(setup, tmp_path):
     plan = plan_batch(batch, model, cluster, "online", replica_slots=2)
     plan.save(tmp_path / "online.npz")
     back = BatchPlan.load(tmp_path / "online.npz")
-    assert back.stats["replica_fetch"] == "after-router"
+    assert back.stats.replica_fetch == "after-router"
     a, b = simulate_step(plan, batch, model, cluster), simulate_step(back, batch, model, cluster)
     assert b.replica_mode == "after-router" and b.step_s == pytest.approx(a.step_s)
 

@@ -112,8 +112,8 @@ def test_the_planning_loop_runs_the_derived_budgets():
     final reorder 8x that (``FINAL_ITERS_FACTOR``)."""
     batch = rl_batch(MODEL, "mixed", 4, responses_per_prompt=4, seed=3, micro_batch_size=8, max_len=96)
     plan = plan_batch(batch, MODEL, CLUSTER, "relibra-inter", num_seeds=1, final_reorder=True)
-    assert [r["reorder"]["iters"] for r in plan.stats["rounds"]] == [1920, 1920]
-    assert plan.stats["final_reorder"]["iters"] == 8 * 1920
+    assert [r["reorder"]["iters"] for r in plan.stats.rounds] == [1920, 1920]
+    assert plan.stats.final_reorder["iters"] == 8 * 1920
 
 
 def test_overlap_sets_the_objectives_compute_weight():
@@ -137,12 +137,12 @@ def test_overlap_sets_the_objectives_compute_weight():
         assert ctx.comp_weight == pytest.approx(want, rel=1e-12)
         assert ctx.reorder_params.comp_weight == ctx.locality_params.comp_weight == ctx.comp_weight
         if overlap == "none":
-            assert ctx.comp_weight == STEP_COMP_WEIGHT and "overlap" not in ctx.stats
+            assert ctx.comp_weight == STEP_COMP_WEIGHT and ctx.stats.overlap is None
         else:
-            assert ctx.comp_weight != STEP_COMP_WEIGHT and ctx.stats["overlap"] == overlap
+            assert ctx.comp_weight != STEP_COMP_WEIGHT and ctx.stats.overlap == overlap
     ctx = make_context(batch, MODEL, CLUSTER.with_(overlap="megatron"), "relibra", PlanOptions(step_objective=False),
                        InlineExecutor())  # step_objective=False: T_MoE whatever the overlap
     assert ctx.comp_weight == 1.0
     plan = plan_batch(batch, MODEL, CLUSTER.with_(overlap="megatron"), "relibra", replica_slots=1, iters=100,
                       locality_iters=50, num_seeds=1, rounds=1)
-    assert plan.stats["overlap"] == "megatron"
+    assert plan.stats.overlap == "megatron"

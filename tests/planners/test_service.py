@@ -77,11 +77,11 @@ def inline_plan():
 
 def test_inline_plan_is_valid_and_uses_replicas(inline_plan):
     inline_plan.validate(MODEL, CLUSTER, 16)
-    assert inline_plan.stats["fallbacks"] == 0
+    assert inline_plan.stats.fallbacks == 0
     assert (inline_plan.replicas.replica_expert >= 0).any()
     from relibra_moe.evaluate import batch_sha1, score_plan
 
-    assert inline_plan.stats["batch_sha1"] == batch_sha1(make_batch())
+    assert inline_plan.stats.batch_sha1 == batch_sha1(make_batch())
     with pytest.raises(PlanError, match="plan was made for another batch"):
         score_plan(inline_plan, make_batch(seed=1), MODEL, CLUSTER)
 
@@ -92,7 +92,7 @@ def test_process_pool_and_submit_match_inline(inline_plan):
         plan = p.plan(make_batch())
         fut = p.submit(make_batch())
         again = fut.result(timeout=200)
-    assert plan.stats["fallbacks"] == 0
+    assert plan.stats.fallbacks == 0
     same_plan(plan, inline_plan)
     same_plan(again, inline_plan)
 
@@ -104,7 +104,7 @@ def test_tiny_deadline_falls_back_everywhere(caplog):
             plan = p.plan(batch)
     plan.validate(MODEL, CLUSTER, 16)
     M, L = 2, 3
-    assert plan.stats["fallbacks"] == L + 1 + M * L  # every reorder layer, locality, every cell
+    assert plan.stats.fallbacks == L + 1 + M * L  # every reorder layer, locality, every cell
     assert (plan.replicas.replica_expert == -1).all() and len(plan.replicas.split_index) == 0
     # reorder fell back to the LPT start (no previous placement), samples stayed at relibra's start, verl's
     # length-balanced placement
@@ -122,10 +122,10 @@ def test_deadline_keeps_previous_placement_process():
         first = p.plan(batch)
         p.deadline_s = 1e-9
         second = p.plan(make_batch(seed=1))
-    assert first.stats["fallbacks"] == 0
-    assert second.stats["fallbacks"] >= 1
+    assert first.stats.fallbacks == 0
+    assert second.stats.fallbacks >= 1
     second.validate(MODEL, CLUSTER, 16)
-    for l in second.stats["fallback_cells"]["reorder"]:
+    for l in second.stats.fallback_cells["reorder"]:
         np.testing.assert_array_equal(second.placement.expert_gpu[l], first.placement.expert_gpu[l])
 
 
@@ -139,7 +139,7 @@ def test_deadline_kills_running_tasks():
         plan = p.plan(make_batch())
         elapsed = time.monotonic() - t0
     plan.validate(MODEL, CLUSTER, 16)
-    assert plan.stats["fallbacks"] == 3 + 1 + 2 * 3  # every layer, locality, every cell
+    assert plan.stats.fallbacks == 3 + 1 + 2 * 3  # every layer, locality, every cell
     assert elapsed < 15  # the sleeping workers were stopped, not waited for
 
 
@@ -153,12 +153,12 @@ def test_dead_worker_falls_back_and_pool_recovers(tmp_path, caplog):
             again = p.plan(make_batch())
     assert (tmp_path / "killed").exists()
     plan.validate(MODEL, CLUSTER, 16)
-    cells = plan.stats["fallback_cells"]["replicate"]
-    assert plan.stats["fallbacks"] == len(cells) >= 1
+    cells = plan.stats.fallback_cells["replicate"]
+    assert plan.stats.fallbacks == len(cells) >= 1
     for m, l in cells:
         assert (plan.replicas.replica_expert[m, l] == -1).all()
     assert any("lost its worker" in r.message for r in caplog.records)
-    assert again.stats["fallbacks"] == 0  # a fresh pool after the broken one
+    assert again.stats.fallbacks == 0  # a fresh pool after the broken one
 
 
 @pytest.mark.timeout(300)
@@ -170,7 +170,7 @@ def test_ray_matches_inline(inline_plan):
     try:
         with Planner(MODEL, CLUSTER, replica_slots=1, workers=2, executor="ray", **FAST) as p:
             plan = p.plan(make_batch())
-        assert plan.stats["fallbacks"] == 0, plan.stats["fallback_cells"]
+        assert plan.stats.fallbacks == 0, plan.stats.fallback_cells
         same_plan(plan, inline_plan)
     finally:
         if started:
@@ -181,7 +181,7 @@ def test_other_strategies_delegate():
     with Planner(MODEL, CLUSTER, strategy="lpt", replica_slots=0, executor="inline") as p:
         plan = p.plan(make_batch())
     plan.validate(MODEL, CLUSTER, 16)
-    assert plan.stats["strategy"] == "lpt"
+    assert plan.stats.strategy == "lpt"
 
 
 @pytest.mark.parametrize("placement", ["length-balanced", "longest-first"])
@@ -198,7 +198,7 @@ def test_planner_runs_a_baseline_on_a_sample_placement(placement):
     np.testing.assert_array_equal(plan.samples.micro_batch, mb)
     np.testing.assert_array_equal(plan.samples.gpu, gpu)
     np.testing.assert_array_equal(plan.replicas.replica_expert, ref.replicas.replica_expert)
-    assert plan.stats["sample_placement"] == placement
+    assert plan.stats.sample_placement == placement
 
 
 def test_invalid_inputs():
@@ -276,9 +276,9 @@ def test_plan_batch_loop_falls_back_per_task_on_any_executor():
     np.testing.assert_array_equal(plan.samples.micro_batch, mb)
     assert not (plan.replicas.replica_expert >= 0).any()
     cells = plan.num_micro_batches * MODEL.num_layers
-    assert plan.stats["fallbacks"] == 1 + 1 + cells  # one reorder layer, one locality round, every cell
+    assert plan.stats.fallbacks == 1 + 1 + cells  # one reorder layer, one locality round, every cell
     ok = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, executor=_FailingExecutor(set()))
-    assert ok.stats["fallbacks"] == 0 and (ok.replicas.replica_expert >= 0).any()
+    assert ok.stats.fallbacks == 0 and (ok.replicas.replica_expert >= 0).any()
 
 
 def test_planner_stats_are_plan_batchs_plus_the_executor(inline_plan):
@@ -287,9 +287,9 @@ def test_planner_stats_are_plan_batchs_plus_the_executor(inline_plan):
     from relibra_moe.planners.strategies import plan_batch
 
     ref = plan_batch(make_batch(), MODEL, CLUSTER, "relibra", replica_slots=1, workers=1, **FAST)
-    assert set(inline_plan.stats) == set(ref.stats) | {"executor", "workers", "fallback_cells"}
-    assert inline_plan.stats["options"] == ref.stats["options"] == dict(sorted(FAST.items()))  # none at its default
-    assert inline_plan.stats["fallback_cells"] == {"reorder": [], "locality": 0, "replicate": []}
+    assert set(inline_plan.stats.to_dict()) == set(ref.stats.to_dict()) | {"executor", "workers", "fallback_cells"}
+    assert inline_plan.stats.options == ref.stats.options == dict(sorted(FAST.items()))  # none at its default
+    assert inline_plan.stats.fallback_cells == {"reorder": [], "locality": 0, "replicate": []}
 
 
 def test_lplb_runs_on_the_executor_and_falls_back_per_task():
@@ -305,12 +305,12 @@ def test_lplb_runs_on_the_executor_and_falls_back_per_task():
     ok = plan_with_options(batch, MODEL, CLUSTER, "lplb", opts, executor=ok_ex)
     assert ok_ex.seen == ["replicate"]  # one chunk of every cell for one worker
     same_plan(ok, ref)
-    assert ok.stats["fallbacks"] == 0 and (ok.replicas.replica_expert >= 0).any() and len(ok.replicas.split_share)
+    assert ok.stats.fallbacks == 0 and (ok.replicas.replica_expert >= 0).any() and len(ok.replicas.split_share)
     ex = _FailingExecutor({"replicate"})
     plan = plan_with_options(batch, MODEL, CLUSTER, "lplb", opts, executor=ex)
     plan.validate(MODEL, CLUSTER, 16)
     cells = plan.num_micro_batches * MODEL.num_layers
-    assert plan.stats["fallbacks"] == cells
+    assert plan.stats.fallbacks == cells
     np.testing.assert_array_equal(plan.placement.expert_gpu, ref.placement.expert_gpu)
     assert not (plan.replicas.replica_expert >= 0).any() and len(plan.replicas.split_share) == 0
 
@@ -322,8 +322,8 @@ def test_planner_lplb_deadline_falls_back_every_cell(caplog):
             plan = p.plan(make_batch())
     plan.validate(MODEL, CLUSTER, 16)
     M, L = plan.num_micro_batches, MODEL.num_layers
-    assert plan.stats["strategy"] == "lplb" and plan.stats["fallbacks"] == M * L
-    assert sorted(map(tuple, plan.stats["fallback_cells"]["replicate"])) == [(m, l) for m in range(M) for l in range(L)]
+    assert plan.stats.strategy == "lplb" and plan.stats.fallbacks == M * L
+    assert sorted(map(tuple, plan.stats.fallback_cells["replicate"])) == [(m, l) for m in range(M) for l in range(L)]
     assert not (plan.replicas.replica_expert >= 0).any() and len(plan.replicas.split_index) == 0
     assert any("falling back" in r.message for r in caplog.records)
 
@@ -368,7 +368,7 @@ def test_ray_failure_can_fall_back_to_processes():
                  on_ray_failure="process") as p:
         plan = p.plan(_batch())
     plan.validate(MODEL, CLUSTER, 8)
-    assert plan.stats["executor"] == "process" and addr in plan.stats["executor_fallback"]
+    assert plan.stats.executor == "process" and addr in plan.stats.executor_fallback
     ref = plan_batch(_batch(), MODEL, CLUSTER, "eplb", replica_slots=1)  # the same plan as in one process
     np.testing.assert_array_equal(plan.placement.expert_gpu, ref.placement.expert_gpu)
     np.testing.assert_array_equal(plan.replicas.replica_expert, ref.replicas.replica_expert)
@@ -415,13 +415,13 @@ def test_inline_deadline_is_reported_in_stats():
         plan = p.plan(_batch())
     took = time.perf_counter() - t0
     plan.validate(MODEL, CLUSTER, 8)
-    assert plan.stats["deadline"] == {"deadline_s": 1.0, "interrupts_tasks": False}
-    overrun = plan.stats["timing"]["deadline_overrun_s"]
+    assert plan.stats.deadline.to_dict() == {"deadline_s": 1.0, "interrupts_tasks": False}
+    overrun = plan.stats.timing["deadline_overrun_s"]
     assert 0.3 < overrun <= took  # the running task finished past the deadline: said so, in seconds
-    assert plan.stats["fallbacks"] >= 1  # and the tasks not started fell back
+    assert plan.stats.fallbacks >= 1  # and the tasks not started fell back
     with Planner(MODEL, CLUSTER, replica_slots=1, executor="inline", deadline_s=100.0, **ADVERSARIAL_FAST) as p:
         on_time = p.plan(_batch())
-    assert on_time.stats["timing"]["deadline_overrun_s"] == 0.0 and on_time.stats["fallbacks"] == 0
+    assert on_time.stats.timing["deadline_overrun_s"] == 0.0 and on_time.stats.fallbacks == 0
 
 
 @pytest.mark.timeout(60)
@@ -434,7 +434,7 @@ def test_eplb_strategies_honour_the_deadline(strategy):
         plan = p.plan(_batch())
     assert time.perf_counter() - t0 < 1.4  # the 1.5 s layout task was not waited for
     plan.validate(MODEL, CLUSTER, 8)
-    assert plan.stats["fallback_cells"]["strategy"] == 1 and plan.stats["fallbacks"] == 1
+    assert plan.stats.fallback_cells["strategy"] == 1 and plan.stats.fallbacks == 1
     from relibra_moe.planners.baselines import static_placement
 
     np.testing.assert_array_equal(plan.placement.expert_gpu, static_placement(3, 8, 4))  # no previous: static
@@ -443,7 +443,7 @@ def test_eplb_strategies_honour_the_deadline(strategy):
         ok = p.plan(_batch())  # no deadline: the same as plan_batch
     ref = plan_batch(_batch(), MODEL, CLUSTER, strategy, replica_slots=1, **opts)
     np.testing.assert_array_equal(ok.placement.expert_gpu, ref.placement.expert_gpu)
-    assert "strategy" not in ok.stats["fallback_cells"]
+    assert "strategy" not in ok.stats.fallback_cells
 
 
 def test_warnings_are_one_line_per_cause_with_a_count(caplog):
@@ -452,7 +452,7 @@ def test_warnings_are_one_line_per_cause_with_a_count(caplog):
             plan = p.plan(_batch())
     msgs = [r.getMessage() for r in caplog.records if r.name == "relibra_moe.planners.service"]
     M, L = 2, 3
-    assert plan.stats["fallbacks"] == L + 1 + M * L
+    assert plan.stats.fallbacks == L + 1 + M * L
     assert len(msgs) == len({m.split(" task(s) ")[0].split()[-1] for m in msgs}) == 3, msgs  # reorder, locality,
     assert any(m.startswith(f"relibra planner: {L * ADVERSARIAL_FAST['num_seeds']} reorder task(s) missed the deadline")
                for m in msgs), msgs                                                    # replicate: one line each
@@ -482,7 +482,7 @@ FROZEN_SCRIPT = textwrap.dedent("""
         plan = p.plan(batch)
         import multiprocessing
         alive = [c.pid for c in multiprocessing.active_children() if c.is_alive()]
-        print("PLANNED", plan.stats["fallbacks"], "ALIVE", len(alive), flush=True)
+        print("PLANNED", plan.stats.fallbacks, "ALIVE", len(alive), flush=True)
         if sys.argv[1] == "close":
             p.close()
         print("DONE", flush=True)

@@ -64,9 +64,9 @@ def test_every_strategy_keeps_the_trainers_samples(strategy):
     np.testing.assert_array_equal(plan.samples.gpu, sg)
     np.testing.assert_array_equal(plan.samples.micro_batch, mb)
     plan.validate(MODEL, CLUSTER, num_samples=batch.num_sequences)
-    assert plan.stats["sample_owner"] == "trainer"
-    assert plan.stats["options"]["sample_owner"] == "trainer"
-    assert plan.stats["options"]["sample_gpu"].endswith("shape [16]")
+    assert plan.stats.sample_owner == "trainer"
+    assert plan.stats.options["sample_owner"] == "trainer"
+    assert plan.stats.options["sample_gpu"].endswith("shape [16]")
     # the loads every figure is computed from are the trainer's assignment's, counted by hand
     M, G = plan.num_micro_batches, CLUSTER.num_gpus
     x_hand = _hand_loads(batch, mb, sg, M, G)
@@ -98,7 +98,7 @@ def test_strategies_that_never_move_samples_plan_the_same_for_round_robin(strate
     np.testing.assert_array_equal(a.replicas.replica_expert, b.replicas.replica_expert)
     np.testing.assert_array_equal(a.replicas.split_index, b.replicas.split_index)
     np.testing.assert_array_equal(a.replicas.split_share, b.replicas.split_share)
-    assert "sample_owner" not in a.stats and b.stats["sample_owner"] == "trainer"
+    assert a.stats.sample_owner is None and b.stats.sample_owner == "trainer"
 
 
 def test_relibra_plans_homes_and_replicas_for_the_given_samples():
@@ -111,7 +111,7 @@ def test_relibra_plans_homes_and_replicas_for_the_given_samples():
     # without the portfolio, relibra is relibra-inter's homes plus replicas, which only lower T_MoE
     rel = plan_batch(batch, MODEL, CLUSTER, "relibra", migration=False, price_replicas=False, portfolio=False,
                      **kw, **FAST)
-    assert all(r["locality"] == {"skipped": "sample_owner=trainer"} for r in inter.stats["rounds"])
+    assert all(r["locality"] == {"skipped": "sample_owner=trainer"} for r in inter.stats.rounds)
     t_inter = score_plan(inter, batch, MODEL, CLUSTER).t_moe_s
     t_rel = score_plan(rel, batch, MODEL, CLUSTER).t_moe_s
     assert t_inter < static.t_moe_s
@@ -134,9 +134,9 @@ def test_migration_never_relabels_the_trainers_samples():
     plan = plan_batch(batch, MODEL, CLUSTER, "relibra", replica_slots=1, previous=prev, sample_owner="trainer",
                       sample_gpu=sg, **FAST)
     np.testing.assert_array_equal(plan.samples.gpu, sg)
-    info = plan.stats["migration"]
-    assert info["enabled"] and info["samples_fixed"]
-    assert sorted(info["relabel"]) == list(range(CLUSTER.num_gpus))
+    info = plan.stats.migration
+    assert info.enabled and info.samples_fixed
+    assert sorted(info.relabel) == list(range(CLUSTER.num_gpus))
 
 
 def test_planner_service_takes_per_batch_ranks():
@@ -149,7 +149,7 @@ def test_planner_service_takes_per_batch_ranks():
         np.testing.assert_array_equal(plan.samples.gpu, sg)
         np.testing.assert_array_equal(plan.placement.expert_gpu, ref.placement.expert_gpu)
         np.testing.assert_array_equal(plan.replicas.split_index, ref.replicas.split_index)
-        assert plan.stats["options"]["sample_gpu"] == ref.stats["options"]["sample_gpu"]
+        assert plan.stats.options["sample_gpu"] == ref.stats.options["sample_gpu"]
         sg2 = (sg + 1) % CLUSTER.num_gpus
         nxt = planner.submit(batch, sample_gpu=sg2).result(timeout=120)
         np.testing.assert_array_equal(nxt.samples.gpu, sg2)

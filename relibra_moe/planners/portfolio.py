@@ -1,0 +1,218 @@
+"""relibra's portfolio: the best of its own plan and the cheap alternatives, each judged by the step evaluator
+the context carries (``evaluation.StepEvaluator``; docs/method.md, "The portfolio").
+
+Every candidate is judged by ``ctx.evaluator`` (default ``evaluation.SimulatedStep``: the way ``relibra compare``
+/ ``relibra simulate`` charge a plan, ``sim.simulate_loads`` on the plan's loads, as ``sim.simulate_step`` and
+``steady.evaluate_plan`` run it, moves charged against ``previous``, replica traffic by the one fetch rule of
+``timing.replica_push_overlap``; the replicas of every candidate are fetched as relibra's, known from the replay)
+and scored under the caller's options (``portfolio_score``: moves and replicas free when the options say so).
+
+Candidates, in order: relibra's own plan; ``relibra-inter`` (the annealed homes finished without the
+replication-aware migration pricing, no replicas); then, on every placement of ``portfolio_placements``
+(round-robin, verl's length-balanced, longest-first; the trainer's only when it owns the samples; the name
+suffix says which), the baselines' plans on the same batch and options: eplb-history (with option ``history``),
+static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with replica slots and a
+previous placement other than static, where "previous" already dominates it), each built only when its lower
+bound (``bounds.replicated_step_lower_bound``) is below the best score so far (else
+``stats.portfolio.pruned`` holds the bound). eplb and lplb are left out: never near relibra on the
+never-lose grid (BENCHMARKS.md, "Never lose"), lplb's LP ~10x relibra's whole plan at paper scale. The replay
+shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are charged
+as relibra's (per layer), never more than the baseline's own after-router fetch.
+
+The chosen candidate (``least_moving_best``): the lowest score; among those within ``1e-9`` of it, the one that
+moves the fewest experts, then samples: a move must buy step time (on one node, where locality saves no RDMA
+traffic, a plan that only reshuffles does not win).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from ..plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement, round_robin_gpus
+from ..plan_stats import PlanStats, PortfolioStats
+from ..sample_placements import SAMPLE_PLACEMENTS, place_samples
+from . import baselines
+from .annealing import finish_inter
+from .bounds import replicated_step_lower_bound
+from .context import PlanContext, make_plan, previous_expert_gpu
+from .evaluation import CandidateStep
+from .options import PlanOptions
+
+__all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
+
+
+Candidate = tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]
+"""A portfolio candidate: (homes [L, E], micro_batch [N], gpu [N], replicas or None)."""
+
+
+def portfolio_placements(ctx: PlanContext) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The sample placements the portfolio's baseline candidates run on, by candidate-name suffix: the trainer's
+    (``""``) when it owns the samples; else round-robin (``""``) and every other placement of
+    ``sample_placements.SAMPLE_PLACEMENTS`` (``"@" + name``; with ``keep_cell_sizes`` only those whose (micro-batch,
+    GPU) cells hold equal counts, besides the call's start). Each ``(micro_batch [N], gpu [N])``, int64."""
+    if ctx.trainer_owned:
+        return {"": (ctx.micro_batch, ctx.sample_gpu)}
+    mb0 = ctx.batch.resolve_micro_batch()
+    G = ctx.cluster.num_gpus
+    out = {"": (mb0, round_robin_gpus(mb0, G))}
+    for name in SAMPLE_PLACEMENTS[1:]:
+        mb, sg = place_samples(name, ctx.lengths, mb0, G)
+        cells = np.bincount(mb * G + sg, minlength=ctx.num_micro_batches * G)
+        if ctx.options.keep_cell_sizes and cells.min() != cells.max() and name != ctx.options.placement_for("relibra"):
+            continue  # a trainer with a fixed per-rank micro-batch size could not follow it (sample_order)
+        out["@" + name] = (mb, sg)
+    return out
+
+
+def portfolio_score(step: CandidateStep, options: PlanOptions) -> float:
+    """A portfolio candidate's figure under the caller's options (seconds; ``step`` an
+    ``evaluation.CandidateStep``, e.g. a ``sim.StepTime``): the
+    simulated step, less the re-layout with ``migration=False`` (moves free) and less the exposed replica traffic
+    with ``price_replicas=False`` (replicas free); with ``step_objective=False`` the sum of the forward T_MoE, the
+    objective the planner was asked for."""
+    if not options.step_objective:
+        return float(step.t_moe_s)
+    score = float(step.step_s)
+    if not options.migration:
+        score -= float(step.reorder_s)
+    if not options.price_replicas:
+        score -= float(step.replica_exposed_s)
+    return score
+
+
+def portfolio(ctx: PlanContext, own: dict[str, Candidate],
+              annealed: tuple[np.ndarray, np.ndarray, np.ndarray, bool],
+              strategies: Mapping[str, Callable[[PlanContext], BatchPlan]],
+              replicas: Callable[[PlanContext, np.ndarray, np.ndarray, np.ndarray], ReplicaPlan]) -> BatchPlan:
+    """The end of ``relibra``: the best of ``own`` (relibra's plan) and the cheap alternatives (this module's
+    docstring), judged by ``ctx.evaluator`` and scored by ``portfolio_score``, chosen by ``least_moving_best``.
+
+    ``annealed`` is ``anneal_inter``'s (homes, micro_batch, gpu) and the option ``node_comp``; ``strategies`` the
+    baselines by name (``static``, ``online``, ``eplb-history``: the registry's); ``replicas`` relibra's
+    replication pass ``(ctx, homes [L, E], micro_batch [N], gpu [N]) -> ReplicaPlan``
+    (``strategies.relibra_replicas``). Writes ``stats.portfolio`` (``PortfolioStats``: ``chosen``, every judged
+    candidate's ``step_s``, its score, and ``pruned``); wall seconds per candidate go to ``stats.timing``.
+    """
+    L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
+    pf = _Candidates(ctx, own, portfolio_placements(ctx), strategies)
+    pf.add("relibra-inter", lambda: (*finish_inter(ctx, *annealed, PlanStats()), None))
+    for suffix in pf.places:
+        if ctx.options.history is not None:
+            pf.add("eplb-history" + suffix, lambda s=suffix: pf.baseline("eplb-history", s))
+        pf.add("static" + suffix, lambda s=suffix: pf.baseline("static", s))
+    for name in list(pf.cands):
+        pf.judge(name)
+    _add_replicated(pf, replicas)
+    chosen = least_moving_best(ctx, pf.cands, pf.steps, pf.previous_homes)
+    ctx.stats.portfolio = PortfolioStats(chosen=chosen, step_s=pf.steps, pruned=pf.pruned or None)
+    eg, mb, sg, reps = pf.cands[chosen]
+    return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
+
+
+class _Candidates:
+    """The candidates of one ``portfolio`` call (by name, in order), their scores (``steps``) and replica modes, the
+    pruned ones' bounds, and the loads ``[M, L, G, E]`` of each sample placement (computed once)."""
+
+    def __init__(self, ctx: PlanContext, own: dict[str, Candidate], places: dict[str, tuple[np.ndarray, np.ndarray]],
+                 strategies: Mapping[str, Callable[[PlanContext], BatchPlan]]) -> None:
+        self.ctx, self.places, self.strategies = ctx, places, strategies
+        self.previous_homes = previous_expert_gpu(ctx.options, ctx.model, ctx.cluster)
+        self.previous = Placement(self.previous_homes)
+        self.opb = float(ctx.options.optimizer_bytes_per_param)
+        self.cands: dict[str, Candidate] = dict(own)
+        self.steps: dict[str, float] = {}
+        self.modes: dict[str, str] = {}
+        self.pruned: dict[str, float] = {}
+        self.timing = ctx.stats.timings()
+        self._loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x)
+
+    def add(self, name: str, make: Callable[[], Candidate]) -> None:
+        """Build candidate ``name`` (its wall seconds to ``timing["portfolio_<name>_s"]``)."""
+        t0 = time.perf_counter()
+        self.cands[name] = make()
+        self.timing[f"portfolio_{name}_s"] = time.perf_counter() - t0
+
+    def baseline(self, name: str, suffix: str) -> Candidate:
+        """Strategy ``name``'s plan on the placement ``suffix`` of ``places`` (its own stats dropped)."""
+        mb, sg = self.places[suffix]
+        bp = self.strategies[name](dataclasses.replace(self.ctx, stats=PlanStats(), micro_batch=mb, sample_gpu=sg))
+        return bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas
+
+    def loads_of(self, mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
+        """``ctx.loads(mb, sg)``, computed once per placement."""
+        x = next((x for m, g, x in self._loads if np.array_equal(m, mb) and np.array_equal(g, sg)), None)
+        if x is None:
+            x = self.ctx.loads(mb, sg)
+            self._loads.append((mb, sg, x))
+        return x
+
+    def judge(self, name: str) -> None:
+        """Score candidate ``name`` with ``ctx.evaluator`` (``portfolio_score``; wall seconds to
+        ``timing["portfolio_simulate_s"]``)."""
+        ctx, t0 = self.ctx, time.perf_counter()
+        L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
+        eg, mb, sg, reps = self.cands[name]
+        plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M),
+                         replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
+                         gpus_per_node=ctx.cluster.gpus_per_node)
+        st = ctx.evaluator.step(plan, ctx.lengths, self.loads_of(mb, sg), ctx.model, ctx.cluster, self.previous,
+                                self.opb)
+        self.steps[name], self.modes[name] = portfolio_score(st, ctx.options), st.replica_mode
+        self.timing["portfolio_simulate_s"] = self.timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
+
+
+def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray, np.ndarray, np.ndarray],
+                                                         ReplicaPlan]) -> None:
+    """The candidates with replicas on fixed homes, ``previous`` and ``online`` on every placement: each costs a
+    replication pass, so one whose lower bound already reaches the best score cannot win and is not built
+    (``pf.pruned``: its bound)."""
+    ctx, prev = pf.ctx, pf.previous_homes
+    static = baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
+    for suffix, (mb, sg) in pf.places.items():
+        for base, homes in (("previous", prev), ("online", static)):
+            name = base + suffix
+            if base == "online" and (not ctx.replica_slots or (np.array_equal(prev, static) and not ctx.repack and (
+                    "previous" + suffix in pf.pruned or pf.modes.get("previous" + suffix) == "per-layer"))):
+                # without slots online is the static plan; with the static homes as previous, "previous" is
+                # online's homes and samples with relibra's priced replicas: per cell the same greedy with 0 .. r
+                # slots, chosen by a window never shorter than online's and charged per layer, so never slower
+                continue
+            bound = replicated_step_lower_bound(ctx, homes, mb, sg, pf.loads_of(mb, sg), pf.previous, pf.opb)
+            if bound >= min(pf.steps.values()) and not (base == "online" and ctx.repack):  # repack: online's samples
+                pf.pruned[name] = bound
+                continue
+            pf.add(name, (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots else None))
+                   if base == "previous" else (lambda s=suffix: pf.baseline("online", s)))
+            pf.judge(name)
+
+
+def least_moving_best(ctx: PlanContext, cands: dict[str, Candidate], scores: dict[str, float],
+                      previous: np.ndarray) -> str:
+    """The portfolio's choice among the scored candidates: the lowest score; among those within ``1e-9`` of it
+    (relative), the one that moves the fewest experts off ``previous [L, E]``, then the fewest samples off the
+    call's start (``ctx.micro_batch`` / ``ctx.sample_gpu``), then the earlier in ``scores``."""
+    best = min(scores.values())
+    close = [k for k in scores if scores[k] <= best + 1e-9 * abs(best)]
+    order = list(scores)
+    return min(close, key=lambda k: (int((cands[k][0] != previous).sum()),
+                                     int(((cands[k][1] != ctx.micro_batch) | (cands[k][2] != ctx.sample_gpu)).sum()),
+                                     order.index(k)))
+
+
+
+def padded(replicas: ReplicaPlan | None, num_micro_batches: int, num_layers: int, num_gpus: int,
+           replica_slots: int) -> ReplicaPlan:
+    """``replicas`` with ``replica_slots`` slots per GPU (empty ones appended; None: no replicas), so that every
+    portfolio candidate has the ``[M, L, G, r]`` shape of relibra's plans."""
+    if replicas is None:
+        return ReplicaPlan.empty(num_micro_batches, num_layers, num_gpus, replica_slots)
+    rep = replicas.replica_expert
+    if rep.shape[-1] >= replica_slots:
+        return replicas
+    pad = np.full(rep.shape[:-1] + (replica_slots - rep.shape[-1],), -1, np.int32)
+    return dataclasses.replace(replicas, replica_expert=np.concatenate([rep, pad], axis=-1))
+

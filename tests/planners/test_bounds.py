@@ -1,0 +1,64 @@
+"""planners/bounds.py: the portfolio's pruning bound is at most the judged score of the plans it bounds (static
+homes with and without replicas), its re-layout term is the judge's, and it drops it with ``migration=False``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from relibra_moe.plan import Placement
+from relibra_moe.planners.baselines import static_placement
+from relibra_moe.planners.bounds import replicated_step_lower_bound
+from relibra_moe.planners.evaluation import SIMULATED_STEP
+from relibra_moe.planners.executor import default_executor
+from relibra_moe.planners.options import PlanOptions
+from relibra_moe.planners.portfolio import portfolio_score
+from relibra_moe.planners.strategies import make_context, plan_batch
+from relibra_moe.specs import ClusterSpec, ModelSpec
+from relibra_moe.synthetic import rl_batch
+
+MODEL = ModelSpec("t", hidden=256, ffn=128, num_experts=8, top_k=2, num_layers=2)
+CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)
+
+
+def _batch():
+    return rl_batch(MODEL, "mixed", 3, responses_per_prompt=4, seed=11, micro_batch_size=6, max_len=64)
+
+
+@pytest.mark.parametrize("r", [0, 1, 2])
+@pytest.mark.parametrize("free", [{}, {"migration": False}, {"step_objective": False}])
+def test_the_bound_is_below_the_judged_score_of_static_and_online(r, free):
+    batch = _batch()
+    options = PlanOptions(replica_slots=r, **free)
+    ctx = make_context(batch, MODEL, CLUSTER, "relibra", options, default_executor(1))
+    static = static_placement(MODEL.num_layers, MODEL.num_experts, CLUSTER.num_gpus)
+    previous = Placement(np.roll(static, 1, axis=1))  # a previous layout other than static: moves cost
+    for strategy in ("static", "online"):
+        plan = plan_batch(batch, MODEL, CLUSTER, strategy, replica_slots=r if strategy == "online" else 0)
+        mb, sg = plan.samples.micro_batch.astype(np.int64), plan.samples.gpu.astype(np.int64)
+        bound = replicated_step_lower_bound(ctx, static, mb, sg, ctx.loads(mb, sg), previous, 12.0)
+        step = SIMULATED_STEP.step(plan, ctx.lengths, ctx.loads(mb, sg), MODEL, CLUSTER, previous, 12.0)
+        assert 0.0 < bound <= portfolio_score(step, options) * (1 + 1e-12)
+
+
+def test_the_relayout_term_is_the_judges_and_free_without_migration():
+    batch = _batch()
+    static = static_placement(MODEL.num_layers, MODEL.num_experts, CLUSTER.num_gpus)
+    moved, same = Placement(np.roll(static, 1, axis=1)), Placement(static)
+    calls = []
+
+    def relayout(previous, placement, model, cluster, opb):
+        calls.append(opb)
+        return 7.0 if previous is moved else 0.0
+
+    for migration, extra in ((True, 7.0), (False, 0.0)):
+        ctx = make_context(batch, MODEL, CLUSTER, "relibra", PlanOptions(migration=migration), default_executor(1))
+        ctx.evaluator = SimpleNamespace(relayout_seconds=relayout)
+        mb, sg = ctx.micro_batch, ctx.sample_gpu
+        x = ctx.loads(mb, sg)
+        diff = (replicated_step_lower_bound(ctx, static, mb, sg, x, moved, 3.0)
+                - replicated_step_lower_bound(ctx, static, mb, sg, x, same, 3.0))
+        assert diff == pytest.approx(extra, rel=1e-12)
+    assert calls == [3.0, 3.0]  # asked only with migration on, with the caller's optimizer bytes

@@ -1,0 +1,105 @@
+"""planners/portfolio.py: the score under the options, the tie rule, the padding of replicas, and the judge the
+portfolio is given (``PlanContext.evaluator``) deciding the choice."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from relibra_moe.plan import ReplicaPlan
+from relibra_moe.planners.evaluation import SIMULATED_STEP
+from relibra_moe.planners.executor import default_executor
+from relibra_moe.planners.options import PlanOptions
+from relibra_moe.planners.portfolio import least_moving_best, padded, portfolio_placements, portfolio_score
+from relibra_moe.planners.strategies import make_context, plan_with_options
+from relibra_moe.specs import ClusterSpec, ModelSpec
+from relibra_moe.synthetic import rl_batch
+
+MODEL = ModelSpec("t", hidden=256, ffn=128, num_experts=8, top_k=2, num_layers=2)
+CLUSTER = ClusterSpec(nodes=2, gpus_per_node=2)
+FAST = dict(iters=100, locality_iters=50, num_seeds=1, rounds=1)
+
+
+def _batch():
+    return rl_batch(MODEL, "mixed", 3, responses_per_prompt=4, seed=5, micro_batch_size=6, max_len=64)
+
+
+@pytest.mark.parametrize("kw, want", [
+    ({}, 10.0),
+    ({"migration": False}, 10.0 - 2.0),
+    ({"price_replicas": False}, 10.0 - 0.5),
+    ({"migration": False, "price_replicas": False}, 10.0 - 2.0 - 0.5),
+    ({"step_objective": False}, 3.0),
+])
+def test_portfolio_score_drops_what_the_options_make_free(kw, want):
+    step = SimpleNamespace(step_s=10.0, t_moe_s=3.0, reorder_s=2.0, replica_exposed_s=0.5)
+    assert portfolio_score(step, PlanOptions(**kw)) == want
+
+
+def test_least_moving_best_breaks_ties_by_experts_then_samples_then_order():
+    ctx = make_context(_batch(), MODEL, CLUSTER, "relibra", PlanOptions(), default_executor(1))
+    prev = np.repeat(np.arange(4), 2)[None].repeat(2, axis=0)
+    moved = prev.copy()
+    moved[0, :2] = moved[0, :2][::-1] + 1  # two experts off their homes
+    mb, sg = ctx.micro_batch, ctx.sample_gpu
+    sg2 = sg.copy()
+    sg2[0] = (sg2[0] + 1) % 4  # one sample moved
+    cands = {"a": (moved, mb, sg, None), "b": (prev, mb, sg2, None), "c": (prev, mb, sg, None),
+             "d": (prev, mb, sg, None), "e": (moved, mb, sg, None)}
+    assert least_moving_best(ctx, cands, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0, "e": 0.5}, prev) == "e"
+    assert least_moving_best(ctx, cands, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}, prev) == "c"
+    assert least_moving_best(ctx, cands, {"a": 1.0, "b": 1.0, "d": 1.0 + 1e-12}, prev) == "d"  # within 1e-9
+    assert least_moving_best(ctx, cands, {"a": 1.0, "b": 1.0}, prev) == "b"
+
+
+def test_padded_appends_empty_slots_and_keeps_wider_ones():
+    empty = padded(None, 2, 3, 4, 2)
+    assert empty.replica_expert.shape == (2, 3, 4, 2) and (empty.replica_expert == -1).all()
+    one = ReplicaPlan.empty(2, 3, 4, 1)
+    one = dataclasses.replace(one, replica_expert=np.full((2, 3, 4, 1), 5, np.int32))
+    got = padded(one, 2, 3, 4, 3)
+    assert got.replica_expert.shape == (2, 3, 4, 3)
+    assert (got.replica_expert[..., 0] == 5).all() and (got.replica_expert[..., 1:] == -1).all()
+    assert padded(one, 2, 3, 4, 1) is one
+
+
+def test_portfolio_placements_name_the_trainers_samples_alone():
+    batch = _batch()
+    ranks = np.arange(batch.num_sequences) % 4
+    ctx = make_context(batch, MODEL, CLUSTER, "relibra", PlanOptions(sample_owner="trainer", sample_gpu=ranks),
+                       default_executor(1))
+    places = portfolio_placements(ctx)
+    assert list(places) == [""] and np.array_equal(places[""][1], ranks)
+    ctx = make_context(batch, MODEL, CLUSTER, "relibra", PlanOptions(), default_executor(1))
+    assert list(portfolio_placements(ctx))[0] == ""
+
+
+@dataclass(frozen=True)
+class PenaliseReplicas:
+    """A judge that finds every candidate with replicas 1 s slower than the simulator does."""
+
+    def step(self, plan, lengths, x, model, cluster, previous, opb):
+        st = SIMULATED_STEP.step(plan, lengths, x, model, cluster, previous, opb)
+        replicated = bool((plan.replicas.replica_expert >= 0).any())
+        return SimpleNamespace(step_s=st.step_s + (1.0 if replicated else 0.0), t_moe_s=st.t_moe_s,
+                               reorder_s=st.reorder_s, replica_exposed_s=st.replica_exposed_s,
+                               replica_mode=st.replica_mode)
+
+    def relayout_seconds(self, previous, placement, model, cluster, opb):
+        return SIMULATED_STEP.relayout_seconds(previous, placement, model, cluster, opb)
+
+
+def test_the_injected_judge_decides_the_choice():
+    batch = _batch()
+    opts = PlanOptions(replica_slots=1, **FAST)
+    default = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts)
+    judged = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, evaluator=PenaliseReplicas())
+    assert (default.replicas.replica_expert >= 0).any()  # the simulator's choice has replicas
+    port = judged.stats.portfolio
+    assert port.chosen != default.stats.portfolio.chosen
+    assert port.step_s[port.chosen] == min(port.step_s.values()) < 1.0
+    assert not (judged.replicas.replica_expert >= 0).any()
