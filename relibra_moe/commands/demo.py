@@ -456,7 +456,7 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
         "scenarios": [{k: v for k, v in sc.items() if not k.startswith("_")} for sc in results],
         "ablation": abl, "targets": targets, "notes": caveats, "skipped": skipped,
         "steady_state": demo_steady_state([sc["name"] for sc in results], quick=quick, seed=seed, workers=workers,
-                                          console=console, sample_owner=sample_owner),
+                                          console=console, sample_owner=sample_owner, overlap=overlaps[0]),
         "plots": [os.path.relpath(p, out) for p in plots], "wall_s": time.perf_counter() - t0,
     }
     write_text(out / "report.json", json.dumps(rep, indent=2, default=json_default))
