@@ -61,7 +61,8 @@ def locality_replicas(plan: BatchPlan, batch, cluster: ClusterSpec, r: int, per_
             rows += [(m, l, j, e, g) for j in gs if x[m, l, j, e] > 0]
     idx = np.array(rows, np.int32).reshape(-1, 5)
     reps = ReplicaPlan(rep, idx, np.ones(len(idx), np.float32), scope="global")
-    return BatchPlan(plan.placement, plan.samples, reps, G, P, {**plan.stats.to_dict(), "strategy": "locality-replicas"})
+    stats = {**plan.stats.to_dict(), "strategy": "locality-replicas"}
+    return BatchPlan(plan.placement, plan.samples, reps, G, P, stats)
 
 
 def main() -> None:

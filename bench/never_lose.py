@@ -36,6 +36,9 @@ neighbours. Per cell: every row's steady step and relibra's over the best of eac
 
     python bench/never_lose.py --placements          # run the missing cells, then print the table
     python bench/never_lose.py --placements --table
+    python bench/never_lose.py --placements --overlap megatron   # the same cells with the trainer's compute /
+                                                    # all-to-all overlap (ClusterSpec.overlap; results in
+                                                    # results/never_lose_placements_megatron/, _dualpipe/)
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from relibra_moe.plan import json_default
-from relibra_moe.specs import cluster_preset, model_preset
+from relibra_moe.specs import OVERLAPS, cluster_preset, model_preset
 from relibra_moe.steady import consecutive_batches, run_steady
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -110,12 +113,18 @@ def lb_cell_name(i: int) -> str:
     return f"{i:02d}-{data}-{nodes}x{gpn}"
 
 
-def lb_build(i: int):
-    """``(batches, model, cluster)`` of length-balanced cell ``i`` (the CLI's default cluster preset)."""
+def lb_out(overlap: str) -> Path:
+    """Results folder of the length-balanced grid under ``overlap`` (``none``: the original folder)."""
+    return LB_OUT if overlap == "none" else LB_OUT.with_name(f"{LB_OUT.name}_{overlap}")
+
+
+def lb_build(i: int, overlap: str = "none"):
+    """``(batches, model, cluster)`` of length-balanced cell ``i`` (the CLI's default cluster preset, with the
+    trainer's compute / all-to-all ``overlap``)."""
     from relibra_moe.specs import DEFAULT_CLUSTER
 
     data, (nodes, gpn) = LB_CELLS[i]
-    cluster = cluster_preset(DEFAULT_CLUSTER, nodes=nodes, gpus_per_node=gpn)
+    cluster = cluster_preset(DEFAULT_CLUSTER, nodes=nodes, gpus_per_node=gpn, overlap=overlap)
     if data == "gpt-oss":
         from relibra_moe.datasets import gpt_oss_batch
 
@@ -127,8 +136,8 @@ def lb_build(i: int):
     return [batch], full.with_(num_layers=4), cluster
 
 
-def run_lb_cell(i: int) -> dict[str, Any]:
-    batches, model, cluster = lb_build(i)
+def run_lb_cell(i: int, overlap: str = "none") -> dict[str, Any]:
+    batches, model, cluster = lb_build(i, overlap)
     t0 = time.perf_counter()
     res = run_steady(batches, model, cluster, LB_STRATEGIES, replica_slots=2, seed=0, workers=1,
                      placements=LB_PLACEMENTS)
@@ -136,20 +145,20 @@ def run_lb_cell(i: int) -> dict[str, Any]:
     best = {p: min((v, s) for s, v in steps.items() if s != "relibra" and (("@" in s) == (p != LB_PLACEMENTS[0])))
             for p in LB_PLACEMENTS}
     chosen = [row.get("portfolio") for row in res["strategies"]["relibra"]["per_step"]]
-    return {"cell": lb_cell_name(i), "cluster": cluster.name, "steps": steps,
+    return {"cell": lb_cell_name(i), "cluster": cluster.name, "overlap": cluster.overlap, "steps": steps,
             "best": {p: {"strategy": s, "step_s": v} for p, (v, s) in best.items()},
             "relibra_over_best": {p: steps["relibra"] / v for p, (v, _) in best.items()},
             "relibra_never_slower": all(steps["relibra"] <= v * (1 + 1e-12) for v, _ in best.values()),
             "portfolio": chosen, "seconds": time.perf_counter() - t0, "machine": platform.machine(), "detail": res}
 
 
-def lb_table() -> str:
+def lb_table(overlap: str = "none") -> str:
     rows = [s if p == LB_PLACEMENTS[0] else f"{s}@{p}" for p in LB_PLACEMENTS for s in LB_STRATEGIES[:-1]]
     lines = ["| cell | " + " | ".join(r.replace("@", ", ") for r in rows) + " | relibra | relibra / best "
              "round-robin | relibra / best length-balanced | portfolio chose |",
              "|---|" + "---:|" * (len(rows) + 3) + "---|"]
     for i in range(len(LB_CELLS)):
-        f = LB_OUT / f"{lb_cell_name(i)}.json"
+        f = lb_out(overlap) / f"{lb_cell_name(i)}.json"
         if not f.exists():
             lines.append(f"| {lb_cell_name(i)} | (not run) |")
             continue
@@ -162,19 +171,20 @@ def lb_table() -> str:
 
 
 def main_placements(args: argparse.Namespace) -> None:
+    out = lb_out(args.overlap)
     if not args.table:
-        LB_OUT.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
         for i in args.cells if args.cells else range(len(LB_CELLS)):
-            f = LB_OUT / f"{lb_cell_name(i)}.json"
+            f = out / f"{lb_cell_name(i)}.json"
             if f.exists():
                 continue
-            d = run_lb_cell(i)
+            d = run_lb_cell(i, args.overlap)
             f.write_text(json.dumps(d, default=json_default, indent=1))
             print(f"{d['cell']}: relibra {d['steps']['relibra']:.4f} s, over the best round-robin / length-balanced "
                   + " / ".join(f"{v:.4f}" for v in d["relibra_over_best"].values()) + f", {d['seconds']:.0f} s",
                   flush=True)
-    print(lb_table())
-    done = [json.loads(f.read_text()) for f in sorted(LB_OUT.glob("*.json"))]
+    print(lb_table(args.overlap))
+    done = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
     print(f"\nrelibra never slower than static, eplb-history and online on either placement in "
           f"{sum(d['relibra_never_slower'] for d in done)} of {len(done)} cells")
 
@@ -252,6 +262,9 @@ def main() -> None:
     ap.add_argument("--placements", action="store_true",
                     help="the length-balanced grid (LB_CELLS): baselines on round-robin and on verl's length-balanced "
                          "placement against relibra")
+    ap.add_argument("--overlap", default="none", choices=OVERLAPS,
+                    help="with --placements: the trainer's compute / all-to-all overlap (ClusterSpec.overlap; "
+                         "default none); not none writes results/never_lose_placements_<overlap>/")
     args = ap.parse_args()
     if args.placements:
         main_placements(args)

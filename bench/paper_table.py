@@ -9,13 +9,16 @@ on a 2-core CPU; every figure is a ratio or a per-layer time, which the layer co
 ``relibra_moe.sim.simulate_step`` (moves, replica and reorder traffic charged).
 
 Each cell (model, domain, dispatcher, overlap, expert-GEMM rate) plans static, relibra-inter (+ reorder),
-relibra (+ replication, r = 2), EPLB+ (r = 2), LPLB+ (r = 2 where it reads it), online (r = 2) and the bound
-(``balanced``, r = 2) on the round-robin sample placement, and static, EPLB+, LPLB+ and online again on a
-LENGTH-BALANCED placement that the trainer owns (``sample_owner="trainer"``): per micro-batch, longest sample first
-onto the GPU with the fewest tokens so far (``length_balanced_gpus``; what a verl / slime user's trainer already does
-to the samples). The rate is the preset's (413 TFLOP/s) or an end of ``specs.GEMM_RATE_BAND`` (300 / 600). One JSON
-per cell in ``bench/results/paper_table/<model>_<domain>_<dispatcher>_<overlap>_r<TFLOP/s>.json``; a cell already
-there is skipped (resumable).
+relibra (+ replication, r = 2; relibra's default plan, whose locality starts from verl's length-balanced placement),
+EPLB+ (r = 2), LPLB+ (r = 2 where it reads it), online (r = 2) and the bound (``balanced``, r = 2) on the round-robin
+sample placement (Megatron's order), and static, EPLB+, LPLB+ and online again on the two placements a length-aware
+trainer already has (``PlanOptions.sample_placement``, ``relibra_moe.sample_placements``): ``length-balanced``
+(verl's ``balance_batch``, on by default) and ``longest-first`` (per micro-batch, longest sample first onto the GPU
+with the fewest tokens: token-budget packers). The same option as ``relibra compare --placements``. "Best
+length-balanced baseline" is the fastest of these eight rows. The rate is the preset's (413 TFLOP/s) or an end of
+``specs.GEMM_RATE_BAND`` (300 / 600). One JSON per cell in
+``bench/results/paper_table/<model>_<domain>_<dispatcher>_<overlap>_r<TFLOP/s>.json``; a cell already there is
+skipped (resumable).
 
     python bench/paper_table.py                     # every cell: h100, both dispatchers, none + megatron, 3 rates
     python bench/paper_table.py --overlaps none,megatron,dualpipe --rates 413
@@ -34,8 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 RESULTS = Path(__file__).resolve().parent / "results" / "paper_table"
 MODELS = (("qwen3-30b-a3b", 2), ("glm4.5-106b-a12b", 4), ("qwen3-235b-a22b", 4))
 """(model preset, nodes of 8 GPUs): the paper's EP16 / EP32 / EP32."""
@@ -43,7 +44,10 @@ DOMAINS = (("reasoning", "math"), ("mixed", "mixed"))
 """(paper's name, synthetic domain)."""
 STRATEGIES = ("static", "relibra-inter", "relibra", "eplb", "lplb", "online", "balanced")
 LENGTH_BALANCED = ("static", "eplb", "lplb", "online")
-"""The baselines planned again on the length-balanced placement (trainer-owned)."""
+"""The baselines planned again on each of ``LB_PLACEMENTS``."""
+LB_PLACEMENTS = ("length-balanced", "longest-first")
+"""The length-aware sample placements (``PlanOptions.sample_placement``) the baselines run on: rows
+``"strategy@placement"`` of a cell's ``length_balanced_strategies``."""
 REPLICA_SLOTS = 2
 
 PAPER = {
@@ -56,22 +60,6 @@ PAPER = {
     "pull_bwd_ms": "2-5 (attention bwd 5-16)",
 }
 """The paper's figures (RELIBRA.md section 7-8): the ablation is reported for Qwen3-235B only."""
-
-
-def length_balanced_gpus(lengths: np.ndarray, micro_batch: np.ndarray, num_gpus: int) -> np.ndarray:
-    """int64 ``[N]``: per micro-batch, samples longest first (ties: lower index) onto the GPU with the fewest tokens
-    so far (ties: lower GPU)."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    mb = np.asarray(micro_batch, dtype=np.int64)
-    out = np.zeros(len(lengths), np.int64)
-    for m in np.unique(mb):
-        idx = np.flatnonzero(mb == m)
-        load = np.zeros(num_gpus, np.int64)
-        for n in idx[np.argsort(-lengths[idx], kind="stable")]:
-            g = int(np.argmin(load))
-            out[n] = g
-            load[g] += lengths[n]
-    return out
 
 
 def cell_path(model: str, domain: str, dispatcher: str, overlap: str, rate: float) -> Path:
@@ -89,6 +77,7 @@ def _row(plan: Any, step: Any, solve: float, cells: int) -> dict[str, Any]:
              experts_moved=step.experts_moved)
     if plan.stats.portfolio is not None:
         d["portfolio"] = plan.stats.portfolio.chosen
+        d["portfolio_step_s"] = plan.stats.portfolio.step_s
     return d
 
 
@@ -97,6 +86,7 @@ def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any,
     """Plan and simulate every strategy of one cell (and the length-balanced baselines); the JSON-ready result."""
     from relibra_moe.planners.options import REPLICA_STRATEGIES
     from relibra_moe.planners.strategies import plan_batch
+    from relibra_moe.sample_placements import PLACEMENT_USERS
     from relibra_moe.sim import simulate_step
     from relibra_moe.specs import model_preset
     from relibra_moe.synthetic import rl_batch
@@ -104,7 +94,6 @@ def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any,
     full = model_preset(model_name)
     batch = rl_batch(full, domain[1], prompts, 4, seed=seed, micro_batch_size=32).restrict_layers(layers)
     model = full.with_(num_layers=batch.num_layers)
-    lb = length_balanced_gpus(batch.lengths, batch.micro_batch, cluster.num_gpus)
     out: dict[str, Any] = {"model": model_name, "domain": domain[0], "synthetic_domain": domain[1],
                            "nodes": nodes, "gpus_per_node": cluster.gpus_per_node, "layers": layers,
                            "layers_total": full.num_layers, "samples": batch.num_sequences,
@@ -113,11 +102,10 @@ def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any,
                                        "overlap": cluster.overlap, "flops": cluster.flops,
                                        "attn_flops": cluster.attention_flops, "nvlink_bw": cluster.nvlink_bw,
                                        "rdma_bw": cluster.rdma_bw},
-                           "length_balanced": "per micro-batch, longest first onto the GPU with the fewest tokens "
-                                              "(trainer-owned sample_gpu)",
+                           "length_balanced": {p: PLACEMENT_USERS[p] for p in LB_PLACEMENTS},
                            "strategies": {}, "length_balanced_strategies": {}}
     cells = (int(batch.micro_batch.max()) + 1) * layers
-    runs = [(s, {}) for s in STRATEGIES] + [(s, {"sample_owner": "trainer", "sample_gpu": lb})
+    runs = [(s, {}) for s in STRATEGIES] + [(s, {"sample_placement": p}) for p in LB_PLACEMENTS
                                             for s in LENGTH_BALANCED]
     for s, kw in runs:
         t0 = time.perf_counter()
@@ -125,10 +113,9 @@ def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any,
         plan = plan_batch(batch, model, cluster, s, replica_slots=r, seed=seed, **kw)
         solve = time.perf_counter() - t0
         step = simulate_step(plan, batch, model, cluster)
-        key = "length_balanced_strategies" if kw else "strategies"
-        out[key][s] = _row(plan, step, solve, cells)
-        print(f"  {s:14s}{' (length-balanced)' if kw else ''} step {step.step_s:.4f} s  solve {solve:.1f} s",
-              flush=True)
+        key, row = ("length_balanced_strategies", f"{s}@{kw['sample_placement']}") if kw else ("strategies", s)
+        out[key][row] = _row(plan, step, solve, cells)
+        print(f"  {row:30s} step {step.step_s:.4f} s  solve {solve:.1f} s", flush=True)
     return out
 
 
@@ -139,6 +126,7 @@ def ratios(cell: dict[str, Any]) -> dict[str, Any]:
     lb = {k: v["step_s"] for k, v in cell["length_balanced_strategies"].items()}
     best_lb = min(lb, key=lb.get)
     return {"reorder": st["static"] / st["relibra-inter"], "total": st["static"] / st["relibra"],
+            "reorder_over_length_balanced": lb["static@length-balanced"] / st["relibra-inter"],
             "replication_gain": st["relibra-inter"] / st["relibra"], "vs_eplb": st["eplb"] / st["relibra"],
             "vs_lplb": st["lplb"] / st["relibra"], "vs_online": st["online"] / st["relibra"],
             "vs_best_length_balanced": lb[best_lb] / st["relibra"], "best_length_balanced": best_lb,
@@ -211,8 +199,9 @@ def levers(have: list) -> str:
     out = ["\nQwen3-235B EP32, 413 TFLOP/s: relibra's step and the bound, term by term (seconds, 4 layers), and the "
            "levers (step ratios):\n",
            "| domain | dispatcher | overlap | attention rel / bound | MoE comp fwd rel / bound | MoE comm fwd rel / "
-           "bound | step rel / bound | reorder | + replication | best LB baseline / relibra |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "bound | step rel / bound | reorder (over static) | reorder (over static, length-balanced) | + replication "
+           "| best LB baseline / relibra | portfolio chose |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, dom, disp, ov, rate, c in have:
         if model != "qwen3-235b-a22b" or rate != 413e12:
             continue
@@ -223,7 +212,8 @@ def levers(have: list) -> str:
                    f"{bnd['breakdown']['attention_fwd']:.3f} | {rel['breakdown']['moe_fwd_comp']:.3f} / "
                    f"{bnd['breakdown']['moe_fwd_comp']:.3f} | {rel['breakdown']['moe_fwd_comm']:.3f} / "
                    f"{bnd['breakdown']['moe_fwd_comm']:.3f} | {rel['step_s']:.3f} / {bnd['step_s']:.3f} | "
-                   f"{r['reorder']:.3f}x | {r['replication_gain']:.3f}x | {r['vs_best_length_balanced']:.3f}x |")
+                   f"{r['reorder']:.3f}x | {r['reorder_over_length_balanced']:.3f}x | {r['replication_gain']:.3f}x | "
+                   f"{r['vs_best_length_balanced']:.3f}x | {rel.get('portfolio', '-')} |")
     return "\n".join(out)
 
 

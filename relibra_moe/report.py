@@ -156,6 +156,30 @@ def scenario_table(scenario: Mapping[str, Any]) -> Table:
     return t
 
 
+def overlap_table(scenario: Mapping[str, Any]) -> Table:
+    """A rich Table of one demo scenario's steps under each overlap it ran (``by_overlap`` of every strategy):
+    step seconds, throughput relative to static and % of the bound, side by side."""
+    from rich.table import Table
+
+    rows = scenario["strategies"]
+    overlaps = list(next(iter(rows.values()))["by_overlap"])
+    t = Table(title=f"{scenario['name']}: with and without the trainer's compute / all-to-all overlap",
+              title_justify="left")
+    t.add_column("strategy")
+    for ov in overlaps:
+        for col in ("step s", "vs static", "% of bound"):
+            t.add_column(f"{col} ({ov})", justify="right")
+    for name, r in rows.items():
+        cells = []
+        for ov in overlaps:
+            o = r["by_overlap"][ov]
+            pct = o["percent_of_bound_throughput"]
+            cells += [f"{o['step_s']:.3f}", f"{o['speedup_vs_static']:.3f}x", f"{pct:.1f}%" if np.isfinite(pct)
+                      else "-"]
+        t.add_row(name, *cells, style="bold" if name == "relibra" else None)
+    return t
+
+
 def ablation_table(ablation: Mapping[str, Any]) -> Table:
     """A rich Table like the paper's Table 4: static -> +reorder -> +replication, per scenario."""
     from rich.table import Table

@@ -45,6 +45,24 @@ def test_ablation_table_by_hand():
     assert [c.header for c in t.columns] == ["scenario", "static", "+reorder", "+replication"]
 
 
+def test_overlap_table_by_hand():
+    sc = {"name": "qwen/mixed", "strategies": {
+        "static": {"by_overlap": {"none": {"step_s": 2.0, "speedup_vs_static": 1.0,
+                                           "percent_of_bound_throughput": 50.0},
+                                  "megatron": {"step_s": 1.25, "speedup_vs_static": 1.0,
+                                               "percent_of_bound_throughput": float("nan")}}},
+        "relibra": {"by_overlap": {"none": {"step_s": 4.0 / 3.0, "speedup_vs_static": 1.5,
+                                            "percent_of_bound_throughput": 75.25},
+                                   "megatron": {"step_s": 1.0, "speedup_vs_static": 1.25,
+                                                "percent_of_bound_throughput": 80.0}}}}}
+    t = report.overlap_table(sc)
+    assert [c.header for c in t.columns] == ["strategy", "step s (none)", "vs static (none)", "% of bound (none)",
+                                             "step s (megatron)", "vs static (megatron)", "% of bound (megatron)"]
+    assert _cells(t) == [["static", "2.000", "1.000x", "50.0%", "1.250", "1.000x", "-"],
+                         ["relibra", "1.333", "1.500x", "75.2%", "1.000", "1.250x", "80.0%"]]
+    assert "qwen/mixed" in t.title
+
+
 @pytest.fixture
 def drawn(monkeypatch):
     """Capture each figure before it is saved (and save it as the module does)."""

@@ -32,10 +32,14 @@ from .. import report
 from ..atomic import write_text
 from ..errors import PlanError, RelibraError
 from ..plan import json_default
+from ..specs import OVERLAPS
 from .demo_steady import demo_steady_state
 from .plan import add_seed_workers_flags, option_default
 
 DOMAINS = ("math", "code", "instruction", "mixed")
+DEMO_OVERLAPS = ("none", "megatron")
+"""The trainer's compute / all-to-all overlaps the demo reports every step under by default (``--overlap``):
+back to back and Megatron-LM's ``overlap_moe_expert_parallel_comm`` (``specs.OVERLAPS``, docs/method.md)."""
 PAPER_CLUSTERS = {"qwen3-30b-a3b": (2, 8), "glm4.5-106b-a12b": (4, 8), "qwen3-235b-a22b": (4, 8)}
 REPORT_VERSION = 1
 
@@ -174,11 +178,14 @@ def strategy_runs(sc: Scenario, strategies: list[str], sample_owner: str = "plan
 
 
 def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strategies: list[str],
-                 advance: Any = None, starting: Any = None, sample_owner: str = "planner") -> dict[str, Any]:
+                 advance: Any = None, starting: Any = None, sample_owner: str = "planner",
+                 overlaps: tuple[str, ...] = ("none",)) -> dict[str, Any]:
     """Plan the scenario's batch with every strategy and simulate each step; the JSON-ready result.
 
     ``sample_owner`` (``SAMPLE_OWNERS``): with "trainer" every strategy keeps the round-robin samples of each
     micro-batch (the trainer's), with "both" the trainer-owned runs are added under ``"<strategy> (trainer)"``.
+    ``overlaps`` (``specs.OVERLAPS``): the trainer's compute / all-to-all overlap; the first is the cluster's for
+    the main figures, and every strategy's step under each one goes to its ``by_overlap`` (``overlap_results``).
 
     ``starting(label)`` is called before each plan and ``advance()`` after it (progress reporting).
     """
@@ -191,7 +198,7 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
     full_model = model_preset(sc.model)
     batch = build_batch(sc, seed)
     model = full_model.with_(num_layers=batch.num_layers)
-    cluster = cluster_preset("hopper-rail", nodes=sc.nodes, gpus_per_node=sc.gpus_per_node)
+    cluster = cluster_preset("hopper-rail", nodes=sc.nodes, gpus_per_node=sc.gpus_per_node, overlap=overlaps[0])
     stats = load_summary(batch.micro_batch_expert_counts())
     res: dict[str, Any] = {
         **asdict(sc), "num_gpus": sc.num_gpus,
@@ -203,10 +210,11 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
         "expert_mib": model.expert_bytes / 2**20,
         "reduced": model.num_layers < full_model.num_layers,
         "expert_skew_mean": stats["skew_mean"], "intersection_mean": stats["intersection_mean"],
-        "hot_k": stats["hot_k"], "build_s": time.perf_counter() - t0, "strategies": {},
+        "hot_k": stats["hot_k"], "build_s": time.perf_counter() - t0, "overlap": overlaps[0], "strategies": {},
     }
     results: dict[str, Any] = {}
     details: dict[str, Any] = {}
+    plans: dict[str, Any] = {}
     for label, strategy, repack, owner, placement in strategy_runs(sc, strategies, sample_owner):
         if starting is not None:
             starting(label)
@@ -225,8 +233,11 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
             "rank_skew_per_micro_batch": step.rank_skew.mean(axis=1).tolist(),
         }
         details[label] = step
+        plans[label] = (plan, {**owner_kw, "repack": repack})
         if advance is not None:
             advance()
+    overlap_results(results, plans, batch, model, cluster, overlaps, seed, workers, plan_batch, sc.replica_slots,
+                    advance, starting)
     base = results["static" if "static" in results else "static (trainer)"]["tokens_per_s"]
     bal = results.get("balanced", {}).get("tokens_per_s")  # the bound
     bal_moe = results.get("balanced", {}).get("t_moe_s")
@@ -241,6 +252,48 @@ def run_scenario(sc: Scenario, seed: int, workers: int, plan_batch: Any, strateg
     res["wall_s"] = time.perf_counter() - t0
     res["_details"] = details  # StepTime objects for the plots; dropped from the JSON
     return res
+
+
+def overlap_replans(strategies: list[str], overlaps: tuple[str, ...]) -> int:
+    """Plans ``overlap_results`` makes besides the main ones (``strategies``: the strategy of every run): relibra*
+    again under each other overlap."""
+    from ..planners.strategies import RELIBRA_STRATEGIES
+
+    return (len(overlaps) - 1) * sum(s in RELIBRA_STRATEGIES for s in strategies)
+
+
+def overlap_results(results: dict[str, Any], plans: dict[str, Any], batch: Any, model: Any, cluster: Any,
+                    overlaps: tuple[str, ...], seed: int, workers: int, plan_batch: Any, replica_slots: int,
+                    advance: Any = None, starting: Any = None) -> None:
+    """Every run's step under each of ``overlaps`` (``ClusterSpec.overlap``; the first is ``cluster``'s, whose
+    figures are the run's own): ``results[label]["by_overlap"][overlap]`` = ``step_s``, ``tokens_per_s``,
+    ``speedup_vs_static`` and ``percent_of_bound_throughput`` (against static and the bound under that overlap).
+    The baselines' plans do not read the overlap, so each is simulated again as planned; relibra and
+    relibra-inter, whose objective and portfolio follow it, are planned again under it with the run's options.
+    ``plans[label]``: ``(plan, the plan_batch options it was planned with)``."""
+    from ..planners.strategies import RELIBRA_STRATEGIES
+    from ..sim import simulate_step
+
+    for ov in overlaps:
+        cl = cluster.with_(overlap=ov)
+        for label, (plan, kw) in plans.items():
+            strategy = results[label]["strategy"]
+            if ov != overlaps[0] and strategy in RELIBRA_STRATEGIES:
+                if starting is not None:
+                    starting(f"{label}, overlap {ov}")
+                plan = plan_batch(batch, model, cl, strategy, replica_slots=replica_slots, seed=seed,
+                                  workers=workers, **kw)
+                if advance is not None:
+                    advance()
+            step = simulate_step(plan, batch, model, cl, balanced=strategy == "balanced")
+            results[label].setdefault("by_overlap", {})[ov] = {"step_s": step.step_s,
+                                                               "tokens_per_s": step.tokens_per_s}
+        base = results["static" if "static" in results else "static (trainer)"]["by_overlap"][ov]["tokens_per_s"]
+        bound = results.get("balanced", {}).get("by_overlap", {}).get(ov, {}).get("tokens_per_s")
+        for r in results.values():
+            o = r["by_overlap"][ov]
+            o["speedup_vs_static"] = o["tokens_per_s"] / base
+            o["percent_of_bound_throughput"] = 100.0 * o["tokens_per_s"] / bound if bound else float("nan")
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -331,9 +384,12 @@ def write_plots(out: Path, scenarios: list[dict[str, Any]]) -> list[str]:
 
 
 def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: int = 1, console: Any = None,
-             progress: bool = True, quick: bool = False, sample_owner: str = "planner") -> dict[str, Any]:
+             progress: bool = True, quick: bool = False, sample_owner: str = "planner",
+             overlaps: tuple[str, ...] = DEMO_OVERLAPS) -> dict[str, Any]:
     """Run the scenarios, print tables, write plots and ``report.json`` under ``out``; return the report.
-    ``sample_owner``: who places the samples (``SAMPLE_OWNERS``), for the scenarios and the steady state."""
+    ``sample_owner``: who places the samples (``SAMPLE_OWNERS``), for the scenarios and the steady state;
+    ``overlaps``: the trainer's compute / all-to-all overlaps every step is reported under (the first for the
+    main tables, the targets and the steady state; ``run_scenario``)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -366,7 +422,8 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     if reduced:
         console.print(f"To fit the time budget these scenarios simulate fewer MoE layers than the model has: "
                       f"{', '.join(reduced)} (see layers_simulated in the JSON).")
-    total = sum(len(strategy_runs(sc, strategies, sample_owner)) for sc in todo)
+    total = sum(len(runs) + overlap_replans([r[1] for r in runs], overlaps)
+                for runs in (strategy_runs(sc, strategies, sample_owner) for sc in todo))
     results: list[dict[str, Any]] = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=not progress, transient=False) as bar:
@@ -376,9 +433,11 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
             results.append(run_scenario(
                 sc, seed, workers, plan_batch, strategies, advance=lambda: bar.advance(task),
                 starting=lambda label, name=sc.name: bar.update(task, description=f"planning {name}: {label}"),
-                sample_owner=sample_owner))
+                sample_owner=sample_owner, overlaps=overlaps))
     for sc in results:
         console.print(report.scenario_table(sc))
+        if len(overlaps) > 1:
+            console.print(report.overlap_table(sc))
     abl = ablation(results)
     if abl["rows"]:
         console.print(report.ablation_table(abl))
@@ -392,11 +451,12 @@ def run_demo(scenarios: list[Scenario], out: Path, *, seed: int = 0, workers: in
     plots = write_plots(out, results) if results else []
     rep = {
         "version": REPORT_VERSION, "quick": quick, "seed": seed, "workers": workers, "sample_owner": sample_owner,
+        "overlaps": list(overlaps),
         "strategies": strategies, "cluster_fabric": "hopper-rail", "simulator": "relibra_moe.sim",
         "scenarios": [{k: v for k, v in sc.items() if not k.startswith("_")} for sc in results],
         "ablation": abl, "targets": targets, "notes": caveats, "skipped": skipped,
         "steady_state": demo_steady_state([sc["name"] for sc in results], quick=quick, seed=seed, workers=workers,
-                                          console=console, sample_owner=sample_owner),
+                                          console=console, sample_owner=sample_owner, overlap=overlaps[0]),
         "plots": [os.path.relpath(p, out) for p in plots], "wall_s": time.perf_counter() - t0,
     }
     write_text(out / "report.json", json.dumps(rep, indent=2, default=json_default))
@@ -422,6 +482,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="who places the samples: the planner, the trainer (round-robin within each "
                         "micro-batch kept; only homes, replicas and splits planned), or both (every strategy in "
                         "both modes, side by side); default %(default)s")
+    p.add_argument("--overlap", default=",".join(DEMO_OVERLAPS),
+                   help="the trainer's compute / all-to-all overlaps to report every step under, comma-separated "
+                        f"({', '.join(OVERLAPS)}; the first for the main tables; relibra is planned under each): "
+                        "default %(default)s")
     p.set_defaults(func=run)
 
 
@@ -439,7 +503,11 @@ def run(args: argparse.Namespace) -> int:
         raise PlanError(f"--workers={args.workers} must be >= 1 (omit it for the CPU count)")
     if args.seed < 0:
         raise PlanError(f"--seed={args.seed} must be >= 0")
+    overlaps = tuple(dict.fromkeys(o.strip() for o in args.overlap.split(",")))
+    for o in overlaps:
+        if o not in OVERLAPS:
+            raise PlanError(f"--overlap={args.overlap!r}: {o!r} is not one of {list(OVERLAPS)}")
     workers = args.workers if args.workers else max(1, min(os.cpu_count() or 1, 4))
     run_demo(scenarios, Path(args.out), seed=args.seed, workers=workers, progress=not args.no_progress,
-             quick=args.quick, sample_owner=args.sample_owner)
+             quick=args.quick, sample_owner=args.sample_owner, overlaps=overlaps)
     return 0

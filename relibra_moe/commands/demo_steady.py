@@ -47,11 +47,13 @@ def demo_steady_cases(quick: bool = False) -> list[dict[str, Any]]:
     ]
 
 
-def case_batches(case: dict[str, Any], seed: int = 0) -> tuple[list[TraceBatch], ModelSpec, ClusterSpec]:
-    """``(batches, model restricted to the case's layers, cluster)`` of a ``demo_steady_cases`` entry."""
+def case_batches(case: dict[str, Any], seed: int = 0, overlap: str = "none"
+                 ) -> tuple[list[TraceBatch], ModelSpec, ClusterSpec]:
+    """``(batches, model restricted to the case's layers, cluster)`` of a ``demo_steady_cases`` entry; the cluster
+    with the trainer's compute / all-to-all ``overlap`` (``specs.OVERLAPS``)."""
     full = model_preset(case["model"])
     model = full.with_(num_layers=case["layers"]) if case.get("layers") else full
-    cluster = cluster_preset("hopper-rail", nodes=case["nodes"], gpus_per_node=case["gpus_per_node"])
+    cluster = cluster_preset("hopper-rail", nodes=case["nodes"], gpus_per_node=case["gpus_per_node"], overlap=overlap)
     if case["data"] == "real":
         from ..datasets import gpt_oss_batch
 
@@ -81,17 +83,17 @@ def steady_targets(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def demo_steady_state(ran: Sequence[str], *, quick: bool = False, seed: int = 0, workers: int = 1,
-                      console: Any = None, sample_owner: str = "planner") -> dict[str, Any]:
+                      console: Any = None, sample_owner: str = "planner", overlap: str = "none") -> dict[str, Any]:
     """The demo's steady-state section: the cases of ``demo_steady_cases`` whose single-batch scenario is in
     ``ran``, each through ``run_steady`` with its strategies (and ``sample_owner``: "planner", "trainer" or
-    "both"); prints a table per case and the targets; returns ``{"cases": {name: run_steady result + case},
-    "targets": [...]}`` (JSON-ready)."""
+    "both"; the trainer's ``overlap``); prints a table per case and the targets; returns ``{"cases": {name:
+    run_steady result + case}, "targets": [...]}`` (JSON-ready)."""
     results: dict[str, dict[str, Any]] = {}
     for case in demo_steady_cases(quick):
         if case["after"] not in ran:
             continue
         t0 = time.perf_counter()
-        batches, model, cluster = case_batches(case, seed)
+        batches, model, cluster = case_batches(case, seed, overlap)
         res = run_steady(batches, model, cluster, case.get("strategies", DEMO_STRATEGIES), replica_slots=2, seed=seed,
                          workers=workers, sample_owner=sample_owner)
         res.update({"case": case, "layers_total": _layers_total(case["model"]), "wall_s": time.perf_counter() - t0,

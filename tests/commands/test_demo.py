@@ -56,11 +56,46 @@ def test_demo_quick_report(tmp_path, capsys):
                 assert r["percent_of_bound_throughput"] <= 100.0 + 1e-9 and r["percent_of_bound"] <= 100.0 + 1e-9
         if sc["data"].startswith("synthetic"):
             assert "synthetic" in text.lower()
+        check_overlaps(sc, rep["overlaps"])
     for p in rep["plots"]:
         assert (out / p).stat().st_size > 1000 and p.endswith(".png")
     assert "throughput.png" in rep["plots"]
     assert sum(p.startswith("gpu_load_") for p in rep["plots"]) == len(rep["scenarios"])
     assert sum(p.startswith("rank_skew_") for p in rep["plots"]) == len(rep["scenarios"])
+
+
+def check_overlaps(sc: dict, overlaps: list[str]) -> None:
+    """Every run's step with and without overlap (``by_overlap``): the first overlap's figures are the run's own;
+    a baseline's plan ignores the overlap, so its overlapped step is its own plan simulated under it; the
+    overlap hides part of the step, never adds to it; relibra (planned again under the overlap) is never slower
+    than the static plan there."""
+    from relibra_moe.commands.demo import build_batch, default_scenarios
+    from relibra_moe.planners.strategies import plan_batch
+    from relibra_moe.sim import simulate_step
+    from relibra_moe.specs import cluster_preset, model_preset
+
+    assert overlaps == ["none", "megatron"] and sc["overlap"] == "none"
+    for name, r in sc["strategies"].items():
+        assert list(r["by_overlap"]) == overlaps
+        assert r["by_overlap"]["none"]["step_s"] == pytest.approx(r["step_s"], rel=1e-12)
+        assert r["by_overlap"]["none"]["speedup_vs_static"] == pytest.approx(r["speedup_vs_static"], rel=1e-12)
+        if name in ("static", "eplb"):  # independent: replan the baseline and simulate it under the overlap
+            scen = next(s for s in default_scenarios(quick=True) if s.name == sc["name"])
+            batch = build_batch(scen, 0)
+            model = model_preset(scen.model).with_(num_layers=batch.num_layers)
+            cl = cluster_preset("hopper-rail", nodes=scen.nodes, gpus_per_node=scen.gpus_per_node, overlap="megatron")
+            plan = plan_batch(batch, model, cl, name, replica_slots=scen.replica_slots if name == "eplb" else 0)
+            want = simulate_step(plan, batch, model, cl).step_s
+            assert r["by_overlap"]["megatron"]["step_s"] == pytest.approx(want, rel=1e-12)
+            assert want < r["step_s"]  # megatron overlap hides some all-to-all on 2 nodes
+    st = {k: v["by_overlap"]["megatron"]["step_s"] for k, v in sc["strategies"].items()}
+    assert st["relibra"] <= st["static"] * (1 + 1e-9)
+    assert sc["strategies"]["static"]["by_overlap"]["megatron"]["speedup_vs_static"] == pytest.approx(1.0)
+
+
+def test_demo_rejects_an_unknown_overlap(capsys):
+    assert main(["demo", "--quick", "--overlap", "none,pipelined", "--out", "/nonexistent-never-written"]) == 1
+    assert "--overlap='none,pipelined': 'pipelined' is not one of" in capsys.readouterr().err
 
 
 def test_demo_skips_real_trace_when_absent(tmp_path, monkeypatch, capsys):

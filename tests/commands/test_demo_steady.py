@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 
-from relibra_moe.commands.demo_steady import DEMO_STRATEGIES, demo_steady_state, steady_targets
+from relibra_moe.commands.demo_steady import (
+    DEMO_STRATEGIES,
+    case_batches,
+    demo_steady_cases,
+    demo_steady_state,
+    steady_targets,
+)
 from relibra_moe.plan import json_default
 
 
@@ -16,6 +22,16 @@ def test_demo_section_quick_synthetic_only():
     assert res["layers_total"] == 48 and "synthetic" in res["data"]
     json.dumps(rep, default=json_default)  # the demo writes it into report.json
     assert demo_steady_state([], quick=True) == {"cases": {}, "targets": []}
+
+
+def test_case_batches_carry_the_trainers_overlap():
+    """``relibra demo --overlap megatron,...`` runs the steady state under the first overlap: the case's cluster is
+    the same preset with that overlap, the batches are the same."""
+    case = demo_steady_cases(quick=True)[0]
+    b0, m0, c0 = case_batches(case)
+    b1, m1, c1 = case_batches(case, overlap="megatron")
+    assert c0.overlap == "none" and c1 == c0.with_(overlap="megatron") and m1 == m0
+    assert [b.sample_expert_counts().tolist() for b in b1] == [b.sample_expert_counts().tolist() for b in b0]
 
 
 def test_steady_targets_thresholds():

@@ -51,11 +51,13 @@ def test_a_replayed_fetch_is_never_charged_more_than_an_after_router_one(comp, c
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), r=st.sampled_from([0, 1, 2]), nodes=st.sampled_from([1, 2]),
        mbs=st.sampled_from([3, 4, 8]), hot=st.integers(1, 3), with_history=st.booleans(),
-       migration=st.booleans(), price_replicas=st.booleans(), iters=st.sampled_from([0, 50, 200]))
+       migration=st.booleans(), price_replicas=st.booleans(), iters=st.sampled_from([0, 50, 200]),
+       overlap=st.sampled_from(["none", "megatron", "dualpipe"]))
 def test_relibra_is_never_slower_than_static_online_and_eplb_history(seed, r, nodes, mbs, hot, with_history,
-                                                                          migration, price_replicas, iters):
+                                                                          migration, price_replicas, iters, overlap):
     """Random small batches (gpt-oss widths, 2 layers, 8 experts, EP 1x4 or 2x2, r = 0..2), over the option space
-    of the moves (``migration``, ``price_replicas``: price or free): relibra's simulated step (moves charged from
+    of the moves (``migration``, ``price_replicas``: price or free) and the trainer's compute / all-to-all overlap
+    (``ClusterSpec.overlap``: planned and simulated under it): relibra's simulated step (moves charged from
     the static placement, as ``relibra compare`` charges the first step), less what the options make free, is
     at most every cheap baseline's, each planned on round-robin, on verl's length-balanced placement and on
     longest-first, and simulated on its own; the portfolio's pruning bound is at most the score of the static
@@ -63,7 +65,7 @@ def test_relibra_is_never_slower_than_static_online_and_eplb_history(seed, r, no
     often loses on its own), the portfolio holds."""
     rng = np.random.default_rng(seed)
     model = model_preset("gpt-oss-20b").with_(num_layers=2, num_experts=8, top_k=2)
-    cluster = cluster_preset("hopper-rail", nodes=nodes, gpus_per_node=4 // nodes)
+    cluster = cluster_preset("hopper-rail", nodes=nodes, gpus_per_node=4 // nodes, overlap=overlap)
     batch = _batch(rng, 2, 8, 2, int(rng.integers(8, 20)), mbs, hot)
     history = _batch(rng, 2, 8, 2, 12, 4, hot).sample_expert_counts().sum(axis=0) if with_history else None
     opts = {} if history is None else {"history": history}
