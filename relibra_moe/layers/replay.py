@@ -48,7 +48,8 @@ from ..trace import RoutingTrace, TraceBatch
 from ..validate import is_int
 from .router import LIVE
 
-__all__ = ["LIVE", "UNROUTED", "LayerReplay", "ReplayTarget", "layout_ids", "replay", "replay_targets"]
+__all__ = ["LIVE", "UNROUTED", "LayerReplay", "ReplayTarget", "layout_ids", "replay", "replay_targets",
+           "scheduled_states"]
 
 
 @dataclass(frozen=True)
@@ -344,6 +345,26 @@ def _agree_and_upload(targets: list[ReplayTarget], states: list[LayerReplay]) ->
     for i, t, sc in zip(idx, layers, scheds):
         out[i] = replace(states[i], schedule=t.upload_schedule(sc))
     return out
+
+
+def scheduled_states(targets: list[ReplayTarget], routing: Any, plan: Any = None, micro_batch: int | None = None,
+                     error: ReplayError | PlanError | None = None) -> list[LayerReplay]:
+    """What :func:`replay` hands ``targets`` at entry, for an integration that sets ``replay_state`` itself around
+    each layer's forward (Megatron-core): every target's state with its schedule built, checked, agreed across
+    the EP group (the micro-batch's one agreement, a collective: every rank calls it) and uploaded.
+
+    ``routing``: recorded ids (as for :func:`replay`); ``error``: an error this rank found in its arguments
+    instead (every state carries it, and the agreement makes it every rank's: the first forward raises it).
+    On one rank an error is raised here."""
+    if error is not None:
+        if all(getattr(t, "world_size", 1) <= 1 for t in targets):
+            raise error
+        states = [LayerReplay(error=error.with_traceback(None)) for _ in targets]
+        states = [replace(s, schedule=t.build_schedule(s)) if hasattr(t, "build_schedule") else s
+                  for t, s in zip(targets, states)]
+    else:
+        states = _build(targets, routing, plan, micro_batch, None, None, "live")[1]
+    return _agree_and_upload(targets, states)
 
 
 _PREFETCH = "_relibra_prefetch"
