@@ -67,7 +67,7 @@ from ..layers.expert_sharding import ExpertShard, expert_shards
 from ..layers.experts import GroupedSwiGLUExperts
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.relayout import relayout as _relayout_layers
-from ..layers.replay import LayerReplay, replay, scheduled_states
+from ..layers.replay import LayerReplay, build_ahead, replay, scheduled_states, take_ahead
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import RouterOutput, check_replay_ids
 from ..plan import BatchPlan, Placement, check_replica_slots
@@ -731,7 +731,8 @@ def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int 
 
 
 def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] | None,
-                       plan: BatchPlan | None = None, micro_batch: int | None = None) -> None:
+                       plan: BatchPlan | None = None, micro_batch: int | None = None, *,
+                       batch: TraceBatch | None = None) -> None:
     """Make the next forward of every relibra MoE layer replay ``per_layer_ids`` and follow ``plan``.
 
     Call once before each micro-batch's forward (whatever runs the forward and backward: a plain loop or
@@ -744,6 +745,12 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
     cleared (as Megatron's router does; no :func:`stop_replay` needed). With ``per_layer_ids=None`` the
     first forward checks that the ids in ``RouterReplay`` are not the previous micro-batch's (token count
     and digest; ``ReplayError`` on every rank of the EP group).
+
+    With ``per_layer_ids`` the layers' schedules are built, checked and agreed here (one collective over the EP
+    group for all layers: call it on every rank), so the forwards make no host sync. With ``batch`` (the
+    ``TraceBatch`` the ids come from, ``replay_data(batch, plan, micro_batch)``) and a ``BatchPlan``, the next
+    micro-batch's schedules are built meanwhile in a background thread from ``replay_data(batch, plan,
+    micro_batch + 1)`` and taken by the next call when it passes the same ids (else rebuilt).
 
     ``ReplayError`` (wrong number of layers, or a router without ``RouterReplay``) and ``PlanError`` (a plan
     for another EP size, number of experts or layers): raised here on a one-rank group; on an EP group of
@@ -777,7 +784,9 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
             _schedule_layers(layers, None, plan, micro_batch, exc)
         return
     if per_layer_ids is not None:
-        _schedule_layers(layers, ids, plan, micro_batch, None)
+        built = _take_ahead(model, layers, batch, plan, micro_batch, ids)
+        _schedule_layers(layers, ids, plan, micro_batch, None, built)
+        _build_next(model, layers, batch, plan, micro_batch)
     for i, layer in enumerate(layers):
         rr = layer.router.router_replay
         if per_layer_ids is not None:
@@ -802,12 +811,47 @@ def _check_no_padding(layer: RelibraMoELayer, ids: object) -> None:
 
 
 def _schedule_layers(layers: Sequence[RelibraMoELayer], ids: list | None, plan: BatchPlan | None,
-                     micro_batch: int | None, error: ReplayError | PlanError | None) -> None:
-    """Build, check, agree (one collective for all layers) and upload every layer's schedule for its next forward
-    (:func:`~relibra_moe.layers.replay.scheduled_states`); ``error``: this rank's argument error, agreed instead."""
-    states = scheduled_states([layer.relibra for layer in layers], ids, plan, micro_batch, error)
+                     micro_batch: int | None, error: ReplayError | PlanError | None,
+                     built: list[LayerReplay] | None = None) -> None:
+    """Build (or take ``built``), check, agree (one collective for all layers) and upload every layer's schedule
+    for its next forward (:func:`~relibra_moe.layers.replay.scheduled_states`); ``error``: this rank's argument
+    error, agreed instead."""
+    states = scheduled_states([layer.relibra for layer in layers], ids, plan, micro_batch, error, built)
     for layer, state in zip(layers, states):
         layer._scheduled = state
+
+
+def _ahead_key(batch: TraceBatch, plan: BatchPlan, micro_batch: int) -> tuple:
+    return ("megatron", id(batch), id(plan), int(micro_batch), _expert_parallel_rank())
+
+
+def _take_ahead(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: TraceBatch | None, plan: BatchPlan | None,
+                micro_batch: int | None, ids: list) -> list[LayerReplay] | None:
+    """The states built ahead for this micro-batch of ``batch`` when they were built from ``ids`` (host compare),
+    else ``None``."""
+    if batch is None or not isinstance(plan, BatchPlan) or not is_int(micro_batch):
+        return None
+    got = take_ahead(model, [layer.relibra for layer in layers], _ahead_key(batch, plan, micro_batch))
+    if got is None:
+        return None
+    states = got[1]
+    for state, t in zip(states, ids):
+        if not isinstance(state.ids, torch.Tensor) or not isinstance(t, torch.Tensor) \
+                or state.ids.shape != t.shape or not torch.equal(state.ids, t.detach().cpu()):
+            return None
+    return states
+
+
+def _build_next(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: TraceBatch | None, plan: BatchPlan | None,
+                micro_batch: int | None) -> None:
+    """With ``batch`` and a ``BatchPlan``: start building micro-batch ``micro_batch + 1``'s states in the background
+    thread (:func:`~relibra_moe.layers.replay.build_ahead`)."""
+    if batch is None or not isinstance(plan, BatchPlan) or not is_int(micro_batch) \
+            or micro_batch + 1 >= plan.num_micro_batches:
+        return
+    rank = _expert_parallel_rank()
+    build_ahead(model, [layer.relibra for layer in layers], _ahead_key(batch, plan, micro_batch + 1),
+                lambda: replay_data(batch, plan, micro_batch + 1, rank)[1], plan, micro_batch + 1)
 
 
 def stop_replay(model: nn.Module) -> None:

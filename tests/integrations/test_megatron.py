@@ -112,22 +112,26 @@ def _round_trip(rank: int, world: int) -> None:
                           "relibra", replica_slots=1, seed=0)
         rm.relayout(model, plan)
 
-        # 3. replay every micro-batch in the plan's sample placement
+        # 3. replay every micro-batch in the plan's sample placement; with the batch, each call builds the next
+        # micro-batch's schedules in the background thread, and the next call takes them
         seen = []
-        for m in range(plan.num_micro_batches):
+        M = plan.num_micro_batches
+        real_take, taken = rm._take_ahead, []
+        rm._take_ahead = lambda *a: taken.append(real_take(*a)) or taken[-1]
+        for m in range(M):
             samples, ids = rm.replay_data(batch, plan, m)
             seen += samples.tolist()
             if not len(samples):
                 x = torch.zeros(0, 1, H)
             else:
                 x = torch.cat([sample_input(int(i), int(batch.lengths[i])) for i in samples])
-            if m % 2:  # verl-style: the framework hands Megatron the replay data, relibra the plan
+            if m == M - 1 and m > 0:  # verl-style: the framework hands Megatron the replay data, relibra the plan
                 from megatron.core.transformer.moe.router_replay import RouterReplay
 
                 RouterReplay.set_replay_data(ids)
                 rm.replay_micro_batch(model, None, plan=plan, micro_batch=m)
             else:
-                rm.replay_micro_batch(model, ids, plan=plan, micro_batch=m)
+                rm.replay_micro_batch(model, ids, plan=plan, micro_batch=m, batch=batch)
             with torch.no_grad():
                 y = model(x)
             for layer, t in zip(model.layers, ids):
@@ -137,6 +141,8 @@ def _round_trip(rank: int, world: int) -> None:
                 n = int(batch.lengths[i])
                 torch.testing.assert_close(y[lo:lo + n], recorded_out[int(i)], rtol=1e-5, atol=1e-5)
                 lo += n
+        rm._take_ahead = real_take
+        assert [t is not None for t in taken] == [False] + [True] * max(M - 2, 0), (M, taken)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, seen)
         assert sorted(s for p in everyone for s in p) == list(range(N))  # every sample ran exactly once
