@@ -732,7 +732,7 @@ def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int 
 
 def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] | None,
                        plan: BatchPlan | None = None, micro_batch: int | None = None, *,
-                       batch: TraceBatch | None = None) -> None:
+                       batch: TraceBatch | None = None, layout: str = "packed") -> None:
     """Make the next forward of every relibra MoE layer replay ``per_layer_ids`` and follow ``plan``.
 
     Call once before each micro-batch's forward (whatever runs the forward and backward: a plain loop or
@@ -748,9 +748,10 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
 
     With ``per_layer_ids`` the layers' schedules are built, checked and agreed here (one collective over the EP
     group for all layers: call it on every rank), so the forwards make no host sync. With ``batch`` (the
-    ``TraceBatch`` the ids come from, ``replay_data(batch, plan, micro_batch)``) and a ``BatchPlan``, the next
-    micro-batch's schedules are built meanwhile in a background thread from ``replay_data(batch, plan,
-    micro_batch + 1)`` and taken by the next call when it passes the same ids (else rebuilt).
+    ``TraceBatch`` the ids come from, ``replay_data(batch, plan, micro_batch, layout=layout)``) and a
+    ``BatchPlan``, the next micro-batch's schedules are built meanwhile in a background thread from
+    ``replay_data(batch, plan, micro_batch + 1, layout=layout)`` and taken by the next call when it passes the
+    same ids (else rebuilt).
 
     ``ReplayError`` (wrong number of layers, or a router without ``RouterReplay``) and ``PlanError`` (a plan
     for another EP size, number of experts or layers): raised here on a one-rank group; on an EP group of
@@ -786,7 +787,7 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
     if per_layer_ids is not None:
         built = _take_ahead(model, layers, batch, plan, micro_batch, ids)
         _schedule_layers(layers, ids, plan, micro_batch, None, built)
-        _build_next(model, layers, batch, plan, micro_batch)
+        _build_next(model, layers, batch, plan, micro_batch, layout)
     for i, layer in enumerate(layers):
         rr = layer.router.router_replay
         if per_layer_ids is not None:
@@ -843,7 +844,7 @@ def _take_ahead(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: Trac
 
 
 def _build_next(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: TraceBatch | None, plan: BatchPlan | None,
-                micro_batch: int | None) -> None:
+                micro_batch: int | None, layout: str = "packed") -> None:
     """With ``batch`` and a ``BatchPlan``: start building micro-batch ``micro_batch + 1``'s states in the background
     thread (:func:`~relibra_moe.layers.replay.build_ahead`)."""
     if batch is None or not isinstance(plan, BatchPlan) or not is_int(micro_batch) \
@@ -851,7 +852,7 @@ def _build_next(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: Trac
         return
     rank = _expert_parallel_rank()
     build_ahead(model, [layer.relibra for layer in layers], _ahead_key(batch, plan, micro_batch + 1),
-                lambda: replay_data(batch, plan, micro_batch + 1, rank)[1], plan, micro_batch + 1)
+                lambda: replay_data(batch, plan, micro_batch + 1, rank, layout=layout)[1], plan, micro_batch + 1)
 
 
 def stop_replay(model: nn.Module) -> None:
