@@ -267,7 +267,7 @@ class LayerSchedule:
             local slot directly (``T * k`` rows, unrouted pairs as padding rows: fixed shapes), so the forward
             skips the dispatch sort; ``slot_counts`` (int64 ``[E_loc + r]``) the pairs per slot; ``local_rows``
             the gather / combine indices of ``local_meta`` for the CPU reference path
-            (:func:`~relibra_moe.layers.experts.reference_local_experts`).
+            (:func:`~relibra_moe.layers.experts.reference_local_experts`; layers on the CPU only).
         error: the ``ReplayError`` / ``PlanError`` of this layer (or the one agreed by the EP group), raised
             by the forward.
         home: the homes ``[E]`` the schedule was built against.
@@ -694,7 +694,8 @@ class ReplayBalancedMoE(nn.Module):
                 local_meta = routing_metadata(torch.from_numpy(slot), S, block_m=block_m)
             r = 0 if self.replica_buffer is None else self.replica_buffer.slots
             slot_counts = torch.from_numpy(np.bincount(slot[slot >= 0], minlength=S + r).astype(np.int64))
-            rows_idx = local_rows(local_meta, all_routed=bool((slot >= 0).all()))
+            if self.expert_gpu.device.type == "cpu":  # only the CPU reference reads them
+                rows_idx = local_rows(local_meta, all_routed=bool((slot >= 0).all()))
         return LayerSchedule(ids=ids, plan=plan, dest=dest, slot=slot, send_splits=splits,
                              recv_splits=splits if G == 1 else None, num_rows=rows, send_meta=meta,
                              slot_send=torch.from_numpy(slot_send), home=home, local_meta=local_meta,
@@ -715,8 +716,9 @@ class ReplayBalancedMoE(nn.Module):
         if sched.local_meta is not None:
             up["local_meta"] = _upload_meta(sched.local_meta, dev)
             up["slot_counts"] = _pinned(sched.slot_counts, dev)
-            up["local_rows"] = LocalRows(*(_pinned(t, dev) for t in sched.local_rows.tensors()),
-                                         all_routed=sched.local_rows.all_routed)
+            if sched.local_rows is not None:
+                up["local_rows"] = LocalRows(*(_pinned(t, dev) for t in sched.local_rows.tensors()),
+                                             all_routed=sched.local_rows.all_routed)
         t = sched.plan.transfer
         if t is not None:
             t = replace(t, slot_expert=_pinned(t.slot_expert, dev), send_local=_pinned(t.send_local, dev),
