@@ -311,10 +311,10 @@ def reference_local_experts(x: torch.Tensor, rows: LocalRows, w1: torch.Tensor, 
     if not rows.all_routed:
         xs = torch.where(rows.row_valid, xs, 0.0)
     y = torch._grouped_mm(act(torch._grouped_mm(xs, w1, offs=rows.ends)), w2, offs=rows.ends)
-    picked = y[rows.pair_row].float() * gates.float().unsqueeze(2)
-    if not rows.all_routed:
+    picked = y[rows.pair_row]
+    if not rows.all_routed:  # before the product: no undefined value reaches the gates' gradient either
         picked = torch.where(rows.pair_valid, picked, 0.0)
-    return picked.sum(1).to(y.dtype)
+    return (picked.float() * gates.float().unsqueeze(2)).sum(1).to(y.dtype)
 
 
 class _ExpertsWithReplicas(torch.autograd.Function):

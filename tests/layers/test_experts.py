@@ -200,3 +200,19 @@ def test_reference_local_experts_in_bf16_and_where_grouped_mm_does_not_fit():
     assert not grouped_mm_fits(torch.zeros(2, 6, 8), torch.zeros(2, 4, 6))  # 24-byte rows
     assert not grouped_mm_fits(ex.w_gate_up, ex.w_down.float())  # mixed dtypes
     assert grouped_mm_fits(torch.zeros(2, 8, 16).transpose(1, 2), torch.zeros(2, 8, 8))  # HF's transposed views
+
+
+def test_reference_local_experts_with_no_routed_pair_is_zero_with_finite_gradients():
+    """Every pair unrouted (a placeholder forward): torch._grouped_mm computes no row, the output and every
+    gradient are exact zeros (no undefined row reaches them)."""
+    from relibra_moe.layers.experts import local_rows, reference_local_experts
+    from relibra_moe.triton_kernels.grouped_gemm import swiglu
+    from relibra_moe.triton_kernels.routing import routing_metadata
+
+    ex = GroupedSwiGLUExperts(16, 8, 4)
+    x, gates = torch.randn(5, 16, requires_grad=True), torch.rand(5, 2, requires_grad=True)
+    meta = routing_metadata(torch.full((5, 2), -1), 4, block_m=4)
+    out = reference_local_experts(x, local_rows(meta), ex.w_gate_up, ex.w_down, swiglu, gates)
+    out.sum().backward()
+    for t in (out, x.grad, gates.grad, ex.w_gate_up.grad, ex.w_down.grad):
+        assert torch.equal(t, torch.zeros_like(t))
