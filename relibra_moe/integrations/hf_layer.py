@@ -116,6 +116,11 @@ class _HFExpertsMixin(GroupedExperts):
 
         return swiglu_experts(xs, meta, tensors[0], tensors[1], activation)
 
+    def gated_form(self):
+        act = self.act_fn
+        return (self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2),
+                lambda h: act(h[..., :h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:])
+
     def compute(self, x: torch.Tensor, slot_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 slots: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Expert MLP of rows ``x [R, H]`` at local slots ``slot_ids [R]``; HF-layout weights

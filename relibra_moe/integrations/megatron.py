@@ -67,7 +67,7 @@ from ..layers.expert_sharding import ExpertShard, expert_shards
 from ..layers.experts import GroupedSwiGLUExperts
 from ..layers.moe import ReplayBalancedMoE
 from ..layers.relayout import relayout as _relayout_layers
-from ..layers.replay import LayerReplay, replay
+from ..layers.replay import LayerReplay, build_ahead, replay, scheduled_states, take_ahead
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import RouterOutput, check_replay_ids
 from ..plan import BatchPlan, Placement, check_replica_slots
@@ -175,6 +175,9 @@ class _MegatronRouter(nn.Module):
         owner: RelibraMoELayer = self.__dict__["_owner"]
         call = owner._call
         T, k, E = x.shape[0], self.top_k, self.num_experts
+        if replay_ids is not None:  # a schedule's ids (checked on the host, also in RouterReplay): no host read
+            probs, _ = owner.router(x.view(call.shape), call.padding_mask)
+            return RouterOutput(ids=replay_ids, gates=probs.gather(1, replay_ids).float(), logits=probs)
         if call.action is not None:
             rr = owner.router.router_replay
             if call.action == RouterReplayAction.REPLAY_BACKWARD:
@@ -378,7 +381,7 @@ class RelibraMoELayer(MoELayer):
         if _in_backward():  # a forward recomputed in backward: replay what its forward used
             if not self._recompute:
                 raise ReplayError(f"layer {self.name}: a recomputed forward has no matching forward")
-            plan, m, replaying = self._recompute.popleft()
+            plan, m, replaying, state = self._recompute.popleft()
             action = RouterReplayAction.REPLAY_BACKWARD if replaying else None
             stale = None
         else:
@@ -386,8 +389,13 @@ class RelibraMoELayer(MoELayer):
             plan, m = self._pending
             action = RouterReplayAction.REPLAY_FORWARD if replaying else None
             stale = self._stale_replay(rr) if replaying else None
+            # the schedule replay_micro_batch built for this forward (an agreed error is raised whatever the action)
+            state, self._scheduled = getattr(self, "_scheduled", None), None
+            if state is not None and state.error is None and state.schedule.error is None and (
+                    not replaying or stale is not None or self._pending_error is not None):
+                state = None
             if is_checkpointing():
-                self._recompute.append((plan, m, replaying))
+                self._recompute.append((plan, m, replaying, state))
             elif replaying and rr is not None and rr.replay_backward_list \
                     and rr.replay_backward_list[-1] is rr.target_topk_idx:
                 # no recompute will pop the entry set_target_indices queued for this forward
@@ -398,16 +406,34 @@ class RelibraMoELayer(MoELayer):
         self._call = _Call(hidden_states.shape, padding_mask, action)
         shared = self.shared_experts_compute(hidden_states)
         try:
-            with replay(self.relibra, None, plan=plan, micro_batch=m):
-                error = self._pending_error if self._pending_error is not None else stale
-                if error is not None:  # the agreement raises it on every rank of the EP group
-                    self.relibra.replay_state = LayerReplay(error=error)
-                out = self.relibra(hidden_states)
+            if state is not None:  # stages 1-3 ran in replay_micro_batch: no host sync in this forward
+                out = self._forward_scheduled(hidden_states, state)
+            else:
+                out = self._forward_live(hidden_states, plan, m, stale)
         finally:
             self._call = _Call(torch.Size(), None, None)
         if shared is not None:
             out = out + shared
         return out, None
+
+    def _forward_scheduled(self, hidden_states: torch.Tensor, state: LayerReplay) -> torch.Tensor:
+        """The relibra layer following the schedule of :func:`replay_micro_batch` (its ``replay_state`` for the
+        call)."""
+        previous, self.relibra.replay_state = self.relibra.replay_state, state
+        try:
+            return self.relibra(hidden_states)
+        finally:
+            self.relibra.replay_state = previous
+
+    def _forward_live(self, hidden_states: torch.Tensor, plan: BatchPlan | None, m: int | None,
+                      stale: ReplayError | None) -> torch.Tensor:
+        """The relibra layer placing the pairs in the forward (live routing, or replay data left in
+        ``RouterReplay``): its one sync point and agreement per layer."""
+        with replay(self.relibra, None, plan=plan, micro_batch=m):
+            error = self._pending_error if self._pending_error is not None else stale
+            if error is not None:  # the agreement raises it on every rank of the EP group
+                self.relibra.replay_state = LayerReplay(error=error)
+            return self.relibra(hidden_states)
 
 
 def _stacked_expert_weights(experts: nn.Module, H: int, F: int, E_loc: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -705,7 +731,8 @@ def replay_data(batch: TraceBatch, plan: BatchPlan, micro_batch: int, rank: int 
 
 
 def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] | None,
-                       plan: BatchPlan | None = None, micro_batch: int | None = None) -> None:
+                       plan: BatchPlan | None = None, micro_batch: int | None = None, *,
+                       batch: TraceBatch | None = None, layout: str = "packed") -> None:
     """Make the next forward of every relibra MoE layer replay ``per_layer_ids`` and follow ``plan``.
 
     Call once before each micro-batch's forward (whatever runs the forward and backward: a plain loop or
@@ -719,6 +746,13 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
     first forward checks that the ids in ``RouterReplay`` are not the previous micro-batch's (token count
     and digest; ``ReplayError`` on every rank of the EP group).
 
+    With ``per_layer_ids`` the layers' schedules are built, checked and agreed here (one collective over the EP
+    group for all layers: call it on every rank), so the forwards make no host sync. With ``batch`` (the
+    ``TraceBatch`` the ids come from, ``replay_data(batch, plan, micro_batch, layout=layout)``) and a
+    ``BatchPlan``, the next micro-batch's schedules are built meanwhile in a background thread from
+    ``replay_data(batch, plan, micro_batch + 1, layout=layout)`` and taken by the next call when it passes the
+    same ids (else rebuilt).
+
     ``ReplayError`` (wrong number of layers, or a router without ``RouterReplay``) and ``PlanError`` (a plan
     for another EP size, number of experts or layers): raised here on a one-rank group; on an EP group of
     several ranks (where the argument may be bad on this rank only) the next forward raises it on every
@@ -729,11 +763,14 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
     L = len(layers)
     for layer in layers:
         layer._pending_error = None
+        layer._scheduled = None
     try:
         if per_layer_ids is not None:
             ids = list(per_layer_ids)
             if len(ids) != L:
                 raise ReplayError(f"replay data covers {len(ids)} MoE layers, the model has {L}")
+            for layer, t in zip(layers, ids):
+                _check_no_padding(layer, t)
         if plan is not None:
             _check_plan(layers, plan)
     except (ReplayError, PlanError) as exc:
@@ -744,7 +781,13 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
             layer._replaying = False
             layer._pending = (None, None)
             layer._pending_error = exc
+        if per_layer_ids is not None:  # the peers agree on their schedules: this rank joins with its error
+            _schedule_layers(layers, None, plan, micro_batch, exc)
         return
+    if per_layer_ids is not None:
+        built = _take_ahead(model, layers, batch, plan, micro_batch, ids)
+        _schedule_layers(layers, ids, plan, micro_batch, None, built)
+        _build_next(model, layers, batch, plan, micro_batch, layout)
     for i, layer in enumerate(layers):
         rr = layer.router.router_replay
         if per_layer_ids is not None:
@@ -756,9 +799,66 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
         layer._arm_from_router = per_layer_ids is None
 
 
+def _check_no_padding(layer: RelibraMoELayer, ids: object) -> None:
+    """``ReplayError`` for a ``-1`` (or negative) id in ``ids [T, k]``: Megatron's RouterReplay has no padding id.
+    Read on the host once per micro-batch (the schedule copies the ids there anyway); other defects are named
+    by the schedule's checks."""
+    host = ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids
+    arr = np.asarray(host) if host is not None else None
+    if arr is not None and arr.ndim == 2 and arr.size and np.issubdtype(arr.dtype, np.integer) and (arr < 0).any():
+        t = int(np.flatnonzero((arr < 0).any(axis=1))[0])
+        raise ReplayError(f"layer {layer.name}: replayed row {t} = {arr[t].tolist()} has -1 (no expert); "
+                          "Megatron's RouterReplay has no padding id")
+
+
+def _schedule_layers(layers: Sequence[RelibraMoELayer], ids: list | None, plan: BatchPlan | None,
+                     micro_batch: int | None, error: ReplayError | PlanError | None,
+                     built: list[LayerReplay] | None = None) -> None:
+    """Build (or take ``built``), check, agree (one collective for all layers) and upload every layer's schedule
+    for its next forward (:func:`~relibra_moe.layers.replay.scheduled_states`); ``error``: this rank's argument
+    error, agreed instead."""
+    states = scheduled_states([layer.relibra for layer in layers], ids, plan, micro_batch, error, built)
+    for layer, state in zip(layers, states):
+        layer._scheduled = state
+
+
+def _ahead_key(batch: TraceBatch, plan: BatchPlan, micro_batch: int) -> tuple:
+    return ("megatron", id(batch), id(plan), int(micro_batch), _expert_parallel_rank())
+
+
+def _take_ahead(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: TraceBatch | None, plan: BatchPlan | None,
+                micro_batch: int | None, ids: list) -> list[LayerReplay] | None:
+    """The states built ahead for this micro-batch of ``batch`` when they were built from ``ids`` (host compare),
+    else ``None``."""
+    if batch is None or not isinstance(plan, BatchPlan) or not is_int(micro_batch):
+        return None
+    got = take_ahead(model, [layer.relibra for layer in layers], _ahead_key(batch, plan, micro_batch))
+    if got is None:
+        return None
+    states = got[1]
+    for state, t in zip(states, ids):
+        if not isinstance(state.ids, torch.Tensor) or not isinstance(t, torch.Tensor) \
+                or state.ids.shape != t.shape or not torch.equal(state.ids, t.detach().cpu()):
+            return None
+    return states
+
+
+def _build_next(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: TraceBatch | None, plan: BatchPlan | None,
+                micro_batch: int | None, layout: str = "packed") -> None:
+    """With ``batch`` and a ``BatchPlan``: start building micro-batch ``micro_batch + 1``'s states in the background
+    thread (:func:`~relibra_moe.layers.replay.build_ahead`)."""
+    if batch is None or not isinstance(plan, BatchPlan) or not is_int(micro_batch) \
+            or micro_batch + 1 >= plan.num_micro_batches:
+        return
+    rank = _expert_parallel_rank()
+    build_ahead(model, [layer.relibra for layer in layers], _ahead_key(batch, plan, micro_batch + 1),
+                lambda: replay_data(batch, plan, micro_batch + 1, rank, layout=layout)[1], plan, micro_batch + 1)
+
+
 def stop_replay(model: nn.Module) -> None:
     """Back to live routing: forget pending replay data and plans of every relibra MoE layer."""
     for layer in _relibra_layers(model):
+        layer._scheduled = None
         layer._replaying = False
         layer._pending = (None, None)
         layer._pending_error = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,8 +38,9 @@ from ..triton_kernels.routing import RoutingMeta, routing_metadata, trusted_indi
 from .dispatch import Dispatcher
 from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
 
-__all__ = ["BiasedGatedExperts", "GroupedExperts", "GroupedSwiGLUExperts", "biased_gated_mlp", "experts_forward",
-           "gpt_oss_activation", "row_slots", "slot_view"]
+__all__ = ["BiasedGatedExperts", "GroupedExperts", "GroupedSwiGLUExperts", "LocalRows", "biased_gated_mlp",
+           "experts_forward", "gpt_oss_activation", "grouped_mm_fits", "local_rows", "reference_local_experts",
+           "row_slots", "slot_view"]
 
 SlotTensor = torch.Tensor | ExpertWeights
 
@@ -127,6 +129,12 @@ class GroupedExperts(nn.Module):
         """Expert MLP of slot-sorted rows ``xs [R, H]``; ``tensors``: one :func:`slot_view` per name."""
         raise NotImplementedError
 
+    def gated_form(self) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]] | None:
+        """The home experts as one gated MLP ``act(x W1[e]) W2[e]`` over plain tensors, for
+        :func:`reference_local_experts`: ``(W1 [E_loc, H, 2F], W2 [E_loc, F, H], act)`` (views of the
+        parameters, any strides), or ``None`` when the experts are not of that form (biases, ...)."""
+        return None
+
     def slot_tensors(self, home: Sequence[torch.Tensor], slots: Sequence[torch.Tensor] | None) -> list[SlotTensor]:
         """Home ``[E_loc, ...]`` and replica slot ``[r, ...]`` tensors as per-slot views (see :func:`slot_view`)."""
         return [slot_view(h, None if slots is None else s) for h, s in zip(home, slots or [None] * len(home))]
@@ -175,6 +183,9 @@ class GroupedSwiGLUExperts(GroupedExperts):
 
     def mlp(self, xs: torch.Tensor, meta: RoutingMeta, tensors: Sequence[SlotTensor]) -> torch.Tensor:
         return swiglu_experts(xs, meta, tensors[0], tensors[1])
+
+    def gated_form(self) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        return self.w_gate_up, self.w_down, swiglu
 
     def compute(self, x: torch.Tensor, slot_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 slots: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -231,6 +242,79 @@ class BiasedGatedExperts(GroupedExperts):
     def mlp(self, xs: torch.Tensor, meta: RoutingMeta, tensors: Sequence[SlotTensor]) -> torch.Tensor:
         w1, b1, w2, b2 = tensors
         return biased_gated_mlp(xs, meta, w1, b1, w2, b2, self.activation)
+
+
+@dataclass(frozen=True, eq=False)
+class LocalRows:
+    """The index tensors of :func:`reference_local_experts` for one layer call, derived from its
+    :class:`RoutingMeta` on the host (:func:`local_rows`; the replay schedule builds them ahead).
+
+    Attributes:
+        row_token: int64 ``[R]``, the token of each slot-sorted row (0 for padding rows).
+        row_valid: bool ``[R, 1]``, the row holds a routed pair.
+        pair_row: int64 ``[T, k]``, the sorted row of each (token, k) pair (0 for unrouted pairs).
+        pair_valid: bool ``[T, k, 1]``, the pair is routed.
+        ends: int32 ``[S]``, the end row of each slot (``meta.offsets[1:]``, the ``offs`` of ``torch._grouped_mm``).
+        all_routed: a host fact: every pair is routed (no padding row, no unrouted pair), so no mask is
+            needed; ``False`` when unknown.
+    """
+
+    row_token: torch.Tensor
+    row_valid: torch.Tensor
+    pair_row: torch.Tensor
+    pair_valid: torch.Tensor
+    ends: torch.Tensor
+    all_routed: bool = False
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.row_token, self.row_valid, self.pair_row, self.pair_valid, self.ends)
+
+
+def local_rows(meta: RoutingMeta, all_routed: bool = False) -> LocalRows:
+    """:class:`LocalRows` of ``meta`` (torch ops on ``meta``'s device, no host read); ``all_routed``: the
+    caller knows that every pair is routed."""
+    gather, scatter = meta.gather_idx.long(), meta.scatter_idx.long().view(meta.num_tokens, meta.top_k)
+    return LocalRows(gather.clamp(min=0) // meta.top_k, (gather >= 0).unsqueeze(1), scatter.clamp(min=0),
+                     (scatter >= 0).unsqueeze(2), meta.offsets[1:].contiguous(), bool(all_routed))
+
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_fits(*ws: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs on CPU weights ``ws [S, K, N]`` and contiguous rows ``[R, K]``: one of
+    its dtypes (fp32, bf16, fp16; not float64), 16-byte aligned data, every stride but the unit one and
+    every K and N a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or not ws:
+        return False
+    dtype, size = ws[0].dtype, ws[0].element_size()
+    for w in ws:
+        if w.device.type != "cpu" or w.dtype != dtype or dtype not in _GROUPED_MM_DTYPES or w.dim() != 3 \
+                or w.data_ptr() % 16 or any((d * size) % 16 for d in w.shape[1:]) \
+                or any(n > 1 and st != 1 and (st * size) % 16 for n, st in zip(w.shape, w.stride())):
+            return False
+    return True
+
+
+def reference_local_experts(x: torch.Tensor, rows: LocalRows, w1: torch.Tensor, w2: torch.Tensor,
+                            act: Callable[[torch.Tensor], torch.Tensor], gates: torch.Tensor) -> torch.Tensor:
+    """The whole one-rank expert stage on CPU as plain differentiable torch ops (no custom op, no loop over
+    slots): gather the rows of ``x [T, H]`` in slot order, ``act(rows W1[s]) W2[s]`` with ``torch._grouped_mm``
+    (its CPU kernel, what HF's ``grouped_mm`` experts run), and each token's sum of its k outputs weighted by
+    ``gates [T, k]`` in fp32, in the order j = 0..k-1 (as :func:`~relibra_moe.triton_kernels.permute.combine`).
+    ``w1 [S, H, 2F]``, ``w2 [S, F, H]`` (:func:`grouped_mm_fits` must hold). Returns ``[T, H]`` in the weights'
+    dtype; autograd differentiates ``x``, the weights and ``gates``. ``torch._grouped_mm`` leaves rows past
+    the last slot (padding) undefined: the gather masks padding rows to 0 (so their gradient is 0) and the
+    combine masks unrouted pairs, so nothing undefined is read (``rows.all_routed``: there is neither, and no
+    mask runs)."""
+    xs = x.to(w1.dtype)[rows.row_token]
+    if not rows.all_routed:
+        xs = torch.where(rows.row_valid, xs, 0.0)
+    y = torch._grouped_mm(act(torch._grouped_mm(xs, w1, offs=rows.ends)), w2, offs=rows.ends)
+    picked = y[rows.pair_row]
+    if not rows.all_routed:  # before the product: no undefined value reaches the gates' gradient either
+        picked = torch.where(rows.pair_valid, picked, 0.0)
+    return (picked.float() * gates.float().unsqueeze(2)).sum(1).to(y.dtype)
 
 
 class _ExpertsWithReplicas(torch.autograd.Function):

@@ -66,6 +66,7 @@ from torch import nn
 
 from ..errors import PlanError, ReplayError
 from ..plan import BatchPlan, ReplicaPlan
+from ..triton_kernels.backend import use_triton
 from ..triton_kernels.heuristics import row_tile
 from ..triton_kernels.permute import combine as combine_pairs
 from ..triton_kernels.permute import permute
@@ -73,7 +74,15 @@ from ..triton_kernels.routing import RoutingMeta, routing_metadata, trusted_indi
 from ..validate import check_int, is_int
 from .data_parallel import check_data_parallel
 from .dispatch import Dispatcher, ep_process_group, get_dispatcher, post_failure, set_collective_stage
-from .experts import GroupedExperts, GroupedSwiGLUExperts, experts_forward
+from .experts import (
+    GroupedExperts,
+    GroupedSwiGLUExperts,
+    LocalRows,
+    experts_forward,
+    grouped_mm_fits,
+    local_rows,
+    reference_local_experts,
+)
 from .replay import LayerReplay
 from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
 from .router import LIVE, RouterOutput, TopKRouter, check_replay_ids, trusted_replay
@@ -256,7 +265,9 @@ class LayerSchedule:
             local slot of every received row, from the agreement's counts (no all-to-all of slot ids).
         local_meta: one rank without replicas: the :class:`RoutingMeta` sorting the ``(token, k)`` pairs by
             local slot directly (``T * k`` rows, unrouted pairs as padding rows: fixed shapes), so the forward
-            skips the dispatch sort; ``slot_counts`` (int64 ``[E_loc + r]``) the pairs per slot.
+            skips the dispatch sort; ``slot_counts`` (int64 ``[E_loc + r]``) the pairs per slot; ``local_rows``
+            the gather / combine indices of ``local_meta`` for the CPU reference path
+            (:func:`~relibra_moe.layers.experts.reference_local_experts`; layers on the CPU only).
         error: the ``ReplayError`` / ``PlanError`` of this layer (or the one agreed by the EP group), raised
             by the forward.
         home: the homes ``[E]`` the schedule was built against.
@@ -280,6 +291,7 @@ class LayerSchedule:
     slot_counts: torch.Tensor | None = None
     send_slot_counts: np.ndarray | None = None
     slot_recv: torch.Tensor | None = None
+    local_rows: LocalRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -297,6 +309,9 @@ class LayerSchedule:
                               f"replicas of the same shapes (tokens {self.num_tokens} and {other.num_tokens})")
         for a, b in zip(mine, theirs):
             a.copy_(b, non_blocking=True)
+        if self.local_rows is not None:  # masked unless both are known to route every pair
+            self.local_rows = replace(self.local_rows, all_routed=self.local_rows.all_routed and (
+                other.local_rows is not None and other.local_rows.all_routed))
         for name in ("ids", "plan", "dest", "slot", "send_splits", "recv_splits", "home"):
             setattr(self, name, getattr(other, name))
         return self
@@ -309,6 +324,7 @@ class LayerSchedule:
         for meta in (self.send_meta, self.local_meta):
             if meta is not None:
                 out += [getattr(meta, f) for f in _META_TENSORS]
+        out += list(self.local_rows.tensors()) if self.local_rows is not None else []
         return out + [t for t in (self.slot_send, self.slot_counts) if t is not None]
 
     @property
@@ -669,7 +685,7 @@ class ReplayBalancedMoE(nn.Module):
         slot_send = np.where(gather >= 0, slot.reshape(-1)[np.maximum(gather, 0)], -1) if gather.size else \
             np.zeros(0, np.int64)
         splits = tuple(int(v) for v in send)
-        local_meta = slot_counts = None
+        local_meta = slot_counts = rows_idx = None
         if G == 1 and plan.transfer is None:  # one rank: the pairs go straight to their slots (no dispatch sort)
             S = self.num_local
             w = self.experts.expert_tensors()[0]
@@ -678,10 +694,12 @@ class ReplayBalancedMoE(nn.Module):
                 local_meta = routing_metadata(torch.from_numpy(slot), S, block_m=block_m)
             r = 0 if self.replica_buffer is None else self.replica_buffer.slots
             slot_counts = torch.from_numpy(np.bincount(slot[slot >= 0], minlength=S + r).astype(np.int64))
+            if self.expert_gpu.device.type == "cpu":  # only the CPU reference reads them
+                rows_idx = local_rows(local_meta, all_routed=bool((slot >= 0).all()))
         return LayerSchedule(ids=ids, plan=plan, dest=dest, slot=slot, send_splits=splits,
                              recv_splits=splits if G == 1 else None, num_rows=rows, send_meta=meta,
                              slot_send=torch.from_numpy(slot_send), home=home, local_meta=local_meta,
-                             slot_counts=slot_counts,
+                             slot_counts=slot_counts, local_rows=rows_idx,
                              send_slot_counts=np.bincount(key[key >= 0], minlength=G * S).reshape(G, S))
 
     def upload_schedule(self, sched: LayerSchedule) -> LayerSchedule:
@@ -698,6 +716,9 @@ class ReplayBalancedMoE(nn.Module):
         if sched.local_meta is not None:
             up["local_meta"] = _upload_meta(sched.local_meta, dev)
             up["slot_counts"] = _pinned(sched.slot_counts, dev)
+            if sched.local_rows is not None:
+                up["local_rows"] = LocalRows(*(_pinned(t, dev) for t in sched.local_rows.tensors()),
+                                             all_routed=sched.local_rows.all_routed)
         t = sched.plan.transfer
         if t is not None:
             t = replace(t, slot_expert=_pinned(t.slot_expert, dev), send_local=_pinned(t.send_local, dev),
@@ -823,7 +844,7 @@ class ReplayBalancedMoE(nn.Module):
             if sched.local_meta is not None:
                 stage = "experts"
                 with trusted_indices():
-                    out = self._local_experts(x2, sched.local_meta, route.gates)
+                    out = self._local_experts(x2, sched.local_meta, route.gates, sched.local_rows)
                     slot_recv = None
                 if self.shared_expert is not None:
                     stage = "shared expert"
@@ -962,9 +983,18 @@ class ReplayBalancedMoE(nn.Module):
         y_send = self.dispatcher.combine(y_recv, sched.send_splits, sched.recv_splits)
         return combine_pairs(y_send, sched.send_meta, gates)
 
-    def _local_experts(self, x2: torch.Tensor, meta: RoutingMeta, gates: torch.Tensor) -> torch.Tensor:
+    def _local_experts(self, x2: torch.Tensor, meta: RoutingMeta, gates: torch.Tensor,
+                       rows: LocalRows | None = None) -> torch.Tensor:
         """One rank, no replicas: the home experts on the pairs sorted by slot (``meta``, from the schedule),
-        summed with ``gates`` in fp32; ``[T, H]``."""
+        summed with ``gates`` in fp32; ``[T, H]``. On the CPU reference backend, eager, with gated experts
+        that ``torch._grouped_mm`` takes, the stage runs as plain torch ops over ``rows`` (the schedule's
+        :class:`~relibra_moe.layers.experts.LocalRows`; :func:`~relibra_moe.layers.experts.reference_local_experts`):
+        no custom-op calls and no loop over slots; else the kernel ops (Triton on CUDA)."""
+        form = None
+        if rows is not None and not use_triton(x2) and not torch.compiler.is_compiling():
+            form = self.experts.gated_form()
+        if form is not None and grouped_mm_fits(form[0], form[1]):
+            return reference_local_experts(x2, rows, *form, gates)
         home = self.experts.expert_tensors()
         ys = self.experts.mlp(permute(x2.to(home[0].dtype), meta), meta, self.experts.slot_tensors(home, None))
         return combine_pairs(ys, meta, gates)

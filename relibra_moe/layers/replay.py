@@ -48,7 +48,8 @@ from ..trace import RoutingTrace, TraceBatch
 from ..validate import is_int
 from .router import LIVE
 
-__all__ = ["LIVE", "UNROUTED", "LayerReplay", "ReplayTarget", "layout_ids", "replay", "replay_targets"]
+__all__ = ["LIVE", "UNROUTED", "LayerReplay", "ReplayTarget", "build_ahead", "layout_ids", "replay", "replay_targets",
+           "scheduled_states", "take_ahead"]
 
 
 @dataclass(frozen=True)
@@ -346,6 +347,30 @@ def _agree_and_upload(targets: list[ReplayTarget], states: list[LayerReplay]) ->
     return out
 
 
+def scheduled_states(targets: list[ReplayTarget], routing: Any, plan: Any = None, micro_batch: int | None = None,
+                     error: ReplayError | PlanError | None = None, built: list[LayerReplay] | None = None
+                     ) -> list[LayerReplay]:
+    """What :func:`replay` hands ``targets`` at entry, for an integration that sets ``replay_state`` itself around
+    each layer's forward (Megatron-core): every target's state with its schedule built, checked, agreed across
+    the EP group (the micro-batch's one agreement, a collective: every rank calls it) and uploaded.
+
+    ``routing``: recorded ids (as for :func:`replay`); ``error``: an error this rank found in its arguments
+    instead (every state carries it, and the agreement makes it every rank's: the first forward raises it).
+    On one rank an error is raised here. ``built``: the states :func:`take_ahead` returned for this micro-batch
+    (built ahead from the same ids), agreed and uploaded as they are."""
+    if built is not None and error is None:
+        return _agree_and_upload(targets, built)
+    if error is not None:
+        if all(getattr(t, "world_size", 1) <= 1 for t in targets):
+            raise error
+        states = [LayerReplay(error=error.with_traceback(None)) for _ in targets]
+        states = [replace(s, schedule=t.build_schedule(s)) if hasattr(t, "build_schedule") else s
+                  for t, s in zip(targets, states)]
+    else:
+        states = _build(targets, routing, plan, micro_batch, None, None, "live")[1]
+    return _agree_and_upload(targets, states)
+
+
 _PREFETCH = "_relibra_prefetch"
 
 
@@ -363,8 +388,10 @@ def _homes(targets: list[ReplayTarget]) -> list[bytes]:
     return [np.asarray(t.expert_gpu_host).tobytes() if hasattr(t, "expert_gpu_host") else b"" for t in targets]
 
 
-def _take_prefetched(model: nn.Module, targets: list[ReplayTarget], key: tuple | None):
-    """The prefetched host part for ``key`` when it was built against the layers' current homes, else ``None``."""
+def take_ahead(model: nn.Module, targets: list[ReplayTarget], key: tuple | None):
+    """What :func:`build_ahead` built for ``key`` (``(selected samples, states)``) when it was built against the
+    layers' current homes and did not fail, else ``None`` (the caller builds it then: a relayout in between, or
+    another micro-batch, drops it). Waits for the background build."""
     pending = model.__dict__.pop(_PREFETCH, None)
     if pending is None or key is None or pending[0] != key:
         return None
@@ -375,6 +402,21 @@ def _take_prefetched(model: nn.Module, targets: list[ReplayTarget], key: tuple |
     return built if homes == _homes(targets) else None
 
 
+def build_ahead(model: nn.Module, targets: list[ReplayTarget], key: tuple, routing: Any, plan: Any,
+                micro_batch: int, rank: int | None = None, unrouted: str = "live") -> None:
+    """Start building the host part of ``micro_batch`` (entry checks, states, schedules: what :func:`replay` and
+    :func:`scheduled_states` build before the agreement) in the background thread, kept on ``model`` under
+    ``key`` for :func:`take_ahead` (one pending build per model). ``routing``: as for :func:`replay`, or a
+    callable returning it (called in the thread, e.g. to read the micro-batch's ids out of traces)."""
+    homes = _homes(targets)
+
+    def work():
+        ids = routing() if callable(routing) else routing
+        return homes, _build(targets, ids, plan, micro_batch, None, rank, unrouted)
+
+    model.__dict__[_PREFETCH] = (key, _executor().submit(work))
+
+
 def _prefetch_next(model: nn.Module, targets: list[ReplayTarget], routing: Any, plan: Any, micro_batch: int | None,
                    attention_mask: Any, rank: int | None, unrouted: str) -> None:
     """Start building the host part of micro-batch ``micro_batch + 1`` of the same traces and plan in the
@@ -382,13 +424,7 @@ def _prefetch_next(model: nn.Module, targets: list[ReplayTarget], routing: Any, 
     key = _prefetch_key(routing, plan, micro_batch, attention_mask, rank, unrouted)
     if key is None or micro_batch + 1 >= plan.replicas.num_micro_batches:
         return
-    nxt = (*key[:2], micro_batch + 1, *key[3:])
-    homes = _homes(targets)
-
-    def work():
-        return homes, _build(targets, routing, plan, micro_batch + 1, None, rank, unrouted)
-
-    model.__dict__[_PREFETCH] = (nxt, _executor().submit(work))
+    build_ahead(model, targets, (*key[:2], micro_batch + 1, *key[3:]), routing, plan, micro_batch + 1, rank, unrouted)
 
 
 def _executor():
@@ -458,7 +494,7 @@ def replay(model: nn.Module, routing: Any, plan: BatchPlan | ReplicaPlan | None 
         raise ReplayError(f"replay: {type(model).__name__} has no MoE layer that replays (ReplayBalancedMoE, or a "
                           "block of swap_moe_blocks): for a Hugging Face model call swap_moe_blocks(model) first")
     key = _prefetch_key(routing, plan, micro_batch, attention_mask, rank, unrouted)
-    built = _take_prefetched(model, targets, key)
+    built = take_ahead(model, targets, key)
     if built is None:
         built = _build(targets, routing, plan, micro_batch, attention_mask, rank, unrouted)
     sel, states = built

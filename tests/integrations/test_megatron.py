@@ -112,22 +112,26 @@ def _round_trip(rank: int, world: int) -> None:
                           "relibra", replica_slots=1, seed=0)
         rm.relayout(model, plan)
 
-        # 3. replay every micro-batch in the plan's sample placement
+        # 3. replay every micro-batch in the plan's sample placement; with the batch, each call builds the next
+        # micro-batch's schedules in the background thread, and the next call takes them
         seen = []
-        for m in range(plan.num_micro_batches):
+        M = plan.num_micro_batches
+        real_take, taken = rm._take_ahead, []
+        rm._take_ahead = lambda *a: taken.append(real_take(*a)) or taken[-1]
+        for m in range(M):
             samples, ids = rm.replay_data(batch, plan, m)
             seen += samples.tolist()
             if not len(samples):
                 x = torch.zeros(0, 1, H)
             else:
                 x = torch.cat([sample_input(int(i), int(batch.lengths[i])) for i in samples])
-            if m % 2:  # verl-style: the framework hands Megatron the replay data, relibra the plan
+            if m == M - 1 and m > 0:  # verl-style: the framework hands Megatron the replay data, relibra the plan
                 from megatron.core.transformer.moe.router_replay import RouterReplay
 
                 RouterReplay.set_replay_data(ids)
                 rm.replay_micro_batch(model, None, plan=plan, micro_batch=m)
             else:
-                rm.replay_micro_batch(model, ids, plan=plan, micro_batch=m)
+                rm.replay_micro_batch(model, ids, plan=plan, micro_batch=m, batch=batch)
             with torch.no_grad():
                 y = model(x)
             for layer, t in zip(model.layers, ids):
@@ -137,6 +141,8 @@ def _round_trip(rank: int, world: int) -> None:
                 n = int(batch.lengths[i])
                 torch.testing.assert_close(y[lo:lo + n], recorded_out[int(i)], rtol=1e-5, atol=1e-5)
                 lo += n
+        rm._take_ahead = real_take
+        assert [t is not None for t in taken] == [False] + [True] * max(M - 2, 0), (M, taken)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, seen)
         assert sorted(s for p in everyone for s in p) == list(range(N))  # every sample ran exactly once
@@ -837,3 +843,84 @@ def test_router_replay_record_replay_record_and_stale_ids():
     from relibra_moe.layers.testing import run_group
 
     run_group(_router_replay_sequences, 2, timeout_s=120)
+
+
+def _scheduled_no_sync(rank: int, world: int, recompute: bool) -> None:
+    """replay_micro_batch with ids builds, checks and agrees every layer's schedule (one exchange for the
+    micro-batch): the relibra layer's forward and backward then read nothing back from the device (SyncCounter
+    0, only Megatron's own router counted aside), and the outputs and gradients are plain Megatron's on the same
+    replayed routing. A -1 id is named by replay_micro_batch on every rank."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from relibra_moe.errors import ReplayError
+    from relibra_moe.integrations import megatron as rm
+    from relibra_moe.layers.testing import SyncCounter
+    from tests import megatron_cpu as mc
+
+    mc.init_megatron(world)
+    try:
+        extra = dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}
+        cfg = mc.moe_config(E, K, H, F, **extra)
+        torch.manual_seed(0)
+        ref = mc.moe_layer(cfg)
+        seed_experts(ref, 7)
+        twin = mc.moe_layer(cfg)
+        twin.load_state_dict(ref.state_dict())
+        layer = rm.RelibraMoELayer(twin, layer_index=0)
+        gen = torch.Generator().manual_seed(70 + rank)
+        x, w = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+        ids = random_ids(S * B, 70 + rank)
+        # the same counter around plain Megatron's router alone: what the relibra layer may not add to
+        rr = ref.router.router_replay
+        rr.set_target_indices(ids)
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        with SyncCounter() as router_syncs:
+            probs, _ = ref.router(x.clone())
+            probs.sum().backward()
+        ref.zero_grad()
+        rr.clear_indices()
+        x_ref = x.clone().requires_grad_(True)
+        rr.set_target_indices(ids)
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        out_ref, _ = ref(x_ref)
+        if recompute:
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        (out_ref * w).sum().backward()
+        rr.clear_indices()
+        x_rl = x.clone().requires_grad_(True)
+        rm.replay_micro_batch(layer, [ids])
+        assert layer._scheduled is not None and layer._scheduled.schedule.replayed
+        with SyncCounter() as syncs:
+            out, _ = layer(x_rl)
+            (out * w).sum().backward()
+        assert layer._scheduled is None and not layer._recompute
+        assert syncs.counts == router_syncs.counts, (syncs.counts, router_syncs.counts)
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x_rl.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.router.weight.grad, ref.router.weight.grad, rtol=1e-5, atol=1e-5)
+        fc1 = torch.stack([e.linear_fc1.weight.grad for e in ref.experts.local_experts])  # [E_loc, 2F, H]
+        got = global_expert_grads(layer.relibra.experts.w_gate_up.grad.transpose(1, 2), layer.relibra.home_experts)
+        torch.testing.assert_close(got, global_expert_grads(fc1, ref.local_expert_indices), rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer.relibra.last_routing, ids)
+
+        bad = ids.clone()
+        if rank == world - 1:
+            bad[1, 0] = -1
+        try:
+            rm.replay_micro_batch(layer, [bad])
+            layer(x.clone())
+        except ReplayError as exc:
+            assert "has -1 (no expert)" in str(exc) and f"rank {world - 1}" in str(exc) or world == 1, str(exc)
+        else:
+            raise AssertionError("a -1 id was replayed")
+        rm.stop_replay(layer)
+    finally:
+        mc.destroy_megatron()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,recompute", [(1, False), (2, True)])
+def test_scheduled_replay_makes_no_host_sync_and_matches_megatron(world, recompute):
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_scheduled_no_sync, world, recompute, timeout_s=120)

@@ -208,6 +208,41 @@ def test_record_and_replay(build):
     assert not torch.allclose(other, live)
 
 
+def test_next_micro_batch_is_built_ahead():
+    """The swapped torchtitan model gets replay's background build: with traces and a BatchPlan, entering
+    micro-batch m builds m + 1's schedules in the background thread, the next replay takes them, and the outputs
+    equal a fresh build's (the ids given as tensors) and the live forward's."""
+    from relibra_moe.layers.replay import _PREFETCH
+    from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+
+    model = qwen3_moe()
+    swap_moe_blocks(model)
+    x = _tokens()
+    with torch.no_grad(), RoutingRecorder(model) as rec:
+        live = _run(model, x)
+    traces = rec.traces()
+    M = len(traces)  # one sequence per micro-batch
+    plan = BatchPlan(Placement(np.zeros((2, 8))), SamplePlacement(np.arange(M), np.zeros(M), M),
+                     ReplicaPlan.empty(M, 2, 1, 0), num_gpus=1, gpus_per_node=1)
+    outs = []
+    for m in range(M):
+        pending = model.__dict__.get(_PREFETCH)
+        with torch.no_grad(), replay(model, traces, plan, micro_batch=m) as rows:
+            assert rows == [m]
+            if m:  # taken: built ahead for this micro-batch
+                assert pending[0][2] == m and pending[1].done() and model.__dict__.get(_PREFETCH, (0, 0, -1))[0] != \
+                    pending[0]
+            if m + 1 < M:
+                assert model.__dict__[_PREFETCH][0][2] == m + 1
+            outs.append(_run(model, x[rows]))
+    assert _PREFETCH not in model.__dict__
+    for m, got in enumerate(outs):
+        fresh_ids = [torch.as_tensor(traces[m].experts[:, li]) for li in range(2)]
+        with torch.no_grad(), replay(model, fresh_ids):
+            torch.testing.assert_close(got, _run(model, x[[m]]), atol=0, rtol=0)
+        torch.testing.assert_close(got, live[[m]], atol=1e-5, rtol=1e-4)  # another batch: another GEMM order
+
+
 def test_recorder_on_the_plain_torchtitan_model():
     ref = qwen3_moe()
     x = _tokens()

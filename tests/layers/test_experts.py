@@ -119,3 +119,100 @@ def test_layer_with_an_experts_container():
     with pytest.raises(ValueError, match="cannot hold"):
         ReplayBalancedMoE(H, FF, 4, 2, experts=BiasedGatedExperts(H, FF, 4),
                           replica_buffer=LayerSharedReplicaBuffer(H, FF, 1))
+
+
+# ----------------------------------------------------------------------------- the CPU reference's fused stage
+
+
+def _fused_case(dtype: torch.dtype, pad: bool):
+    """Experts, rows, gates and a routing with (``pad``) an unrouted pair and a token with no expert."""
+    from relibra_moe.triton_kernels.routing import routing_metadata
+
+    torch.manual_seed(5)
+    T, k, E, Hd, F2 = 9, 2, 4, 16, 8
+    ex = GroupedSwiGLUExperts(Hd, F2, E, dtype=dtype)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    ids[:3, 0] = 2  # a crowded expert
+    if pad:
+        ids[4, 1] = -1
+        ids[7] = -1
+    x = torch.randn(T, Hd, dtype=dtype)
+    gates = torch.rand(T, k)
+    return ex, ids, x, gates, routing_metadata(ids, E, block_m=4)
+
+
+def _float64_loop(ex, ids, x, gates):
+    """sum_j gates[t, j] * swiglu(x[t] W1[e]) W2[e] over the routed pairs, in float64."""
+    w1, w2 = (w.detach().double() for w in (ex.w_gate_up, ex.w_down))
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    F2 = w2.shape[1]
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if e >= 0:
+                h = x[t].double() @ w1[e]
+                out[t] += float(gates[t, j]) * ((F.silu(h[:F2]) * h[F2:]) @ w2[e])
+    return out
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_reference_local_experts_equals_the_kernel_ops_and_a_float64_loop(pad):
+    """The fused CPU stage (gather, torch._grouped_mm, combine as plain ops) gives the custom kernel ops' output
+    and gradients (x, both weights, gates) and the float64 loop's output; padding rows and unrouted pairs
+    contribute nothing (also with the undefined rows torch._grouped_mm leaves past the last slot)."""
+    from relibra_moe.layers.experts import local_rows, reference_local_experts
+    from relibra_moe.triton_kernels.grouped_gemm import swiglu, swiglu_experts
+    from relibra_moe.triton_kernels.permute import combine, permute
+
+    ex, ids, x, gates, meta = _fused_case(torch.float32, pad)
+    rows = local_rows(meta, all_routed=not pad)
+    assert rows.all_routed is (not pad)
+    results = []
+    for fused in (True, False):
+        ex.zero_grad()
+        xr, gr = x.clone().requires_grad_(), gates.clone().requires_grad_()
+        with force_backend("torch"):
+            if fused:
+                out = reference_local_experts(xr, rows, ex.w_gate_up, ex.w_down, swiglu, gr)
+            else:
+                out = combine(swiglu_experts(permute(xr, meta), meta, ex.w_gate_up, ex.w_down), meta, gr)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out.detach(), xr.grad, gr.grad, ex.w_gate_up.grad.clone(), ex.w_down.grad.clone()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0][0].double(), _float64_loop(ex, ids, x, gates), rtol=1e-5, atol=1e-6)
+    if pad:
+        assert torch.equal(results[0][0][7], torch.zeros(x.shape[1]))  # the token with no expert
+        assert torch.equal(results[0][1][7], torch.zeros(x.shape[1]))
+        assert float(results[0][2][4, 1]) == 0.0
+
+
+def test_reference_local_experts_in_bf16_and_where_grouped_mm_does_not_fit():
+    from relibra_moe.layers.experts import grouped_mm_fits, local_rows, reference_local_experts
+    from relibra_moe.triton_kernels.grouped_gemm import swiglu
+
+    ex, ids, x, gates, meta = _fused_case(torch.bfloat16, True)
+    assert grouped_mm_fits(ex.w_gate_up, ex.w_down)
+    out = reference_local_experts(x, local_rows(meta), ex.w_gate_up, ex.w_down, swiglu, gates)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), _float64_loop(ex, ids, x, gates), rtol=2e-2, atol=2e-2)
+    assert not grouped_mm_fits(ex.w_gate_up.double(), ex.w_down.double())  # no float64 kernel
+    assert not grouped_mm_fits(torch.zeros(2, 6, 8), torch.zeros(2, 4, 6))  # 24-byte rows
+    assert not grouped_mm_fits(ex.w_gate_up, ex.w_down.float())  # mixed dtypes
+    assert grouped_mm_fits(torch.zeros(2, 8, 16).transpose(1, 2), torch.zeros(2, 8, 8))  # HF's transposed views
+
+
+def test_reference_local_experts_with_no_routed_pair_is_zero_with_finite_gradients():
+    """Every pair unrouted (a placeholder forward): torch._grouped_mm computes no row, the output and every
+    gradient are exact zeros (no undefined row reaches them)."""
+    from relibra_moe.layers.experts import local_rows, reference_local_experts
+    from relibra_moe.triton_kernels.grouped_gemm import swiglu
+    from relibra_moe.triton_kernels.routing import routing_metadata
+
+    ex = GroupedSwiGLUExperts(16, 8, 4)
+    x, gates = torch.randn(5, 16, requires_grad=True), torch.rand(5, 2, requires_grad=True)
+    meta = routing_metadata(torch.full((5, 2), -1), 4, block_m=4)
+    out = reference_local_experts(x, local_rows(meta), ex.w_gate_up, ex.w_down, swiglu, gates)
+    out.sum().backward()
+    for t in (out, x.grad, gates.grad, ex.w_gate_up.grad, ex.w_down.grad):
+        assert torch.equal(t, torch.zeros_like(t))

@@ -384,6 +384,40 @@ def test_replayed_forward_and_backward_make_no_host_sync():
     assert torch.equal(layers[0].last_slot_counts.cpu(), torch.bincount(recorded[0].view(-1), minlength=6))
 
 
+def test_cpu_reference_replayed_layer_runs_the_fused_expert_stage(monkeypatch):
+    """On the CPU reference backend the one-rank replayed layer runs its expert stage as plain torch ops
+    (reference_local_experts: no kernel op, no loop over slots), with no host sync, and gives the float64 layer's
+    outputs and gradients (float64 runs the kernel ops: torch._grouped_mm has no float64 kernel); a padded token
+    included."""
+    import copy
+
+    import relibra_moe.layers.moe as moe_mod
+    from relibra_moe.layers.testing import SyncCounter
+
+    calls = []
+    real = moe_mod.reference_local_experts
+    monkeypatch.setattr(moe_mod, "reference_local_experts", lambda *a: calls.append(a[0].dtype) or real(*a))
+    layer = _stack(1)[0]
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        layer(x)
+    ids = layer.last_routing.clone()
+    ids[3] = -1
+    results = []
+    for lay in (layer, copy.deepcopy(layer).double()):
+        xr = x.to(lay.router.weight.dtype).clone().requires_grad_()
+        with force_backend("torch"), replay(lay, [ids]):
+            with SyncCounter() as syncs:
+                out = lay(xr)
+                out.square().sum().backward()
+        assert syncs.counts == {}, syncs.counts
+        results.append([out.detach().double(), xr.grad.double()] + [p.grad.double() for p in lay.parameters()])
+    assert calls == [torch.float32]
+    assert torch.equal(results[0][0][0, 3], torch.zeros(8, dtype=torch.float64))  # the padded token
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def _no_sync_worker(rank: int, world: int) -> None:
     from relibra_moe.layers.relayout import relayout
     from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
