@@ -23,6 +23,7 @@ skipped (resumable).
     python bench/paper_table.py                     # every cell: h100, both dispatchers, none + megatron, 3 rates
     python bench/paper_table.py --overlaps none,megatron,dualpipe --rates 413
     python bench/paper_table.py --table             # print the tables of the cells written so far
+    python bench/paper_table.py --rebound           # re-plan only the bound (balanced) of the written cells
     python bench/paper_table.py --cluster-profile P.json --models qwen3-235b-a22b   # a `relibra calibrate` profile:
                                                     # its dispatcher and rate (measured at the model's shape)
 """
@@ -81,32 +82,24 @@ def _row(plan: Any, step: Any, solve: float, cells: int) -> dict[str, Any]:
     return d
 
 
-def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any, layers: int, prompts: int,
-             seed: int) -> dict[str, Any]:
-    """Plan and simulate every strategy of one cell (and the length-balanced baselines); the JSON-ready result."""
-    from relibra_moe.planners.options import REPLICA_STRATEGIES
-    from relibra_moe.planners.strategies import plan_batch
-    from relibra_moe.sample_placements import PLACEMENT_USERS
-    from relibra_moe.sim import simulate_step
+def cell_batch(model_name: str, domain: tuple[str, str], layers: int, prompts: int, seed: int) -> tuple[Any, Any]:
+    """The synthetic batch of a cell and its model (restricted to ``layers``)."""
     from relibra_moe.specs import model_preset
     from relibra_moe.synthetic import rl_batch
 
     full = model_preset(model_name)
     batch = rl_batch(full, domain[1], prompts, 4, seed=seed, micro_batch_size=32).restrict_layers(layers)
-    model = full.with_(num_layers=batch.num_layers)
-    out: dict[str, Any] = {"model": model_name, "domain": domain[0], "synthetic_domain": domain[1],
-                           "nodes": nodes, "gpus_per_node": cluster.gpus_per_node, "layers": layers,
-                           "layers_total": full.num_layers, "samples": batch.num_sequences,
-                           "tokens": int(batch.num_tokens), "micro_batches": int(batch.micro_batch.max()) + 1,
-                           "cluster": {"name": cluster.name, "dispatcher": cluster.dispatcher,
-                                       "overlap": cluster.overlap, "flops": cluster.flops,
-                                       "attn_flops": cluster.attention_flops, "nvlink_bw": cluster.nvlink_bw,
-                                       "rdma_bw": cluster.rdma_bw},
-                           "length_balanced": {p: PLACEMENT_USERS[p] for p in LB_PLACEMENTS},
-                           "strategies": {}, "length_balanced_strategies": {}}
-    cells = (int(batch.micro_batch.max()) + 1) * layers
-    runs = [(s, {}) for s in STRATEGIES] + [(s, {"sample_placement": p}) for p in LB_PLACEMENTS
-                                            for s in LENGTH_BALANCED]
+    return batch, full.with_(num_layers=batch.num_layers)
+
+
+def run_rows(batch: Any, model: Any, cluster: Any, runs: list[tuple[str, dict[str, str]]], seed: int,
+             out: dict[str, Any]) -> None:
+    """Plan and simulate each ``(strategy, plan_batch keywords)`` of ``runs`` into ``out``'s rows."""
+    from relibra_moe.planners.options import REPLICA_STRATEGIES
+    from relibra_moe.planners.strategies import plan_batch
+    from relibra_moe.sim import simulate_step
+
+    cells = (int(batch.micro_batch.max()) + 1) * batch.num_layers
     for s, kw in runs:
         t0 = time.perf_counter()
         r = REPLICA_SLOTS if s in REPLICA_STRATEGIES else 0
@@ -116,7 +109,48 @@ def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any,
         key, row = ("length_balanced_strategies", f"{s}@{kw['sample_placement']}") if kw else ("strategies", s)
         out[key][row] = _row(plan, step, solve, cells)
         print(f"  {row:30s} step {step.step_s:.4f} s  solve {solve:.1f} s", flush=True)
+
+
+def run_cell(model_name: str, nodes: int, domain: tuple[str, str], cluster: Any, layers: int, prompts: int,
+             seed: int) -> dict[str, Any]:
+    """Plan and simulate every strategy of one cell (and the length-balanced baselines); the JSON-ready result."""
+    from relibra_moe.sample_placements import PLACEMENT_USERS
+
+    batch, model = cell_batch(model_name, domain, layers, prompts, seed)
+    full_layers = model_preset_layers(model_name)
+    out: dict[str, Any] = {"model": model_name, "domain": domain[0], "synthetic_domain": domain[1],
+                           "nodes": nodes, "gpus_per_node": cluster.gpus_per_node, "layers": layers,
+                           "layers_total": full_layers, "samples": batch.num_sequences,
+                           "tokens": int(batch.num_tokens), "micro_batches": int(batch.micro_batch.max()) + 1,
+                           "cluster": {"name": cluster.name, "dispatcher": cluster.dispatcher,
+                                       "overlap": cluster.overlap, "flops": cluster.flops,
+                                       "attn_flops": cluster.attention_flops, "nvlink_bw": cluster.nvlink_bw,
+                                       "rdma_bw": cluster.rdma_bw},
+                           "length_balanced": {p: PLACEMENT_USERS[p] for p in LB_PLACEMENTS},
+                           "strategies": {}, "length_balanced_strategies": {}}
+    runs = [(s, {}) for s in STRATEGIES] + [(s, {"sample_placement": p}) for p in LB_PLACEMENTS
+                                            for s in LENGTH_BALANCED]
+    run_rows(batch, model, cluster, runs, seed, out)
     return out
+
+
+def model_preset_layers(model_name: str) -> int:
+    """The preset's number of MoE layers (a cell plans only the first ``--layers``)."""
+    from relibra_moe.specs import model_preset
+
+    return model_preset(model_name).num_layers
+
+
+def rebound_cell(path: Path, cluster: Any, layers: int, prompts: int, seed: int) -> None:
+    """Re-plan and re-simulate only the bound (``balanced``) of a written cell, in place, with its ratios: the
+    bound's definition changed (it now covers plans that regroup micro-batches, docs/method.md "The bound") while
+    every other row's plan did not."""
+    cell = json.loads(path.read_text())
+    dom = next(d for d in DOMAINS if d[0] == cell["domain"])
+    batch, model = cell_batch(cell["model"], dom, layers, prompts, seed)
+    run_rows(batch, model, cluster, [("balanced", {})], seed, cell)
+    cell.update(ratios=ratios(cell), rebound_date="2026-12-02")
+    path.write_text(json.dumps(cell, indent=1))
 
 
 def ratios(cell: dict[str, Any]) -> dict[str, Any]:
@@ -231,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(m for m, _ in MODELS), help="models to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--table", action="store_true", help="only print the tables of the cells written so far")
+    ap.add_argument("--rebound", action="store_true",
+                    help="re-plan only the bound (balanced) of the cells written so far, in place")
     args = ap.parse_args(argv)
     dispatchers = tuple(args.dispatchers.split(","))
     overlaps = tuple(args.overlaps.split(","))
@@ -255,7 +291,13 @@ def main(argv: list[str] | None = None) -> int:
                                                   overlap=ov).with_(flops=rate))
                         path = cell_path(model, dom[0], disp, ov, rate)
                         if path.exists():
-                            print(f"{path.name}: done, skipped")
+                            if args.rebound:
+                                print(f"{path.name}: the bound again", flush=True)
+                                rebound_cell(path, cluster, args.layers, args.prompts, args.seed)
+                            else:
+                                print(f"{path.name}: done, skipped")
+                            continue
+                        if args.rebound:
                             continue
                         print(f"{path.name}: running", flush=True)
                         t0 = time.perf_counter()
