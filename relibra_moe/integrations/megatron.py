@@ -73,6 +73,7 @@ from ..layers.router import RouterOutput, check_replay_ids
 from ..plan import BatchPlan, Placement, check_replica_slots
 from ..trace import TraceBatch
 from ..validate import check_int, is_int
+from .upstream_megatron import adopt_layer_attributes
 
 try:  # optional dependency: megatron-core
     from megatron.core.tensor_parallel.random import checkpoint as _mcore_checkpoint
@@ -91,7 +92,7 @@ _MAIN_COPY_OPTIMIZERS = {"DistributedOptimizer": "sharded over the data-parallel
                          "Float16OptimizerWithFloat16Params": "one fp32 copy per bf16/fp16 parameter"}
 _MAIN_GRAD_KEY = "relibra_megatron_main_grad"  # where relayout carries Megatron DDP's main_grad (removed after)
 
-__all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronRoutingRecorder", "RelibraMoELayer", "check_config",
+__all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronReplayMoE", "MegatronRoutingRecorder", "check_config",
            "expert_state_dict", "megatron_moe_layers", "relayout", "replay_data", "replay_micro_batch", "stop_replay",
            "swap_moe_layers"]
 
@@ -168,11 +169,11 @@ class _MegatronRouter(nn.Module):
     def __init__(self, owner: RelibraMoELayer, num_experts: int, top_k: int) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.__dict__["_owner"] = owner  # not a submodule: the owner registers the router
+        object.__setattr__(self, "_owner", owner)  # a plain attribute, not a submodule: the owner registers the router
         self.name = "moe"
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> RouterOutput:
-        owner: RelibraMoELayer = self.__dict__["_owner"]
+        owner: MegatronReplayMoE = self._owner
         call = owner._call
         T, k, E = x.shape[0], self.top_k, self.num_experts
         if call.action is not None:
@@ -213,7 +214,7 @@ class _Call:
     action: object  # RouterReplayAction to check replay data for, or None (live routing / recording)
 
 
-class RelibraMoELayer(MoELayer):
+class MegatronReplayMoE(MoELayer):
     """A Megatron ``MoELayer`` whose routed experts follow a relibra plan (see the module docstring).
 
     Built from a constructed Megatron ``MoELayer`` (:func:`swap_moe_layers` does it for a whole model): it
@@ -242,10 +243,7 @@ class RelibraMoELayer(MoELayer):
         config = moe.config
         check_config(config)
         nn.Module.__init__(self)
-        # plain attributes of the Megatron layer (config, layer_number, process groups, recompute flags, ...)
-        for key, value in moe.__dict__.items():
-            if not key.startswith("_") and not isinstance(value, nn.Module):
-                self.__dict__[key] = value
+        adopt_layer_attributes(self, moe)  # config, layer_number, process groups, recompute flags, ...
         self.router = moe.router
         self.shared_experts = moe.shared_experts
         self.experts = None
@@ -864,3 +862,7 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
     for layer in layers:
         layer._recompute.clear()
     return out
+
+
+#: The old name of :class:`MegatronReplayMoE` (the swapped blocks are named ``<Framework>ReplayMoE``); deprecated.
+RelibraMoELayer = MegatronReplayMoE

@@ -367,7 +367,7 @@ def test_a_failed_swap_leaves_the_model_untouched_and_a_retry_works(monkeypatch)
         ref = model(PROMPTS, attention_mask=MASK).logits
     before = [(name, b, type(b), {n: type(m) for n, m in b.named_modules()}) for _, name, b in moe_blocks(model)]
     params = {n: p for n, p in model.named_parameters()}
-    real = hf_mod.HFReplayBalancedMoE
+    real = hf_mod.HFReplayMoE
     calls = [0]
 
     def fail_second(*args, **kwargs):
@@ -376,7 +376,7 @@ def test_a_failed_swap_leaves_the_model_untouched_and_a_retry_works(monkeypatch)
             raise RuntimeError("injected failure in the second block")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hf_mod, "HFReplayBalancedMoE", fail_second)
+    monkeypatch.setattr(hf_mod, "HFReplayMoE", fail_second)
     with pytest.raises(RuntimeError, match="injected"):
         swap_moe_blocks(model)
     assert calls[0] == 2 and len(before) >= 2
@@ -385,7 +385,7 @@ def test_a_failed_swap_leaves_the_model_untouched_and_a_retry_works(monkeypatch)
     assert {n: p for n, p in model.named_parameters()} == params
     with torch.no_grad():
         assert torch.equal(model(PROMPTS, attention_mask=MASK).logits, ref)
-    monkeypatch.setattr(hf_mod, "HFReplayBalancedMoE", real)
+    monkeypatch.setattr(hf_mod, "HFReplayMoE", real)
     swap_moe_blocks(model)
     assert all(isinstance(b, real) for _, _, b in moe_blocks(model))
     with torch.no_grad():

@@ -1,0 +1,101 @@
+"""Every place the package relies on torch beyond its documented API, in one adapter.
+
+Written against torch 2.13 (:data:`TESTED`); ``tests/layers/test_upstream_torch.py`` asserts the installed
+version is in that range and exercises each reach below against the real torch classes, so a torch release
+that moves one fails a test named for it instead of a training step.
+
+- **DDP's ignore list** (:data:`DDP_IGNORE_ATTR`): ``DistributedDataParallel`` reads
+  ``module._ddp_params_and_buffers_to_ignore`` of the module it wraps at construction and keeps the names in
+  ``ddp.parameters_to_ignore`` (:func:`ddp_ignored_names`). The attribute is the door torch itself sets
+  (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``); no public setter exists.
+- **The DDP wrapper running a forward** (:func:`active_ddp_module`): ``DistributedDataParallel`` sets the
+  class attribute ``_active_ddp_module`` around its forward (read through ``_get_active_ddp_module``, which
+  exists for TorchDynamo). An expert-parallel layer has no other way to learn, inside its forward, which
+  data-parallel wrapper (and group) averages its gradients.
+- **A live module gains a mixin** (:func:`add_mixin`): ``module.__class__`` becomes a cached subclass of its
+  class and the mixin, so the instance keeps its parameters, buffers, hooks and ``isinstance`` (what the
+  frameworks' hooks key on) while the mixin adds methods. Used where a framework has no door to extend the
+  forward of a module it built (the Hugging Face router's ``replay_ids``, torchtitan's ``Module`` protocol).
+- **Undo of an in-place swap** (:func:`snapshot_modules`, :func:`restore_modules`): each module's class and
+  its parameter, buffer and child tables (``_parameters``, ``_buffers``, ``_modules``,
+  ``_non_persistent_buffers_set``), so a swap that fails part way leaves the model as it was.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from torch import nn
+
+__all__ = ["DDP_IGNORE_ATTR", "TESTED", "active_ddp_module", "add_mixin", "ddp_ignored_names", "mixin_class",
+           "restore_modules", "snapshot_modules", "version_in_range"]
+
+#: torch versions this adapter was written and tested against: ``(lowest, first untested)`` major.minor.
+TESTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 14))
+
+#: The attribute of a wrapped module that DDP reads at construction: names of parameters and buffers to leave alone.
+DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
+
+_TABLES = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def version_in_range(version: str, tested: tuple[tuple[int, int], tuple[int, int]]) -> bool:
+    """Whether ``version`` (``"2.13.0+cpu"``, ``"5.24.0"``, ``"0.16.1rc1"``) is in ``[lowest, first untested)``
+    by major.minor."""
+    parts = version.split("+")[0].split(".")
+    try:
+        mm = (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0))
+    except (IndexError, ValueError):
+        return False
+    return tested[0] <= mm < tested[1]
+
+
+def active_ddp_module() -> nn.Module | None:
+    """The ``DistributedDataParallel`` wrapper whose forward is running (``None`` outside one, or without
+    ``torch.distributed``)."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DistributedDataParallel._get_active_ddp_module()
+
+
+def ddp_ignored_names(ddp: nn.Module) -> set[str]:
+    """Names of the parameters and buffers ``ddp`` (a ``DistributedDataParallel``) leaves alone."""
+    return set(getattr(ddp, "parameters_to_ignore", ()))
+
+
+@cache
+def mixin_class(base: type, mixin: type, *, after: bool = False) -> type:
+    """The subclass of ``base`` and ``mixin`` (``mixin`` first in the MRO; ``after=True``: ``base`` first), one per
+    pair. Named ``Replay<base>`` (mixin first) or ``<base>`` (after), in the module of the mixin (resp. base)."""
+    if after:
+        return type(base.__name__, (base, mixin), {"__module__": base.__module__, "__qualname__": base.__qualname__})
+    return type(f"Replay{base.__name__}", (mixin, base), {"__module__": mixin.__module__})
+
+
+def add_mixin(module: nn.Module, mixin: type, *, after: bool = False) -> nn.Module:
+    """Give the live ``module`` the methods of ``mixin`` (see the module docstring); returns ``module``. A no-op
+    when its class already is one."""
+    if not isinstance(module, mixin):
+        module.__class__ = mixin_class(type(module), mixin, after=after)
+    return module
+
+
+def snapshot_modules(modules: list[nn.Module]) -> list[tuple[nn.Module, type, dict[str, Any]]]:
+    """Each module's class and attributes, its parameter, buffer and child tables copied (shallow: the tensors and
+    children themselves are referenced, nothing is cloned)."""
+    out = []
+    for m in modules:
+        d = {k: (type(v)(v) if k in _TABLES else v) for k, v in vars(m).items()}
+        out.append((m, type(m), d))
+    return out
+
+
+def restore_modules(state: list[tuple[nn.Module, type, dict[str, Any]]]) -> None:
+    """Put every module of a :func:`snapshot_modules` back as it was (class and attributes)."""
+    for m, cls, d in state:
+        m.__class__ = cls
+        vars(m).clear()
+        vars(m).update(d)

@@ -1,0 +1,99 @@
+"""The torch adapter (relibra_moe/layers/upstream_torch.py) against the installed torch: the version it was written
+for, and each reach on torch's real classes (a torch release that moves one fails the test named for it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from relibra_moe.layers import upstream_torch as ut
+
+
+def test_installed_torch_is_a_tested_version():
+    assert ut.version_in_range(torch.__version__, ut.TESTED), (
+        f"torch {torch.__version__} is outside the range relibra_moe/layers/upstream_torch.py was tested against "
+        f"{ut.TESTED}: check each reach there against it, then widen TESTED")
+
+
+@pytest.mark.parametrize("version, ok", [("2.13.0+cpu", True), ("2.13.1", True), ("2.14.0", False),
+                                         ("2.12.9", False), ("2.13.0a0+git1234", True), ("garbage", False)])
+def test_version_in_range(version, ok):
+    assert ut.version_in_range(version, ((2, 13), (2, 14))) is ok
+
+
+class _Twice:
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_add_mixin_keeps_parameters_hooks_and_isinstance():
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    ref = nn.Linear(3, 2)
+    ref.load_state_dict(lin.state_dict())
+    seen = []
+    lin.register_forward_hook(lambda m, a, out: seen.append(out))
+    weight, keys = lin.weight, list(lin.state_dict())
+    assert ut.add_mixin(lin, _Twice) is lin
+    x = torch.randn(4, 3)
+    out = lin(x)
+    torch.testing.assert_close(out, 2 * ref(x))
+    assert isinstance(lin, nn.Linear) and isinstance(lin, _Twice)
+    assert lin.weight is weight and list(lin.state_dict()) == keys
+    assert len(seen) == 1 and seen[0] is out  # hooks registered before the swap still run
+    assert type(lin).__name__ == "ReplayLinear" and type(lin).__mro__[1] is _Twice
+    ut.add_mixin(lin, _Twice)  # a no-op the second time
+    assert type(lin).__mro__.count(_Twice) == 1
+    other = ut.add_mixin(nn.Linear(3, 2), _Twice)
+    assert type(other) is type(lin)  # one class per (base, mixin)
+
+
+def test_add_mixin_after_puts_the_module_class_first():
+    class Protocol:
+        def extra(self) -> str:
+            return "protocol"
+
+        def forward(self, x):  # never reached: the module's own forward comes first in the MRO
+            raise AssertionError
+
+    lin = ut.add_mixin(nn.Linear(2, 2), Protocol, after=True)
+    assert type(lin).__mro__[1] is nn.Linear and type(lin).__name__ == "Linear" and lin.extra() == "protocol"
+    lin(torch.zeros(1, 2))
+
+
+def test_snapshot_and_restore_undo_an_in_place_swap():
+    seq = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    seq[0].register_buffer("b", torch.zeros(1), persistent=False)
+    before = {k: v.clone() for k, v in seq.state_dict().items()}
+    cls0 = type(seq[0])
+    saved = ut.snapshot_modules(list(seq.modules()))
+    ut.add_mixin(seq[0], _Twice)
+    seq[0].weight = nn.Parameter(torch.ones(2, 2))
+    seq[0].register_buffer("b", torch.ones(1), persistent=True)
+    seq[1] = nn.Tanh()
+    ut.restore_modules(saved)
+    assert type(seq[0]) is cls0 and isinstance(seq[1], nn.ReLU)
+    assert seq[0]._non_persistent_buffers_set == {"b"} and float(seq[0].b) == 0.0
+    assert seq.state_dict().keys() == before.keys()
+    for k, v in seq.state_dict().items():
+        torch.testing.assert_close(v, before[k])
+
+
+def _ddp_reaches(rank: int, world: int) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    setattr(model, ut.DDP_IGNORE_ATTR, ["1.weight"])
+    assert ut.active_ddp_module() is None
+    ddp = nn.parallel.DistributedDataParallel(model)
+    assert ut.ddp_ignored_names(ddp) == {"1.weight"}
+    seen = []
+    model[0].register_forward_hook(lambda m, a, out: seen.append(ut.active_ddp_module()))
+    ddp(torch.zeros(1, 2))
+    assert seen == [ddp]  # the wrapper whose forward runs
+    assert ut.active_ddp_module() is None
+
+
+def test_ddp_ignore_list_and_active_wrapper():
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_ddp_reaches, 1, backend="gloo", timeout_s=120)
