@@ -26,12 +26,14 @@ __all__ = ["MOE_LAYER_ATTRIBUTES", "TESTED", "adopt_layer_attributes"]
 #: megatron-core versions this adapter was written and tested against: ``(lowest, first untested)`` major.minor.
 TESTED: tuple[tuple[int, int], tuple[int, int]] = ((0, 16), (0, 17))
 
-#: The public non-module attributes a built megatron-core 0.16 ``MoELayer`` (local spec, no latent projection)
-#: holds, which :func:`adopt_layer_attributes` copies; the test pins it.
+#: The public non-module attributes a built megatron-core 0.16 ``MoELayer`` (local spec, no latent projection, no
+#: shared experts) holds, which :func:`adopt_layer_attributes` copies; the test pins it. ``token_dispatcher`` (not a
+#: module) and ``shared_experts`` (``None`` here, else a module) are set again by the caller; ``training`` is
+#: ``nn.Module``'s mode flag.
 MOE_LAYER_ATTRIBUTES = frozenset({
     "attn_tp_group", "config", "cudagraph_tensor_store", "ep_group", "fwd_execution_map", "layer_number",
-    "local_expert_indices", "moe_layer_recompute", "num_local_experts", "shared_expert_overlap",
-    "shared_experts_recompute", "submodules", "tp_group", "use_shared_expert",
+    "local_expert_indices", "moe_layer_recompute", "num_local_experts", "shared_expert_overlap", "shared_experts",
+    "shared_experts_recompute", "submodules", "token_dispatcher", "tp_group", "training", "use_shared_expert",
 })
 
 
