@@ -16,6 +16,11 @@ that moves one fails a test named for it instead of a training step.
   class and the mixin, so the instance keeps its parameters, buffers, hooks and ``isinstance`` (what the
   frameworks' hooks key on) while the mixin adds methods. Used where a framework has no door to extend the
   forward of a module it built (the Hugging Face router's ``replay_ids``, torchtitan's ``Module`` protocol).
+- **DCP's sharded tensors** (:func:`sharded_tensor`, :func:`refresh_sharded_tensor`): ``ShardedTensor`` lives in
+  the private ``torch.distributed._shard`` package (DCP and Megatron read it); a rank builds one from its own
+  shards and the global metadata without a collective only through the private
+  ``ShardedTensor._init_from_local_shards_and_global_metadata`` (the public ``init_from_local_shards``
+  all-gathers the metadata), always as a plain ``ShardedTensor``, so a subclass is given by class assignment.
 - **Undo of an in-place swap** (:func:`snapshot_modules`, :func:`restore_modules`): each module's class and
   its parameter, buffer and child tables (``_parameters``, ``_buffers``, ``_modules``,
   ``_non_persistent_buffers_set``), so a swap that fails part way leaves the model as it was.
@@ -29,7 +34,7 @@ from typing import Any
 from torch import nn
 
 __all__ = ["DDP_IGNORE_ATTR", "TESTED", "active_ddp_module", "add_mixin", "ddp_ignored_names", "mixin_class",
-           "restore_modules", "snapshot_modules", "version_in_range"]
+           "refresh_sharded_tensor", "restore_modules", "sharded_tensor", "snapshot_modules", "version_in_range"]
 
 #: torch versions this adapter was written and tested against: ``(lowest, first untested)`` major.minor.
 TESTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 14))
@@ -99,3 +104,22 @@ def restore_modules(state: list[tuple[nn.Module, type, dict[str, Any]]]) -> None
         m.__class__ = cls
         vars(m).clear()
         vars(m).update(d)
+
+
+def sharded_tensor(local_shards: list[Any], metadata: Any, group: Any, cls: type | None = None) -> Any:
+    """A ``ShardedTensor`` of this rank's ``local_shards`` (``Shard`` objects) and the global ``metadata``
+    (``ShardedTensorMetadata``) over ``group``, without a collective; of class ``cls`` (a ``ShardedTensor``
+    subclass adding no state) when given."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=group)
+    if cls is not None:
+        out.__class__ = cls
+    return out
+
+
+def refresh_sharded_tensor(old: Any, new: Any) -> Any:
+    """``old`` (a ``ShardedTensor``) made to hold ``new``'s shards and metadata, the same object (a caller that
+    cached ``old`` sees the new placement); returns ``old``."""
+    vars(old).update(vars(new))
+    return old

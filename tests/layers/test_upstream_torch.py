@@ -91,9 +91,37 @@ def _ddp_reaches(rank: int, world: int) -> None:
     ddp(torch.zeros(1, 2))
     assert seen == [ddp]  # the wrapper whose forward runs
     assert ut.active_ddp_module() is None
+    _sharded_tensor_reaches()
 
 
-def test_ddp_ignore_list_and_active_wrapper():
+def _sharded_tensor_reaches() -> None:
+    """A ShardedTensor built from this rank's shards without a collective, of a given subclass, its local shards
+    views of the data (a load writes it in place); refreshed in place with another's shards."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    def build(data: torch.Tensor, cls=None):
+        metas = [ShardMetadata([i, 0], [1, 3], "rank:0/cpu") for i in range(2)]
+        props = TensorProperties(dtype=data.dtype, layout=data.layout, requires_grad=False,
+                                 memory_format=torch.contiguous_format, pin_memory=False)
+        md = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([2, 3]), tensor_properties=props)
+        return ut.sharded_tensor([Shard(data[i:i + 1], metas[i]) for i in range(2)], md, None, cls)
+
+    class Sub(ShardedTensor):
+        pass
+
+    data = torch.arange(6.0).view(2, 3)
+    st = build(data, Sub)
+    assert type(st) is Sub and tuple(st.size()) == (2, 3)
+    st.local_shards()[1].tensor.fill_(7.0)
+    assert data[1].tolist() == [7.0, 7.0, 7.0]  # the shards are views of the data
+    other = torch.zeros(2, 3)
+    assert ut.refresh_sharded_tensor(st, build(other)) is st
+    assert st.local_shards()[0].tensor.data_ptr() == other.data_ptr()
+
+
+def test_ddp_ignore_list_active_wrapper_and_sharded_tensors():
     from relibra_moe.layers.testing import run_group
 
     run_group(_ddp_reaches, 1, backend="gloo", timeout_s=120)
