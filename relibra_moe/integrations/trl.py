@@ -150,23 +150,15 @@ def _synced_generate(model: nn.Module, on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    had = "generate" in model.__dict__
-    previous = model.__dict__.get("generate")
-    model.generate = functools.partial(model.generate, synced_gpus=True)
-    try:
+    with _patched(model, "generate", functools.partial(model.generate, synced_gpus=True)):
         yield
-    finally:
-        if had:
-            model.generate = previous
-        else:
-            del model.generate
 
 
 @contextlib.contextmanager
 def _patched(obj: Any, name: str, fn: Callable) -> Iterator[None]:
     """Within the block, ``obj.name`` is ``fn`` (an instance attribute; the class's method afterwards)."""
-    had = name in obj.__dict__
-    previous = obj.__dict__.get(name)
+    had = name in vars(obj)  # an instance attribute before: put it back; else delete ours (the class's shows again)
+    previous = vars(obj).get(name)
     setattr(obj, name, fn)
     try:
         yield
