@@ -8,7 +8,8 @@ routers (the framework's tuple that also reads as a ``RouterOutput``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 
 from ..layers.moe import ReplayBalancedMoE
 
-__all__ = ["AdoptedBlockMoE", "RouterTuple", "keep_home_rows"]
+__all__ = ["AdoptedBlockMoE", "RouterTuple", "deprecated_names", "keep_home_rows"]
 
 
 class RouterTuple(tuple):
@@ -89,3 +90,16 @@ class AdoptedBlockMoE(ReplayBalancedMoE):
     def extra_repr(self) -> str:
         return (f"{self.repr_head()}, layer_id={self.layer_id}, E={self.num_experts}, k={self.top_k}, "
                 f"rank={self.rank}/{self.world_size}")
+
+
+def deprecated_names(module: str, names: dict[str, str], namespace: dict[str, Any]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562) for ``module``: each old name in ``names`` gives the object ``namespace``
+    (the module's ``globals()``) holds under its new name, with a ``DeprecationWarning``; any other name raises
+    ``AttributeError``."""
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            warnings.warn(f"{module}.{name} is deprecated: use {names[name]}", DeprecationWarning, stacklevel=2)
+            return namespace[names[name]]
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__

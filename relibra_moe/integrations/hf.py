@@ -46,6 +46,7 @@ from ..layers.router import merge_live
 from ..layers.upstream_torch import restore_modules, snapshot_modules
 from ..plan import check_replica_slots
 from ..validate import check_int
+from .adopted import deprecated_names
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
 from .hf_layer import LAYER_FAMILIES, HFReplayMoE, hf_replica_buffer
 from .torchtitan import TITAN_FAMILY, TorchtitanReplayMoE, is_titan_moe, keep_load_balance_counts, titan_replica_buffer
@@ -731,13 +732,4 @@ def _group_size(ep_group: Any) -> int:
 
 #: Deprecated names (the swapped blocks are named ``<Framework>ReplayMoE``): still importable, with a warning.
 DEPRECATED_NAMES = {"ReplayMoEBlock": "HFLocalReplayMoE"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in DEPRECATED_NAMES:
-        import warnings
-
-        warnings.warn(f"relibra_moe.integrations.hf.{name} is deprecated: use {DEPRECATED_NAMES[name]}",
-                      DeprecationWarning, stacklevel=2)
-        return globals()[DEPRECATED_NAMES[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_names(__name__, DEPRECATED_NAMES, globals())

@@ -39,7 +39,7 @@ from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import check_replay_ids, merge_live
 from ..triton_kernels.grouped_gemm import swiglu_experts
 from ..triton_kernels.routing import RoutingMeta
-from .adopted import AdoptedBlockMoE, RouterTuple, keep_home_rows
+from .adopted import AdoptedBlockMoE, RouterTuple, deprecated_names, keep_home_rows
 from .hf_families import Family, family_of
 from .upstream_hf import as_grouped_experts, replay_router
 
@@ -251,13 +251,4 @@ class HFReplayMoE(AdoptedBlockMoE):
 
 #: Deprecated names (the swapped blocks are named ``<Framework>ReplayMoE``): still importable, with a warning.
 DEPRECATED_NAMES = {"HFReplayBalancedMoE": "HFReplayMoE"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in DEPRECATED_NAMES:
-        import warnings
-
-        warnings.warn(f"relibra_moe.integrations.hf_layer.{name} is deprecated: use {DEPRECATED_NAMES[name]}",
-                      DeprecationWarning, stacklevel=2)
-        return globals()[DEPRECATED_NAMES[name]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = deprecated_names(__name__, DEPRECATED_NAMES, globals())

@@ -51,3 +51,20 @@ def test_adopt_takes_the_blocks_children_and_buffers_under_their_names():
     assert layer.shared_expert is None
     layer.layer_id = 3
     assert "test, layer_id=3, E=8, k=2, rank=0/1" in layer.extra_repr()
+
+
+def test_deprecated_names_warn_and_give_the_new_object():
+    import warnings
+
+    import pytest
+
+    from relibra_moe.integrations.adopted import deprecated_names
+
+    getattr_ = deprecated_names("pkg.mod", {"Old": "New"}, {"New": int})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert getattr_("Old") is int
+    assert [str(x.message) for x in w] == ["pkg.mod.Old is deprecated: use New"]
+    assert w[0].category is DeprecationWarning
+    with pytest.raises(AttributeError, match="'pkg.mod' has no attribute 'Other'"):
+        getattr_("Other")
