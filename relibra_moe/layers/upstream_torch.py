@@ -21,6 +21,11 @@ that moves one fails a test named for it instead of a training step.
   shards and the global metadata without a collective only through the private
   ``ShardedTensor._init_from_local_shards_and_global_metadata`` (the public ``init_from_local_shards``
   all-gathers the metadata), always as a plain ``ShardedTensor``, so a subclass is given by class assignment.
+- **FSDP2's managed parameters** (:func:`fsdp_managed_params`): ``fully_shard`` keeps the parameters it
+  manages in its private state (``_get_fsdp_state()._fsdp_param_groups``, each ``FSDPParam`` with its
+  ``_module_info``); there is no public listing, and a swapped model must refuse an FSDP that shards experts.
+- **Flattening a device mesh** (:func:`flatten_mesh`): ``DeviceMesh._flatten`` (private in 2.13, what
+  torchtitan uses too) gives the one-dimensional mesh over all its ranks that FSDP shards dense parameters on.
 - **Undo of an in-place swap** (:func:`snapshot_modules`, :func:`restore_modules`): each module's class and
   its parameter, buffer and child tables (``_parameters``, ``_buffers``, ``_modules``,
   ``_non_persistent_buffers_set``), so a swap that fails part way leaves the model as it was.
@@ -33,7 +38,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["DDP_IGNORE_ATTR", "TESTED", "active_ddp_module", "add_mixin", "ddp_ignored_names", "mixin_class",
+__all__ = ["DDP_IGNORE_ATTR", "TESTED", "active_ddp_module", "add_mixin", "ddp_ignored_names", "flatten_mesh",
+           "fsdp_managed_params", "mixin_class",
            "refresh_sharded_tensor", "restore_modules", "sharded_tensor", "snapshot_modules", "version_in_range"]
 
 #: torch versions this adapter was written and tested against: ``(lowest, first untested)`` major.minor.
@@ -123,3 +129,27 @@ def refresh_sharded_tensor(old: Any, new: Any) -> Any:
     cached ``old`` sees the new placement); returns ``old``."""
     vars(old).update(vars(new))
     return old
+
+
+def fsdp_managed_params(model: nn.Module) -> dict[int, str]:
+    """``id(param) -> name of the fully_shard module`` for every parameter an FSDP2 module of ``model`` manages
+    (its original and its sharded parameter object)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[int, str] = {}
+    for mname, mod in model.named_modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        state = mod._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", ()) or ():
+            for fp in group.fsdp_params:
+                info = fp._module_info
+                for p in (getattr(info.module, info.param_name, None), getattr(fp, "sharded_param", None)):
+                    if p is not None:
+                        out[id(p)] = mname or "<root>"
+    return out
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """The one-dimensional ``DeviceMesh`` named ``name`` over all the ranks of ``mesh``."""
+    return mesh._flatten(name)

@@ -97,3 +97,22 @@ def test_as_grouped_experts_keeps_the_parameters():
     mixin = type("Mixin", (), {"tagged": True})
     assert uh.as_grouped_experts(ex, mixin) is ex and ex.tagged
     assert dict(ex.named_parameters()) == params
+
+
+@pytest.mark.parametrize("fam, default", [("qwen3_moe", True), ("gpt_oss", False)])
+def test_experts_implementation_leaves_a_gate_and_an_ep_flag(fam, default):
+    """What ``@use_experts_implementation`` leaves on the module, read by the ``"relibra"`` experts forward: the
+    gate activation (HF's default ``act_fn(gate) * up``, or GPT-OSS's own) and HF's expert-parallel flag."""
+    _, block = _block(fam)
+    ex = block.experts
+    apply_gate, is_default = uh.gate_activation(ex)
+    assert is_default is default
+    h = torch.randn(3, 2 * 16, generator=torch.Generator().manual_seed(0))
+    if default:
+        gate, up = h.chunk(2, dim=-1)
+        torch.testing.assert_close(apply_gate(h), ex.act_fn(gate) * up)
+    else:
+        assert apply_gate(h).shape == (3, 16)
+    assert "_is_expert_parallel" in vars(ex) and uh.hf_expert_parallel(ex) is False
+    ex._is_expert_parallel = True
+    assert uh.hf_expert_parallel(ex) is True

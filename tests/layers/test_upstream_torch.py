@@ -92,6 +92,25 @@ def _ddp_reaches(rank: int, world: int) -> None:
     assert seen == [ddp]  # the wrapper whose forward runs
     assert ut.active_ddp_module() is None
     _sharded_tensor_reaches()
+    _fsdp_and_mesh_reaches()
+
+
+def _fsdp_and_mesh_reaches() -> None:
+    """FSDP2's managed parameters by module name (the sharded ones too, not the ignored ones); a 2-D mesh
+    flattened to one dimension over all its ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "ep"))
+    flat = ut.flatten_mesh(mesh, "dp_ep")
+    assert flat.ndim == 1 and flat.size() == 1 and flat.mesh_dim_names == ("dp_ep",)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    kept = model[1].weight
+    fully_shard(model[0], mesh=flat)
+    fully_shard(model, mesh=flat, ignored_params={kept})
+    managed = ut.fsdp_managed_params(model)
+    assert managed[id(model[0].weight)] == "0" and managed[id(model[1].bias)] == "<root>"
+    assert id(kept) not in managed
 
 
 def _sharded_tensor_reaches() -> None:
@@ -121,7 +140,7 @@ def _sharded_tensor_reaches() -> None:
     assert st.local_shards()[0].tensor.data_ptr() == other.data_ptr()
 
 
-def test_ddp_ignore_list_active_wrapper_and_sharded_tensors():
+def test_ddp_sharded_tensor_fsdp_and_mesh_reaches():
     from relibra_moe.layers.testing import run_group
 
     run_group(_ddp_reaches, 1, backend="gloo", timeout_s=120)
