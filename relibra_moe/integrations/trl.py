@@ -71,6 +71,7 @@ from ..layers.expert_sharding import gather_optimizer_state, local_optimizer_sta
 from ..layers.moe import moe_layers
 from ..layers.relayout import relayout
 from ..layers.replay import UNROUTED, replay
+from ..layers.upstream_torch import default_store
 from ..plan import BatchPlan, Placement
 from ..planners.service import Planner
 from ..planners.strategies import plan_batch
@@ -453,7 +454,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
             return
         from datetime import timedelta
 
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         key = f"relibra/save/{self._save_calls}/".__add__
         store.set(key(str(self.rank)), what)
         try:

@@ -26,6 +26,8 @@ that moves one fails a test named for it instead of a training step.
   ``_module_info``); there is no public listing, and a swapped model must refuse an FSDP that shards experts.
 - **Flattening a device mesh** (:func:`flatten_mesh`): ``DeviceMesh._flatten`` (private in 2.13, what
   torchtitan uses too) gives the one-dimensional mesh over all its ranks that FSDP shards dense parameters on.
+- **The default group's store** (:func:`default_store`): ``distributed_c10d._get_default_store()``, the
+  key-value store every rank reaches without a collective (a rendezvous that a missing rank cannot hang).
 - **Undo of an in-place swap** (:func:`snapshot_modules`, :func:`restore_modules`): each module's class and
   its parameter, buffer and child tables (``_parameters``, ``_buffers``, ``_modules``,
   ``_non_persistent_buffers_set``), so a swap that fails part way leaves the model as it was.
@@ -38,7 +40,8 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["DDP_IGNORE_ATTR", "TESTED", "active_ddp_module", "add_mixin", "ddp_ignored_names", "flatten_mesh",
+__all__ = ["DDP_IGNORE_ATTR", "TESTED", "active_ddp_module", "add_mixin", "ddp_ignored_names", "default_store",
+           "flatten_mesh",
            "fsdp_managed_params", "mixin_class",
            "refresh_sharded_tensor", "restore_modules", "sharded_tensor", "snapshot_modules", "version_in_range"]
 
@@ -153,3 +156,10 @@ def fsdp_managed_params(model: nn.Module) -> dict[int, str]:
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """The one-dimensional ``DeviceMesh`` named ``name`` over all the ranks of ``mesh``."""
     return mesh._flatten(name)
+
+
+def default_store() -> Any:
+    """The ``torch.distributed`` store of the default process group (``set`` / ``get`` / ``wait`` by key)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()

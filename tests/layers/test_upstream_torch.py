@@ -93,6 +93,9 @@ def _ddp_reaches(rank: int, world: int) -> None:
     assert ut.active_ddp_module() is None
     _sharded_tensor_reaches()
     _fsdp_and_mesh_reaches()
+    store = ut.default_store()
+    store.set("relibra/test", "here")
+    assert store.get("relibra/test") == b"here"
 
 
 def _fsdp_and_mesh_reaches() -> None:
@@ -140,7 +143,7 @@ def _sharded_tensor_reaches() -> None:
     assert st.local_shards()[0].tensor.data_ptr() == other.data_ptr()
 
 
-def test_ddp_sharded_tensor_fsdp_and_mesh_reaches():
+def test_ddp_sharded_tensor_fsdp_mesh_and_store_reaches():
     from relibra_moe.layers.testing import run_group
 
     run_group(_ddp_reaches, 1, backend="gloo", timeout_s=120)
