@@ -19,7 +19,7 @@ Capture: :class:`MegatronRoutingRecorder` turns ``RouterReplay`` recordings (per
 into a :class:`~relibra_moe.trace.TraceBatch`; :func:`replay_data` is the inverse (a ``TraceBatch`` and a
 ``BatchPlan`` -> this rank's per-layer ``[T, k]`` ids of one micro-batch, in the plan's sample placement).
 
-Execution: :class:`RelibraMoELayer` is a Megatron ``MoELayer`` (so ``TransformerLayer`` treats it as MoE)
+Execution: :class:`MegatronReplayMoE` is a Megatron ``MoELayer`` (so ``TransformerLayer`` treats it as MoE)
 that keeps Megatron's router (its aux losses, expert bias, z-loss), shared experts and process groups,
 and runs the routed experts through a :class:`~relibra_moe.layers.moe.ReplayBalancedMoE`: experts homed
 where the plan's ``Placement`` says (Megatron's contiguous ``E / EP`` blocks become a permutation),
@@ -27,7 +27,7 @@ replica slots and token splits of each micro-batch, relibra's dispatch and group
 
 Recompute. Megatron replays through ``RouterReplay`` actions and never switches them itself; with
 activation recompute a forward replayed with ``REPLAY_FORWARD`` and recomputed in backward with the same
-action silently uses the wrong ids. :class:`RelibraMoELayer` sets the action of its router on every
+action silently uses the wrong ids. :class:`MegatronReplayMoE` sets the action of its router on every
 forward: ``REPLAY_FORWARD`` for a forward, ``REPLAY_BACKWARD`` for a forward recomputed inside backward
 (which pops Megatron's per-router list in forward order), and replays the same micro-batch's plan slice
 in the recomputed forward. Recompute is correct by construction whatever the schedule.
@@ -43,7 +43,7 @@ biases (``gated_linear_unit=True``, ``activation_func=silu``, ``add_bias_linear=
 layer's expert parameters are relibra's stacked ``w_gate_up [E_loc, H, 2F]`` / ``w_down [E_loc, F, H]``
 (``expert_state_dict`` gives them back in Megatron's ``SequentialMLP`` names and layout).
 
-Checkpoints. :meth:`RelibraMoELayer.sharded_state_dict` gives Megatron's ``dist_checkpointing`` the plain
+Checkpoints. :meth:`MegatronReplayMoE.sharded_state_dict` gives Megatron's ``dist_checkpointing`` the plain
 ``SequentialMLP`` keys and layout, every home expert at the offset of its logical id
 (:mod:`relibra_moe.layers.expert_sharding`): every expert is saved once, in any placement, and loads into
 any EP size, relibra or plain Megatron; Megatron's ``FP32Optimizer`` saves the experts' state alike.
@@ -73,6 +73,7 @@ from ..layers.router import RouterOutput, check_replay_ids
 from ..plan import BatchPlan, Placement, check_replica_slots
 from ..trace import TraceBatch
 from ..validate import check_int, is_int
+from .adopted import deprecated_names
 from .upstream_megatron import adopt_layer_attributes
 
 try:  # optional dependency: megatron-core
@@ -166,7 +167,7 @@ class _MegatronRouter(nn.Module):
     The Megatron router is registered on the owning layer only (one ``state_dict`` entry).
     """
 
-    def __init__(self, owner: RelibraMoELayer, num_experts: int, top_k: int) -> None:
+    def __init__(self, owner: MegatronReplayMoE, num_experts: int, top_k: int) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         object.__setattr__(self, "_owner", owner)  # a plain attribute, not a submodule: the owner registers the router
@@ -473,7 +474,7 @@ def _merge_experts(loaded: dict, *, glu: bool) -> torch.Tensor:
     return torch.stack(rows).transpose(1, 2).contiguous()
 
 
-def expert_state_dict(layer: RelibraMoELayer) -> dict[str, torch.Tensor]:
+def expert_state_dict(layer: MegatronReplayMoE) -> dict[str, torch.Tensor]:
     """This rank's home experts in Megatron ``SequentialMLP`` names and layout, for checkpoints.
 
     Keys ``local_experts.{i}.linear_fc1.weight`` (``[2F, H]``) / ``linear_fc2.weight`` (``[H, F]``) for the
@@ -498,16 +499,16 @@ def megatron_moe_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def _relibra_layers(model: nn.Module) -> list[RelibraMoELayer]:
-    layers = [m for m in model.modules() if isinstance(m, RelibraMoELayer)]
+def _relibra_layers(model: nn.Module) -> list[MegatronReplayMoE]:
+    layers = [m for m in model.modules() if isinstance(m, MegatronReplayMoE)]
     if not layers:
-        raise ValueError("the model has no RelibraMoELayer: call swap_moe_layers(model) first")
+        raise ValueError("the model has no MegatronReplayMoE: call swap_moe_layers(model) first")
     return layers
 
 
 def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: int | None = None,
-                    block_m: int | None = None) -> list[RelibraMoELayer]:
-    """Replace every Megatron ``MoELayer`` of a built model by a :class:`RelibraMoELayer` (same weights).
+                    block_m: int | None = None) -> list[MegatronReplayMoE]:
+    """Replace every Megatron ``MoELayer`` of a built model by a :class:`MegatronReplayMoE` (same weights).
 
     ``replica_slots``: r replica slots per rank, one :class:`LayerSharedReplicaBuffer` shared by all the
     model's MoE layers; at most ``E - E / EP`` (``PlanError`` above it, as ``Planner``: at EP 1 there is
@@ -518,7 +519,7 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
     """
     _require_megatron()
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, MoELayer) and not isinstance(child, RelibraMoELayer)]
+               if isinstance(child, MoELayer) and not isinstance(child, MegatronReplayMoE)]
     if not targets:
         raise ValueError("the model has no megatron.core MoELayer to swap")
     check_int("replica_slots", replica_slots, 0, error=ValueError)
@@ -528,7 +529,7 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
     buf = None
     out = []
     for i, (parent, name, child) in enumerate(targets):
-        layer = RelibraMoELayer(child, gpus_per_node=gpus_per_node, replica_buffer=None, layer_index=i,
+        layer = MegatronReplayMoE(child, gpus_per_node=gpus_per_node, replica_buffer=None, layer_index=i,
                                 block_m=block_m)
         if replica_slots and buf is None:
             buf = LayerSharedReplicaBuffer.for_experts(layer.relibra.experts, replica_slots)
@@ -590,7 +591,7 @@ class MegatronRoutingRecorder:
         for layer in self.layers:
             layer.router.router_replay.clear_indices()
             layer.router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
-            if isinstance(layer, RelibraMoELayer):
+            if isinstance(layer, MegatronReplayMoE):
                 layer._replaying = False
         return self
 
@@ -766,7 +767,7 @@ def stop_replay(model: nn.Module) -> None:
         layer.router.router_replay.clear_router_replay_action()
 
 
-def _check_plan(layers: Sequence[RelibraMoELayer], plan: BatchPlan) -> None:
+def _check_plan(layers: Sequence[MegatronReplayMoE], plan: BatchPlan) -> None:
     """PlanError naming the setting when ``plan`` was made for another model or EP group."""
     if not isinstance(plan, BatchPlan):
         raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
@@ -864,5 +865,6 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
     return out
 
 
-#: The old name of :class:`MegatronReplayMoE` (the swapped blocks are named ``<Framework>ReplayMoE``); deprecated.
-RelibraMoELayer = MegatronReplayMoE
+#: Deprecated names (the swapped blocks are named ``<Framework>ReplayMoE``): still importable, with a warning.
+DEPRECATED_NAMES = {"RelibraMoELayer": "MegatronReplayMoE"}
+__getattr__ = deprecated_names(__name__, DEPRECATED_NAMES, globals())
