@@ -41,9 +41,8 @@ from typing import Any
 from torch import nn
 
 __all__ = ["DDP_IGNORE_ATTR", "TESTED", "active_ddp_module", "add_mixin", "ddp_ignored_names", "default_store",
-           "flatten_mesh",
-           "fsdp_managed_params", "mixin_class",
-           "refresh_sharded_tensor", "restore_modules", "sharded_tensor", "snapshot_modules", "version_in_range"]
+           "flatten_mesh", "fsdp_managed_params", "mixin_class", "refresh_sharded_tensor", "restore_modules",
+           "sharded_tensor", "snapshot_modules", "version_in_range"]
 
 #: torch versions this adapter was written and tested against: ``(lowest, first untested)`` major.minor.
 TESTED: tuple[tuple[int, int], tuple[int, int]] = ((2, 13), (2, 14))
