@@ -94,8 +94,8 @@ _MAIN_COPY_OPTIMIZERS = {"DistributedOptimizer": "sharded over the data-parallel
 _MAIN_GRAD_KEY = "relibra_megatron_main_grad"  # where relayout carries Megatron DDP's main_grad (removed after)
 
 __all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronReplayMoE", "MegatronRoutingRecorder", "check_config",
-           "expert_state_dict", "megatron_moe_layers", "relayout", "replay_data", "replay_micro_batch", "stop_replay",
-           "swap_moe_layers"]
+           "expert_state_dict", "megatron_moe_layers", "relayout", "replay_data", "replay_layer_spec",
+           "replay_micro_batch", "stop_replay", "swap_moe_layers"]
 
 
 def _require_megatron() -> None:
@@ -232,13 +232,33 @@ class MegatronReplayMoE(MoELayer):
         layer_index: this layer's index among the model's MoE layers (the plan's ``l``).
         block_m: row block of relibra's grouped GEMM (None: chosen from the shapes, ``triton_kernels.heuristics``).
 
+    Or built by Megatron from a ``ModuleSpec`` (:func:`replay_layer_spec`): ``config``, ``submodules``,
+    ``layer_number`` and ``pg_collection`` are ``MoELayer``'s; Megatron's layer is built first (same weights as
+    the plain spec's, from the same seed), then adopted.
+
     ``forward(hidden_states [S, B, H], padding_mask=None) -> (output [S, B, H], None)``.
     """
 
-    def __init__(self, moe: MoELayer, *, gpus_per_node: int | None = None,
+    def __init__(self, moe: MoELayer | None = None, *, gpus_per_node: int | None = None,
                  replica_buffer: LayerSharedReplicaBuffer | None = None, layer_index: int | None = None,
-                 block_m: int | None = None) -> None:
+                 block_m: int | None = None, config=None, submodules=None, layer_number: int | None = None,
+                 pg_collection=None) -> None:
         _require_megatron()
+        if moe is not None:
+            self._adopt(moe, gpus_per_node, replica_buffer, layer_index, block_m)
+            return
+        # built from a ModuleSpec (replay_layer_spec): Megatron's own layer first, initialized as the plain spec's
+        if config is None or submodules is None:
+            raise TypeError("MegatronReplayMoE needs a built MoELayer, or the config and submodules of its ModuleSpec")
+        check_config(config)
+        moe = MoELayer(config, submodules, layer_number, pg_collection)
+        cuda = [p.device for p in moe.parameters() if p.is_cuda][:1]
+        with torch.random.fork_rng(devices=cuda):  # relibra's experts take Megatron's weights: the RNG stays as in
+            self._adopt(moe, gpus_per_node, replica_buffer, layer_index, block_m)  # the plain model's build
+
+    def _adopt(self, moe: MoELayer, gpus_per_node: int | None, replica_buffer: LayerSharedReplicaBuffer | None,
+               layer_index: int | None, block_m: int | None) -> None:
+        """Become the relibra layer of the built Megatron ``moe`` (see the class docstring)."""
         if not isinstance(moe, MoELayer):
             raise TypeError(f"expected a megatron.core MoELayer, got {type(moe).__name__}")
         config = moe.config
@@ -515,12 +535,14 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
     nothing to replicate). ``gpus_per_node``: ranks per node of the EP group. Layer ``l`` (module order) is
     the plan's MoE layer ``l``. Call it on every rank (a collective on the EP group: the dispatcher's
     node sub-groups), after moving the model to its device and dtype, before building the optimizer.
-    Returns the new layers.
+    Layers Megatron built as :class:`MegatronReplayMoE` (:func:`replay_layer_spec`) stay; they get their index
+    and the replica buffer here. Returns the model's relibra layers.
     """
     _require_megatron()
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, MoELayer) and not isinstance(child, MegatronReplayMoE)]
-    if not targets:
+               if isinstance(child, MoELayer)]
+    if not targets or (all(isinstance(c, MegatronReplayMoE) and c.relibra.layer_index is not None
+                           for _, _, c in targets)):
         raise ValueError("the model has no megatron.core MoELayer to swap")
     check_int("replica_slots", replica_slots, 0, error=ValueError)
     first = targets[0][2]
@@ -529,8 +551,12 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
     buf = None
     out = []
     for i, (parent, name, child) in enumerate(targets):
-        layer = MegatronReplayMoE(child, gpus_per_node=gpus_per_node, replica_buffer=None, layer_index=i,
-                                block_m=block_m)
+        if isinstance(child, MegatronReplayMoE):  # built by replay_layer_spec: its index and the buffer come here
+            layer = child
+            layer.relibra.layer_index = i
+        else:
+            layer = MegatronReplayMoE(child, gpus_per_node=gpus_per_node, replica_buffer=None, layer_index=i,
+                                      block_m=block_m)
         if replica_slots and buf is None:
             buf = LayerSharedReplicaBuffer.for_experts(layer.relibra.experts, replica_slots)
         if buf is not None:
@@ -539,6 +565,25 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
         setattr(parent, name, layer)
         out.append(layer)
     return out
+
+
+def replay_layer_spec(layer_spec, *, gpus_per_node: int | None = None, block_m: int | None = None):
+    """Megatron's transformer layer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec(num_experts=E)``) with its MoE
+    layer built as a :class:`MegatronReplayMoE` (``gpus_per_node`` and ``block_m`` as for it): Megatron's
+    spec-based construction, for a model built with relibra's layers from the start (``GPTModel(config,
+    replay_layer_spec(spec), ...)``; then :func:`swap_moe_layers` gives the layers their plan index and the
+    replica slots). A copy: ``layer_spec`` is not changed. ``ValueError`` when its ``mlp`` is not an ``MoELayer``."""
+    import dataclasses
+
+    _require_megatron()
+    mlp = getattr(getattr(layer_spec, "submodules", None), "mlp", None)
+    module = getattr(mlp, "module", None)
+    if not (isinstance(module, type) and issubclass(module, MoELayer)):
+        raise ValueError(f"the layer spec's mlp builds {getattr(module, '__name__', module)!r}, not a megatron.core "
+                         "MoELayer: build the spec with num_experts")
+    params = dict(mlp.params, gpus_per_node=gpus_per_node, block_m=block_m)
+    new_mlp = dataclasses.replace(mlp, module=MegatronReplayMoE, params=params)
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=new_mlp))
 
 
 # ---------------------------------------------------------------------------------------------- capture

@@ -5,12 +5,13 @@ installed version is in that range and checks the reach below against a real ``M
 changes it fails a test named for it.
 
 Megatron's door for a different MoE layer is spec-based construction (``ModuleSpec(module=MoELayer,
-submodules=MoESubmodules(...))`` built by ``build_module``). It builds a *new* layer: a fresh router, experts and
-token dispatcher, initialized from the RNG tracker. RL frameworks (verl, slime, NeMo-RL) build the model
-from Megatron's own specs and load the checkpoint into it, so relibra swaps the *built* layers
-(:func:`relibra_moe.integrations.megatron.swap_moe_layers`) and keeps their router, shared experts and loaded
-expert weights. ``MegatronReplayMoE`` is a ``MoELayer`` (``TransformerLayer`` and Megatron's MoE utilities treat
-it as one) that does not run ``MoELayer.__init__``, which would build what the built layer already has:
+submodules=MoESubmodules(...))`` built by ``build_module``): :func:`relibra_moe.integrations.megatron.replay_layer_spec`
+uses it (``MegatronReplayMoE`` built by Megatron, with the plain spec's weights). RL frameworks (verl, slime,
+NeMo-RL) build the model from Megatron's own specs and load the checkpoint into it, so relibra also swaps the
+*built* layers (:func:`relibra_moe.integrations.megatron.swap_moe_layers`), keeping their router, shared experts
+and loaded expert weights. Either way ``MegatronReplayMoE`` is a ``MoELayer`` (``TransformerLayer`` and Megatron's
+MoE utilities treat it as one) that adopts a built ``MoELayer`` instead of running ``MoELayer.__init__`` on
+itself, which would build what the built layer already has:
 
 - :func:`adopt_layer_attributes` copies the plain attributes ``MoELayer.__init__`` set on the built layer
   (:data:`MOE_LAYER_ATTRIBUTES` in 0.16: config, layer number, process groups, recompute flags, the local expert

@@ -50,3 +50,50 @@ def test_adopted_attributes_are_those_of_a_built_moe_layer():
     from relibra_moe.layers.testing import run_group
 
     run_group(_attributes, 1, timeout_s=180)
+
+
+def _spec_built(rank: int, world: int) -> None:
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from relibra_moe.integrations import megatron as rm
+
+    mc.init_megatron(world)
+    try:
+        cfg = mc.moe_config(8, 2, 32, 16, num_layers=2)
+        spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+
+        def build(layer_spec):
+            torch.manual_seed(0)
+            mrandom.model_parallel_cuda_manual_seed(0)
+            return GPTModel(cfg, layer_spec, vocab_size=64, max_sequence_length=6,
+                            position_embedding_type="learned_absolute")
+
+        ref = build(spec)
+        model = build(rm.replay_layer_spec(spec))
+        assert spec.submodules.mlp.module is not rm.MegatronReplayMoE  # the spec given is not changed
+        built = [m for m in model.modules() if isinstance(m, rm.MegatronReplayMoE)]
+        assert len(built) == 2 and all(m.relibra.layer_index is None for m in built)
+        layers = rm.swap_moe_layers(model)  # the plan's layer index (and replica slots, none at EP 1)
+        assert layers == built and [m.relibra.layer_index for m in layers] == [0, 1]
+        with pytest.raises(ValueError, match="no megatron.core MoELayer"):
+            rm.swap_moe_layers(model)  # every layer is relibra's and indexed: nothing to do twice
+        tokens = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+        pos = torch.arange(6)[None]
+        causal = torch.triu(torch.ones(1, 1, 6, 6), diagonal=1).bool()
+        with torch.no_grad():  # the same weights as the plain spec's from the same seed, every layer after too
+            torch.testing.assert_close(model(tokens, pos, causal), ref(tokens, pos, causal), rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match="not a megatron.core MoELayer"):
+            rm.replay_layer_spec(get_gpt_layer_local_spec())
+    finally:
+        mc.destroy_megatron()
+
+
+def test_a_model_built_from_the_replay_spec_is_the_plain_model():
+    """Megatron's spec-based construction: ``replay_layer_spec`` builds relibra's layers inside Megatron's model
+    build, with the plain spec's weights."""
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_spec_built, 1, timeout_s=240)
