@@ -58,6 +58,7 @@ from torch import nn
 from ..errors import PlanError
 from ..layers.dispatch import ep_process_group, is_device_mesh
 from ..layers.expert_sharding import install_sharded_checkpoints
+from ..layers.upstream_torch import flatten_mesh, fsdp_managed_params
 from .hf import full_state_dict, moe_blocks, num_experts_top_k, replay, swap_moe_blocks
 
 if TYPE_CHECKING:
@@ -105,24 +106,6 @@ def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
 
 
-def _fsdp_managed(model: nn.Module) -> dict[int, str]:
-    """``id(param) -> name of the fully_shard module`` for every parameter some FSDP2 module manages."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out: dict[int, str] = {}
-    for mname, mod in model.named_modules():
-        if not isinstance(mod, FSDPModule):
-            continue
-        state = mod._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", ()) or ():
-            for fp in group.fsdp_params:
-                info = fp._module_info
-                for p in (getattr(info.module, info.param_name, None), getattr(fp, "sharded_param", None)):
-                    if p is not None:
-                        out[id(p)] = mname or "<root>"
-    return out
-
-
 def check_experts_not_sharded(model: nn.Module) -> None:
     """Raise ``ValueError`` naming the parameter when an expert tensor is FSDP-managed or a ``DTensor``.
 
@@ -132,7 +115,7 @@ def check_experts_not_sharded(model: nn.Module) -> None:
     """
     from torch.distributed.tensor import DTensor
 
-    managed = _fsdp_managed(model)
+    managed = fsdp_managed_params(model)
     for name, p in expert_parameters(model).items():
         if isinstance(p, DTensor):
             raise ValueError(f"expert parameter {name!r} is a DTensor (placements {tuple(p.placements)} on mesh "
@@ -406,7 +389,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, replica_slots: int = 0, g
     for _, _, block in moe_blocks(model):
         check_mesh(mesh, num_experts_top_k(block)[0], dp_dim=dp_dim, ep_dim=ep_dim)
     if dense_mesh is None:
-        dense_mesh = mesh._flatten(f"{dp_dim}_{ep_dim}")
+        dense_mesh = flatten_mesh(mesh, f"{dp_dim}_{ep_dim}")
     elif not is_device_mesh(dense_mesh) or dense_mesh.size() != mesh.size():
         raise ValueError(f"dense_mesh must be a DeviceMesh over all {mesh.size()} ranks of the mesh, got "
                          f"{type(dense_mesh).__name__} of size {getattr(dense_mesh, 'size', lambda: '?')()}")

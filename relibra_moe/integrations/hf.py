@@ -43,17 +43,19 @@ from ..layers.dispatch import ep_process_group
 from ..layers.expert_sharding import expert_shards, gather_experts, local_experts
 from ..layers.replay import LayerReplay, layout_ids, replay
 from ..layers.router import merge_live
+from ..layers.upstream_torch import restore_modules, snapshot_modules
 from ..plan import check_replica_slots
 from ..validate import check_int
+from .adopted import deprecated_names
 from .hf_families import FAMILIES, SUPPORTED_BLOCKS, Family, family_of
-from .hf_layer import LAYER_FAMILIES, HFReplayBalancedMoE, hf_replica_buffer
+from .hf_layer import LAYER_FAMILIES, HFReplayMoE, hf_replica_buffer
 from .torchtitan import TITAN_FAMILY, TorchtitanReplayMoE, is_titan_moe, keep_load_balance_counts, titan_replica_buffer
 
 if TYPE_CHECKING:
     from ..trace import TraceBatch
 
 __all__ = ["RoutingRecorder", "swap_moe_blocks", "replay", "full_state_dict", "load_full_state_dict",
-           "checkpoint_state_dict", "ReplayMoEBlock", "moe_blocks",
+           "checkpoint_state_dict", "HFLocalReplayMoE", "moe_blocks",
            "moe_layer_ids", "layout_ids", "SUPPORTED_BLOCKS"]
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -102,12 +104,6 @@ def num_experts_top_k(block: nn.Module) -> tuple[int, int]:
     fam = _family(block)
     router = getattr(block, fam.router_attr)
     return int(router.num_experts), int(router.top_k)
-
-
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, new)
 
 
 # ------------------------------------------------------------------------------------------ recorder
@@ -159,7 +155,7 @@ class RoutingRecorder:
             self._handles.append(block.register_forward_pre_hook(self._block_pre(li)))
             if hasattr(block, "tokens_per_expert_E"):  # torchtitan's load-balancing counters: not the rollout's
                 self._handles.extend(keep_load_balance_counts(block))
-            if isinstance(block, ReplayMoEBlock):
+            if isinstance(block, HFLocalReplayMoE):
                 self._handles.append(block.add_routing_observer(self._on_ids(li)))
             else:  # HF or torchtitan block, or a swapped layer (its router returns the ids it used)
                 fam = _family(block)
@@ -324,7 +320,7 @@ class RoutingRecorder:
 
 
 # ------------------------------------------------------------------------------------- swapped block
-class ReplayMoEBlock(nn.Module):
+class HFLocalReplayMoE(nn.Module):
     """An HF MoE block that follows replayed routing, computed in this process (all experts local).
 
     The single-process back end of :func:`swap_moe_blocks` (``backend="local"``): HF's eager expert
@@ -494,9 +490,9 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
         replica_slots: r replica slots per rank, one :class:`~relibra_moe.integrations.hf_layer.HFReplicaBuffer`
             shared by all MoE layers of the model.
         gpus_per_node: ranks per node of the EP group (replicas stay inside a node).
-        backend: ``"layer"``: :class:`~relibra_moe.integrations.hf_layer.HFReplayBalancedMoE` (a
+        backend: ``"layer"``: :class:`~relibra_moe.integrations.hf_layer.HFReplayMoE` (a
             ``ReplayBalancedMoE``: expert parallelism, replica plans, relayout; every family, GPT-OSS
-            included: its expert biases travel with the experts); ``"local"``: :class:`ReplayMoEBlock`
+            included: its expert biases travel with the experts); ``"local"``: :class:`HFLocalReplayMoE`
             (one process, HF's eager expert loop); ``"auto"``: ``"layer"``.
         dispatcher: passed to ``ReplayBalancedMoE`` (``"auto"``, ``"alltoall"``, ``"deepep"`` or an object).
 
@@ -535,13 +531,13 @@ def swap_moe_blocks(model: nn.Module, *, ep_group: Any = None, replica_slots: in
             elif kind == "layer":
                 if replica_slots and buffer is None:
                     buffer = hf_replica_buffer(block, replica_slots)
-                new = HFReplayBalancedMoE(block, layer_id, index, ep_group=ep_group, gpus_per_node=gpus_per_node,
-                                          replica_buffer=buffer, dispatcher=dispatcher)
+                new = HFReplayMoE(block, layer_id, index, ep_group=ep_group, gpus_per_node=gpus_per_node,
+                                  replica_buffer=buffer, dispatcher=dispatcher)
                 new.train(block.training)
             else:
-                new = ReplayMoEBlock(block, layer_id)
+                new = HFLocalReplayMoE(block, layer_id)
                 new.train(block.training)
-            _set_submodule(model, name, new)
+            model.set_submodule(name, new)
         mark_experts_for_ddp(model)  # DDP / accelerate must never average experts sharded by expert parallelism
     except BaseException:
         _restore(model, saved)  # a failure part way leaves the model as it was: a retry starts clean
@@ -595,22 +591,15 @@ def _check_swap(todo: list[tuple[int, int, str, nn.Module]], backend: str, repli
 def _snapshot(model: nn.Module, todo: list[tuple[int, int, str, nn.Module]]) -> list[Any]:
     """What :func:`_restore` needs to undo a swap: each block's place in ``model`` and, for every module in
     it, its class and its attribute, parameter, buffer and child tables (references, nothing copied)."""
-    tables = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
-    state = []
-    for m in [model, *(mod for _, _, _, block in todo for mod in block.modules())]:
-        d = {k: (type(v)(v) if k in tables else v) for k, v in m.__dict__.items()}
-        state.append((m, type(m), d))
+    state = snapshot_modules([model, *(mod for _, _, _, block in todo for mod in block.modules())])
     return [[(name, block) for _, _, name, block in todo], state]
 
 
 def _restore(model: nn.Module, saved: list[Any]) -> None:
     places, state = saved
-    for m, cls, d in state:
-        m.__class__ = cls
-        m.__dict__.clear()
-        m.__dict__.update(d)
+    restore_modules(state)
     for name, block in places:
-        _set_submodule(model, name, block)
+        model.set_submodule(name, block)
 
 
 def check_replay_trainer_args(model: Any, *, strategy: Any, replica_slots: Any, planner: Any,
@@ -740,3 +729,7 @@ def _group_size(ep_group: Any) -> int:
         return 1
     return dist.get_world_size(ep_group)
 
+
+#: Deprecated names (the swapped blocks are named ``<Framework>ReplayMoE``): still importable, with a warning.
+DEPRECATED_NAMES = {"ReplayMoEBlock": "HFLocalReplayMoE"}
+__getattr__ = deprecated_names(__name__, DEPRECATED_NAMES, globals())

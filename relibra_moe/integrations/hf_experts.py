@@ -33,6 +33,7 @@ from torch import nn
 from ..triton_kernels.grouped_gemm import swiglu, swiglu_experts
 from ..triton_kernels.permute import combine, permute
 from ..triton_kernels.routing import routing_metadata
+from .upstream_hf import gate_activation, hf_expert_parallel
 
 __all__ = ["NAME", "register", "relibra_experts_forward"]
 
@@ -46,13 +47,10 @@ def _activation(experts: nn.Module):
     """The module's gate activation ``[R, 2I] -> [R, I]``: our closed-form SwiGLU when it is HF's default
     ``act_fn(gate) * up`` with SiLU, else the module's own ``_apply_gate``."""
     from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
 
     act = getattr(experts, "act_fn", None)
-    silu = isinstance(act, (nn.SiLU, SiLUActivation))
-    if getattr(type(experts), "_apply_gate", None) is _default_apply_gate and silu:
-        return swiglu
-    return experts._apply_gate
+    apply_gate, default = gate_activation(experts)
+    return swiglu if default and isinstance(act, (nn.SiLU, SiLUActivation)) else apply_gate
 
 
 def relibra_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -67,7 +65,7 @@ def relibra_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
         raise ValueError(f"experts_implementation={NAME!r}: {name} has has_post_expert_norm=True; not supported")
     E = int(self.num_experts)
     ids = top_k_index
-    if getattr(self, "_is_expert_parallel", False):  # HF's EP marks pairs of other ranks' experts with ids >= E
+    if hf_expert_parallel(self):  # HF's EP marks pairs of other ranks' experts with ids >= E
         ids = torch.where(ids < E, ids, torch.full_like(ids, -1))
     w1, w2 = self.gate_up_proj, self.down_proj
     if not getattr(self, "is_transposed", False):  # stored [E, N, K], applied as x @ W.T: transposed views

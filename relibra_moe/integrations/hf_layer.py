@@ -1,17 +1,17 @@
 """HF MoE blocks as :class:`~relibra_moe.layers.moe.ReplayBalancedMoE` layers (expert parallelism, plans).
 
-:class:`HFReplayBalancedMoE` is a ``ReplayBalancedMoE`` whose submodules are the HF block's own, under
+:class:`HFReplayMoE` is a ``ReplayBalancedMoE`` whose submodules are the HF block's own, under
 the HF names, so ``state_dict()`` keys and values are the HF block's (on one rank; with an EP group of
 G ranks each rank holds the rows of its E/G home experts under the same names):
 
-- the router is HF's router *instance* with its class switched to a subclass of HF's router class
-  (parameters, buffers and the ``output_router_logits`` hooks stay; ``isinstance`` still holds). Its
+- the router is HF's router *instance* with a mixin (:func:`~relibra_moe.integrations.upstream_hf.replay_router`:
+  parameters, buffers and the ``output_router_logits`` hooks stay; ``isinstance`` still holds). Its
   ``forward(x, replay_ids=None)`` returns HF's ``(logits, gates, ids)`` tuple (what the aux-loss hooks
   record) that also reads as the layer's ``RouterOutput`` (``.logits``, ``.gates``, ``.ids``); with
   replayed ids the gates are recomputed from the live logits with the family's gate function (rows of
   ``LIVE``, tokens the rollout never routed, take HF's live top-k first);
 - the experts are HF's fused parameters (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``), again
-  the same instance with a subclass that makes it a :class:`~relibra_moe.layers.experts.GroupedExperts`
+  the same instance with a mixin that makes it a :class:`~relibra_moe.layers.experts.GroupedExperts`
   whose per-expert tensors are those parameters (expert dim first, so relayout moves rows of them and
   of their grads and optimizer state; also readable as ``w_gate_up`` / ``w_down``) and computes the
   grouped SwiGLU on transposed views (no copy);
@@ -28,7 +28,6 @@ The replica buffer is :class:`HFReplicaBuffer`: the layer-shared buffer with slo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cache
 from typing import Any
 
 import torch
@@ -36,32 +35,17 @@ from torch import nn
 
 from ..layers.dispatch import get_dispatcher
 from ..layers.experts import GroupedExperts, biased_gated_mlp, gpt_oss_activation, slot_view
-from ..layers.moe import ReplayBalancedMoE
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import check_replay_ids, merge_live
 from ..triton_kernels.grouped_gemm import swiglu_experts
 from ..triton_kernels.routing import RoutingMeta
+from .adopted import AdoptedBlockMoE, RouterTuple, deprecated_names, keep_home_rows
 from .hf_families import Family, family_of
+from .upstream_hf import as_grouped_experts, replay_router
 
-__all__ = ["HFReplayBalancedMoE", "HFReplicaBuffer", "LAYER_FAMILIES", "hf_replica_buffer"]
+__all__ = ["HFReplayMoE", "HFReplicaBuffer", "LAYER_FAMILIES", "hf_replica_buffer"]
 
 LAYER_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_next")
-
-
-class _RouterTuple(tuple):
-    """HF's router output ``(logits, gates, ids)`` that also reads as a ``RouterOutput``."""
-
-    @property
-    def logits(self) -> torch.Tensor:
-        return self[0]
-
-    @property
-    def gates(self) -> torch.Tensor:
-        return self[1]
-
-    @property
-    def ids(self) -> torch.Tensor:
-        return self[2]
 
 
 class _ReplayRouterMixin:
@@ -69,8 +53,9 @@ class _ReplayRouterMixin:
 
     _family: Family
     name: str = "moe"
+    last_gates: torch.Tensor | None = None  # GPT-OSS: the gates of the last forward, which its block returns
 
-    def forward(self, hidden_states: torch.Tensor, replay_ids: torch.Tensor | None = None) -> _RouterTuple:
+    def forward(self, hidden_states: torch.Tensor, replay_ids: torch.Tensor | None = None) -> RouterTuple:
         logits, gates, ids = super().forward(hidden_states)
         if replay_ids is not None:
             live_ids = ids
@@ -78,9 +63,9 @@ class _ReplayRouterMixin:
                                    self.name, allow_live=True)
             ids = merge_live(ids, lambda: live_ids)  # tokens the rollout never routed: HF's own top-k
             gates = self._family.gates(self, logits, ids)
-        if self._family.returns_scores:  # the block returns them (GPT-OSS); it pops them after its forward
-            self.__dict__["_last_gates"] = gates
-        return _RouterTuple((logits, gates, ids.long()))
+        if self._family.returns_scores:  # the block returns them (GPT-OSS); it clears them after its forward
+            self.last_gates = gates
+        return RouterTuple((logits, gates, ids.long()))
 
 
 class _HFExpertsMixin(GroupedExperts):
@@ -151,11 +136,6 @@ def _experts_mixin(fam: Family) -> type:
     return _HFGptOssExpertsMixin if fam.name == "gpt_oss" else _HFExpertsMixin
 
 
-@cache
-def _subclass(mixin: type, base: type) -> type:
-    return type(f"Replay{base.__name__}", (mixin, base), {"__module__": __name__})
-
-
 class HFReplicaBuffer(LayerSharedReplicaBuffer):
     """The layer-shared replica buffer with slots in HF's fused layout.
 
@@ -188,8 +168,8 @@ def hf_replica_buffer(block: nn.Module, slots: int) -> HFReplicaBuffer:
     return HFReplicaBuffer(hidden, ffn, slots, dtype=w.dtype, device=w.device, shapes=shapes)
 
 
-class HFReplayBalancedMoE(ReplayBalancedMoE):
-    """An HF MoE block running as a :class:`ReplayBalancedMoE` (see the module docstring).
+class HFReplayMoE(AdoptedBlockMoE):
+    """An HF MoE block running as a :class:`~relibra_moe.layers.moe.ReplayBalancedMoE` (see the module docstring).
 
     Args:
         block: the HF block (its submodules are adopted, not copied).
@@ -203,7 +183,7 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
     experts as HF adds them. GPT-OSS blocks return ``(hidden, router_scores [T, k])`` as HF's does.
     """
 
-    swapped_moe_block = True  # marks the blocks swap_moe_blocks makes
+    framework = "HF"
 
     def __init__(self, block: nn.Module, layer_id: int, layer_index: int, *, ep_group: Any = None,
                  gpus_per_node: int | None = None, replica_buffer: HFReplicaBuffer | None = None,
@@ -222,15 +202,9 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
         G, rank = dispatcher.world_size, dispatcher.rank
         if E % G:
             raise ValueError(f"num_experts={E} is not divisible by the EP group size {G}")
-        router.__class__ = _subclass(_ReplayRouterMixin, type(router))
-        router._family = fam
-        experts.__class__ = _subclass(mixin, type(experts))
-        if G > 1:  # keep the rows of this rank's home experts (the static placement e // (E/G))
-            home = torch.arange(rank * (E // G), (rank + 1) * (E // G), device=experts.gate_up_proj.device)
-            for pname in experts.tensor_names:
-                p = getattr(experts, pname)
-                setattr(experts, pname, nn.Parameter(p.detach().index_select(0, home).clone(),
-                                                     requires_grad=p.requires_grad))
+        replay_router(router, _ReplayRouterMixin, fam)
+        as_grouped_experts(experts, mixin)
+        keep_home_rows(experts, experts.tensor_names, rank, E, G)
         super().__init__(hidden, ffn, E, k, ep_group=ep_group, gpus_per_node=gpus_per_node,
                          replica_buffer=replica_buffer, router=router, shared_expert=None, layer_index=layer_index,
                          dispatcher=dispatcher, experts=experts, router_attr=fam.router_attr)
@@ -239,31 +213,20 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
         self.hf_class = type(block).__name__
         if fam.jitter:
             self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
-        # adopt the HF submodules under their names and in their order; expert_gpu is not HF state
-        expert_gpu = self._buffers.pop("expert_gpu")
-        self._modules.clear()
-        for name, child in block.named_children():
-            self._modules[name] = child
-        self.register_buffer("expert_gpu", expert_gpu, persistent=False)
+        self.adopt(block)
         self.last_expert_counts: torch.Tensor | None = None
         self._in_layer_forward = False
 
-    @property
+    @AdoptedBlockMoE.shared_expert.getter
     def shared_expert(self) -> nn.Module | None:
         """HF's shared expert (Qwen families) outside the layer's forward; ``None`` while the inherited
         forward runs, since this block applies shared experts itself (gated, HF style)."""
-        if self.__dict__.get("_in_layer_forward", True):
+        if getattr(self, "_in_layer_forward", True):
             return None
         return self._modules.get("shared_expert")
 
-    @shared_expert.setter
-    def shared_expert(self, value: Any) -> None:
-        if value is not None:
-            raise ValueError("HFReplayBalancedMoE applies the HF block's own shared experts")
-
-    def extra_repr(self) -> str:
-        return (f"family={self.family.name}, layer_id={self.layer_id}, E={self.num_experts}, k={self.top_k}, "
-                f"rank={self.rank}/{self.world_size}")
+    def repr_head(self) -> str:
+        return f"family={self.family.name}"
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         fam = self.family
@@ -275,7 +238,7 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
             out = super().forward(hidden_states)
         finally:
             self._in_layer_forward = False
-            scores = self.router.__dict__.pop("_last_gates", None)
+            scores, self.router.last_gates = self.router.last_gates, None
         with torch.no_grad():
             ids = self.last_routing
             counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
@@ -289,3 +252,8 @@ class HFReplayBalancedMoE(ReplayBalancedMoE):
                 sh = torch.sigmoid(self._modules[gate_name](x)) * sh
             out = out + sh.reshape(out.shape)
         return (out, scores) if fam.returns_scores else out
+
+
+#: Deprecated names (the swapped blocks are named ``<Framework>ReplayMoE``): still importable, with a warning.
+DEPRECATED_NAMES = {"HFReplayBalancedMoE": "HFReplayMoE"}
+__getattr__ = deprecated_names(__name__, DEPRECATED_NAMES, globals())

@@ -19,7 +19,7 @@ Capture: :class:`MegatronRoutingRecorder` turns ``RouterReplay`` recordings (per
 into a :class:`~relibra_moe.trace.TraceBatch`; :func:`replay_data` is the inverse (a ``TraceBatch`` and a
 ``BatchPlan`` -> this rank's per-layer ``[T, k]`` ids of one micro-batch, in the plan's sample placement).
 
-Execution: :class:`RelibraMoELayer` is a Megatron ``MoELayer`` (so ``TransformerLayer`` treats it as MoE)
+Execution: :class:`MegatronReplayMoE` is a Megatron ``MoELayer`` (so ``TransformerLayer`` treats it as MoE)
 that keeps Megatron's router (its aux losses, expert bias, z-loss), shared experts and process groups,
 and runs the routed experts through a :class:`~relibra_moe.layers.moe.ReplayBalancedMoE`: experts homed
 where the plan's ``Placement`` says (Megatron's contiguous ``E / EP`` blocks become a permutation),
@@ -27,7 +27,7 @@ replica slots and token splits of each micro-batch, relibra's dispatch and group
 
 Recompute. Megatron replays through ``RouterReplay`` actions and never switches them itself; with
 activation recompute a forward replayed with ``REPLAY_FORWARD`` and recomputed in backward with the same
-action silently uses the wrong ids. :class:`RelibraMoELayer` sets the action of its router on every
+action silently uses the wrong ids. :class:`MegatronReplayMoE` sets the action of its router on every
 forward: ``REPLAY_FORWARD`` for a forward, ``REPLAY_BACKWARD`` for a forward recomputed inside backward
 (which pops Megatron's per-router list in forward order), and replays the same micro-batch's plan slice
 in the recomputed forward. Recompute is correct by construction whatever the schedule.
@@ -43,7 +43,7 @@ biases (``gated_linear_unit=True``, ``activation_func=silu``, ``add_bias_linear=
 layer's expert parameters are relibra's stacked ``w_gate_up [E_loc, H, 2F]`` / ``w_down [E_loc, F, H]``
 (``expert_state_dict`` gives them back in Megatron's ``SequentialMLP`` names and layout).
 
-Checkpoints. :meth:`RelibraMoELayer.sharded_state_dict` gives Megatron's ``dist_checkpointing`` the plain
+Checkpoints. :meth:`MegatronReplayMoE.sharded_state_dict` gives Megatron's ``dist_checkpointing`` the plain
 ``SequentialMLP`` keys and layout, every home expert at the offset of its logical id
 (:mod:`relibra_moe.layers.expert_sharding`): every expert is saved once, in any placement, and loads into
 any EP size, relibra or plain Megatron; Megatron's ``FP32Optimizer`` saves the experts' state alike.
@@ -73,6 +73,8 @@ from ..layers.router import RouterOutput, check_replay_ids
 from ..plan import BatchPlan, Placement, check_replica_slots
 from ..trace import TraceBatch
 from ..validate import check_int, is_int
+from .adopted import deprecated_names
+from .upstream_megatron import adopt_layer_attributes
 
 try:  # optional dependency: megatron-core
     from megatron.core.tensor_parallel.random import checkpoint as _mcore_checkpoint
@@ -91,9 +93,9 @@ _MAIN_COPY_OPTIMIZERS = {"DistributedOptimizer": "sharded over the data-parallel
                          "Float16OptimizerWithFloat16Params": "one fp32 copy per bf16/fp16 parameter"}
 _MAIN_GRAD_KEY = "relibra_megatron_main_grad"  # where relayout carries Megatron DDP's main_grad (removed after)
 
-__all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronRoutingRecorder", "RelibraMoELayer", "check_config",
-           "expert_state_dict", "megatron_moe_layers", "relayout", "replay_data", "replay_micro_batch", "stop_replay",
-           "swap_moe_layers"]
+__all__ = ["HAVE_MEGATRON", "LAYOUTS", "MegatronReplayMoE", "MegatronRoutingRecorder", "check_config",
+           "expert_state_dict", "megatron_moe_layers", "relayout", "replay_data", "replay_layer_spec",
+           "replay_micro_batch", "stop_replay", "swap_moe_layers"]
 
 
 def _require_megatron() -> None:
@@ -165,14 +167,14 @@ class _MegatronRouter(nn.Module):
     The Megatron router is registered on the owning layer only (one ``state_dict`` entry).
     """
 
-    def __init__(self, owner: RelibraMoELayer, num_experts: int, top_k: int) -> None:
+    def __init__(self, owner: MegatronReplayMoE, num_experts: int, top_k: int) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.__dict__["_owner"] = owner  # not a submodule: the owner registers the router
+        object.__setattr__(self, "_owner", owner)  # a plain attribute, not a submodule: the owner registers the router
         self.name = "moe"
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None) -> RouterOutput:
-        owner: RelibraMoELayer = self.__dict__["_owner"]
+        owner: MegatronReplayMoE = self._owner
         call = owner._call
         T, k, E = x.shape[0], self.top_k, self.num_experts
         if replay_ids is not None:  # a schedule's ids (checked on the host, also in RouterReplay): no host read
@@ -216,7 +218,7 @@ class _Call:
     action: object  # RouterReplayAction to check replay data for, or None (live routing / recording)
 
 
-class RelibraMoELayer(MoELayer):
+class MegatronReplayMoE(MoELayer):
     """A Megatron ``MoELayer`` whose routed experts follow a relibra plan (see the module docstring).
 
     Built from a constructed Megatron ``MoELayer`` (:func:`swap_moe_layers` does it for a whole model): it
@@ -233,22 +235,39 @@ class RelibraMoELayer(MoELayer):
         layer_index: this layer's index among the model's MoE layers (the plan's ``l``).
         block_m: row block of relibra's grouped GEMM (None: chosen from the shapes, ``triton_kernels.heuristics``).
 
+    Or built by Megatron from a ``ModuleSpec`` (:func:`replay_layer_spec`): ``config``, ``submodules``,
+    ``layer_number`` and ``pg_collection`` are ``MoELayer``'s; Megatron's layer is built first (same weights as
+    the plain spec's, from the same seed), then adopted.
+
     ``forward(hidden_states [S, B, H], padding_mask=None) -> (output [S, B, H], None)``.
     """
 
-    def __init__(self, moe: MoELayer, *, gpus_per_node: int | None = None,
+    def __init__(self, moe: MoELayer | None = None, *, gpus_per_node: int | None = None,
                  replica_buffer: LayerSharedReplicaBuffer | None = None, layer_index: int | None = None,
-                 block_m: int | None = None) -> None:
+                 block_m: int | None = None, config=None, submodules=None, layer_number: int | None = None,
+                 pg_collection=None) -> None:
         _require_megatron()
+        if moe is not None:
+            self._adopt(moe, gpus_per_node, replica_buffer, layer_index, block_m)
+            return
+        # built from a ModuleSpec (replay_layer_spec): Megatron's own layer first, initialized as the plain spec's
+        if config is None or submodules is None:
+            raise TypeError("MegatronReplayMoE needs a built MoELayer, or the config and submodules of its ModuleSpec")
+        check_config(config)
+        moe = MoELayer(config, submodules, layer_number, pg_collection)
+        cuda = [p.device for p in moe.parameters() if p.is_cuda][:1]
+        with torch.random.fork_rng(devices=cuda):  # relibra's experts take Megatron's weights: the RNG stays as in
+            self._adopt(moe, gpus_per_node, replica_buffer, layer_index, block_m)  # the plain model's build
+
+    def _adopt(self, moe: MoELayer, gpus_per_node: int | None, replica_buffer: LayerSharedReplicaBuffer | None,
+               layer_index: int | None, block_m: int | None) -> None:
+        """Become the relibra layer of the built Megatron ``moe`` (see the class docstring)."""
         if not isinstance(moe, MoELayer):
             raise TypeError(f"expected a megatron.core MoELayer, got {type(moe).__name__}")
         config = moe.config
         check_config(config)
         nn.Module.__init__(self)
-        # plain attributes of the Megatron layer (config, layer_number, process groups, recompute flags, ...)
-        for key, value in moe.__dict__.items():
-            if not key.startswith("_") and not isinstance(value, nn.Module):
-                self.__dict__[key] = value
+        adopt_layer_attributes(self, moe)  # config, layer_number, process groups, recompute flags, ...
         self.router = moe.router
         self.shared_experts = moe.shared_experts
         self.experts = None
@@ -501,7 +520,7 @@ def _merge_experts(loaded: dict, *, glu: bool) -> torch.Tensor:
     return torch.stack(rows).transpose(1, 2).contiguous()
 
 
-def expert_state_dict(layer: RelibraMoELayer) -> dict[str, torch.Tensor]:
+def expert_state_dict(layer: MegatronReplayMoE) -> dict[str, torch.Tensor]:
     """This rank's home experts in Megatron ``SequentialMLP`` names and layout, for checkpoints.
 
     Keys ``local_experts.{i}.linear_fc1.weight`` (``[2F, H]``) / ``linear_fc2.weight`` (``[H, F]``) for the
@@ -526,28 +545,30 @@ def megatron_moe_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def _relibra_layers(model: nn.Module) -> list[RelibraMoELayer]:
-    layers = [m for m in model.modules() if isinstance(m, RelibraMoELayer)]
+def _relibra_layers(model: nn.Module) -> list[MegatronReplayMoE]:
+    layers = [m for m in model.modules() if isinstance(m, MegatronReplayMoE)]
     if not layers:
-        raise ValueError("the model has no RelibraMoELayer: call swap_moe_layers(model) first")
+        raise ValueError("the model has no MegatronReplayMoE: call swap_moe_layers(model) first")
     return layers
 
 
 def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: int | None = None,
-                    block_m: int | None = None) -> list[RelibraMoELayer]:
-    """Replace every Megatron ``MoELayer`` of a built model by a :class:`RelibraMoELayer` (same weights).
+                    block_m: int | None = None) -> list[MegatronReplayMoE]:
+    """Replace every Megatron ``MoELayer`` of a built model by a :class:`MegatronReplayMoE` (same weights).
 
     ``replica_slots``: r replica slots per rank, one :class:`LayerSharedReplicaBuffer` shared by all the
     model's MoE layers; at most ``E - E / EP`` (``PlanError`` above it, as ``Planner``: at EP 1 there is
     nothing to replicate). ``gpus_per_node``: ranks per node of the EP group. Layer ``l`` (module order) is
     the plan's MoE layer ``l``. Call it on every rank (a collective on the EP group: the dispatcher's
     node sub-groups), after moving the model to its device and dtype, before building the optimizer.
-    Returns the new layers.
+    Layers Megatron built as :class:`MegatronReplayMoE` (:func:`replay_layer_spec`) stay; they get their index
+    and the replica buffer here. Returns the model's relibra layers.
     """
     _require_megatron()
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, MoELayer) and not isinstance(child, RelibraMoELayer)]
-    if not targets:
+               if isinstance(child, MoELayer)]
+    if not targets or (all(isinstance(c, MegatronReplayMoE) and c.relibra.layer_index is not None
+                           for _, _, c in targets)):
         raise ValueError("the model has no megatron.core MoELayer to swap")
     check_int("replica_slots", replica_slots, 0, error=ValueError)
     first = targets[0][2]
@@ -556,8 +577,12 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
     buf = None
     out = []
     for i, (parent, name, child) in enumerate(targets):
-        layer = RelibraMoELayer(child, gpus_per_node=gpus_per_node, replica_buffer=None, layer_index=i,
-                                block_m=block_m)
+        if isinstance(child, MegatronReplayMoE):  # built by replay_layer_spec: its index and the buffer come here
+            layer = child
+            layer.relibra.layer_index = i
+        else:
+            layer = MegatronReplayMoE(child, gpus_per_node=gpus_per_node, replica_buffer=None, layer_index=i,
+                                      block_m=block_m)
         if replica_slots and buf is None:
             buf = LayerSharedReplicaBuffer.for_experts(layer.relibra.experts, replica_slots)
         if buf is not None:
@@ -566,6 +591,25 @@ def swap_moe_layers(model: nn.Module, *, replica_slots: int = 0, gpus_per_node: 
         setattr(parent, name, layer)
         out.append(layer)
     return out
+
+
+def replay_layer_spec(layer_spec, *, gpus_per_node: int | None = None, block_m: int | None = None):
+    """Megatron's transformer layer ``ModuleSpec`` (e.g. ``get_gpt_layer_local_spec(num_experts=E)``) with its MoE
+    layer built as a :class:`MegatronReplayMoE` (``gpus_per_node`` and ``block_m`` as for it): Megatron's
+    spec-based construction, for a model built with relibra's layers from the start (``GPTModel(config,
+    replay_layer_spec(spec), ...)``; then :func:`swap_moe_layers` gives the layers their plan index and the
+    replica slots). A copy: ``layer_spec`` is not changed. ``ValueError`` when its ``mlp`` is not an ``MoELayer``."""
+    import dataclasses
+
+    _require_megatron()
+    mlp = getattr(getattr(layer_spec, "submodules", None), "mlp", None)
+    module = getattr(mlp, "module", None)
+    if not (isinstance(module, type) and issubclass(module, MoELayer)):
+        raise ValueError(f"the layer spec's mlp builds {getattr(module, '__name__', module)!r}, not a megatron.core "
+                         "MoELayer: build the spec with num_experts")
+    params = dict(mlp.params, gpus_per_node=gpus_per_node, block_m=block_m)
+    new_mlp = dataclasses.replace(mlp, module=MegatronReplayMoE, params=params)
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=new_mlp))
 
 
 # ---------------------------------------------------------------------------------------------- capture
@@ -618,7 +662,7 @@ class MegatronRoutingRecorder:
         for layer in self.layers:
             layer.router.router_replay.clear_indices()
             layer.router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
-            if isinstance(layer, RelibraMoELayer):
+            if isinstance(layer, MegatronReplayMoE):
                 layer._replaying = False
         return self
 
@@ -799,7 +843,7 @@ def replay_micro_batch(model: nn.Module, per_layer_ids: Sequence[torch.Tensor] |
         layer._arm_from_router = per_layer_ids is None
 
 
-def _check_no_padding(layer: RelibraMoELayer, ids: object) -> None:
+def _check_no_padding(layer: MegatronReplayMoE, ids: object) -> None:
     """``ReplayError`` for a ``-1`` (or negative) id in ``ids [T, k]``: Megatron's RouterReplay has no padding id.
     Read on the host once per micro-batch (the schedule copies the ids there anyway); other defects are named
     by the schedule's checks."""
@@ -811,7 +855,7 @@ def _check_no_padding(layer: RelibraMoELayer, ids: object) -> None:
                           "Megatron's RouterReplay has no padding id")
 
 
-def _schedule_layers(layers: Sequence[RelibraMoELayer], ids: list | None, plan: BatchPlan | None,
+def _schedule_layers(layers: Sequence[MegatronReplayMoE], ids: list | None, plan: BatchPlan | None,
                      micro_batch: int | None, error: ReplayError | PlanError | None,
                      built: list[LayerReplay] | None = None) -> None:
     """Build (or take ``built``), check, agree (one collective for all layers) and upload every layer's schedule
@@ -826,7 +870,7 @@ def _ahead_key(batch: TraceBatch, plan: BatchPlan, micro_batch: int) -> tuple:
     return ("megatron", id(batch), id(plan), int(micro_batch), _expert_parallel_rank())
 
 
-def _take_ahead(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: TraceBatch | None, plan: BatchPlan | None,
+def _take_ahead(model: nn.Module, layers: Sequence[MegatronReplayMoE], batch: TraceBatch | None, plan: BatchPlan | None,
                 micro_batch: int | None, ids: list) -> list[LayerReplay] | None:
     """The states built ahead for this micro-batch of ``batch`` when they were built from ``ids`` (host compare),
     else ``None``."""
@@ -843,7 +887,7 @@ def _take_ahead(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: Trac
     return states
 
 
-def _build_next(model: nn.Module, layers: Sequence[RelibraMoELayer], batch: TraceBatch | None, plan: BatchPlan | None,
+def _build_next(model: nn.Module, layers: Sequence[MegatronReplayMoE], batch: TraceBatch | None, plan: BatchPlan | None,
                 micro_batch: int | None, layout: str = "packed") -> None:
     """With ``batch`` and a ``BatchPlan``: start building micro-batch ``micro_batch + 1``'s states in the background
     thread (:func:`~relibra_moe.layers.replay.build_ahead`)."""
@@ -868,7 +912,7 @@ def stop_replay(model: nn.Module) -> None:
         layer.router.router_replay.clear_router_replay_action()
 
 
-def _check_plan(layers: Sequence[RelibraMoELayer], plan: BatchPlan) -> None:
+def _check_plan(layers: Sequence[MegatronReplayMoE], plan: BatchPlan) -> None:
     """PlanError naming the setting when ``plan`` was made for another model or EP group."""
     if not isinstance(plan, BatchPlan):
         raise PlanError(f"plan must be a BatchPlan, got {type(plan).__name__}")
@@ -964,3 +1008,8 @@ def relayout(model: nn.Module, placement: Placement | BatchPlan | np.ndarray,
     for layer in layers:
         layer._recompute.clear()
     return out
+
+
+#: Deprecated names (the swapped blocks are named ``<Framework>ReplayMoE``): still importable, with a warning.
+DEPRECATED_NAMES = {"MegatronReplayMoE": "MegatronReplayMoE"}
+__getattr__ = deprecated_names(__name__, DEPRECATED_NAMES, globals())

@@ -53,8 +53,9 @@ from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import check_replay_ids
 from ..triton_kernels.grouped_gemm import grouped_mm
 from ..triton_kernels.routing import RoutingMeta
+from .adopted import AdoptedBlockMoE, RouterTuple, keep_home_rows
 from .hf_families import Family
-from .hf_layer import _RouterTuple, _subclass
+from .upstream_torchtitan import as_grouped_experts, as_titan_module, forces_load_balance, replay_router
 
 __all__ = ["TorchtitanReplayMoE", "TITAN_FAMILY", "clip_grad_norm_", "is_titan_moe", "keep_load_balance_counts",
            "parallel_dims_error", "reduce_expert_grads", "register_expert_grad_reduction", "titan_gates",
@@ -94,19 +95,20 @@ SWAPPED_TITAN_FAMILY = Family("torchtitan", "MoE", "router", titan_gates, _titan
 
 class _TitanRouterMixin:
     """Adds ``replay_ids`` to torchtitan's router; ``x [T, D]`` in, ``(scores [T, E], gates [T, k], ids [T, k])``
-    out (a ``RouterOutput``-like tuple). The block sets ``_expert_bias`` (its ``expert_bias_E``) before a forward."""
+    out (a ``RouterOutput``-like tuple). The block sets ``block_expert_bias`` (its ``expert_bias_E``) before a
+    forward."""
 
     name: str = "moe"
+    block_expert_bias: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None, **_: Any) -> _RouterTuple:
-        bias = self.__dict__.get("_expert_bias")
-        topk_scores, topk_ids, scores = super().forward(x.unsqueeze(0), bias)
+    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None, **_: Any) -> RouterTuple:
+        topk_scores, topk_ids, scores = super().forward(x.unsqueeze(0), self.block_expert_bias)
         scores, gates, ids = scores[0], topk_scores[0], topk_ids[0]
         if replay_ids is not None:
             ids = check_replay_ids(replay_ids.to(scores.device), scores.shape[0], self.top_k, self.num_experts,
                                    self.name)
             gates = titan_gates(self, scores, ids)
-        return _RouterTuple((scores, gates, ids.long()))
+        return RouterTuple((scores, gates, ids.long()))
 
 
 class _TitanExpertsMixin(GroupedExperts):
@@ -149,7 +151,7 @@ def titan_replica_buffer(block: nn.Module, slots: int) -> LayerSharedReplicaBuff
                                     shapes=shapes)
 
 
-class TorchtitanReplayMoE(ReplayBalancedMoE):
+class TorchtitanReplayMoE(AdoptedBlockMoE):
     """torchtitan's ``MoE`` block running as a :class:`ReplayBalancedMoE` (see the module docstring).
 
     Args:
@@ -160,8 +162,11 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
     ``forward(x [B, L, D]) -> [B, L, D]``.
     """
 
-    swapped_moe_block = True  # marks the blocks swap_moe_blocks makes
+    framework = "torchtitan"
     family = SWAPPED_TITAN_FAMILY
+    _parallelized = False  # set by parallelize (torchtitan's Module declares the same flag)
+    _expert_dp_groups: tuple = ()  # set by parallelize: groups of ranks holding the same experts
+    _expert_grads_reduced = False  # set by register_expert_grad_reduction
     experts_path = "routed_experts.inner_experts"  # where full_state_dict finds the expert parameters
 
     def __init__(self, block: nn.Module, layer_id: int, layer_index: int, *, ep_group: Any = None,
@@ -170,7 +175,7 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
         if not is_titan_moe(block):
             raise ValueError(f"{type(block).__module__}.{type(block).__name__} is not torchtitan's MoE block")
         router, experts = block.router, block.routed_experts.inner_experts
-        if getattr(router, "_debug_force_load_balance", False):
+        if forces_load_balance(router):
             raise ValueError("torchtitan's _debug_force_load_balance routing is not supported by the swapped block")
         E, k = int(router.num_experts), int(router.top_k)
         hidden, ffn = int(experts.w1_EFD.shape[2]), int(experts.w1_EFD.shape[1])
@@ -180,53 +185,26 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
         G, rank = dispatcher.world_size, dispatcher.rank
         if E % G:
             raise ValueError(f"num_experts={E} is not divisible by the EP group size {G}")
-        router.__class__ = _subclass(_TitanRouterMixin, type(router))
-        experts.__class__ = _subclass(_TitanExpertsMixin, type(experts))
-        if G > 1:  # keep the rows of this rank's home experts (the static placement e // (E/G))
-            home = torch.arange(rank * (E // G), (rank + 1) * (E // G), device=experts.w1_EFD.device)
-            for pname in TITAN_EXPERT_TENSORS:
-                p = getattr(experts, pname)
-                setattr(experts, pname, nn.Parameter(p.detach().index_select(0, home).clone(),
-                                                     requires_grad=p.requires_grad))
+        replay_router(router, _TitanRouterMixin)
+        as_grouped_experts(experts, _TitanExpertsMixin)
+        keep_home_rows(experts, TITAN_EXPERT_TENSORS, rank, E, G)
         super().__init__(hidden, ffn, E, k, ep_group=ep_group, gpus_per_node=gpus_per_node,
                          replica_buffer=replica_buffer, router=router, shared_expert=None, layer_index=layer_index,
                          dispatcher=dispatcher, experts=experts, router_attr="router")
         self.layer_id = int(layer_id)
         self.load_balance_coeff = block.load_balance_coeff
-        # torchtitan's submodules under their names and in their order; expert_gpu is not torchtitan state
-        expert_gpu = self._buffers.pop("expert_gpu")
-        self._modules.clear()
-        for name, child in block.named_children():
-            self._modules[name] = child
-        for name, buf in block.named_buffers(recurse=False):
-            persistent = name not in block._non_persistent_buffers_set
-            self.register_buffer(name, buf, persistent=persistent)
+        self.adopt(block, buffers=True)  # torchtitan's submodules and buffers under their names, in their order
         if "expert_bias_E" not in self._buffers:
             self.expert_bias_E = None
-        self.register_buffer("expert_gpu", expert_gpu, persistent=False)
         self.train(block.training)
         install_sharded_state_dict(self)  # under EP, state_dict() describes every expert to DCP
-        self.__class__ = _titan_module_class(type(self))  # a torchtitan Module: init_states, parallelize
+        as_titan_module(self)  # a torchtitan Module: init_states, parallelize
 
     @property
     def experts(self) -> nn.Module:
         """torchtitan's ``GroupedExperts`` (``routed_experts.inner_experts``), the layer's experts."""
-        mods = self.__dict__["_modules"]
+        mods = self._modules
         return mods["routed_experts"].inner_experts if "routed_experts" in mods else mods["experts"]
-
-    @property
-    def shared_expert(self) -> None:
-        """None: this block adds torchtitan's ``shared_experts`` itself, after the routed experts."""
-        return None
-
-    @shared_expert.setter
-    def shared_expert(self, value: Any) -> None:
-        if value is not None:
-            raise ValueError("TorchtitanReplayMoE applies torchtitan's own shared_experts")
-
-    def extra_repr(self) -> str:
-        return (f"torchtitan, layer_id={self.layer_id}, E={self.num_experts}, k={self.top_k}, "
-                f"rank={self.rank}/{self.world_size}")
 
     # ------------------------------------------------------------ torchtitan's Module protocol
     def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
@@ -259,7 +237,7 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
         """
         import torch.distributed as dist
 
-        if self.__dict__.get("_parallelized"):
+        if self._parallelized:
             raise ValueError(f"{self.name}: TorchtitanReplayMoE has already been parallelized")
         error = parallel_dims_error(self, parallel_dims)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -281,12 +259,12 @@ class TorchtitanReplayMoE(ReplayBalancedMoE):
             fully_shard(experts, mesh=parallel_dims.world_mesh, ignored_params=set(experts.parameters()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.__dict__.get("_expert_dp_groups") and not self.__dict__.get("_expert_grads_reduced") \
+        if self._expert_dp_groups and not self._expert_grads_reduced \
                 and self.training and torch.is_grad_enabled():
             raise ValueError(f"{self.name}: {len(self._expert_dp_groups)} mesh dimension(s) of ranks hold the same "
                              "experts and nothing sums their gradients: register_expert_grad_reduction(optimizers, "
                              "model_parts) (replay_model_spec does)")
-        self.router.__dict__["_expert_bias"] = self._buffers.get("expert_bias_E")
+        self.router.block_expert_bias = self._buffers.get("expert_bias_E")
         out = super().forward(x)
         ids = self.last_routing
         if self.training:
@@ -358,7 +336,7 @@ def reduce_expert_grads(model_parts: nn.Module | list[nn.Module]) -> None:
     import torch.distributed as dist
 
     for blk in _swapped_blocks(model_parts):
-        groups = blk.__dict__.get("_expert_dp_groups") or []
+        groups = blk._expert_dp_groups
         for p in blk.experts.expert_tensors() if groups else ():
             g = p.grad
             if g is None or getattr(g, "_relibra_reduced_at", None) == g._version:
@@ -387,22 +365,6 @@ def _parallelize_titan(module: nn.Module, parallel_dims: Any) -> None:
     else:
         for child in module.children():
             _parallelize_titan(child, parallel_dims)
-
-
-_TITAN_CLASSES: dict[type, type] = {}
-
-
-def _titan_module_class(cls: type) -> type:
-    """``cls`` with torchtitan's ``Module`` as a further base (after ``ReplayBalancedMoE`` in the MRO): torchtitan's
-    ``init_states`` and ``parallelize`` recurse into its Module children only, so the block must be one."""
-    from torchtitan.protocols.module import Module
-
-    if issubclass(cls, Module):
-        return cls
-    if cls not in _TITAN_CLASSES:
-        _TITAN_CLASSES[cls] = type(cls.__name__, (cls, Module), {"__module__": cls.__module__,
-                                                                 "__qualname__": cls.__qualname__})
-    return _TITAN_CLASSES[cls]
 
 
 def keep_load_balance_counts(block: nn.Module) -> list[Any]:

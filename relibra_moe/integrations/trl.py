@@ -71,6 +71,7 @@ from ..layers.expert_sharding import gather_optimizer_state, local_optimizer_sta
 from ..layers.moe import moe_layers
 from ..layers.relayout import relayout
 from ..layers.replay import UNROUTED, replay
+from ..layers.upstream_torch import default_store
 from ..plan import BatchPlan, Placement
 from ..planners.service import Planner
 from ..planners.strategies import plan_batch
@@ -150,23 +151,15 @@ def _synced_generate(model: nn.Module, on: bool) -> Iterator[None]:
     if not on:
         yield
         return
-    had = "generate" in model.__dict__
-    previous = model.__dict__.get("generate")
-    model.generate = functools.partial(model.generate, synced_gpus=True)
-    try:
+    with _patched(model, "generate", functools.partial(model.generate, synced_gpus=True)):
         yield
-    finally:
-        if had:
-            model.generate = previous
-        else:
-            del model.generate
 
 
 @contextlib.contextmanager
 def _patched(obj: Any, name: str, fn: Callable) -> Iterator[None]:
     """Within the block, ``obj.name`` is ``fn`` (an instance attribute; the class's method afterwards)."""
-    had = name in obj.__dict__
-    previous = obj.__dict__.get(name)
+    had = name in vars(obj)  # an instance attribute before: put it back; else delete ours (the class's shows again)
+    previous = vars(obj).get(name)
     setattr(obj, name, fn)
     try:
         yield
@@ -461,7 +454,7 @@ class ReplayGRPOTrainer(GRPOTrainer):
             return
         from datetime import timedelta
 
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         key = f"relibra/save/{self._save_calls}/".__add__
         store.set(key(str(self.rank)), what)
         try:

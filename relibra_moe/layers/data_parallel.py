@@ -37,11 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ReplayError
+from .upstream_torch import DDP_IGNORE_ATTR, active_ddp_module, ddp_ignored_names
 
 __all__ = ["check_data_parallel", "clip_grad_norm_", "expert_parameters", "mark_experts_for_ddp", "use_global_clip"]
-
-_IGNORE = "_ddp_params_and_buffers_to_ignore"
-
 
 def _ep_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, layer)`` of every expert-parallel layer of ``model`` with more than one rank (module order):
@@ -71,9 +69,9 @@ def mark_experts_for_ddp(model: nn.Module) -> list[str]:
             owner = model.get_submodule(".".join(parts[:depth])) if depth else model
             prefix = ".".join(parts[depth:])
             names = [f"{prefix}.{n}" if prefix else n for n in local]
-            have = list(getattr(owner, _IGNORE, []))
+            have = list(getattr(owner, DDP_IGNORE_ATTR, []))
             new = [n for n in names if n not in have]
-            setattr(owner, _IGNORE, have + new)
+            setattr(owner, DDP_IGNORE_ATTR, have + new)
             if depth == 0:
                 added += new
     return added
@@ -93,15 +91,13 @@ def check_data_parallel(layer: nn.Module) -> None:
     (see the module docstring). Cheap after the first call per DDP wrapper."""
     if layer.world_size <= 1:
         return
-    cls = _ddp_class()
-    active = getattr(cls, "_get_active_ddp_module", None) if cls is not None else None
-    ddp = active() if active is not None else None
+    ddp = active_ddp_module()
     if ddp is None:
         return
-    seen = layer.__dict__.get("_ddp_seen")  # weakref to the DDP wrapper already checked
+    seen = getattr(layer, "_ddp_seen", None)  # weakref to the DDP wrapper already checked
     if seen is None or seen() is not ddp:
         mine = {id(p) for p in layer.experts.expert_tensors()}
-        ignored = set(getattr(ddp, "parameters_to_ignore", ()))
+        ignored = ddp_ignored_names(ddp)
         managed = [n for n, p in ddp.module.named_parameters() if id(p) in mine and n not in ignored]
         if managed:
             raise ReplayError(
@@ -117,18 +113,20 @@ def check_data_parallel(layer: nn.Module) -> None:
                               f"{layer.world_size}; expert shards replicated over data-parallel ranks are not "
                               "supported (use one group for both)")
         layer.dp_grad_scale = 1.0 / D
-        layer.__dict__["_ddp_seen"] = weakref.ref(ddp)
+        layer._ddp_seen = weakref.ref(ddp)
     _hook_expert_grads(layer)
 
 
 def _hook_expert_grads(layer: nn.Module) -> None:
     """Install (once per parameter object) the hook multiplying expert gradients by ``layer.dp_grad_scale``."""
-    hooked = layer.__dict__.setdefault("_dp_hooked", {})
+    hooked = getattr(layer, "_dp_hooked", None)
+    if hooked is None:
+        hooked = layer._dp_hooked = {}
     ref = weakref.ref(layer)
 
     def scale(grad: torch.Tensor) -> torch.Tensor:
         owner = ref()
-        s = 1.0 if owner is None else float(owner.__dict__.get("dp_grad_scale", 1.0))
+        s = 1.0 if owner is None else float(getattr(owner, "dp_grad_scale", 1.0))
         return grad if s == 1.0 else grad * s
 
     for p in layer.experts.expert_tensors():

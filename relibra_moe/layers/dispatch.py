@@ -48,6 +48,7 @@ import torch.distributed as dist
 from ..errors import ReplayError
 from ..spec_sources import ep_process_group, is_device_mesh  # noqa: F401  (re-exported: the layer's EP group)
 from ..validate import check_positive
+from .upstream_torch import default_store
 
 try:  # optional: DeepEP (https://github.com/deepseek-ai/DeepEP), GPU only
     import deep_ep  # type: ignore[import-not-found]
@@ -112,7 +113,7 @@ def _where() -> tuple[str, str]:
 
 def _store():
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except Exception:  # noqa: BLE001 - no store: notices are not posted, the deadline still applies
         return None
 

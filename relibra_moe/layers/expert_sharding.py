@@ -45,6 +45,7 @@ from torch import nn
 
 from ..errors import PlanError
 from .moe import ReplayBalancedMoE, moe_layers
+from .upstream_torch import refresh_sharded_tensor, sharded_tensor
 
 __all__ = ["ExpertShard", "expert_shards", "gather_experts", "gather_optimizer_state", "install_sharded_checkpoints",
            "install_sharded_optimizer_state", "install_sharded_state_dict", "local_experts", "local_optimizer_state",
@@ -147,7 +148,7 @@ def to_sharded_tensor(local: torch.Tensor, shard: ExpertShard, cls: type | None 
     Needs an initialized process group when ``world_size > 1``. ``cls``: a ShardedTensor subclass to build.
     """
     from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor import Shard
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
     shard.check_local(local)
@@ -166,11 +167,7 @@ def to_sharded_tensor(local: torch.Tensor, shard: ExpertShard, cls: type | None 
                              memory_format=torch.contiguous_format, pin_memory=False)
     global_md = ShardedTensorMetadata(shards_metadata=[meta(e) for e in range(shard.num_experts)],
                                       size=torch.Size(shard.global_shape(data.shape)), tensor_properties=props)
-    out = ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_md,
-                                                                    process_group=shard.group)
-    if cls is not None:
-        out.__class__ = cls  # (the constructor always builds a plain ShardedTensor)
-    return out
+    return sharded_tensor(local_shards, global_md, shard.group, cls)
 
 
 def _group_ranks(shard: ExpertShard) -> list[int]:
@@ -303,8 +300,7 @@ def install_sharded_state_dict(layer: ReplayBalancedMoE) -> None:
         if old is None or tuple(old.size()) != tuple(new.size()) or old.dtype != new.dtype:
             views[key] = new
             return new
-        old.__dict__.update(new.__dict__)
-        return old
+        return refresh_sharded_tensor(old, new)
 
     def post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         if layer.world_size <= 1:

@@ -461,3 +461,35 @@ def test_the_module_map_lists_every_module_at_its_floor():
     assert len(listed) > 60, listed  # the parse found the tree
     assert sorted(set(listed) ^ existing) == []
     assert {m: f for m, f in listed.items() if f != floor_of(m)} == {}
+
+
+#: Package modules without a test file of their own (a folder: a trailing ``/``): the Triton kernels, which only
+#: their host module launches (``triton_kernels/<name>.py``, tested in ``tests/triton_kernels/test_<name>.py``).
+NO_TEST_FILE = frozenset({"triton_kernels/_details/"})
+
+
+def untested_modules(pkg: Path, tests: Path) -> list[str]:
+    """Package modules (``__init__`` and ``__main__`` aside) with no ``tests/<dirs>/test_<name>.py``."""
+    out = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg)
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        if not tests.joinpath(*rel.parts[:-1], f"test_{rel.name}").is_file():
+            out.append(rel.as_posix())
+    return out
+
+
+def test_every_module_has_a_test_file():
+    allowed = [m for m in untested_modules(PKG, TESTS) if any(m.startswith(a) for a in NO_TEST_FILE)]
+    assert [m for m in untested_modules(PKG, TESTS) if m not in allowed] == []
+
+
+def test_the_test_file_check_flags_a_module_without_one(tmp_path):
+    pkg, tests = tmp_path / "pkg", tmp_path / "tests"
+    for rel in ("a.py", "sub/b.py", "sub/__init__.py", "__main__.py"):
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text("")
+    (tests / "sub").mkdir(parents=True)
+    (tests / "sub" / "test_b.py").write_text("")
+    assert untested_modules(pkg, tests) == ["a.py"]

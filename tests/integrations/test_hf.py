@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 
 from relibra_moe.errors import ReplayError  # noqa: E402
 from relibra_moe.integrations.hf import (  # noqa: E402
-    ReplayMoEBlock,
+    HFLocalReplayMoE,
     RoutingRecorder,
     checkpoint_state_dict,
     full_state_dict,
@@ -42,7 +42,7 @@ from relibra_moe.integrations.hf import (  # noqa: E402
     replay,
     swap_moe_blocks,
 )
-from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE  # noqa: E402
+from relibra_moe.integrations.hf_layer import HFReplayMoE  # noqa: E402
 from relibra_moe.integrations.hf_tiny import FAMILIES, tiny_model  # noqa: E402
 from relibra_moe.layers.moe import ReplayBalancedMoE  # noqa: E402
 from relibra_moe.layers.router import LIVE, TopKRouter, check_replay_ids  # noqa: E402
@@ -56,7 +56,7 @@ NEW = 5
 # deepseek_v3: first_k_dense_replace = 1)
 EXPECTED_LAYERS = {"qwen3_moe": [0, 2], "deepseek_v3": [1, 2]}
 HAS_AUX = [f for f in FAMILIES if f != "deepseek_v3"]  # DeepSeek-V3 in transformers has no aux loss
-SWAPPED = (ReplayMoEBlock, HFReplayBalancedMoE)
+SWAPPED = (HFLocalReplayMoE, HFReplayMoE)
 
 
 #: Tests that run the layer's ops on the default backend (the Triton interpreter on CPU) end to end.
@@ -332,7 +332,7 @@ def test_replayed_routing_is_followed(backend):
 def test_gpt_oss_runs_as_the_layer_with_replica_slots():
     """GPT-OSS swaps into the layer (four per-expert tensors) with a replica buffer sized for them; the
     single-process 'local' backend takes no replica slots."""
-    from relibra_moe.integrations.hf_layer import HFReplayBalancedMoE, HFReplicaBuffer, hf_replica_buffer
+    from relibra_moe.integrations.hf_layer import HFReplayMoE, HFReplicaBuffer, hf_replica_buffer
 
     model = tiny_model("gpt_oss")
     with torch.no_grad():
@@ -343,7 +343,7 @@ def test_gpt_oss_runs_as_the_layer_with_replica_slots():
     buf = hf_replica_buffer(moe_blocks(model)[0][2], 2)  # the buffer a 2-rank swap would allocate
     swap_moe_blocks(model)
     blocks = [b for _, _, b in moe_blocks(model)]
-    assert all(isinstance(b, HFReplayBalancedMoE) for b in blocks)
+    assert all(isinstance(b, HFReplayMoE) for b in blocks)
     assert isinstance(buf, HFReplicaBuffer)
     assert buf.names == ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
     assert buf.shapes == ((32, 32), (32,), (16, 32), (32,))  # H=32, 2I=32 interleaved, I=16
@@ -367,7 +367,7 @@ def test_a_failed_swap_leaves_the_model_untouched_and_a_retry_works(monkeypatch)
         ref = model(PROMPTS, attention_mask=MASK).logits
     before = [(name, b, type(b), {n: type(m) for n, m in b.named_modules()}) for _, name, b in moe_blocks(model)]
     params = {n: p for n, p in model.named_parameters()}
-    real = hf_mod.HFReplayBalancedMoE
+    real = hf_mod.HFReplayMoE
     calls = [0]
 
     def fail_second(*args, **kwargs):
@@ -376,7 +376,7 @@ def test_a_failed_swap_leaves_the_model_untouched_and_a_retry_works(monkeypatch)
             raise RuntimeError("injected failure in the second block")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(hf_mod, "HFReplayBalancedMoE", fail_second)
+    monkeypatch.setattr(hf_mod, "HFReplayMoE", fail_second)
     with pytest.raises(RuntimeError, match="injected"):
         swap_moe_blocks(model)
     assert calls[0] == 2 and len(before) >= 2
@@ -385,7 +385,7 @@ def test_a_failed_swap_leaves_the_model_untouched_and_a_retry_works(monkeypatch)
     assert {n: p for n, p in model.named_parameters()} == params
     with torch.no_grad():
         assert torch.equal(model(PROMPTS, attention_mask=MASK).logits, ref)
-    monkeypatch.setattr(hf_mod, "HFReplayBalancedMoE", real)
+    monkeypatch.setattr(hf_mod, "HFReplayMoE", real)
     swap_moe_blocks(model)
     assert all(isinstance(b, real) for _, _, b in moe_blocks(model))
     with torch.no_grad():
@@ -409,7 +409,7 @@ def test_local_backend_is_the_hf_model():
     with torch.no_grad():
         ref = model(PROMPTS, attention_mask=MASK).logits
     swap_moe_blocks(model, backend="local")
-    assert all(isinstance(b, ReplayMoEBlock) for _, _, b in moe_blocks(model))
+    assert all(isinstance(b, HFLocalReplayMoE) for _, _, b in moe_blocks(model))
     with torch.no_grad():
         out = model(PROMPTS, attention_mask=MASK).logits
     assert (out - ref).abs().max().item() <= 1e-5

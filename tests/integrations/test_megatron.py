@@ -5,7 +5,7 @@ a token's live routing does not depend on which micro-batch or rank it runs in: 
 after planning (new expert homes, replicas, samples moved to other ranks and micro-batches) must equal
 its outputs at recording time, and the replayed routing must be the recorded one.
 
-RelibraMoELayer against Megatron-core's own MoELayer (fp32, gloo, 2 and 4 processes).
+MegatronReplayMoE against Megatron-core's own MoELayer (fp32, gloo, 2 and 4 processes).
 
 On the same replayed routing (Megatron's RouterReplay), the relibra-backed layer, with a random expert
 placement and a replica plan that splits a hot expert's tokens between its home and a replica, gives
@@ -279,15 +279,15 @@ def _bad_input(rank: int, world: int) -> None:
         moe = mc2.moe_layer(cfg)
         cfg.moe_router_fusion = True
         with pytest.raises(ReplayError, match="moe_router_fusion=True"):
-            rm.RelibraMoELayer(moe)
+            rm.MegatronReplayMoE(moe)
         cfg.moe_router_fusion = False
         cfg.moe_enable_routing_replay = False
         with pytest.raises(ReplayError, match="moe_enable_routing_replay=False"):
-            rm.RelibraMoELayer(moe)
+            rm.MegatronReplayMoE(moe)
         cfg.moe_enable_routing_replay = True
         cfg.moe_expert_capacity_factor = 1.0
         with pytest.raises(ValueError, match="moe_expert_capacity_factor=1.0"):
-            rm.RelibraMoELayer(moe)
+            rm.MegatronReplayMoE(moe)
     finally:
         mc.destroy_megatron()
 
@@ -357,7 +357,7 @@ def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, rec
         twin = mc.moe_layer(cfg)
         twin.load_state_dict(ref.state_dict())
         buf = LayerSharedReplicaBuffer(H, F, 1)
-        layer = rm.RelibraMoELayer(twin, gpus_per_node=gpus_per_node, replica_buffer=buf, layer_index=0)
+        layer = rm.MegatronReplayMoE(twin, gpus_per_node=gpus_per_node, replica_buffer=buf, layer_index=0)
         hot = np.array([np.random.default_rng(seed).integers(E)])
         plan = hot_replica_plan(1, E, world, gpus_per_node, hot, seed)
         rm.relayout(layer, plan)
@@ -581,7 +581,7 @@ def held_experts(model, optimizer=None) -> dict:
 
     out = {}
     for moe in rm.megatron_moe_layers(model):
-        if isinstance(moe, rm.RelibraMoELayer):
+        if isinstance(moe, rm.MegatronReplayMoE):
             ex = moe.relibra.experts
             for i, e in enumerate(moe.relibra.home_experts.tolist()):
                 out[(moe.layer_number, e)] = (t(ex.w_gate_up)[i].t(), t(ex.w_down)[i].t())
@@ -866,7 +866,7 @@ def _scheduled_no_sync(rank: int, world: int, recompute: bool) -> None:
         seed_experts(ref, 7)
         twin = mc.moe_layer(cfg)
         twin.load_state_dict(ref.state_dict())
-        layer = rm.RelibraMoELayer(twin, layer_index=0)
+        layer = rm.MegatronReplayMoE(twin, layer_index=0)
         gen = torch.Generator().manual_seed(70 + rank)
         x, w = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
         ids = random_ids(S * B, 70 + rank)

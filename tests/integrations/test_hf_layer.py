@@ -1,0 +1,107 @@
+"""HFReplayMoE (relibra_moe/integrations/hf_layer.py) block by block against the plain HF block it was made from."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from relibra_moe.integrations.hf_families import family_of  # noqa: E402
+from relibra_moe.integrations.hf_layer import LAYER_FAMILIES, HFReplayMoE, hf_replica_buffer  # noqa: E402
+from relibra_moe.integrations.hf_tiny import tiny_model  # noqa: E402
+from relibra_moe.layers.moe import ReplayBalancedMoE  # noqa: E402
+from relibra_moe.layers.router import LIVE  # noqa: E402
+
+
+def _block(fam: str) -> nn.Module:
+    return next(m for m in tiny_model(fam).modules() if family_of(m) is not None)
+
+
+def _x(seed: int = 0) -> torch.Tensor:
+    return torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fam", LAYER_FAMILIES)
+def test_the_swapped_block_is_the_hf_block(fam):
+    """Same output (GPT-OSS: and router scores), same state dict, HF's router instance kept."""
+    hf = _block(fam)
+    plain = copy.deepcopy(hf)
+    router_cls = type(getattr(hf, family_of(hf).router_attr))
+    sd = {k: v.clone() for k, v in plain.state_dict().items()}
+    layer = HFReplayMoE(hf, layer_id=1, layer_index=0)
+    assert isinstance(layer, ReplayBalancedMoE) and layer.world_size == 1
+    assert isinstance(layer.router, router_cls)
+    assert list(layer.state_dict()) == list(sd)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    x = _x()
+    with torch.no_grad():
+        ref, out = plain(x), layer(x)
+    if fam == "gpt_oss":
+        (ref, ref_scores), (out, scores) = ref, out
+        assert scores.shape == ref_scores.shape == (10, 2)
+        torch.testing.assert_close(scores, ref_scores)
+        assert layer.router.last_gates is None  # cleared after the forward
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    counts = layer.last_expert_counts
+    assert int(counts.sum()) == 10 * 2 and counts.shape == (8,)
+
+
+def test_replayed_ids_are_followed_with_live_rows_routed_live():
+    """The router's ``replay_ids``: the given ids, HF's gate rule on the live logits; a LIVE row takes the live
+    top-k (float64 check of the gates: softmax of the logits at the ids, renormalized as Qwen3 does)."""
+    layer = HFReplayMoE(_block("qwen3_moe"), 1, 0)
+    x = _x()[0]
+    ids = torch.tensor([[0, 1], [7, 6], [LIVE, LIVE], [2, 5], [3, 3 + 1]])
+    with torch.no_grad():
+        live = layer.router(x)
+        out = layer.router(x, replay_ids=ids)
+    assert torch.equal(out.ids[[0, 1, 3, 4]], ids[[0, 1, 3, 4]]) and torch.equal(out.ids[2], live.ids[2])
+    p = torch.softmax(out.logits.double(), -1).gather(1, out.ids)
+    torch.testing.assert_close(out.gates.double(), p / p.sum(-1, keepdim=True), rtol=1e-6, atol=1e-7)
+    assert out.logits is out[0] and out.gates is out[1] and out.ids is out[2]
+
+
+@pytest.mark.parametrize("fam, names", [("qwen3_moe", {"w_gate_up": (3, 32, 32), "w_down": (3, 32, 16)}),
+                                        ("gpt_oss", {"gate_up_proj": (3, 32, 32), "gate_up_proj_bias": (3, 32),
+                                                     "down_proj": (3, 16, 32), "down_proj_bias": (3, 32)})])
+def test_replica_buffer_has_the_experts_layout(fam, names):
+    buf = hf_replica_buffer(_block(fam), 3)
+    assert buf.slots == 3
+    assert {n: tuple(getattr(buf, n).shape) for n in names} == names
+    assert buf.dtype == torch.float32
+
+
+def test_shared_experts_are_hf_outside_the_forward_and_refused_as_an_argument():
+    hf = _block("qwen2_moe")
+    shared = hf.shared_expert
+    layer = HFReplayMoE(hf, 0, 0)
+    assert layer.shared_expert is shared
+    other = HFReplayMoE(_block("qwen3_moe"), 0, 0)  # no shared expert: the property refuses one
+    assert other.shared_expert is None
+    with pytest.raises(ValueError, match="HF block's own shared experts"):
+        other.shared_expert = torch.relu
+    assert "family=qwen2_moe, layer_id=0, E=8, k=2, rank=0/1" in repr(layer)
+
+
+def test_a_block_of_no_layer_family_is_refused():
+    with pytest.raises(ValueError, match="cannot run as a ReplayBalancedMoE"):
+        HFReplayMoE(nn.Linear(2, 2), 0, 0)
+    with pytest.raises(ValueError, match="not a layer family block"):
+        hf_replica_buffer(nn.Linear(2, 2), 1)
+
+
+def test_the_old_name_is_a_deprecated_alias():
+    from relibra_moe.integrations import hf_layer
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert hf_layer.HFReplayBalancedMoE is HFReplayMoE
+    assert any(issubclass(x.category, DeprecationWarning) and "HFReplayMoE" in str(x.message) for x in w)
+    with pytest.raises(AttributeError):
+        hf_layer.NoSuchName  # noqa: B018
