@@ -1,7 +1,9 @@
 """Numba inner loops of the planners: incremental cost-model state and simulated annealing.
 
 Everything here works on float64 token counts (integers stored exactly, so incremental updates are
-exact) and mirrors ``relibra_moe.cost.cost_from_flow`` term by term. The per-GPU state of one MoE
+exact). The cost terms are ``relibra_moe.cost_terms``'s (compute, dispatch, comm, T_MoE), called per GPU, the same
+functions ``cost.cost_from_flow`` applies to arrays; the incremental states and the LSE smoothing are this
+module's own forms, pinned to ``cost.py`` term by term by ``tests/test_cost_terms.py``. The per-GPU state of one MoE
 layer (one micro-batch) is five vectors ``[G]``:
 
 - ``load[g]``  tokens computed on GPU g (sum of the flow column g),
@@ -22,6 +24,8 @@ import math
 
 import numpy as np
 from numba import njit
+
+from ..cost_terms import comm_seconds, compute_seconds, dispatch_seconds, t_moe_seconds
 
 # exp(-40) ~ 4e-18: terms further below the max than this contribute nothing at float64 precision
 _SKIP = 40.0
@@ -65,13 +69,13 @@ def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, bu
             v = 0.0
             for g in range(n * ns, n * ns + ns):
                 v += load[g]
-            buf[n] = cc * v / ns
+            buf[n] = compute_seconds(v, cc) / ns
             if buf[n] > cmax:
                 cmax = buf[n]
     else:
         nn = G
         for g in range(G):
-            buf[g] = cc * load[g]
+            buf[g] = compute_seconds(load[g], cc)
             if buf[g] > cmax:
                 cmax = buf[g]
     over = 0.0
@@ -80,10 +84,10 @@ def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, bu
     if not smooth:
         mm = -1e300
         for g in range(G):
-            t = max(max(nvtx[g] * tnv, nvrx[g] * tnv), max(rdtx[g] * trd, rdrx[g] * trd))
+            t = dispatch_seconds(nvtx[g], nvrx[g], rdtx[g], rdrx[g], tnv, trd)
             if t > mm:
                 mm = t
-        return cmax + over + 2.0 * mm
+        return t_moe_seconds(cmax + over, comm_seconds(mm))
     s = 0.0
     for g in range(nn):
         z = (buf[g] - cmax) * inv
@@ -97,7 +101,7 @@ def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, bu
         c = rdtx[g] * trd
         d = rdrx[g] * trd
         # cheap upper part first: LSE4 >= max, and the LSE over GPUs only needs the terms near the max
-        buf[g] = 2.0 * _lse4(a, b, c, d, inv)
+        buf[g] = comm_seconds(_lse4(a, b, c, d, inv))
         if buf[g] > mm:
             mm = buf[g]
     s = 0.0
@@ -105,7 +109,7 @@ def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, bu
         z = (buf[g] - mm) * inv
         if z > -_SKIP:
             s += math.exp(z)
-    return comp + mm + math.log(s) / inv
+    return comp + mm + math.log(s) / inv  # t_moe_seconds(comp, comm LSE), summed in recorded order
 
 
 @njit(cache=True)
@@ -127,6 +131,26 @@ def init_state(x, expert_gpu, nvm, rdm, st):
 
 
 @njit(cache=True)
+def _swap_deltas(x, a, ga, b, gb, nvm, rdm):
+    """Swapping experts a (on GPU ga) and b (on gb), ``d_j = x[j, b] - x[j, a]`` (source j's pairs that ga gains
+    and gb loses): ``(sd, nva, nvb, rda, rdb)``, the sum of ``d_j`` (ga's load change) and its sums over the
+    sources whose link to ga / gb rides NVLink / RDMA (their receive changes)."""
+    sd = 0.0
+    nva = 0.0
+    nvb = 0.0
+    rda = 0.0
+    rdb = 0.0
+    for j in range(x.shape[0]):
+        d = x[j, b] - x[j, a]
+        sd += d
+        nva += d * nvm[j, ga]
+        nvb += d * nvm[j, gb]
+        rda += d * rdm[j, ga]
+        rdb += d * rdm[j, gb]
+    return sd, nva, nvb, rda, rdb
+
+
+@njit(cache=True)
 def swap_state(x, a, ga, b, gb, nvm, rdm, st, out):
     """State ``out [5, G]`` after swapping experts a (on GPU ga) and b (on gb), from ``st``: O(G).
 
@@ -134,22 +158,13 @@ def swap_state(x, a, ga, b, gb, nvm, rdm, st, out):
     """
     G = x.shape[0]
     out[:, :] = st[:, :]
-    sd = 0.0
-    nva = 0.0
-    nvb = 0.0
-    rda = 0.0
-    rdb = 0.0
+    sd, nva, nvb, rda, rdb = _swap_deltas(x, a, ga, b, gb, nvm, rdm)
     for j in range(G):
         d = x[j, b] - x[j, a]  # ga gains b's tokens and loses a's; gb the opposite
         if d == 0.0:
             continue
-        sd += d
         out[1, j] += d * (nvm[j, ga] - nvm[j, gb])
         out[3, j] += d * (rdm[j, ga] - rdm[j, gb])
-        nva += d * nvm[j, ga]
-        nvb += d * nvm[j, gb]
-        rda += d * rdm[j, ga]
-        rdb += d * rdm[j, gb]
     out[0, ga] += sd
     out[0, gb] -= sd
     out[2, ga] += nva
@@ -159,24 +174,12 @@ def swap_state(x, a, ga, b, gb, nvm, rdm, st, out):
 
 
 @njit(cache=True)
-def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj, ns=1, cap=0.0, pen=0.0):
+def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, ns=1, cap=0.0, pen=0.0):
     """Exact T_MoE of one layer after swapping experts a (on ga) and b (on gb), without building the new
-    state (two O(G) passes, no copy); ``dj`` is a float64 scratch ``[G]``. Equals
+    state (two O(G) passes, no copy). Equals
     ``layer_objective(swap_state(...), smooth=False, ns=ns, cap=cap, pen=pen)``."""
     G = x.shape[0]
-    sd = 0.0
-    nva = 0.0
-    nvb = 0.0
-    rda = 0.0
-    rdb = 0.0
-    for j in range(G):
-        d = x[j, b] - x[j, a]
-        dj[j] = d
-        sd += d
-        nva += d * nvm[j, ga]
-        nvb += d * nvm[j, gb]
-        rda += d * rdm[j, ga]
-        rdb += d * rdm[j, gb]
+    sd, nva, nvb, rda, rdb = _swap_deltas(x, a, ga, b, gb, nvm, rdm)
     cmax = -1e300
     mm = -1e300
     nsum = 0.0
@@ -193,7 +196,7 @@ def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj, ns=1, 
             ld -= sd
             nrx -= nvb
             rrx -= rdb
-        d = dj[g]
+        d = x[g, b] - x[g, a]
         ntx = st[1, g] + d * (nvm[g, ga] - nvm[g, gb])
         rtx = st[3, g] + d * (rdm[g, ga] - rdm[g, gb])
         tot += ld
@@ -205,13 +208,13 @@ def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj, ns=1, 
                 nsum = 0.0
         elif ld > cmax:
             cmax = ld
-        t = max(max(ntx * tnv, nrx * tnv), max(rtx * trd, rrx * trd))
+        t = dispatch_seconds(ntx, nrx, rtx, rrx, tnv, trd)
         if t > mm:
             mm = t
     over = 0.0
     if pen > 0.0:
         over = pen * max(0.0, cmax - (1.0 + cap) * tot / G)
-    return cc * (cmax + over) + 2.0 * mm
+    return t_moe_seconds(compute_seconds(cmax + over, cc), comm_seconds(mm))
 
 
 @njit(cache=True)
@@ -269,7 +272,7 @@ def anneal_experts(x, expert_gpu0, nvm, rdm, cc, tnv, trd, beta, smooth, t0_frac
                 tobj[m] = layer_objective(tmp[m, 0], tmp[m, 1], tmp[m, 2], tmp[m, 3], tmp[m, 4], cc, tnv, trd,
                                           beta, smooth, buf, ns, cap, pen)
             else:
-                tobj[m] = swap_objective_exact(x[m], a, ga, b, gb, nvm, rdm, st[m], cc, tnv, trd, buf, ns, cap, pen)
+                tobj[m] = swap_objective_exact(x[m], a, ga, b, gb, nvm, rdm, st[m], cc, tnv, trd, ns, cap, pen)
             new += tobj[m]
         delta = new - cur
         if delta <= 0.0 or np.random.random() < math.exp(-delta / temp):
@@ -383,10 +386,10 @@ def rows_objective_exact(st, cf, n_plus, n_minus, j1, j2, nvm, rdm, cc, tnv, trd
                 rtx -= t2r
             if ld > cmax:
                 cmax = ld
-            t = max(max(ntx * tnv, nrx * tnv), max(rtx * trd, rrx * trd))
+            t = dispatch_seconds(ntx, nrx, rtx, rrx, tnv, trd)
             if t > mm:
                 mm = t
-        tot += cc * cmax + 2.0 * mm
+        tot += t_moe_seconds(compute_seconds(cmax, cc), comm_seconds(mm))
     return tot
 
 
