@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.extending import overload
 
 from .specs import CR, NV, SR
 
@@ -53,11 +54,22 @@ def compute_seconds(pairs, sec_per_pair):
     return pairs * sec_per_pair
 
 
+def maximum(a, b):
+    """Elementwise ``max(a, b)`` of arrays or scalars: ``np.maximum`` in numpy; in numba code, the scalar ``max``
+    (``_maximum_scalar``: no NaN branch, so the kernels' loops stay as fast as with a plain ``max``)."""
+    return np.maximum(a, b)
+
+
+@overload(maximum, jit_options={"cache": True})
+def _maximum_scalar(a, b):
+    return lambda a, b: max(a, b)
+
+
 @njit(cache=True)
 def dispatch_seconds(nv_tx, nv_rx, rdma_tx, rdma_rx, nv_sec, rdma_sec):
     """Dispatch seconds of a GPU from the pairs it sends and receives on each link: the slowest of its four link
     directions, ``max(nv_tx nv_sec, nv_rx nv_sec, rdma_tx rdma_sec, rdma_rx rdma_sec)``."""
-    return np.maximum(np.maximum(nv_tx * nv_sec, nv_rx * nv_sec), np.maximum(rdma_tx * rdma_sec, rdma_rx * rdma_sec))
+    return maximum(maximum(nv_tx * nv_sec, nv_rx * nv_sec), maximum(rdma_tx * rdma_sec, rdma_rx * rdma_sec))
 
 
 @njit(cache=True)

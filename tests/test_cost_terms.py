@@ -143,7 +143,8 @@ def read_kernel_swap(c: Cell) -> dict:
     K.init_state(c.x, start, nvm, rdm, s)
     K.swap_state(c.x, a, start[a], b, start[b], nvm, rdm, s, out)
     return {"load": out[0], "link": out[1:], **_objective_terms(
-        lambda p, q: K.swap_objective_exact(c.x, a, start[a], b, start[b], nvm, rdm, s, p * cc, q * tnv, q * trd))}
+        lambda p, q: K.swap_objective_exact(c.x, a, start[a], b, start[b], nvm, rdm, s, p * cc, q * tnv, q * trd,
+                                              np.zeros(c.G)))}
 
 
 def _samples(c: Cell):

@@ -131,55 +131,53 @@ def init_state(x, expert_gpu, nvm, rdm, st):
 
 
 @njit(cache=True)
-def _swap_deltas(x, a, ga, b, gb, nvm, rdm):
-    """Swapping experts a (on GPU ga) and b (on gb), ``d_j = x[j, b] - x[j, a]`` (source j's pairs that ga gains
-    and gb loses): ``(sd, nva, nvb, rda, rdb)``, the sum of ``d_j`` (ga's load change) and its sums over the
-    sources whose link to ga / gb rides NVLink / RDMA (their receive changes)."""
+def _move_expert(x, e, src, dst, nvm, rdm, out):
+    """Move expert e's pairs (column ``x[:, e]``) from GPU src to GPU dst in the state ``out [5, G]``, in place."""
+    for j in range(x.shape[0]):
+        v = x[j, e]
+        if v == 0.0:
+            continue
+        out[0, src] -= v
+        out[0, dst] += v
+        out[1, j] += v * (nvm[j, dst] - nvm[j, src])
+        out[2, src] -= v * nvm[j, src]
+        out[2, dst] += v * nvm[j, dst]
+        out[3, j] += v * (rdm[j, dst] - rdm[j, src])
+        out[4, src] -= v * rdm[j, src]
+        out[4, dst] += v * rdm[j, dst]
+
+
+@njit(cache=True)
+def swap_state(x, a, ga, b, gb, nvm, rdm, st, out):
+    """State ``out [5, G]`` after swapping experts a (on GPU ga) and b (on gb), from ``st``: O(G). Exact: the
+    counts are integers in float64, so the order of the updates does not change a bit.
+
+    x: ``[G, E]`` loads of the layer (one micro-batch or the aggregate).
+    """
+    out[:, :] = st[:, :]
+    _move_expert(x, a, ga, gb, nvm, rdm, out)
+    _move_expert(x, b, gb, ga, nvm, rdm, out)
+
+
+@njit(cache=True)
+def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj, ns=1, cap=0.0, pen=0.0):
+    """Exact T_MoE of one layer after swapping experts a (on ga) and b (on gb), without building the new
+    state (two O(G) passes, no copy); ``dj`` is a float64 scratch ``[G]``. Equals
+    ``layer_objective(swap_state(...), smooth=False, ns=ns, cap=cap, pen=pen)``."""
+    G = x.shape[0]
     sd = 0.0
     nva = 0.0
     nvb = 0.0
     rda = 0.0
     rdb = 0.0
-    for j in range(x.shape[0]):
+    for j in range(G):
         d = x[j, b] - x[j, a]
+        dj[j] = d
         sd += d
         nva += d * nvm[j, ga]
         nvb += d * nvm[j, gb]
         rda += d * rdm[j, ga]
         rdb += d * rdm[j, gb]
-    return sd, nva, nvb, rda, rdb
-
-
-@njit(cache=True)
-def swap_state(x, a, ga, b, gb, nvm, rdm, st, out):
-    """State ``out [5, G]`` after swapping experts a (on GPU ga) and b (on gb), from ``st``: O(G).
-
-    x: ``[G, E]`` loads of the layer (one micro-batch or the aggregate).
-    """
-    G = x.shape[0]
-    out[:, :] = st[:, :]
-    sd, nva, nvb, rda, rdb = _swap_deltas(x, a, ga, b, gb, nvm, rdm)
-    for j in range(G):
-        d = x[j, b] - x[j, a]  # ga gains b's tokens and loses a's; gb the opposite
-        if d == 0.0:
-            continue
-        out[1, j] += d * (nvm[j, ga] - nvm[j, gb])
-        out[3, j] += d * (rdm[j, ga] - rdm[j, gb])
-    out[0, ga] += sd
-    out[0, gb] -= sd
-    out[2, ga] += nva
-    out[2, gb] -= nvb
-    out[4, ga] += rda
-    out[4, gb] -= rdb
-
-
-@njit(cache=True)
-def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, ns=1, cap=0.0, pen=0.0):
-    """Exact T_MoE of one layer after swapping experts a (on ga) and b (on gb), without building the new
-    state (two O(G) passes, no copy). Equals
-    ``layer_objective(swap_state(...), smooth=False, ns=ns, cap=cap, pen=pen)``."""
-    G = x.shape[0]
-    sd, nva, nvb, rda, rdb = _swap_deltas(x, a, ga, b, gb, nvm, rdm)
     cmax = -1e300
     mm = -1e300
     nsum = 0.0
@@ -196,7 +194,7 @@ def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, ns=1, cap=
             ld -= sd
             nrx -= nvb
             rrx -= rdb
-        d = x[g, b] - x[g, a]
+        d = dj[g]
         ntx = st[1, g] + d * (nvm[g, ga] - nvm[g, gb])
         rtx = st[3, g] + d * (rdm[g, ga] - rdm[g, gb])
         tot += ld
@@ -272,7 +270,7 @@ def anneal_experts(x, expert_gpu0, nvm, rdm, cc, tnv, trd, beta, smooth, t0_frac
                 tobj[m] = layer_objective(tmp[m, 0], tmp[m, 1], tmp[m, 2], tmp[m, 3], tmp[m, 4], cc, tnv, trd,
                                           beta, smooth, buf, ns, cap, pen)
             else:
-                tobj[m] = swap_objective_exact(x[m], a, ga, b, gb, nvm, rdm, st[m], cc, tnv, trd, ns, cap, pen)
+                tobj[m] = swap_objective_exact(x[m], a, ga, b, gb, nvm, rdm, st[m], cc, tnv, trd, buf, ns, cap, pen)
             new += tobj[m]
         delta = new - cur
         if delta <= 0.0 or np.random.random() < math.exp(-delta / temp):

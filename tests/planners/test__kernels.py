@@ -34,11 +34,11 @@ def test_state_and_exact_objective_by_hand():
 
 
 def test_swap_is_the_fresh_state_of_the_swapped_homes():
-    st, out = _state(X, [0, 1]), np.zeros((5, 2))
+    st, out, dj = _state(X, [0, 1]), np.zeros((5, 2)), np.zeros(2)
     K.swap_state(X, 0, 0, 1, 1, NVM, RDM, st, out)
     np.testing.assert_array_equal(out, _state(X, [1, 0]))  # loads 3 / 3; source 0 sends 3, source 1 sends 2
     # after the swap: 1 x 3 + 2 x 0.5 x 3 = 6
-    assert K.swap_objective_exact(X, 0, 0, 1, 1, NVM, RDM, st, 1.0, 0.5, 0.25) == 6.0
+    assert K.swap_objective_exact(X, 0, 0, 1, 1, NVM, RDM, st, 1.0, 0.5, 0.25, dj) == 6.0
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -50,7 +50,7 @@ def test_swap_objective_equals_the_objective_of_the_swapped_state(seed):
     nvm = ((g[:, None] // 2 == g[None, :] // 2) & (g[:, None] != g[None, :])).astype(float)  # 2 nodes x 2
     rdm = (g[:, None] // 2 != g[None, :] // 2).astype(float)
     homes = rng.permutation(np.repeat(np.arange(G), E // G)).astype(np.int64)
-    st, out, buf = _state(x, homes, nvm, rdm), np.zeros((5, G)), np.zeros(G)
+    st, out, buf, dj = _state(x, homes, nvm, rdm), np.zeros((5, G)), np.zeros(G), np.zeros(G)
     for a, b in itertools.combinations(range(E), 2):
         ga, gb = homes[a], homes[b]
         if ga == gb:
@@ -62,7 +62,7 @@ def test_swap_objective_equals_the_objective_of_the_swapped_state(seed):
         np.testing.assert_allclose(out, fresh, rtol=0, atol=0)  # integer tokens in float64: exact
         want = K.layer_objective(fresh[0], fresh[1], fresh[2], fresh[3], fresh[4], 1e-3, 2e-4, 5e-4, 20.0, False,
                                  buf, 2, 0.1, 0.5)
-        got = K.swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, 1e-3, 2e-4, 5e-4, 2, 0.1, 0.5)
+        got = K.swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, 1e-3, 2e-4, 5e-4, dj, 2, 0.1, 0.5)
         assert got == pytest.approx(want, rel=1e-12)
 
 

@@ -59,7 +59,7 @@ def test_incremental_swaps_match_full_recomputation(nodes, P, per_gpu, seed, nsw
         a, b = rng.choice(E, 2, replace=False)
         if eg[a] == eg[b]:
             continue
-        direct = _kernels.swap_objective_exact(x, a, eg[a], b, eg[b], nvm, rdm, stt, cc, tnv, trd)
+        direct = _kernels.swap_objective_exact(x, a, eg[a], b, eg[b], nvm, rdm, stt, cc, tnv, trd, np.zeros(G))
         _kernels.swap_state(x, a, eg[a], b, eg[b], nvm, rdm, stt, out)
         assert direct == _kernels.layer_objective(out[0], out[1], out[2], out[3], out[4], cc, tnv, trd, BETA, False,
                                                   np.zeros(G))
@@ -220,7 +220,8 @@ def test_node_comp_cost_and_swaps_match_reference(skew_cap):
     for m in range(x.shape[0]):
         stt = np.zeros((5, cluster.num_gpus))
         _kernels.init_state(x[m], eg, nvm, rdm, stt)
-        got += _kernels.swap_objective_exact(x[m], a, eg[a], b, eg[b], nvm, rdm, stt, cc, tnv, trd, ns, cap, pen)
+        got += _kernels.swap_objective_exact(x[m], a, eg[a], b, eg[b], nvm, rdm, stt, cc, tnv, trd,
+                                             np.zeros(cluster.num_gpus), ns, cap, pen)
     assert got == pytest.approx(_node_cost_reference(x, swapped, model, cluster, skew_cap), rel=1e-12)
     # annealing returns the node-aware cost of what it returns
     out, obj = anneal_layer(x, model, cluster, seed=1, iters=500, node_comp=True, skew_cap=skew_cap)
