@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cost_terms import comm_seconds, compute_seconds, dispatch_seconds, link_masks, t_moe_seconds
 from .errors import PlanError
-from .specs import CR, NV, SR, ClusterSpec, ModelSpec
+from .specs import ClusterSpec, ModelSpec
 
 DEFAULT_BETA = 20.0
 
@@ -125,33 +126,40 @@ def flow_matrix(x: np.ndarray, expert_gpu: np.ndarray | None = None,
 
 def _link_terms(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> tuple[np.ndarray, ...]:
     """``(load, nvlink_tx, nvlink_rx, rdma_tx, rdma_rx, comp, terms)`` of a float64 flow ``[..., G, G]``: tokens
-    served, bytes per link direction, compute seconds ``[..., G]`` and the four link seconds ``[..., G, 4]``."""
+    served, bytes per link direction, compute seconds ``[..., G]`` and the four link seconds ``[..., G, 4]``
+    (``cost_terms``: which links carry a pair, the compute term). A link's seconds are its bytes over the bandwidth
+    here, pairs times ``Rates.*_sec_per_pair`` in the kernels: equal up to rounding, and this order is the one the
+    recorded plans were made with (``tests/test_cost_terms.py`` pins the two to each other)."""
     num_gpus = cluster.num_gpus
     if flow.shape[-2:] != (num_gpus, num_gpus):
         raise PlanError(f"flow has shape {flow.shape}, expected [..., {num_gpus}, {num_gpus}] for "
                         f"{cluster.nodes} x {cluster.gpus_per_node} GPUs")
-    cls = cluster.link_classes
-    nv_mask = ((cls == NV) | (cls == CR)).astype(np.float64)
-    rdma_mask = ((cls == SR) | (cls == CR)).astype(np.float64)
+    nv_mask, rdma_mask = link_masks(cluster.link_classes)
     rates = cluster.rates(model)
     tb = float(model.token_bytes)
     nv_b, rdma_b = tb * rates.nvlink_copies, tb * rates.rdma_copies
     load = flow.sum(axis=-2)
-    nvlink_tx = (flow * nv_mask).sum(axis=-1) * nv_b
-    nvlink_rx = (flow * nv_mask).sum(axis=-2) * nv_b
-    rdma_tx = (flow * rdma_mask).sum(axis=-1) * rdma_b
-    rdma_rx = (flow * rdma_mask).sum(axis=-2) * rdma_b
-    comp = load * rates.sec_per_pair
+    nv_tx, nv_rx = (flow * nv_mask).sum(axis=-1), (flow * nv_mask).sum(axis=-2)  # pairs
+    rd_tx, rd_rx = (flow * rdma_mask).sum(axis=-1), (flow * rdma_mask).sum(axis=-2)
+    comp = compute_seconds.py_func(load, rates.sec_per_pair)
+    nvlink_tx, nvlink_rx, rdma_tx, rdma_rx = nv_tx * nv_b, nv_rx * nv_b, rd_tx * rdma_b, rd_rx * rdma_b
     terms = np.stack([nvlink_tx / rates.nvlink_bw, nvlink_rx / rates.nvlink_bw,
                       rdma_tx / rates.rdma_bw, rdma_rx / rates.rdma_bw], axis=-1)
     return load, nvlink_tx, nvlink_rx, rdma_tx, rdma_rx, comp, terms
+
+
+def _comm(terms: np.ndarray) -> np.ndarray:
+    """``[..., G]`` dispatch + combine seconds from the four link seconds ``terms [..., G, 4]``
+    (``cost_terms.dispatch_seconds`` at unit rates, then ``comm_seconds``)."""
+    return comm_seconds.py_func(dispatch_seconds.py_func(terms[..., 0], terms[..., 1], terms[..., 2], terms[..., 3],
+                                                         1.0, 1.0))
 
 
 def peak_comp_comm(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec) -> tuple[float, float]:
     """``(max_g comp, max_g comm)`` seconds of one flow ``[G, G]``: :func:`cost_from_flow`'s ``comp.max()`` and
     ``comm.max()`` without its smoothed terms."""
     _, _, _, _, _, comp, terms = _link_terms(np.asarray(flow, dtype=np.float64), model, cluster)
-    return float(comp.max()), float((2.0 * terms.max(axis=-1)).max())
+    return float(comp.max()), float(_comm(terms).max())
 
 
 def cost_from_flow(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
@@ -168,13 +176,13 @@ def cost_from_flow(flow: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
     """
     flow = np.asarray(flow, dtype=np.float64)
     load, nvlink_tx, nvlink_rx, rdma_tx, rdma_rx, comp, terms = _link_terms(flow, model, cluster)
-    comm = 2.0 * terms.max(axis=-1)
-    t_moe = comp.max(axis=-1) + comm.max(axis=-1)
+    comm = _comm(terms)
+    t_moe = t_moe_seconds.py_func(comp.max(axis=-1), comm.max(axis=-1))
 
     mean_comp = comp.mean(axis=-1)
     scale = np.where(mean_comp > 0, mean_comp, 1.0)
-    comm_smooth = 2.0 * smooth_max(terms, beta, scale[..., None], axis=-1)
-    t_smooth = smooth_max(comp, beta, scale) + smooth_max(comm_smooth, beta, scale)
+    comm_smooth = comm_seconds.py_func(smooth_max(terms, beta, scale[..., None], axis=-1))
+    t_smooth = t_moe_seconds.py_func(smooth_max(comp, beta, scale), smooth_max(comm_smooth, beta, scale))
     return MoECost(load=load, comp=comp, comm=comm, nvlink_tx=nvlink_tx, nvlink_rx=nvlink_rx,
                    rdma_tx=rdma_tx, rdma_rx=rdma_rx, t_moe=t_moe, t_moe_smooth=t_smooth)
 

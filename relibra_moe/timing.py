@@ -56,8 +56,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cost_terms import on_nvlink, on_rdma, t_moe_seconds
 from .errors import PlanError
-from .specs import CR, NV, OVERLAPS, SR, ClusterSpec, ModelSpec
+from .specs import OVERLAPS, ClusterSpec, ModelSpec
 
 __all__ = ["DEFAULT_OPTIMIZER_BYTES_PER_PARAM", "BACKWARD_FACTOR", "attention_flops", "local_stage",
            "attention_forward", "attention_backward", "moe_forward_seconds", "moe_backward_seconds",
@@ -119,8 +120,9 @@ def attention_backward(a_fwd: np.ndarray | float) -> np.ndarray | float:
 
 
 def moe_forward_seconds(comp: np.ndarray | float, comm: np.ndarray | float) -> np.ndarray | float:
-    """Forward MoE seconds of a cell: ``max_g comp + max_g comm`` (= T_MoE); arguments are the two maxima."""
-    return comp + comm
+    """Forward MoE seconds of a cell: ``max_g comp + max_g comm`` (= T_MoE, ``cost_terms.t_moe_seconds``); arguments
+    are the two maxima."""
+    return t_moe_seconds.py_func(comp, comm)
 
 
 def moe_backward_seconds(comp: np.ndarray | float, comm: np.ndarray | float) -> np.ndarray | float:
@@ -313,13 +315,13 @@ def transfer_seconds(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray | floa
     grp = np.zeros_like(src) if group is None else np.asarray(group, dtype=np.int64).reshape(-1)
     G = cluster.num_gpus
     cls = cluster.link_classes[src, dst] if len(src) else np.zeros(0, np.int8)
-    on_nv = (cls == NV) | (cls == CR)
-    on_rdma = (cls == SR) | (cls == CR)
+    on_nv = on_nvlink.py_func(cls)
+    on_rd = on_rdma.py_func(cls)
     acc = np.zeros((4, num_groups, G))
     np.add.at(acc[0], (grp[on_nv], src[on_nv]), nb[on_nv])
     np.add.at(acc[1], (grp[on_nv], dst[on_nv]), nb[on_nv])
-    np.add.at(acc[2], (grp[on_rdma], src[on_rdma]), nb[on_rdma])
-    np.add.at(acc[3], (grp[on_rdma], dst[on_rdma]), nb[on_rdma])
+    np.add.at(acc[2], (grp[on_rd], src[on_rd]), nb[on_rd])
+    np.add.at(acc[3], (grp[on_rd], dst[on_rd]), nb[on_rd])
     nv = np.maximum(acc[0], acc[1]).max(axis=-1, initial=0.0) / cluster.nvlink_bw
     rdma = np.maximum(acc[2], acc[3]).max(axis=-1, initial=0.0) / cluster.rdma_bw
     out = np.maximum(nv, rdma)

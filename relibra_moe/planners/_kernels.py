@@ -1,7 +1,9 @@
 """Numba inner loops of the planners: incremental cost-model state and simulated annealing.
 
 Everything here works on float64 token counts (integers stored exactly, so incremental updates are
-exact) and mirrors ``relibra_moe.cost.cost_from_flow`` term by term. The per-GPU state of one MoE
+exact). The cost terms are ``relibra_moe.cost_terms``'s (compute, dispatch, comm, T_MoE), called per GPU, the same
+functions ``cost.cost_from_flow`` applies to arrays; the incremental states and the LSE smoothing are this
+module's own forms, pinned to ``cost.py`` term by term by ``tests/test_cost_terms.py``. The per-GPU state of one MoE
 layer (one micro-batch) is five vectors ``[G]``:
 
 - ``load[g]``  tokens computed on GPU g (sum of the flow column g),
@@ -22,6 +24,8 @@ import math
 
 import numpy as np
 from numba import njit
+
+from ..cost_terms import comm_seconds, compute_seconds, dispatch_seconds, t_moe_seconds
 
 # exp(-40) ~ 4e-18: terms further below the max than this contribute nothing at float64 precision
 _SKIP = 40.0
@@ -65,13 +69,13 @@ def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, bu
             v = 0.0
             for g in range(n * ns, n * ns + ns):
                 v += load[g]
-            buf[n] = cc * v / ns
+            buf[n] = compute_seconds(v, cc) / ns
             if buf[n] > cmax:
                 cmax = buf[n]
     else:
         nn = G
         for g in range(G):
-            buf[g] = cc * load[g]
+            buf[g] = compute_seconds(load[g], cc)
             if buf[g] > cmax:
                 cmax = buf[g]
     over = 0.0
@@ -80,10 +84,10 @@ def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, bu
     if not smooth:
         mm = -1e300
         for g in range(G):
-            t = max(max(nvtx[g] * tnv, nvrx[g] * tnv), max(rdtx[g] * trd, rdrx[g] * trd))
+            t = dispatch_seconds(nvtx[g], nvrx[g], rdtx[g], rdrx[g], tnv, trd)
             if t > mm:
                 mm = t
-        return cmax + over + 2.0 * mm
+        return t_moe_seconds(cmax + over, comm_seconds(mm))
     s = 0.0
     for g in range(nn):
         z = (buf[g] - cmax) * inv
@@ -97,7 +101,7 @@ def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, bu
         c = rdtx[g] * trd
         d = rdrx[g] * trd
         # cheap upper part first: LSE4 >= max, and the LSE over GPUs only needs the terms near the max
-        buf[g] = 2.0 * _lse4(a, b, c, d, inv)
+        buf[g] = comm_seconds(_lse4(a, b, c, d, inv))
         if buf[g] > mm:
             mm = buf[g]
     s = 0.0
@@ -105,7 +109,7 @@ def layer_objective(load, nvtx, nvrx, rdtx, rdrx, cc, tnv, trd, beta, smooth, bu
         z = (buf[g] - mm) * inv
         if z > -_SKIP:
             s += math.exp(z)
-    return comp + mm + math.log(s) / inv
+    return comp + mm + math.log(s) / inv  # t_moe_seconds(comp, comm LSE), summed in recorded order
 
 
 @njit(cache=True)
@@ -127,35 +131,32 @@ def init_state(x, expert_gpu, nvm, rdm, st):
 
 
 @njit(cache=True)
+def _move_expert(x, e, src, dst, nvm, rdm, out):
+    """Move expert e's pairs (column ``x[:, e]``) from GPU src to GPU dst in the state ``out [5, G]``, in place."""
+    for j in range(x.shape[0]):
+        v = x[j, e]
+        if v == 0.0:
+            continue
+        out[0, src] -= v
+        out[0, dst] += v
+        out[1, j] += v * (nvm[j, dst] - nvm[j, src])
+        out[2, src] -= v * nvm[j, src]
+        out[2, dst] += v * nvm[j, dst]
+        out[3, j] += v * (rdm[j, dst] - rdm[j, src])
+        out[4, src] -= v * rdm[j, src]
+        out[4, dst] += v * rdm[j, dst]
+
+
+@njit(cache=True)
 def swap_state(x, a, ga, b, gb, nvm, rdm, st, out):
-    """State ``out [5, G]`` after swapping experts a (on GPU ga) and b (on gb), from ``st``: O(G).
+    """State ``out [5, G]`` after swapping experts a (on GPU ga) and b (on gb), from ``st``: O(G). Exact: the
+    counts are integers in float64, so the order of the updates does not change a bit.
 
     x: ``[G, E]`` loads of the layer (one micro-batch or the aggregate).
     """
-    G = x.shape[0]
     out[:, :] = st[:, :]
-    sd = 0.0
-    nva = 0.0
-    nvb = 0.0
-    rda = 0.0
-    rdb = 0.0
-    for j in range(G):
-        d = x[j, b] - x[j, a]  # ga gains b's tokens and loses a's; gb the opposite
-        if d == 0.0:
-            continue
-        sd += d
-        out[1, j] += d * (nvm[j, ga] - nvm[j, gb])
-        out[3, j] += d * (rdm[j, ga] - rdm[j, gb])
-        nva += d * nvm[j, ga]
-        nvb += d * nvm[j, gb]
-        rda += d * rdm[j, ga]
-        rdb += d * rdm[j, gb]
-    out[0, ga] += sd
-    out[0, gb] -= sd
-    out[2, ga] += nva
-    out[2, gb] -= nvb
-    out[4, ga] += rda
-    out[4, gb] -= rdb
+    _move_expert(x, a, ga, gb, nvm, rdm, out)
+    _move_expert(x, b, gb, ga, nvm, rdm, out)
 
 
 @njit(cache=True)
@@ -205,13 +206,13 @@ def swap_objective_exact(x, a, ga, b, gb, nvm, rdm, st, cc, tnv, trd, dj, ns=1, 
                 nsum = 0.0
         elif ld > cmax:
             cmax = ld
-        t = max(max(ntx * tnv, nrx * tnv), max(rtx * trd, rrx * trd))
+        t = dispatch_seconds(ntx, nrx, rtx, rrx, tnv, trd)
         if t > mm:
             mm = t
     over = 0.0
     if pen > 0.0:
         over = pen * max(0.0, cmax - (1.0 + cap) * tot / G)
-    return cc * (cmax + over) + 2.0 * mm
+    return t_moe_seconds(compute_seconds(cmax + over, cc), comm_seconds(mm))
 
 
 @njit(cache=True)
@@ -383,10 +384,10 @@ def rows_objective_exact(st, cf, n_plus, n_minus, j1, j2, nvm, rdm, cc, tnv, trd
                 rtx -= t2r
             if ld > cmax:
                 cmax = ld
-            t = max(max(ntx * tnv, nrx * tnv), max(rtx * trd, rrx * trd))
+            t = dispatch_seconds(ntx, nrx, rtx, rrx, tnv, trd)
             if t > mm:
                 mm = t
-        tot += cc * cmax + 2.0 * mm
+        tot += t_moe_seconds(compute_seconds(cmax, cc), comm_seconds(mm))
     return tot
 
 

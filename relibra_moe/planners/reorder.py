@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from ..cost_terms import link_masks
 from ..errors import PlanError
-from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..specs import ClusterSpec, ModelSpec
 from ..validate import check_int, check_nonnegative, check_token_counts
 from . import _kernels
 from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
@@ -41,9 +42,7 @@ def cluster_constants(model: ModelSpec, cluster: ClusterSpec, comp_weight: float
     T_MoE = comp + comm; ``timing.STEP_COMP_WEIGHT``: the step's 3 comp + 2 comm, halved); tnv / trd: seconds
     per pair on NVLink / RDMA (the dispatcher's copies per pair included), all from ``ClusterSpec.rates``.
     """
-    cls = cluster.link_classes
-    nvm = ((cls == NV) | (cls == CR)).astype(np.float64)
-    rdm = ((cls == SR) | (cls == CR)).astype(np.float64)
+    nvm, rdm = link_masks(cluster.link_classes)
     r = cluster.rates(model)
     return (nvm, rdm, float(comp_weight * r.sec_per_pair), float(r.nvlink_sec_per_pair),
             float(r.rdma_sec_per_pair))

@@ -31,9 +31,10 @@ import numba as nb
 import numpy as np
 
 from ..cost import moe_cost, peak_comp_comm
+from ..cost_terms import on_nvlink, on_rdma
 from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
-from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..specs import ClusterSpec, ModelSpec
 from ..timing import attention_backward, cell_step_seconds, moe_comm_seconds, replica_push_overlap, transfer_seconds
 from ..validate import check_int
 from .executor import FallbackLog, TaskExecutor, TaskFailed, default_executor
@@ -115,6 +116,35 @@ def _try(x, hold, flows, agg, cls, P, e, t, w_nv, w_rdma, buf):
 
 
 @nb.njit(cache=True)
+def _append_candidates(score, tgt, hold, used, agg, P, slots, ncand, out_e, out_t, nout):
+    """Append up to ``ncand`` (expert, target) moves to ``out_e`` / ``out_t`` after their first ``nout``, experts by
+    descending ``score`` (those > 0): the target ``tgt[e]``, or where it is -1 the least-loaded free GPU of e's
+    node (``_best_target``); an expert without a target, or a move already listed, is skipped. Returns the count."""
+    order = np.argsort(-score)
+    taken = 0
+    for i in range(score.shape[0]):
+        e = order[i]
+        if score[e] <= 0 or taken >= ncand:
+            break
+        t = tgt[e]
+        if t < 0:
+            t = _best_target(hold, used, agg, P, slots, e)
+        if t < 0:
+            continue
+        dup = False
+        for q in range(nout):
+            if out_e[q] == e and out_t[q] == t:
+                dup = True
+        if dup:
+            continue
+        out_e[nout] = e
+        out_t[nout] = t
+        nout += 1
+        taken += 1
+    return nout
+
+
+@nb.njit(cache=True)
 def _cands_comp(x, hold, flows, agg, used, P, slots, ncand, out_e, out_t, nout):
     """The compute bottleneck's heaviest experts (paper's candidate first)."""
     G, E = x.shape
@@ -133,20 +163,7 @@ def _cands_comp(x, hold, flows, agg, used, P, slots, ncand, out_e, out_t, nout):
                 for j in range(G):
                     s += flows[j, e, k]
                 served[e] = s
-    order = np.argsort(-served)
-    taken = 0
-    for i in range(E):
-        e = order[i]
-        if served[e] <= 0 or taken >= ncand:
-            break
-        t = _best_target(hold, used, agg, P, slots, e)
-        if t < 0:
-            continue
-        out_e[nout] = e
-        out_t[nout] = t
-        nout += 1
-        taken += 1
-    return nout
+    return _append_candidates(served, np.full(E, -1), hold, used, agg, P, slots, ncand, out_e, out_t, nout)
 
 
 @nb.njit(cache=True)
@@ -183,9 +200,9 @@ def _cands_comm(x, hold, flows, agg, cls, used, P, slots, ncand, w_nv, w_rdma, o
                     continue
                 c = cls[j, g]
                 if bt == 1 or bt == 2:
-                    on = c == NV or c == CR
+                    on = on_nvlink(c)
                 else:
-                    on = c == SR or c == CR
+                    on = on_rdma(c)
                 if not on:
                     continue
                 # where would j's tokens of e ideally go: j itself (same node) or j's rail in e's node
@@ -196,28 +213,7 @@ def _cands_comm(x, hold, flows, agg, cls, used, P, slots, ncand, w_nv, w_rdma, o
                 elif not src_term:
                     # receive-bound target: any other GPU of the node helps
                     score[e] += a
-    order = np.argsort(-score)
-    taken = 0
-    for i in range(E):
-        e = order[i]
-        if score[e] <= 0 or taken >= ncand:
-            break
-        t = tgt[e]
-        if t < 0:
-            t = _best_target(hold, used, agg, P, slots, e)
-        if t < 0:
-            continue
-        dup = False
-        for q in range(nout):
-            if out_e[q] == e and out_t[q] == t:
-                dup = True
-        if dup:
-            continue
-        out_e[nout] = e
-        out_t[nout] = t
-        nout += 1
-        taken += 1
-    return nout
+    return _append_candidates(score, tgt, hold, used, agg, P, slots, ncand, out_e, out_t, nout)
 
 
 @nb.njit(cache=True)

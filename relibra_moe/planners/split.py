@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import numba as nb
 import numpy as np
 
+from ..cost_terms import comm_seconds, dispatch_seconds, link_masks, on_nvlink, on_rdma, t_moe_seconds
 from ..errors import PlanError
-from ..specs import CR, NV, SR, ClusterSpec, ModelSpec
+from ..specs import ClusterSpec, ModelSpec
 from ..validate import check_index_range, check_token_counts
 
 __all__ = [
@@ -67,7 +68,8 @@ def cell_weights(model: ModelSpec, cluster: ClusterSpec) -> CellWeights:
     """Token-unit weights of the cost model for ``model`` on ``cluster``."""
     r = cluster.rates(model)
     spt = r.sec_per_pair
-    return CellWeights(spt, 2.0 * r.nvlink_sec_per_pair / spt, 2.0 * r.rdma_sec_per_pair / spt)
+    # comm_seconds is linear: its factor on the per-pair rates is its factor on every GPU's dispatch
+    return CellWeights(spt, comm_seconds(r.nvlink_sec_per_pair) / spt, comm_seconds(r.rdma_sec_per_pair) / spt)
 
 
 @dataclass(frozen=True)
@@ -145,10 +147,10 @@ def holders(expert_gpu: np.ndarray, replica_expert: np.ndarray, gpus_per_node: i
 def _add(agg, cls, j, g, a):
     c = cls[j, g]
     agg[0, g] += a
-    if c == NV or c == CR:
+    if on_nvlink(c):
         agg[1, j] += a
         agg[2, g] += a
-    if c == SR or c == CR:
+    if on_rdma(c):
         agg[3, j] += a
         agg[4, g] += a
 
@@ -173,17 +175,18 @@ def aggregates(x, hold, flows, cls):
 
 @nb.njit(cache=True)
 def t_units(agg, w_nv, w_rdma):
-    """Exact T_MoE in token units: ``max comp + max comm``."""
+    """Exact T_MoE in token units: ``max comp + max comm`` (``cost_terms``: comp_g is the load itself, comm_g the
+    ``dispatch_seconds`` at the comm weights of ``cell_weights``)."""
     G = agg.shape[1]
     mc = 0.0
     mm = 0.0
     for g in range(G):
         if agg[0, g] > mc:
             mc = agg[0, g]
-        v = max(w_nv * max(agg[1, g], agg[2, g]), w_rdma * max(agg[3, g], agg[4, g]))
+        v = dispatch_seconds(agg[1, g], agg[2, g], agg[3, g], agg[4, g], w_nv, w_rdma)
         if v > mm:
             mm = v
-    return mc + mm
+    return t_moe_seconds(mc, mm)
 
 
 @nb.njit(cache=True)
@@ -198,7 +201,7 @@ def smooth_units(agg, w_nv, w_rdma, beta):
     mm = 0.0
     for g in range(G):
         mc = max(mc, agg[0, g])
-        mm = max(mm, w_nv * max(agg[1, g], agg[2, g]), w_rdma * max(agg[3, g], agg[4, g]))
+        mm = max(mm, dispatch_seconds(agg[1, g], agg[2, g], agg[3, g], agg[4, g], w_nv, w_rdma))
     sc = 0.0
     sm = 0.0
     for g in range(G):
@@ -450,8 +453,7 @@ def _lp_arrays(x: np.ndarray, hold: np.ndarray, cls: np.ndarray, w: CellWeights)
     # base aggregates of the fixed (non-replicated) flows
     xf = np.where(rep[None, :], 0.0, x)
     base_flow = xf @ (hold[:, 0][:, None] == np.arange(G)).astype(np.float64)
-    nvm = ((cls == NV) | (cls == CR)).astype(np.float64)
-    rdm = ((cls == SR) | (cls == CR)).astype(np.float64)
+    nvm, rdm = link_masks(cls)
     base = np.stack([base_flow.sum(axis=0), (base_flow * nvm).sum(axis=1), (base_flow * nvm).sum(axis=0),
                      (base_flow * rdm).sum(axis=1), (base_flow * rdm).sum(axis=0)])
     wt = np.array([1.0, w.w_nv, w.w_nv, w.w_rdma, w.w_rdma])
@@ -470,8 +472,8 @@ def _lp_arrays(x: np.ndarray, hold: np.ndarray, cls: np.ndarray, w: CellWeights)
     n = len(J)
     # term rows: (term t, gpu) -> row id, for the entries each column touches
     ent_t, ent_g, ent_col = [np.zeros(n, np.int64)], [Gt], [np.arange(n)]  # comp at the target
-    m_nv = (c == NV) | (c == CR)
-    m_rd = (c == SR) | (c == CR)
+    m_nv = on_nvlink.py_func(c)
+    m_rd = on_rdma.py_func(c)
     cols = np.arange(n)
     for t, gpu, msk in ((1, J, m_nv), (2, Gt, m_nv), (3, J, m_rd), (4, Gt, m_rd)):
         ent_t.append(np.full(int(msk.sum()), t, np.int64))

@@ -16,7 +16,7 @@ FLOORS: tuple[tuple[str, int], ...] = (
     ("errors", 1), ("validate", 1), ("spec_sources", 1), ("specs", 1), ("npzio", 1), ("safe_pickle", 1),
     ("atomic", 1),
     ("trace", 2), ("trace_files", 2), ("adapters", 2), ("dumps", 2), ("cost", 2), ("timing", 2), ("plan", 2),
-    ("plan_stats", 2),
+    ("plan_stats", 2), ("cost_terms", 2),
     ("sample_order", 2), ("sample_placements", 2),
     ("triton_kernels", 2),
     ("evaluate", 3), ("sim", 3), ("datasets", 3), ("synthetic", 3), ("metrics", 3), ("layers", 3),
