@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from relibra_moe.atomic import write_text
+
 if TYPE_CHECKING:
     from relibra_moe.triton_kernels.grouped_gemm import ExpertWeights
 
@@ -59,9 +61,7 @@ class JsonReport:
         return d
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        tmp.replace(self.path)
+        write_text(self.path, json.dumps(self.data, indent=2, default=str))
 
 
 def environment() -> dict:

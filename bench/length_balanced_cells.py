@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from relibra_moe.atomic import write_text
 from relibra_moe.specs import DEFAULT_CLUSTER, cluster_preset, model_preset
 from relibra_moe.steady import consecutive_batches, run_steady
 
@@ -90,7 +91,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for c in args.cells:
         d = run(c, args.before)
-        (out_dir / f"{'before' if args.before else 'after'}-{c}.json").write_text(json.dumps(d, indent=1))
+        write_text(out_dir / f"{'before' if args.before else 'after'}-{c}.json", json.dumps(d, indent=1))
         print(c, json.dumps({k: d[k] for k in ("planner", "trainer")}), flush=True)
 
 

@@ -47,9 +47,11 @@ import argparse
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from relibra_moe.atomic import write_text
 from relibra_moe.plan import json_default
 from relibra_moe.specs import OVERLAPS, cluster_preset, model_preset
 from relibra_moe.steady import consecutive_batches, run_steady
@@ -170,19 +172,26 @@ def lb_table(overlap: str = "none") -> str:
     return "\n".join(lines)
 
 
+def run_missing(out: Path, cells: list[int], name: Callable[[int], str], run: Callable[[int], dict[str, Any]],
+                summary: Callable[[dict[str, Any]], str]) -> None:
+    """Run each cell of ``cells`` whose ``out/<name(i)>.json`` is missing, write it (atomically), print its line."""
+    out.mkdir(parents=True, exist_ok=True)
+    for i in cells:
+        f = out / f"{name(i)}.json"
+        if f.exists():
+            continue
+        d = run(i)
+        write_text(f, json.dumps(d, default=json_default, indent=1))
+        print(f"{d['cell']}: relibra {d['steps']['relibra']:.4f} s, {summary(d)}, {d['seconds']:.0f} s", flush=True)
+
+
 def main_placements(args: argparse.Namespace) -> None:
     out = lb_out(args.overlap)
     if not args.table:
-        out.mkdir(parents=True, exist_ok=True)
-        for i in args.cells if args.cells else range(len(LB_CELLS)):
-            f = out / f"{lb_cell_name(i)}.json"
-            if f.exists():
-                continue
-            d = run_lb_cell(i, args.overlap)
-            f.write_text(json.dumps(d, default=json_default, indent=1))
-            print(f"{d['cell']}: relibra {d['steps']['relibra']:.4f} s, over the best round-robin / length-balanced "
-                  + " / ".join(f"{v:.4f}" for v in d["relibra_over_best"].values()) + f", {d['seconds']:.0f} s",
-                  flush=True)
+        run_missing(out, args.cells or list(range(len(LB_CELLS))), lb_cell_name,
+                    lambda i: run_lb_cell(i, args.overlap),
+                    lambda d: "over the best round-robin / length-balanced "
+                    + " / ".join(f"{v:.4f}" for v in d["relibra_over_best"].values()))
     print(lb_table(args.overlap))
     done = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
     print(f"\nrelibra never slower than static, eplb-history and online on either placement in "
@@ -272,16 +281,9 @@ def main() -> None:
     if args.cluster != CLUSTER:
         CLUSTER, OUT = args.cluster, RESULTS / f"never_lose_{args.cluster}"
     if not args.table:
-        OUT.mkdir(parents=True, exist_ok=True)
-        for i in args.cells if args.cells else range(len(CELLS)):
-            f = OUT / f"{cell_name(i)}.json"
-            if f.exists():
-                continue
-            d = run_cell(i)
-            f.write_text(json.dumps(d, default=json_default, indent=1))
-            print(f"{d['cell']}: relibra {d['steps']['relibra']:.4f} s, fastest non-balanced "
-                  f"{d['fastest_non_balanced']}, relibra / best other {d['relibra_vs_best_other']:.4f}, "
-                  f"{d['seconds']:.0f} s", flush=True)
+        run_missing(OUT, args.cells or list(range(len(CELLS))), cell_name, run_cell,
+                    lambda d: f"fastest non-balanced {d['fastest_non_balanced']}, relibra / best other "
+                    f"{d['relibra_vs_best_other']:.4f}")
     print(table())
     done = [json.loads(f.read_text()) for f in sorted(OUT.glob("*.json"))]
     print(f"\nrelibra fastest non-balanced in {sum(d['relibra_fastest'] for d in done)} of {len(done)} cells")

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from relibra_moe.atomic import write_text
+
 RESULTS = Path(__file__).resolve().parent / "results" / "paper_table"
 MODELS = (("qwen3-30b-a3b", 2), ("glm4.5-106b-a12b", 4), ("qwen3-235b-a22b", 4))
 """(model preset, nodes of 8 GPUs): the paper's EP16 / EP32 / EP32."""
@@ -150,7 +152,7 @@ def rebound_cell(path: Path, cluster: Any, layers: int, prompts: int, seed: int)
     batch, model = cell_batch(cell["model"], dom, layers, prompts, seed)
     run_rows(batch, model, cluster, [("balanced", {})], seed, cell)
     cell.update(ratios=ratios(cell), rebound_date="2026-12-02")
-    path.write_text(json.dumps(cell, indent=1))
+    write_text(path, json.dumps(cell, indent=1))
 
 
 def ratios(cell: dict[str, Any]) -> dict[str, Any]:
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                         res.update(wall_s=time.perf_counter() - t0, date="2026-12-02",
                                    python=platform.python_version(), machine="2-core CPU box shared with other jobs",
                                    command=" ".join(sys.argv), paper=PAPER, ratios=ratios(res))
-                        path.write_text(json.dumps(res, indent=1))
+                        write_text(path, json.dumps(res, indent=1))
     print(table())
     return 0
 

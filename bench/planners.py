@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from relibra_moe.atomic import write_text
 from relibra_moe.evaluate import bound_t_moe, score_plan
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.specs import ClusterSpec, ModelSpec, cluster_preset, model_preset
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
             "numpy": np.__version__, "workers": args.workers, "seed": args.seed, "quick": args.quick}
-    out.write_text(json.dumps({"meta": meta, "scenarios": all_res, **extra}, indent=2, sort_keys=True, default=float))
+    write_text(out, json.dumps({"meta": meta, "scenarios": all_res, **extra}, indent=2, sort_keys=True, default=float))
     print(f"\nwrote {out}")
 
 

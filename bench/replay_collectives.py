@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from relibra_moe.atomic import write_text
 from relibra_moe.layers.moe import ReplayBalancedMoE
 from relibra_moe.layers.relayout import relayout
 from relibra_moe.layers.replay import replay
@@ -64,7 +65,7 @@ def _worker(rank: int, world: int, layers: int, out_dir: str) -> None:
         h.square().sum().backward()
     finally:
         dist.all_to_all_single = orig
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(counts))
+    write_text(Path(out_dir, f"rank{rank}.json"), json.dumps(counts))
 
 
 def main() -> None:
@@ -77,7 +78,7 @@ def main() -> None:
         counts = json.loads(Path(tmp, "rank0.json").read_text())
     report = {"layers": args.layers, "collectives_per_micro_batch": counts, "total": sum(counts.values())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    write_text(args.out, json.dumps(report, indent=1))
     print(json.dumps(report))
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from common import environment
 
+from relibra_moe.atomic import write_text
 from relibra_moe.integrations.hf import moe_blocks, swap_moe_blocks
 from relibra_moe.integrations.hf_tiny import tiny_model
 from relibra_moe.layers.replay import replay
@@ -122,7 +123,7 @@ def main() -> None:
     report["entry_ms"] = {"per_micro_batch": statistics.median(entry),
                           "per_layer": statistics.median(entry) / args.layers}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    write_text(args.out, json.dumps(report, indent=1))
     s = report["syncs_per_layer"]
     print(f"syncs per layer fwd/bwd: replayed {s['replayed']['forward_total']:.1f} / "
           f"{s['replayed']['backward_total']:.1f}, plain HF {s['plain_hf']['forward_total']:.1f} / "

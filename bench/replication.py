@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from relibra_moe.atomic import write_text
 from relibra_moe.cost import moe_cost
 from relibra_moe.planners.exact import solve_milp
 from relibra_moe.planners.replicate import replicate_cell, replicate_cell_lp
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         path = path.with_name(path.stem + "_skew_cap.json")
     if args.seed:  # another draw (e.g. the held-out GPT-OSS batch, --seed 1) keeps the seed-0 record
         path = path.with_name(f"{path.stem}_seed{args.seed}.json")
-    path.write_text(json.dumps(out, indent=1, default=float))
+    write_text(path, json.dumps(out, indent=1, default=float))
     print(f"\nwrote {path}")
     return 0
 

@@ -36,6 +36,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import numpy as np  # noqa: E402
 
+from relibra_moe.atomic import write_text  # noqa: E402
 from relibra_moe.layers.testing import run_group  # noqa: E402
 
 MODES = ("plain", "trainer", "planner")
@@ -78,7 +79,7 @@ def _worker(rank: int, world: int, out_dir: str, mode: str, steps: int) -> None:
     rep = {"step_time": [h["step_time"] for h in logs], "train_s": wall,
            "telemetry": {f: [h.get(f"relibra/{f}") for h in logs] for f in FIELDS}}
     if rank == 0:
-        Path(out_dir, f"{mode}.json").write_text(json.dumps(rep))
+        write_text(Path(out_dir, f"{mode}.json"), json.dumps(rep))
 
 
 def main() -> None:
@@ -97,7 +98,7 @@ def main() -> None:
             res["modes"][mode] = row
             print(mode, json.dumps({k: v for k, v in row.items() if k != "step_time"}), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2))
+    write_text(Path(a.out), json.dumps(res, indent=2))
     print(f"wrote {a.out}")
 
 
