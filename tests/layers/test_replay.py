@@ -23,6 +23,17 @@ def _stack(n: int, **kw) -> torch.nn.ModuleList:
     return torch.nn.ModuleList([ReplayBalancedMoE(8, 12, 6, 2, **kw) for _ in range(n)])
 
 
+def _layer_with_an_unrouted_token() -> tuple[ReplayBalancedMoE, torch.Tensor, torch.Tensor]:
+    """One layer, an input ``x [2, 5, 8]`` and its live routing ``ids [10, 2]`` with token 3 left unrouted (-1)."""
+    layer = _stack(1)[0]
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        layer(x)
+    ids = layer.last_routing.clone()
+    ids[3] = -1
+    return layer, x, ids
+
+
 def _run(layers, x):
     h = x
     for layer in layers:
@@ -397,12 +408,7 @@ def test_cpu_reference_replayed_layer_runs_the_fused_expert_stage(monkeypatch):
     calls = []
     real = moe_mod.reference_local_experts
     monkeypatch.setattr(moe_mod, "reference_local_experts", lambda *a: calls.append(a[0].dtype) or real(*a))
-    layer = _stack(1)[0]
-    x = torch.randn(2, 5, 8)
-    with torch.no_grad():
-        layer(x)
-    ids = layer.last_routing.clone()
-    ids[3] = -1
+    layer, x, ids = _layer_with_an_unrouted_token()
     results = []
     for lay in (layer, copy.deepcopy(layer).double()):
         xr = x.to(lay.router.weight.dtype).clone().requires_grad_()
@@ -463,12 +469,7 @@ def test_single_rank_replayed_layer_compiles_with_fullgraph():
     """torch.compile(fullgraph=True) traces the replayed layer (schedule, router, kernel ops) in one graph,
     forward and backward, with the eager outputs and gradients. The "eager" backend checks the capture
     (dynamo) without Inductor's code generation, which is slow on a shared CPU."""
-    layer = _stack(1)[0]
-    x = torch.randn(2, 5, 8)
-    with torch.no_grad():
-        layer(x)
-    ids = layer.last_routing.clone()
-    ids[3] = -1
+    layer, x, ids = _layer_with_an_unrouted_token()
     grads = []
     for compiled in (False, True):
         torch._dynamo.reset()
