@@ -227,6 +227,18 @@ class ReplicaPlan:
         return self.replica_expert.shape[3]
 
     @property
+    def resident(self) -> bool:
+        """Whether these replicas stay resident for the whole batch: several micro-batches, at least one filled
+        slot, and every micro-batch's slots hold the same experts (EPLB-style redundant experts).
+
+        The one rule of both sides of "the simulator charges what the layer runs": ``sim.simulate_loads``'s
+        ``replica_mode="auto"`` charges such a plan ``persistent`` (pushed once per batch, gradients pulled once),
+        and ``ReplayBalancedMoE`` runs it resident (each layer keeps its own slots, filled at the first
+        micro-batch, their gradients returned to the homes at the last micro-batch's backward)."""
+        rep = self.replica_expert
+        return rep.shape[0] > 1 and bool((rep >= 0).any()) and bool((rep == rep[:1]).all())
+
+    @property
     def slots(self) -> int:
         """Deprecated name of ``replica_slots`` (docs/architecture.md, "One name per concept")."""
         import warnings

@@ -258,8 +258,7 @@ def _resolve_replica_mode(plan: BatchPlan, mode: str) -> str:
         return mode
     if plan.stats.replica_fetch == "after-router":
         return "after-router"
-    rep = plan.replicas.replica_expert
-    if rep.shape[0] > 1 and (rep >= 0).any() and bool((rep == rep[:1]).all()):
+    if plan.replicas.resident:
         return "persistent"
     return "per-layer"
 

@@ -256,3 +256,16 @@ def test_replica_slots_is_the_one_name_and_slots_is_deprecated():
     assert rp.replica_slots == 2
     with pytest.deprecated_call(match="use ReplicaPlan.replica_slots"):
         assert rp.slots == 2
+
+
+def test_resident_replicas_are_the_same_filled_slots_in_every_micro_batch():
+    """``ReplicaPlan.resident``: the rule the simulator charges ``persistent`` by and the layer runs resident by."""
+    def reps(rep):
+        return ReplicaPlan(np.asarray(rep, np.int32), np.zeros((0, 5), np.int32), np.zeros(0, np.float32))
+
+    same = [[[[3, -1], [0, 1]]], [[[3, -1], [0, 1]]]]  # [M=2, L=1, G=2, r=2]
+    assert reps(same).resident
+    moved = [[[[3, -1], [0, 1]]], [[[3, -1], [1, 0]]]]  # a slot holds another expert in micro-batch 1
+    assert not reps(moved).resident
+    assert not reps(same[:1]).resident  # one micro-batch: nothing to keep between micro-batches
+    assert not reps(np.full((2, 1, 2, 2), -1)).resident  # no filled slot
