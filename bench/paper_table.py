@@ -24,6 +24,8 @@ skipped (resumable).
     python bench/paper_table.py --overlaps none,megatron,dualpipe --rates 413
     python bench/paper_table.py --table             # print the tables of the cells written so far
     python bench/paper_table.py --rebound           # re-plan only the bound (balanced) of the written cells
+    python bench/paper_table.py --replan relibra    # re-plan only relibra's row of the written cells (its planner
+                                                    # changed, the baselines' plans did not)
     python bench/paper_table.py --cluster-profile P.json --models qwen3-235b-a22b   # a `relibra calibrate` profile:
                                                     # its dispatcher and rate (measured at the model's shape)
 """
@@ -143,15 +145,19 @@ def model_preset_layers(model_name: str) -> int:
     return model_preset(model_name).num_layers
 
 
-def rebound_cell(path: Path, cluster: Any, layers: int, prompts: int, seed: int) -> None:
-    """Re-plan and re-simulate only the bound (``balanced``) of a written cell, in place, with its ratios: the
-    bound's definition changed (it now covers plans that regroup micro-batches, docs/method.md "The bound") while
-    every other row's plan did not."""
+def replan_cell(path: Path, cluster: Any, layers: int, prompts: int, seed: int, strategies: tuple[str, ...]) -> None:
+    """Re-plan and re-simulate only the round-robin rows ``strategies`` of a written cell, in place, with its ratios:
+    for a change of those strategies' planners (or of the bound's definition, ``balanced``) that leaves every other
+    row's plan as it was. The date of the re-plan goes to ``replan_date[strategy]``."""
     cell = json.loads(path.read_text())
     dom = next(d for d in DOMAINS if d[0] == cell["domain"])
     batch, model = cell_batch(cell["model"], dom, layers, prompts, seed)
-    run_rows(batch, model, cluster, [("balanced", {})], seed, cell)
-    cell.update(ratios=ratios(cell), rebound_date="2026-12-02")
+    run_rows(batch, model, cluster, [(s, {}) for s in strategies], seed, cell)
+    dates = cell.setdefault("replan_date", {})
+    if "rebound_date" in cell:  # the first re-plan (the bound's, before this field existed)
+        dates.setdefault("balanced", cell.pop("rebound_date"))
+    dates.update({s: time.strftime("%Y-%m-%d") for s in strategies})
+    cell.update(ratios=ratios(cell))
     write_text(path, json.dumps(cell, indent=1))
 
 
@@ -268,8 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--table", action="store_true", help="only print the tables of the cells written so far")
     ap.add_argument("--rebound", action="store_true",
-                    help="re-plan only the bound (balanced) of the cells written so far, in place")
+                    help="re-plan only the bound (balanced) of the cells written so far, in place (--replan balanced)")
+    ap.add_argument("--replan", default=None,
+                    help="comma-separated strategies (round-robin rows, e.g. relibra) to re-plan in the cells "
+                         "written so far, in place; the other rows are kept")
     args = ap.parse_args(argv)
+    replan = ("balanced",) if args.rebound else tuple(args.replan.split(",")) if args.replan else ()
+    unknown = [s for s in replan if s not in STRATEGIES]
+    if unknown:
+        ap.error(f"--replan {','.join(unknown)}: not a round-robin row of a cell ({', '.join(STRATEGIES)})")
     dispatchers = tuple(args.dispatchers.split(","))
     overlaps = tuple(args.overlaps.split(","))
     rates = tuple(float(r) * 1e12 for r in args.rates.split(","))
@@ -293,13 +306,13 @@ def main(argv: list[str] | None = None) -> int:
                                                   overlap=ov).with_(flops=rate))
                         path = cell_path(model, dom[0], disp, ov, rate)
                         if path.exists():
-                            if args.rebound:
-                                print(f"{path.name}: the bound again", flush=True)
-                                rebound_cell(path, cluster, args.layers, args.prompts, args.seed)
+                            if replan:
+                                print(f"{path.name}: {', '.join(replan)} again", flush=True)
+                                replan_cell(path, cluster, args.layers, args.prompts, args.seed, replan)
                             else:
                                 print(f"{path.name}: done, skipped")
                             continue
-                        if args.rebound:
+                        if replan:
                             continue
                         print(f"{path.name}: running", flush=True)
                         t0 = time.perf_counter()
