@@ -82,9 +82,10 @@ from .experts import (
     grouped_mm_fits,
     local_rows,
     reference_local_experts,
+    resident_experts_forward,
 )
 from .replay import LayerReplay
-from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
+from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer, ResidentKey, ResidentReplicas, in_backward
 from .router import LIVE, RouterOutput, TopKRouter, check_replay_ids, trusted_replay
 
 __all__ = ["LayerPlan", "LayerSchedule", "ReplayBalancedMoE", "RoutedPairs", "host_destinations", "materialize_counts",
@@ -229,12 +230,15 @@ class LayerPlan:
         digest: int64 ``[5]``: 1 with a plan (0: none), the micro-batch, the layer, then the two words of
             :func:`slice_digest`; every rank of the EP group must hold the same (checked by ``agree``);
             ``None`` reads as "no plan" on the layer's current homes.
+        resident: with a resident plan (``ReplicaPlan.resident``), what the layer's own slots must hold for
+            this forward (the layer runs it resident); ``None``: the layer-shared buffer, refilled per forward.
     """
 
     slot_table: np.ndarray
     shares: np.ndarray | None
     transfer: ReplicaTransfer | None
     digest: np.ndarray | None = None
+    resident: ResidentKey | None = None
 
 
 @dataclass(eq=False)
@@ -519,6 +523,15 @@ class ReplayBalancedMoE(nn.Module):
         return cache[2]
 
     @property
+    def resident_replicas(self) -> ResidentReplicas:
+        """This layer's own replica slots for resident plans (``ReplicaPlan.resident``), created on first use;
+        their buffer is allocated by the first resident forward (``r`` experts: ``L x r`` per rank for a model)."""
+        res = self.__dict__.get("_resident")
+        if res is None:
+            res = self.__dict__["_resident"] = ResidentReplicas()
+        return res
+
+    @property
     def num_slots(self) -> int:
         """``S = E_loc + r``: local slots of this rank (home experts, then the replica buffer's slots)."""
         return self.num_local + (0 if self.replica_buffer is None else self.replica_buffer.slots)
@@ -627,6 +640,7 @@ class ReplayBalancedMoE(nn.Module):
             g_idx, s_idx = np.nonzero(filled)
             slot_table[rep[g_idx, s_idx], g_idx] = E_loc + s_idx
             transfer = ReplicaTransfer.build(rep, home, self.rank, self.gpus_per_node, plan.scope)
+        resident = self._resident_key(plan, m, home) if transfer is not None else None
         rows = plan.rows_of(m, l)
         idx = plan.split_index[rows]
         mine = idx[:, 2] == self.rank
@@ -638,7 +652,21 @@ class ReplayBalancedMoE(nn.Module):
             shares[e_rows] = 0.0
             np.add.at(shares, (e_rows, idx[mine, 4]), plan.split_share[rows][mine].astype(np.float64))
             shares[slot_table < 0] = 0.0  # share-0 rows to non-holders passed validation; drop them
-        return LayerPlan(slot_table, shares, transfer, _slice_row(home, plan, m, l))
+        return LayerPlan(slot_table, shares, transfer, _slice_row(home, plan, m, l), resident)
+
+    def _resident_key(self, plan: ReplicaPlan, m: int, home: np.ndarray) -> ResidentKey | None:
+        """For a resident plan (``plan.resident``, the simulator's ``persistent`` rule), what this layer's own
+        slots must hold in micro-batch ``m``; else ``None``. Micro-batch 0 begins a batch: ``ReplayError``
+        (agreed like every plan error) when the previous batch never returned its slot gradients."""
+        if not plan.resident:
+            return None
+        if m == 0 and not in_backward():
+            error = self.resident_replicas.stale_error(self.name)
+            if error is not None:
+                raise error
+        rep = np.ascontiguousarray(plan.replica_expert[m, self.layer_index], np.int64)
+        return ResidentKey(rep.tobytes(), np.ascontiguousarray(home, np.int64).tobytes(), int(m),
+                           int(plan.num_micro_batches))
 
     # ------------------------------------------------------------------ schedule (host, before the forward)
 
@@ -973,6 +1001,11 @@ class ReplayBalancedMoE(nn.Module):
         are filled from the plan's transfer first, a collective when it moves weights)."""
         transfer = plan.transfer
         self._calls += 1
+        if plan.resident is not None and transfer is not None:
+            resident = self.resident_replicas
+            resident.slots_for(self.experts, self.replica_buffer.slots)
+            return resident_experts_forward(self.experts, x_recv, slot_recv, resident, transfer, self.dispatcher,
+                                            plan.resident, self.name)
         key = (id(self), self._calls)
         return experts_forward(self.experts, x_recv, slot_recv, self.replica_buffer if transfer else None,
                                transfer, self.dispatcher, key)
