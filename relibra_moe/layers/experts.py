@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import ReplayError
 from ..triton_kernels.grouped_gemm import ExpertWeights, grouped_mm, swiglu, swiglu_experts
 from ..triton_kernels.heuristics import row_tile
 from ..triton_kernels.permute import combine, permute
@@ -408,6 +409,31 @@ def _graph_grads(graph: tuple, grad_y: torch.Tensor) -> tuple[torch.Tensor | Non
     return gx, gw, gs
 
 
+_END_CHECKS: dict[int, list[tuple[ResidentReplicas, str, int]]] = {}
+
+
+def _check_when_backward_ends(resident: ResidentReplicas, name: str, generation: int) -> None:
+    """Run ``resident.check_complete(name, generation)`` when the current backward pass ends; one callback per
+    pass checks every layer queued in it (each incomplete batch is dropped) and raises the first error."""
+    task = torch._C._current_graph_task_id()
+    checks = _END_CHECKS.get(task)
+    if checks is None:
+        checks = _END_CHECKS[task] = []
+
+        def run() -> None:
+            errors = []
+            for res, layer, gen in _END_CHECKS.pop(task, []):
+                try:
+                    res.check_complete(layer, gen)
+                except ReplayError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+
+        torch.autograd.Variable._execution_engine.queue_callback(run)
+    checks.append((resident, name, generation))
+
+
 class _ExpertsWithResidentReplicas(torch.autograd.Function):
     """Autograd glue for resident slots (see the module docstring)."""
 
@@ -435,8 +461,7 @@ class _ExpertsWithResidentReplicas(torch.autograd.Function):
                 resident.send_home(transfer, gh, dispatcher)
                 gw = [g if w.requires_grad else None for w, g in zip(graph[2], gh)]
             elif m == M - 1:  # checked when this backward pass ends: a summed loss runs m = M - 1 first
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: resident.check_complete(name, generation))
+                _check_when_backward_ends(resident, name, generation)
             return (gx, None, None, None, None, None, None, *gw)
 
 

@@ -345,3 +345,59 @@ def test_resident_plan_two_ranks_matches_references():
 @pytest.mark.timeout(300)
 def test_resident_plan_four_ranks_global_scope_matches_references():
     run_group(_resident_worker, 4, 2, "global", 2, timeout_s=60)
+
+
+def _resident_errors_worker(rank: int, world: int) -> None:
+    """A skipped backward raises ReplayError on every rank, naming the layer and the counts: (a) at the end of
+    the last micro-batch's backward when an earlier one was skipped; (b) at the next batch's entry when the last
+    one was skipped (agreed at replay entry, raised by the first forward). Each error drops the stale batch: the
+    next batch runs clean. One backward of the summed losses (micro-batch M - 1's backward first) is fine."""
+    from relibra_moe.errors import ReplayError
+
+    G, E = world, 2 * world
+    params, tokens, data = _resident_case(G, E, 7)
+    plan = resident_plan(G, 2, E, 1, "node", 7)
+    mine = []
+    for m, (x, ids, cot) in enumerate(data):
+        lo = sum(tokens[m][:rank])
+        mine.append(tuple(t[lo:lo + tokens[m][rank]] for t in (x.float(), *ids, cot.float())))
+    mine = [(x, list(ids), cot) for x, *ids, cot in mine]
+    layers, _ = _resident_model(G, 2, E, 1, params)
+
+    def grads():
+        out = [p.grad.clone() for p in layers.parameters()]
+        layers.zero_grad()
+        return out
+
+    with force_backend(kernel_backend()):
+        _run_batch(layers, mine, lambda m: (None, None))
+        ref = grads()
+        with pytest.raises(ReplayError, match=r"layer moe\[1\]: the backward of the last micro-batch \(2\) of a "
+                                              r"resident replica plan ran, but the backward ran for 2 of its 3 "
+                                              r"micro-batches \[0, 2\]"):
+            _run_batch(layers, mine, lambda m: (plan, m), skip=(1,))
+        layers.zero_grad()
+        _run_batch(layers, mine, lambda m: (plan, m), skip=(2,))  # nothing to notice until the next batch
+        layers.zero_grad()
+        with pytest.raises(ReplayError, match=r"layer moe\[0\]: rank 0 of the EP group rejected its replay data: "
+                                              r"layer moe\[0\]: a new batch starts .* the backward ran for 2 of its 3 "
+                                              r"micro-batches \[0, 1\]"):
+            _run_batch(layers, mine, lambda m: (plan, m))
+        layers.zero_grad()
+        _run_batch(layers, mine, lambda m: (plan, m))  # the stale batches were dropped with their errors
+        for a, b in zip(grads(), ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        losses = []  # one backward over the batch: the slot gradients go home in micro-batch 0's backward
+        for m, (x, ids, cot) in enumerate(mine):
+            with replay(layers, ids, plan=plan, micro_batch=m):
+                losses.append((_forward(layers, x, None) * cot).sum())
+        sum(losses).backward()
+        for a, b in zip(grads(), ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert [lay.resident_replicas.returns for lay in layers] == [2] * RL
+    assert [lay.resident_replicas.buffer.fills for lay in layers] == [4] * RL  # the refused batch filled nothing
+
+
+@pytest.mark.timeout(240)
+def test_resident_plan_skipped_backward_raises_on_every_rank():
+    run_group(_resident_errors_worker, 2, timeout_s=30)
