@@ -47,7 +47,9 @@ exchange per micro-batch): the replayed forward and backward only launch work, w
    ascending rank order, in pair order;
 4. dispatch (:meth:`~ReplayBalancedMoE.dispatch`): all-to-all of the pairs sorted by destination;
 5. experts (:meth:`~ReplayBalancedMoE.compute_experts`): fill the layer-shared replica slots, grouped
-   SwiGLU over home experts and replica slots;
+   SwiGLU over home experts and replica slots; a resident plan (``ReplicaPlan.resident``: the same replicas in
+   every micro-batch) uses the layer's own slots instead, filled at micro-batch 0 only, their gradients sent
+   home once per batch (:class:`~relibra_moe.layers.replica_buffer.ResidentReplicas`);
 6. combine (:meth:`~ReplayBalancedMoE.combine`): all-to-all back, weighted sum with the gates in fp32.
 
 Without a plan it is a plain EP MoE layer. No token is ever dropped. A plan never changes the math:
@@ -393,6 +395,20 @@ class ReplayBalancedMoE(nn.Module):
     batch, give every MoE layer the same ``LayerSharedReplicaBuffer``, and run each micro-batch ``m``
     inside ``replay(model, ids_m, plan=plan, micro_batch=m)``.
 
+    Replica modes, chosen by the plan (``ReplicaPlan.resident``, the rule the simulator charges by):
+
+    * per layer (any plan): the layer-shared buffer is filled in each forward (a collective) and refilled in
+      backward when another layer used it; slot gradients go home in each micro-batch's backward.
+    * resident (the same replicas in every micro-batch, M > 1): the layer keeps its own ``r`` slots
+      (``resident_replicas``; allocated by the first resident forward: ``L x r`` experts per rank for a model,
+      beside the shared buffer, which still sets ``r``), filled once per batch, in micro-batch 0's forward (an
+      activation recompute does not refill). Slot gradients accumulate on the slot rank and go home once, in the
+      backward that completes the batch's ``M`` micro-batches (micro-batch ``M - 1``'s when each micro-batch's
+      backward follows its forward), added to that backward's home gradients: after it, hooks (DDP, FSDP,
+      gradient accumulation) see complete home gradients, as in the per-layer mode. A skipped micro-batch
+      backward raises ``ReplayError`` on every rank (at the end of the last micro-batch's backward, or agreed at
+      the next batch's entry). ``resident_replicas.buffer.fills`` and ``.returns`` count one each per batch.
+
     Args:
         hidden: H, model hidden size.
         ffn: F, expert FFN width (SwiGLU).
@@ -404,7 +420,8 @@ class ReplayBalancedMoE(nn.Module):
         gpus_per_node: ranks per node in the EP group (replicas of node-scoped plans stay in a node);
             default: the whole group is one node.
         replica_buffer: the model's :class:`LayerSharedReplicaBuffer` (shared by all its MoE layers);
-            needed only when a plan puts replicas into slots.
+            needed only when a plan puts replicas into slots (its ``slots`` is the plans' ``r``, also for
+            resident plans, which run on the layer's own slots).
         router: a :class:`TopKRouter`, a dict of its keyword arguments, or a scoring name
             (``"softmax"``, ``"sigmoid"``).
         shared_expert: optional module applied to every token and added to the output.
