@@ -349,7 +349,7 @@ def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, rec
     from relibra_moe.integrations import megatron as rm
     from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
     from relibra_moe.layers.testing import hot_replica_plan
-    from relibra_moe.plan import ReplicaPlan
+    from relibra_moe.plan import BatchPlan, ReplicaPlan, SamplePlacement
     from tests import megatron_cpu as mc
 
     mc.init_megatron(world)
@@ -370,9 +370,12 @@ def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, rec
         replicas = plan
         if resident:
             r = plan.replicas
-            replicas = ReplicaPlan(np.repeat(r.replica_expert, M, axis=0), np.concatenate(
-                [r.split_index, r.split_index + [1, 0, 0, 0, 0]]), np.tile(r.split_share, M), r.scope)
-            assert replicas.resident
+            replicas = BatchPlan(plan.placement, SamplePlacement(np.repeat(np.arange(M), world),
+                                                                 np.tile(np.arange(world), M), M),
+                                 ReplicaPlan(np.repeat(r.replica_expert, M, axis=0), np.concatenate(
+                                     [r.split_index, r.split_index + [1, 0, 0, 0, 0]]), np.tile(r.split_share, M),
+                                     r.scope), num_gpus=world, gpus_per_node=gpus_per_node)
+            assert replicas.replicas.resident
         assert layer.relibra.expert_gpu_host.tolist() == plan.placement.expert_gpu[0].tolist()
 
         gen = torch.Generator().manual_seed(seed * 10 + rank)
