@@ -452,7 +452,9 @@ class _ExpertsWithResidentReplicas(torch.autograd.Function):
     def backward(ctx, grad_y):
         with trusted_indices():  # the forward's indices, built by the layer
             graph, (resident, transfer, dispatcher, (name, generation, m, M)) = ctx.graph, ctx.state
-            ctx.graph = ctx.state = None
+            if graph is None:  # a second backward through this node (retain_graph)
+                raise resident.twice_error(name, m)
+            ctx.graph = None
             gx, gw, gs = _graph_grads(graph, grad_y)
             if not any(g is not None for g in gw):  # every expert tensor frozen: nothing goes home
                 return (gx, None, None, None, None, None, None, *gw)

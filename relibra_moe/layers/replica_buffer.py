@@ -373,8 +373,7 @@ class ResidentReplicas:
                               "resident replica plan whose slot gradients went home already or were dropped "
                               f"(batch {generation}, current {self.generation})")
         if micro_batch in self.done:
-            raise ReplayError(f"layer {name}: the backward of micro-batch {micro_batch} ran twice in one batch of the "
-                              f"resident replica plan ({self._counts()})")
+            raise self.twice_error(name, micro_batch)
         self.done.add(micro_batch)
         if self.grads is None:
             self.grads = [g.detach().clone() for g in grads]
@@ -382,6 +381,11 @@ class ResidentReplicas:
             for acc, g in zip(self.grads, grads):
                 acc.add_(g)
         return len(self.done) == self.key.num_micro_batches
+
+    def twice_error(self, name: str, micro_batch: int) -> ReplayError:
+        """The ``ReplayError`` of a micro-batch's second backward (its slot gradients would count twice)."""
+        return ReplayError(f"layer {name}: the backward of micro-batch {micro_batch} ran twice in one batch of the "
+                           f"resident replica plan ({self._counts()})")
 
     def send_home(self, transfer: ReplicaTransfer, home_grads: tuple[torch.Tensor, ...],
                   dispatcher: Dispatcher) -> None:

@@ -351,7 +351,8 @@ def _resident_errors_worker(rank: int, world: int) -> None:
     """A skipped backward raises ReplayError on every rank, naming the layer and the counts: (a) at the end of
     the last micro-batch's backward when an earlier one was skipped; (b) at the next batch's entry when the last
     one was skipped (agreed at replay entry, raised by the first forward). Each error drops the stale batch: the
-    next batch runs clean. One backward of the summed losses (micro-batch M - 1's backward first) is fine."""
+    next batch runs clean. One backward of the summed losses (micro-batch M - 1's backward first) is fine. A
+    micro-batch's second backward (``retain_graph``) would count its slot gradients twice: ReplayError."""
     from relibra_moe.errors import ReplayError
 
     G, E = world, 2 * world
@@ -396,6 +397,13 @@ def _resident_errors_worker(rank: int, world: int) -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert [lay.resident_replicas.returns for lay in layers] == [2] * RL
     assert [lay.resident_replicas.buffer.fills for lay in layers] == [4] * RL  # the refused batch filled nothing
+    x, ids, cot = mine[0]
+    with force_backend(kernel_backend()), replay(layers, ids, plan=plan, micro_batch=0):
+        loss = (_forward(layers, x.clone().requires_grad_(), None) * cot).sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(ReplayError, match=r"layer moe\[1\]: the backward of micro-batch 0 ran twice in one batch "
+                                              r"of the resident replica plan \(the backward ran for 1 of its 3"):
+            loss.backward()
 
 
 @pytest.mark.timeout(240)
