@@ -1,6 +1,12 @@
 """LayerSharedReplicaBuffer: r slots per rank whatever the number of layers (a 48-layer model on two
 ranks refills one buffer per layer, forward and backward, and matches the unreplicated run), the
-paper's memory figures, and the wire order of ReplicaTransfer on a hand-built plan."""
+paper's memory figures, and the wire order of ReplicaTransfer on a hand-built plan.
+
+Resident mode (ResidentReplicas, issue 27): a plan with the same replicas in all M = 3 micro-batches on 2 ranks
+(node scope) and 4 ranks as 2 nodes x 2 (global scope, cross-node replicas) equals a float64 dense loop, the model
+without replicas and the per-layer mode, with exactly one fill and one gradient return per layer per batch (a
+second batch refills; activation recompute neither refills nor counts twice; no host sync); a skipped or repeated
+micro-batch backward raises ReplayError on every rank."""
 
 from __future__ import annotations
 
