@@ -675,7 +675,10 @@ class ReplayBalancedMoE(nn.Module):
         """For a resident plan (``plan.resident``, the simulator's ``persistent`` rule), what this layer's own
         slots must hold in micro-batch ``m``; else ``None``. Micro-batch 0 begins a batch: ``ReplayError``
         (agreed like every plan error) when the previous batch never returned its slot gradients."""
-        if not plan.resident:
+        rule = self.__dict__.get("_resident_rule")
+        if rule is None or rule[0] is not plan:  # the rule reads the whole [M, L, G, r]: once per plan and layer
+            rule = self.__dict__["_resident_rule"] = (plan, plan.resident)
+        if not rule[1]:
             return None
         if m == 0 and not in_backward():
             error = self.resident_replicas.stale_error(self.name)
