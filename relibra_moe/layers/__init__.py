@@ -3,7 +3,7 @@
 - ``router``: ``TopKRouter`` (softmax / DeepSeek-V3 sigmoid with group-limited selection) with replay.
 - ``experts``: grouped SwiGLU experts over home experts + replica slots (the Triton grouped GEMM).
 - ``replica_buffer``: ``LayerSharedReplicaBuffer`` (r slots per rank shared by all layers),
-  ``replica_buffer_bytes``.
+  ``ResidentReplicas`` (a layer's own slots for resident plans, filled once per batch), ``replica_buffer_bytes``.
 - ``dispatch``: the ``Dispatcher`` protocol, ``LocalDispatcher``, ``AllToAllDispatcher``,
   ``DeepEPDispatcher``.
 - ``moe``: ``ReplayBalancedMoE`` (its forward in stages: route, agree on errors across the EP group,

@@ -20,6 +20,14 @@ refills it, but layer ``l``'s backward needs them again. :class:`_ExpertsWithRep
 replicas when another layer used them meanwhile (the refill writes through ``.data``, so the saved
 graph, which references the buffer, stays valid), runs the saved graph backward, and (4) sends the
 slot gradients back to the home ranks, where they are added to the home experts' gradients.
+
+Autograd with resident slots (a plan with ``ReplicaPlan.resident``, :func:`resident_experts_forward`). Each
+layer holds its own slots (:class:`~relibra_moe.layers.replica_buffer.ResidentReplicas`), filled once per batch,
+so :class:`_ExpertsWithResidentReplicas` never refills in backward: it runs the saved graph, adds the slot
+gradients to the layer's accumulator, and in the backward that completes the batch's ``M`` micro-batches
+(micro-batch ``M - 1``'s in the usual order) sends the sum home, added to that backward's home gradients (so
+hooks after it, DDP's or FSDP's, see complete home gradients). A backward of micro-batch ``M - 1`` that leaves
+the batch incomplete raises ``ReplayError`` when its backward pass ends (every rank alike: the same facts).
 """
 
 from __future__ import annotations
@@ -31,16 +39,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import ReplayError
 from ..triton_kernels.grouped_gemm import ExpertWeights, grouped_mm, swiglu, swiglu_experts
 from ..triton_kernels.heuristics import row_tile
 from ..triton_kernels.permute import combine, permute
 from ..triton_kernels.routing import RoutingMeta, routing_metadata, trusted_indices
 from .dispatch import Dispatcher
-from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
+from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer, ResidentKey, ResidentReplicas
 
 __all__ = ["BiasedGatedExperts", "GroupedExperts", "GroupedSwiGLUExperts", "LocalRows", "biased_gated_mlp",
            "experts_forward", "gpt_oss_activation", "grouped_mm_fits", "local_rows", "reference_local_experts",
-           "row_slots", "slot_view"]
+           "resident_experts_forward", "row_slots", "slot_view"]
 
 SlotTensor = torch.Tensor | ExpertWeights
 
@@ -384,3 +393,90 @@ def experts_forward(experts: GroupedExperts, x: torch.Tensor, slot_ids: torch.Te
             buffer.fill(key, transfer, home, dispatcher)
         return experts.compute_tensors(x, slot_ids, home, buffer.tensors if active else None)
     return _ExpertsWithReplicas.apply(x, slot_ids, experts, buffer, transfer, dispatcher, key, *home)
+
+
+def _graph_grads(graph: tuple, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, list, list]:
+    """Run a saved ``(y, xl, ws, slots)`` graph backward: ``(grad x or None, home grads (None: frozen), slot grads
+    (zeros for the slots of frozen members))``."""
+    y, xl, ws, slots = graph
+    leaves = [t for t in (xl, *ws, *slots) if t.requires_grad]
+    grads = list(torch.autograd.grad(y, leaves, grad_y, allow_unused=True)) if leaves and y.requires_grad \
+        else [None] * len(leaves)
+    it = iter(torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads))
+    gx = next(it) if xl.requires_grad else None
+    gw = [next(it) if w.requires_grad else None for w in ws]
+    gs = [next(it) if s.requires_grad else torch.zeros_like(s) for s in slots]
+    return gx, gw, gs
+
+
+_END_CHECKS: dict[int, list[tuple[ResidentReplicas, str, int]]] = {}
+
+
+def _check_when_backward_ends(resident: ResidentReplicas, name: str, generation: int) -> None:
+    """Run ``resident.check_complete(name, generation)`` when the current backward pass ends; one callback per
+    pass checks every layer queued in it (each incomplete batch is dropped) and raises the first error."""
+    task = torch._C._current_graph_task_id()
+    checks = _END_CHECKS.get(task)
+    if checks is None:
+        checks = _END_CHECKS[task] = []
+
+        def run() -> None:
+            errors = []
+            for res, layer, gen in _END_CHECKS.pop(task, []):
+                try:
+                    res.check_complete(layer, gen)
+                except ReplayError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+
+        torch.autograd.Variable._execution_engine.queue_callback(run)
+    checks.append((resident, name, generation))
+
+
+class _ExpertsWithResidentReplicas(torch.autograd.Function):
+    """Autograd glue for resident slots (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, slot_ids, experts, resident, transfer, dispatcher, info, *home):
+        with torch.enable_grad():
+            xl = x.detach().requires_grad_(x.requires_grad)
+            ws = tuple(w.detach().requires_grad_(w.requires_grad) for w in home)
+            slots = tuple(t.detach().requires_grad_(w.requires_grad) for t, w in zip(resident.buffer.tensors, ws))
+            y = experts.compute_tensors(xl, slot_ids, ws, slots)
+        ctx.graph = (y, xl, ws, slots)
+        ctx.state = (resident, transfer, dispatcher, info)
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        with trusted_indices():  # the forward's indices, built by the layer
+            graph, (resident, transfer, dispatcher, (name, generation, m, M)) = ctx.graph, ctx.state
+            if graph is None:  # a second backward through this node (retain_graph)
+                raise resident.twice_error(name, m)
+            ctx.graph = None
+            gx, gw, gs = _graph_grads(graph, grad_y)
+            if not any(g is not None for g in gw):  # every expert tensor frozen: nothing goes home
+                return (gx, None, None, None, None, None, None, *gw)
+            if resident.accumulate(name, generation, m, gs):
+                gh = tuple(torch.zeros_like(w) if g is None else g for w, g in zip(graph[2], gw))
+                resident.send_home(transfer, gh, dispatcher)
+                gw = [g if w.requires_grad else None for w, g in zip(graph[2], gh)]
+            elif m == M - 1:  # checked when this backward pass ends: a summed loss runs m = M - 1 first
+                _check_when_backward_ends(resident, name, generation)
+            return (gx, None, None, None, None, None, None, *gw)
+
+
+def resident_experts_forward(experts: GroupedExperts, x: torch.Tensor, slot_ids: torch.Tensor,
+                             resident: ResidentReplicas, transfer: ReplicaTransfer, dispatcher: Dispatcher,
+                             key: ResidentKey, name: str) -> torch.Tensor:
+    """:func:`experts_forward` with the layer's resident slots ``resident`` (its buffer allocated): filled when
+    ``key`` begins a batch (:meth:`ResidentReplicas.prepare`, a collective), their gradients returned once per
+    batch (a collective in the backward that completes it). ``name``: the layer, for errors."""
+    home = experts.expert_tensors()
+    keeps_graph = torch.is_grad_enabled() and any(w.requires_grad for w in home)
+    generation = resident.prepare(name, key, transfer, home, dispatcher, keeps_graph)
+    if not keeps_graph:  # inference, or every expert tensor frozen: no slot gradient
+        return experts.compute_tensors(x, slot_ids, home, resident.buffer.tensors)
+    info = (name, generation, key.micro_batch, key.num_micro_batches)
+    return _ExpertsWithResidentReplicas.apply(x, slot_ids, experts, resident, transfer, dispatcher, info, *home)

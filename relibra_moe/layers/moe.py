@@ -47,7 +47,9 @@ exchange per micro-batch): the replayed forward and backward only launch work, w
    ascending rank order, in pair order;
 4. dispatch (:meth:`~ReplayBalancedMoE.dispatch`): all-to-all of the pairs sorted by destination;
 5. experts (:meth:`~ReplayBalancedMoE.compute_experts`): fill the layer-shared replica slots, grouped
-   SwiGLU over home experts and replica slots;
+   SwiGLU over home experts and replica slots; a resident plan (``ReplicaPlan.resident``: the same replicas in
+   every micro-batch) uses the layer's own slots instead, filled at micro-batch 0 only, their gradients sent
+   home once per batch (:class:`~relibra_moe.layers.replica_buffer.ResidentReplicas`);
 6. combine (:meth:`~ReplayBalancedMoE.combine`): all-to-all back, weighted sum with the gates in fp32.
 
 Without a plan it is a plain EP MoE layer. No token is ever dropped. A plan never changes the math:
@@ -82,9 +84,10 @@ from .experts import (
     grouped_mm_fits,
     local_rows,
     reference_local_experts,
+    resident_experts_forward,
 )
 from .replay import LayerReplay
-from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer
+from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer, ResidentKey, ResidentReplicas, in_backward
 from .router import LIVE, RouterOutput, TopKRouter, check_replay_ids, trusted_replay
 
 __all__ = ["LayerPlan", "LayerSchedule", "ReplayBalancedMoE", "RoutedPairs", "host_destinations", "materialize_counts",
@@ -229,12 +232,15 @@ class LayerPlan:
         digest: int64 ``[5]``: 1 with a plan (0: none), the micro-batch, the layer, then the two words of
             :func:`slice_digest`; every rank of the EP group must hold the same (checked by ``agree``);
             ``None`` reads as "no plan" on the layer's current homes.
+        resident: with a resident plan (``ReplicaPlan.resident``), what the layer's own slots must hold for
+            this forward (the layer runs it resident); ``None``: the layer-shared buffer, refilled per forward.
     """
 
     slot_table: np.ndarray
     shares: np.ndarray | None
     transfer: ReplicaTransfer | None
     digest: np.ndarray | None = None
+    resident: ResidentKey | None = None
 
 
 @dataclass(eq=False)
@@ -389,6 +395,20 @@ class ReplayBalancedMoE(nn.Module):
     batch, give every MoE layer the same ``LayerSharedReplicaBuffer``, and run each micro-batch ``m``
     inside ``replay(model, ids_m, plan=plan, micro_batch=m)``.
 
+    Replica modes, chosen by the plan (``ReplicaPlan.resident``, the rule the simulator charges by):
+
+    * per layer (any plan): the layer-shared buffer is filled in each forward (a collective) and refilled in
+      backward when another layer used it; slot gradients go home in each micro-batch's backward.
+    * resident (the same replicas in every micro-batch, M > 1): the layer keeps its own ``r`` slots
+      (``resident_replicas``; allocated by the first resident forward: ``L x r`` experts per rank for a model,
+      beside the shared buffer, which still sets ``r``), filled once per batch, in micro-batch 0's forward (an
+      activation recompute does not refill). Slot gradients accumulate on the slot rank and go home once, in the
+      backward that completes the batch's ``M`` micro-batches (micro-batch ``M - 1``'s when each micro-batch's
+      backward follows its forward), added to that backward's home gradients: after it, hooks (DDP, FSDP,
+      gradient accumulation) see complete home gradients, as in the per-layer mode. A skipped micro-batch
+      backward raises ``ReplayError`` on every rank (at the end of the last micro-batch's backward, or agreed at
+      the next batch's entry). ``resident_replicas.buffer.fills`` and ``.returns`` count one each per batch.
+
     Args:
         hidden: H, model hidden size.
         ffn: F, expert FFN width (SwiGLU).
@@ -400,7 +420,8 @@ class ReplayBalancedMoE(nn.Module):
         gpus_per_node: ranks per node in the EP group (replicas of node-scoped plans stay in a node);
             default: the whole group is one node.
         replica_buffer: the model's :class:`LayerSharedReplicaBuffer` (shared by all its MoE layers);
-            needed only when a plan puts replicas into slots.
+            needed only when a plan puts replicas into slots (its ``slots`` is the plans' ``r``, also for
+            resident plans, which run on the layer's own slots).
         router: a :class:`TopKRouter`, a dict of its keyword arguments, or a scoring name
             (``"softmax"``, ``"sigmoid"``).
         shared_expert: optional module applied to every token and added to the output.
@@ -519,6 +540,15 @@ class ReplayBalancedMoE(nn.Module):
         return cache[2]
 
     @property
+    def resident_replicas(self) -> ResidentReplicas:
+        """This layer's own replica slots for resident plans (``ReplicaPlan.resident``), created on first use;
+        their buffer is allocated by the first resident forward (``r`` experts: ``L x r`` per rank for a model)."""
+        res = self.__dict__.get("_resident")
+        if res is None:
+            res = self.__dict__["_resident"] = ResidentReplicas()
+        return res
+
+    @property
     def num_slots(self) -> int:
         """``S = E_loc + r``: local slots of this rank (home experts, then the replica buffer's slots)."""
         return self.num_local + (0 if self.replica_buffer is None else self.replica_buffer.slots)
@@ -627,6 +657,7 @@ class ReplayBalancedMoE(nn.Module):
             g_idx, s_idx = np.nonzero(filled)
             slot_table[rep[g_idx, s_idx], g_idx] = E_loc + s_idx
             transfer = ReplicaTransfer.build(rep, home, self.rank, self.gpus_per_node, plan.scope)
+        resident = self._resident_key(plan, m, home) if transfer is not None else None
         rows = plan.rows_of(m, l)
         idx = plan.split_index[rows]
         mine = idx[:, 2] == self.rank
@@ -638,7 +669,24 @@ class ReplayBalancedMoE(nn.Module):
             shares[e_rows] = 0.0
             np.add.at(shares, (e_rows, idx[mine, 4]), plan.split_share[rows][mine].astype(np.float64))
             shares[slot_table < 0] = 0.0  # share-0 rows to non-holders passed validation; drop them
-        return LayerPlan(slot_table, shares, transfer, _slice_row(home, plan, m, l))
+        return LayerPlan(slot_table, shares, transfer, _slice_row(home, plan, m, l), resident)
+
+    def _resident_key(self, plan: ReplicaPlan, m: int, home: np.ndarray) -> ResidentKey | None:
+        """For a resident plan (``plan.resident``, the simulator's ``persistent`` rule), what this layer's own
+        slots must hold in micro-batch ``m``; else ``None``. Micro-batch 0 begins a batch: ``ReplayError``
+        (agreed like every plan error) when the previous batch never returned its slot gradients."""
+        rule = self.__dict__.get("_resident_rule")
+        if rule is None or rule[0] is not plan:  # the rule reads the whole [M, L, G, r]: once per plan and layer
+            rule = self.__dict__["_resident_rule"] = (plan, plan.resident)
+        if not rule[1]:
+            return None
+        if m == 0 and not in_backward():
+            error = self.resident_replicas.stale_error(self.name)
+            if error is not None:
+                raise error
+        rep = np.ascontiguousarray(plan.replica_expert[m, self.layer_index], np.int64)
+        return ResidentKey(rep.tobytes(), np.ascontiguousarray(home, np.int64).tobytes(), int(m),
+                           int(plan.num_micro_batches))
 
     # ------------------------------------------------------------------ schedule (host, before the forward)
 
@@ -973,6 +1021,11 @@ class ReplayBalancedMoE(nn.Module):
         are filled from the plan's transfer first, a collective when it moves weights)."""
         transfer = plan.transfer
         self._calls += 1
+        if plan.resident is not None and transfer is not None:
+            resident = self.resident_replicas
+            resident.slots_for(self.experts, self.replica_buffer.slots)
+            return resident_experts_forward(self.experts, x_recv, slot_recv, resident, transfer, self.dispatcher,
+                                            plan.resident, self.name)
         key = (id(self), self._calls)
         return experts_forward(self.experts, x_recv, slot_recv, self.replica_buffer if transfer else None,
                                transfer, self.dispatcher, key)

@@ -14,6 +14,14 @@ micro-batch) that one rank needs: which of its home experts it sends to whom, an
 fills from whom. The order of the rows on the wire is fixed by the global plan, so sender and
 receiver agree without extra metadata: a sender walks destinations ascending and their slots
 ascending; a receiver walks sources ascending and its slots ascending.
+
+Resident mode (:class:`ResidentReplicas`). A plan whose slots hold the same experts in every micro-batch
+(``ReplicaPlan.resident``: EPLB-style redundant experts) runs resident instead: each layer keeps its own
+``r`` slots (an unshared buffer of this class, allocated on first use: ``L x r`` experts per rank, e.g.
+48 x 18 MiB = 864 MiB for Qwen3-30B-A3B at r = 2 in bf16, beside the model's shared buffer), filled once
+per batch at the first micro-batch's forward; their gradients accumulate locally over the micro-batches
+and go home once, in the backward that completes the batch (micro-batch ``M - 1``'s in the usual
+gradient-accumulation order). This is what the simulator charges such a plan (``persistent``).
 """
 
 from __future__ import annotations
@@ -23,13 +31,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import PlanError
+from ..errors import PlanError, ReplayError
 from ..specs import replica_buffer_bytes
 from ..triton_kernels.replica_copy import add_slot_grads, copy_into_slots
 from ..validate import check_int
 from .dispatch import Dispatcher
 
-__all__ = ["LayerSharedReplicaBuffer", "ReplicaTransfer", "replica_buffer_bytes"]
+__all__ = ["LayerSharedReplicaBuffer", "ReplicaTransfer", "ResidentKey", "ResidentReplicas", "in_backward",
+           "replica_buffer_bytes"]
 
 
 @dataclass(frozen=True)
@@ -243,3 +252,159 @@ class LayerSharedReplicaBuffer:
             n = g[0].numel()
             add_slot_grads(recv[:, col:col + n].view((len(idx),) + tuple(g.shape[1:])), rows, g, idx)
             col += n
+
+
+def in_backward() -> bool:
+    """Whether the calling thread runs inside an autograd backward (e.g. an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(frozen=True, eq=False)
+class ResidentKey:
+    """What one forward of a resident plan asks the layer's slots to hold.
+
+    Attributes:
+        slots: the layer's ``replica_expert[m, l]`` ``[G, r]`` as bytes (the same in every micro-batch).
+        home: the layer's homes ``expert_gpu [E]`` as bytes (a relayout refills).
+        micro_batch: m of this forward. num_micro_batches: M of the plan.
+    """
+
+    slots: bytes
+    home: bytes
+    micro_batch: int
+    num_micro_batches: int
+
+    def same_slots(self, other: ResidentKey | None) -> bool:
+        """Same replica slots and homes as ``other``: the slots ``other`` filled serve this forward."""
+        return other is not None and other.slots == self.slots and other.home == self.home
+
+
+class ResidentReplicas:
+    """One layer's resident replica slots and their batch bookkeeping (see the module docstring).
+
+    Attributes:
+        buffer: the layer's own slots (a :class:`LayerSharedReplicaBuffer` used unshared), ``None`` before
+            the first resident forward; ``buffer.fills`` counts its fills (one per layer per batch).
+        key: the :class:`ResidentKey` the slots hold (``None``: nothing).
+        generation: how many batches (fills) began; a backward checks it belongs to the current one.
+        graphs: micro-batches of this batch whose forward kept an autograd graph (a backward is owed).
+        done: micro-batches whose backward added its slot gradients to ``grads``.
+        grads: the accumulated slot gradients ``[r, *shape]`` per member (``None`` before the first backward).
+        returned: this batch's slot gradients went home. returns: how many times they did (one per batch).
+    """
+
+    def __init__(self) -> None:
+        self.buffer: LayerSharedReplicaBuffer | None = None
+        self.key: ResidentKey | None = None
+        self.generation = 0
+        self.returns = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.graphs: set[int] = set()
+        self.done: set[int] = set()
+        self.grads: list[torch.Tensor] | None = None
+        self.returned = False
+
+    def slots_for(self, experts, slots: int) -> LayerSharedReplicaBuffer:
+        """The layer's buffer of ``slots`` slots for ``experts``, allocated (and emptied) when missing or
+        when the experts changed shape, dtype or device."""
+        buf = self.buffer
+        try:
+            if buf is not None and buf.slots == slots:
+                buf.check_experts(experts.expert_tensors())
+                return buf
+        except ValueError:
+            pass
+        self.buffer = LayerSharedReplicaBuffer.for_experts(experts, slots)
+        self.key = None
+        return self.buffer
+
+    @property
+    def owed(self) -> bool:
+        """Slot gradients of the current batch are owed to the homes (a backward ran or is due, none returned)."""
+        return bool(self.graphs or self.done) and not self.returned
+
+    def _counts(self) -> str:
+        M = self.key.num_micro_batches if self.key is not None else 0
+        return (f"the backward ran for {len(self.done)} of its {M} micro-batches {sorted(self.done)}, "
+                f"{len(self.graphs)} forwards kept a graph {sorted(self.graphs)}")
+
+    def stale_error(self, name: str) -> ReplayError | None:
+        """The ``ReplayError`` of a new batch starting while the previous one's slot gradients are owed (a
+        micro-batch's backward never ran), else ``None``. The stale batch is dropped with the error."""
+        if not self.owed:
+            return None
+        err = ReplayError(f"layer {name}: a new batch starts (micro-batch 0 of a resident replica plan) but the "
+                          f"previous batch's replica slot gradients never went home: {self._counts()}; run the "
+                          "backward of every micro-batch (the stale slot gradients are dropped)")
+        self.key = None
+        self._reset()
+        return err
+
+    def prepare(self, name: str, key: ResidentKey, transfer: ReplicaTransfer, home: tuple[torch.Tensor, ...],
+                dispatcher: Dispatcher, keeps_graph: bool) -> int:
+        """Before one forward of a resident plan: fill the slots (a collective) when a batch begins, i.e. at
+        micro-batch 0 outside a backward (an activation recompute does not refill), for other slots or homes,
+        or after the batch's gradients went home (an optimizer step may have changed the homes since); note a
+        kept graph. Every rank decides alike from host facts (no sync). A forward of micro-batch ``m > 0`` uses
+        the slots its batch filled at micro-batch 0: home weights written within a batch are not seen before the
+        next batch (the plan's resident semantics). Returns the batch (``generation``) the forward belongs to.
+        ``ReplayError`` when the previous batch still owes its slot gradients."""
+        recompute = in_backward()
+        if not key.same_slots(self.key) or (not recompute and (key.micro_batch == 0 or self.returned)):
+            err = self.stale_error(name)
+            if err is not None:
+                raise err
+            self.buffer.fill(key, transfer, home, dispatcher)
+            self.key = key
+            self.generation += 1
+            self._reset()
+        if keeps_graph:
+            self.graphs.add(key.micro_batch)
+        return self.generation
+
+    def accumulate(self, name: str, generation: int, micro_batch: int, grads: list[torch.Tensor]) -> bool:
+        """Add one micro-batch's slot gradients (``[r, *shape]`` per member); returns whether the batch is
+        complete (every micro-batch's backward ran: the gradients go home now). ``ReplayError`` for a backward of
+        an earlier batch or a micro-batch's second backward."""
+        if generation != self.generation or self.returned:
+            raise ReplayError(f"layer {name}: the backward of micro-batch {micro_batch} belongs to a batch of the "
+                              "resident replica plan whose slot gradients went home already or were dropped "
+                              f"(batch {generation}, current {self.generation})")
+        if micro_batch in self.done:
+            raise self.twice_error(name, micro_batch)
+        self.done.add(micro_batch)
+        if self.grads is None:
+            self.grads = [g.detach().clone() for g in grads]
+        else:
+            for acc, g in zip(self.grads, grads):
+                acc.add_(g)
+        return len(self.done) == self.key.num_micro_batches
+
+    def twice_error(self, name: str, micro_batch: int) -> ReplayError:
+        """The ``ReplayError`` of a micro-batch's second backward (its slot gradients would count twice)."""
+        return ReplayError(f"layer {name}: the backward of micro-batch {micro_batch} ran twice in one batch of the "
+                           f"resident replica plan ({self._counts()})")
+
+    def send_home(self, transfer: ReplicaTransfer, home_grads: tuple[torch.Tensor, ...],
+                  dispatcher: Dispatcher) -> None:
+        """Return the accumulated slot gradients to the home ranks, added into ``home_grads`` in place (a
+        collective); the batch is closed."""
+        self.buffer.return_grads(transfer, tuple(self.grads), home_grads, dispatcher)
+        self.grads = None
+        self.returned = True
+        self.returns += 1
+
+    def check_complete(self, name: str, generation: int) -> None:
+        """After the backward that ran the last micro-batch: ``ReplayError`` when the batch is still incomplete
+        (a micro-batch's backward was skipped); the batch is dropped with the error."""
+        if generation != self.generation or self.returned:
+            return
+        M = self.key.num_micro_batches
+        text = (f"layer {name}: the backward of the last micro-batch ({M - 1}) of a resident replica plan ran, "
+                f"but {self._counts()}: the replica slot gradients cannot go home complete; run the backward of "
+                "every micro-batch")
+        self.key = None
+        self._reset()
+        raise ReplayError(text)

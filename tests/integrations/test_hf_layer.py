@@ -105,3 +105,79 @@ def test_the_old_name_is_a_deprecated_alias():
     assert any(issubclass(x.category, DeprecationWarning) and "HFReplayMoE" in str(x.message) for x in w)
     with pytest.raises(AttributeError):
         hf_layer.NoSuchName  # noqa: B018
+
+
+def _hf_resident_worker(rank: int, world: int) -> None:
+    """The tiny Qwen3-MoE (3 MoE layers, 8 experts) swapped onto 2 ranks with a resident plan of 3 micro-batches
+    (each layer's hot expert replicated on the other rank in every micro-batch; sample 2m + g runs micro-batch m on
+    rank g): logits per micro-batch and, after the 3 backwards, every gradient (non-expert ones summed over the
+    ranks, as data parallelism does; expert rows at their homes) equal the plain HF model's on the 6 sequences.
+    Each block fills its own slots once and returns their gradients once; the model's shared buffer is unused."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from relibra_moe.integrations.hf import RoutingRecorder, moe_blocks, replay, swap_moe_blocks
+    from relibra_moe.plan import BatchPlan, Placement, ReplicaPlan, SamplePlacement
+    from relibra_moe.triton_kernels.backend import force_backend
+
+    G, M, L, E = 2, 3, 3, 8
+    ids = torch.arange(3, 3 + 6 * 8).reshape(6, 8) % 50 + 1
+    with force_backend("torch"):
+        plain = tiny_model("qwen3_moe", mlp_only_layers=[]).train()
+        with RoutingRecorder(plain) as rec, torch.no_grad():
+            plain(ids)
+        traces = rec.traces()
+        hot = sum(t.expert_counts() for t in traces).argmax(1)
+        home = np.arange(E) // (E // G)
+        rep = np.full((M, L, G, 1), -1, np.int32)
+        idx, share = [], []
+        for l in range(L):
+            e, h = int(hot[l]), int(home[hot[l]])
+            rep[:, l, 1 - h, 0] = e
+            for m in range(M):
+                for j in range(G):
+                    idx += [(m, l, j, e, h), (m, l, j, e, 1 - h)]
+                    share += [0.6, 0.4]
+        plan = BatchPlan(Placement(np.tile(home, (L, 1))), SamplePlacement(np.repeat(np.arange(M), G),
+                                                                           np.tile(np.arange(G), M), M),
+                         ReplicaPlan(rep, np.array(idx), np.array(share)), num_gpus=G, gpus_per_node=G)
+        assert plan.replicas.resident
+        for s in range(6):
+            plain(ids[s:s + 1]).logits.square().mean().backward()
+        with torch.no_grad():
+            ref = plain(ids).logits
+        model = swap_moe_blocks(tiny_model("qwen3_moe", mlp_only_layers=[]), replica_slots=1, gpus_per_node=G).train()
+        for m in range(M):
+            with replay(model, traces, plan, micro_batch=m) as rows:
+                assert rows == [2 * m + rank], rows
+                logits = model(ids[rows]).logits
+            torch.testing.assert_close(logits.detach(), ref[rows], rtol=1e-5, atol=1e-6)
+            logits.square().mean().backward()
+    blocks = [b for _, _, b in moe_blocks(model)]
+    assert [b.resident_replicas.buffer.fills for b in blocks] == [1] * L
+    assert [b.resident_replicas.returns for b in blocks] == [1] * L
+    assert blocks[0].replica_buffer.fills == 0
+    served = torch.tensor([sum(int(b.last_slot_counts[b.num_local:].sum()) for b in blocks)])
+    dist.all_reduce(served)
+    assert int(served) > 0  # the replica slots computed rows
+    want = dict(plain.named_parameters())
+    experts = {n for n, p in model.named_parameters() if ".experts." in n}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        if name in experts:
+            block = next(b for b in blocks if name.startswith(_prefix(model, b)))
+            torch.testing.assert_close(g, want[name].grad[block.home_experts], rtol=1e-4, atol=1e-6, msg=name)
+        else:
+            dist.all_reduce(g)
+            torch.testing.assert_close(g, want[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _prefix(model: nn.Module, block: nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is block) + "."
+
+
+@pytest.mark.timeout(300)
+def test_swapped_qwen3_moe_with_a_resident_plan_is_the_plain_model_on_two_ranks():
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_hf_resident_worker, 2, timeout_s=60)

@@ -339,12 +339,17 @@ def global_expert_grads(local: torch.Tensor, expert_ids) -> torch.Tensor:
     return out
 
 
-def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, recompute: bool) -> None:
+def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, recompute: bool,
+                       resident: bool = False) -> None:
+    """``resident``: the plan's replicas as a resident plan of 2 micro-batches (the same data twice, each
+    micro-batch's backward after its forward, on both sides): each layer's own slots filled once, gradients
+    returned once."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from relibra_moe.integrations import megatron as rm
     from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
     from relibra_moe.layers.testing import hot_replica_plan
+    from relibra_moe.plan import BatchPlan, ReplicaPlan, SamplePlacement
     from tests import megatron_cpu as mc
 
     mc.init_megatron(world)
@@ -361,6 +366,16 @@ def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, rec
         hot = np.array([np.random.default_rng(seed).integers(E)])
         plan = hot_replica_plan(1, E, world, gpus_per_node, hot, seed)
         rm.relayout(layer, plan)
+        M = 2 if resident else 1
+        replicas = plan
+        if resident:
+            r = plan.replicas
+            replicas = BatchPlan(plan.placement, SamplePlacement(np.repeat(np.arange(M), world),
+                                                                 np.tile(np.arange(world), M), M),
+                                 ReplicaPlan(np.repeat(r.replica_expert, M, axis=0), np.concatenate(
+                                     [r.split_index, r.split_index + [1, 0, 0, 0, 0]]), np.tile(r.split_share, M),
+                                     r.scope), num_gpus=world, gpus_per_node=gpus_per_node)
+            assert replicas.replicas.resident
         assert layer.relibra.expert_gpu_host.tolist() == plan.placement.expert_gpu[0].tolist()
 
         gen = torch.Generator().manual_seed(seed * 10 + rank)
@@ -370,19 +385,24 @@ def _layer_vs_megatron(rank: int, world: int, gpus_per_node: int, seed: int, rec
 
         x_ref = x.clone().requires_grad_(True)
         rr = ref.router.router_replay
-        rr.set_target_indices(ids)
-        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        out_ref, bias = ref(x_ref)
-        if recompute:  # Megatron never switches it itself; the relibra layer does
-            rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-        (out_ref * w).sum().backward()
+        for _ in range(M):
+            rr.set_target_indices(ids)
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            out_ref, bias = ref(x_ref)
+            if recompute:  # Megatron never switches it itself; the relibra layer does
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            (out_ref * w).sum().backward()
 
         x_rl = x.clone().requires_grad_(True)
-        rm.replay_micro_batch(layer, [ids], plan=plan, micro_batch=0)
-        out, bias_rl = layer(x_rl)
-        assert layer.moe_layer_recompute == recompute and len(layer._recompute) == int(recompute)
-        (out * w).sum().backward()
-        assert not layer._recompute and not layer.router.router_replay.replay_backward_list
+        for m in range(M):
+            rm.replay_micro_batch(layer, [ids], plan=replicas, micro_batch=m)
+            out, bias_rl = layer(x_rl)
+            assert layer.moe_layer_recompute == recompute and len(layer._recompute) == int(recompute)
+            (out * w).sum().backward()
+            assert not layer._recompute and not layer.router.router_replay.replay_backward_list
+        if resident:
+            res = layer.relibra.resident_replicas
+            assert (res.buffer.fills, res.returns, buf.fills) == (1, 1, 0)
 
         assert bias is None and bias_rl is None
         torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
@@ -416,6 +436,14 @@ def test_layer_matches_megatron_moe_layer_2_ranks():
     from relibra_moe.layers.testing import run_group
 
     run_group(_layer_vs_megatron, 2, 2, 1, False, timeout_s=120)
+
+
+def test_layer_with_a_resident_plan_matches_megatron_moe_layer_2_ranks_moe_recompute():
+    """A resident plan of 2 micro-batches under Megatron's selective recompute of the MoE layer: the recompute
+    neither refills the slots nor counts a micro-batch twice."""
+    from relibra_moe.layers.testing import run_group
+
+    run_group(_layer_vs_megatron, 2, 2, 1, True, True, timeout_s=120)
 
 
 @pytest.mark.slow

@@ -317,6 +317,62 @@ def test_expert_parallel_two_ranks_with_replicas():
     run_group(_ep_worker, 2, backend="gloo", timeout_s=90)
 
 
+def _resident_worker(rank: int, world: int) -> None:
+    """The swapped torchtitan Qwen3-MoE on 2 ranks with a resident plan: each layer's hot expert replicated on the
+    other rank in both of M = 2 micro-batches (micro-batch m of rank g replays sample g's recorded ids). Logits
+    equal the one-rank swapped model's and, after the 2 backwards, every gradient is twice its (each micro-batch
+    runs the same sample); each block fills its own slots once and returns their gradients once."""
+    import torch.distributed as dist
+
+    from relibra_moe.layers.relayout import relayout
+    from relibra_moe.layers.testing import hot_replica_plan
+    from relibra_moe.plan import ReplicaPlan
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    ref = qwen3_moe()
+    swap_moe_blocks(ref, ep_group=singles[rank])
+    for blk in ref.modules():
+        if isinstance(blk, TorchtitanReplayMoE):
+            blk.experts.compute_dtype = None  # expert GEMMs in fp32 on both
+    x = _tokens()
+    with RoutingRecorder(ref) as rec:
+        want = _run(ref, x)
+    want.square().mean().backward()
+    traces = rec.traces()
+    one = hot_replica_plan(2, 8, world, world, sum(t.expert_counts() for t in traces).argmax(1), seed=2)
+    idx = np.concatenate([one.replicas.split_index, one.replicas.split_index + [1, 0, 0, 0, 0]])
+    plan = ReplicaPlan(np.repeat(one.replicas.replica_expert, 2, axis=0), idx,
+                       np.tile(one.replicas.split_share, 2), one.replicas.scope)
+    assert plan.resident
+    model = qwen3_moe()
+    swap_moe_blocks(model, replica_slots=1, gpus_per_node=world)
+    blocks = [m for m in model.modules() if isinstance(m, TorchtitanReplayMoE)]
+    for blk in blocks:
+        blk.experts.compute_dtype = None
+    relayout(model, one.placement)
+    ids = torch.as_tensor(traces[rank].experts)  # [S, L, k]
+    for m in range(2):
+        with replay(model, ids, plan=plan, micro_batch=m):
+            got = _run(model, x[rank:rank + 1])
+        torch.testing.assert_close(got, want[rank:rank + 1], atol=1e-5, rtol=1e-5)
+        (got.square().sum() / want.numel()).backward()
+    assert [b.resident_replicas.buffer.fills for b in blocks] == [1, 1]
+    assert [b.resident_replicas.returns for b in blocks] == [1, 1] and blocks[0].replica_buffer.fills == 0
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g, r = p.grad, 2 * ref_params[name].grad
+        if ".inner_experts." in name:  # this rank's home experts' rows (replica gradients added back once)
+            r = r[torch.as_tensor(blocks[int(name.split(".")[1])].home_experts)]
+        else:
+            dist.all_reduce(g)
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(180)
+def test_expert_parallel_two_ranks_with_a_resident_plan():
+    run_group(_resident_worker, 2, backend="gloo", timeout_s=90)
+
+
 def _bias_hook_worker(rank: int, world: int) -> None:
     """torchtitan's own load-balancing hook (register_moe_load_balancing_hook, run before the optimizer step) reads
     the swapped blocks' tokens_per_expert_E: the expert-bias update equals the plain model's, and it zeroes them."""
