@@ -1,0 +1,152 @@
+"""Cross-node locality replicas: global-scope copies that keep a node's tokens in the node (docs/method.md,
+"Locality replicas").
+
+relibra's own replicas (``replicate``, Algorithm 2) stay in the home's node: they balance compute but save no
+RDMA traffic. On several nodes most of relibra's remaining T_MoE is the all-to-all across nodes, and a copy of an
+expert homed on another node, in the node of the tokens that route to it, turns those tokens' RDMA hop into an
+NVLink one (or none). This module builds such plans on fixed homes and samples (EPLB's ``"global"`` replica scope):
+
+1. **Slots** (``locality_slots``), per layer, from the loads of the cells that share them: each node has
+   ``P x r`` slots. Greedily, the (node, remote expert) copy that most lowers the sum over the cells of the
+   largest per-GPU RDMA load (``max(max_j tx_j, max_h rx_h)`` in tokens, every source of the node sending the
+   expert's tokens to the copy) is taken, ties by the tokens it keeps in the node (the traffic saved per slot),
+   then by (node, expert); copies that save no traffic are never taken. A node's slots left over hold copies of
+   its own hottest experts (a second holder in the node, for compute balance). Inside a node the copies go
+   largest first to the GPU with the least expected compute (its homes' tokens plus the copies it was given)
+   that has a free slot and neither homes nor holds the expert.
+2. **Split** (``locality_split``), per cell: the exact LP of ``split.solve_split_lp`` over the holders (home
+   first, then the copies by GPU): every source's pairs of a replicated expert are shared between the home and
+   the copies so that ``max_g comp + max_g comm`` is least (never worse than sending everything home).
+
+Two versions (``locality_replicas``): ``resident=True`` chooses one set of slots per layer from the whole batch's
+loads and keeps it in every micro-batch (``ReplicaPlan.resident``: the simulator charges it ``persistent``, the
+layer keeps the copies resident; memory: every GPU holds ``L x r`` extra experts' weights and their gradients
+for the whole batch, ``L x r x specs.expert_bytes`` each, against ``r`` experts of the per-layer buffer);
+``resident=False`` chooses the slots per micro-batch and layer (charged ``per-layer``: every copy is pushed
+across nodes in every cell). relibra's portfolio offers both (``portfolio``; option ``resident_replicas``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..plan import ReplicaPlan
+from ..specs import ClusterSpec, ModelSpec
+from .split import SplitSolution, check_loads_homes, lp_split_for_holders
+
+__all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas"]
+
+
+def _pick_remote(x: np.ndarray, expert_gpu: np.ndarray, node: np.ndarray, capacity: int) -> list[tuple[int, int]]:
+    """The greedy of step 1 (module docstring) on loads ``x [C, G, E]``, homes ``expert_gpu [E]``, GPU ``g`` on
+    node ``node[g]``: the ``(node, expert)`` copies in the order taken, at most ``capacity`` per node, each keeping
+    tokens in its node. A copy of ``e`` in node ``n`` takes ``x[c, j, e]`` (j in n) off source j's RDMA send and
+    their sum off the home's RDMA receive."""
+    G, nodes = len(node), int(node.max()) + 1
+    hn = node[expert_gpu]
+    in_node = (node[None, :] == np.arange(nodes)[:, None]).astype(np.float64)  # [nodes, G]
+    keep_c = np.einsum("ng,cge->cne", in_node, x)  # [C, nodes, E] tokens a copy keeps in its node
+    remote = hn[None, :] != node[:, None]  # [G, E]
+    tx = (x * remote[None]).sum(axis=2)  # [C, G]
+    home = (expert_gpu[:, None] == np.arange(G)[None, :]).astype(np.float64)  # [E, G]
+    rx = np.einsum("cne,eg->cg", keep_c * (hn[None, None, :] != np.arange(nodes)[None, :, None]), home)
+    cn, ce = np.nonzero((hn[None, :] != np.arange(nodes)[:, None]) & (keep_c.sum(axis=0) > 0))
+    alive = np.ones(len(cn), bool)
+    used = np.zeros(nodes, np.int64)
+    taken: list[tuple[int, int]] = []
+    while True:
+        alive &= used[cn] < capacity
+        if not alive.any():
+            return taken
+        d_tx = x[:, :, ce] * in_node[cn].T[None]  # [C, G, K]
+        d_rx = keep_c[:, cn, ce][:, None, :] * home[ce].T[None]  # [C, G, K]
+        now = np.maximum(tx.max(axis=1), rx.max(axis=1)).sum()
+        after = np.maximum((tx[:, :, None] - d_tx).max(axis=1), (rx[:, :, None] - d_rx).max(axis=1)).sum(axis=0)
+        gain = np.round(now - after, 9)  # ties within float noise go to the tokens kept
+        kept = keep_c[:, cn, ce].sum(axis=0)
+        order = np.lexsort((ce, cn, -kept, -gain))
+        k = int(next(i for i in order if alive[i]))
+        tx -= d_tx[:, :, k]
+        rx -= d_rx[:, :, k]
+        alive[k] = False
+        used[cn[k]] += 1
+        taken.append((int(cn[k]), int(ce[k])))
+
+
+def locality_slots(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, replica_slots: int) -> np.ndarray:
+    """int32 ``[G, r]``: one layer's slots from the loads ``x [C, G, E]`` (tokens) of the C cells that share them,
+    homes ``expert_gpu [E]`` (module docstring, step 1); -1 where a slot stays empty."""
+    x = np.asarray(x, dtype=np.float64)
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    G, P, r = cluster.num_gpus, cluster.gpus_per_node, int(replica_slots)
+    node = np.arange(G) // P
+    rep = np.full((G, r), -1, np.int32)
+    if r == 0:
+        return rep
+    served = x.sum(axis=(0, 1))  # [E] tokens of each expert
+    load = np.bincount(expert_gpu, weights=served, minlength=G).astype(np.float64)  # expected compute per GPU
+    taken = _pick_remote(x, expert_gpu, node, P * r)
+    for n in range(cluster.nodes):
+        mine = [(float(x[:, node == n, e].sum()), e) for m, e in taken if m == n]
+        room = P * r - len(mine)
+        homed = np.flatnonzero((node[expert_gpu] == n) & (served > 0))
+        hot = homed[np.argsort(-served[homed], kind="stable")][:room]
+        mine += [(float(served[e]) / 2.0, int(e)) for e in hot]  # a second holder takes about half
+        for w, e in sorted(mine, key=lambda t: (-t[0], t[1])):
+            gs = [g for g in range(n * P, (n + 1) * P)
+                  if g != expert_gpu[e] and (rep[g] == -1).any() and not (rep[g] == e).any()]
+            if not gs:
+                continue
+            g = min(gs, key=lambda k: (load[k], k))
+            rep[g, int(np.argmax(rep[g] == -1))] = e
+            load[g] += w
+            load[expert_gpu[e]] -= w
+    return rep
+
+
+def global_holders(expert_gpu: np.ndarray, replica_expert: np.ndarray) -> np.ndarray:
+    """int64 ``[E, H]``: the GPUs holding each expert, home first, then its copies by GPU, -1 padded (``H`` one
+    more than the most copies of an expert, at least 1); copies may sit on any GPU but the home."""
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    replica_expert = np.asarray(replica_expert, dtype=np.int64)
+    E = expert_gpu.shape[0]
+    copies: list[list[int]] = [[] for _ in range(E)]
+    for g, s in zip(*np.nonzero(replica_expert >= 0)):
+        copies[int(replica_expert[g, s])].append(int(g))
+    out = np.full((E, 1 + max((len(c) for c in copies), default=0)), -1, np.int64)
+    out[:, 0] = expert_gpu
+    for e, c in enumerate(copies):
+        out[e, 1:1 + len(c)] = sorted(c)
+    return out
+
+
+def locality_split(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarray, model: ModelSpec,
+                   cluster: ClusterSpec) -> SplitSolution:
+    """The exact split of one cell (loads ``x [G, E]``, homes ``expert_gpu [E]``, global-scope slots
+    ``replica_expert [G, r]``): rows ``(j, e, g)`` and shares of the replicated experts, and the cell's T_MoE."""
+    x, expert_gpu = check_loads_homes(x, expert_gpu, cluster)
+    return lp_split_for_holders(x, expert_gpu, global_holders(expert_gpu, replica_expert), model, cluster)
+
+
+def locality_replicas(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                      replica_slots: int, resident: bool) -> ReplicaPlan:
+    """The locality-replica plan (scope ``"global"``) of loads ``x [M, L, G, E]`` on homes ``expert_gpu [L, E]``:
+    per layer one set of slots for every micro-batch (``resident``) or per (micro-batch, layer) cell, each cell
+    split by ``locality_split`` (module docstring)."""
+    x = np.asarray(x, dtype=np.float64)
+    M, L, G, _ = x.shape
+    rep = np.full((M, L, G, int(replica_slots)), -1, np.int32)
+    idx, share = [], []
+    for l in range(L):
+        if resident:
+            rep[:, l] = locality_slots(x[:, l], expert_gpu[l], cluster, replica_slots)[None]
+        for m in range(M):
+            if not resident:
+                rep[m, l] = locality_slots(x[m, l][None], expert_gpu[l], cluster, replica_slots)
+            sol = locality_split(x[m, l], expert_gpu[l], rep[m, l], model, cluster)
+            if len(sol.rows):
+                idx.append(np.concatenate([np.full((len(sol.rows), 2), (m, l), np.int32), sol.rows], axis=1))
+                share.append(sol.share)
+    split_index = np.concatenate(idx) if idx else np.zeros((0, 5), np.int32)
+    return ReplicaPlan(rep, split_index, np.concatenate(share) if share else np.zeros(0), scope="global")
+
