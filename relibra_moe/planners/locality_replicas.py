@@ -14,7 +14,11 @@ NVLink one (or none). This module builds such plans on fixed homes and samples (
    its own hottest experts (a second holder in the node, for compute balance). Inside a node the copies go
    largest first to the GPU with the least expected compute (its homes' tokens plus the copies it was given)
    that has a free slot and neither homes nor holds the expert.
-2. **Split** (``locality_split``), per cell: the exact LP of ``split.solve_split_lp`` over the holders (home
+2. **Cells** (``relocate_cells``, per-micro-batch version, when the planner places the samples): per
+   micro-batch, whole (micro-batch, GPU) cells swap GPUs across nodes, best swap first, while the largest
+   cross-node send or receive left after each node's copies of most tokens falls (summed over the layers); a
+   cell's local stage moves with it, so the attention is unchanged.
+3. **Split** (``locality_split``), per cell: the exact LP of ``split.solve_split_lp`` over the holders (home
    first, then the copies by GPU): every source's pairs of a replicated expert are shared between the home and
    the copies so that ``max_g comp + max_g comm`` is least (never worse than sending everything home).
 
@@ -34,7 +38,7 @@ from ..plan import ReplicaPlan
 from ..specs import ClusterSpec, ModelSpec
 from .split import SplitSolution, check_loads_homes, lp_split_for_holders
 
-__all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas"]
+__all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas", "relocate_cells"]
 
 
 def _pick_remote(x: np.ndarray, expert_gpu: np.ndarray, node: np.ndarray, capacity: int) -> list[tuple[int, int]]:
@@ -126,6 +130,60 @@ def locality_split(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.nda
     ``replica_expert [G, r]``): rows ``(j, e, g)`` and shares of the replicated experts, and the cell's T_MoE."""
     x, expert_gpu = check_loads_homes(x, expert_gpu, cluster)
     return lp_split_for_holders(x, expert_gpu, global_holders(expert_gpu, replica_expert), model, cluster)
+
+
+def _rdma_proxy(xc: np.ndarray, hn: np.ndarray, home: np.ndarray, node: np.ndarray, capacity: int) -> float:
+    """The relocation's objective for one micro-batch's loads ``xc [L, G, E]`` (homes on nodes ``hn [L, E]``, one-hot
+    ``home [L, E, G]``): per layer each node copies its ``capacity`` remote experts of most tokens, and the largest
+    per-GPU cross-node send or receive left (tokens) is summed over the layers."""
+    nodes = int(node.max()) + 1
+    xn = np.stack([xc[:, node == n].sum(axis=1) for n in range(nodes)], axis=1)  # [L, nodes, E]
+    remote = hn[:, None, :] != np.arange(nodes)[None, :, None]
+    order = np.argsort(-np.where(remote, xn, -1.0), axis=-1, kind="stable")[..., :capacity]
+    copied = np.zeros(remote.shape, bool)
+    np.put_along_axis(copied, order, True, axis=-1)
+    left = remote & ~(copied & (xn > 0))  # [L, nodes, E]: a node's tokens of e cross nodes
+    tx = (xc * left[:, node, :]).sum(axis=-1)  # [L, G]
+    rx = np.einsum("lne,leg->lg", xn * left, home)
+    return float(np.maximum(tx.max(axis=-1), rx.max(axis=-1)).sum())
+
+
+def relocate_cells(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, replica_slots: int,
+                   cell_counts: np.ndarray | None = None, max_swaps: int | None = None) -> np.ndarray:
+    """int64 ``[M, G]``: where each micro-batch's (micro-batch, GPU) cells run for per-micro-batch locality copies:
+    the cell on GPU g of micro-batch m moves to GPU ``out[m, g]``. Per micro-batch, swaps of two cells on different
+    nodes are taken best first while they lower ``_rdma_proxy`` (each node copying its ``P x r`` remote experts of
+    most tokens), at most ``max_swaps`` (default G) per micro-batch. A whole cell moves, so every GPU's local stage
+    (attention) and the micro-batch's slowest one stay; ``cell_counts [M, G]`` (samples per cell): only cells of
+    equal counts swap (``keep_cell_sizes``). Loads ``x [M, L, G, E]`` of the current cells, homes ``[L, E]``."""
+    x = np.asarray(x, dtype=np.float64)
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    M, L, G, _ = x.shape
+    node = np.arange(G) // cluster.gpus_per_node
+    hn, home = node[expert_gpu], (expert_gpu[:, :, None] == np.arange(G)).astype(np.float64)
+    cap = cluster.gpus_per_node * int(replica_slots)
+    pairs = [(a, b) for a in range(G) for b in range(a + 1, G)]
+    counts = np.zeros((M, G)) if cell_counts is None else np.asarray(cell_counts)
+    out = np.tile(np.arange(G), (M, 1))
+    for m in range(M):
+        cur, gmap = _rdma_proxy(x[m], hn, home, node, cap), np.arange(G)
+        for _ in range(G if max_swaps is None else max_swaps):
+            best = None
+            for a, b in pairs:
+                if node[gmap[a]] == node[gmap[b]] or counts[m, a] != counts[m, b]:
+                    continue
+                g2 = gmap.copy()
+                g2[a], g2[b] = gmap[b], gmap[a]
+                xc = np.empty_like(x[m])
+                xc[:, g2] = x[m]
+                val = _rdma_proxy(xc, hn, home, node, cap)
+                if val < cur - 1e-9 and (best is None or val < best[0]):
+                    best = (val, g2)
+            if best is None:
+                break
+            cur, gmap = best
+        out[m] = gmap
+    return out
 
 
 def locality_replicas(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,

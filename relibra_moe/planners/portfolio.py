@@ -44,7 +44,7 @@ from .annealing import finish_inter
 from .bounds import global_replica_step_lower_bound, replicated_step_lower_bound
 from .context import PlanContext, make_plan, previous_expert_gpu
 from .evaluation import CandidateStep
-from .locality_replicas import locality_replicas
+from .locality_replicas import locality_replicas, relocate_cells
 from .options import PlanOptions
 
 __all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
@@ -200,8 +200,9 @@ def _add_locality(pf: _Candidates) -> None:
     """The locality-replica candidates (``locality_replicas``) on relibra's homes and samples, on two nodes or
     more with replica slots: ``locality-resident`` (one set of slots per layer for the whole batch, charged
     ``persistent``; with several micro-batches and option ``resident_replicas``) and ``locality-per-micro-batch``
-    (charged ``per-layer``). Neither is built when its bound (``bounds.global_replica_step_lower_bound``) already
-    reaches the best score (``pf.pruned``). With ``resident_replicas=False`` every resident candidate is dropped
+    (charged ``per-layer``; its cells relocated by ``relocate_cells`` unless the trainer owns the samples). Neither
+    is built when its bound (``bounds.global_replica_step_lower_bound``) already reaches the best score
+    (``pf.pruned``). With ``resident_replicas=False`` every resident candidate is dropped
     (``ReplicaPlan.resident``: eplb-history's redundant experts too), relibra-inter and static never are."""
     ctx = pf.ctx
     M, L, G, r = ctx.num_micro_batches, ctx.model.num_layers, ctx.cluster.num_gpus, ctx.replica_slots
@@ -212,16 +213,30 @@ def _add_locality(pf: _Candidates) -> None:
             del pf.cands[name], pf.steps[name], pf.modes[name]
     if ctx.cluster.nodes < 2 or not r or ctx.executor.expired:
         return
-    x = pf.loads_of(mb, sg)
-    bound = global_replica_step_lower_bound(ctx, eg, mb, sg, x, pf.previous, pf.opb)
     for name, resident in (("locality-resident", True), ("locality-per-micro-batch", False)):
         if resident and (M < 2 or not ctx.options.resident_replicas):
             continue
+        sg_c = sg if resident or ctx.trainer_owned else _relocated(pf, eg, mb, sg)
+        x = pf.loads_of(mb, sg_c)
+        bound = global_replica_step_lower_bound(ctx, eg, mb, sg_c, x, pf.previous, pf.opb)
         if bound >= min(pf.steps.values()):
             pf.pruned[name] = bound
             continue
-        pf.add(name, lambda res=resident: (eg, mb, sg, locality_replicas(x, eg, ctx.model, ctx.cluster, r, res)))
+        pf.add(name, lambda res=resident, g=sg_c, x=x: (eg, mb, g, locality_replicas(x, eg, ctx.model, ctx.cluster, r,
+                                                                                    res)))
         pf.judge(name)
+
+
+def _relocated(pf: _Candidates, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
+               ) -> np.ndarray:
+    """int64 ``[N]``: the samples' GPUs after ``locality_replicas.relocate_cells`` (whole cells swap GPUs within
+    their micro-batch; with ``keep_cell_sizes`` only cells of equal counts)."""
+    ctx = pf.ctx
+    M, G = ctx.num_micro_batches, ctx.cluster.num_gpus
+    counts = np.bincount(micro_batch * G + sample_gpu, minlength=M * G).reshape(M, G)
+    gmap = relocate_cells(pf.loads_of(micro_batch, sample_gpu), expert_gpu, ctx.cluster, ctx.replica_slots,
+                          counts if ctx.options.keep_cell_sizes else None)
+    return gmap[micro_batch, sample_gpu].astype(np.int64)
 
 
 def least_moving_best(ctx: PlanContext, cands: dict[str, Candidate], scores: dict[str, float],

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from relibra_moe.plan import BatchPlan, Placement, SamplePlacement
-from relibra_moe.planners.locality_replicas import global_holders, locality_replicas, locality_slots, locality_split
+from relibra_moe.planners.locality_replicas import (
+    global_holders,
+    locality_replicas,
+    locality_slots,
+    locality_split,
+    relocate_cells,
+)
 from relibra_moe.planners.split import cell_weights, split_cost
 from relibra_moe.specs import cluster_preset, model_preset
 
@@ -113,3 +119,18 @@ def test_per_micro_batch_slots_follow_each_micro_batch():
     assert 2 in per[0, 0, :2] and 3 not in per[0, 0, :2] and 3 in per[1, 0, :2] and 2 not in per[1, 0, :2]
     res = locality_replicas(x, np.tile(HOMES, (2, 1)), MODEL, CLUSTER, 1, resident=True).replica_expert
     assert set(res[0, 0, :2].ravel()) == {2, 3} and (res == res[:1]).all()
+
+
+def test_relocate_cells_by_hand():
+    """E = 8 on 2 x 2 GPUs (node 0 homes experts 0-3, node 1 experts 4-7), r = 1 (2 copies per node): the cell on
+    GPU 0 routes 10 tokens to each of experts 4-7, the cell on GPU 2 to each of 0-3. Each node copies two of the
+    four and 20 tokens still cross; swapping the two cells sends nothing across, the only swap that does, so
+    cell 0 goes to GPU 2 and cell 2 to GPU 0. With cell counts 1, 1, 2, 2 (``keep_cell_sizes``) no two cells on
+    different nodes have equal counts: nothing moves."""
+    homes = np.repeat(np.arange(4), 2)[None]
+    x = np.zeros((1, 1, 4, 8))
+    x[0, 0, 0, 4:] = 10
+    x[0, 0, 2, :4] = 10
+    np.testing.assert_array_equal(relocate_cells(x, homes, CLUSTER, 1), [[2, 1, 0, 3]])
+    np.testing.assert_array_equal(relocate_cells(x, homes, CLUSTER, 1, np.array([[1, 1, 2, 2]])), [[0, 1, 2, 3]])
+    np.testing.assert_array_equal(relocate_cells(x, homes, CLUSTER, 1, max_swaps=0), [[0, 1, 2, 3]])
