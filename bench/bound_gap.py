@@ -14,10 +14,11 @@ compute and communication terms (``evaluate.score_plan``), the simulated step, a
 the batch's own micro-batches only (the packing the bound used before it covered verl's regrouping) and with any
 packing are recorded beside it.
 
-The ceiling of any bound: two valid plans that no strategy builds, relibra's homes and samples with global-scope
-replicas (EPLB's scope) chosen for locality (each node's ``P x r`` slots hold the experts homed on the other node
-that its samples route most to, and its sources send those pairs to the copy in their node), once for the whole
-batch ("persistent") and per micro-batch. Every valid lower bound is at most the best valid plan, so relibra's "%
+relibra's portfolio offers cross-node locality replicas (``planners.locality_replicas``: per node, the ``P x r``
+slots hold copies of experts homed on other nodes that its samples route most to, the tokens split by the exact
+LP between home and copy) resident for the whole batch and per micro-batch; the row prints the candidate it
+chose. Beside it, relibra's chosen homes and samples with both versions rebuilt (the per-micro-batch one here
+without the portfolio's cell relocation). Every valid lower bound is at most the best valid plan, so relibra's "%
 of bound" against ANY proven bound is at most (best plan) / relibra.
 
     python bench/bound_gap.py                                                   # held-out, ~3 min on 2 cores
@@ -28,41 +29,27 @@ of bound" against ANY proven bound is at most (best plan) / relibra.
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
 from pathlib import Path
 
-import numpy as np
 from common import JsonReport, environment
 
 from relibra_moe.datasets import gpt_oss_batch
 from relibra_moe.evaluate import bound_micro_batch, bound_terms, plan_loads, score_plan
-from relibra_moe.plan import BatchPlan, ReplicaPlan
+from relibra_moe.plan import BatchPlan
+from relibra_moe.planners.locality_replicas import locality_replicas
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.sim import simulate_step
 from relibra_moe.specs import ClusterSpec, cluster_preset, model_preset
 
 
-def locality_replicas(plan: BatchPlan, batch, cluster: ClusterSpec, r: int, per_micro_batch: bool) -> BatchPlan:
-    """``plan`` with global-scope replicas for locality (module docstring); validated by the caller."""
-    G, P = cluster.num_gpus, cluster.gpus_per_node
-    x = plan_loads(plan, batch, G).astype(np.float64)
-    M, L, _, E = x.shape
-    home, node = plan.placement.expert_gpu, np.arange(G) // P
-    rep = np.full((M, L, G, r), -1, np.int32)
-    rows = []
-    for m, l, nu in itertools.product(range(M), range(L), range(cluster.nodes)):
-        gs = np.flatnonzero(node == nu)
-        want = x[m, l, gs].sum(0) if per_micro_batch else x[:, l, gs].sum((0, 1))
-        remote = np.flatnonzero(node[home[l]] != nu)
-        for i, e in enumerate(remote[np.argsort(-want[remote], kind="stable")][: P * r]):
-            g = gs[i % P]
-            rep[m, l, g, i // P] = e
-            rows += [(m, l, j, e, g) for j in gs if x[m, l, j, e] > 0]
-    idx = np.array(rows, np.int32).reshape(-1, 5)
-    reps = ReplicaPlan(rep, idx, np.ones(len(idx), np.float32), scope="global")
+def with_locality(plan: BatchPlan, batch, model, cluster: ClusterSpec, r: int, resident: bool) -> BatchPlan:
+    """``plan``'s homes and samples with the library's locality replicas (``planners.locality_replicas``; the
+    module docstring), validated by the caller."""
+    x = plan_loads(plan, batch, cluster.num_gpus)
+    reps = locality_replicas(x, plan.placement.expert_gpu, model, cluster, r, resident)
     stats = {**plan.stats.to_dict(), "strategy": "locality-replicas"}
-    return BatchPlan(plan.placement, plan.samples, reps, G, P, stats)
+    return BatchPlan(plan.placement, plan.samples, reps, cluster.num_gpus, cluster.gpus_per_node, stats)
 
 
 def main() -> None:
@@ -98,10 +85,12 @@ def main() -> None:
         solve = time.perf_counter() - t0
         print(f"{name}: planned in {solve:.0f} s", flush=True)
         rep.set("plans", name, {"solve_s": solve})
-    for per_mb in (False, True):
-        q = locality_replicas(plans["relibra"], batch, cluster, 2, per_mb)
+    print(f"relibra chose {plans['relibra'].stats.portfolio.chosen}", flush=True)
+    rep.set("plans", "relibra", {**rep.data["plans"]["relibra"], "chosen": plans["relibra"].stats.portfolio.chosen})
+    for resident in (True, False):
+        q = with_locality(plans["relibra"], batch, model, cluster, 2, resident)
         q.validate(model, cluster, batch.num_sequences)
-        plans["relibra + locality replicas, " + ("per micro-batch" if per_mb else "persistent")] = q
+        plans["relibra's samples + locality replicas, " + ("resident" if resident else "per micro-batch")] = q
     for name, p in plans.items():
         s = score_plan(p, batch, model, cluster, bound_t_moe_s=bound.t_moe_s)
         st = simulate_step(p, batch, model, cluster, balanced=False)
