@@ -32,13 +32,25 @@ across nodes in every cell). relibra's portfolio offers both (``portfolio``; opt
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..plan import ReplicaPlan
 from ..specs import ClusterSpec, ModelSpec
+from .executor import TaskExecutor, TaskFailed, default_executor
 from .split import SplitSolution, check_loads_homes, lp_split_for_holders
 
-__all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas", "relocate_cells"]
+__all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas", "locality_layers_task",
+           "relocate_cells",
+           "MAX_LOADS_ENTRIES", "RELOCATE_MAX_GPUS"]
+
+MAX_LOADS_ENTRIES = 4_000_000
+"""The portfolio offers the locality candidates only for loads ``[M, L, G, E]`` of at most this many entries: an
+exact split LP per cell and the slot greedy grow with ``G x E`` per cell; on the paper-scale qwen3-235b batch
+(32 x 94 x 32 x 128 = 12.3M entries, EP 4 x 8) they took minutes on 2 cores against relibra's ~20 s plan."""
+RELOCATE_MAX_GPUS = 16
+"""``relocate_cells`` runs for at most this many GPUs (its swaps grow as ``G^3`` per micro-batch)."""
 
 
 def _pick_remote(x: np.ndarray, expert_gpu: np.ndarray, node: np.ndarray, capacity: int) -> list[tuple[int, int]]:
@@ -58,16 +70,16 @@ def _pick_remote(x: np.ndarray, expert_gpu: np.ndarray, node: np.ndarray, capaci
     alive = np.ones(len(cn), bool)
     used = np.zeros(nodes, np.int64)
     taken: list[tuple[int, int]] = []
+    d_tx = x[:, :, ce] * in_node[cn].T[None]  # [C, G, K]: what each candidate takes off each source's send
+    d_rx = keep_c[:, cn, ce][:, None, :] * home[ce].T[None]  # [C, G, K]: and off its home's receive
+    kept = keep_c[:, cn, ce].sum(axis=0)
     while True:
         alive &= used[cn] < capacity
         if not alive.any():
             return taken
-        d_tx = x[:, :, ce] * in_node[cn].T[None]  # [C, G, K]
-        d_rx = keep_c[:, cn, ce][:, None, :] * home[ce].T[None]  # [C, G, K]
         now = np.maximum(tx.max(axis=1), rx.max(axis=1)).sum()
         after = np.maximum((tx[:, :, None] - d_tx).max(axis=1), (rx[:, :, None] - d_rx).max(axis=1)).sum(axis=0)
         gain = np.round(now - after, 9)  # ties within float noise go to the tokens kept
-        kept = keep_c[:, cn, ce].sum(axis=0)
         order = np.lexsort((ce, cn, -kept, -gain))
         k = int(next(i for i in order if alive[i]))
         tx -= d_tx[:, :, k]
@@ -186,25 +198,50 @@ def relocate_cells(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, 
     return out
 
 
-def locality_replicas(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
-                      replica_slots: int, resident: bool) -> ReplicaPlan:
-    """The locality-replica plan (scope ``"global"``) of loads ``x [M, L, G, E]`` on homes ``expert_gpu [L, E]``:
-    per layer one set of slots for every micro-batch (``resident``) or per (micro-batch, layer) cell, each cell
-    split by ``locality_split`` (module docstring)."""
-    x = np.asarray(x, dtype=np.float64)
-    M, L, G, _ = x.shape
-    rep = np.full((M, L, G, int(replica_slots)), -1, np.int32)
-    idx, share = [], []
-    for l in range(L):
+def locality_layers_task(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                         replica_slots: int, resident: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """One executor task: for each layer i of loads ``x [M, C, G, E]`` (homes ``expert_gpu [C, E]``) its slots
+    ``[M, G, r]``, split rows ``(m, j, e, g)`` int32 ``[Z, 4]`` and shares ``[Z]`` (``locality_replicas``)."""
+    out = []
+    for i in range(x.shape[1]):
+        M = x.shape[0]
+        rep = np.full((M, x.shape[2], int(replica_slots)), -1, np.int32)
         if resident:
-            rep[:, l] = locality_slots(x[:, l], expert_gpu[l], cluster, replica_slots)[None]
+            rep[:] = locality_slots(x[:, i], expert_gpu[i], cluster, replica_slots)[None]
+        rows, share = [], []
         for m in range(M):
             if not resident:
-                rep[m, l] = locality_slots(x[m, l][None], expert_gpu[l], cluster, replica_slots)
-            sol = locality_split(x[m, l], expert_gpu[l], rep[m, l], model, cluster)
-            if len(sol.rows):
-                idx.append(np.concatenate([np.full((len(sol.rows), 2), (m, l), np.int32), sol.rows], axis=1))
-                share.append(sol.share)
-    split_index = np.concatenate(idx) if idx else np.zeros((0, 5), np.int32)
-    return ReplicaPlan(rep, split_index, np.concatenate(share) if share else np.zeros(0), scope="global")
+                rep[m] = locality_slots(x[m, i][None], expert_gpu[i], cluster, replica_slots)
+            sol = locality_split(x[m, i], expert_gpu[i], rep[m], model, cluster)
+            rows.append(np.concatenate([np.full((len(sol.rows), 1), m, np.int32), sol.rows], axis=1))
+            share.append(sol.share)
+        out.append((rep, np.concatenate(rows).reshape(-1, 4), np.concatenate(share)))
+    return out
 
+
+def locality_replicas(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                      replica_slots: int, resident: bool, executor: TaskExecutor | None = None) -> ReplicaPlan:
+    """The locality-replica plan (scope ``"global"``) of loads ``x [M, L, G, E]`` on homes ``expert_gpu [L, E]``:
+    per layer one set of slots for every micro-batch (``resident``) or per (micro-batch, layer) cell, each cell
+    split by ``locality_split`` (module docstring). The layers run in chunks on ``executor`` (default inline); a
+    chunk that fails leaves its layers without replicas (every token at home)."""
+    x = np.asarray(x, dtype=np.float64)
+    expert_gpu = np.asarray(expert_gpu)
+    M, L, G, _ = x.shape
+    executor = executor or default_executor(1)
+    step = max(1, math.ceil(L / (2 * executor.workers)))
+    chunks = [np.arange(a, min(a + step, L)) for a in range(0, L, step)]
+    results = executor.map(locality_layers_task,
+                           [(x[:, c], expert_gpu[c], model, cluster, replica_slots, resident) for c in chunks],
+                           [("locality", tuple(int(l) for l in c)) for c in chunks])
+    rep = np.full((M, L, G, int(replica_slots)), -1, np.int32)
+    idx, share = [np.zeros((0, 5), np.int32)], [np.zeros(0)]
+    for c, res in zip(chunks, results):
+        if isinstance(res, TaskFailed):
+            continue
+        for l, (rep_l, rows, sh) in zip(c, res):
+            rep[:, l] = rep_l
+            idx.append(np.concatenate([rows[:, :1], np.full((len(rows), 1), l, np.int32), rows[:, 1:]], axis=1))
+            share.append(sh)
+    order = np.lexsort(np.concatenate(idx).T[::-1])  # rows by (m, l, j, e, g): the same bytes for any chunking
+    return ReplicaPlan(rep, np.concatenate(idx)[order], np.concatenate(share)[order], scope="global")

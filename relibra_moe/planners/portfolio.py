@@ -44,7 +44,7 @@ from .annealing import finish_inter
 from .bounds import global_replica_step_lower_bound, replicated_step_lower_bound
 from .context import PlanContext, make_plan, previous_expert_gpu
 from .evaluation import CandidateStep
-from .locality_replicas import locality_replicas, relocate_cells
+from .locality_replicas import MAX_LOADS_ENTRIES, RELOCATE_MAX_GPUS, locality_replicas, relocate_cells
 from .options import PlanOptions
 
 __all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
@@ -200,7 +200,8 @@ def _add_locality(pf: _Candidates) -> None:
     """The locality-replica candidates (``locality_replicas``) on relibra's homes and samples, on two nodes or
     more with replica slots: ``locality-resident`` (one set of slots per layer for the whole batch, charged
     ``persistent``; with several micro-batches and option ``resident_replicas``) and ``locality-per-micro-batch``
-    (charged ``per-layer``; its cells relocated by ``relocate_cells`` unless the trainer owns the samples). Neither
+    (charged ``per-layer``; its cells relocated by ``relocate_cells`` unless the trainer owns the samples or there
+    are more than ``RELOCATE_MAX_GPUS``); not for loads over ``MAX_LOADS_ENTRIES`` entries. Neither
     is built when its bound (``bounds.global_replica_step_lower_bound``) already reaches the best score
     (``pf.pruned``). With ``resident_replicas=False`` every resident candidate is dropped
     (``ReplicaPlan.resident``: eplb-history's redundant experts too), relibra-inter and static never are."""
@@ -211,19 +212,19 @@ def _add_locality(pf: _Candidates) -> None:
         for name in [k for k, c in pf.cands.items() if k in pf.steps and c[3] is not None
                      and padded(c[3], M, L, G, r).resident]:
             del pf.cands[name], pf.steps[name], pf.modes[name]
-    if ctx.cluster.nodes < 2 or not r or ctx.executor.expired:
+    if ctx.cluster.nodes < 2 or not r or ctx.executor.expired or M * L * G * ctx.model.num_experts > MAX_LOADS_ENTRIES:
         return
     for name, resident in (("locality-resident", True), ("locality-per-micro-batch", False)):
         if resident and (M < 2 or not ctx.options.resident_replicas):
             continue
-        sg_c = sg if resident or ctx.trainer_owned else _relocated(pf, eg, mb, sg)
+        sg_c = sg if resident or ctx.trainer_owned or G > RELOCATE_MAX_GPUS else _relocated(pf, eg, mb, sg)
         x = pf.loads_of(mb, sg_c)
         bound = global_replica_step_lower_bound(ctx, eg, mb, sg_c, x, pf.previous, pf.opb)
         if bound >= min(pf.steps.values()):
             pf.pruned[name] = bound
             continue
-        pf.add(name, lambda res=resident, g=sg_c, x=x: (eg, mb, g, locality_replicas(x, eg, ctx.model, ctx.cluster, r,
-                                                                                    res)))
+        pf.add(name, lambda res=resident, g=sg_c, x=x: (eg, mb, g, locality_replicas(
+            x, eg, ctx.model, ctx.cluster, r, res, ctx.executor)))
         pf.judge(name)
 
 

@@ -134,3 +134,35 @@ def test_relocate_cells_by_hand():
     np.testing.assert_array_equal(relocate_cells(x, homes, CLUSTER, 1), [[2, 1, 0, 3]])
     np.testing.assert_array_equal(relocate_cells(x, homes, CLUSTER, 1, np.array([[1, 1, 2, 2]])), [[0, 1, 2, 3]])
     np.testing.assert_array_equal(relocate_cells(x, homes, CLUSTER, 1, max_swaps=0), [[0, 1, 2, 3]])
+
+
+class _FailSecond:
+    """An executor that runs every task in order but reports the second chunk as failed."""
+
+    workers = 2
+
+    def map(self, fn, args, keys):
+        from relibra_moe.planners.executor import TaskFailed
+
+        return [TaskFailed("test") if i == 1 else fn(*a) for i, a in enumerate(args)]
+
+    @property
+    def expired(self):
+        return False
+
+
+def test_chunks_on_a_pool_give_the_same_plan_and_a_failed_chunk_leaves_its_layers_at_home():
+    from relibra_moe.planners.executor import PoolExecutor
+
+    x = np.concatenate([_loads(0), _loads(1)], axis=1)  # 4 layers
+    homes = np.tile(HOMES, (4, 1))
+    model = MODEL.with_(num_layers=4)
+    inline = locality_replicas(x, homes, model, CLUSTER, 2, False)
+    pooled = locality_replicas(x, homes, model, CLUSTER, 2, False, PoolExecutor(2))
+    np.testing.assert_array_equal(inline.replica_expert, pooled.replica_expert)
+    np.testing.assert_array_equal(inline.split_index, pooled.split_index)
+    np.testing.assert_array_equal(inline.split_share, pooled.split_share)
+    failed = locality_replicas(x, homes, model, CLUSTER, 2, False, _FailSecond())  # chunks of one layer: layer 1
+    failed.validate(Placement(homes), model, CLUSTER, 3)
+    assert (failed.replica_expert[:, 1] == -1).all() and not (failed.split_index[:, 1] == 1).any()
+    np.testing.assert_array_equal(failed.replica_expert[:, [0, 2, 3]], inline.replica_expert[:, [0, 2, 3]])
