@@ -8,7 +8,8 @@ GPT-OSS-20B real trace, EP 2 x 4, r = 2, all 24 layers. Two cases:
 - ``--requests 703 --micro-batch-size 44 --seed 0 --cluster h100``: the whole trace as one batch on the CLI's
   default preset (BENCHMARKS.md, "The bound on real routing").
 
-Per plan (static, EPLB+, LPLB+ with r = 2, relibra with moves and replicas free): the sum of T_MoE with its forward
+Per plan (static, EPLB+, LPLB+ with r = 2, relibra with moves and replicas free, and with moves free but replicas
+priced, the step simulator's charge of their push / pull): the sum of T_MoE with its forward
 compute and communication terms (``evaluate.score_plan``), the simulated step, and "% of bound". The bound is the
 ``balanced`` strategy's (``evaluate.bound_terms`` over ``evaluate.bound_micro_batch``'s packings); the figures with
 the batch's own micro-batches only (the packing the bound used before it covered verl's regrouping) and with any
@@ -79,14 +80,16 @@ def main() -> None:
                       "t_moe_s_any_packing": bound_terms(batch, model, cluster, 2).t_moe_s})
     plans = {}
     for name, strategy, r, kw in (("static", "static", 0, {}), ("eplb", "eplb", 2, {}), ("lplb", "lplb", 2, {}),
-                                  ("relibra", "relibra", 2, {"migration": False, "price_replicas": False})):
+                                  ("relibra", "relibra", 2, {"migration": False, "price_replicas": False}),
+                                  ("relibra, replicas priced", "relibra", 2, {"migration": False})):
         t0 = time.perf_counter()
         plans[name] = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=args.seed, **kw)
         solve = time.perf_counter() - t0
         print(f"{name}: planned in {solve:.0f} s", flush=True)
         rep.set("plans", name, {"solve_s": solve})
-    print(f"relibra chose {plans['relibra'].stats.portfolio.chosen}", flush=True)
-    rep.set("plans", "relibra", {**rep.data["plans"]["relibra"], "chosen": plans["relibra"].stats.portfolio.chosen})
+    for name in ("relibra", "relibra, replicas priced"):
+        print(f"{name} chose {plans[name].stats.portfolio.chosen}", flush=True)
+        rep.set("plans", name, {**rep.data["plans"][name], "chosen": plans[name].stats.portfolio.chosen})
     for resident in (True, False):
         q = with_locality(plans["relibra"], batch, model, cluster, 2, resident)
         q.validate(model, cluster, batch.num_sequences)
