@@ -10,7 +10,8 @@ NVLink one (or none). This module builds such plans on fixed homes and samples (
    ``P x r`` slots. Greedily, the (node, remote expert) copy that most lowers the sum over the cells of the
    largest per-GPU RDMA load (``max(max_j tx_j, max_h rx_h)`` in tokens, every source of the node sending the
    expert's tokens to the copy) is taken, ties by the tokens it keeps in the node (the traffic saved per slot),
-   then by (node, expert); copies that save no traffic are never taken. A node's slots left over hold copies of
+   then by (node, expert); copies that save no traffic are never taken; then a taken copy is exchanged for an
+   untaken one of its node while that lowers the objective. A node's slots left over hold copies of
    its own hottest experts (a second holder in the node, for compute balance). Inside a node the copies go
    largest first to the GPU with the least expected compute (its homes' tokens plus the copies it was given)
    that has a free slot and neither homes nor holds the expert.
@@ -69,14 +70,14 @@ def _pick_remote(x: np.ndarray, expert_gpu: np.ndarray, node: np.ndarray, capaci
     cn, ce = np.nonzero((hn[None, :] != np.arange(nodes)[:, None]) & (keep_c.sum(axis=0) > 0))
     alive = np.ones(len(cn), bool)
     used = np.zeros(nodes, np.int64)
-    taken: list[tuple[int, int]] = []
+    taken_k: list[int] = []
     d_tx = x[:, :, ce] * in_node[cn].T[None]  # [C, G, K]: what each candidate takes off each source's send
     d_rx = keep_c[:, cn, ce][:, None, :] * home[ce].T[None]  # [C, G, K]: and off its home's receive
     kept = keep_c[:, cn, ce].sum(axis=0)
     while True:
         alive &= used[cn] < capacity
         if not alive.any():
-            return taken
+            return _exchange(taken_k, cn, tx, rx, d_tx, d_rx, cn_e=ce)
         now = np.maximum(tx.max(axis=1), rx.max(axis=1)).sum()
         after = np.maximum((tx[:, :, None] - d_tx).max(axis=1), (rx[:, :, None] - d_rx).max(axis=1)).sum(axis=0)
         gain = np.round(now - after, 9)  # ties within float noise go to the tokens kept
@@ -86,7 +87,32 @@ def _pick_remote(x: np.ndarray, expert_gpu: np.ndarray, node: np.ndarray, capaci
         rx -= d_rx[:, :, k]
         alive[k] = False
         used[cn[k]] += 1
-        taken.append((int(cn[k]), int(ce[k])))
+        taken_k.append(k)
+
+
+def _exchange(taken: list[int], cn: np.ndarray, tx: np.ndarray, rx: np.ndarray, d_tx: np.ndarray, d_rx: np.ndarray,
+              cn_e: np.ndarray) -> list[tuple[int, int]]:
+    """The greedy's copies (candidate indices ``taken``) improved by exchanges: a taken copy of node n is swapped
+    for an untaken candidate of n while that lowers ``sum_c max(max tx, max rx)`` (best exchange first, at most
+    ``2 x len(taken)``); ``tx`` / ``rx [C, G]`` are the loads left with ``taken``, ``d_tx`` / ``d_rx [C, G, K]``
+    what each candidate takes off them. Returns the ``(node, expert)`` pairs."""
+    taken = list(taken)
+    for _ in range(2 * len(taken)):
+        rest = np.setdiff1d(np.arange(len(cn)), taken)
+        pairs = [(a, b) for a in taken for b in rest if cn[a] == cn[b]]
+        if not pairs:
+            break
+        a, b = np.array(pairs).T
+        tx2 = tx[:, :, None] + d_tx[:, :, a] - d_tx[:, :, b]
+        rx2 = rx[:, :, None] + d_rx[:, :, a] - d_rx[:, :, b]
+        val = np.maximum(tx2.max(axis=1), rx2.max(axis=1)).sum(axis=0)
+        now = float(np.maximum(tx.max(axis=1), rx.max(axis=1)).sum())
+        i = int(np.argmin(val))
+        if not val[i] < now - 1e-9 * max(now, 1.0):
+            break
+        tx, rx = tx2[:, :, i], rx2[:, :, i]
+        taken[taken.index(int(a[i]))] = int(b[i])
+    return [(int(cn[k]), int(cn_e[k])) for k in taken]
 
 
 def locality_slots(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, replica_slots: int) -> np.ndarray:

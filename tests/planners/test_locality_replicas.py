@@ -166,3 +166,18 @@ def test_chunks_on_a_pool_give_the_same_plan_and_a_failed_chunk_leaves_its_layer
     failed.validate(Placement(homes), model, CLUSTER, 3)
     assert (failed.replica_expert[:, 1] == -1).all() and not (failed.split_index[:, 1] == 1).any()
     np.testing.assert_array_equal(failed.replica_expert[:, [0, 2, 3]], inline.replica_expert[:, [0, 2, 3]])
+
+
+def test_exchange_swaps_a_copy_for_a_better_one_of_its_node():
+    """By hand: two sources of node 0 send 8 and 6 cross-node tokens; candidate copies take 3 off the first (expert
+    10), 5 off the second (expert 11), 1 off the first (expert 12). Holding expert 12 leaves max(7, 6) = 7;
+    exchanging it for expert 10 leaves max(5, 6) = 6, for 11 max(8, 1) = 8; from 10 no exchange helps."""
+    from relibra_moe.planners.locality_replicas import _exchange
+
+    d_tx = np.array([[[3.0, 0.0, 1.0], [0.0, 5.0, 0.0]]])  # [C=1, G=2, K=3]
+    tx = np.array([[8.0 - 1.0, 6.0]])  # with candidate 2 taken
+    zero = np.zeros((1, 2))
+    got = _exchange([2], np.zeros(3, np.int64), tx, zero, d_tx, np.zeros_like(d_tx), np.array([10, 11, 12]))
+    assert got == [(0, 10)]
+    assert _exchange([0], np.zeros(3, np.int64), np.array([[5.0, 6.0]]), zero, d_tx, np.zeros_like(d_tx),
+                     np.array([10, 11, 12])) == [(0, 10)]
