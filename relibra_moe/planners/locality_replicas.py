@@ -259,7 +259,7 @@ def locality_replicas(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, c
     chunks = [np.arange(a, min(a + step, L)) for a in range(0, L, step)]
     results = executor.map(locality_layers_task,
                            [(x[:, c], expert_gpu[c], model, cluster, replica_slots, resident) for c in chunks],
-                           [("locality", tuple(int(l) for l in c)) for c in chunks])
+                           [("locality-replicas", tuple(int(l) for l in c)) for c in chunks])
     rep = np.full((M, L, G, int(replica_slots)), -1, np.int32)
     idx, share = [np.zeros((0, 5), np.int32)], [np.zeros(0)]
     for c, res in zip(chunks, results):
