@@ -8,17 +8,20 @@ GPT-OSS-20B real trace, EP 2 x 4, r = 2, all 24 layers. Two cases:
 - ``--requests 703 --micro-batch-size 44 --seed 0 --cluster h100``: the whole trace as one batch on the CLI's
   default preset (BENCHMARKS.md, "The bound on real routing").
 
-Per plan (static, EPLB+, LPLB+ with r = 2, relibra with moves and replicas free): the sum of T_MoE with its forward
+Per plan (static, EPLB+, LPLB+ with r = 2, relibra with moves and replicas free, and with moves free but replicas
+priced, the step simulator's charge of their push / pull): the sum of T_MoE with its forward
 compute and communication terms (``evaluate.score_plan``), the simulated step, and "% of bound". The bound is the
 ``balanced`` strategy's (``evaluate.bound_terms`` over ``evaluate.bound_micro_batch``'s packings); the figures with
 the batch's own micro-batches only (the packing the bound used before it covered verl's regrouping) and with any
 packing are recorded beside it.
 
-The ceiling of any bound: two valid plans that no strategy builds, relibra's homes and samples with global-scope
-replicas (EPLB's scope) chosen for locality (each node's ``P x r`` slots hold the experts homed on the other node
-that its samples route most to, and its sources send those pairs to the copy in their node), once for the whole
-batch ("persistent") and per micro-batch. Every valid lower bound is at most the best valid plan, so relibra's "%
-of bound" against ANY proven bound is at most (best plan) / relibra.
+relibra's portfolio offers cross-node locality replicas (``planners.locality_replicas``: per node, the ``P x r``
+slots hold copies of experts homed on other nodes that its samples route most to, the tokens split by the exact
+LP between home and copy) resident for the whole batch and per micro-batch; the row prints the candidate it
+chose. Beside it, relibra's chosen homes and samples with both versions rebuilt (the per-micro-batch one here
+without the portfolio's cell relocation), and what no plan on relibra's homes and samples can beat
+(``homes_floor``: each node holds its homed experts and ``P x r`` more per cell). Every valid lower bound is at
+most the best valid plan, so relibra's "% of bound" against ANY proven bound is at most (best plan) / relibra.
 
     python bench/bound_gap.py                                                   # held-out, ~3 min on 2 cores
     python bench/bound_gap.py --requests 703 --micro-batch-size 44 --seed 0 --cluster h100 \
@@ -28,7 +31,6 @@ of bound" against ANY proven bound is at most (best plan) / relibra.
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
 from pathlib import Path
 
@@ -37,32 +39,38 @@ from common import JsonReport, environment
 
 from relibra_moe.datasets import gpt_oss_batch
 from relibra_moe.evaluate import bound_micro_batch, bound_terms, plan_loads, score_plan
-from relibra_moe.plan import BatchPlan, ReplicaPlan
+from relibra_moe.plan import BatchPlan
+from relibra_moe.planners.locality_replicas import locality_replicas
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.sim import simulate_step
 from relibra_moe.specs import ClusterSpec, cluster_preset, model_preset
 
 
-def locality_replicas(plan: BatchPlan, batch, cluster: ClusterSpec, r: int, per_micro_batch: bool) -> BatchPlan:
-    """``plan`` with global-scope replicas for locality (module docstring); validated by the caller."""
-    G, P = cluster.num_gpus, cluster.gpus_per_node
-    x = plan_loads(plan, batch, G).astype(np.float64)
-    M, L, _, E = x.shape
-    home, node = plan.placement.expert_gpu, np.arange(G) // P
-    rep = np.full((M, L, G, r), -1, np.int32)
-    rows = []
-    for m, l, nu in itertools.product(range(M), range(L), range(cluster.nodes)):
-        gs = np.flatnonzero(node == nu)
-        want = x[m, l, gs].sum(0) if per_micro_batch else x[:, l, gs].sum((0, 1))
-        remote = np.flatnonzero(node[home[l]] != nu)
-        for i, e in enumerate(remote[np.argsort(-want[remote], kind="stable")][: P * r]):
-            g = gs[i % P]
-            rep[m, l, g, i // P] = e
-            rows += [(m, l, j, e, g) for j in gs if x[m, l, j, e] > 0]
-    idx = np.array(rows, np.int32).reshape(-1, 5)
-    reps = ReplicaPlan(rep, idx, np.ones(len(idx), np.float32), scope="global")
+def with_locality(plan: BatchPlan, batch, model, cluster: ClusterSpec, r: int, resident: bool) -> BatchPlan:
+    """``plan``'s homes and samples with the library's locality replicas (``planners.locality_replicas``; the
+    module docstring), validated by the caller."""
+    x = plan_loads(plan, batch, cluster.num_gpus)
+    reps = locality_replicas(x, plan.placement.expert_gpu, model, cluster, r, resident)
     stats = {**plan.stats.to_dict(), "strategy": "locality-replicas"}
-    return BatchPlan(plan.placement, plan.samples, reps, G, P, stats)
+    return BatchPlan(plan.placement, plan.samples, reps, cluster.num_gpus, cluster.gpus_per_node, stats)
+
+
+def homes_floor(plan: BatchPlan, batch, model, cluster: ClusterSpec, r: int) -> tuple[float, float]:
+    """``(comp, comm)`` seconds: a lower bound of Σ T_MoE's two terms over every plan with ``plan``'s homes and
+    samples and ``r`` replica slots per GPU of any scope. Per cell a node holds its homed experts and at most
+    ``P x r`` more, so its sources' pairs of the other experts (at least those beyond the ``P x r`` remote ones of
+    most pairs) leave the node, each on the RDMA send of its source: ``max_g comm >= 2 x rdma seconds per pair x
+    (the node's pairs that leave) / P``, the larger node; compute at least the cell's pairs over G."""
+    G, P = cluster.num_gpus, cluster.gpus_per_node
+    x = plan_loads(plan, batch, G).astype(float)  # [M, L, G, E]
+    M, L, _, E = x.shape
+    rates = cluster.rates(model)
+    xn = x.reshape(M, L, cluster.nodes, P, E).sum(axis=3)  # [M, L, nodes, E]
+    remote = (plan.placement.expert_gpu // P)[:, None, :] != np.arange(cluster.nodes)[None, :, None]  # [L, nodes, E]
+    left = np.sort(np.where(remote[None], xn, 0.0), axis=-1)[..., : E - P * r].sum(axis=-1)  # [M, L, nodes]
+    comm = 2.0 * rates.rdma_sec_per_pair * left.max(axis=-1) / P
+    comp = x.sum(axis=(2, 3)) * rates.sec_per_pair / G
+    return float(comp.sum()), float(comm.sum())
 
 
 def main() -> None:
@@ -92,16 +100,20 @@ def main() -> None:
                       "t_moe_s_any_packing": bound_terms(batch, model, cluster, 2).t_moe_s})
     plans = {}
     for name, strategy, r, kw in (("static", "static", 0, {}), ("eplb", "eplb", 2, {}), ("lplb", "lplb", 2, {}),
-                                  ("relibra", "relibra", 2, {"migration": False, "price_replicas": False})):
+                                  ("relibra", "relibra", 2, {"migration": False, "price_replicas": False}),
+                                  ("relibra, replicas priced", "relibra", 2, {"migration": False})):
         t0 = time.perf_counter()
         plans[name] = plan_batch(batch, model, cluster, strategy, replica_slots=r, seed=args.seed, **kw)
         solve = time.perf_counter() - t0
         print(f"{name}: planned in {solve:.0f} s", flush=True)
         rep.set("plans", name, {"solve_s": solve})
-    for per_mb in (False, True):
-        q = locality_replicas(plans["relibra"], batch, cluster, 2, per_mb)
+    for name in ("relibra", "relibra, replicas priced"):
+        print(f"{name} chose {plans[name].stats.portfolio.chosen}", flush=True)
+        rep.set("plans", name, {**rep.data["plans"][name], "chosen": plans[name].stats.portfolio.chosen})
+    for resident in (True, False):
+        q = with_locality(plans["relibra"], batch, model, cluster, 2, resident)
         q.validate(model, cluster, batch.num_sequences)
-        plans["relibra + locality replicas, " + ("per micro-batch" if per_mb else "persistent")] = q
+        plans["relibra's samples + locality replicas, " + ("resident" if resident else "per micro-batch")] = q
     for name, p in plans.items():
         s = score_plan(p, batch, model, cluster, bound_t_moe_s=bound.t_moe_s)
         st = simulate_step(p, batch, model, cluster, balanced=False)
@@ -110,6 +122,11 @@ def main() -> None:
                                 "percent_of_bound": s.percent_of_bound, "step_s": st.step_s})
         print(f"{name:45s} T_MoE {s.t_moe_s:.4f} (comp {s.moe_fwd_comp_s:.4f}, comm {s.moe_fwd_comm_s:.4f}) "
               f"{s.percent_of_bound:5.1f}% of bound, step {st.step_s:.4f}", flush=True)
+    comp_f, comm_f = homes_floor(plans["relibra"], batch, model, cluster, 2)
+    rep.set("relibra_homes_floor", {"comp_fwd_s": comp_f, "comm_fwd_s": comm_f, "t_moe_s": comp_f + comm_f,
+                                    "percent_of_bound": 100.0 * bound.t_moe_s / (comp_f + comm_f)})
+    print(f"any plan on relibra's homes and samples (r = 2, any scope): T_MoE >= {comp_f + comm_f:.4f} (comp "
+          f"{comp_f:.4f}, comm {comm_f:.4f}), at most {100 * bound.t_moe_s / (comp_f + comm_f):.1f}% of the bound")
     t = {k: v["t_moe_s"] for k, v in rep.data["plans"].items()}
     best = min(t.values())
     rep.set("relibra_vs_eplb", t["eplb"] / t["relibra"])

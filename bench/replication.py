@@ -9,7 +9,8 @@ Sections (``--only`` picks some; ``--quick`` shrinks each):
   move) and the widened candidates, both on the water-filling split; the default
   (exact-LP polish where ``split.lower_bound`` leaves room); the LP polish always.
 - ``quality``: GPT-OSS-20B real trace, 256 requests, 32 micro-batches of 8, EP8 = 2 x 4, r = 2:
-  sum of T_MoE of each strategy as a fraction of Balanced (targets: relibra >= 92% of Balanced,
+  sum of T_MoE of each strategy as a fraction of Balanced (the proven bound of plans with r = 2 replica slots,
+  ``evaluate.bound_terms``; before 2026-12-02 evening the r = 0 bound) (targets: relibra >= 92% of Balanced,
   >= 1.05x EPLB+ with the same extra memory). ``--seed 1`` draws the held-out batch (the planners were tuned on
   seed 0), written to ``replication_quality_seed1.json``; its "relibra (moves free)" row is ``relibra plan
   --migration free --replica-pricing free`` (issue 27: >= 92% of Balanced, >= 1.05x EPLB+ and LPLB+).
@@ -130,7 +131,7 @@ def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
     # rows run the defaults (the step simulator's view); "(moves free)" is `relibra plan --migration free
     # --replica-pricing free`: the portfolio and the step objective on, moves and replicas free in both (issue 27).
     free = {"migration": False, "price_replicas": False, "portfolio": False, "step_objective": False}
-    runs = [("balanced", "balanced", 0, {}), ("static", "static", 0, {}), ("lpt", "lpt", 0, {}),
+    runs = [("balanced", "balanced", 2, {}), ("static", "static", 0, {}), ("lpt", "lpt", 0, {}),
             ("eplb", "eplb", 2, {}), ("lplb", "lplb", 2, {}), ("relibra-inter", "relibra-inter", 0, free),
             ("relibra", "relibra", 2, free), ("relibra (priced)", "relibra", 2, {}),
             ("relibra (moves free)", "relibra", 2, {"migration": False, "price_replicas": False})]
@@ -147,6 +148,8 @@ def bench_quality(num_requests: int, seed: int = 0, workers: int = 2) -> dict:
         v["of_balanced"] = bal / v["t_moe_s"]
     res["relibra_vs_eplb"] = res["eplb"]["t_moe_s"] / res["relibra"]["t_moe_s"]
     res["relibra_vs_lplb"] = res["lplb"]["t_moe_s"] / res["relibra"]["t_moe_s"]
+    for base in ("eplb", "lplb"):  # the issue-27 row: relibra plan --migration free --replica-pricing free
+        res[f"relibra_moves_free_vs_{base}"] = res[base]["t_moe_s"] / res["relibra (moves free)"]["t_moe_s"]
     return {"num_requests": num_requests, "micro_batches": batch.num_sequences // 8, "ep": "2x4", "results": res}
 
 
@@ -306,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{k:16s} {v['replica_slots']:2d} {v['t_moe_s']:12.5f} {v['of_balanced']:12.1%} "
                       f"{v['solve_s']:8.1f}")
         print(f"relibra vs EPLB+ (r=2): {res['relibra_vs_eplb']:.3f}x; vs LPLB+: {res['relibra_vs_lplb']:.3f}x")
+        print(f"relibra (moves free) vs EPLB+: {res['relibra_moves_free_vs_eplb']:.3f}x; vs LPLB+: "
+              f"{res['relibra_moves_free_vs_lplb']:.3f}x")
     if "skew" in only:
         eps = [8, 16] if q else [8, 16, 32, 64]
         out["skew"] = bench_skew(32 if q else 256, eps, seed=args.seed, workers=args.workers, **opts)

@@ -148,6 +148,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replica-pricing", choices=PRICE_CHOICES, default=price_choice("price_replicas"),
                    help="replica pushes / pulls not hidden behind their window (max(attention, dispatch)): priced "
                         "or free (relibra; default %(default)s)")
+    p.add_argument("--no-resident-replicas", dest="resident_replicas", action="store_false",
+                   help="relibra never chooses replicas resident for the whole batch (its locality-resident "
+                        "candidate, eplb-history's redundant experts): for GPUs without memory for L x r extra "
+                        "experts")
     p.add_argument("--bound", "--balanced", dest="bound", action="store_true",
                    help="also report percent of the bound (a lower bound of every plan's sum of T_MoE)")
     p.add_argument("--out", required=True, help="plan file to write (.npz)")
@@ -359,6 +363,8 @@ def plan_options(args: argparse.Namespace, *, previous: Placement | None = None,
                           "final_reorder": bool(args.final_reorder)}
     if getattr(args, "keep_cell_sizes", False):
         kw["keep_cell_sizes"] = True
+    if not getattr(args, "resident_replicas", True):
+        kw["resident_replicas"] = False
     for _, name, _, _ in _OPTION_FLAGS:
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)

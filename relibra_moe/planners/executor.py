@@ -24,7 +24,8 @@ from ..validate import check_int
 __all__ = ["TaskExecutor", "TaskFailed", "InlineExecutor", "PoolExecutor", "FallbackLog", "default_executor"]
 
 Key = tuple[str, Any]
-"""A task's name: (kind, key) with kind "reorder" (key (layer, seed)), "locality" (round), "replicate" (cells)."""
+"""A task's name: (kind, key) with kind "reorder" (key (layer, seed)), "locality" (round), "replicate" (cells),
+"locality-replicas" (layers)."""
 
 
 class TaskFailed:

@@ -114,7 +114,7 @@ class ReplicateOptions:
 
 
 _BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "keep_cell_sizes", "portfolio",
-          "step_objective")
+          "step_objective", "resident_replicas")
 _OPTIONAL_BOOLS = ("node_comp", "smooth")
 
 
@@ -179,6 +179,13 @@ class PlanOptions:
             overlap ``timing.STEP_COMP_WEIGHT``: 3 comp + 2 comm, halved); False: T_MoE (comp + comm).
         portfolio: relibra ends with a portfolio (its plan, the previous homes with replicas, relibra-inter and the
             cheap baselines, each simulated with the moves charged against ``previous``; the fastest wins).
+        resident_replicas: relibra may choose replicas that stay resident for the whole batch
+            (``ReplicaPlan.resident``: the portfolio's resident locality-replica candidate, ``locality_replicas``,
+            and any other candidate whose slots hold the same experts in every micro-batch). Memory: a resident
+            plan keeps every layer's slots filled, ``L x r`` extra experts' weights per GPU (and their gradients
+            until the last micro-batch's backward), ``L x r x ModelSpec.expert_bytes`` bytes, against ``r``
+            experts for the per-layer replica buffer. False (GPUs without that memory): no resident candidate is
+            built or chosen.
     """
 
     replica_slots: int = 0
@@ -213,6 +220,7 @@ class PlanOptions:
     keep_cell_sizes: bool = False
     portfolio: bool = True
     step_objective: bool = True
+    resident_replicas: bool = True
 
     def __post_init__(self) -> None:
         check_int("replica_slots", self.replica_slots, 0)

@@ -14,10 +14,14 @@ suffix says which), the baselines' plans on the same batch and options: eplb-his
 static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with replica slots and a
 previous placement other than static, where "previous" already dominates it), each built only when its lower
 bound (``bounds.replicated_step_lower_bound``) is below the best score so far (else
-``stats.portfolio.pruned`` holds the bound). eplb and lplb are left out: never near relibra on the
-never-lose grid (BENCHMARKS.md, "Never lose"), lplb's LP ~10x relibra's whole plan at paper scale. The replay
-shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are charged
-as relibra's (per layer), never more than the baseline's own after-router fetch.
+``stats.portfolio.pruned`` holds the bound); last, on two nodes or more, relibra's homes and samples with
+cross-node locality replicas (``locality_replicas``): ``locality-resident`` (resident for the whole batch, charged
+``persistent``; option ``resident_replicas``, which also drops every other resident candidate when off) and
+``locality-per-micro-batch`` (charged ``per-layer``), each pruned by ``bounds.global_replica_step_lower_bound``.
+eplb and lplb are left out: never near relibra on the never-lose grid (BENCHMARKS.md, "Never lose"), lplb's LP
+~10x relibra's whole plan at paper scale. The replay shows relibra the routing these baselines see, so each is a
+plan relibra may choose; their replicas are charged as relibra's (per layer, or ``persistent`` where they are
+resident: ``ReplicaPlan.resident``), never more than the baseline's own after-router fetch.
 
 The chosen candidate (``least_moving_best``): the lowest score; among those within ``1e-9`` of it, the one that
 moves the fewest experts, then samples: a move must buy step time (on one node, where locality saves no RDMA
@@ -37,9 +41,10 @@ from ..plan_stats import PlanStats, PortfolioStats
 from ..sample_placements import SAMPLE_PLACEMENTS, place_samples
 from . import baselines
 from .annealing import finish_inter
-from .bounds import replicated_step_lower_bound
+from .bounds import global_replica_step_lower_bound, replicated_step_lower_bound
 from .context import PlanContext, make_plan, previous_expert_gpu
 from .evaluation import CandidateStep
+from .locality_replicas import MAX_LOADS_ENTRIES, RELOCATE_MAX_GPUS, locality_replicas, relocate_cells
 from .options import PlanOptions
 
 __all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
@@ -107,6 +112,7 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     for name in list(pf.cands):
         pf.judge(name)
     _add_replicated(pf, replicas)
+    _add_locality(pf)
     chosen = least_moving_best(ctx, pf.cands, pf.steps, pf.previous_homes)
     ctx.stats.portfolio = PortfolioStats(chosen=chosen, step_s=pf.steps, pruned=pf.pruned or None)
     eg, mb, sg, reps = pf.cands[chosen]
@@ -188,6 +194,50 @@ def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray
             pf.add(name, (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots else None))
                    if base == "previous" else (lambda s=suffix: pf.baseline("online", s)))
             pf.judge(name)
+
+
+def _add_locality(pf: _Candidates) -> None:
+    """The locality-replica candidates (``locality_replicas``) on relibra's homes and samples, on two nodes or
+    more with replica slots: ``locality-resident`` (one set of slots per layer for the whole batch, charged
+    ``persistent``; with several micro-batches and option ``resident_replicas``) and ``locality-per-micro-batch``
+    (charged ``per-layer``; its cells relocated by ``relocate_cells`` unless the trainer owns the samples or there
+    are more than ``RELOCATE_MAX_GPUS``); not for loads over ``MAX_LOADS_ENTRIES`` entries. Neither
+    is built when its bound (``bounds.global_replica_step_lower_bound``) already reaches the best score
+    (``pf.pruned``). With ``resident_replicas=False`` every resident candidate is dropped
+    (``ReplicaPlan.resident``: eplb-history's redundant experts too), relibra-inter and static never are."""
+    ctx = pf.ctx
+    M, L, G, r = ctx.num_micro_batches, ctx.model.num_layers, ctx.cluster.num_gpus, ctx.replica_slots
+    eg, mb, sg, _ = next(iter(pf.cands.values()))  # relibra's own plan (the first candidate)
+    if not ctx.options.resident_replicas:
+        for name in [k for k, c in pf.cands.items() if k in pf.steps and c[3] is not None
+                     and padded(c[3], M, L, G, r).resident]:
+            del pf.cands[name], pf.steps[name], pf.modes[name]
+    if ctx.cluster.nodes < 2 or not r or ctx.executor.expired or M * L * G * ctx.model.num_experts > MAX_LOADS_ENTRIES:
+        return
+    for name, resident in (("locality-resident", True), ("locality-per-micro-batch", False)):
+        if resident and (M < 2 or not ctx.options.resident_replicas):
+            continue
+        sg_c = sg if resident or ctx.trainer_owned or G > RELOCATE_MAX_GPUS else _relocated(pf, eg, mb, sg)
+        x = pf.loads_of(mb, sg_c)
+        bound = global_replica_step_lower_bound(ctx, eg, mb, sg_c, x, pf.previous, pf.opb)
+        if bound >= min(pf.steps.values()):
+            pf.pruned[name] = bound
+            continue
+        pf.add(name, lambda res=resident, g=sg_c, x=x: (eg, mb, g, locality_replicas(
+            x, eg, ctx.model, ctx.cluster, r, res, ctx.executor)))
+        pf.judge(name)
+
+
+def _relocated(pf: _Candidates, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
+               ) -> np.ndarray:
+    """int64 ``[N]``: the samples' GPUs after ``locality_replicas.relocate_cells`` (whole cells swap GPUs within
+    their micro-batch; with ``keep_cell_sizes`` only cells of equal counts)."""
+    ctx = pf.ctx
+    M, G = ctx.num_micro_batches, ctx.cluster.num_gpus
+    counts = np.bincount(micro_batch * G + sample_gpu, minlength=M * G).reshape(M, G)
+    gmap = relocate_cells(pf.loads_of(micro_batch, sample_gpu), expert_gpu, ctx.cluster, ctx.replica_slots,
+                          counts if ctx.options.keep_cell_sizes else None)
+    return gmap[micro_batch, sample_gpu].astype(np.int64)
 
 
 def least_moving_best(ctx: PlanContext, cands: dict[str, Candidate], scores: dict[str, float],

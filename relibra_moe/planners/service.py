@@ -76,7 +76,8 @@ RAY_FAILURE_MODES = ("raise", "process")
 """``on_ray_failure``: what a failed Ray connection does (raise ``PlanError``, or plan on a process pool)."""
 _FALLBACK_OF = {"reorder": "previous placement", "locality": "samples kept where they were",
                 "replicate": "no replicas", "eplb": "previous (else static) homes, no replicas",
-                "eplb-history": "previous (else static) homes, no replicas"}
+                "eplb-history": "previous (else static) homes, no replicas",
+                "locality-replicas": "those layers of the locality-replica candidate without replicas"}
 
 __all__ = ["Planner", "EXECUTORS"]
 

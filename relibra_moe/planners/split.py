@@ -45,7 +45,7 @@ from ..validate import check_index_range, check_token_counts
 
 __all__ = [
     "CellWeights", "SplitSolution", "cell_weights", "holders", "shares_from_flows", "solve_split_lp",
-    "split_cost", "fast_split", "lower_bound",
+    "split_cost", "fast_split", "lower_bound", "lp_split_for_holders",
 ]
 
 
@@ -501,8 +501,16 @@ def solve_split_lp(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.nda
         The optimal split (rows of replicated experts only) and its T_MoE in seconds.
     """
     x, expert_gpu, replica_expert = _check_cell(x, expert_gpu, replica_expert, cluster)
+    return lp_split_for_holders(x, expert_gpu, holders(expert_gpu, replica_expert, cluster.gpus_per_node), model,
+                                cluster)
+
+
+def lp_split_for_holders(x: np.ndarray, expert_gpu: np.ndarray, hold: np.ndarray, model: ModelSpec,
+                         cluster: ClusterSpec) -> SplitSolution:
+    """:func:`solve_split_lp` on checked inputs (``x`` float64 ``[G, E]``, ``expert_gpu`` int64 ``[E]``) and the
+    holders ``hold`` int64 ``[E, H]`` (home first, -1 padded; anywhere in the cluster: the LP reads the link class
+    of every (source, holder) pair, so ``locality_replicas``' cross-node copies use it too)."""
     G = cluster.num_gpus
-    hold = holders(expert_gpu, replica_expert, cluster.gpus_per_node)
     w = cell_weights(model, cluster)
     cls = cluster.link_classes.astype(np.int64)
     scale = max(x.sum() / G, 1e-12)
@@ -530,7 +538,7 @@ def solve_split_lp(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.nda
     cost = np.concatenate([np.zeros(n), [1.0, 1.0]])
     sol = _highs_lp(cost, row_idx, col_idx, vals, row_lo, row_hi, col_lo, col_hi, npair + nrow_t)
     f = np.clip(sol[:n], 0.0, None)
-    flows = np.zeros((G, x.shape[1], cluster.gpus_per_node))
+    flows = np.zeros((G, x.shape[1], hold.shape[1]))
     flows[:, :, 0] = xs
     flows[js, es, 0] = 0.0
     np.add.at(flows, (J, Ex, k_of), f)

@@ -469,6 +469,7 @@ def test_simulate_optimizer_bytes_help_is_the_timing_default():
     (["--seed", "9"], "seed", 9),
     (["--sample-placement", "length-balanced"], "sample_placement", "length-balanced"),
     (["--sample-placement", "longest-first"], "sample_placement", "longest-first"),
+    (["--no-resident-replicas"], "resident_replicas", False),
 ])
 def test_each_flag_sets_its_option(flags, field, value):
     opts = _options(*flags)

@@ -151,7 +151,8 @@ def test_portfolio_option_off_keeps_relibras_own_plan():
     pf = on.stats.portfolio
     assert set(pf.step_s) | set(pf.pruned or {}) == {"relibra", "relibra-inter", "previous", "static",
                                                              "previous@length-balanced", "static@length-balanced",
-                                                             "previous@longest-first", "static@longest-first"}
+                                                             "previous@longest-first", "static@longest-first",
+                                                             "locality-resident", "locality-per-micro-batch"}
     assert all(bound >= min(pf.step_s.values()) for bound in (pf.pruned or {}).values())
     # the portfolio's "relibra" candidate is the plan without the portfolio, simulated the same way
     assert pf.step_s["relibra"] == pytest.approx(simulate_step(off, batch, model, cluster).step_s, rel=1e-12)
@@ -195,3 +196,30 @@ def test_portfolio_ranks_by_the_sum_of_t_moe_when_asked(seed):
         for name, r in (("static", 0), ("online", 1)):
             other = plan_batch(batch, model, cluster, name, replica_slots=r, sample_placement=placement)
             assert got <= simulate_step(other, batch, model, cluster).t_moe_s * (1 + 1e-9), (name, placement)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), r=st.sampled_from([1, 2]), mbs=st.sampled_from([3, 4, 8]),
+       hot=st.integers(1, 3), migration=st.booleans(), price_replicas=st.booleans(), resident=st.booleans(),
+       overlap=st.sampled_from(["none", "megatron"]))
+def test_the_locality_candidates_never_make_relibra_slower(seed, r, mbs, hot, migration, price_replicas, resident,
+                                                           overlap):
+    """Random small batches on 2 x 2 GPUs: relibra with the locality-replica candidates (issue 27) scores at most
+    what it scored without them (the portfolio's ``_add_locality`` replaced by nothing), under the same options;
+    the returned plan is valid and keeps every token."""
+    from relibra_moe.planners import portfolio as pf
+
+    rng = np.random.default_rng(seed)
+    model = model_preset("gpt-oss-20b").with_(num_layers=2, num_experts=8, top_k=2)
+    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=2, overlap=overlap)
+    batch = _batch(rng, 2, 8, 2, int(rng.integers(8, 20)), mbs, hot)
+    kw = dict(FAST, migration=migration, price_replicas=price_replicas, resident_replicas=resident)
+    with_it = plan_batch(batch, model, cluster, "relibra", replica_slots=r, seed=seed % 1000, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pf, "_add_locality", lambda cands: None)
+        without = plan_batch(batch, model, cluster, "relibra", replica_slots=r, seed=seed % 1000, **kw)
+    options = PlanOptions(replica_slots=r, migration=migration, price_replicas=price_replicas)
+    got = portfolio_score(simulate_step(with_it, batch, model, cluster), options)
+    assert got <= portfolio_score(simulate_step(without, batch, model, cluster), options) * (1 + 1e-9)
+    with_it.validate(model, cluster, batch.num_sequences)
+    assert not (with_it.replicas.resident and not resident)

@@ -62,3 +62,52 @@ def test_the_relayout_term_is_the_judges_and_free_without_migration():
                 - replicated_step_lower_bound(ctx, static, mb, sg, x, same, 3.0))
         assert diff == pytest.approx(extra, rel=1e-12)
     assert calls == [3.0, 3.0]  # asked only with migration on, with the caller's optimizer bytes
+
+
+@pytest.mark.parametrize("r", [1, 2])
+@pytest.mark.parametrize("free", [{}, {"migration": False, "price_replicas": False}, {"step_objective": False}])
+def test_the_global_bound_is_below_the_judged_score_of_global_replica_plans(r, free):
+    """``global_replica_step_lower_bound`` on relibra's homes and samples is at most the judged score of both
+    locality-replica plans on them (scope "global") and of the plan without replicas."""
+    from relibra_moe.plan import BatchPlan, ReplicaPlan, SamplePlacement
+    from relibra_moe.planners.bounds import global_replica_step_lower_bound
+    from relibra_moe.planners.locality_replicas import locality_replicas
+
+    batch = _batch()
+    options = PlanOptions(replica_slots=r, **free)
+    ctx = make_context(batch, MODEL, CLUSTER, "relibra", options, default_executor(1))
+    rel = plan_batch(batch, MODEL, CLUSTER, "relibra", replica_slots=r, iters=50, locality_iters=20, num_seeds=1,
+                     rounds=1)
+    eg = rel.placement.expert_gpu.astype(np.int64)
+    mb, sg = rel.samples.micro_batch.astype(np.int64), rel.samples.gpu.astype(np.int64)
+    x = ctx.loads(mb, sg)
+    previous = Placement(static_placement(MODEL.num_layers, MODEL.num_experts, CLUSTER.num_gpus))
+    bound = global_replica_step_lower_bound(ctx, eg, mb, sg, x, previous, 12.0)
+    samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
+    plans = [locality_replicas(x, eg, MODEL, CLUSTER, r, res) for res in (True, False)]
+    plans.append(ReplicaPlan.empty(ctx.num_micro_batches, MODEL.num_layers, CLUSTER.num_gpus, r))
+    for reps in plans:
+        plan = BatchPlan(Placement(eg), samples, reps, CLUSTER.num_gpus, CLUSTER.gpus_per_node)
+        step = SIMULATED_STEP.step(plan, ctx.lengths, x, MODEL, CLUSTER, previous, 12.0)
+        assert 0.0 < bound <= portfolio_score(step, options) * (1 + 1e-12)
+
+
+def test_the_global_bound_counts_what_must_leave_each_source_by_hand():
+    """One cell, E = 4 on 4 GPUs (expert e on GPU e), r = 1, step_objective off (the bound is the sum of the
+    cell's comp + comm bounds): source 0 sends 6, 3, 2, 1 tokens to experts 0..3; it homes expert 0 and holds at
+    most one more (the 3), so 2 + 1 = 3 leave it, at NVLink or RDMA rates: comm >= 3 w_nv w_rdma / (w_nv + w_rdma)
+    token units; comp >= 12 / 4 = 3."""
+    from relibra_moe.planners.bounds import global_replica_step_lower_bound
+    from relibra_moe.planners.split import cell_weights
+
+    model = MODEL.with_(num_experts=4, num_layers=1)
+    batch = rl_batch(model, "mixed", 1, responses_per_prompt=1, seed=1, micro_batch_size=1, max_len=16)
+    ctx = make_context(batch, model, CLUSTER, "relibra", PlanOptions(replica_slots=1, step_objective=False),
+                       default_executor(1))
+    x = np.zeros((1, 1, 4, 4))
+    x[0, 0, 0] = [6, 3, 2, 1]
+    w = cell_weights(model, CLUSTER)
+    want = (3.0 + 3.0 * w.w_nv * w.w_rdma / (w.w_nv + w.w_rdma)) * w.sec_per_token
+    got = global_replica_step_lower_bound(ctx, np.arange(4)[None], np.zeros(1, np.int64), np.zeros(1, np.int64), x,
+                                          Placement(np.arange(4)[None]), 12.0)
+    assert got == pytest.approx(want, rel=1e-12)

@@ -103,3 +103,62 @@ def test_the_injected_judge_decides_the_choice():
     assert port.chosen != default.stats.portfolio.chosen
     assert port.step_s[port.chosen] == min(port.step_s.values()) < 1.0
     assert not (judged.replicas.replica_expert >= 0).any()
+
+
+@dataclass(frozen=True)
+class FavourResident:
+    """A judge that finds every resident plan (``ReplicaPlan.resident``) 0 s long, the rest as the simulator."""
+
+    def step(self, plan, lengths, x, model, cluster, previous, opb):
+        st = SIMULATED_STEP.step(plan, lengths, x, model, cluster, previous, opb)
+        return SimpleNamespace(step_s=0.0 if plan.replicas.resident else st.step_s, t_moe_s=st.t_moe_s,
+                               reorder_s=st.reorder_s, replica_exposed_s=st.replica_exposed_s,
+                               replica_mode=st.replica_mode)
+
+    def relayout_seconds(self, previous, placement, model, cluster, opb):
+        return SIMULATED_STEP.relayout_seconds(previous, placement, model, cluster, opb)
+
+
+def test_locality_candidates_are_offered_on_two_nodes_and_not_on_one():
+    batch = _batch()
+    opts = PlanOptions(replica_slots=1, **FAST)
+    port = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts).stats.portfolio
+    for name in ("locality-resident", "locality-per-micro-batch"):
+        assert name in port.step_s or name in (port.pruned or {})
+    one = plan_with_options(batch, MODEL, ClusterSpec(nodes=1, gpus_per_node=4), "relibra", opts).stats.portfolio
+    assert not any(k.startswith("locality") for k in [*one.step_s, *(one.pruned or {})])
+
+
+def test_resident_replicas_off_drops_every_resident_candidate():
+    """A judge that makes resident plans free: allowed, the choice is resident (relibra's locality-resident or
+    eplb-history's redundant experts); with ``resident_replicas=False`` no resident candidate is left to choose."""
+    batch = _batch()
+    history = batch.sample_expert_counts().sum(axis=0)
+    opts = PlanOptions(replica_slots=1, history=history, **FAST)
+    allowed = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, evaluator=FavourResident())
+    assert allowed.replicas.resident and allowed.stats.portfolio.step_s[allowed.stats.portfolio.chosen] == 0.0
+    off = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts.replace(resident_replicas=False),
+                            evaluator=FavourResident())
+    port = off.stats.portfolio
+    assert not off.replicas.resident and min(port.step_s.values()) > 0.0
+    assert "locality-resident" not in port.step_s and "locality-per-micro-batch" in port.step_s
+
+
+def test_locality_candidates_are_pruned_when_their_bound_reaches_the_best_score():
+    """A judge that finds every plan 0 s long: no candidate can beat 0, so both are pruned with their (positive)
+    bound."""
+
+    @dataclass(frozen=True)
+    class Free:
+        def step(self, plan, lengths, x, model, cluster, previous, opb):
+            return SimpleNamespace(step_s=0.0, t_moe_s=0.0, reorder_s=0.0, replica_exposed_s=0.0,
+                                   replica_mode="per-layer")
+
+        def relayout_seconds(self, previous, placement, model, cluster, opb):
+            return 0.0
+
+    batch = _batch()
+    port = plan_with_options(batch, MODEL, CLUSTER, "relibra", PlanOptions(replica_slots=2, **FAST),
+                             evaluator=Free()).stats.portfolio
+    assert port.pruned["locality-resident"] == port.pruned["locality-per-micro-batch"] > 0.0
+    assert not any(k.startswith("locality") for k in port.step_s)

@@ -1,0 +1,273 @@
+"""Cross-node locality replicas: global-scope copies that keep a node's tokens in the node (docs/method.md,
+"Locality replicas").
+
+relibra's own replicas (``replicate``, Algorithm 2) stay in the home's node: they balance compute but save no
+RDMA traffic. On several nodes most of relibra's remaining T_MoE is the all-to-all across nodes, and a copy of an
+expert homed on another node, in the node of the tokens that route to it, turns those tokens' RDMA hop into an
+NVLink one (or none). This module builds such plans on fixed homes and samples (EPLB's ``"global"`` replica scope):
+
+1. **Slots** (``locality_slots``), per layer, from the loads of the cells that share them: each node has
+   ``P x r`` slots. Greedily, the (node, remote expert) copy that most lowers the sum over the cells of the
+   largest per-GPU RDMA load (``max(max_j tx_j, max_h rx_h)`` in tokens, every source of the node sending the
+   expert's tokens to the copy) is taken, ties by the tokens it keeps in the node (the traffic saved per slot),
+   then by (node, expert); copies that save no traffic are never taken; then a taken copy is exchanged for an
+   untaken one of its node while that lowers the objective. A node's slots left over hold copies of
+   its own hottest experts (a second holder in the node, for compute balance). Inside a node the copies go
+   largest first to the GPU with the least expected compute (its homes' tokens plus the copies it was given)
+   that has a free slot and neither homes nor holds the expert.
+2. **Cells** (``relocate_cells``, per-micro-batch version, when the planner places the samples): per
+   micro-batch, whole (micro-batch, GPU) cells swap GPUs across nodes, best swap first, while the largest
+   cross-node send or receive left after each node's copies of most tokens falls (summed over the layers); a
+   cell's local stage moves with it, so the attention is unchanged.
+3. **Split** (``locality_split``), per cell: the exact LP of ``split.solve_split_lp`` over the holders (home
+   first, then the copies by GPU): every source's pairs of a replicated expert are shared between the home and
+   the copies so that ``max_g comp + max_g comm`` is least (never worse than sending everything home).
+
+Two versions (``locality_replicas``): ``resident=True`` chooses one set of slots per layer from the whole batch's
+loads and keeps it in every micro-batch (``ReplicaPlan.resident``: the simulator charges it ``persistent``, the
+layer keeps the copies resident; memory: every GPU holds ``L x r`` extra experts' weights and their gradients
+for the whole batch, ``L x r x specs.expert_bytes`` each, against ``r`` experts of the per-layer buffer);
+``resident=False`` chooses the slots per micro-batch and layer (charged ``per-layer``: every copy is pushed
+across nodes in every cell). relibra's portfolio offers both (``portfolio``; option ``resident_replicas``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..plan import ReplicaPlan
+from ..specs import ClusterSpec, ModelSpec
+from .executor import TaskExecutor, TaskFailed, default_executor
+from .split import SplitSolution, check_loads_homes, lp_split_for_holders
+
+__all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas", "locality_layers_task",
+           "relocate_cells",
+           "MAX_LOADS_ENTRIES", "RELOCATE_MAX_GPUS"]
+
+MAX_LOADS_ENTRIES = 4_000_000
+"""The portfolio offers the locality candidates only for loads ``[M, L, G, E]`` of at most this many entries: an
+exact split LP per cell and the slot greedy grow with ``G x E`` per cell; on the paper-scale qwen3-235b batch
+(32 x 94 x 32 x 128 = 12.3M entries, EP 4 x 8) they took minutes on 2 cores against relibra's ~20 s plan."""
+RELOCATE_MAX_GPUS = 16
+"""``relocate_cells`` runs for at most this many GPUs (its swaps grow as ``G^3`` per micro-batch)."""
+
+
+def _pick_remote(x: np.ndarray, expert_gpu: np.ndarray, node: np.ndarray, capacity: int) -> list[tuple[int, int]]:
+    """The greedy of step 1 (module docstring) on loads ``x [C, G, E]``, homes ``expert_gpu [E]``, GPU ``g`` on
+    node ``node[g]``: the ``(node, expert)`` copies in the order taken, at most ``capacity`` per node, each keeping
+    tokens in its node. A copy of ``e`` in node ``n`` takes ``x[c, j, e]`` (j in n) off source j's RDMA send and
+    their sum off the home's RDMA receive."""
+    G, nodes = len(node), int(node.max()) + 1
+    hn = node[expert_gpu]
+    in_node = (node[None, :] == np.arange(nodes)[:, None]).astype(np.float64)  # [nodes, G]
+    keep_c = np.einsum("ng,cge->cne", in_node, x)  # [C, nodes, E] tokens a copy keeps in its node
+    remote = hn[None, :] != node[:, None]  # [G, E]
+    tx = (x * remote[None]).sum(axis=2)  # [C, G]
+    home = (expert_gpu[:, None] == np.arange(G)[None, :]).astype(np.float64)  # [E, G]
+    rx = np.einsum("cne,eg->cg", keep_c * (hn[None, None, :] != np.arange(nodes)[None, :, None]), home)
+    cn, ce = np.nonzero((hn[None, :] != np.arange(nodes)[:, None]) & (keep_c.sum(axis=0) > 0))
+    alive = np.ones(len(cn), bool)
+    used = np.zeros(nodes, np.int64)
+    taken_k: list[int] = []
+    d_tx = x[:, :, ce] * in_node[cn].T[None]  # [C, G, K]: what each candidate takes off each source's send
+    d_rx = keep_c[:, cn, ce][:, None, :] * home[ce].T[None]  # [C, G, K]: and off its home's receive
+    kept = keep_c[:, cn, ce].sum(axis=0)
+    while True:
+        alive &= used[cn] < capacity
+        if not alive.any():
+            return _exchange(taken_k, cn, tx, rx, d_tx, d_rx, cn_e=ce)
+        now = np.maximum(tx.max(axis=1), rx.max(axis=1)).sum()
+        after = np.maximum((tx[:, :, None] - d_tx).max(axis=1), (rx[:, :, None] - d_rx).max(axis=1)).sum(axis=0)
+        gain = np.round(now - after, 9)  # ties within float noise go to the tokens kept
+        order = np.lexsort((ce, cn, -kept, -gain))
+        k = int(next(i for i in order if alive[i]))
+        tx -= d_tx[:, :, k]
+        rx -= d_rx[:, :, k]
+        alive[k] = False
+        used[cn[k]] += 1
+        taken_k.append(k)
+
+
+def _exchange(taken: list[int], cn: np.ndarray, tx: np.ndarray, rx: np.ndarray, d_tx: np.ndarray, d_rx: np.ndarray,
+              cn_e: np.ndarray) -> list[tuple[int, int]]:
+    """The greedy's copies (candidate indices ``taken``) improved by exchanges: a taken copy of node n is swapped
+    for an untaken candidate of n while that lowers ``sum_c max(max tx, max rx)`` (best exchange first, at most
+    ``2 x len(taken)``); ``tx`` / ``rx [C, G]`` are the loads left with ``taken``, ``d_tx`` / ``d_rx [C, G, K]``
+    what each candidate takes off them. Returns the ``(node, expert)`` pairs."""
+    taken = list(taken)
+    for _ in range(2 * len(taken)):
+        rest = np.setdiff1d(np.arange(len(cn)), taken)
+        pairs = [(a, b) for a in taken for b in rest if cn[a] == cn[b]]
+        if not pairs:
+            break
+        a, b = np.array(pairs).T
+        tx2 = tx[:, :, None] + d_tx[:, :, a] - d_tx[:, :, b]
+        rx2 = rx[:, :, None] + d_rx[:, :, a] - d_rx[:, :, b]
+        val = np.maximum(tx2.max(axis=1), rx2.max(axis=1)).sum(axis=0)
+        now = float(np.maximum(tx.max(axis=1), rx.max(axis=1)).sum())
+        i = int(np.argmin(val))
+        if not val[i] < now - 1e-9 * max(now, 1.0):
+            break
+        tx, rx = tx2[:, :, i], rx2[:, :, i]
+        taken[taken.index(int(a[i]))] = int(b[i])
+    return [(int(cn[k]), int(cn_e[k])) for k in taken]
+
+
+def locality_slots(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, replica_slots: int) -> np.ndarray:
+    """int32 ``[G, r]``: one layer's slots from the loads ``x [C, G, E]`` (tokens) of the C cells that share them,
+    homes ``expert_gpu [E]`` (module docstring, step 1); -1 where a slot stays empty."""
+    x = np.asarray(x, dtype=np.float64)
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    G, P, r = cluster.num_gpus, cluster.gpus_per_node, int(replica_slots)
+    node = np.arange(G) // P
+    rep = np.full((G, r), -1, np.int32)
+    if r == 0:
+        return rep
+    served = x.sum(axis=(0, 1))  # [E] tokens of each expert
+    load = np.bincount(expert_gpu, weights=served, minlength=G).astype(np.float64)  # expected compute per GPU
+    taken = _pick_remote(x, expert_gpu, node, P * r)
+    for n in range(cluster.nodes):
+        mine = [(float(x[:, node == n, e].sum()), e) for m, e in taken if m == n]
+        room = P * r - len(mine)
+        homed = np.flatnonzero((node[expert_gpu] == n) & (served > 0))
+        hot = homed[np.argsort(-served[homed], kind="stable")][:room]
+        mine += [(float(served[e]) / 2.0, int(e)) for e in hot]  # a second holder takes about half
+        for w, e in sorted(mine, key=lambda t: (-t[0], t[1])):
+            gs = [g for g in range(n * P, (n + 1) * P)
+                  if g != expert_gpu[e] and (rep[g] == -1).any() and not (rep[g] == e).any()]
+            if not gs:
+                continue
+            g = min(gs, key=lambda k: (load[k], k))
+            rep[g, int(np.argmax(rep[g] == -1))] = e
+            load[g] += w
+            load[expert_gpu[e]] -= w
+    return rep
+
+
+def global_holders(expert_gpu: np.ndarray, replica_expert: np.ndarray) -> np.ndarray:
+    """int64 ``[E, H]``: the GPUs holding each expert, home first, then its copies by GPU, -1 padded (``H`` one
+    more than the most copies of an expert, at least 1); copies may sit on any GPU but the home."""
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    replica_expert = np.asarray(replica_expert, dtype=np.int64)
+    E = expert_gpu.shape[0]
+    copies: list[list[int]] = [[] for _ in range(E)]
+    for g, s in zip(*np.nonzero(replica_expert >= 0)):
+        copies[int(replica_expert[g, s])].append(int(g))
+    out = np.full((E, 1 + max((len(c) for c in copies), default=0)), -1, np.int64)
+    out[:, 0] = expert_gpu
+    for e, c in enumerate(copies):
+        out[e, 1:1 + len(c)] = sorted(c)
+    return out
+
+
+def locality_split(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarray, model: ModelSpec,
+                   cluster: ClusterSpec) -> SplitSolution:
+    """The exact split of one cell (loads ``x [G, E]``, homes ``expert_gpu [E]``, global-scope slots
+    ``replica_expert [G, r]``): rows ``(j, e, g)`` and shares of the replicated experts, and the cell's T_MoE."""
+    x, expert_gpu = check_loads_homes(x, expert_gpu, cluster)
+    return lp_split_for_holders(x, expert_gpu, global_holders(expert_gpu, replica_expert), model, cluster)
+
+
+def _rdma_proxy(xc: np.ndarray, hn: np.ndarray, home: np.ndarray, node: np.ndarray, capacity: int) -> float:
+    """The relocation's objective for one micro-batch's loads ``xc [L, G, E]`` (homes on nodes ``hn [L, E]``, one-hot
+    ``home [L, E, G]``): per layer each node copies its ``capacity`` remote experts of most tokens, and the largest
+    per-GPU cross-node send or receive left (tokens) is summed over the layers."""
+    nodes = int(node.max()) + 1
+    xn = np.stack([xc[:, node == n].sum(axis=1) for n in range(nodes)], axis=1)  # [L, nodes, E]
+    remote = hn[:, None, :] != np.arange(nodes)[None, :, None]
+    order = np.argsort(-np.where(remote, xn, -1.0), axis=-1, kind="stable")[..., :capacity]
+    copied = np.zeros(remote.shape, bool)
+    np.put_along_axis(copied, order, True, axis=-1)
+    left = remote & ~(copied & (xn > 0))  # [L, nodes, E]: a node's tokens of e cross nodes
+    tx = (xc * left[:, node, :]).sum(axis=-1)  # [L, G]
+    rx = np.einsum("lne,leg->lg", xn * left, home)
+    return float(np.maximum(tx.max(axis=-1), rx.max(axis=-1)).sum())
+
+
+def relocate_cells(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, replica_slots: int,
+                   cell_counts: np.ndarray | None = None, max_swaps: int | None = None) -> np.ndarray:
+    """int64 ``[M, G]``: where each micro-batch's (micro-batch, GPU) cells run for per-micro-batch locality copies:
+    the cell on GPU g of micro-batch m moves to GPU ``out[m, g]``. Per micro-batch, swaps of two cells on different
+    nodes are taken best first while they lower ``_rdma_proxy`` (each node copying its ``P x r`` remote experts of
+    most tokens), at most ``max_swaps`` (default G) per micro-batch. A whole cell moves, so every GPU's local stage
+    (attention) and the micro-batch's slowest one stay; ``cell_counts [M, G]`` (samples per cell): only cells of
+    equal counts swap (``keep_cell_sizes``). Loads ``x [M, L, G, E]`` of the current cells, homes ``[L, E]``."""
+    x = np.asarray(x, dtype=np.float64)
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    M, L, G, _ = x.shape
+    node = np.arange(G) // cluster.gpus_per_node
+    hn, home = node[expert_gpu], (expert_gpu[:, :, None] == np.arange(G)).astype(np.float64)
+    cap = cluster.gpus_per_node * int(replica_slots)
+    pairs = [(a, b) for a in range(G) for b in range(a + 1, G)]
+    counts = np.zeros((M, G)) if cell_counts is None else np.asarray(cell_counts)
+    out = np.tile(np.arange(G), (M, 1))
+    for m in range(M):
+        cur, gmap = _rdma_proxy(x[m], hn, home, node, cap), np.arange(G)
+        for _ in range(G if max_swaps is None else max_swaps):
+            best = None
+            for a, b in pairs:
+                if node[gmap[a]] == node[gmap[b]] or counts[m, a] != counts[m, b]:
+                    continue
+                g2 = gmap.copy()
+                g2[a], g2[b] = gmap[b], gmap[a]
+                xc = np.empty_like(x[m])
+                xc[:, g2] = x[m]
+                val = _rdma_proxy(xc, hn, home, node, cap)
+                if val < cur - 1e-9 and (best is None or val < best[0]):
+                    best = (val, g2)
+            if best is None:
+                break
+            cur, gmap = best
+        out[m] = gmap
+    return out
+
+
+def locality_layers_task(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                         replica_slots: int, resident: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """One executor task: for each layer i of loads ``x [M, C, G, E]`` (homes ``expert_gpu [C, E]``) its slots
+    ``[M, G, r]``, split rows ``(m, j, e, g)`` int32 ``[Z, 4]`` and shares ``[Z]`` (``locality_replicas``)."""
+    out = []
+    for i in range(x.shape[1]):
+        M = x.shape[0]
+        rep = np.full((M, x.shape[2], int(replica_slots)), -1, np.int32)
+        if resident:
+            rep[:] = locality_slots(x[:, i], expert_gpu[i], cluster, replica_slots)[None]
+        rows, share = [], []
+        for m in range(M):
+            if not resident:
+                rep[m] = locality_slots(x[m, i][None], expert_gpu[i], cluster, replica_slots)
+            sol = locality_split(x[m, i], expert_gpu[i], rep[m], model, cluster)
+            rows.append(np.concatenate([np.full((len(sol.rows), 1), m, np.int32), sol.rows], axis=1))
+            share.append(sol.share)
+        out.append((rep, np.concatenate(rows).reshape(-1, 4), np.concatenate(share)))
+    return out
+
+
+def locality_replicas(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                      replica_slots: int, resident: bool, executor: TaskExecutor | None = None) -> ReplicaPlan:
+    """The locality-replica plan (scope ``"global"``) of loads ``x [M, L, G, E]`` on homes ``expert_gpu [L, E]``:
+    per layer one set of slots for every micro-batch (``resident``) or per (micro-batch, layer) cell, each cell
+    split by ``locality_split`` (module docstring). The layers run in chunks on ``executor`` (default inline); a
+    chunk that fails leaves its layers without replicas (every token at home)."""
+    x = np.asarray(x, dtype=np.float64)
+    expert_gpu = np.asarray(expert_gpu)
+    M, L, G, _ = x.shape
+    executor = executor or default_executor(1)
+    step = max(1, math.ceil(L / (2 * executor.workers)))
+    chunks = [np.arange(a, min(a + step, L)) for a in range(0, L, step)]
+    results = executor.map(locality_layers_task,
+                           [(x[:, c], expert_gpu[c], model, cluster, replica_slots, resident) for c in chunks],
+                           [("locality-replicas", tuple(int(l) for l in c)) for c in chunks])
+    rep = np.full((M, L, G, int(replica_slots)), -1, np.int32)
+    idx, share = [np.zeros((0, 5), np.int32)], [np.zeros(0)]
+    for c, res in zip(chunks, results):
+        if isinstance(res, TaskFailed):
+            continue
+        for l, (rep_l, rows, sh) in zip(c, res):
+            rep[:, l] = rep_l
+            idx.append(np.concatenate([rows[:, :1], np.full((len(rows), 1), l, np.int32), rows[:, 1:]], axis=1))
+            share.append(sh)
+    order = np.lexsort(np.concatenate(idx).T[::-1])  # rows by (m, l, j, e, g): the same bytes for any chunking
+    return ReplicaPlan(rep, np.concatenate(idx)[order], np.concatenate(share)[order], scope="global")
