@@ -41,7 +41,7 @@ from ..triton_kernels.grouped_gemm import swiglu_experts
 from ..triton_kernels.routing import RoutingMeta
 from .adopted import AdoptedBlockMoE, RouterTuple, deprecated_names, keep_home_rows
 from .hf_families import Family, family_of
-from .upstream_hf import as_grouped_experts, replay_router
+from .upstream_hf import as_grouped_experts, replay_router, router_logits
 
 __all__ = ["HFReplayMoE", "HFReplicaBuffer", "LAYER_FAMILIES", "hf_replica_buffer"]
 
@@ -56,12 +56,14 @@ class _ReplayRouterMixin:
     last_gates: torch.Tensor | None = None  # GPT-OSS: the gates of the last forward, which its block returns
 
     def forward(self, hidden_states: torch.Tensor, replay_ids: torch.Tensor | None = None) -> RouterTuple:
-        logits, gates, ids = super().forward(hidden_states)
-        if replay_ids is not None:
-            live_ids = ids
+        if replay_ids is None:
+            logits, gates, ids = super().forward(hidden_states)
+        else:  # the logits alone (HF's first op): the replayed ids need no top-k, and the gates come from them
+            logits = router_logits(self, hidden_states, self._family.router_fp32)
             ids = check_replay_ids(replay_ids.to(logits.device), logits.shape[0], self.top_k, self.num_experts,
                                    self.name, allow_live=True)
-            ids = merge_live(ids, lambda: live_ids)  # tokens the rollout never routed: HF's own top-k
+            # tokens the rollout never routed: HF's own top-k (its whole forward runs only when such a row exists)
+            ids = merge_live(ids, lambda: super(_ReplayRouterMixin, self).forward(hidden_states)[2])
             gates = self._family.gates(self, logits, ids)
         if self._family.returns_scores:  # the block returns them (GPT-OSS); it clears them after its forward
             self.last_gates = gates
