@@ -216,8 +216,24 @@ class HFReplayMoE(AdoptedBlockMoE):
         if fam.jitter:
             self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
         self.adopt(block)
-        self.last_expert_counts: torch.Tensor | None = None
         self._in_layer_forward = False
+
+    @property
+    def last_expert_counts(self) -> torch.Tensor | None:
+        """int64 ``[E]`` on the layer's device: the routed (token, k) pairs per expert of the last forward (``-1``
+        ids not counted); ``None`` before the first forward. Counted from ``last_routing`` when first read after a
+        forward (device ops, no host sync), so the forward itself spends nothing on it."""
+        ids = self.__dict__.get("last_routing")
+        if ids is None:
+            return None
+        cache = self.__dict__.get("_counts_cache")
+        if cache is None or cache[0] is not ids or cache[1] != ids._version:
+            with torch.no_grad():
+                counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
+                counts.scatter_add_(0, ids.reshape(-1).clamp_min(-1) + 1, torch.ones_like(ids.reshape(-1)))
+            cache = (ids, ids._version, counts[1:])  # bucket 0: unrouted pairs (no bincount: no host sync)
+            self.__dict__["_counts_cache"] = cache
+        return cache[2]
 
     @AdoptedBlockMoE.shared_expert.getter
     def shared_expert(self) -> nn.Module | None:
@@ -241,11 +257,6 @@ class HFReplayMoE(AdoptedBlockMoE):
         finally:
             self._in_layer_forward = False
             scores, self.router.last_gates = self.router.last_gates, None
-        with torch.no_grad():
-            ids = self.last_routing
-            counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
-            counts.scatter_add_(0, ids.reshape(-1).clamp_min(-1) + 1, torch.ones_like(ids.reshape(-1)))
-            self.last_expert_counts = counts[1:]  # bucket 0: unrouted pairs (no bincount: no host sync)
         if fam.shared is not None:
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             shared_name, gate_name = fam.shared

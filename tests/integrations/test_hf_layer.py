@@ -125,7 +125,8 @@ def test_replayed_router_computes_the_logits_alone_with_the_full_routers_gates_a
 
 def test_the_replayed_layer_runs_hf_routers_forward_only_for_live_rows(monkeypatch):
     """Inside ``replay`` the schedule knows the rows: no LIVE row, HF's router forward (softmax, top-k) never runs
-    and the layer is the plain HF block; a LIVE row (the live path) runs it once. Outputs match HF's block."""
+    and the layer is the plain HF block; a LIVE row (the live path) runs it once. Outputs match HF's block, and
+    ``last_expert_counts`` counts each forward's pairs per expert."""
     from relibra_moe.layers.replay import replay
 
     hf = _block("qwen3_moe")
@@ -138,13 +139,20 @@ def test_the_replayed_layer_runs_hf_routers_forward_only_for_live_rows(monkeypat
     with torch.no_grad():
         ref = plain(x)
         ids = hf_forward(plain.gate, x.reshape(-1, 32))[2]  # the plain block's routing, replayed below
-    for rids, n in ((ids, 0), (torch.where(torch.arange(10)[:, None] == 4, LIVE, ids), 1)):
+    assert layer.last_expert_counts is None  # no forward yet
+    padded = ids.clone()
+    padded[3, 1] = -1  # one pair served by no expert: another output, other counts
+    for rids, n, want in ((ids, 0, ids), (torch.where(torch.arange(10)[:, None] == 4, LIVE, ids), 1, ids),
+                          (padded, 0, padded)):
         calls.clear()
         with replay(layer, [rids]), torch.no_grad():
             out = layer(x)
         assert len(calls) == n and all(c is layer.router for c in calls)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        assert torch.equal(layer.last_routing, ids)
+        if want is ids:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer.last_routing, want)
+        # counted when read, from this forward's ids (the cache of the previous forward's is not reused)
+        assert layer.last_expert_counts.tolist() == torch.bincount(want[want >= 0], minlength=8).tolist()
 
 
 @pytest.mark.parametrize("fam, names", [("qwen3_moe", {"w_gate_up": (3, 32, 32), "w_down": (3, 32, 16)}),
