@@ -66,7 +66,7 @@ class _ReplayRouterMixin:
             ids = merge_live(ids, lambda: super(_ReplayRouterMixin, self).forward(hidden_states)[2])
             gates = self._family.gates(self, logits, ids)
         if self._family.returns_scores:  # the block returns them (GPT-OSS); it clears them after its forward
-            self.last_gates = gates
+            self.__dict__["last_gates"] = gates  # a plain attribute: no nn.Module.__setattr__ checks per forward
         return RouterTuple((logits, gates, ids.long()))
 
 
@@ -104,9 +104,13 @@ class _HFExpertsMixin(GroupedExperts):
         return swiglu_experts(xs, meta, tensors[0], tensors[1], activation)
 
     def gated_form(self):
-        act = self.act_fn
-        return (self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2),
-                lambda h: act(h[..., :h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:])
+        # the activation reads act_fn when called: the layer caches the form (moe.ReplayBalancedMoE._reference_form)
+        return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2), self._gated_activation
+
+    def _gated_activation(self, h: torch.Tensor) -> torch.Tensor:
+        """HF's ``act_fn(gate) * up`` of ``h [R, 2I]`` (gate columns first) -> ``[R, I]``."""
+        half = h.shape[-1] // 2
+        return self.act_fn(h[..., :half]) * h[..., half:]
 
     def compute(self, x: torch.Tensor, slot_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 slots: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -251,12 +255,13 @@ class HFReplayMoE(AdoptedBlockMoE):
         if fam.jitter and self.training and self.jitter_noise > 0:
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        self._in_layer_forward = True
+        state = self.__dict__  # plain attributes, set without nn.Module.__setattr__'s checks (every forward)
+        state["_in_layer_forward"] = True
         try:
             out = super().forward(hidden_states)
         finally:
-            self._in_layer_forward = False
-            scores, self.router.last_gates = self.router.last_gates, None
+            state["_in_layer_forward"] = False
+            scores = self.router.__dict__.pop("last_gates", None)  # the class default (None) reads again
         if fam.shared is not None:
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             shared_name, gate_name = fam.shared
