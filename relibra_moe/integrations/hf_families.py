@@ -94,6 +94,8 @@ class Family:
         returns_scores: the block returns ``(hidden, router_scores)`` (GPT-OSS).
         jitter: the block multiplies its input by uniform jitter noise in training (Mixtral).
         router_ids_at: index of the top-k ids in the router's output tuple (what the recorder reads).
+        router_fp32: the router computes its logits in fp32 whatever the model's dtype (DeepSeek-V3; read by
+            :func:`~relibra_moe.integrations.upstream_hf.router_logits`).
     """
 
     name: str
@@ -106,6 +108,7 @@ class Family:
     returns_scores: bool = False
     jitter: bool = False
     router_ids_at: int = 2
+    router_fp32: bool = False
 
 
 _NORM = lambda r: bool(r.norm_topk_prob)
@@ -118,7 +121,7 @@ FAMILIES: dict[str, Family] = {f.block: f for f in (
            jitter=True),
     Family("olmoe", "OlmoeSparseMoeBlock", "gate", _softmax_gates(_NORM, False), swiglu_expert),
     Family("deepseek_v3", "DeepseekV3MoE", "gate", _deepseek_gates, swiglu_expert,
-           shared=("shared_experts", None), router_input_3d=True),
+           shared=("shared_experts", None), router_input_3d=True, router_fp32=True),
     Family("gpt_oss", "GptOssMLP", "router", _gpt_oss_gates, gpt_oss_expert, returns_scores=True),
     Family("qwen3_next", "Qwen3NextSparseMoeBlock", "gate", _softmax_gates(_NORM, False), swiglu_expert,
            shared=("shared_expert", "shared_expert_gate")),

@@ -41,7 +41,7 @@ from ..triton_kernels.grouped_gemm import swiglu_experts
 from ..triton_kernels.routing import RoutingMeta
 from .adopted import AdoptedBlockMoE, RouterTuple, deprecated_names, keep_home_rows
 from .hf_families import Family, family_of
-from .upstream_hf import as_grouped_experts, replay_router
+from .upstream_hf import as_grouped_experts, replay_router, router_logits
 
 __all__ = ["HFReplayMoE", "HFReplicaBuffer", "LAYER_FAMILIES", "hf_replica_buffer"]
 
@@ -56,15 +56,17 @@ class _ReplayRouterMixin:
     last_gates: torch.Tensor | None = None  # GPT-OSS: the gates of the last forward, which its block returns
 
     def forward(self, hidden_states: torch.Tensor, replay_ids: torch.Tensor | None = None) -> RouterTuple:
-        logits, gates, ids = super().forward(hidden_states)
-        if replay_ids is not None:
-            live_ids = ids
+        if replay_ids is None:
+            logits, gates, ids = super().forward(hidden_states)
+        else:  # the logits alone (HF's first op): the replayed ids need no top-k, and the gates come from them
+            logits = router_logits(self, hidden_states, self._family.router_fp32)
             ids = check_replay_ids(replay_ids.to(logits.device), logits.shape[0], self.top_k, self.num_experts,
                                    self.name, allow_live=True)
-            ids = merge_live(ids, lambda: live_ids)  # tokens the rollout never routed: HF's own top-k
+            # tokens the rollout never routed: HF's own top-k (its whole forward runs only when such a row exists)
+            ids = merge_live(ids, lambda: super(_ReplayRouterMixin, self).forward(hidden_states)[2])
             gates = self._family.gates(self, logits, ids)
         if self._family.returns_scores:  # the block returns them (GPT-OSS); it clears them after its forward
-            self.last_gates = gates
+            self.__dict__["last_gates"] = gates  # a plain attribute: no nn.Module.__setattr__ checks per forward
         return RouterTuple((logits, gates, ids.long()))
 
 
@@ -102,9 +104,13 @@ class _HFExpertsMixin(GroupedExperts):
         return swiglu_experts(xs, meta, tensors[0], tensors[1], activation)
 
     def gated_form(self):
-        act = self.act_fn
-        return (self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2),
-                lambda h: act(h[..., :h.shape[-1] // 2]) * h[..., h.shape[-1] // 2:])
+        # the activation reads act_fn when called: the layer caches the form (moe.ReplayBalancedMoE._reference_form)
+        return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2), self._gated_activation
+
+    def _gated_activation(self, h: torch.Tensor) -> torch.Tensor:
+        """HF's ``act_fn(gate) * up`` of ``h [R, 2I]`` (gate columns first) -> ``[R, I]``."""
+        half = h.shape[-1] // 2
+        return self.act_fn(h[..., :half]) * h[..., half:]
 
     def compute(self, x: torch.Tensor, slot_ids: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 slots: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -214,8 +220,24 @@ class HFReplayMoE(AdoptedBlockMoE):
         if fam.jitter:
             self.jitter_noise = float(getattr(block, "jitter_noise", 0.0))
         self.adopt(block)
-        self.last_expert_counts: torch.Tensor | None = None
         self._in_layer_forward = False
+
+    @property
+    def last_expert_counts(self) -> torch.Tensor | None:
+        """int64 ``[E]`` on the layer's device: the routed (token, k) pairs per expert of the last forward (``-1``
+        ids not counted); ``None`` before the first forward. Counted from ``last_routing`` when first read after a
+        forward (device ops, no host sync), so the forward itself spends nothing on it."""
+        ids = self.__dict__.get("last_routing")
+        if ids is None:
+            return None
+        cache = self.__dict__.get("_counts_cache")
+        if cache is None or cache[0] is not ids or cache[1] != ids._version:
+            with torch.no_grad():
+                counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
+                counts.scatter_add_(0, ids.reshape(-1).clamp_min(-1) + 1, torch.ones_like(ids.reshape(-1)))
+            cache = (ids, ids._version, counts[1:])  # bucket 0: unrouted pairs (no bincount: no host sync)
+            self.__dict__["_counts_cache"] = cache
+        return cache[2]
 
     @AdoptedBlockMoE.shared_expert.getter
     def shared_expert(self) -> nn.Module | None:
@@ -233,17 +255,13 @@ class HFReplayMoE(AdoptedBlockMoE):
         if fam.jitter and self.training and self.jitter_noise > 0:
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
                 1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        self._in_layer_forward = True
+        state = self.__dict__  # plain attributes, set without nn.Module.__setattr__'s checks (every forward)
+        state["_in_layer_forward"] = True
         try:
             out = super().forward(hidden_states)
         finally:
-            self._in_layer_forward = False
-            scores, self.router.last_gates = self.router.last_gates, None
-        with torch.no_grad():
-            ids = self.last_routing
-            counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
-            counts.scatter_add_(0, ids.reshape(-1).clamp_min(-1) + 1, torch.ones_like(ids.reshape(-1)))
-            self.last_expert_counts = counts[1:]  # bucket 0: unrouted pairs (no bincount: no host sync)
+            state["_in_layer_forward"] = False
+            scores = self.router.__dict__.pop("last_gates", None)  # the class default (None) reads again
         if fam.shared is not None:
             x = hidden_states.reshape(-1, hidden_states.shape[-1])
             shared_name, gate_name = fam.shared

@@ -19,7 +19,9 @@ So the swapped layer keeps HF's router and experts *instances* (their parameters
 (:func:`relibra_moe.layers.upstream_torch.add_mixin`). The contracts this relies on:
 
 - **router** (:func:`replay_router`): ``forward(hidden [T, H]) -> (logits [T, E], gates [T, k], ids [T, k])``
-  and the attributes ``top_k`` and ``num_experts``;
+  and the attributes ``top_k`` and ``num_experts``; its logits are ``F.linear(hidden, weight, bias)`` over the
+  attributes ``weight [E, H]`` (and GPT-OSS's ``bias [E]``), in fp32 for DeepSeek-V3 (:func:`router_logits`, what
+  the replayed router computes instead of the whole forward when every token's ids are replayed);
 - **experts** (:func:`as_grouped_experts`; and the ``"relibra"`` experts forward of
   :mod:`~relibra_moe.integrations.hf_experts`): fused parameters with the expert dimension first,
   ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` with ``act_fn`` (GPT-OSS: ``gate_up_proj [E, H, 2I]``
@@ -35,12 +37,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..layers.upstream_torch import add_mixin
 
 __all__ = ["ROUTER_LOGITS_KEY", "TESTED", "as_grouped_experts", "gate_activation", "hf_expert_parallel",
-           "replay_router"]
+           "replay_router", "router_logits"]
 
 #: transformers versions this adapter was written and tested against: ``(lowest, first untested)`` major.minor.
 TESTED: tuple[tuple[int, int], tuple[int, int]] = ((5, 24), (5, 25))
@@ -57,6 +61,19 @@ def replay_router(router: nn.Module, mixin: type, family: Any) -> nn.Module:
     add_mixin(router, mixin)
     router._family = family
     return router
+
+
+def router_logits(router: nn.Module, hidden: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+    """The logits ``[T, E]`` HF's ``router`` computes first in its forward, for ``hidden [..., H]``, and nothing
+    else (no scores, top-k or renormalization): ``F.linear`` of the tokens ``[T, H]`` with the router's ``weight``
+    (and ``bias`` where it has one: GPT-OSS), in fp32 with ``fp32`` (DeepSeek-V3 casts both). The same op on the
+    same tensors as HF's forward, so the values and the gradients are HF's, bit for bit (a contract test checks
+    it for every family)."""
+    w = router.weight
+    x = hidden.reshape(-1, w.shape[-1])
+    if fp32:
+        x, w = x.float(), w.float()
+    return F.linear(x, w, getattr(router, "bias", None))
 
 
 def as_grouped_experts(experts: nn.Module, mixin: type) -> nn.Module:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -858,7 +859,7 @@ class ReplayBalancedMoE(nn.Module):
             if x2.shape[0] != sched.num_tokens:
                 raise ReplayError(f"layer {self.name}: replayed ids cover {sched.num_tokens} tokens, the batch has "
                                   f"{x2.shape[0]}")
-            if hasattr(self.router, "name"):
+            if hasattr(self.router, "name") and self.router.name != self.name:
                 self.router.name = self.name
             with trusted_replay(sched.ids, live_rows=False):
                 route = self.router(x2, replay_ids=sched.ids_dev)
@@ -1045,25 +1046,57 @@ class ReplayBalancedMoE(nn.Module):
         no custom-op calls and no loop over slots; else the kernel ops (Triton on CUDA)."""
         form = None
         if rows is not None and not use_triton(x2) and not torch.compiler.is_compiling():
-            form = self.experts.gated_form()
-        if form is not None and grouped_mm_fits(form[0], form[1]):
+            form = self._reference_form()
+        if form is not None:
             return reference_local_experts(x2, rows, *form, gates)
         home = self.experts.expert_tensors()
         ys = self.experts.mlp(permute(x2.to(home[0].dtype), meta), meta, self.experts.slot_tensors(home, None))
         return combine_pairs(ys, meta, gates)
 
+    def _reference_form(self) -> tuple | None:
+        """``experts.gated_form()`` when ``torch._grouped_mm`` takes it (:func:`grouped_mm_fits`), else ``None``;
+        cached while every expert tensor is the same object with the same storage, dtype, device, shape and strides
+        (``relayout``, ``.to()`` and ``.data`` assignments change one of them; ``load_state_dict`` copies in place)."""
+        home = self.experts.expert_tensors()
+        key = tuple((id(w), w.data_ptr(), w.dtype, w.device, w.shape, w.stride()) for w in home)
+        cache = self.__dict__.get("_form_cache")
+        if cache is None or cache.key != key:
+            form = self.experts.gated_form()
+            cache = _FormCache(key, home, form if form is not None and grouped_mm_fits(form[0], form[1]) else None)
+            self.__dict__["_form_cache"] = cache
+        return cache.form
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ReplayBalancedMoE:
+        """``nn.Module._apply`` (``.to()``, ``.half()``, ...) that first drops :meth:`_reference_form`'s cache (its
+        views would keep the old storage alive)."""
+        self.__dict__.pop("_form_cache", None)
+        return super()._apply(fn, recurse)
+
     def _record(self, route: RouterOutput, sched: LayerSchedule, slot_recv: torch.Tensor | None) -> None:
         """Keep the ``last_*`` attributes of the class docstring (host ints from the schedule, device counts)."""
         r = 0 if self.replica_buffer is None else self.replica_buffer.slots
-        self.last_routing = route.ids.detach()
-        self.last_send_counts = np.asarray(sched.send_splits, np.int64)
-        self.last_load = int(sum(sched.recv_splits))
+        # plain attributes, set without nn.Module.__setattr__'s registration checks (hot path: every forward)
+        self.__dict__.update(last_routing=route.ids.detach(), last_send_counts=np.asarray(sched.send_splits, np.int64),
+                             last_load=int(sum(sched.recv_splits)))
         if slot_recv is None:
-            self.last_slot_counts = sched.slot_counts
+            self.__dict__["last_slot_counts"] = sched.slot_counts
             return
         counts = torch.zeros(self.num_local + r + 1, dtype=torch.int64, device=slot_recv.device)
         counts.scatter_add_(0, slot_recv.detach().view(-1) + 1, torch.ones_like(slot_recv.view(-1)))
         self.last_slot_counts = counts[1:]  # bucket 0: padding rows (slot -1)
+
+
+@dataclass(eq=False)
+class _FormCache:
+    """:meth:`ReplayBalancedMoE._reference_form`'s cache: the key, the expert tensors it was made of (their ids in
+    the key stay theirs) and the form. A copy of the layer (``deepcopy``, pickling) starts without it."""
+
+    key: tuple
+    home: tuple
+    form: tuple | None
+
+    def __reduce__(self) -> tuple:  # copied (deepcopy) and pickled as None
+        return (type(None), ())
 
 
 _META_TENSORS = ("counts", "offsets", "gather_idx", "scatter_idx", "tile_slot", "tile_row", "num_dropped")

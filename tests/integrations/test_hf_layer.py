@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -65,6 +66,93 @@ def test_replayed_ids_are_followed_with_live_rows_routed_live():
     p = torch.softmax(out.logits.double(), -1).gather(1, out.ids)
     torch.testing.assert_close(out.gates.double(), p / p.sum(-1, keepdim=True), rtol=1e-6, atol=1e-7)
     assert out.logits is out[0] and out.gates is out[1] and out.ids is out[2]
+
+
+def _full_router_path(router: nn.Module, fam, x: torch.Tensor, rids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the replayed router computed before it took the logits alone: HF's whole forward, its top-k for the
+    LIVE rows, the family's gates from its logits at the merged ids."""
+    logits, _, live = router(x)
+    ids = torch.where(rids == LIVE, live.long(), rids)
+    return logits, fam.gates(router, logits, ids), ids
+
+
+_REPLAYED = [[0, 1], [7, 6], [2, 5], [3, 4], [1, -1], [-1, -1], [5, 0], [6, 7], [4, 2], [0, 3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fam", LAYER_FAMILIES)
+def test_replayed_router_computes_the_logits_alone_with_the_full_routers_gates_and_gradients(fam, dtype, monkeypatch):
+    """With replayed ids the router runs HF's logits only (:func:`~relibra_moe.integrations.upstream_hf.router_logits`)
+    and HF's whole forward only for LIVE rows: logits, gates, ids and the gradients of the input and of every router
+    parameter are bit for bit those of the full router path, for every family, with padding (-1) and fully padded
+    rows, with LIVE rows, with and without the host's trusted copy of the ids."""
+    from relibra_moe.layers.router import trusted_replay
+
+    hf = _block(fam).to(dtype)
+    router = getattr(hf, family_of(hf).router_attr)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in router.parameters():  # HF's router starts at zero (GPT-OSS's bias too): random values
+            p.copy_(torch.randn(p.shape, generator=g))
+    plain = copy.deepcopy(router)
+    layer = HFReplayMoE(hf, 1, 0)
+    calls = []
+    hf_forward = type(plain).forward
+    monkeypatch.setattr(type(plain), "forward", lambda self, h: calls.append(self) or hf_forward(self, h))
+    with_live = [row if t not in (2, 7) else [LIVE, LIVE] for t, row in enumerate(_REPLAYED)]
+    for rows, trusted in ((_REPLAYED, True), (_REPLAYED, False), (with_live, True), (with_live, False)):
+        rids = torch.tensor(rows)
+        has_live = bool((rids == LIVE).any())
+        x = torch.randn(10, 32, generator=g).to(dtype).requires_grad_()
+        calls.clear()
+        ctx = trusted_replay(rids.numpy(), live_rows=has_live) if trusted else contextlib.nullcontext()
+        with ctx:
+            out = layer.router(x, replay_ids=rids)
+        assert [c is layer.router for c in calls] == ([True] if has_live else [])  # HF's top-k: LIVE rows only
+        ref = _full_router_path(plain, layer.family, x, rids)
+        for a, b in zip(out, ref, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert bool((out.gates[rids == -1] == 0).all())
+        wl, wg = torch.randn(out.logits.shape, generator=g), torch.randn(out.gates.shape, generator=g)
+        grads = []
+        for (logits, gates, _), mod in ((out, layer.router), (ref, plain)):
+            loss = (logits.float() * wl).sum() + (gates.float() * wg).sum()
+            grads.append(torch.autograd.grad(loss, [x, *mod.parameters()]))
+        assert len(grads[0]) == (3 if fam == "gpt_oss" else 2)
+        for a, b in zip(*grads, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_the_replayed_layer_runs_hf_routers_forward_only_for_live_rows(monkeypatch):
+    """Inside ``replay`` the schedule knows the rows: no LIVE row, HF's router forward (softmax, top-k) never runs
+    and the layer is the plain HF block; a LIVE row (the live path) runs it once. Outputs match HF's block, and
+    ``last_expert_counts`` counts each forward's pairs per expert."""
+    from relibra_moe.layers.replay import replay
+
+    hf = _block("qwen3_moe")
+    plain = copy.deepcopy(hf)
+    layer = HFReplayMoE(hf, 1, 0)
+    calls = []
+    hf_forward = type(plain.gate).forward
+    monkeypatch.setattr(type(plain.gate), "forward", lambda self, h: calls.append(self) or hf_forward(self, h))
+    x = _x()
+    with torch.no_grad():
+        ref = plain(x)
+        ids = hf_forward(plain.gate, x.reshape(-1, 32))[2]  # the plain block's routing, replayed below
+    assert layer.last_expert_counts is None  # no forward yet
+    padded = ids.clone()
+    padded[3, 1] = -1  # one pair served by no expert: another output, other counts
+    for rids, n, want in ((ids, 0, ids), (torch.where(torch.arange(10)[:, None] == 4, LIVE, ids), 1, ids),
+                          (padded, 0, padded)):
+        calls.clear()
+        with replay(layer, [rids]), torch.no_grad():
+            out = layer(x)
+        assert len(calls) == n and all(c is layer.router for c in calls)
+        if want is ids:
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer.last_routing, want)
+        # counted when read, from this forward's ids (the cache of the previous forward's is not reused)
+        assert layer.last_expert_counts.tolist() == torch.bincount(want[want >= 0], minlength=8).tolist()
 
 
 @pytest.mark.parametrize("fam, names", [("qwen3_moe", {"w_gate_up": (3, 32, 32), "w_down": (3, 32, 16)}),

@@ -48,6 +48,33 @@ def test_router_contract(fam):
             map(tuple, logits.topk(k, dim=-1).indices.sort(-1).values.tolist()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fam", LAYER_FAMILIES)
+def test_router_logits_are_the_router_forwards_first_output(fam, dtype):
+    """:func:`router_logits` computes HF's router logits without the rest of its forward: the same values and dtype
+    (DeepSeek-V3's fp32 router in a bf16 model included; GPT-OSS's bias), and the same gradients w.r.t. the input
+    and every router parameter, bit for bit."""
+    _, block = _block(fam)
+    block = block.to(dtype)
+    fam_ = family_of(block)
+    router = getattr(block, fam_.router_attr)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 32, generator=g).to(dtype).requires_grad_()
+    for p in router.parameters():  # HF initializes routers to zero: random weights (and GPT-OSS's bias)
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=g))
+    ref = router(x)[0]
+    got = uh.router_logits(router, x, fam_.router_fp32)
+    assert got.dtype == ref.dtype == (torch.float32 if fam == "deepseek_v3" else dtype)
+    assert torch.equal(got, ref)
+    dy = torch.randn(ref.shape, generator=g).to(ref.dtype)
+    leaves = [x, *router.parameters()]
+    assert len(leaves) == (3 if fam == "gpt_oss" else 2)
+    for a, b in zip(torch.autograd.grad((got * dy).sum(), leaves), torch.autograd.grad((ref * dy).sum(), leaves),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("fam", LAYER_FAMILIES)
 def test_experts_contract(fam):
     """Fused experts, expert dimension first, in the layout the layer's mixins read."""

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from relibra_moe.errors import PlanError, ReplayError
 from relibra_moe.layers.dispatch import LocalDispatcher
+from relibra_moe.layers.experts import GroupedSwiGLUExperts, swiglu
 from relibra_moe.layers.moe import ReplayBalancedMoE
 from relibra_moe.layers.relayout import relayout
 from relibra_moe.layers.replay import LayerReplay, replay
@@ -591,3 +592,54 @@ def test_validate_layer_reads_only_its_slice():
     # the whole-plan check agrees on the good slice
     ReplicaPlan(rep[:1, :1], split[:2], np.array([0.25, 0.75])).validate(
         Placement(home[None]), ModelSpec("t", 4, 4, 4, 1, 1), ClusterSpec(nodes=1, gpus_per_node=2))
+
+
+def test_the_cpu_fused_expert_stage_is_chosen_once_and_follows_the_expert_tensors(monkeypatch):
+    """The one-rank CPU reference's choice of the fused expert stage (``gated_form`` + ``grouped_mm_fits``) is made
+    once, not every forward, and made again when the expert tensors change: ``.data`` replaced (new storage: the
+    output follows the new weights, as a fresh copy of the layer computes), ``.double()`` (no float64
+    ``torch._grouped_mm``: the kernel ops run). The experts here give views of their parameters (as HF's transposed
+    ones), which a stale cache would keep on the old storage. A copy of the layer after a forward (deepcopy,
+    pickle) starts without the cached views (a view made with grad is no leaf: deepcopy would refuse it)."""
+    import copy
+    import pickle
+
+    import relibra_moe.layers.moe as moe_mod
+
+    fused, forms = [], []
+    real = moe_mod.reference_local_experts
+    monkeypatch.setattr(moe_mod, "reference_local_experts", lambda *a: fused.append(a[2].dtype) or real(*a))
+    torch.manual_seed(0)
+    layer = ReplayBalancedMoE(16, 32, 4, 2, experts=_ViewExperts(16, 32, 4, forms=forms))
+    x = torch.randn(6, 16)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+
+    def run(lay: ReplayBalancedMoE) -> torch.Tensor:
+        with force_backend("torch"), replay(lay, [ids]):
+            return lay(x.to(lay.router.weight.dtype)).detach()
+
+    first = run(layer)
+    assert torch.equal(run(layer), first) and (len(fused), len(forms)) == (2, 1)  # chosen once, used twice
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert torch.equal(run(clone), first)
+    with torch.no_grad():
+        layer.experts.w_down.data = layer.experts.w_down.data * 2  # new storage, same parameter object
+    out = run(layer)
+    assert not torch.equal(out, first) and torch.equal(out, run(copy.deepcopy(layer)))
+    n = len(fused)
+    layer.double()
+    assert run(layer).dtype == torch.float64 and len(fused) == n  # float64: the kernel ops, not the stale views
+    layer.float()
+    assert torch.equal(run(layer), out) and fused[-1] == torch.float32
+
+
+class _ViewExperts(GroupedSwiGLUExperts):
+    """Grouped SwiGLU experts whose ``gated_form`` gives views of the parameters (and counts its calls)."""
+
+    def __init__(self, *args, forms: list, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.forms = forms
+
+    def gated_form(self):
+        self.forms.append(1)
+        return self.w_gate_up[:], self.w_down[:], swiglu
