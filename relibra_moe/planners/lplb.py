@@ -25,6 +25,8 @@ from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from ..validate import check_index_range, check_int
+from . import baselines
+from .context import PlanContext, baseline_samples
 from .executor import FallbackLog, TaskExecutor, default_executor
 from .replicate import CellResult, map_cells
 from .split import fast_split, solve_split_lp
@@ -32,7 +34,7 @@ from .split import fast_split, solve_split_lp
 if TYPE_CHECKING:
     from ..trace import TraceBatch
 
-__all__ = ["lplb_copies", "lplb_replicas", "lplb_cells_task"]
+__all__ = ["lplb_copies", "lplb_replicas", "lplb_cells_task", "lplb_homes", "lplb_parts"]
 
 
 def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, gpus_per_node: int,
@@ -116,3 +118,25 @@ def lplb_cells_task(loads: np.ndarray, expert_gpu: np.ndarray, copies: np.ndarra
         sol = solve(loads[i], expert_gpu[i], copies[i], model, cluster)
         out.append(CellResult(copies[i], sol.rows, sol.share, sol.t_moe))
     return out
+
+
+def lplb_homes(ctx: PlanContext, x: np.ndarray | None = None) -> np.ndarray:
+    """int64 ``[L, E]`` LPLB+'s homes: EPLB+ without redundant experts on the batch's true per-layer loads
+    (``x``: ``ctx.loads(ctx.micro_batch, ctx.sample_gpu)`` when the caller has it; its per-expert sums are the
+    same on every sample placement)."""
+    if x is None:
+        x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
+    return baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node, 0,
+                          ctx.options.num_groups)[0]
+
+
+def lplb_parts(ctx: PlanContext, expert_gpu: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan]:
+    """LPLB+'s plan on ``ctx``: (homes [L, E] (``expert_gpu``, default ``lplb_homes``), micro_batch [N], gpu [N],
+    replicas): the ring's copies and the exact LP split of every cell (``lplb_replicas``) on ``ctx.executor``."""
+    eg = lplb_homes(ctx) if expert_gpu is None else expert_gpu
+    mb, sg = baseline_samples(ctx, eg)
+    replicas = lplb_replicas(Placement(eg), SamplePlacement(mb, sg, ctx.num_micro_batches), ctx.batch_for(mb),
+                             ctx.model, ctx.cluster, replica_slots=ctx.replica_slots, executor=ctx.executor,
+                             fallbacks=ctx.fallbacks)
+    return eg, mb, sg, replicas

@@ -114,7 +114,7 @@ class ReplicateOptions:
 
 
 _BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "keep_cell_sizes", "portfolio",
-          "step_objective")
+          "step_objective", "portfolio_balancers")
 _OPTIONAL_BOOLS = ("node_comp", "smooth")
 
 
@@ -179,6 +179,9 @@ class PlanOptions:
             overlap ``timing.STEP_COMP_WEIGHT``: 3 comp + 2 comm, halved); False: T_MoE (comp + comm).
         portfolio: relibra ends with a portfolio (its plan, the previous homes with replicas, relibra-inter and the
             cheap baselines, each simulated with the moves charged against ``previous``; the fastest wins).
+        portfolio_balancers: the portfolio also judges EPLB+ and LPLB+ on every sample placement (each built only
+            when its lower bound is below the best score so far); False leaves them out, and with them the
+            guarantee that relibra is never slower than they are (LPLB+'s LP split is the costly one).
     """
 
     replica_slots: int = 0
@@ -213,6 +216,7 @@ class PlanOptions:
     keep_cell_sizes: bool = False
     portfolio: bool = True
     step_objective: bool = True
+    portfolio_balancers: bool = True
 
     def __post_init__(self) -> None:
         check_int("replica_slots", self.replica_slots, 0)

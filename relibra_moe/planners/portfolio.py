@@ -38,8 +38,9 @@ from ..sample_placements import SAMPLE_PLACEMENTS, place_samples
 from . import baselines
 from .annealing import finish_inter
 from .bounds import replicated_step_lower_bound
-from .context import PlanContext, make_plan, previous_expert_gpu
+from .context import PlanContext, eplb_layout, eplb_parts, make_plan, previous_expert_gpu
 from .evaluation import CandidateStep
+from .lplb import lplb_homes, lplb_parts
 from .options import PlanOptions
 
 __all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
@@ -107,6 +108,7 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     for name in list(pf.cands):
         pf.judge(name)
     _add_replicated(pf, replicas)
+    _add_balancers(pf)
     chosen = least_moving_best(ctx, pf.cands, pf.steps, pf.previous_homes)
     ctx.stats.portfolio = PortfolioStats(chosen=chosen, step_s=pf.steps, pruned=pf.pruned or None)
     eg, mb, sg, reps = pf.cands[chosen]
@@ -136,10 +138,14 @@ class _Candidates:
         self.cands[name] = make()
         self.timing[f"portfolio_{name}_s"] = time.perf_counter() - t0
 
+    def on(self, suffix: str) -> PlanContext:
+        """The context of a baseline on the placement ``suffix`` of ``places`` (its own stats, dropped)."""
+        mb, sg = self.places[suffix]
+        return dataclasses.replace(self.ctx, stats=PlanStats(), micro_batch=mb, sample_gpu=sg)
+
     def baseline(self, name: str, suffix: str) -> Candidate:
         """Strategy ``name``'s plan on the placement ``suffix`` of ``places`` (its own stats dropped)."""
-        mb, sg = self.places[suffix]
-        bp = self.strategies[name](dataclasses.replace(self.ctx, stats=PlanStats(), micro_batch=mb, sample_gpu=sg))
+        bp = self.strategies[name](self.on(suffix))
         return bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas
 
     def loads_of(self, mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
@@ -188,6 +194,45 @@ def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray
             pf.add(name, (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots else None))
                    if base == "previous" else (lambda s=suffix: pf.baseline("online", s)))
             pf.judge(name)
+
+
+def _add_balancers(pf: _Candidates) -> None:
+    """EPLB+ (``eplb``) and LPLB+ (``lplb``) on every placement, exactly as those strategies plan them (option
+    ``portfolio_balancers``): each built only when its lower bound (``replicated_step_lower_bound`` on its homes,
+    EPLB+'s with its own copies, which may leave the node) is below the best score so far, else ``pf.pruned``
+    holds the bound; with repacking (the baselines then move the samples) always built. LPLB+ is left out with
+    r = 0 (its plan is then EPLB+'s) and runs last: its LP split is the costly candidate."""
+    ctx = pf.ctx
+    if not ctx.options.portfolio_balancers:
+        return
+    for suffix, (mb, sg) in pf.places.items():
+        sub, x = pf.on(suffix), pf.loads_of(mb, sg)
+        layout = eplb_layout(sub, x)
+        if layout is not None:
+            _add_bounded(pf, "eplb" + suffix, layout[0], mb, sg, lambda s=sub, lay=layout: eplb_parts(s, lay),
+                         layout[1] if ctx.replica_slots else None)
+    if not ctx.replica_slots:
+        return
+    for suffix, (mb, sg) in pf.places.items():
+        sub = pf.on(suffix)
+        homes = lplb_homes(sub, pf.loads_of(mb, sg))
+        _add_bounded(pf, "lplb" + suffix, homes, mb, sg, lambda s=sub, h=homes: lplb_parts(s, h))
+
+
+def _add_bounded(pf: _Candidates, name: str, homes: np.ndarray, mb: np.ndarray, sg: np.ndarray,
+                 make: Callable[[], Candidate], replica_expert: np.ndarray | None = None) -> None:
+    """Build and judge candidate ``name`` (homes ``[L, E]`` on samples ``mb`` / ``sg [N]``; ``replica_expert
+    [L, G, r]`` its fixed copies, None: any intra-node ones) unless its lower bound reaches the best score so far
+    (then ``pf.pruned[name]`` is the bound); with ``repack`` always (the candidate moves its samples)."""
+    ctx = pf.ctx
+    if not ctx.repack:
+        bound = replicated_step_lower_bound(ctx, homes, mb, sg, pf.loads_of(mb, sg), pf.previous, pf.opb,
+                                            replica_expert)
+        if bound >= min(pf.steps.values()):
+            pf.pruned[name] = bound
+            return
+    pf.add(name, make)
+    pf.judge(name)
 
 
 def least_moving_best(ctx: PlanContext, cands: dict[str, Candidate], scores: dict[str, float],
