@@ -4,7 +4,8 @@ the context carries (``evaluation.StepEvaluator``; docs/method.md, "The portfoli
 Every candidate is judged by ``ctx.evaluator`` (default ``evaluation.SimulatedStep``: the way ``relibra compare``
 / ``relibra simulate`` charge a plan, ``sim.simulate_loads`` on the plan's loads, as ``sim.simulate_step`` and
 ``steady.evaluate_plan`` run it, moves charged against ``previous``, replica traffic by the one fetch rule of
-``timing.replica_push_overlap``; the replicas of every candidate are fetched as relibra's, known from the replay)
+``timing.replica_push_overlap``; replicas known from the replay, fetched per layer, or once per batch when the
+same in every micro-batch)
 and scored under the caller's options (``portfolio_score``: moves and replicas free when the options say so).
 
 Candidates, in order: relibra's own plan; ``relibra-inter`` (the annealed homes finished without the
@@ -12,12 +13,16 @@ replication-aware migration pricing, no replicas); then, on every placement of `
 (round-robin, verl's length-balanced, longest-first; the trainer's only when it owns the samples; the name
 suffix says which), the baselines' plans on the same batch and options: eplb-history (with option ``history``),
 static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with replica slots and a
-previous placement other than static, where "previous" already dominates it), each built only when its lower
-bound (``bounds.replicated_step_lower_bound``) is below the best score so far (else
-``stats.portfolio.pruned`` holds the bound). eplb and lplb are left out: never near relibra on the
-never-lose grid (BENCHMARKS.md, "Never lose"), lplb's LP ~10x relibra's whole plan at paper scale. The replay
-shows relibra the routing these baselines see, so each is a plan relibra may choose; their replicas are charged
-as relibra's (per layer), never more than the baseline's own after-router fetch.
+previous placement other than static, where "previous" already dominates it); then (option
+``portfolio_balancers``, ``_add_balancers``) EPLB+ (``eplb``) and, with replica slots, LPLB+ (``lplb``), exactly as
+those strategies plan them; each of the last four built only when its lower bound
+(``bounds.replicated_step_lower_bound``; EPLB+'s with its own copies, which may leave the node) is below the best
+score so far (else ``stats.portfolio.pruned`` holds the bound). LPLB+ comes last: its exact LP split per cell is
+the costly candidate (its water-filling split is cheap but measurably slower, so it would not keep the guarantee;
+docs/method.md, "The portfolio"). The replay shows relibra the routing these baselines see, so each is a plan
+relibra may choose; relibra's and online's replicas are charged as relibra's (per layer), never more than the
+baseline's own after-router fetch; EPLB+'s and LPLB+'s, the same in every micro-batch, once per batch
+(``ReplicaPlan.resident``: the layer runs them resident).
 
 The chosen candidate (``least_moving_best``): the lowest score; among those within ``1e-9`` of it, the one that
 moves the fewest experts, then samples: a move must buy step time (on one node, where locality saves no RDMA

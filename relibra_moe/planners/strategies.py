@@ -120,8 +120,9 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
     """relibra-inter's reorder and locality (its migration pricing aware that replicas follow), then Algorithm 2
     per micro-batch and layer on ``ctx.executor``, replicas priced for their exposed push / pull
     (``replica_pricing``), then the portfolio (``portfolio``, option ``portfolio``): the fastest of this plan and
-    the cheap alternatives under the simulator's step, so relibra is never slower than static, online or (with
-    ``history``) eplb-history on the same evaluation. ``skew_cap`` asks for rank-level balance instead."""
+    the cheap alternatives under the simulator's step, so relibra is never slower than static, online, EPLB+, LPLB+
+    or (with ``history``) eplb-history on the same evaluation and sample placements. ``skew_cap`` asks for
+    rank-level balance instead."""
     eg0, mb0, sg0 = anneal_inter(ctx)
     node_comp = ctx.options.rank_balance[0]
     eg, mb, sg = finish_inter(ctx, eg0, mb0, sg0, node_comp or ctx.replica_slots > 0, ctx.stats)
