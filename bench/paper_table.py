@@ -24,6 +24,8 @@ skipped (resumable).
     python bench/paper_table.py --overlaps none,megatron,dualpipe --rates 413
     python bench/paper_table.py --table             # print the tables of the cells written so far
     python bench/paper_table.py --rebound           # re-plan only the bound (balanced) of the written cells
+    python bench/paper_table.py --replan relibra --models glm4.5-106b-a12b --domains mixed --rates 413
+                                                    # re-plan only relibra's rows of those written cells
     python bench/paper_table.py --cluster-profile P.json --models qwen3-235b-a22b   # a `relibra calibrate` profile:
                                                     # its dispatcher and rate (measured at the model's shape)
 """
@@ -143,15 +145,18 @@ def model_preset_layers(model_name: str) -> int:
     return model_preset(model_name).num_layers
 
 
-def rebound_cell(path: Path, cluster: Any, layers: int, prompts: int, seed: int) -> None:
-    """Re-plan and re-simulate only the bound (``balanced``) of a written cell, in place, with its ratios: the
-    bound's definition changed (it now covers plans that regroup micro-batches, docs/method.md "The bound") while
-    every other row's plan did not."""
+def replan_cell(path: Path, cluster: Any, layers: int, prompts: int, seed: int, rows: tuple[str, ...]) -> None:
+    """Re-plan and re-simulate only the strategies ``rows`` of a written cell, in place, with its ratios: ``balanced``
+    after the bound's definition changed (it now covers plans that regroup micro-batches, docs/method.md "The
+    bound"), ``relibra`` after its portfolio gained candidates (EPLB+ / LPLB+, issue 27), while every other row's
+    plan did not change."""
     cell = json.loads(path.read_text())
     dom = next(d for d in DOMAINS if d[0] == cell["domain"])
     batch, model = cell_batch(cell["model"], dom, layers, prompts, seed)
-    run_rows(batch, model, cluster, [("balanced", {})], seed, cell)
-    cell.update(ratios=ratios(cell), rebound_date="2026-12-02")
+    run_rows(batch, model, cluster, [(r, {}) for r in rows], seed, cell)
+    cell.update(ratios=ratios(cell), **{f"replanned_{r}": "2026-12-02" for r in rows if r != "balanced"})
+    if "balanced" in rows:
+        cell["rebound_date"] = "2026-12-02"
     write_text(path, json.dumps(cell, indent=1))
 
 
@@ -267,12 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(m for m, _ in MODELS), help="models to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--table", action="store_true", help="only print the tables of the cells written so far")
+    ap.add_argument("--domains", default=",".join(d for d, _ in DOMAINS), help="domains to run (reasoning, mixed)")
+    ap.add_argument("--replan", default=None,
+                    help="re-plan only these strategies (comma-separated rows) of the cells written so far, in place")
     ap.add_argument("--rebound", action="store_true",
                     help="re-plan only the bound (balanced) of the cells written so far, in place")
     args = ap.parse_args(argv)
     dispatchers = tuple(args.dispatchers.split(","))
     overlaps = tuple(args.overlaps.split(","))
     rates = tuple(float(r) * 1e12 for r in args.rates.split(","))
+    replan = ("balanced",) if args.rebound else tuple(args.replan.split(",")) if args.replan else ()
     if args.table:
         print(table())
         return 0
@@ -284,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if model not in wanted:
             continue
         profile = None if args.cluster_profile is None else load_cluster_profile(args.cluster_profile, nodes, 8)
-        for dom in DOMAINS:
+        for dom in (d for d in DOMAINS if d[0] in args.domains.split(",")):
             for disp in (profile.dispatcher,) if profile else dispatchers:
                 for ov in overlaps:
                     for rate in (profile.flops,) if profile else rates:
@@ -293,13 +302,13 @@ def main(argv: list[str] | None = None) -> int:
                                                   overlap=ov).with_(flops=rate))
                         path = cell_path(model, dom[0], disp, ov, rate)
                         if path.exists():
-                            if args.rebound:
-                                print(f"{path.name}: the bound again", flush=True)
-                                rebound_cell(path, cluster, args.layers, args.prompts, args.seed)
+                            if replan:
+                                print(f"{path.name}: {', '.join(replan)} again", flush=True)
+                                replan_cell(path, cluster, args.layers, args.prompts, args.seed, replan)
                             else:
                                 print(f"{path.name}: done, skipped")
                             continue
-                        if args.rebound:
+                        if replan:
                             continue
                         print(f"{path.name}: running", flush=True)
                         t0 = time.perf_counter()
