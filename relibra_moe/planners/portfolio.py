@@ -206,22 +206,24 @@ def _add_balancers(pf: _Candidates) -> None:
     ``portfolio_balancers``): each built only when its lower bound (``replicated_step_lower_bound`` on its homes,
     EPLB+'s with its own copies, which may leave the node) is below the best score so far, else ``pf.pruned``
     holds the bound; with repacking (the baselines then move the samples) always built. LPLB+ is left out with
-    r = 0 (its plan is then EPLB+'s) and runs last: its LP split is the costly candidate."""
+    r = 0 (its plan is then EPLB+'s) and runs last: its LP split is the costly candidate. A failed EPLB+ layout
+    (the executor's deadline) leaves EPLB+ out."""
     ctx = pf.ctx
     if not ctx.options.portfolio_balancers:
         return
-    for suffix, (mb, sg) in pf.places.items():
-        sub, x = pf.on(suffix), pf.loads_of(mb, sg)
-        layout = eplb_layout(sub, x)
-        if layout is not None:
-            _add_bounded(pf, "eplb" + suffix, layout[0], mb, sg, lambda s=sub, lay=layout: eplb_parts(s, lay),
+    # both layouts read only the per-expert sums of the loads (int64), the same on every placement: computed once
+    suffix0 = next(iter(pf.places))
+    sub0, x0 = pf.on(suffix0), pf.loads_of(*pf.places[suffix0])
+    layout = eplb_layout(sub0, x0)
+    if layout is not None:
+        for suffix, (mb, sg) in pf.places.items():
+            _add_bounded(pf, "eplb" + suffix, layout[0], mb, sg, lambda s=suffix: eplb_parts(pf.on(s), layout),
                          layout[1] if ctx.replica_slots else None)
     if not ctx.replica_slots:
         return
+    homes = lplb_homes(sub0, x0)
     for suffix, (mb, sg) in pf.places.items():
-        sub = pf.on(suffix)
-        homes = lplb_homes(sub, pf.loads_of(mb, sg))
-        _add_bounded(pf, "lplb" + suffix, homes, mb, sg, lambda s=sub, h=homes: lplb_parts(s, h))
+        _add_bounded(pf, "lplb" + suffix, homes, mb, sg, lambda s=suffix: lplb_parts(pf.on(s), homes))
 
 
 def _add_bounded(pf: _Candidates, name: str, homes: np.ndarray, mb: np.ndarray, sg: np.ndarray,
