@@ -11,7 +11,7 @@ from ..timing import attention_backward, attention_forward, layer_step_seconds, 
 from .context import PlanContext
 from .split import cell_weights, lower_bound_terms
 
-__all__ = ["replicated_step_lower_bound", "fixed_copy_terms"]
+__all__ = ["replicated_step_lower_bound", "fixed_copy_terms", "ring_arcs"]
 
 
 def replicated_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray,
@@ -27,7 +27,8 @@ def replicated_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, micro_
     there). With ``step_objective=False`` the score is the sum of T_MoE: ``sum_{m, l} (comp_lb + comm_lb)``.
 
     With ``replica_expert [L, G, r]`` (-1 empty) the bound is that of plans holding exactly these copies in every
-    micro-batch, in any node (EPLB+'s), under any split: ``fixed_copy_terms`` in place of the intra-node terms."""
+    micro-batch, in any node (EPLB+'s, LPLB+'s), under any split: ``fixed_copy_terms`` in place of the intra-node
+    terms."""
     if replica_expert is None:
         comp, comm = lower_bound_terms(x, np.asarray(expert_gpu)[None], ctx.model, ctx.cluster)
     else:
@@ -47,24 +48,46 @@ def replicated_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, micro_
 
 def fixed_copy_terms(x: np.ndarray, expert_gpu: np.ndarray, replica_expert: np.ndarray, model: ModelSpec,
                      cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
-    """``(comp_lb, comm_lb)`` seconds ``[M, L]``: ``split.lower_bound_terms``'s two terms for cells ``x [M, L, G, E]``
-    with homes ``expert_gpu [L, E]`` and the same copies ``replica_expert [L, G, r]`` (-1 empty) in every
-    micro-batch, in any node, under any split of an expert's tokens over its holders. An expert held in one node
-    only is computed by that node's P GPUs and receives its cross-node tokens there, as there; one held in
-    several nodes counts in the total compute (``comp >= sum / G``) and, from a source in a node that holds no copy
-    of it, in that source's cross-node sends. With every copy in its home's node these are the intra-node terms."""
+    """``(comp_lb, comm_lb)`` seconds ``[M, L]`` for cells ``x [M, L, G, E]`` with homes ``expert_gpu [L, E]`` and the
+    same copies ``replica_expert [L, G, r]`` (-1 empty) in every micro-batch, in any node, under any split of an
+    expert's tokens over its holders (EPLB+'s and LPLB+'s plans): ``max_g comp >= comp_lb``, ``max_g comm >=
+    comm_lb``, in the units of ``split.lower_bound_terms``, which they refine (a node is one of the sets below).
+
+    For every arc ``T`` of consecutive GPUs on a node's ring (``ring_arcs``: one GPU, two, ..., the node), the
+    experts whose holders all lie in ``T`` are computed by its ``|T|`` GPUs (``comp >= load / |T|``) and receive
+    their tokens from other nodes there (``rdma_rx >= that / |T|``); ``comp >= sum / G`` always; a source sends
+    cross-node the tokens of every expert with no holder in its node (``rdma_tx``). An expert held in several nodes
+    lies in no arc."""
     x = np.asarray(x, dtype=np.float64)
     eg, rep = np.asarray(expert_gpu, dtype=np.int64), np.asarray(replica_expert, dtype=np.int64)
-    (L, E), G, P, nodes = eg.shape, cluster.num_gpus, cluster.gpus_per_node, cluster.nodes
-    held = np.zeros((L, E, nodes), bool)
-    held[np.arange(L)[:, None], np.arange(E)[None, :], cluster.node_of(eg)] = True
+    (L, E), G, nodes = eg.shape, cluster.num_gpus, cluster.nodes
+    held = np.zeros((L, E, G), bool)
+    held[np.arange(L)[:, None], np.arange(E)[None, :], eg] = True
     ls, gs, ss = np.nonzero(rep >= 0)
-    held[ls, rep[ls, gs, ss], cluster.node_of(gs)] = True
-    only = (held & (held.sum(axis=-1) == 1)[..., None]).astype(np.float64)  # [L, E, nodes]
-    xn = x @ only  # [M, L, G, nodes]: tokens of source j for the experts held in node n only
-    comp = np.maximum(xn.sum(axis=-2).max(axis=-1) / P, x.sum(axis=(-2, -1)) / G)
+    held[ls, rep[ls, gs, ss], gs] = True
+    arcs = ring_arcs(cluster)  # [S, G]
+    inside = (held.astype(np.float64) @ (~arcs).T.astype(np.float64)) == 0  # [L, E, S]: every holder in arc s
+    size = arcs.sum(axis=1)
+    load = x.sum(axis=-2)  # [M, L, E]
+    comp = np.maximum((np.einsum("mle,les->mls", load, inside) / size).max(axis=-1), load.sum(axis=-1) / G)
     src = cluster.node_of(np.arange(G))
-    tx = np.einsum("mlje,lej->mlj", x, (~held[:, :, src]).astype(np.float64)).max(axis=-1)
-    rx = (xn * (src[:, None] != np.arange(nodes)[None, :])).sum(axis=-2).max(axis=-1) / P
+    arc_node = cluster.node_of(arcs.argmax(axis=1))
+    rx = np.zeros(load.shape[:2])
+    for n in range(nodes):
+        remote = load - x[:, :, src == n, :].sum(axis=-2)  # tokens from sources outside node n
+        s = arc_node == n
+        rx = np.maximum(rx, (np.einsum("mle,les->mls", remote, inside[:, :, s]) / size[s]).max(axis=-1))
+    held_node = (held.astype(np.float64) @ (src[:, None] == np.arange(nodes)).astype(np.float64)) > 0  # [L, E, n]
+    tx = np.einsum("mlje,lej->mlj", x, (~held_node[:, :, src]).astype(np.float64)).max(axis=-1)
     w = cell_weights(model, cluster)
     return comp * w.sec_per_token, w.w_rdma * np.maximum(tx, rx) * w.sec_per_token
+
+
+def ring_arcs(cluster: ClusterSpec) -> np.ndarray:
+    """bool ``[S, G]``: the GPU sets of ``fixed_copy_terms``, every arc of 1 .. P - 1 consecutive GPUs on each node's
+    ring (from every GPU, wrapping inside the node) and every whole node."""
+    G, P = cluster.num_gpus, cluster.gpus_per_node
+    rows = [np.isin(np.arange(G), [(g // P) * P + (g % P + i) % P for i in range(k)])
+            for k in range(1, P) for g in range(G)]
+    rows += [cluster.node_of(np.arange(G)) == n for n in range(cluster.nodes)]
+    return np.array(rows, dtype=bool).reshape(-1, G)

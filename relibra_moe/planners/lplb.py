@@ -34,7 +34,7 @@ from .split import fast_split, solve_split_lp
 if TYPE_CHECKING:
     from ..trace import TraceBatch
 
-__all__ = ["lplb_copies", "lplb_replicas", "lplb_cells_task", "lplb_homes", "lplb_parts"]
+__all__ = ["lplb_copies", "lplb_batch_copies", "lplb_replicas", "lplb_cells_task", "lplb_homes", "lplb_parts"]
 
 
 def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, gpus_per_node: int,
@@ -68,6 +68,14 @@ def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, 
     return out
 
 
+def lplb_batch_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, gpus_per_node: int,
+                      replica_slots: int) -> np.ndarray:
+    """int32 ``[L, G, r]``: ``lplb_copies`` of every layer (homes ``expert_gpu [L, E]``, the batch's tokens of each
+    expert ``expert_load [L, E]``), the same for every micro-batch."""
+    return np.stack([lplb_copies(expert_gpu[l], expert_load[l], num_gpus, gpus_per_node, replica_slots)
+                     for l in range(len(expert_gpu))])
+
+
 def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
                   cluster: ClusterSpec, replica_slots: int = 1, split: str = "lp", workers: int = 1, *,
                   executor: TaskExecutor | None = None, fallbacks: FallbackLog | None = None) -> ReplicaPlan:
@@ -99,8 +107,7 @@ def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBa
     if executor is None:
         executor = default_executor(workers)
     homes = placement.expert_gpu
-    copies = np.stack([lplb_copies(homes[l], loads[:, l].sum(axis=(0, 1)), G, cluster.gpus_per_node, replica_slots)
-                       for l in range(L)])  # [L, G, r]: the same for every micro-batch
+    copies = lplb_batch_copies(homes, loads.sum(axis=(0, 2)), G, cluster.gpus_per_node, replica_slots)
     cells = [(m, l) for l in range(L) for m in range(M)]
     n_chunks = 1 if executor.workers == 1 else min(len(cells), 4 * executor.workers)
     return map_cells(executor, lplb_cells_task, cells, np.array_split(np.arange(len(cells)), max(1, n_chunks)),

@@ -16,7 +16,7 @@ static; then ``previous`` (the previous homes, relibra's priced replicas) and on
 previous placement other than static, where "previous" already dominates it); then (option
 ``portfolio_balancers``, ``_add_balancers``) EPLB+ (``eplb``) and, with replica slots, LPLB+ (``lplb``), exactly as
 those strategies plan them; each of the last four built only when its lower bound
-(``bounds.replicated_step_lower_bound``; EPLB+'s with its own copies, which may leave the node) is below the best
+(``bounds.replicated_step_lower_bound``; EPLB+'s and LPLB+'s with their own copies) is below the best
 score so far (else ``stats.portfolio.pruned`` holds the bound). LPLB+ comes last: its exact LP split per cell is
 the costly candidate (its water-filling split is cheap but measurably slower, so it would not keep the guarantee;
 docs/method.md, "The portfolio"). The replay shows relibra the routing these baselines see, so each is a plan
@@ -45,7 +45,7 @@ from .annealing import finish_inter
 from .bounds import replicated_step_lower_bound
 from .context import PlanContext, eplb_layout, eplb_parts, make_plan, previous_expert_gpu
 from .evaluation import CandidateStep
-from .lplb import lplb_homes, lplb_parts
+from .lplb import lplb_batch_copies, lplb_homes, lplb_parts
 from .options import PlanOptions
 
 __all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
@@ -203,8 +203,9 @@ def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray
 
 def _add_balancers(pf: _Candidates) -> None:
     """EPLB+ (``eplb``) and LPLB+ (``lplb``) on every placement, exactly as those strategies plan them (option
-    ``portfolio_balancers``): each built only when its lower bound (``replicated_step_lower_bound`` on its homes,
-    EPLB+'s with its own copies, which may leave the node) is below the best score so far, else ``pf.pruned``
+    ``portfolio_balancers``): each built only when its lower bound (``replicated_step_lower_bound`` on its homes
+    with its own copies, EPLB+'s may leave the node: ``bounds.fixed_copy_terms``) is below the best score so far,
+    else ``pf.pruned``
     holds the bound; with repacking (the baselines then move the samples) always built. LPLB+ is left out with
     r = 0 (its plan is then EPLB+'s) and runs last: its LP split is the costly candidate. A failed EPLB+ layout
     (the executor's deadline) leaves EPLB+ out."""
@@ -222,8 +223,10 @@ def _add_balancers(pf: _Candidates) -> None:
     if not ctx.replica_slots:
         return
     homes = lplb_homes(sub0, x0)
+    copies = lplb_batch_copies(homes, x0.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node,
+                               ctx.replica_slots)
     for suffix, (mb, sg) in pf.places.items():
-        _add_bounded(pf, "lplb" + suffix, homes, mb, sg, lambda s=suffix: lplb_parts(pf.on(s), homes))
+        _add_bounded(pf, "lplb" + suffix, homes, mb, sg, lambda s=suffix: lplb_parts(pf.on(s), homes), copies)
 
 
 def _add_bounded(pf: _Candidates, name: str, homes: np.ndarray, mb: np.ndarray, sg: np.ndarray,

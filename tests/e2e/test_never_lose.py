@@ -99,7 +99,7 @@ def test_relibra_is_never_slower_than_any_baseline_on_any_placement(seed, r, nod
 
 def plan_bound(batch: TraceBatch, model, cluster, r: int, plan, name: str, free: dict) -> float:
     """The portfolio's pruning bound of baseline ``name``'s candidate: static homes for static and online, the
-    plan's own homes for EPLB+ (with its copies in every micro-batch) and LPLB+, on the plan's samples."""
+    plan's own homes and copies (the same in every micro-batch) for EPLB+ and LPLB+, on the plan's samples."""
     from relibra_moe.plan import Placement
     from relibra_moe.planners.bounds import replicated_step_lower_bound
     from relibra_moe.planners.executor import default_executor
@@ -108,9 +108,9 @@ def plan_bound(batch: TraceBatch, model, cluster, r: int, plan, name: str, free:
     ctx = make_context(batch, model, cluster, "relibra", PlanOptions(replica_slots=r, **free), default_executor(1))
     static = static_placement(model.num_layers, model.num_experts, cluster.num_gpus)
     homes = static if name in ("static", "online") else plan.placement.expert_gpu
-    copies = plan.replicas.replica_expert[0] if name == "eplb" and r else None
-    if copies is not None:
-        assert (plan.replicas.replica_expert == copies).all()  # EPLB+'s copies are the same in every micro-batch
+    copies = plan.replicas.replica_expert[0] if name in ("eplb", "lplb") and r else None
+    if copies is not None:  # EPLB+'s and LPLB+'s copies are the same in every micro-batch
+        assert (plan.replicas.replica_expert == copies).all()
     mb, sg = plan.samples.micro_batch.astype(np.int64), plan.samples.gpu.astype(np.int64)
     return replicated_step_lower_bound(ctx, homes, mb, sg, ctx.loads(mb, sg), Placement(static), 12.0, copies)
 
