@@ -27,7 +27,8 @@ The recorded grid uses the ``hopper-rail`` preset (raw link rates, the planners'
 re-runs it on another preset (e.g. ``h100``, the default of the CLI since issue 24: achieved rates with sources).
 
 ``--placements`` (issue 27) runs the length-balanced grid instead (``LB_CELLS``, results in
-``results/never_lose_placements/``, the CLI's default cluster): static, eplb-history and online on round-robin
+``results/never_lose_placements/``, the CLI's default cluster): static, EPLB+, LPLB+ (r = 2; since issue 27 portfolio
+candidates too), eplb-history and online on round-robin
 (Megatron) and on verl's length-balanced ``balance_batch`` placement (``relibra_moe.sample_placements``), and
 relibra's default plan, on EP 1x8, 2x4, 2x8 and 4x4, real GPT-OSS-20B (703 requests, micro-batches of 44, 4
 consecutive batches, 24 layers) and synthetic qwen3-30b (mixed, 128 prompts x 4, micro-batches of 32, 4 of 48
@@ -101,7 +102,7 @@ CELLS: list[tuple[str, int, int, int, tuple[int, int], int, int, str | None, int
 ]
 
 
-LB_STRATEGIES = ("static", "eplb-history", "online", "relibra")
+LB_STRATEGIES = ("static", "eplb", "lplb", "eplb-history", "online", "relibra")
 LB_PLACEMENTS = ("round-robin", "length-balanced")
 LB_OUT = RESULTS / "never_lose_placements"
 # (data, (nodes, gpus per node)): "gpt-oss" = the whole real trace, 703 requests, micro-batches of 44, K = 4, 24
@@ -194,7 +195,7 @@ def main_placements(args: argparse.Namespace) -> None:
                     + " / ".join(f"{v:.4f}" for v in d["relibra_over_best"].values()))
     print(lb_table(args.overlap))
     done = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
-    print(f"\nrelibra never slower than static, eplb-history and online on either placement in "
+    print(f"\nrelibra never slower than {', '.join(LB_STRATEGIES[:-1])} on either placement in "
           f"{sum(d['relibra_never_slower'] for d in done)} of {len(done)} cells")
 
 

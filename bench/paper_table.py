@@ -24,8 +24,8 @@ skipped (resumable).
     python bench/paper_table.py --overlaps none,megatron,dualpipe --rates 413
     python bench/paper_table.py --table             # print the tables of the cells written so far
     python bench/paper_table.py --rebound           # re-plan only the bound (balanced) of the written cells
-    python bench/paper_table.py --replan relibra    # re-plan only relibra's row of the written cells (its planner
-                                                    # changed, the baselines' plans did not)
+    python bench/paper_table.py --replan relibra --models glm4.5-106b-a12b --domains mixed --rates 413
+                                                    # re-plan only relibra's rows of those written cells
     python bench/paper_table.py --cluster-profile P.json --models qwen3-235b-a22b   # a `relibra calibrate` profile:
                                                     # its dispatcher and rate (measured at the model's shape)
 """
@@ -145,19 +145,18 @@ def model_preset_layers(model_name: str) -> int:
     return model_preset(model_name).num_layers
 
 
-def replan_cell(path: Path, cluster: Any, layers: int, prompts: int, seed: int, strategies: tuple[str, ...]) -> None:
-    """Re-plan and re-simulate only the round-robin rows ``strategies`` of a written cell, in place, with its ratios:
-    for a change of those strategies' planners (or of the bound's definition, ``balanced``) that leaves every other
-    row's plan as it was. The date of the re-plan goes to ``replan_date[strategy]``."""
+def replan_cell(path: Path, cluster: Any, layers: int, prompts: int, seed: int, rows: tuple[str, ...]) -> None:
+    """Re-plan and re-simulate only the strategies ``rows`` of a written cell, in place, with its ratios: ``balanced``
+    after the bound's definition changed (it now covers plans that regroup micro-batches, docs/method.md "The
+    bound"), ``relibra`` after its portfolio gained candidates (EPLB+ / LPLB+, issue 27), while every other row's
+    plan did not change."""
     cell = json.loads(path.read_text())
     dom = next(d for d in DOMAINS if d[0] == cell["domain"])
     batch, model = cell_batch(cell["model"], dom, layers, prompts, seed)
-    run_rows(batch, model, cluster, [(s, {}) for s in strategies], seed, cell)
-    dates = cell.setdefault("replan_date", {})
-    if "rebound_date" in cell:  # the first re-plan (the bound's, before this field existed)
-        dates.setdefault("balanced", cell.pop("rebound_date"))
-    dates.update({s: time.strftime("%Y-%m-%d") for s in strategies})
-    cell.update(ratios=ratios(cell))
+    run_rows(batch, model, cluster, [(r, {}) for r in rows], seed, cell)
+    cell.update(ratios=ratios(cell), **{f"replanned_{r}": "2026-12-02" for r in rows if r != "balanced"})
+    if "balanced" in rows:
+        cell["rebound_date"] = "2026-12-02"
     write_text(path, json.dumps(cell, indent=1))
 
 
@@ -273,19 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(m for m, _ in MODELS), help="models to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--table", action="store_true", help="only print the tables of the cells written so far")
-    ap.add_argument("--rebound", action="store_true",
-                    help="re-plan only the bound (balanced) of the cells written so far, in place (--replan balanced)")
+    ap.add_argument("--domains", default=",".join(d for d, _ in DOMAINS), help="domains to run (reasoning, mixed)")
     ap.add_argument("--replan", default=None,
-                    help="comma-separated strategies (round-robin rows, e.g. relibra) to re-plan in the cells "
-                         "written so far, in place; the other rows are kept")
+                    help="re-plan only these strategies (comma-separated rows) of the cells written so far, in place")
+    ap.add_argument("--rebound", action="store_true",
+                    help="re-plan only the bound (balanced) of the cells written so far, in place")
     args = ap.parse_args(argv)
-    replan = ("balanced",) if args.rebound else tuple(args.replan.split(",")) if args.replan else ()
-    unknown = [s for s in replan if s not in STRATEGIES]
-    if unknown:
-        ap.error(f"--replan {','.join(unknown)}: not a round-robin row of a cell ({', '.join(STRATEGIES)})")
     dispatchers = tuple(args.dispatchers.split(","))
     overlaps = tuple(args.overlaps.split(","))
     rates = tuple(float(r) * 1e12 for r in args.rates.split(","))
+    replan = ("balanced",) if args.rebound else tuple(args.replan.split(",")) if args.replan else ()
     if args.table:
         print(table())
         return 0
@@ -297,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if model not in wanted:
             continue
         profile = None if args.cluster_profile is None else load_cluster_profile(args.cluster_profile, nodes, 8)
-        for dom in DOMAINS:
+        for dom in (d for d in DOMAINS if d[0] in args.domains.split(",")):
             for disp in (profile.dispatcher,) if profile else dispatchers:
                 for ov in overlaps:
                     for rate in (profile.flops,) if profile else rates:

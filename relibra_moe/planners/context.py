@@ -27,7 +27,7 @@ from .options import PlanOptions
 from .params import LocalityParams, ReorderParams, baseline_locality_params, locality_params, reorder_params
 
 __all__ = ["PlanContext", "make_plan", "baseline_samples", "previous_expert_gpu", "start_samples", "eplb_task",
-           "fallback_homes"]
+           "fallback_homes", "eplb_layout", "eplb_parts"]
 
 
 @dataclass
@@ -213,3 +213,31 @@ def fallback_homes(ctx: PlanContext) -> np.ndarray:
     if ctx.fallback_expert_gpu is not None:
         return np.asarray(ctx.fallback_expert_gpu, dtype=np.int64)
     return baselines.static_placement(ctx.model.num_layers, ctx.model.num_experts, ctx.cluster.num_gpus)
+
+
+def eplb_layout(ctx: PlanContext, x: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """EPLB+'s layout (``eplb_task``) on the batch's true per-layer loads: ``(expert_gpu [L, E], slots [L, G, r])``,
+    None when the task failed. ``x`` is ``ctx.loads(ctx.micro_batch, ctx.sample_gpu)`` when the caller has it
+    (the per-expert sums it reads are the same on every sample placement)."""
+    if x is None:
+        x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
+    return eplb_task(ctx, x.sum(axis=(0, 2)), "eplb")
+
+
+def eplb_parts(ctx: PlanContext, layout: tuple[np.ndarray, np.ndarray] | None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan | None]:
+    """EPLB+'s plan from its ``layout`` (``eplb_layout``): (homes [L, E], micro_batch [N], gpu [N], replicas or
+    None); with r > 0 the slots' copies take equal shares of their expert's tokens (``baselines.even_split_replicas``)
+    and ``ctx.stats.eplb_replicas_dropped`` counts the slots left empty. A failed layout (None) keeps
+    ``fallback_homes`` without replicas."""
+    if layout is None:
+        eg = fallback_homes(ctx)
+        return (eg, *baseline_samples(ctx, eg), None)
+    eg, slots = layout
+    mb, sg = baseline_samples(ctx, eg)
+    replicas = None
+    if ctx.replica_slots > 0:
+        replicas = baselines.even_split_replicas(eg, slots, ctx.loads(mb, sg))
+        ctx.stats.eplb_replicas_dropped = int(ctx.replica_slots * ctx.cluster.num_gpus * ctx.model.num_layers
+                                              - (slots >= 0).sum())
+    return eg, mb, sg, replicas

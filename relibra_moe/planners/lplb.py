@@ -25,6 +25,8 @@ from ..errors import PlanError
 from ..plan import Placement, ReplicaPlan, SamplePlacement
 from ..specs import ClusterSpec, ModelSpec
 from ..validate import check_index_range, check_int
+from . import baselines
+from .context import PlanContext, baseline_samples
 from .executor import FallbackLog, TaskExecutor, default_executor
 from .replicate import CellResult, map_cells
 from .split import fast_split, solve_split_lp
@@ -32,7 +34,7 @@ from .split import fast_split, solve_split_lp
 if TYPE_CHECKING:
     from ..trace import TraceBatch
 
-__all__ = ["lplb_copies", "lplb_replicas", "lplb_cells_task"]
+__all__ = ["lplb_copies", "lplb_batch_copies", "lplb_replicas", "lplb_cells_task", "lplb_homes", "lplb_parts"]
 
 
 def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, gpus_per_node: int,
@@ -66,6 +68,14 @@ def lplb_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, 
     return out
 
 
+def lplb_batch_copies(expert_gpu: np.ndarray, expert_load: np.ndarray, num_gpus: int, gpus_per_node: int,
+                      replica_slots: int) -> np.ndarray:
+    """int32 ``[L, G, r]``: ``lplb_copies`` of every layer (homes ``expert_gpu [L, E]``, the batch's tokens of each
+    expert ``expert_load [L, E]``), the same for every micro-batch."""
+    return np.stack([lplb_copies(expert_gpu[l], expert_load[l], num_gpus, gpus_per_node, replica_slots)
+                     for l in range(len(expert_gpu))])
+
+
 def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBatch, model: ModelSpec,
                   cluster: ClusterSpec, replica_slots: int = 1, split: str = "lp", workers: int = 1, *,
                   executor: TaskExecutor | None = None, fallbacks: FallbackLog | None = None) -> ReplicaPlan:
@@ -97,8 +107,7 @@ def lplb_replicas(placement: Placement, samples: SamplePlacement, batch: TraceBa
     if executor is None:
         executor = default_executor(workers)
     homes = placement.expert_gpu
-    copies = np.stack([lplb_copies(homes[l], loads[:, l].sum(axis=(0, 1)), G, cluster.gpus_per_node, replica_slots)
-                       for l in range(L)])  # [L, G, r]: the same for every micro-batch
+    copies = lplb_batch_copies(homes, loads.sum(axis=(0, 2)), G, cluster.gpus_per_node, replica_slots)
     cells = [(m, l) for l in range(L) for m in range(M)]
     n_chunks = 1 if executor.workers == 1 else min(len(cells), 4 * executor.workers)
     return map_cells(executor, lplb_cells_task, cells, np.array_split(np.arange(len(cells)), max(1, n_chunks)),
@@ -116,3 +125,25 @@ def lplb_cells_task(loads: np.ndarray, expert_gpu: np.ndarray, copies: np.ndarra
         sol = solve(loads[i], expert_gpu[i], copies[i], model, cluster)
         out.append(CellResult(copies[i], sol.rows, sol.share, sol.t_moe))
     return out
+
+
+def lplb_homes(ctx: PlanContext, x: np.ndarray | None = None) -> np.ndarray:
+    """int64 ``[L, E]`` LPLB+'s homes: EPLB+ without redundant experts on the batch's true per-layer loads
+    (``x``: ``ctx.loads(ctx.micro_batch, ctx.sample_gpu)`` when the caller has it; its per-expert sums are the
+    same on every sample placement)."""
+    if x is None:
+        x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
+    return baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node, 0,
+                          ctx.options.num_groups)[0]
+
+
+def lplb_parts(ctx: PlanContext, expert_gpu: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, ReplicaPlan]:
+    """LPLB+'s plan on ``ctx``: (homes [L, E] (``expert_gpu``, default ``lplb_homes``), micro_batch [N], gpu [N],
+    replicas): the ring's copies and the exact LP split of every cell (``lplb_replicas``) on ``ctx.executor``."""
+    eg = lplb_homes(ctx) if expert_gpu is None else expert_gpu
+    mb, sg = baseline_samples(ctx, eg)
+    replicas = lplb_replicas(Placement(eg), SamplePlacement(mb, sg, ctx.num_micro_batches), ctx.batch_for(mb),
+                             ctx.model, ctx.cluster, replica_slots=ctx.replica_slots, executor=ctx.executor,
+                             fallbacks=ctx.fallbacks)
+    return eg, mb, sg, replicas

@@ -114,7 +114,7 @@ class ReplicateOptions:
 
 
 _BOOLS = ("repack", "final_reorder", "locality_smooth", "migration", "price_replicas", "keep_cell_sizes", "portfolio",
-          "step_objective", "resident_replicas")
+          "step_objective", "resident_replicas", "portfolio_balancers")
 _OPTIONAL_BOOLS = ("node_comp", "smooth")
 
 
@@ -186,6 +186,9 @@ class PlanOptions:
             until the last micro-batch's backward), ``L x r x ModelSpec.expert_bytes`` bytes, against ``r``
             experts for the per-layer replica buffer. False (GPUs without that memory): no resident candidate is
             built or chosen.
+        portfolio_balancers: the portfolio also judges EPLB+ and LPLB+ on every sample placement (each built only
+            when its lower bound is below the best score so far); False leaves them out, and with them the
+            guarantee that relibra is never slower than they are (LPLB+'s LP split is the costly one).
     """
 
     replica_slots: int = 0
@@ -221,6 +224,7 @@ class PlanOptions:
     portfolio: bool = True
     step_objective: bool = True
     resident_replicas: bool = True
+    portfolio_balancers: bool = True
 
     def __post_init__(self) -> None:
         check_int("replica_slots", self.replica_slots, 0)

@@ -4,7 +4,8 @@ the context carries (``evaluation.StepEvaluator``; docs/method.md, "The portfoli
 Every candidate is judged by ``ctx.evaluator`` (default ``evaluation.SimulatedStep``: the way ``relibra compare``
 / ``relibra simulate`` charge a plan, ``sim.simulate_loads`` on the plan's loads, as ``sim.simulate_step`` and
 ``steady.evaluate_plan`` run it, moves charged against ``previous``, replica traffic by the one fetch rule of
-``timing.replica_push_overlap``; the replicas of every candidate are fetched as relibra's, known from the replay)
+``timing.replica_push_overlap``; replicas known from the replay, fetched per layer, or once per batch when the
+same in every micro-batch)
 and scored under the caller's options (``portfolio_score``: moves and replicas free when the options say so).
 
 Candidates, in order: relibra's own plan; ``relibra-inter`` (the annealed homes finished without the
@@ -12,16 +13,20 @@ replication-aware migration pricing, no replicas); then, on every placement of `
 (round-robin, verl's length-balanced, longest-first; the trainer's only when it owns the samples; the name
 suffix says which), the baselines' plans on the same batch and options: eplb-history (with option ``history``),
 static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with replica slots and a
-previous placement other than static, where "previous" already dominates it), each built only when its lower
-bound (``bounds.replicated_step_lower_bound``) is below the best score so far (else
-``stats.portfolio.pruned`` holds the bound); last, on two nodes or more, relibra's homes and samples with
+previous placement other than static, where "previous" already dominates it); then (option
+``portfolio_balancers``, ``_add_balancers``) EPLB+ (``eplb``) and, with replica slots, LPLB+ (``lplb``), exactly as
+those strategies plan them; each of these built only when its lower bound
+(``bounds.replicated_step_lower_bound``; EPLB+'s and LPLB+'s with their own copies) is below the best
+score so far (else ``stats.portfolio.pruned`` holds the bound). LPLB+ comes after EPLB+: its exact LP split per
+cell is the costly candidate (its water-filling split is cheap but measurably slower, so it would not keep the
+guarantee; docs/method.md, "The portfolio"). Last, on two nodes or more, relibra's homes and samples with
 cross-node locality replicas (``locality_replicas``): ``locality-resident`` (resident for the whole batch, charged
 ``persistent``; option ``resident_replicas``, which also drops every other resident candidate when off) and
 ``locality-per-micro-batch`` (charged ``per-layer``), each pruned by ``bounds.global_replica_step_lower_bound``.
-eplb and lplb are left out: never near relibra on the never-lose grid (BENCHMARKS.md, "Never lose"), lplb's LP
-~10x relibra's whole plan at paper scale. The replay shows relibra the routing these baselines see, so each is a
-plan relibra may choose; their replicas are charged as relibra's (per layer, or ``persistent`` where they are
-resident: ``ReplicaPlan.resident``), never more than the baseline's own after-router fetch.
+The replay shows relibra the routing these baselines see, so each is a plan relibra may choose; relibra's and
+online's replicas are charged as relibra's (per layer), never more than the baseline's own after-router fetch;
+those that are the same in every micro-batch (EPLB+'s, LPLB+'s, eplb-history's, ``locality-resident``) once per
+batch (``ReplicaPlan.resident``: the layer runs them resident).
 
 The chosen candidate (``least_moving_best``): the lowest score; among those within ``1e-9`` of it, the one that
 moves the fewest experts, then samples: a move must buy step time (on one node, where locality saves no RDMA
@@ -42,9 +47,10 @@ from ..sample_placements import SAMPLE_PLACEMENTS, place_samples
 from . import baselines
 from .annealing import finish_inter
 from .bounds import global_replica_step_lower_bound, replicated_step_lower_bound
-from .context import PlanContext, make_plan, previous_expert_gpu
+from .context import PlanContext, eplb_layout, eplb_parts, make_plan, previous_expert_gpu
 from .evaluation import CandidateStep
 from .locality_replicas import MAX_LOADS_ENTRIES, RELOCATE_MAX_GPUS, locality_replicas, relocate_cells
+from .lplb import lplb_batch_copies, lplb_homes, lplb_parts
 from .options import PlanOptions
 
 __all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
@@ -112,6 +118,7 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     for name in list(pf.cands):
         pf.judge(name)
     _add_replicated(pf, replicas)
+    _add_balancers(pf)
     _add_locality(pf)
     chosen = least_moving_best(ctx, pf.cands, pf.steps, pf.previous_homes)
     ctx.stats.portfolio = PortfolioStats(chosen=chosen, step_s=pf.steps, pruned=pf.pruned or None)
@@ -130,6 +137,7 @@ class _Candidates:
         self.previous = Placement(self.previous_homes)
         self.opb = float(ctx.options.optimizer_bytes_per_param)
         self.cands: dict[str, Candidate] = dict(own)
+        self.own: Candidate = next(iter(own.values()))  # relibra's own plan (kept even if judging drops it)
         self.steps: dict[str, float] = {}
         self.modes: dict[str, str] = {}
         self.pruned: dict[str, float] = {}
@@ -142,10 +150,14 @@ class _Candidates:
         self.cands[name] = make()
         self.timing[f"portfolio_{name}_s"] = time.perf_counter() - t0
 
+    def on(self, suffix: str) -> PlanContext:
+        """The context of a baseline on the placement ``suffix`` of ``places`` (its own stats, dropped)."""
+        mb, sg = self.places[suffix]
+        return dataclasses.replace(self.ctx, stats=PlanStats(), micro_batch=mb, sample_gpu=sg)
+
     def baseline(self, name: str, suffix: str) -> Candidate:
         """Strategy ``name``'s plan on the placement ``suffix`` of ``places`` (its own stats dropped)."""
-        mb, sg = self.places[suffix]
-        bp = self.strategies[name](dataclasses.replace(self.ctx, stats=PlanStats(), micro_batch=mb, sample_gpu=sg))
+        bp = self.strategies[name](self.on(suffix))
         return bp.placement.expert_gpu, bp.samples.micro_batch, bp.samples.gpu, bp.replicas
 
     def loads_of(self, mb: np.ndarray, sg: np.ndarray) -> np.ndarray:
@@ -158,13 +170,17 @@ class _Candidates:
 
     def judge(self, name: str) -> None:
         """Score candidate ``name`` with ``ctx.evaluator`` (``portfolio_score``; wall seconds to
-        ``timing["portfolio_simulate_s"]``)."""
+        ``timing["portfolio_simulate_s"]``); with option ``resident_replicas`` off a resident candidate
+        (``ReplicaPlan.resident``) is dropped instead, before its score could prune another."""
         ctx, t0 = self.ctx, time.perf_counter()
         L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
         eg, mb, sg, reps = self.cands[name]
-        plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M),
-                         replicas=padded(reps, M, L, G, ctx.replica_slots), num_gpus=G,
-                         gpus_per_node=ctx.cluster.gpus_per_node)
+        replicas = padded(reps, M, L, G, ctx.replica_slots)
+        if not ctx.options.resident_replicas and replicas.resident:
+            del self.cands[name]
+            return
+        plan = BatchPlan(placement=Placement(eg), samples=SamplePlacement(mb, sg, M), replicas=replicas,
+                         num_gpus=G, gpus_per_node=ctx.cluster.gpus_per_node)
         st = ctx.evaluator.step(plan, ctx.lengths, self.loads_of(mb, sg), ctx.model, ctx.cluster, self.previous,
                                 self.opb)
         self.steps[name], self.modes[name] = portfolio_score(st, ctx.options), st.replica_mode
@@ -203,15 +219,12 @@ def _add_locality(pf: _Candidates) -> None:
     (charged ``per-layer``; its cells relocated by ``relocate_cells`` unless the trainer owns the samples or there
     are more than ``RELOCATE_MAX_GPUS``); not for loads over ``MAX_LOADS_ENTRIES`` entries. Neither
     is built when its bound (``bounds.global_replica_step_lower_bound``) already reaches the best score
-    (``pf.pruned``). With ``resident_replicas=False`` every resident candidate is dropped
-    (``ReplicaPlan.resident``: eplb-history's redundant experts too), relibra-inter and static never are."""
+    (``pf.pruned``). With ``resident_replicas=False`` every resident candidate (``ReplicaPlan.resident``:
+    eplb-history's, EPLB+'s and LPLB+'s redundant experts too) is dropped when judged (``_Candidates.judge``);
+    relibra-inter and static, with no replicas, never are."""
     ctx = pf.ctx
     M, L, G, r = ctx.num_micro_batches, ctx.model.num_layers, ctx.cluster.num_gpus, ctx.replica_slots
-    eg, mb, sg, _ = next(iter(pf.cands.values()))  # relibra's own plan (the first candidate)
-    if not ctx.options.resident_replicas:
-        for name in [k for k, c in pf.cands.items() if k in pf.steps and c[3] is not None
-                     and padded(c[3], M, L, G, r).resident]:
-            del pf.cands[name], pf.steps[name], pf.modes[name]
+    eg, mb, sg, _ = pf.own
     if ctx.cluster.nodes < 2 or not r or ctx.executor.expired or M * L * G * ctx.model.num_experts > MAX_LOADS_ENTRIES:
         return
     for name, resident in (("locality-resident", True), ("locality-per-micro-batch", False)):
@@ -238,6 +251,50 @@ def _relocated(pf: _Candidates, expert_gpu: np.ndarray, micro_batch: np.ndarray,
     gmap = relocate_cells(pf.loads_of(micro_batch, sample_gpu), expert_gpu, ctx.cluster, ctx.replica_slots,
                           counts if ctx.options.keep_cell_sizes else None)
     return gmap[micro_batch, sample_gpu].astype(np.int64)
+
+
+def _add_balancers(pf: _Candidates) -> None:
+    """EPLB+ (``eplb``) and LPLB+ (``lplb``) on every placement, exactly as those strategies plan them (option
+    ``portfolio_balancers``): each built only when its lower bound (``replicated_step_lower_bound`` on its homes
+    with its own copies, EPLB+'s may leave the node: ``bounds.fixed_copy_terms``) is below the best score so far,
+    else ``pf.pruned``
+    holds the bound; with repacking (the baselines then move the samples) always built. LPLB+ is left out with
+    r = 0 (its plan is then EPLB+'s) and runs last: its LP split is the costly candidate. A failed EPLB+ layout
+    (the executor's deadline) leaves EPLB+ out."""
+    ctx = pf.ctx
+    if not ctx.options.portfolio_balancers:
+        return
+    # both layouts read only the per-expert sums of the loads (int64), the same on every placement: computed once
+    suffix0 = next(iter(pf.places))
+    sub0, x0 = pf.on(suffix0), pf.loads_of(*pf.places[suffix0])
+    layout = eplb_layout(sub0, x0)
+    if layout is not None:
+        for suffix, (mb, sg) in pf.places.items():
+            _add_bounded(pf, "eplb" + suffix, layout[0], mb, sg, lambda s=suffix: eplb_parts(pf.on(s), layout),
+                         layout[1] if ctx.replica_slots else None)
+    if not ctx.replica_slots:
+        return
+    homes = lplb_homes(sub0, x0)
+    copies = lplb_batch_copies(homes, x0.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node,
+                               ctx.replica_slots)
+    for suffix, (mb, sg) in pf.places.items():
+        _add_bounded(pf, "lplb" + suffix, homes, mb, sg, lambda s=suffix: lplb_parts(pf.on(s), homes), copies)
+
+
+def _add_bounded(pf: _Candidates, name: str, homes: np.ndarray, mb: np.ndarray, sg: np.ndarray,
+                 make: Callable[[], Candidate], replica_expert: np.ndarray | None = None) -> None:
+    """Build and judge candidate ``name`` (homes ``[L, E]`` on samples ``mb`` / ``sg [N]``; ``replica_expert
+    [L, G, r]`` its fixed copies, None: any intra-node ones) unless its lower bound reaches the best score so far
+    (then ``pf.pruned[name]`` is the bound); with ``repack`` always (the candidate moves its samples)."""
+    ctx = pf.ctx
+    if not ctx.repack:
+        bound = replicated_step_lower_bound(ctx, homes, mb, sg, pf.loads_of(mb, sg), pf.previous, pf.opb,
+                                            replica_expert)
+        if bound >= min(pf.steps.values()):
+            pf.pruned[name] = bound
+            return
+    pf.add(name, make)
+    pf.judge(name)
 
 
 def least_moving_best(ctx: PlanContext, cands: dict[str, Candidate], scores: dict[str, float],

@@ -63,8 +63,8 @@ from .annealing import anneal_inter, finish_inter, relibra_inter
 from .context import (
     PlanContext,
     baseline_samples,
-    eplb_task,
-    fallback_homes,
+    eplb_layout,
+    eplb_parts,
     make_plan,
     previous_expert_gpu,
     start_samples,
@@ -72,7 +72,7 @@ from .context import (
 from .evaluation import StepEvaluator
 from .executor import TaskExecutor, default_executor
 from .history import strategy_eplb_history
-from .lplb import lplb_replicas
+from .lplb import lplb_parts
 from .online import strategy_online
 from .options import RELIBRA_STRATEGIES, REPLICA_STRATEGIES, PlanOptions
 from .portfolio import portfolio
@@ -99,21 +99,9 @@ def strategy_lpt(ctx: PlanContext) -> BatchPlan:
 
 def strategy_eplb(ctx: PlanContext) -> BatchPlan:
     """EPLB+ on the true per-layer loads; with r > 0, r redundant experts per GPU split evenly per copy.
-    The layout is one executor task: past the deadline the plan keeps ``fallback_homes`` without replicas."""
-    x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
-    res = eplb_task(ctx, x.sum(axis=(0, 2)), "eplb")
-    if res is None:
-        eg = fallback_homes(ctx)
-        return make_plan(ctx, eg, *baseline_samples(ctx, eg))
-    eg, slots = res
-    mb, sg = baseline_samples(ctx, eg)
-    replicas = None
-    if ctx.replica_slots > 0:
-        xx = ctx.loads(mb, sg)
-        replicas = baselines.even_split_replicas(eg, slots, xx)
-        ctx.stats.eplb_replicas_dropped = int(ctx.replica_slots * ctx.cluster.num_gpus * ctx.model.num_layers
-                                              - (slots >= 0).sum())
-    return make_plan(ctx, eg, mb, sg, replicas)
+    The layout is one executor task: past the deadline the plan keeps ``fallback_homes`` without replicas
+    (``context.eplb_layout``, ``context.eplb_parts``)."""
+    return make_plan(ctx, *eplb_parts(ctx, eplb_layout(ctx)))
 
 
 def strategy_balanced(ctx: PlanContext) -> BatchPlan:
@@ -132,8 +120,9 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
     """relibra-inter's reorder and locality (its migration pricing aware that replicas follow), then Algorithm 2
     per micro-batch and layer on ``ctx.executor``, replicas priced for their exposed push / pull
     (``replica_pricing``), then the portfolio (``portfolio``, option ``portfolio``): the fastest of this plan and
-    the cheap alternatives under the simulator's step, so relibra is never slower than static, online or (with
-    ``history``) eplb-history on the same evaluation. ``skew_cap`` asks for rank-level balance instead."""
+    the cheap alternatives under the simulator's step, so relibra is never slower than static, online, EPLB+, LPLB+
+    or (with ``history``) eplb-history on the same evaluation and sample placements. ``skew_cap`` asks for
+    rank-level balance instead."""
     eg0, mb0, sg0 = anneal_inter(ctx)
     node_comp = ctx.options.rank_balance[0]
     eg, mb, sg = finish_inter(ctx, eg0, mb0, sg0, node_comp or ctx.replica_slots > 0, ctx.stats)
@@ -164,16 +153,8 @@ def relibra_replicas(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.n
 def strategy_lplb(ctx: PlanContext) -> BatchPlan:
     """LPLB+: EPLB+ homes (no redundant experts), at most one copy per expert on the intra-node ring, an
     exact LP split per micro-batch and layer; the splits run on ``ctx.executor`` (a failed chunk of cells
-    gets no replicas and is counted in ``ctx.fallbacks``)."""
-    x = ctx.loads(ctx.micro_batch, ctx.sample_gpu)
-    eg, _ = baselines.eplb(x.sum(axis=(0, 2)), ctx.cluster.num_gpus, ctx.cluster.gpus_per_node, 0,
-                           ctx.options.num_groups)
-    mb, sg = baseline_samples(ctx, eg)
-    placement = Placement(eg)
-    samples = SamplePlacement(mb, sg, ctx.num_micro_batches)
-    replicas = lplb_replicas(placement, samples, ctx.batch_for(mb), ctx.model, ctx.cluster,
-                             replica_slots=ctx.replica_slots, executor=ctx.executor, fallbacks=ctx.fallbacks)
-    return make_plan(ctx, eg, mb, sg, replicas)
+    gets no replicas and is counted in ``ctx.fallbacks``; ``lplb.lplb_parts``)."""
+    return make_plan(ctx, *lplb_parts(ctx))
 
 
 def replica_pricing(options: PlanOptions, lengths: np.ndarray, samples: SamplePlacement, model: ModelSpec,

@@ -1,6 +1,6 @@
 """relibra never loses (issue 22): one replica-fetch window for planner and simulator, locality for the final homes
-after migration, and the portfolio that makes relibra at least as fast as static, online, eplb and eplb-history on
-the simulator's own evaluation (a property test on random small batches)."""
+after migration, and the portfolio that makes relibra at least as fast as static, online, eplb-history, EPLB+ and
+LPLB+ (issue 27) on the simulator's own evaluation (a property test on random small batches)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def test_a_replayed_fetch_is_never_charged_more_than_an_after_router_one(comp, c
        mbs=st.sampled_from([3, 4, 8]), hot=st.integers(1, 3), with_history=st.booleans(),
        migration=st.booleans(), price_replicas=st.booleans(), iters=st.sampled_from([0, 50, 200]),
        overlap=st.sampled_from(["none", "megatron", "dualpipe"]))
-def test_relibra_is_never_slower_than_static_online_and_eplb_history(seed, r, nodes, mbs, hot, with_history,
-                                                                          migration, price_replicas, iters, overlap):
+def test_relibra_is_never_slower_than_any_baseline_on_any_placement(seed, r, nodes, mbs, hot, with_history,
+                                                                     migration, price_replicas, iters, overlap):
     """Random small batches (gpt-oss widths, 2 layers, 8 experts, EP 1x4 or 2x2, r = 0..2), over the option space
     of the moves (``migration``, ``price_replicas``: price or free) and the trainer's compute / all-to-all overlap
     (``ClusterSpec.overlap``: planned and simulated under it): relibra's simulated step (moves charged from
@@ -86,16 +86,20 @@ def test_relibra_is_never_slower_than_static_online_and_eplb_history(seed, r, no
         sp = {"sample_placement": placement}
         rivals = {"static": plan_batch(batch, model, cluster, "static", **sp),
                   "online": plan_batch(batch, model, cluster, "online", replica_slots=r, **sp),
-                  "eplb-history": plan_batch(batch, model, cluster, "eplb-history", replica_slots=r, **sp, **opts)}
+                  "eplb-history": plan_batch(batch, model, cluster, "eplb-history", replica_slots=r, **sp, **opts),
+                  "eplb": plan_batch(batch, model, cluster, "eplb", replica_slots=r, **sp),
+                  "lplb": plan_batch(batch, model, cluster, "lplb", replica_slots=r, **sp)}
         for name, plan in rivals.items():
             other = score(plan)
             assert got <= other * (1 + 1e-9), f"relibra {got} slower than {name} on {placement} {other}"
-            if name in ("static", "online"):
-                # the portfolio's pruning bound (static homes, these samples, any intra-node replicas) is sound
-                assert static_bound(batch, model, cluster, r, plan, free) <= other * (1 + 1e-12)
+            if name in ("static", "online", "eplb", "lplb"):
+                # the portfolio's pruning bounds (these homes and samples, the copies as the docstring says) are sound
+                assert plan_bound(batch, model, cluster, r, plan, name, free) <= other * (1 + 1e-12)
 
 
-def static_bound(batch: TraceBatch, model, cluster, r: int, plan, free: dict) -> float:
+def plan_bound(batch: TraceBatch, model, cluster, r: int, plan, name: str, free: dict) -> float:
+    """The portfolio's pruning bound of baseline ``name``'s candidate: static homes for static and online, the
+    plan's own homes and copies (the same in every micro-batch) for EPLB+ and LPLB+, on the plan's samples."""
     from relibra_moe.plan import Placement
     from relibra_moe.planners.bounds import replicated_step_lower_bound
     from relibra_moe.planners.executor import default_executor
@@ -103,8 +107,12 @@ def static_bound(batch: TraceBatch, model, cluster, r: int, plan, free: dict) ->
 
     ctx = make_context(batch, model, cluster, "relibra", PlanOptions(replica_slots=r, **free), default_executor(1))
     static = static_placement(model.num_layers, model.num_experts, cluster.num_gpus)
+    homes = static if name in ("static", "online") else plan.placement.expert_gpu
+    copies = plan.replicas.replica_expert[0] if name in ("eplb", "lplb") and r else None
+    if copies is not None:  # EPLB+'s and LPLB+'s copies are the same in every micro-batch
+        assert (plan.replicas.replica_expert == copies).all()
     mb, sg = plan.samples.micro_batch.astype(np.int64), plan.samples.gpu.astype(np.int64)
-    return replicated_step_lower_bound(ctx, static, mb, sg, ctx.loads(mb, sg), Placement(static), 12.0)
+    return replicated_step_lower_bound(ctx, homes, mb, sg, ctx.loads(mb, sg), Placement(static), 12.0, copies)
 
 
 def test_locality_follows_the_final_homes_after_migration():
@@ -149,10 +157,9 @@ def test_portfolio_option_off_keeps_relibras_own_plan():
     off = plan_batch(batch, model, cluster, "relibra", replica_slots=1, portfolio=False, **FAST)
     assert off.stats.portfolio is None
     pf = on.stats.portfolio
-    assert set(pf.step_s) | set(pf.pruned or {}) == {"relibra", "relibra-inter", "previous", "static",
-                                                             "previous@length-balanced", "static@length-balanced",
-                                                             "previous@longest-first", "static@longest-first",
-                                                             "locality-resident", "locality-per-micro-batch"}
+    assert set(pf.step_s) | set(pf.pruned or {}) == {
+        "relibra", "relibra-inter", "locality-resident", "locality-per-micro-batch",
+        *(b + p for b in ("previous", "static", "eplb", "lplb") for p in ("", "@length-balanced", "@longest-first"))}
     assert all(bound >= min(pf.step_s.values()) for bound in (pf.pruned or {}).values())
     # the portfolio's "relibra" candidate is the plan without the portfolio, simulated the same way
     assert pf.step_s["relibra"] == pytest.approx(simulate_step(off, batch, model, cluster).step_s, rel=1e-12)

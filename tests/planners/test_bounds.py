@@ -111,3 +111,59 @@ def test_the_global_bound_counts_what_must_leave_each_source_by_hand():
     got = global_replica_step_lower_bound(ctx, np.arange(4)[None], np.zeros(1, np.int64), np.zeros(1, np.int64), x,
                                           Placement(np.arange(4)[None]), 12.0)
     assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_fixed_copy_terms_by_hand():
+    """2 nodes x 2 GPUs, expert e homed on GPU e; tokens (source, expert): (0, 0) 4, (0, 3) 2, (1, 2) 3, (2, 3) 6,
+    (2, 0) 1 (16 in all; expert loads 5, 0, 3, 8). Compute: the heaviest arc's experts over its GPUs, at least
+    16 / 4. Without copies GPU 3 alone holds expert 3: 8. A copy of it on GPU 2 (its node): the arc {2, 3} holds
+    experts 2 and 3, 11 / 2; GPU 0 alone expert 0, 5. A copy on GPU 0 (the other node): expert 3 lies in no arc,
+    GPU 0 computes expert 0, 5. Sends: GPU 1's 3 tokens to expert 2 (and GPU 0's 2 to expert 3, unless node 0 holds
+    a copy); receives: GPU 2 gets those 3 from node 0. The node-level ``split.lower_bound_terms`` (any intra-node
+    copies) are at most these."""
+    from relibra_moe.planners.bounds import fixed_copy_terms, ring_arcs
+    from relibra_moe.planners.split import cell_weights, lower_bound_terms
+
+    x = np.zeros((1, 1, 4, 4))
+    for (j, e), n in {(0, 0): 4, (0, 3): 2, (1, 2): 3, (2, 3): 6, (2, 0): 1}.items():
+        x[0, 0, j, e] = n
+    homes = np.arange(4)[None]
+    w = cell_weights(MODEL, CLUSTER)
+    assert sorted(map(tuple, ring_arcs(CLUSTER).astype(int))) == sorted(
+        [(1, 0, 0, 0), (0, 1, 0, 0), (0, 0, 1, 0), (0, 0, 0, 1), (1, 1, 0, 0), (0, 0, 1, 1)])
+    node = lower_bound_terms(x, homes[None], MODEL, CLUSTER)
+    for gpu, comp in ((-1, 8.0), (2, 5.5), (0, 5.0)):
+        copies = np.full((1, 4, 1), -1)
+        if gpu >= 0:
+            copies[0, gpu, 0] = 3
+        got = fixed_copy_terms(x, homes, copies, MODEL, CLUSTER)
+        assert got[0][0, 0] == pytest.approx(comp * w.sec_per_token, rel=1e-12)
+        assert got[1][0, 0] == pytest.approx(w.w_rdma * 3.0 * w.sec_per_token, rel=1e-12)
+        if gpu != 0:
+            assert got[0][0, 0] >= node[0][0, 0] and got[1][0, 0] >= node[1][0, 0] - 1e-18
+
+
+@pytest.mark.parametrize("r", [1, 2])
+@pytest.mark.parametrize("placement", ["round-robin", "length-balanced"])
+def test_the_bound_is_below_the_judged_score_of_eplb_and_lplb(r, placement):
+    """EPLB+'s and LPLB+'s bounds with their own copies (EPLB+'s may leave the node: 2 x 2 GPUs, the global policy)
+    are at most the plans' judged scores, and LPLB+'s at least its node-level bound (any intra-node copies)."""
+    batch = _batch()
+    options = PlanOptions(replica_slots=r)
+    ctx = make_context(batch, MODEL, CLUSTER, "relibra", options, default_executor(1))
+    previous = Placement(static_placement(MODEL.num_layers, MODEL.num_experts, CLUSTER.num_gpus))
+    crossed = False
+    for strategy in ("eplb", "lplb"):
+        plan = plan_batch(batch, MODEL, CLUSTER, strategy, replica_slots=r, sample_placement=placement)
+        mb, sg = plan.samples.micro_batch.astype(np.int64), plan.samples.gpu.astype(np.int64)
+        homes, rep = plan.placement.expert_gpu, plan.replicas.replica_expert
+        copies = rep[0]
+        assert (rep == copies).all() and (copies >= 0).any()
+        l, g, s = np.nonzero(copies >= 0)
+        crossed |= bool((homes[l, copies[l, g, s]] // 2 != g // 2).any())
+        bound = replicated_step_lower_bound(ctx, homes, mb, sg, ctx.loads(mb, sg), previous, 12.0, copies)
+        if strategy == "lplb":
+            assert bound >= replicated_step_lower_bound(ctx, homes, mb, sg, ctx.loads(mb, sg), previous, 12.0)
+        step = SIMULATED_STEP.step(plan, ctx.lengths, ctx.loads(mb, sg), MODEL, CLUSTER, previous, 12.0)
+        assert 0.0 < bound <= portfolio_score(step, options) * (1 + 1e-12), strategy
+    assert crossed  # the case the intra-node terms do not cover

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from relibra_moe.plan import ReplicaPlan
+from relibra_moe.plan import Placement, ReplicaPlan
 from relibra_moe.planners.evaluation import SIMULATED_STEP
 from relibra_moe.planners.executor import default_executor
 from relibra_moe.planners.options import PlanOptions
@@ -107,13 +107,16 @@ def test_the_injected_judge_decides_the_choice():
 
 @dataclass(frozen=True)
 class FavourResident:
-    """A judge that finds every resident plan (``ReplicaPlan.resident``) 0 s long, the rest as the simulator."""
+    """A judge that finds every resident plan (``ReplicaPlan.resident``: EPLB+'s, LPLB+'s, locality-resident) 0 s
+    long (``by=None``) or ``by`` seconds faster than the simulator does; the rest as the simulator."""
+
+    by: float | None = None
 
     def step(self, plan, lengths, x, model, cluster, previous, opb):
         st = SIMULATED_STEP.step(plan, lengths, x, model, cluster, previous, opb)
-        return SimpleNamespace(step_s=0.0 if plan.replicas.resident else st.step_s, t_moe_s=st.t_moe_s,
-                               reorder_s=st.reorder_s, replica_exposed_s=st.replica_exposed_s,
-                               replica_mode=st.replica_mode)
+        step = st.step_s if not plan.replicas.resident else 0.0 if self.by is None else st.step_s - self.by
+        return SimpleNamespace(step_s=step, t_moe_s=st.t_moe_s, reorder_s=st.reorder_s,
+                               replica_exposed_s=st.replica_exposed_s, replica_mode=st.replica_mode)
 
     def relayout_seconds(self, previous, placement, model, cluster, opb):
         return SIMULATED_STEP.relayout_seconds(previous, placement, model, cluster, opb)
@@ -162,3 +165,50 @@ def test_locality_candidates_are_pruned_when_their_bound_reaches_the_best_score(
                              evaluator=Free()).stats.portfolio
     assert port.pruned["locality-resident"] == port.pruned["locality-per-micro-batch"] > 0.0
     assert not any(k.startswith("locality") for k in port.step_s)
+
+
+@pytest.mark.parametrize("r", [1, 2])
+def test_eplb_and_lplb_candidates_are_the_strategies_plans(r):
+    """When the judge favours them, relibra returns EPLB+'s (the first built of the resident candidates) plan on
+    that placement, the very plan of ``plan_batch(strategy="eplb")`` there; every eplb / lplb candidate judged
+    scores what the strategy's own plan scores under the simulator. Moves free: with them charged the tiny
+    model's re-layout prunes every EPLB+ / LPLB+ candidate."""
+    batch = _batch()
+    opts = PlanOptions(replica_slots=r, migration=False, **FAST)
+    plan = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, evaluator=FavourResident(by=1.0))
+    port = plan.stats.portfolio
+    name, _, where = port.chosen.partition("@")
+    assert name == "eplb"
+    ref = plan_with_options(batch, MODEL, CLUSTER, "eplb", PlanOptions(replica_slots=r, sample_placement=where or
+                                                                        "round-robin"))
+    np.testing.assert_array_equal(plan.placement.expert_gpu, ref.placement.expert_gpu)
+    np.testing.assert_array_equal(plan.samples.micro_batch, ref.samples.micro_batch)
+    np.testing.assert_array_equal(plan.samples.gpu, ref.samples.gpu)
+    np.testing.assert_array_equal(plan.replicas.replica_expert, ref.replicas.replica_expert)
+    np.testing.assert_array_equal(plan.replicas.split_index, ref.replicas.split_index)
+    assert plan.replicas.scope == ref.replicas.scope == "global"
+    default = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts).stats.portfolio
+    judged = [k for k in default.step_s if k.split("@")[0] in ("eplb", "lplb")]
+    assert judged
+    for k in judged:
+        base, _, where = k.partition("@")
+        other = plan_with_options(batch, MODEL, CLUSTER, base, PlanOptions(replica_slots=r, sample_placement=where or
+                                                                            "round-robin"))
+        step = SIMULATED_STEP.step(other, batch.lengths, batch.loads(other.samples.gpu, 4, other.samples.micro_batch),
+                                   MODEL, CLUSTER, Placement.static(2, 8, 4), 12.0)
+        assert default.step_s[k] == pytest.approx(portfolio_score(step, opts), rel=1e-12), k
+    names = {b + p for b in ("eplb", "lplb") for p in ("", "@length-balanced", "@longest-first")}
+    assert names <= set(default.step_s) | set(default.pruned or {})
+
+
+def test_the_balancers_option_and_r_0():
+    """``portfolio_balancers=False`` leaves EPLB+ and LPLB+ out (and is recorded in the plan's options); with r = 0
+    LPLB+ (then EPLB+'s plan) is left out, EPLB+ kept."""
+    batch = _batch()
+    names = lambda pf: {k.split("@")[0] for k in set(pf.step_s) | set(pf.pruned or {})}  # noqa: E731
+    off = plan_with_options(batch, MODEL, CLUSTER, "relibra", PlanOptions(replica_slots=1, portfolio_balancers=False,
+                                                                        **FAST))
+    assert not names(off.stats.portfolio) & {"eplb", "lplb"}
+    assert off.stats.options["portfolio_balancers"] is False
+    zero = plan_with_options(batch, MODEL, CLUSTER, "relibra", PlanOptions(**FAST))
+    assert "eplb" in names(zero.stats.portfolio) and "lplb" not in names(zero.stats.portfolio)
