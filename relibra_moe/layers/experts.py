@@ -334,16 +334,9 @@ class _ExpertsWithReplicas(torch.autograd.Function):
         active = buffer is not None and transfer is not None and transfer.active
         if active:
             buffer.fill(key, transfer, home, dispatcher)
-        with torch.enable_grad():
-            xl = x.detach().requires_grad_(x.requires_grad)
-            ws = tuple(w.detach().requires_grad_(w.requires_grad) for w in home)
-            slots = None
-            if active:
-                slots = tuple(t.detach().requires_grad_(w.requires_grad) for t, w in zip(buffer.tensors, ws))
-            y = experts.compute_tensors(xl, slot_ids, ws, slots)
-        ctx.graph = (y, xl, ws, slots)
+        ctx.graph = _saved_graph(experts, x, slot_ids, home, buffer.tensors if active else None)
         ctx.state = (active, buffer, transfer, dispatcher, key, tuple(home))
-        return y.detach()
+        return ctx.graph[0].detach()
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -352,29 +345,13 @@ class _ExpertsWithReplicas(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_y):
-        y, xl, ws, slots = ctx.graph
-        active, buffer, transfer, dispatcher, key, home = ctx.state
+        graph, (active, buffer, transfer, dispatcher, key, home) = ctx.graph, ctx.state
         ctx.graph = ctx.state = None
         if active and buffer.filled_for != key:  # a later layer reused the slots: refill (collective)
             buffer.fill(key, transfer, home, dispatcher)
-        leaves = [t for t in (xl, *ws) if t.requires_grad]
-        if slots is not None:
-            leaves += [s for s in slots if s.requires_grad]
-        grads = list(torch.autograd.grad(y, leaves, grad_y, allow_unused=True)) if leaves and y.requires_grad \
-            else [None] * len(leaves)
-        grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
-        it = iter(grads)
-        gx = next(it) if xl.requires_grad else None
-        gw = [next(it) if w.requires_grad else None for w in ws]
-        if active and all(g is not None for g in gw):
-            gs = [next(it) for s in slots]
-            buffer.return_grads(transfer, tuple(gs), tuple(gw), dispatcher)
-        elif active and any(g is not None for g in gw):
-            # some expert tensors are frozen: their slot grads are dropped, the others still travel home
-            gs = [next(it) if s.requires_grad else torch.zeros_like(s) for s in slots]
-            gh = [torch.zeros_like(w) if g is None else g for w, g in zip(ws, gw)]
-            buffer.return_grads(transfer, tuple(gs), tuple(gh), dispatcher)
-            gw = [g if w.requires_grad else None for w, g in zip(ws, gh)]
+        gx, gw, gs = _graph_grads(graph, grad_y)
+        if active and any(g is not None for g in gw):
+            gw = _with_slot_grads(graph[2], gw, lambda gh: buffer.return_grads(transfer, tuple(gs), gh, dispatcher))
         return (gx, None, None, None, None, None, None, *gw)
 
 
@@ -395,9 +372,23 @@ def experts_forward(experts: GroupedExperts, x: torch.Tensor, slot_ids: torch.Te
     return _ExpertsWithReplicas.apply(x, slot_ids, experts, buffer, transfer, dispatcher, key, *home)
 
 
+def _saved_graph(experts: GroupedExperts, x: torch.Tensor, slot_ids: torch.Tensor, home: tuple[torch.Tensor, ...],
+                 slot_tensors: tuple[torch.Tensor, ...] | None) -> tuple:
+    """The experts' forward on detached leaves, kept for :func:`_graph_grads`: ``(y [R, H], x leaf, home leaves,
+    slot leaves (empty without slots))``; a slot leaf wants a gradient where its member's home tensor does."""
+    with torch.enable_grad():
+        xl = x.detach().requires_grad_(x.requires_grad)
+        ws = tuple(w.detach().requires_grad_(w.requires_grad) for w in home)
+        slots = () if slot_tensors is None else tuple(t.detach().requires_grad_(w.requires_grad)
+                                                      for t, w in zip(slot_tensors, ws))
+        y = experts.compute_tensors(xl, slot_ids, ws, slots if slot_tensors is not None else None)
+    return y, xl, ws, slots
+
+
 def _graph_grads(graph: tuple, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, list, list]:
-    """Run a saved ``(y, xl, ws, slots)`` graph backward: ``(grad x or None, home grads (None: frozen), slot grads
-    (zeros for the slots of frozen members))``."""
+    """Run a saved ``(y, xl, ws, slots)`` graph (:func:`_saved_graph`) backward: ``(grad x or None, home grads
+    (None: frozen), slot grads (zeros for the slots of frozen members))``; a leaf the graph does not reach gets
+    zeros."""
     y, xl, ws, slots = graph
     leaves = [t for t in (xl, *ws, *slots) if t.requires_grad]
     grads = list(torch.autograd.grad(y, leaves, grad_y, allow_unused=True)) if leaves and y.requires_grad \
@@ -407,6 +398,15 @@ def _graph_grads(graph: tuple, grad_y: torch.Tensor) -> tuple[torch.Tensor | Non
     gw = [next(it) if w.requires_grad else None for w in ws]
     gs = [next(it) if s.requires_grad else torch.zeros_like(s) for s in slots]
     return gx, gw, gs
+
+
+def _with_slot_grads(ws: tuple[torch.Tensor, ...], gw: list, add: Callable[[tuple[torch.Tensor, ...]], None]) -> list:
+    """The home gradients ``gw`` (None: a frozen member) after ``add`` sent the slot gradients home into them in
+    place (a collective): it receives every member's gradient, zeros for the frozen ones (their slot gradients are
+    dropped, the others still travel home); returns the gradients for autograd, None again where frozen."""
+    gh = tuple(torch.zeros_like(w) if g is None else g for w, g in zip(ws, gw))
+    add(gh)
+    return [g if w.requires_grad else None for w, g in zip(ws, gh)]
 
 
 _END_CHECKS: dict[int, list[tuple[ResidentReplicas, str, int]]] = {}
@@ -439,14 +439,9 @@ class _ExpertsWithResidentReplicas(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, slot_ids, experts, resident, transfer, dispatcher, info, *home):
-        with torch.enable_grad():
-            xl = x.detach().requires_grad_(x.requires_grad)
-            ws = tuple(w.detach().requires_grad_(w.requires_grad) for w in home)
-            slots = tuple(t.detach().requires_grad_(w.requires_grad) for t, w in zip(resident.buffer.tensors, ws))
-            y = experts.compute_tensors(xl, slot_ids, ws, slots)
-        ctx.graph = (y, xl, ws, slots)
+        ctx.graph = _saved_graph(experts, x, slot_ids, home, resident.buffer.tensors)
         ctx.state = (resident, transfer, dispatcher, info)
-        return y.detach()
+        return ctx.graph[0].detach()
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -459,9 +454,7 @@ class _ExpertsWithResidentReplicas(torch.autograd.Function):
             if not any(g is not None for g in gw):  # every expert tensor frozen: nothing goes home
                 return (gx, None, None, None, None, None, None, *gw)
             if resident.accumulate(name, generation, m, gs):
-                gh = tuple(torch.zeros_like(w) if g is None else g for w, g in zip(graph[2], gw))
-                resident.send_home(transfer, gh, dispatcher)
-                gw = [g if w.requires_grad else None for w, g in zip(graph[2], gh)]
+                gw = _with_slot_grads(graph[2], gw, lambda gh: resident.send_home(transfer, gh, dispatcher))
             elif m == M - 1:  # checked when this backward pass ends: a summed loss runs m = M - 1 first
                 _check_when_backward_ends(resident, name, generation)
             return (gx, None, None, None, None, None, None, *gw)
