@@ -204,12 +204,10 @@ def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray
                 # slots, chosen by a window never shorter than online's and charged per layer, so never slower
                 continue
             bound = replicated_step_lower_bound(ctx, homes, mb, sg, pf.loads_of(mb, sg), pf.previous, pf.opb)
-            if bound >= min(pf.steps.values()) and not (base == "online" and ctx.repack):  # repack: online's samples
-                pf.pruned[name] = bound
-                continue
-            pf.add(name, (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots else None))
-                   if base == "previous" else (lambda s=suffix: pf.baseline("online", s)))
-            pf.judge(name)
+            _add_unless_pruned(pf, name, None if base == "online" and ctx.repack else bound,  # repack: its samples
+                               (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots
+                                                    else None))
+                               if base == "previous" else (lambda s=suffix: pf.baseline("online", s)))
 
 
 def _add_locality(pf: _Candidates) -> None:
@@ -233,12 +231,8 @@ def _add_locality(pf: _Candidates) -> None:
         sg_c = sg if resident or ctx.trainer_owned or G > RELOCATE_MAX_GPUS else _relocated(pf, eg, mb, sg)
         x = pf.loads_of(mb, sg_c)
         bound = global_replica_step_lower_bound(ctx, eg, mb, sg_c, x, pf.previous, pf.opb)
-        if bound >= min(pf.steps.values()):
-            pf.pruned[name] = bound
-            continue
-        pf.add(name, lambda res=resident, g=sg_c, x=x: (eg, mb, g, locality_replicas(
+        _add_unless_pruned(pf, name, bound, lambda res=resident, g=sg_c, x=x: (eg, mb, g, locality_replicas(
             x, eg, ctx.model, ctx.cluster, r, res, ctx.executor)))
-        pf.judge(name)
 
 
 def _relocated(pf: _Candidates, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
@@ -287,12 +281,17 @@ def _add_bounded(pf: _Candidates, name: str, homes: np.ndarray, mb: np.ndarray, 
     [L, G, r]`` its fixed copies, None: any intra-node ones) unless its lower bound reaches the best score so far
     (then ``pf.pruned[name]`` is the bound); with ``repack`` always (the candidate moves its samples)."""
     ctx = pf.ctx
-    if not ctx.repack:
-        bound = replicated_step_lower_bound(ctx, homes, mb, sg, pf.loads_of(mb, sg), pf.previous, pf.opb,
-                                            replica_expert)
-        if bound >= min(pf.steps.values()):
-            pf.pruned[name] = bound
-            return
+    bound = None if ctx.repack else replicated_step_lower_bound(ctx, homes, mb, sg, pf.loads_of(mb, sg), pf.previous,
+                                                                 pf.opb, replica_expert)
+    _add_unless_pruned(pf, name, bound, make)
+
+
+def _add_unless_pruned(pf: _Candidates, name: str, bound: float | None, make: Callable[[], Candidate]) -> None:
+    """Build (``make``) and judge candidate ``name`` unless its lower bound ``bound`` (seconds; None: no bound)
+    already reaches the best score so far: then it cannot win, and ``pf.pruned[name]`` keeps the bound."""
+    if bound is not None and bound >= min(pf.steps.values()):
+        pf.pruned[name] = bound
+        return
     pf.add(name, make)
     pf.judge(name)
 
