@@ -35,6 +35,7 @@ from torch import nn
 
 from ..layers.dispatch import get_dispatcher
 from ..layers.experts import GroupedExperts, biased_gated_mlp, gpt_oss_activation, slot_view
+from ..layers.moe import padded_counts
 from ..layers.replica_buffer import LayerSharedReplicaBuffer
 from ..layers.router import check_replay_ids, merge_live
 from ..triton_kernels.grouped_gemm import swiglu_experts
@@ -232,10 +233,7 @@ class HFReplayMoE(AdoptedBlockMoE):
             return None
         cache = self.__dict__.get("_counts_cache")
         if cache is None or cache[0] is not ids or cache[1] != ids._version:
-            with torch.no_grad():
-                counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=ids.device)
-                counts.scatter_add_(0, ids.reshape(-1).clamp_min(-1) + 1, torch.ones_like(ids.reshape(-1)))
-            cache = (ids, ids._version, counts[1:])  # bucket 0: unrouted pairs (no bincount: no host sync)
+            cache = (ids, ids._version, padded_counts(ids, self.num_experts))  # -1: unrouted pairs, not counted
             self.__dict__["_counts_cache"] = cache
         return cache[2]
 

@@ -92,7 +92,7 @@ from .replica_buffer import LayerSharedReplicaBuffer, ReplicaTransfer, ResidentK
 from .router import LIVE, RouterOutput, TopKRouter, check_replay_ids, trusted_replay
 
 __all__ = ["LayerPlan", "LayerSchedule", "ReplayBalancedMoE", "RoutedPairs", "host_destinations", "materialize_counts",
-           "moe_layers", "slice_digest"]
+           "moe_layers", "padded_counts", "slice_digest"]
 
 _OK, _REPLAY_BAD, _PLAN_BAD = 0, 1, 2
 _MSG_WORDS = 48  # int64 words of an error message in the agreement row (384 UTF-8 bytes, longer ones cut)
@@ -1081,9 +1081,17 @@ class ReplayBalancedMoE(nn.Module):
         if slot_recv is None:
             self.__dict__["last_slot_counts"] = sched.slot_counts
             return
-        counts = torch.zeros(self.num_local + r + 1, dtype=torch.int64, device=slot_recv.device)
-        counts.scatter_add_(0, slot_recv.detach().view(-1) + 1, torch.ones_like(slot_recv.view(-1)))
-        self.last_slot_counts = counts[1:]  # bucket 0: padding rows (slot -1)
+        self.__dict__["last_slot_counts"] = padded_counts(slot_recv, self.num_local + r)  # padding rows: slot -1
+
+
+def padded_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 ``[n]`` on ``ids``' device: how often each value of ``[0, n)`` occurs in the int64 ``ids`` (any shape,
+    values ``>= -1``); ``-1`` (a padding row, an unrouted pair) is not counted. Device ops only (a scatter into
+    ``n + 1`` buckets, bucket 0 for ``-1``; no ``bincount``): no host sync."""
+    flat = ids.detach().reshape(-1)
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat + 1, torch.ones_like(flat))
+    return counts[1:]
 
 
 @dataclass(eq=False)

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from relibra_moe.errors import PlanError, ReplayError
 from relibra_moe.layers.dispatch import LocalDispatcher
 from relibra_moe.layers.experts import GroupedSwiGLUExperts, swiglu
-from relibra_moe.layers.moe import ReplayBalancedMoE
+from relibra_moe.layers.moe import ReplayBalancedMoE, padded_counts
 from relibra_moe.layers.relayout import relayout
 from relibra_moe.layers.replay import LayerReplay, replay
 from relibra_moe.layers.replica_buffer import LayerSharedReplicaBuffer
@@ -643,3 +643,12 @@ class _ViewExperts(GroupedSwiGLUExperts):
     def gated_form(self):
         self.forms.append(1)
         return self.w_gate_up[:], self.w_down[:], swiglu
+
+
+def test_padded_counts_counts_each_value_and_skips_padding():
+    """``padded_counts`` against numpy's bincount of the non-negative ids (-1 padding left out), any shape."""
+    ids = torch.tensor([[3, -1], [0, 3], [-1, -1], [5, 0]], dtype=torch.int64)
+    ref = np.bincount(ids[ids >= 0].numpy(), minlength=6)
+    np.testing.assert_array_equal(padded_counts(ids, 6).numpy(), ref)
+    assert padded_counts(ids, 6).dtype == torch.int64
+    np.testing.assert_array_equal(padded_counts(torch.full((4,), -1, dtype=torch.int64), 3).numpy(), [0, 0, 0])
