@@ -22,7 +22,9 @@ cell is the costly candidate (its water-filling split is cheap but measurably sl
 guarantee; docs/method.md, "The portfolio"). Last, on two nodes or more, relibra's homes and samples with
 cross-node locality replicas (``locality_replicas``): ``locality-resident`` (resident for the whole batch, charged
 ``persistent``; option ``resident_replicas``, which also drops every other resident candidate when off) and
-``locality-per-micro-batch`` (charged ``per-layer``), each pruned by ``bounds.global_replica_step_lower_bound``.
+``locality-per-micro-batch`` (charged ``per-layer``), each pruned by ``bounds.global_replica_step_lower_bound``;
+and resident locality replicas on the previous homes (``previous-locality``) and on relibra's homes with every
+placement's samples (``_add_resident_elsewhere``), in the order of the same bounds.
 The replay shows relibra the routing these baselines see, so each is a plan relibra may choose; relibra's and
 online's replicas are charged as relibra's (per layer), never more than the baseline's own after-router fetch;
 those that are the same in every micro-batch (EPLB+'s, LPLB+'s, eplb-history's, ``locality-resident``) once per
@@ -233,6 +235,40 @@ def _add_locality(pf: _Candidates) -> None:
         bound = global_replica_step_lower_bound(ctx, eg, mb, sg_c, x, pf.previous, pf.opb)
         _add_unless_pruned(pf, name, bound, lambda res=resident, g=sg_c, x=x: (eg, mb, g, locality_replicas(
             x, eg, ctx.model, ctx.cluster, r, res, ctx.executor)))
+    if M < 2 or not ctx.options.resident_replicas:
+        return
+    _add_resident_elsewhere(pf)
+
+
+def _add_resident_elsewhere(pf: _Candidates) -> None:
+    """Resident locality replicas (``locality_replicas``, ``resident=True``) on the previous homes (no expert
+    moves: ``previous-locality`` + suffix) and on relibra's homes (``locality-resident`` + suffix) with the samples
+    of every placement of ``pf.places`` (the round-robin one suffixed ``@round-robin``; the trainer's alone when
+    it owns the samples), in the order of their lower bounds (``bounds.global_replica_step_lower_bound``), each
+    built only while its bound is below the best score so far. Skipped: one whose homes and samples are those of
+    a locality candidate already judged (``locality-resident`` on relibra's own samples). A length-aware
+    trainer's samples attend faster than relibra's, and the previous homes move nothing, so where the moves or
+    the attention outweigh what relibra's homes save in the all-to-all these win (BENCHMARKS.md, "Resident
+    locality replicas on every placement")."""
+    ctx = pf.ctx
+    eg_own, mb_own, sg_own, _ = pf.own
+    todo = []
+    for suffix, (mb, sg) in pf.places.items():
+        tag = suffix or ("" if ctx.trainer_owned else "@round-robin")
+        for base, homes in (("previous-locality", pf.previous_homes), ("locality-resident", eg_own)):
+            if base == "locality-resident" and np.array_equal(mb, mb_own) and np.array_equal(sg, sg_own):
+                continue
+            if base == "previous-locality" and np.array_equal(homes, eg_own) and np.array_equal(mb, mb_own) \
+                    and np.array_equal(sg, sg_own):
+                continue
+            x = pf.loads_of(mb, sg)
+            bound = global_replica_step_lower_bound(ctx, homes, mb, sg, x, pf.previous, pf.opb)
+            todo.append((bound, len(todo), base + tag, homes, mb, sg, x))
+    for bound, _, name, homes, mb, sg, x in sorted(todo, key=lambda t: t[:2]):
+        if ctx.executor.expired:
+            return
+        _add_unless_pruned(pf, name, bound, lambda h=homes, m=mb, g=sg, x=x: (h, m, g, locality_replicas(
+            x, h, ctx.model, ctx.cluster, ctx.replica_slots, True, ctx.executor)))
 
 
 def _relocated(pf: _Candidates, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray

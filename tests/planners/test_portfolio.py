@@ -10,9 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from relibra_moe.evaluate import plan_loads
 from relibra_moe.plan import Placement, ReplicaPlan
 from relibra_moe.planners.evaluation import SIMULATED_STEP
 from relibra_moe.planners.executor import default_executor
+from relibra_moe.planners.locality_replicas import locality_replicas
 from relibra_moe.planners.options import PlanOptions
 from relibra_moe.planners.portfolio import least_moving_best, padded, portfolio_placements, portfolio_score
 from relibra_moe.planners.strategies import make_context, plan_with_options
@@ -165,6 +167,57 @@ def test_locality_candidates_are_pruned_when_their_bound_reaches_the_best_score(
                              evaluator=Free()).stats.portfolio
     assert port.pruned["locality-resident"] == port.pruned["locality-per-micro-batch"] > 0.0
     assert not any(k.startswith("locality") for k in port.step_s)
+
+
+@dataclass(frozen=True)
+class FavourResidentOn:
+    """A judge that finds every resident plan on the homes ``homes`` whose samples' GPUs are not ``not_gpu`` 0 s
+    long; the rest as the simulator."""
+
+    homes: np.ndarray
+    not_gpu: np.ndarray
+
+    def step(self, plan, lengths, x, model, cluster, previous, opb):
+        st = SIMULATED_STEP.step(plan, lengths, x, model, cluster, previous, opb)
+        free = (plan.replicas.resident and np.array_equal(plan.placement.expert_gpu, self.homes)
+                and not np.array_equal(plan.samples.gpu, self.not_gpu))
+        return SimpleNamespace(step_s=0.0 if free else st.step_s, t_moe_s=st.t_moe_s, reorder_s=st.reorder_s,
+                               replica_exposed_s=st.replica_exposed_s, replica_mode=st.replica_mode)
+
+    def relayout_seconds(self, previous, placement, model, cluster, opb):
+        return SIMULATED_STEP.relayout_seconds(previous, placement, model, cluster, opb)
+
+
+def test_resident_locality_candidates_on_every_placement_are_the_library_plans():
+    """On two nodes the portfolio offers resident locality replicas on the previous homes and on relibra's homes
+    with each placement's samples (each built or pruned by its bound). A judge that favours resident plans on
+    the previous homes on other samples than relibra's own makes relibra return one of them (no expert moved,
+    the placement's samples), and its replicas are exactly ``locality_replicas`` (resident) of that placement's
+    loads on those homes."""
+    batch = _batch()
+    prev = Placement.static(MODEL.num_layers, MODEL.num_experts, CLUSTER.num_gpus).expert_gpu
+    opts = PlanOptions(replica_slots=2, **FAST)
+    own = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts.replace(portfolio=False)).samples.gpu
+    plan = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, evaluator=FavourResidentOn(prev, own))
+    port = plan.stats.portfolio
+    offered = {*port.step_s, *(port.pruned or {})}
+    ctx = make_context(batch, MODEL, CLUSTER, "relibra", opts, default_executor(1))
+    places = portfolio_placements(ctx)
+    for suffix in places:
+        assert "previous-locality" + (suffix or "@round-robin") in offered
+    assert port.chosen.startswith("previous-locality") and port.step_s[port.chosen] == 0.0
+    np.testing.assert_array_equal(plan.placement.expert_gpu, prev)
+    mb, sg = places[port.chosen.removeprefix("previous-locality").replace("@round-robin", "")]
+    np.testing.assert_array_equal(plan.samples.micro_batch, mb)
+    np.testing.assert_array_equal(plan.samples.gpu, sg)
+    want = locality_replicas(plan_loads(plan, batch, CLUSTER.num_gpus), prev, MODEL, CLUSTER, 2, True)
+    assert plan.replicas.resident and plan.replicas.scope == "global"
+    np.testing.assert_array_equal(plan.replicas.replica_expert, want.replica_expert)
+    np.testing.assert_array_equal(plan.replicas.split_index, want.split_index)
+    np.testing.assert_array_equal(plan.replicas.split_share, want.split_share)
+    off = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts.replace(resident_replicas=False),
+                            evaluator=FavourResidentOn(prev, own)).stats.portfolio
+    assert not any("locality-" in k and "per-micro-batch" not in k for k in [*off.step_s, *(off.pruned or {})])
 
 
 @pytest.mark.parametrize("r", [1, 2])
