@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
 from ..plan import ReplicaPlan
 from ..specs import ClusterSpec, ModelSpec
@@ -102,17 +103,42 @@ def _exchange(taken: list[int], cn: np.ndarray, tx: np.ndarray, rx: np.ndarray, 
         pairs = [(a, b) for a in taken for b in rest if cn[a] == cn[b]]
         if not pairs:
             break
-        a, b = np.array(pairs).T
-        tx2 = tx[:, :, None] + d_tx[:, :, a] - d_tx[:, :, b]
-        rx2 = rx[:, :, None] + d_rx[:, :, a] - d_rx[:, :, b]
-        val = np.maximum(tx2.max(axis=1), rx2.max(axis=1)).sum(axis=0)
+        a, b = np.array(pairs, dtype=np.int64).T
+        val = _exchange_values(tx, rx, d_tx, d_rx, a, b)
         now = float(np.maximum(tx.max(axis=1), rx.max(axis=1)).sum())
         i = int(np.argmin(val))
         if not val[i] < now - 1e-9 * max(now, 1.0):
             break
-        tx, rx = tx2[:, :, i], rx2[:, :, i]
+        tx = tx + d_tx[:, :, a[i]] - d_tx[:, :, b[i]]
+        rx = rx + d_rx[:, :, a[i]] - d_rx[:, :, b[i]]
         taken[taken.index(int(a[i]))] = int(b[i])
     return [(int(cn[k]), int(cn_e[k])) for k in taken]
+
+
+@njit(cache=True)
+def _exchange_values(tx: np.ndarray, rx: np.ndarray, d_tx: np.ndarray, d_rx: np.ndarray, a: np.ndarray,
+                     b: np.ndarray) -> np.ndarray:
+    """float64 ``[Q]``: ``sum_c max(max_g tx', max_g rx')`` after exchanging candidate ``a[q]`` for ``b[q]``
+    (``tx' = tx + d_tx[:, :, a] - d_tx[:, :, b]``, the same for rx; ``tx`` / ``rx [C, G]``, ``d_* [C, G, K]``),
+    summed over c in order as numpy's reduction over the cells does, without the ``[C, G, Q]`` temporaries."""
+    C, G = tx.shape
+    out = np.empty(a.shape[0])
+    for q in range(a.shape[0]):
+        ka, kb = a[q], b[q]
+        total = 0.0
+        for c in range(C):
+            mt = -np.inf
+            mr = -np.inf
+            for g in range(G):
+                vt = tx[c, g] + d_tx[c, g, ka] - d_tx[c, g, kb]
+                vr = rx[c, g] + d_rx[c, g, ka] - d_rx[c, g, kb]
+                if vt > mt:
+                    mt = vt
+                if vr > mr:
+                    mr = vr
+            total += max(mt, mr)
+        out[q] = total
+    return out
 
 
 def locality_slots(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, replica_slots: int) -> np.ndarray:
