@@ -45,12 +45,17 @@ from .split import SplitSolution, check_loads_homes, lp_split_for_holders
 
 __all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas", "locality_layers_task",
            "relocate_cells",
-           "MAX_LOADS_ENTRIES", "RELOCATE_MAX_GPUS"]
+           "MAX_LOADS_ENTRIES", "RESIDENT_MAX_LOADS_ENTRIES", "RELOCATE_MAX_GPUS"]
 
 MAX_LOADS_ENTRIES = 4_000_000
-"""The portfolio offers the locality candidates only for loads ``[M, L, G, E]`` of at most this many entries: an
-exact split LP per cell and the slot greedy grow with ``G x E`` per cell; on the paper-scale qwen3-235b batch
-(32 x 94 x 32 x 128 = 12.3M entries, EP 4 x 8) they took minutes on 2 cores against relibra's ~20 s plan."""
+"""The portfolio offers the per-micro-batch locality candidate only for loads ``[M, L, G, E]`` of at most this many
+entries: an exact split LP and a slot greedy per cell, and the cell relocation; on the paper-scale qwen3-235b batch
+(32 x 94 x 32 x 128 = 12.3M entries, EP 4 x 8) it took ~150 s on 2 cores against relibra's ~17 s plan."""
+RESIDENT_MAX_LOADS_ENTRIES = 16_000_000
+"""The portfolio offers the resident locality candidates for loads of at most this many entries: the whole
+Qwen3-235B (94 layers, 32 micro-batches, EP 32) is 12.3M; its resident candidate takes ~55-60 s of planning on
+2 cores (``workers=2``; the exact split LP per cell is most of it; BENCHMARKS.md). The per-micro-batch one, which
+also places the slots per cell and relocates the cells (~150 s there), stays within ``MAX_LOADS_ENTRIES``."""
 RELOCATE_MAX_GPUS = 16
 """``relocate_cells`` runs for at most this many GPUs (its swaps grow as ``G^3`` per micro-batch)."""
 

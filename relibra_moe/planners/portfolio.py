@@ -24,7 +24,8 @@ cross-node locality replicas (``locality_replicas``): ``locality-resident`` (res
 ``persistent``; option ``resident_replicas``, which also drops every other resident candidate when off) and
 ``locality-per-micro-batch`` (charged ``per-layer``), each pruned by ``bounds.global_replica_step_lower_bound``;
 and resident locality replicas on the previous homes (``previous-locality``) and on relibra's homes with every
-placement's samples (``_add_resident_elsewhere``), in the order of the same bounds.
+placement's samples, all resident ones in the order of the same bounds, before the per-micro-batch one
+(``_add_locality``).
 The replay shows relibra the routing these baselines see, so each is a plan relibra may choose; relibra's and
 online's replicas are charged as relibra's (per layer), never more than the baseline's own after-router fetch;
 those that are the same in every micro-batch (EPLB+'s, LPLB+'s, eplb-history's, ``locality-resident``) once per
@@ -51,7 +52,13 @@ from .annealing import finish_inter
 from .bounds import global_replica_step_lower_bound, replicated_step_lower_bound
 from .context import PlanContext, eplb_layout, eplb_parts, make_plan, previous_expert_gpu
 from .evaluation import CandidateStep
-from .locality_replicas import MAX_LOADS_ENTRIES, RELOCATE_MAX_GPUS, locality_replicas, relocate_cells
+from .locality_replicas import (
+    MAX_LOADS_ENTRIES,
+    RELOCATE_MAX_GPUS,
+    RESIDENT_MAX_LOADS_ENTRIES,
+    locality_replicas,
+    relocate_cells,
+)
 from .lplb import lplb_batch_copies, lplb_homes, lplb_parts
 from .options import PlanOptions
 
@@ -213,62 +220,56 @@ def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray
 
 
 def _add_locality(pf: _Candidates) -> None:
-    """The locality-replica candidates (``locality_replicas``) on relibra's homes and samples, on two nodes or
-    more with replica slots: ``locality-resident`` (one set of slots per layer for the whole batch, charged
-    ``persistent``; with several micro-batches and option ``resident_replicas``) and ``locality-per-micro-batch``
-    (charged ``per-layer``; its cells relocated by ``relocate_cells`` unless the trainer owns the samples or there
-    are more than ``RELOCATE_MAX_GPUS``); not for loads over ``MAX_LOADS_ENTRIES`` entries. Neither
-    is built when its bound (``bounds.global_replica_step_lower_bound``) already reaches the best score
-    (``pf.pruned``). With ``resident_replicas=False`` every resident candidate (``ReplicaPlan.resident``:
-    eplb-history's, EPLB+'s and LPLB+'s redundant experts too) is dropped when judged (``_Candidates.judge``);
-    relibra-inter and static, with no replicas, never are."""
+    """The locality-replica candidates (``locality_replicas``), on two nodes or more with replica slots, each built
+    only while its bound (``bounds.global_replica_step_lower_bound``) is below the best score so far (else
+    ``pf.pruned``):
+
+    1. resident ones (one set of slots per layer for the whole batch, charged ``persistent``; with several
+       micro-batches and option ``resident_replicas``), in the order of their bounds: ``locality-resident`` on
+       relibra's homes and samples, ``previous-locality`` + suffix on the previous homes (no expert moves) and
+       ``locality-resident`` + suffix on relibra's homes, each with the samples of a placement of ``pf.places``
+       (the round-robin one suffixed ``@round-robin``; the trainer's alone when it owns the samples), skipping
+       one whose homes and samples another already has. A length-aware trainer's samples attend faster than
+       relibra's and the previous homes move nothing, so where the moves or the attention outweigh what
+       relibra's homes save in the all-to-all those win (BENCHMARKS.md, "The paper side by side, bounded");
+       for loads of at most ``RESIDENT_MAX_LOADS_ENTRIES`` entries;
+    2. ``locality-per-micro-batch`` on relibra's homes (charged ``per-layer``; its cells relocated by
+       ``relocate_cells`` unless the trainer owns the samples or there are more than ``RELOCATE_MAX_GPUS``), for
+       loads of at most ``MAX_LOADS_ENTRIES`` entries.
+
+    With ``resident_replicas=False`` every resident candidate (``ReplicaPlan.resident``: eplb-history's, EPLB+'s
+    and LPLB+'s redundant experts too) is dropped when judged (``_Candidates.judge``); relibra-inter and static,
+    with no replicas, never are. Past the executor's deadline nothing more is built."""
     ctx = pf.ctx
     M, L, G, r = ctx.num_micro_batches, ctx.model.num_layers, ctx.cluster.num_gpus, ctx.replica_slots
+    entries = M * L * G * ctx.model.num_experts
+    if ctx.cluster.nodes < 2 or not r or entries > RESIDENT_MAX_LOADS_ENTRIES:
+        return
     eg, mb, sg, _ = pf.own
-    if ctx.cluster.nodes < 2 or not r or ctx.executor.expired or M * L * G * ctx.model.num_experts > MAX_LOADS_ENTRIES:
-        return
-    for name, resident in (("locality-resident", True), ("locality-per-micro-batch", False)):
-        if resident and (M < 2 or not ctx.options.resident_replicas):
-            continue
-        sg_c = sg if resident or ctx.trainer_owned or G > RELOCATE_MAX_GPUS else _relocated(pf, eg, mb, sg)
-        x = pf.loads_of(mb, sg_c)
-        bound = global_replica_step_lower_bound(ctx, eg, mb, sg_c, x, pf.previous, pf.opb)
-        _add_unless_pruned(pf, name, bound, lambda res=resident, g=sg_c, x=x: (eg, mb, g, locality_replicas(
-            x, eg, ctx.model, ctx.cluster, r, res, ctx.executor)))
-    if M < 2 or not ctx.options.resident_replicas:
-        return
-    _add_resident_elsewhere(pf)
-
-
-def _add_resident_elsewhere(pf: _Candidates) -> None:
-    """Resident locality replicas (``locality_replicas``, ``resident=True``) on the previous homes (no expert
-    moves: ``previous-locality`` + suffix) and on relibra's homes (``locality-resident`` + suffix) with the samples
-    of every placement of ``pf.places`` (the round-robin one suffixed ``@round-robin``; the trainer's alone when
-    it owns the samples), in the order of their lower bounds (``bounds.global_replica_step_lower_bound``), each
-    built only while its bound is below the best score so far. Skipped: one whose homes and samples are those of
-    a locality candidate already judged (``locality-resident`` on relibra's own samples). A length-aware
-    trainer's samples attend faster than relibra's, and the previous homes move nothing, so where the moves or
-    the attention outweigh what relibra's homes save in the all-to-all these win (BENCHMARKS.md, "Resident
-    locality replicas on every placement")."""
-    ctx = pf.ctx
-    eg_own, mb_own, sg_own, _ = pf.own
-    todo = []
-    for suffix, (mb, sg) in pf.places.items():
-        tag = suffix or ("" if ctx.trainer_owned else "@round-robin")
-        for base, homes in (("previous-locality", pf.previous_homes), ("locality-resident", eg_own)):
-            if base == "locality-resident" and np.array_equal(mb, mb_own) and np.array_equal(sg, sg_own):
+    if M >= 2 and ctx.options.resident_replicas:
+        todo: list[tuple[float, int, str, np.ndarray, np.ndarray, np.ndarray]] = []
+        seen: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for name, homes, (pmb, psg) in [("locality-resident", eg, (mb, sg))] + [
+                (base + (suffix or ("" if ctx.trainer_owned else "@round-robin")), homes, place)
+                for suffix, place in pf.places.items()
+                for base, homes in (("previous-locality", pf.previous_homes), ("locality-resident", eg))]:
+            if any(np.array_equal(homes, h) and np.array_equal(pmb, m) and np.array_equal(psg, g) for h, m, g in seen):
                 continue
-            if base == "previous-locality" and np.array_equal(homes, eg_own) and np.array_equal(mb, mb_own) \
-                    and np.array_equal(sg, sg_own):
-                continue
-            x = pf.loads_of(mb, sg)
-            bound = global_replica_step_lower_bound(ctx, homes, mb, sg, x, pf.previous, pf.opb)
-            todo.append((bound, len(todo), base + tag, homes, mb, sg, x))
-    for bound, _, name, homes, mb, sg, x in sorted(todo, key=lambda t: t[:2]):
-        if ctx.executor.expired:
-            return
-        _add_unless_pruned(pf, name, bound, lambda h=homes, m=mb, g=sg, x=x: (h, m, g, locality_replicas(
-            x, h, ctx.model, ctx.cluster, ctx.replica_slots, True, ctx.executor)))
+            seen.append((homes, pmb, psg))
+            bound = global_replica_step_lower_bound(ctx, homes, pmb, psg, pf.loads_of(pmb, psg), pf.previous, pf.opb)
+            todo.append((bound, len(todo), name, homes, pmb, psg))
+        for bound, _, name, homes, pmb, psg in sorted(todo, key=lambda t: t[:2]):
+            if ctx.executor.expired:
+                return
+            _add_unless_pruned(pf, name, bound, lambda h=homes, m=pmb, g=psg: (h, m, g, locality_replicas(
+                pf.loads_of(m, g), h, ctx.model, ctx.cluster, r, True, ctx.executor)))
+    if entries > MAX_LOADS_ENTRIES or ctx.executor.expired:
+        return
+    sg_c = sg if ctx.trainer_owned or G > RELOCATE_MAX_GPUS else _relocated(pf, eg, mb, sg)
+    x = pf.loads_of(mb, sg_c)
+    bound = global_replica_step_lower_bound(ctx, eg, mb, sg_c, x, pf.previous, pf.opb)
+    _add_unless_pruned(pf, "locality-per-micro-batch", bound, lambda: (eg, mb, sg_c, locality_replicas(
+        x, eg, ctx.model, ctx.cluster, r, False, ctx.executor)))
 
 
 def _relocated(pf: _Candidates, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray

@@ -203,8 +203,12 @@ def test_resident_locality_candidates_on_every_placement_are_the_library_plans()
     offered = {*port.step_s, *(port.pruned or {})}
     ctx = make_context(batch, MODEL, CLUSTER, "relibra", opts, default_executor(1))
     places = portfolio_placements(ctx)
-    for suffix in places:
-        assert "previous-locality" + (suffix or "@round-robin") in offered
+    own_plan = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts.replace(portfolio=False))
+    for i, (suffix, (mb, sg)) in enumerate(places.items()):
+        same = [np.array_equal(mb, m) and np.array_equal(sg, g) for m, g in list(places.values())[:i]]
+        dup = any(same) or (np.array_equal(prev, own_plan.placement.expert_gpu)
+                            and np.array_equal(mb, own_plan.samples.micro_batch) and np.array_equal(sg, own))
+        assert ("previous-locality" + (suffix or "@round-robin") in offered) != dup  # one per distinct plan
     assert port.chosen.startswith("previous-locality") and port.step_s[port.chosen] == 0.0
     np.testing.assert_array_equal(plan.placement.expert_gpu, prev)
     mb, sg = places[port.chosen.removeprefix("previous-locality").replace("@round-robin", "")]
