@@ -158,12 +158,12 @@ def test_portfolio_option_off_keeps_relibras_own_plan():
     assert off.stats.portfolio is None
     pf = on.stats.portfolio
     offered = set(pf.step_s) | set(pf.pruned or {})
+    places = ("@length-balanced", "@longest-first")
     core = {"relibra", "relibra-inter", "locality-resident", "locality-per-micro-batch",
-            *(b + p for b in ("previous", "static", "eplb", "lplb") for p in ("", "@length-balanced", "@longest-first")),
-            *("previous-locality" + p for p in ("@round-robin", "@length-balanced", "@longest-first"))}
+            *(b + p for b in ("previous", "static", "eplb", "lplb") for p in ("", *places)),
+            *("previous-locality" + p for p in ("@round-robin", *places))}
     # relibra's homes with a placement's samples: left out where they are the previous homes (the same plan)
-    assert core <= offered <= core | {"locality-resident" + p for p in ("@round-robin", "@length-balanced",
-                                                                         "@longest-first")}
+    assert core <= offered <= core | {"locality-resident" + p for p in ("@round-robin", *places)}
     assert all(bound >= min(pf.step_s.values()) for bound in (pf.pruned or {}).values())
     # the portfolio's "relibra" candidate is the plan without the portfolio, simulated the same way
     assert pf.step_s["relibra"] == pytest.approx(simulate_step(off, batch, model, cluster).step_s, rel=1e-12)
