@@ -224,6 +224,25 @@ def test_resident_locality_candidates_on_every_placement_are_the_library_plans()
     assert not any("locality-" in k and "per-micro-batch" not in k for k in [*off.step_s, *(off.pruned or {})])
 
 
+def test_trainer_owned_samples_get_one_previous_locality_candidate_on_the_trainers_ranks():
+    """When the trainer owns the samples the resident locality candidates keep its ranks: ``previous-locality``
+    (no suffix) on the previous homes; relibra's homes on the same samples are ``locality-resident`` itself. A
+    judge favouring resident plans on the previous homes returns it, on the trainer's ranks."""
+    batch = _batch()
+    ranks = (np.arange(batch.num_sequences) * 3) % 4
+    prev = Placement.static(MODEL.num_layers, MODEL.num_experts, CLUSTER.num_gpus).expert_gpu
+    opts = PlanOptions(replica_slots=2, sample_owner="trainer", sample_gpu=ranks, **FAST)
+    plan = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts,
+                             evaluator=FavourResidentOn(prev, np.full(batch.num_sequences, -1)))
+    port = plan.stats.portfolio
+    offered = {*port.step_s, *(port.pruned or {})}
+    assert {k for k in offered if "locality" in k} <= {"previous-locality", "locality-resident",
+                                                       "locality-per-micro-batch"}
+    assert port.step_s[port.chosen] == 0.0 and plan.replicas.resident
+    np.testing.assert_array_equal(plan.placement.expert_gpu, prev)
+    np.testing.assert_array_equal(plan.samples.gpu, ranks)
+
+
 @pytest.mark.parametrize("r", [1, 2])
 def test_eplb_and_lplb_candidates_are_the_strategies_plans(r):
     """When the judge favours them, relibra returns EPLB+'s (the first built of the resident candidates) plan on
