@@ -108,7 +108,8 @@ class MigrationStats(_Record):
         enabled: False with option ``migration=False`` (nothing else is then set).
         relabel: int ``[G]``: GPU g of the annealed plan became GPU ``relabel[g]`` (a fabric symmetry).
         moved_after_relabel: experts (count over (layer, expert)) off their previous homes after the relabelling.
-        moved: experts off their previous homes in the plan.
+        moved: experts off their previous homes in relibra's own plan (the portfolio may return another
+            candidate, ``PortfolioStats.chosen``; ``sim.simulate_step(...).experts_moved`` counts the returned plan's).
         layers_kept: layers whose previous homes were kept, sorted.
         gain_s: float ``[L]`` modelled step seconds the new homes of each layer save.
         move_s: float ``[L]`` modelled seconds of moving each layer's experts on their own.
