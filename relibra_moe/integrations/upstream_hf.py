@@ -1,8 +1,8 @@
 """Every place the Hugging Face integration relies on ``transformers`` beyond its public API, in one adapter.
 
-Written against transformers 5.24 (:data:`TESTED`); ``tests/integrations/test_upstream_hf.py`` asserts the
-installed version is in that range and checks each contract below on the real classes of every supported
-family, so a release that changes one fails a test named for it.
+Written against transformers 5.24 and checked on 5.25 (:data:`TESTED`); ``tests/integrations/test_upstream_hf.py``
+asserts the installed version is in that range and checks each contract below on the real classes of every
+supported family, so a release that changes one fails a test named for it.
 
 transformers' public doors and why the swapped layer does not use them alone:
 
@@ -47,7 +47,7 @@ __all__ = ["ROUTER_LOGITS_KEY", "TESTED", "as_grouped_experts", "gate_activation
            "replay_router", "router_logits"]
 
 #: transformers versions this adapter was written and tested against: ``(lowest, first untested)`` major.minor.
-TESTED: tuple[tuple[int, int], tuple[int, int]] = ((5, 24), (5, 25))
+TESTED: tuple[tuple[int, int], tuple[int, int]] = ((5, 24), (5, 26))
 
 #: The output HF's ``output_router_logits`` records from every module of the router class.
 ROUTER_LOGITS_KEY = "router_logits"
