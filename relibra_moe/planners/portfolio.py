@@ -243,7 +243,7 @@ def _add_locality(pf: _Candidates) -> None:
     ctx = pf.ctx
     M, L, G, r = ctx.num_micro_batches, ctx.model.num_layers, ctx.cluster.num_gpus, ctx.replica_slots
     entries = M * L * G * ctx.model.num_experts
-    if ctx.cluster.nodes < 2 or not r or entries > RESIDENT_MAX_LOADS_ENTRIES:
+    if ctx.cluster.nodes < 2 or not r or ctx.executor.expired or entries > RESIDENT_MAX_LOADS_ENTRIES:
         return
     eg, mb, sg, _ = pf.own
     if M >= 2 and ctx.options.resident_replicas:

@@ -197,13 +197,13 @@ def test_resident_locality_candidates_on_every_placement_are_the_library_plans()
     batch = _batch()
     prev = Placement.static(MODEL.num_layers, MODEL.num_experts, CLUSTER.num_gpus).expert_gpu
     opts = PlanOptions(replica_slots=2, **FAST)
-    own = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts.replace(portfolio=False)).samples.gpu
+    own_plan = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts.replace(portfolio=False))
+    own = own_plan.samples.gpu
     plan = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts, evaluator=FavourResidentOn(prev, own))
     port = plan.stats.portfolio
     offered = {*port.step_s, *(port.pruned or {})}
     ctx = make_context(batch, MODEL, CLUSTER, "relibra", opts, default_executor(1))
     places = portfolio_placements(ctx)
-    own_plan = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts.replace(portfolio=False))
     for i, (suffix, (mb, sg)) in enumerate(places.items()):
         same = [np.array_equal(mb, m) and np.array_equal(sg, g) for m, g in list(places.values())[:i]]
         dup = any(same) or (np.array_equal(prev, own_plan.placement.expert_gpu)
