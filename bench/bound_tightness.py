@@ -1,0 +1,142 @@
+"""Could the bound of the held-out moves-free GPT-OSS case be tightened by node-level coverage, and is relibra's
+sample split the best its relocation proxy allows?
+
+The case of ``bench/bound_gap.py`` (GPT-OSS-20B, 256 requests drawn with seed 1, micro-batches of 8, EP 2 x 4,
+r = 2, ``hopper-rail``, relibra planned with seed 1, moves and replicas free). Communication terms, forward
+seconds (dispatch + combine) summed over the micro-batches and layers:
+
+- ``present``: the bound's communication (``evaluate.bound_terms`` over ``bound_micro_batch``'s packings).
+- ``node_any_24``: per micro-batch of relibra's plan, the least over every split of its samples between the 2
+  nodes (enumerated) of the larger node's pairs outside the ``S x P`` = 24 experts that cover most of them, on
+  ``P`` RDMA sends: what node-level coverage bounds when each node may hold any 24 experts per cell.
+- ``node_own_homes_mean`` / ``_max``: the same with each node holding its 16 experts homed by relibra's plan and
+  the 8 remote ones its samples route to most (mean / larger of the two nodes): what node-level coverage bounds
+  even when told relibra's homes. A valid bound must also minimise over the homes, so it is at most these.
+- ``worst_sample_own_homes``: per micro-batch the largest over its samples of the least over the nodes of the
+  sample's pairs outside that node's homes and its own 8 best others, on one RDMA send.
+- ``relocation_proxy_found`` / ``_enumerated``: ``locality_replicas._rdma_proxy`` (each node copying its 8 remote
+  experts of most tokens, the largest per-GPU cross-node send or receive) of relibra's cells as planned, and the
+  least over every choice of the 4 cells of each micro-batch that run on node 0 (70, enumerated).
+- ``slot_search``: on 64 cells (every 4th micro-batch, every 3rd layer), Σ T_MoE of relibra's split LP
+  (``locality_split``) on its own slots, and after 80 random moves per cell (a slot gets another expert, two
+  slots of a node swap, or a slot gets a second copy of one of its node's copies), each kept when the exact LP
+  scores it lower (seed 0).
+
+    python bench/bound_tightness.py          # ~1 min on 2 cores; bench/results/bound_tightness.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import numpy as np
+from common import JsonReport, environment
+
+from relibra_moe.datasets import gpt_oss_batch
+from relibra_moe.evaluate import bound_micro_batch, bound_terms, plan_loads
+from relibra_moe.planners.locality_replicas import _rdma_proxy, locality_split
+from relibra_moe.planners.strategies import plan_batch
+from relibra_moe.specs import cluster_preset, model_preset
+
+
+def _left(a: np.ndarray, remote: np.ndarray | None, keep: int) -> np.ndarray:
+    """float64 ``[...]``: pairs of counts ``a [..., E]`` (only the ``remote`` experts where given) outside the
+    ``keep`` largest."""
+    v = a if remote is None else np.where(remote, a, 0.0)
+    return v.sum(-1) - np.sort(v, -1)[..., -keep:].sum(-1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results/bound_tightness.json")
+    args = ap.parse_args()
+    model = model_preset("gpt-oss-20b")
+    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=4)
+    batch = gpt_oss_batch(num_requests=256, seed=1).with_micro_batch_size(8)
+    P, r = cluster.gpus_per_node, 2
+    per_node = (model.num_experts // cluster.num_gpus + r) * P  # 24 experts a node holds in a cell
+    homed = model.num_experts // cluster.nodes  # 16 of them its homes
+    rep = JsonReport(Path(args.out), environment=environment(), command="bench/bound_tightness.py")
+    bal = plan_batch(batch, model, cluster, "balanced", replica_slots=r, seed=1)
+    plan = plan_batch(batch, model, cluster, "relibra", replica_slots=r, seed=1, migration=False,
+                      price_replicas=False)
+    counts = np.asarray(batch.sample_expert_counts(), dtype=np.float64)  # [N, L, E]
+    sec = 2.0 * cluster.rates(model).rdma_sec_per_pair
+    hn = plan.placement.expert_gpu // P  # [L, E] home node
+    mb = np.asarray(plan.samples.micro_batch)
+    terms = {"present": bound_terms(batch, model, cluster, r, micro_batch=bound_micro_batch(bal, batch)).comm.sum()}
+    any24 = own_mean = own_max = 0.0
+    for m in range(int(mb.max()) + 1):
+        idx = np.flatnonzero(mb == m)
+        b_any, b_mean, b_max = (np.full(counts.shape[1], np.inf) for _ in range(3))
+        for bits in range(2 ** len(idx)):
+            side = (bits >> np.arange(len(idx))) & 1
+            a, b = counts[idx[side == 0]].sum(0), counts[idx[side == 1]].sum(0)  # [L, E]
+            b_any = np.minimum(b_any, np.maximum(_left(a, None, per_node), _left(b, None, per_node)))
+            la, lb = _left(a, hn != 0, per_node - homed), _left(b, hn != 1, per_node - homed)
+            b_mean, b_max = np.minimum(b_mean, (la + lb) / 2), np.minimum(b_max, np.maximum(la, lb))
+        any24, own_mean, own_max = any24 + b_any.sum(), own_mean + b_mean.sum(), own_max + b_max.sum()
+    terms.update(node_any_24=sec * any24 / P, node_own_homes_mean=sec * own_mean / P,
+                 node_own_homes_max=sec * own_max / P)
+    f = np.stack([_left(counts, (hn != n)[None], per_node - homed) for n in range(cluster.nodes)], -1).min(-1)
+    terms["worst_sample_own_homes"] = sec * sum(f[mb == m].max(0).sum() for m in range(int(mb.max()) + 1))
+    x = plan_loads(plan, batch, cluster.num_gpus).astype(float)  # [M, L, G, E]
+    node = np.arange(cluster.num_gpus) // P
+    home = (plan.placement.expert_gpu[:, :, None] == np.arange(cluster.num_gpus)).astype(float)
+    found = enumerated = 0.0
+    for m in range(x.shape[0]):
+        found += _rdma_proxy(x[m], node[plan.placement.expert_gpu], home, node, P * r)
+        best = np.inf
+        for first in itertools.combinations(range(cluster.num_gpus), P):  # the cells that run on node 0
+            to = np.empty(cluster.num_gpus, np.int64)  # cell g runs on GPU to[g]
+            to[list(first)] = np.arange(P)
+            to[[g for g in range(cluster.num_gpus) if g not in first]] = np.arange(P, cluster.num_gpus)
+            xc = np.empty_like(x[m])
+            xc[:, to] = x[m]
+            best = min(best, _rdma_proxy(xc, node[plan.placement.expert_gpu], home, node, P * r))
+        enumerated += best
+    terms.update(relocation_proxy_found=sec * found, relocation_proxy_enumerated=sec * enumerated)
+    rng = np.random.default_rng(0)
+    G, E, reps = cluster.num_gpus, model.num_experts, plan.replicas.replica_expert
+    eg = plan.placement.expert_gpu
+    before = after = 0.0
+    for m, layer in itertools.product(range(0, x.shape[0], 4), range(0, x.shape[1], 3)):
+        cur = reps[m, layer].copy()
+        t = locality_split(x[m, layer], eg[layer], cur, model, cluster).t_moe
+        before += t
+        for _ in range(80):
+            new, g, s = cur.copy(), int(rng.integers(G)), int(rng.integers(r))
+            kind, n = int(rng.integers(3)), g // P
+            if kind == 0:
+                e = int(rng.integers(E))
+            elif kind == 1:
+                h, s2 = n * P + int(rng.integers(P)), int(rng.integers(r))
+                new[g, s], new[h, s2] = cur[h, s2], cur[g, s]
+                e = None
+            else:
+                held = cur[n * P:(n + 1) * P].ravel()
+                if not (held >= 0).any():
+                    continue
+                e = int(rng.choice(held[held >= 0]))
+            if e is not None:
+                if eg[layer, e] == g or (cur[g] == e).any():
+                    continue
+                new[g, s] = e
+            if any(e_ >= 0 and (eg[layer, e_] == k or (new[k] == e_).sum() > 1) for k in range(G) for e_ in new[k]):
+                continue  # a copy on its home or twice on one GPU
+            t2 = locality_split(x[m, layer], eg[layer], new, model, cluster).t_moe
+            if t2 < t - 1e-12:
+                t, cur = t2, new
+        after += t
+    rep.set("slot_search", {"cells": 64, "t_moe_s_before": before, "t_moe_s_after": after,
+                            "gain": 1.0 - after / before})
+    print(f"slot search on 64 cells: T_MoE {before:.6f} -> {after:.6f} s ({100 * (1 - after / before):.1f}% lower)")
+    for k, v in terms.items():
+        rep.set("comm_fwd_s", k, float(v))
+        print(f"{k:30s} {v:.4f} s")
+
+
+if __name__ == "__main__":
+    main()
