@@ -50,6 +50,7 @@ from ..sample_placements import SAMPLE_PLACEMENTS, place_samples
 from . import baselines
 from .annealing import finish_inter
 from .bounds import global_replica_step_lower_bound, replicated_step_lower_bound
+from .colocation import COLOCATE_MAX_WORK, colocate, colocation_work
 from .context import PlanContext, eplb_layout, eplb_parts, make_plan, previous_expert_gpu
 from .evaluation import CandidateStep
 from .locality_replicas import (
@@ -270,6 +271,36 @@ def _add_locality(pf: _Candidates) -> None:
     bound = global_replica_step_lower_bound(ctx, eg, mb, sg_c, x, pf.previous, pf.opb)
     _add_unless_pruned(pf, "locality-per-micro-batch", bound, lambda: (eg, mb, sg_c, locality_replicas(
         x, eg, ctx.model, ctx.cluster, r, False, ctx.executor)))
+    _add_colocated(pf)
+
+
+def _add_colocated(pf: _Candidates) -> None:
+    """The locality candidates on co-located homes and cells (``colocation.colocate`` from relibra's own plan):
+    ``colocated-resident`` (with several micro-batches and option ``resident_replicas``) and
+    ``colocated-per-micro-batch`` (both on the same homes and samples, so under one bound), each pruned like the
+    others; only where
+    ``colocation_work`` is at most ``COLOCATE_MAX_WORK`` (the caller checked the loads' size and the deadline).
+    With trainer-owned samples only the homes change; with ``keep_cell_sizes`` only cells of equal counts swap."""
+    ctx = pf.ctx
+    M, L, G, r = ctx.num_micro_batches, ctx.model.num_layers, ctx.cluster.num_gpus, ctx.replica_slots
+    if colocation_work(M, L, G, ctx.model.num_experts, ctx.cluster.gpus_per_node * r) > COLOCATE_MAX_WORK:
+        return
+    eg, mb, sg, _ = pf.own
+    counts = np.bincount(mb * G + sg, minlength=M * G).reshape(M, G)
+    t0 = time.perf_counter()
+    homes, where = colocate(pf.loads_of(mb, sg), eg, ctx.model, ctx.cluster, r,
+                            cell_counts=counts if ctx.options.keep_cell_sizes else None,
+                            move_cells=not ctx.trainer_owned)
+    pf.timing["portfolio_colocate_s"] = time.perf_counter() - t0
+    sg_c = where[mb, sg].astype(np.int64)
+    x = pf.loads_of(mb, sg_c)
+    bound = global_replica_step_lower_bound(ctx, homes, mb, sg_c, x, pf.previous, pf.opb)
+    for resident in ([True] if M >= 2 and ctx.options.resident_replicas else []) + [False]:
+        if ctx.executor.expired:
+            return
+        name = "colocated-" + ("resident" if resident else "per-micro-batch")
+        _add_unless_pruned(pf, name, bound, lambda res=resident: (homes, mb, sg_c, locality_replicas(
+            x, homes, ctx.model, ctx.cluster, r, res, ctx.executor)))
 
 
 def _relocated(pf: _Candidates, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray

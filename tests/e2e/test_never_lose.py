@@ -159,7 +159,8 @@ def test_portfolio_option_off_keeps_relibras_own_plan():
     pf = on.stats.portfolio
     offered = set(pf.step_s) | set(pf.pruned or {})
     places = ("@length-balanced", "@longest-first")
-    core = {"relibra", "relibra-inter", "locality-resident", "locality-per-micro-batch",
+    core = {"relibra", "relibra-inter", "locality-resident", "locality-per-micro-batch", "colocated-resident",
+            "colocated-per-micro-batch",
             *(b + p for b in ("previous", "static", "eplb", "lplb") for p in ("", *places)),
             *("previous-locality" + p for p in ("@round-robin", *places))}
     # relibra's homes with a placement's samples: left out where they are the previous homes (the same plan)
