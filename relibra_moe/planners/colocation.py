@@ -123,6 +123,15 @@ def _top_after(s: np.ndarray, k: int, out_v: float, in_v: float) -> float:
 
 
 @njit(cache=True)
+def _sum_row_max(a: np.ndarray) -> float:
+    """``sum_i max_j a[i, j]`` of a float64 ``[I, J]``."""
+    total = 0.0
+    for i in range(a.shape[0]):
+        total += a[i].max()
+    return total
+
+
+@njit(cache=True)
 def _homes_node_sweeps(xn: np.ndarray, hn: np.ndarray, k: int, max_sweeps: int) -> float:
     """Step 1's expert swaps for one layer: ``xn [M, nodes, E]`` node tokens, ``hn [E]`` home nodes (updated in
     place). Returns ``sum_m max_n left``."""
@@ -137,9 +146,7 @@ def _homes_node_sweeps(xn: np.ndarray, hn: np.ndarray, k: int, max_sweeps: int) 
                 if hn[e] != n:
                     rem[m, n] += xn[m, n, e]
             left[m, n] = rem[m, n] - _top_sum(srt[m, n], k)
-    cur = 0.0
-    for m in range(M):
-        cur += left[m].max()
+    cur = _sum_row_max(left)
     new_a = np.zeros(M)
     new_b = np.zeros(M)
     for _ in range(max_sweeps):
@@ -177,6 +184,22 @@ def _homes_node_sweeps(xn: np.ndarray, hn: np.ndarray, k: int, max_sweeps: int) 
 
 
 @njit(cache=True)
+def _swap_cells(x: np.ndarray, xn: np.ndarray, left: np.ndarray, where: np.ndarray, hn: np.ndarray, c1: int, c2: int,
+                P: int, k: int, buf: np.ndarray) -> None:
+    """Swap the GPUs of cells ``c1`` and ``c2`` (``_cells_node_swaps``' state, updated in place: node loads ``xn
+    [L, nodes, E]``, ``left [L, nodes]``, ``where [G]``)."""
+    a, b = where[c1] // P, where[c2] // P
+    for layer in range(x.shape[0]):
+        for e in range(x.shape[2]):
+            d = x[layer, c2, e] - x[layer, c1, e]
+            xn[layer, a, e] += d
+            xn[layer, b, e] -= d
+        left[layer, a] = _node_left(xn[layer, a], hn[layer], a, k, buf)
+        left[layer, b] = _node_left(xn[layer, b], hn[layer], b, k, buf)
+    where[c1], where[c2] = where[c2], where[c1]
+
+
+@njit(cache=True)
 def _cells_node_swaps(x: np.ndarray, where: np.ndarray, hn: np.ndarray, counts: np.ndarray, P: int, k: int,
                       max_passes: int) -> float:
     """Step 1's cell swaps for one micro-batch, Kernighan-Lin passes: ``x [L, G, E]`` the loads of its cells (by
@@ -194,9 +217,7 @@ def _cells_node_swaps(x: np.ndarray, where: np.ndarray, hn: np.ndarray, counts: 
     for layer in range(L):
         for n in range(nodes):
             left[layer, n] = _node_left(xn[layer, n], hn[layer], n, k, buf)
-    cur = 0.0
-    for layer in range(L):
-        cur += left[layer].max()
+    cur = _sum_row_max(left)
     va = np.zeros(E)
     vb = np.zeros(E)
     for _ in range(max_passes):
@@ -227,31 +248,14 @@ def _cells_node_swaps(x: np.ndarray, where: np.ndarray, hn: np.ndarray, counts: 
                         top, bc1, bc2 = tot, c1, c2
             if bc1 < 0:
                 break
-            a, b = where[bc1] // P, where[bc2] // P
-            for layer in range(L):
-                for e in range(E):
-                    d = x[layer, bc2, e] - x[layer, bc1, e]
-                    xn[layer, a, e] += d
-                    xn[layer, b, e] -= d
-                left[layer, a] = _node_left(xn[layer, a], hn[layer], a, k, buf)
-                left[layer, b] = _node_left(xn[layer, b], hn[layer], b, k, buf)
-            where[bc1], where[bc2] = where[bc2], where[bc1]
+            _swap_cells(x, xn, left, where, hn, bc1, bc2, P, k, buf)
             locked[bc1] = locked[bc2] = True
             sw1[steps], sw2[steps] = bc1, bc2
             steps += 1
             if top < best_val - 1e-9 * max(best_val, 1.0):
                 best_val, best_len = top, steps
         for i in range(steps - 1, best_len - 1, -1):  # undo the swaps after the best prefix
-            c1, c2 = sw1[i], sw2[i]
-            a, b = where[c1] // P, where[c2] // P
-            for layer in range(L):
-                for e in range(E):
-                    d = x[layer, c2, e] - x[layer, c1, e]
-                    xn[layer, a, e] += d
-                    xn[layer, b, e] -= d
-                left[layer, a] = _node_left(xn[layer, a], hn[layer], a, k, buf)
-                left[layer, b] = _node_left(xn[layer, b], hn[layer], b, k, buf)
-            where[c1], where[c2] = where[c2], where[c1]
+            _swap_cells(x, xn, left, where, hn, sw1[i], sw2[i], P, k, buf)
         if best_len == 0:
             break
         cur = best_val
