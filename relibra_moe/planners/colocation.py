@@ -16,8 +16,8 @@ locality with its own homes, so neither is chosen for what the copies leave. Her
    experts on different GPUs of a node swap while that lowers ``sum_m (w_rdma max_g max(tx_g, rx_g) + max_g
    comp_g)`` in tokens (``split.cell_weights``): each node copying as in step 1, ``tx_g`` the cell's tokens for the
    remote experts its node does not copy, ``rx_g`` the other nodes' such tokens for the experts g homes, ``comp_g``
-   the tokens g's homes serve (their node's, less what it copies of nothing, and the others' not copied there)
-   plus an even share of its node's copies.
+   the tokens g's homes serve (all of their own node's and the other nodes' not copied there) plus an even share
+   of its node's copies.
 3. **Cells on GPUs.** ``locality_replicas.relocate_cells`` (its per-GPU send / receive objective) on the new homes,
    for at most ``RELOCATE_MAX_GPUS`` GPUs.
 
@@ -40,8 +40,10 @@ __all__ = ["colocate", "colocation_work", "COLOCATE_MAX_WORK"]
 
 COLOCATE_MAX_WORK = 2.0e9
 """The portfolio co-locates only where ``colocation_work`` (an estimate of one round's inner-loop steps) is at most
-this: ~15 s on one core for GPT-OSS-20B at EP 2 x 4 (32 micro-batches) is far below it; the paper-scale
-Qwen3-235B at EP 4 x 8 is above it."""
+this. Measured on 2 cores: GPT-OSS-20B at EP 2 x 4 (32 micro-batches, 24 layers) is 0.02e9 (0.3 s once compiled),
+qwen3-30b at EP 16 (16 micro-batches, 48 layers) 0.63e9 (6-7 s), a 4-layer Qwen3-235B at EP 4 x 8 (32
+micro-batches) 0.57e9; the whole 94-layer Qwen3-235B there, 13.5e9, is above it (its loads also exceed
+``MAX_LOADS_ENTRIES``)."""
 
 
 def colocation_work(num_micro_batches: int, num_layers: int, num_gpus: int, num_experts: int,
