@@ -10,8 +10,9 @@ locality with its own homes, so neither is chosen for what the copies leave. Her
 1. **Nodes.** Alternately, until a round lowers nothing (at most ``rounds``): per layer, two experts homed on
    different nodes swap nodes while that lowers ``sum_m max_n left[m, n]`` (first improvement, whole sweeps),
    ``left`` being node n's tokens of micro-batch m for the experts homed on other nodes less the ``P x r`` of most
-   tokens (the copies it would hold); then per micro-batch, two whole cells on different nodes swap GPUs, the best
-   swap first, while that lowers the same sum over the layers (with ``cell_counts``, only cells of equal counts).
+   tokens (the copies it would hold); then per micro-batch, Kernighan-Lin passes of whole-cell swaps across nodes
+   on the same sum over the layers (a pass swaps the best pair not yet moved in it, even at a cost, and keeps its
+   best prefix; passes repeat while one gains; with ``cell_counts``, only cells of equal counts swap).
 2. **GPUs.** Per layer, each node's experts go ``E / G`` to a GPU, largest first snaking over its GPUs; then two
    experts on different GPUs of a node swap while that lowers ``sum_m (w_rdma max_g max(tx_g, rx_g) + max_g
    comp_g)`` in tokens (``split.cell_weights``): each node copying as in step 1, ``tx_g`` the cell's tokens for the
@@ -354,21 +355,20 @@ def colocate(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: C
     where = np.tile(np.arange(G, dtype=np.int64), (M, 1))
     hn = np.ascontiguousarray(expert_gpu // P)
     counts = np.zeros((M, G), np.int64) if cell_counts is None else np.asarray(cell_counts, np.int64)
-    xm = x
     best = np.inf
     for _ in range(max(int(rounds), 1)):
-        xn = _node_loads(xm, where, P, nodes)  # [M, L, nodes, E]
+        xn = _node_loads(x, where, P, nodes)  # [M, L, nodes, E]
         for layer in range(L if move_homes else 0):
             _homes_node_sweeps(np.ascontiguousarray(xn[:, layer]), hn[layer], K, max_sweeps)
         if move_cells and nodes > 1:
             for m in range(M):
-                _cells_node_swaps(xm[m], where[m], hn, counts[m], P, K, G)
-        obj = _node_objective(_node_loads(xm, where, P, nodes), hn, K)
+                _cells_node_swaps(x[m], where[m], hn, counts[m], P, K, G)
+        obj = _node_objective(_node_loads(x, where, P, nodes), hn, K)
         if obj >= best - 1e-9 * max(best, 1.0):
             break
         best = obj
-    xg = np.empty_like(xm)  # the cells at their new GPUs
-    xg[np.arange(M)[:, None], :, where] = xm.transpose(0, 2, 1, 3)
+    xg = np.empty_like(x)  # the cells at their new GPUs
+    xg[np.arange(M)[:, None], :, where] = x.transpose(0, 2, 1, 3)
     homes = _gpu_homes(xg, hn, model, cluster, K, max_sweeps) if move_homes else expert_gpu
     if move_cells and nodes > 1 and G <= RELOCATE_MAX_GPUS:
         moved = np.empty_like(counts)
@@ -393,7 +393,7 @@ def _node_objective(xn: np.ndarray, hn: np.ndarray, K: int) -> float:
     nodes = xn.shape[2]
     remote = hn[None, :, None, :] != np.arange(nodes)[None, None, :, None]
     v = np.where(remote, xn, 0.0)
-    left = v.sum(-1) - np.sort(v, axis=-1)[..., v.shape[-1] - K:].sum(-1) if K else v.sum(-1)
+    left = v.sum(-1) - np.sort(v, axis=-1)[..., max(v.shape[-1] - K, 0):].sum(-1) if K else v.sum(-1)
     return float(left.max(axis=-1).sum())
 
 

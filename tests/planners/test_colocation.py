@@ -179,3 +179,17 @@ def test_no_colocation_on_one_node_or_past_the_work_limit(monkeypatch):
     monkeypatch.setattr("relibra_moe.planners.portfolio.COLOCATE_MAX_WORK", 0.0)
     capped = plan_with_options(batch, MODEL, CLUSTER, "relibra", opts).stats.portfolio
     assert not any(k.startswith("colocated") for k in [*capped.step_s, *(capped.pruned or {})])
+
+
+@pytest.mark.parametrize("k", [0, 3, 8, 13])
+def test_node_objective_matches_the_loop_for_any_copy_count(k):
+    """Including more copies than remote experts (every remote token covered)."""
+    x = _random_cells(7)
+    where = np.array([[0, 1, 2, 3], [2, 3, 0, 1], [1, 2, 3, 0]])
+    hn = np.array([[0, 1, 0, 1, 0, 1, 0, 1], [1, 1, 0, 0, 1, 0, 1, 0]])
+    got = col._node_objective(col._node_loads(x, where, 2, 2), hn, k)
+    assert got == pytest.approx(_objective_ref(x, where, hn, 2, k), abs=1e-9)
+    xn = col._node_loads(x, where, 2, 2)
+    sweeps = sum(col._homes_node_sweeps(np.ascontiguousarray(xn[:, layer]), hn[layer].copy(), k, 0)
+                 for layer in range(2))
+    assert sweeps == pytest.approx(got, abs=1e-9)  # the kernels' bookkeeping, no swap taken
