@@ -34,7 +34,7 @@ import numpy as np
 from numba import njit
 
 from ..specs import ClusterSpec, ModelSpec
-from .locality_replicas import RELOCATE_MAX_GPUS, relocate_cells
+from .locality_replicas import RELOCATE_MAX_GPUS, node_copies, relocate_cells
 from .split import cell_weights
 
 __all__ = ["colocate", "colocation_work", "COLOCATE_MAX_WORK"]
@@ -356,14 +356,15 @@ def colocate(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: C
     hn = np.ascontiguousarray(expert_gpu // P)
     counts = np.zeros((M, G), np.int64) if cell_counts is None else np.asarray(cell_counts, np.int64)
     best = np.inf
+    xn = _node_loads(x, where, P, nodes)  # [M, L, nodes, E]
     for _ in range(max(int(rounds), 1)):
-        xn = _node_loads(x, where, P, nodes)  # [M, L, nodes, E]
         for layer in range(L if move_homes else 0):
             _homes_node_sweeps(np.ascontiguousarray(xn[:, layer]), hn[layer], K, max_sweeps)
         if move_cells and nodes > 1:
             for m in range(M):
                 _cells_node_swaps(x[m], where[m], hn, counts[m], P, K, G)
-        obj = _node_objective(_node_loads(x, where, P, nodes), hn, K)
+            xn = _node_loads(x, where, P, nodes)
+        obj = _node_objective(xn, hn, K)
         if obj >= best - 1e-9 * max(best, 1.0):
             break
         best = obj
@@ -407,13 +408,8 @@ def _gpu_homes(x: np.ndarray, hn: np.ndarray, model: ModelSpec, cluster: Cluster
     node = np.arange(G) // P
     xn = x.reshape(M, L, nodes, P, E).sum(axis=3)  # [M, L, nodes, E]
     remote = hn[None, :, None, :] != np.arange(nodes)[None, None, :, None]  # [1, L, nodes, E]
-    v = np.where(remote, xn, 0.0)
-    copied = np.zeros(v.shape, bool)
-    if K:
-        order = np.argsort(-v, axis=-1, kind="stable")[..., :K]
-        np.put_along_axis(copied, order, True, axis=-1)
-        copied &= v > 0
-    cross = np.where(copied, 0.0, v)  # [M, L, nodes, E]: node n's tokens of e that cross to e's home
+    copied = node_copies(xn, remote, K)  # [M, L, nodes, E]
+    cross = np.where(remote & ~copied, xn, 0.0)  # [M, L, nodes, E]: node n's tokens of e that cross to e's home
     homes = np.empty((L, E), np.int64)
     for layer in range(L):
         rx_e = cross[:, layer].sum(axis=1)  # [M, E]

@@ -44,7 +44,7 @@ from .executor import TaskExecutor, TaskFailed, default_executor
 from .split import SplitSolution, check_loads_homes, lp_split_for_holders
 
 __all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas", "locality_layers_task",
-           "relocate_cells",
+           "relocate_cells", "node_copies",
            "MAX_LOADS_ENTRIES", "RESIDENT_MAX_LOADS_ENTRIES", "RELOCATE_MAX_GPUS"]
 
 MAX_LOADS_ENTRIES = 4_000_000
@@ -208,13 +208,21 @@ def _rdma_proxy(xc: np.ndarray, hn: np.ndarray, home: np.ndarray, node: np.ndarr
     nodes = int(node.max()) + 1
     xn = np.stack([xc[:, node == n].sum(axis=1) for n in range(nodes)], axis=1)  # [L, nodes, E]
     remote = hn[:, None, :] != np.arange(nodes)[None, :, None]
-    order = np.argsort(-np.where(remote, xn, -1.0), axis=-1, kind="stable")[..., :capacity]
-    copied = np.zeros(remote.shape, bool)
-    np.put_along_axis(copied, order, True, axis=-1)
-    left = remote & ~(copied & (xn > 0))  # [L, nodes, E]: a node's tokens of e cross nodes
+    left = remote & ~node_copies(xn, remote, capacity)  # [L, nodes, E]: a node's tokens of e cross nodes
     tx = (xc * left[:, node, :]).sum(axis=-1)  # [L, G]
     rx = np.einsum("lne,leg->lg", xn * left, home)
     return float(np.maximum(tx.max(axis=-1), rx.max(axis=-1)).sum())
+
+
+def node_copies(xn: np.ndarray, remote: np.ndarray, capacity: int) -> np.ndarray:
+    """bool ``[..., nodes, E]``: the experts each node copies when it copies the ``capacity`` remote experts its
+    tokens route to most (node tokens ``xn [..., nodes, E]``, ``remote`` the experts homed on other nodes, the two
+    broadcast together; ties by expert index), only those with tokens."""
+    xn, remote = np.broadcast_arrays(np.asarray(xn, dtype=np.float64), np.asarray(remote, dtype=bool))
+    order = np.argsort(-np.where(remote, xn, -1.0), axis=-1, kind="stable")[..., :capacity]
+    copied = np.zeros(xn.shape, bool)
+    np.put_along_axis(copied, order, True, axis=-1)
+    return copied & remote & (xn > 0)
 
 
 def relocate_cells(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, replica_slots: int,

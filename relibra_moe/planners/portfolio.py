@@ -286,11 +286,9 @@ def _add_colocated(pf: _Candidates) -> None:
     if colocation_work(M, L, G, ctx.model.num_experts, ctx.cluster.gpus_per_node * r) > COLOCATE_MAX_WORK:
         return
     eg, mb, sg, _ = pf.own
-    counts = np.bincount(mb * G + sg, minlength=M * G).reshape(M, G)
     t0 = time.perf_counter()
     homes, where = colocate(pf.loads_of(mb, sg), eg, ctx.model, ctx.cluster, r,
-                            cell_counts=counts if ctx.options.keep_cell_sizes else None,
-                            move_cells=not ctx.trainer_owned)
+                            cell_counts=_kept_cell_counts(ctx, mb, sg), move_cells=not ctx.trainer_owned)
     pf.timing["portfolio_colocate_s"] = time.perf_counter() - t0
     sg_c = where[mb, sg].astype(np.int64)
     x = pf.loads_of(mb, sg_c)
@@ -308,11 +306,18 @@ def _relocated(pf: _Candidates, expert_gpu: np.ndarray, micro_batch: np.ndarray,
     """int64 ``[N]``: the samples' GPUs after ``locality_replicas.relocate_cells`` (whole cells swap GPUs within
     their micro-batch; with ``keep_cell_sizes`` only cells of equal counts)."""
     ctx = pf.ctx
-    M, G = ctx.num_micro_batches, ctx.cluster.num_gpus
-    counts = np.bincount(micro_batch * G + sample_gpu, minlength=M * G).reshape(M, G)
     gmap = relocate_cells(pf.loads_of(micro_batch, sample_gpu), expert_gpu, ctx.cluster, ctx.replica_slots,
-                          counts if ctx.options.keep_cell_sizes else None)
+                          _kept_cell_counts(ctx, micro_batch, sample_gpu))
     return gmap[micro_batch, sample_gpu].astype(np.int64)
+
+
+def _kept_cell_counts(ctx: PlanContext, micro_batch: np.ndarray, sample_gpu: np.ndarray) -> np.ndarray | None:
+    """int64 ``[M, G]`` samples per (micro-batch, GPU) cell when option ``keep_cell_sizes`` allows only swaps of
+    cells of equal counts (``relocate_cells``, ``colocate``); None without it (any two cells may swap)."""
+    if not ctx.options.keep_cell_sizes:
+        return None
+    M, G = ctx.num_micro_batches, ctx.cluster.num_gpus
+    return np.bincount(micro_batch * G + sample_gpu, minlength=M * G).reshape(M, G)
 
 
 def _add_balancers(pf: _Candidates) -> None:
