@@ -33,7 +33,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..errors import PlanError
+from ..plan import Placement
 from ..specs import ClusterSpec, ModelSpec
+from ..validate import check_int, check_token_counts
 from .locality_replicas import RELOCATE_MAX_GPUS, node_copies, relocate_cells
 from .split import cell_weights
 
@@ -346,10 +349,25 @@ def colocate(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: C
     Returns:
         ``(homes, where)``: int64 ``[L, E]`` the new homes (``E / G`` per GPU), int64 ``[M, G]`` the GPU each
         cell (micro-batch m, GPU g of ``x``) runs on: a permutation of its micro-batch's GPUs (identity with
-        ``move_cells=False``)."""
+        ``move_cells=False``).
+
+    Raises:
+        PlanError: ``x`` not ``[M, L, G, E]`` of the model and cluster or not finite counts >= 0, homes not ``[L,
+            E]`` with ``E / G`` on every GPU, ``cell_counts`` not ``[M, G]``, ``replica_slots`` < 0, ``rounds`` < 1
+            or ``max_sweeps`` < 0 (each named with its value)."""
     x = np.ascontiguousarray(x, dtype=np.float64)
     expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
-    M, L, G, E = x.shape
+    L, E, G = model.num_layers, model.num_experts, cluster.num_gpus
+    if x.ndim != 4 or x.shape[1:] != (L, G, E):
+        raise PlanError(f"x has shape {x.shape}, expected [M, L={L}, G={G}, E={E}]")
+    check_token_counts("x", x)
+    Placement(expert_gpu).validate(model, cluster)
+    check_int("replica_slots", replica_slots, 0)
+    check_int("rounds", rounds, 1)
+    check_int("max_sweeps", max_sweeps, 0)
+    M = x.shape[0]
+    if cell_counts is not None and np.shape(cell_counts) != (M, G):
+        raise PlanError(f"cell_counts has shape {np.shape(cell_counts)}, expected [M={M}, G={G}]")
     P, nodes = cluster.gpus_per_node, cluster.nodes
     K = P * int(replica_slots)
     where = np.tile(np.arange(G, dtype=np.int64), (M, 1))
@@ -357,7 +375,7 @@ def colocate(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: C
     counts = np.zeros((M, G), np.int64) if cell_counts is None else np.asarray(cell_counts, np.int64)
     best = np.inf
     xn = _node_loads(x, where, P, nodes)  # [M, L, nodes, E]
-    for _ in range(max(int(rounds), 1)):
+    for _ in range(int(rounds)):
         for layer in range(L if move_homes else 0):
             _homes_node_sweeps(np.ascontiguousarray(xn[:, layer]), hn[layer], K, max_sweeps)
         if move_cells and nodes > 1:

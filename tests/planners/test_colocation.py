@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from relibra_moe.errors import PlanError
 from relibra_moe.evaluate import plan_flow, plan_loads
 from relibra_moe.planners import colocation as col
 from relibra_moe.planners.evaluation import SIMULATED_STEP
-from relibra_moe.planners.locality_replicas import locality_replicas
+from relibra_moe.planners.locality_replicas import locality_replicas, node_copies
 from relibra_moe.planners.options import PlanOptions
 from relibra_moe.planners.strategies import plan_with_options
 from relibra_moe.specs import ClusterSpec, ModelSpec
@@ -193,3 +194,35 @@ def test_node_objective_matches_the_loop_for_any_copy_count(k):
     sweeps = sum(col._homes_node_sweeps(np.ascontiguousarray(xn[:, layer]), hn[layer].copy(), k, 0)
                  for layer in range(2))
     assert sweeps == pytest.approx(got, abs=1e-9)  # the kernels' bookkeeping, no swap taken
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=np.zeros((2, 2, 4))), r"x has shape \(2, 2, 4\), expected \[M, L=2, G=4, E=8\]"),
+    (dict(x=np.zeros((2, 2, 3, 8))), r"x has shape \(2, 2, 3, 8\), expected"),
+    (dict(x=np.full((2, 2, 4, 8), -1.0)), "x"),
+    (dict(homes=np.zeros((2, 8), np.int64)), "expert_gpu"),
+    (dict(homes=np.zeros((1, 8), np.int64)), r"expert_gpu has shape \(1, 8\)"),
+    (dict(r=-1), "replica_slots"),
+    (dict(rounds=0), "rounds"),
+    (dict(max_sweeps=-2), "max_sweeps"),
+    (dict(cell_counts=np.zeros((3, 4), np.int64)), r"cell_counts has shape \(3, 4\), expected \[M=2, G=4\]"),
+])
+def test_bad_inputs_raise_a_plan_error_naming_them(change, match):
+    args = dict(x=np.ones((2, 2, 4, 8)), homes=np.tile(np.arange(8) // 2, (2, 1)), r=1, rounds=8, max_sweeps=50,
+                cell_counts=None)
+    args.update(change)
+    with pytest.raises(PlanError, match=match):
+        col.colocate(args["x"], args["homes"], MODEL, CLUSTER, args["r"], rounds=args["rounds"],
+                     max_sweeps=args["max_sweeps"], cell_counts=args["cell_counts"])
+
+
+def test_node_copies_by_hand():
+    """Node 0 homes experts 0-1, node 1 experts 2-3; two copies a node: node 0 copies the remote 3 (5 tokens) and 2
+    (2), not its own 0; node 1 copies 0 (4) but not 1 (no tokens), and with one copy a tie (3 = 3) goes to the
+    lower expert."""
+    xn = np.array([[9.0, 1.0, 2.0, 5.0], [4.0, 0.0, 7.0, 7.0]])
+    remote = np.array([[False, False, True, True], [True, True, False, False]])
+    np.testing.assert_array_equal(node_copies(xn, remote, 2), [[False, False, True, True], [True, False, False, False]])
+    tie = np.array([[0.0, 0.0, 3.0, 3.0]])
+    np.testing.assert_array_equal(node_copies(tie, remote[:1], 1), [[False, False, True, False]])
+    assert not node_copies(xn, remote, 0).any()
