@@ -14,7 +14,9 @@ NVLink one (or none). This module builds such plans on fixed homes and samples (
    untaken one of its node while that lowers the objective. A node's slots left over hold copies of
    its own hottest experts (a second holder in the node, for compute balance). Inside a node the copies go
    largest first to the GPU with the least expected compute (its homes' tokens plus the copies it was given)
-   that has a free slot and neither homes nor holds the expert.
+   that has a free slot and neither homes nor holds the expert; then slots of one node swap their experts while
+   a proxy of the split's cost falls (``_swap_slots``: a copy beside the samples that use it, beside homes of
+   little load).
 2. **Cells** (``relocate_cells``, per-micro-batch version, when the planner places the samples): per
    micro-batch, whole (micro-batch, GPU) cells swap GPUs across nodes, best swap first, while the largest
    cross-node send or receive left after each node's copies of most tokens falls (summed over the layers); a
@@ -38,13 +40,14 @@ import math
 import numpy as np
 from numba import njit
 
+from ..cost import DEFAULT_BETA
 from ..plan import ReplicaPlan
 from ..specs import ClusterSpec, ModelSpec
 from .executor import TaskExecutor, TaskFailed, default_executor
-from .split import SplitSolution, check_loads_homes, lp_split_for_holders
+from .split import SplitSolution, add_flow, cell_weights, check_loads_homes, lp_split_for_holders, smooth_units
 
 __all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas", "locality_layers_task",
-           "relocate_cells", "node_copies",
+           "relocate_cells", "node_copies", "SLOT_SWAP_PASSES",
            "MAX_LOADS_ENTRIES", "RESIDENT_MAX_LOADS_ENTRIES", "RELOCATE_MAX_GPUS"]
 
 MAX_LOADS_ENTRIES = 4_000_000
@@ -56,6 +59,9 @@ RESIDENT_MAX_LOADS_ENTRIES = 16_000_000
 Qwen3-235B (94 layers, 32 micro-batches, EP 32) is 12.3M; its resident candidate takes ~55-60 s of planning on
 2 cores (``workers=2``; the exact split LP per cell is most of it; BENCHMARKS.md). The per-micro-batch one, which
 also places the slots per cell and relocates the cells (~150 s there), stays within ``MAX_LOADS_ENTRIES``."""
+SLOT_SWAP_PASSES = 8
+"""``locality_slots`` ends with at most this many passes of in-node slot swaps (``_swap_slots``); each pass tries
+every pair of slots on two GPUs of one node once, and a pass that improves nothing ends the search."""
 RELOCATE_MAX_GPUS = 16
 """``relocate_cells`` runs for at most this many GPUs (its swaps grow as ``G^3`` per micro-batch)."""
 
@@ -146,9 +152,11 @@ def _exchange_values(tx: np.ndarray, rx: np.ndarray, d_tx: np.ndarray, d_rx: np.
     return out
 
 
-def locality_slots(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, replica_slots: int) -> np.ndarray:
+def locality_slots(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                   replica_slots: int, max_passes: int = SLOT_SWAP_PASSES) -> np.ndarray:
     """int32 ``[G, r]``: one layer's slots from the loads ``x [C, G, E]`` (tokens) of the C cells that share them,
-    homes ``expert_gpu [E]`` (module docstring, step 1); -1 where a slot stays empty."""
+    homes ``expert_gpu [E]`` (module docstring, step 1: the greedy, then ``max_passes`` passes of in-node slot
+    swaps, ``_swap_slots``); -1 where a slot stays empty."""
     x = np.asarray(x, dtype=np.float64)
     expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
     G, P, r = cluster.num_gpus, cluster.gpus_per_node, int(replica_slots)
@@ -174,7 +182,117 @@ def locality_slots(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, 
             rep[g, int(np.argmax(rep[g] == -1))] = e
             load[g] += w
             load[expert_gpu[e]] -= w
+    if max_passes > 0:
+        w8 = cell_weights(model, cluster)
+        _swap_slots(x, expert_gpu, rep, node, cluster.link_classes.astype(np.int64), w8.w_nv, w8.w_rdma,
+                    DEFAULT_BETA, int(max_passes))
     return rep
+
+
+@njit(cache=True)
+def _expert_holders(e, expert_gpu, rep, out):
+    """Fill ``out`` with the GPUs holding expert ``e`` (its home, then the slots of ``rep [G, r]`` that hold it, by
+    GPU) and return how many."""
+    out[0] = expert_gpu[e]
+    n = 1
+    for g in range(rep.shape[0]):
+        for s in range(rep.shape[1]):
+            if rep[g, s] == e:
+                out[n] = g
+                n += 1
+    return n
+
+
+@njit(cache=True)
+def _route_expert(agg, xc, e, hold, nh, node, cls, sign):
+    """Add ``sign`` x expert ``e``'s tokens of one cell (``xc [G, E]``) to ``agg [5, G]`` (``split.aggregates``'
+    comp / link rows) as the slot swaps' proxy routes them: a source that holds ``e`` keeps its tokens; else they
+    are shared evenly among the holders in its node; else they go to the home ``hold[0]``."""
+    for j in range(xc.shape[0]):
+        a = xc[j, e]
+        if a == 0.0:
+            continue
+        own, near = False, 0
+        for k in range(nh):
+            own = own or hold[k] == j
+            near += node[hold[k]] == node[j]
+        if own:
+            add_flow(agg, cls, j, j, sign * a)
+        elif near > 0:
+            for k in range(nh):
+                if node[hold[k]] == node[j]:
+                    add_flow(agg, cls, j, hold[k], sign * a / near)
+        else:
+            add_flow(agg, cls, j, hold[0], sign * a)
+
+
+@njit(cache=True)
+def _slots_objective(agg, w_nv, w_rdma, beta):
+    """The proxy summed over the cells: ``split.smooth_units`` (LSE-smoothed ``max comp + max comm``) of each
+    ``agg [C, 5, G]``."""
+    v = 0.0
+    for c in range(agg.shape[0]):
+        v += smooth_units(agg[c], w_nv, w_rdma, beta)
+    return v
+
+
+@njit(cache=True)
+def _swap_slots(x, expert_gpu, rep, node, cls, w_nv, w_rdma, beta, max_passes):
+    """In-node slot swaps of ``rep [G, r]`` (in place) for loads ``x [C, G, E]`` and homes ``expert_gpu [E]``:
+    which GPU of a node holds which of its copies. The greedy places the copies by expected compute only; the
+    split LP then shares each expert's tokens among its holders, and where the copies sit decides what that LP
+    can balance (a copy on the GPU whose own samples route to it most, beside homes of little load). A proxy of
+    the LP's cell cost routes every token by ``_route_expert`` and sums the LSE-smoothed ``max comp + max comm``
+    of the cells (``_slots_objective``); two slots on different GPUs of one node (one may be empty: a move)
+    exchange their experts, first improvement in (GPU, GPU, slot, slot) order, while a pass improves, at most
+    ``max_passes`` passes. Only the two experts' routes change, so a candidate costs ``O(C G)``."""
+    C, G, E = x.shape
+    r = rep.shape[1]
+    agg = np.zeros((C, 5, G))
+    hold = np.empty(G * r + 1, np.int64)
+    for e in range(E):
+        nh = _expert_holders(e, expert_gpu, rep, hold)
+        for c in range(C):
+            _route_expert(agg[c], x[c], e, hold, nh, node, cls, 1.0)
+    cur = _slots_objective(agg, w_nv, w_rdma, beta)
+    trial = np.empty_like(agg)
+    for _ in range(max_passes):
+        improved = False
+        for a in range(G):
+            for b in range(a + 1, G):
+                if node[a] != node[b]:
+                    continue
+                for sa in range(r):
+                    for sb in range(r):
+                        ea, eb = rep[a, sa], rep[b, sb]
+                        if ea == eb or (ea >= 0 and expert_gpu[ea] == b) or (eb >= 0 and expert_gpu[eb] == a):
+                            continue
+                        clash = False
+                        for s in range(r):
+                            clash = clash or (ea >= 0 and rep[b, s] == ea) or (eb >= 0 and rep[a, s] == eb)
+                        if clash:
+                            continue
+                        trial[:] = agg
+                        for e in (ea, eb):
+                            if e >= 0:
+                                nh = _expert_holders(e, expert_gpu, rep, hold)
+                                for c in range(C):
+                                    _route_expert(trial[c], x[c], e, hold, nh, node, cls, -1.0)
+                        rep[a, sa], rep[b, sb] = eb, ea
+                        for e in (ea, eb):
+                            if e >= 0:
+                                nh = _expert_holders(e, expert_gpu, rep, hold)
+                                for c in range(C):
+                                    _route_expert(trial[c], x[c], e, hold, nh, node, cls, 1.0)
+                        val = _slots_objective(trial, w_nv, w_rdma, beta)
+                        if val < cur - 1e-12 * abs(cur):
+                            cur = val
+                            agg[:] = trial
+                            improved = True
+                        else:
+                            rep[a, sa], rep[b, sb] = ea, eb
+        if not improved:
+            break
 
 
 def global_holders(expert_gpu: np.ndarray, replica_expert: np.ndarray) -> np.ndarray:
@@ -272,11 +390,11 @@ def locality_layers_task(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec
         M = x.shape[0]
         rep = np.full((M, x.shape[2], int(replica_slots)), -1, np.int32)
         if resident:
-            rep[:] = locality_slots(x[:, i], expert_gpu[i], cluster, replica_slots)[None]
+            rep[:] = locality_slots(x[:, i], expert_gpu[i], model, cluster, replica_slots)[None]
         rows, share = [], []
         for m in range(M):
             if not resident:
-                rep[m] = locality_slots(x[m, i][None], expert_gpu[i], cluster, replica_slots)
+                rep[m] = locality_slots(x[m, i][None], expert_gpu[i], model, cluster, replica_slots)
             sol = locality_split(x[m, i], expert_gpu[i], rep[m], model, cluster)
             rows.append(np.concatenate([np.full((len(sol.rows), 1), m, np.int32), sol.rows], axis=1))
             share.append(sol.share)

@@ -144,7 +144,9 @@ def holders(expert_gpu: np.ndarray, replica_expert: np.ndarray, gpus_per_node: i
 # ----------------------------------------------------------------------------------------------
 
 @nb.njit(cache=True, inline="always")
-def _add(agg, cls, j, g, a):
+def add_flow(agg, cls, j, g, a):
+    """Add ``a`` tokens from source ``j`` to server ``g`` (link class ``cls[j, g]``) to ``agg [5, G]``: g's compute,
+    and j's tx / g's rx on the links that carry the pair (``cost_terms.on_nvlink`` / ``on_rdma``)."""
     c = cls[j, g]
     agg[0, g] += a
     if on_nvlink(c):
@@ -169,7 +171,7 @@ def aggregates(x, hold, flows, cls):
                     break
                 a = flows[j, e, k]
                 if a != 0.0:
-                    _add(agg, cls, j, g, a)
+                    add_flow(agg, cls, j, g, a)
     return agg
 
 
@@ -234,7 +236,7 @@ def waterfill_expert(x, hold, flows, agg, cls, P, e):
         for k in range(nh):
             a = flows[j, e, k]
             if a != 0.0:
-                _add(agg, cls, j, hold[e, k], -a)
+                add_flow(agg, cls, j, hold[e, k], -a)
                 flows[j, e, k] = 0.0
     if tot <= 0.0:
         return
@@ -288,7 +290,7 @@ def waterfill_expert(x, hold, flows, agg, cls, P, e):
         for k in range(nh):
             a = flows[j, e, k]
             if a != 0.0:
-                _add(agg, cls, j, hold[e, k], a)
+                add_flow(agg, cls, j, hold[e, k], a)
     # pass 3: the rest, to the holder with the lowest matching receive load
     for j in range(G):
         while rem[j] > 1e-12 * max(1.0, x[j, e]):
@@ -311,7 +313,7 @@ def waterfill_expert(x, hold, flows, agg, cls, P, e):
                 a = min(rem[j], cap[best])
                 cap[best] -= a
             flows[j, e, best] += a
-            _add(agg, cls, j, hold[e, best], a)
+            add_flow(agg, cls, j, hold[e, best], a)
             rem[j] -= a
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from relibra_moe.cost import DEFAULT_BETA, smooth_max
+from relibra_moe.cost_terms import link_masks
 from relibra_moe.plan import BatchPlan, Placement, SamplePlacement
 from relibra_moe.planners.locality_replicas import (
     global_holders,
@@ -32,18 +34,89 @@ def test_slots_by_hand_take_the_rdma_bottleneck_first():
     the maximum and keep 3 tokens each: node order breaks the tie. Inside node 0 expert 2 (14 tokens) goes to the
     GPU of least compute, GPU 1 (8 < 15), expert 3 to GPU 0 (GPU 1's only slot is taken); in node 1 the homes'
     loads are 19 - 14 = 5 and 8 - 3 = 5 after the copies took their tokens, so expert 0 goes to GPU 2 (the
-    lower id), expert 1 to GPU 3."""
-    rep = locality_slots(CROSS[None], HOMES, CLUSTER, 1)
+    lower id), expert 1 to GPU 3. (The greedy alone: ``max_passes=0``.)"""
+    rep = locality_slots(CROSS[None], HOMES, MODEL, CLUSTER, 1, max_passes=0)
     np.testing.assert_array_equal(rep, [[3], [2], [0], [1]])
 
 
 def test_slots_fill_with_in_node_hot_experts_when_no_remote_copy_saves_traffic():
     """Every source routes inside its node only: the slots hold second holders of the node's own experts, the
     hottest first (expert 0 with 15 tokens on GPU 1, expert 1 on GPU 0; expert 3 with 11 on GPU 2, expert 2 on
-    GPU 3)."""
+    GPU 3). Homes and copies are the only holders and each GPU's slot is the one expert of its node it does not
+    home, so the swaps have nothing to exchange."""
     x = np.array([[9, 1, 0, 0], [6, 2, 0, 0], [0, 0, 4, 3], [0, 0, 1, 8]], np.float64)
-    np.testing.assert_array_equal(locality_slots(x[None], HOMES, CLUSTER, 1), [[1], [0], [3], [2]])
-    assert (locality_slots(np.zeros((1, 4, 4)), HOMES, CLUSTER, 2) == -1).all()  # nothing routed: empty slots
+    np.testing.assert_array_equal(locality_slots(x[None], HOMES, MODEL, CLUSTER, 1), [[1], [0], [3], [2]])
+    assert (locality_slots(np.zeros((1, 4, 4)), HOMES, MODEL, CLUSTER, 2) == -1).all()  # nothing routed: empty
+
+
+def test_slot_swaps_put_a_copy_beside_the_samples_that_use_it():
+    """By hand: in node 0 source 1 sends 10 tokens to expert 2 and source 0 sends 6 to expert 3 (both homed on node
+    1), nothing else is routed. The greedy gives the larger copy (expert 2) to the GPU of least expected compute,
+    GPU 0 (a tie: the lower id), and expert 3 to GPU 1, so both copies' tokens cross NVLink; the swap puts each
+    copy on the GPU of its tokens: compute stays at most 10 and nothing moves, T_MoE = 10 token units exactly,
+    against the greedy's 12.24 under the split LP. (Node 1 has no tokens to keep: its slots hold its own experts.)"""
+    x = np.zeros((4, 4))
+    x[1, 2], x[0, 3] = 10, 6
+    greedy = locality_slots(x[None], HOMES, MODEL, CLUSTER, 1, max_passes=0)
+    swapped = locality_slots(x[None], HOMES, MODEL, CLUSTER, 1)
+    np.testing.assert_array_equal(greedy[:2], [[2], [3]])
+    np.testing.assert_array_equal(swapped[:2], [[3], [2]])
+    w = cell_weights(MODEL, CLUSTER)
+    assert locality_split(x, HOMES, swapped, MODEL, CLUSTER).t_moe == pytest.approx(10 * w.sec_per_token, rel=1e-9)
+    assert locality_split(x, HOMES, greedy, MODEL, CLUSTER).t_moe > 12 * w.sec_per_token
+
+
+def _proxy_reference(x: np.ndarray, homes: np.ndarray, rep: np.ndarray, model, cluster) -> float:
+    """float64 loop of the swaps' proxy (``locality_replicas._swap_slots``): a source holding the expert keeps its
+    tokens, else its node's holders share them evenly, else the home takes them; per cell the LSE-smoothed max of
+    the GPUs' loads plus that of their link terms at the comm weights (scale: the mean load), summed."""
+    C, G, E = x.shape
+    node = np.arange(G) // cluster.gpus_per_node
+    nvm, rdm = link_masks(cluster.link_classes)
+    w = cell_weights(model, cluster)
+    total = 0.0
+    for c in range(C):
+        flow = np.zeros((G, G))
+        for e in range(E):
+            holders = [int(homes[e])] + [g for g in range(G) for k in range(rep.shape[1]) if rep[g, k] == e]
+            for j in range(G):
+                near = [g for g in holders if node[g] == node[j]]
+                if j in holders:
+                    flow[j, j] += x[c, j, e]
+                elif near:
+                    for g in near:
+                        flow[j, g] += x[c, j, e] / len(near)
+                else:
+                    flow[j, holders[0]] += x[c, j, e]
+        load = flow.sum(axis=0)
+        links = np.concatenate([w.w_nv * (flow * nvm).sum(axis=1), w.w_nv * (flow * nvm).sum(axis=0),
+                                w.w_rdma * (flow * rdm).sum(axis=1), w.w_rdma * (flow * rdm).sum(axis=0)])
+        scale = max(load.mean(), 1e-12)
+        total += float(smooth_max(load, DEFAULT_BETA, scale) + smooth_max(links, DEFAULT_BETA, scale))
+    return total
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slot_swaps_never_raise_the_proxy_and_keep_each_nodes_copies(seed):
+    """Random cells on 2 x 3 GPUs, r = 2, one to three cells sharing the slots: the swaps' result scores at most the
+    greedy's under a float64 loop of the proxy, every node keeps the same multiset of copies, no GPU holds an
+    expert twice or a copy of its own home, and the result is deterministic."""
+    rng = np.random.default_rng(seed)
+    cluster = cluster_preset("hopper-rail", nodes=2, gpus_per_node=3)
+    model = MODEL.with_(num_experts=12, top_k=3)
+    C = 1 + seed % 3
+    x = rng.integers(0, 20, size=(C, 6, 12)) * (rng.random((C, 6, 12)) < 0.6)
+    homes = rng.permutation(np.repeat(np.arange(6), 2))
+    greedy = locality_slots(x, homes, model, cluster, 2, max_passes=0)
+    swapped = locality_slots(x, homes, model, cluster, 2)
+    np.testing.assert_array_equal(swapped, locality_slots(x, homes, model, cluster, 2))
+    assert _proxy_reference(x, homes, swapped, model, cluster) <= _proxy_reference(x, homes, greedy, model,
+                                                                                   cluster) * (1 + 1e-9)
+    for n in range(2):
+        assert sorted(greedy[3 * n:3 * n + 3].ravel()) == sorted(swapped[3 * n:3 * n + 3].ravel())
+    for g in range(6):
+        held = swapped[g][swapped[g] >= 0]
+        assert len(set(held)) == len(held) and not (homes[held] == g).any()
 
 
 def test_global_holders_list_the_home_then_the_copies_by_gpu():
@@ -66,7 +139,7 @@ def test_split_by_hand_on_one_gpu_per_node():
 
 
 def test_split_is_never_worse_than_all_home_or_all_to_the_in_node_copy():
-    rep = locality_slots(CROSS[None], HOMES, CLUSTER, 1)
+    rep = locality_slots(CROSS[None], HOMES, MODEL, CLUSTER, 1)
     sol = locality_split(CROSS, HOMES, rep, MODEL, CLUSTER)
     home = split_cost(CROSS, HOMES, np.zeros((0, 3), int), np.zeros(0), MODEL, CLUSTER)
     node = np.arange(4) // 2
