@@ -33,6 +33,7 @@ skipped (resumable).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import platform
 import sys
@@ -154,9 +155,10 @@ def replan_cell(path: Path, cluster: Any, layers: int, prompts: int, seed: int, 
     dom = next(d for d in DOMAINS if d[0] == cell["domain"])
     batch, model = cell_batch(cell["model"], dom, layers, prompts, seed)
     run_rows(batch, model, cluster, [(r, {}) for r in rows], seed, cell)
-    cell.update(ratios=ratios(cell), **{f"replanned_{r}": "2026-12-02" for r in rows if r != "balanced"})
+    today = datetime.date.today().isoformat()
+    cell.update(ratios=ratios(cell), **{f"replanned_{r}": today for r in rows if r != "balanced"})
     if "balanced" in rows:
-        cell["rebound_date"] = "2026-12-02"
+        cell["rebound_date"] = today
     write_text(path, json.dumps(cell, indent=1))
 
 
