@@ -14,9 +14,9 @@ NVLink one (or none). This module builds such plans on fixed homes and samples (
    untaken one of its node while that lowers the objective. A node's slots left over hold copies of
    its own hottest experts (a second holder in the node, for compute balance). Inside a node the copies go
    largest first to the GPU with the least expected compute (its homes' tokens plus the copies it was given)
-   that has a free slot and neither homes nor holds the expert; then slots of one node swap their experts while
-   a proxy of the split's cost falls (``_swap_slots``: a copy beside the samples that use it, beside homes of
-   little load).
+   that has a free slot and neither homes nor holds the expert; then, for the slots of one cell (the
+   per-micro-batch version), slots of one node swap their experts while a proxy of the split's cost falls
+   (``_swap_slots``: a copy beside the samples that use it, beside homes of little load).
 2. **Cells** (``relocate_cells``, per-micro-batch version, when the planner places the samples): per
    micro-batch, whole (micro-batch, GPU) cells swap GPUs across nodes, best swap first, while the largest
    cross-node send or receive left after each node's copies of most tokens falls (summed over the layers); a
@@ -390,7 +390,9 @@ def locality_layers_task(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec
         M = x.shape[0]
         rep = np.full((M, x.shape[2], int(replica_slots)), -1, np.int32)
         if resident:
-            rep[:] = locality_slots(x[:, i], expert_gpu[i], model, cluster, replica_slots)[None]
+            # no slot swaps for a slot set shared by every micro-batch: the proxy's even split misjudges what the
+            # LP balances over many cells (docs/method.md, "Locality replicas")
+            rep[:] = locality_slots(x[:, i], expert_gpu[i], model, cluster, replica_slots, max_passes=0)[None]
         rows, share = [], []
         for m in range(M):
             if not resident:
