@@ -27,27 +27,17 @@ from common import JsonReport, environment
 from relibra_moe.cost_terms import link_masks
 from relibra_moe.datasets import gpt_oss_batch
 from relibra_moe.evaluate import plan_loads
-from relibra_moe.planners.locality_replicas import locality_slots, locality_split
+from relibra_moe.planners.locality_replicas import locality_slots, locality_split, slot_swap_moves
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.specs import cluster_preset, model_preset
 
 
 def swaps(rep: np.ndarray, home: np.ndarray, node: np.ndarray):
-    """Every in-node exchange of two slots' experts that leaves a valid slot set (``_swap_slots``' moves)."""
-    G, r = rep.shape
-    for a in range(G):
-        for b in range(a + 1, G):
-            if node[a] != node[b]:
-                continue
-            for sa in range(r):
-                for sb in range(r):
-                    ea, eb = rep[a, sa], rep[b, sb]
-                    if ea == eb or (ea >= 0 and (home[ea] == b or (rep[b] == ea).any())) \
-                            or (eb >= 0 and (home[eb] == a or (rep[a] == eb).any())):
-                        continue
-                    out = rep.copy()
-                    out[a, sa], out[b, sb] = eb, ea
-                    yield out
+    """Every in-node exchange of two slots' experts that leaves a valid slot set (``slot_swap_moves``)."""
+    for a, sa, b, sb in slot_swap_moves(rep, home.astype(np.int64), node):
+        out = rep.copy()
+        out[a, sa], out[b, sb] = rep[b, sb], rep[a, sa]
+        yield out
 
 
 def milp(xc: np.ndarray, home: np.ndarray, r: int, model, cluster, seconds: float) -> tuple[float, str]:

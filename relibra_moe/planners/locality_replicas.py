@@ -47,7 +47,7 @@ from .executor import TaskExecutor, TaskFailed, default_executor
 from .split import SplitSolution, add_flow, cell_weights, check_loads_homes, lp_split_for_holders, smooth_units
 
 __all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas", "locality_layers_task",
-           "relocate_cells", "node_copies", "SLOT_SWAP_PASSES",
+           "relocate_cells", "node_copies", "slot_swap_moves", "SLOT_SWAP_PASSES",
            "MAX_LOADS_ENTRIES", "RESIDENT_MAX_LOADS_ENTRIES", "RELOCATE_MAX_GPUS"]
 
 MAX_LOADS_ENTRIES = 4_000_000
@@ -237,6 +237,38 @@ def _slots_objective(agg, w_nv, w_rdma, beta):
 
 
 @njit(cache=True)
+def _swap_allowed(rep, expert_gpu, a, sa, b, sb):
+    """Whether slot ``sa`` of GPU ``a`` and slot ``sb`` of GPU ``b`` may exchange their experts (-1: empty): they
+    differ, and neither GPU would then hold its own home's expert or the same expert twice."""
+    ea, eb = rep[a, sa], rep[b, sb]
+    if ea == eb or (ea >= 0 and expert_gpu[ea] == b) or (eb >= 0 and expert_gpu[eb] == a):
+        return False
+    for s in range(rep.shape[1]):
+        if (ea >= 0 and rep[b, s] == ea) or (eb >= 0 and rep[a, s] == eb):
+            return False
+    return True
+
+
+@njit(cache=True)
+def slot_swap_moves(rep, expert_gpu, node):
+    """int64 ``[K, 4]``: every ``(a, sa, b, sb)`` exchange ``_swap_slots`` may try on slots ``rep [G, r]`` (GPUs
+    ``a < b`` of one node, ``node [G]``; homes ``expert_gpu [E]``), in its order."""
+    G, r = rep.shape
+    out = np.empty((G * G * r * r, 4), np.int64)
+    k = 0
+    for a in range(G):
+        for b in range(a + 1, G):
+            if node[a] != node[b]:
+                continue
+            for sa in range(r):
+                for sb in range(r):
+                    if _swap_allowed(rep, expert_gpu, a, sa, b, sb):
+                        out[k, 0], out[k, 1], out[k, 2], out[k, 3] = a, sa, b, sb
+                        k += 1
+    return out[:k]
+
+
+@njit(cache=True)
 def _swap_slots(x, expert_gpu, rep, node, cls, w_nv, w_rdma, beta, max_passes):
     """In-node slot swaps of ``rep [G, r]`` (in place) for loads ``x [C, G, E]`` and homes ``expert_gpu [E]``:
     which GPU of a node holds which of its copies. The greedy places the copies by expected compute only; the
@@ -264,14 +296,9 @@ def _swap_slots(x, expert_gpu, rep, node, cls, w_nv, w_rdma, beta, max_passes):
                     continue
                 for sa in range(r):
                     for sb in range(r):
+                        if not _swap_allowed(rep, expert_gpu, a, sa, b, sb):
+                            continue
                         ea, eb = rep[a, sa], rep[b, sb]
-                        if ea == eb or (ea >= 0 and expert_gpu[ea] == b) or (eb >= 0 and expert_gpu[eb] == a):
-                            continue
-                        clash = False
-                        for s in range(r):
-                            clash = clash or (ea >= 0 and rep[b, s] == ea) or (eb >= 0 and rep[a, s] == eb)
-                        if clash:
-                            continue
                         trial[:] = agg
                         for e in (ea, eb):
                             if e >= 0:

@@ -17,6 +17,7 @@ from relibra_moe.planners.locality_replicas import (
     locality_slots,
     locality_split,
     relocate_cells,
+    slot_swap_moves,
 )
 from relibra_moe.planners.split import cell_weights, split_cost
 from relibra_moe.specs import cluster_preset, model_preset
@@ -64,6 +65,19 @@ def test_slot_swaps_put_a_copy_beside_the_samples_that_use_it():
     w = cell_weights(MODEL, CLUSTER)
     assert locality_split(x, HOMES, swapped, MODEL, CLUSTER).t_moe == pytest.approx(10 * w.sec_per_token, rel=1e-9)
     assert locality_split(x, HOMES, greedy, MODEL, CLUSTER).t_moe > 12 * w.sec_per_token
+
+
+def test_slot_swap_moves_by_hand():
+    """2 x 2 GPUs, r = 1, homes e -> GPU e. Slots 3, 2 | 0, 1: both nodes' two slots may exchange. Slots 1, 0 in node
+    0: the exchange would give each GPU its own home's expert, so none; an empty slot may take the other's expert
+    (a move) unless that is the receiving GPU's home."""
+    node = np.array([0, 0, 1, 1])
+    np.testing.assert_array_equal(slot_swap_moves(np.array([[3], [2], [0], [1]]), HOMES, node),
+                                  [[0, 0, 1, 0], [2, 0, 3, 0]])
+    assert slot_swap_moves(np.array([[1], [0], [-1], [-1]]), HOMES, node).shape == (0, 4)
+    np.testing.assert_array_equal(slot_swap_moves(np.array([[3], [-1], [-1], [1]]), HOMES, node),
+                                  [[0, 0, 1, 0], [2, 0, 3, 0]])
+    assert slot_swap_moves(np.array([[-1], [0], [-1], [-1]]), HOMES, node).shape == (0, 4)  # 0 is GPU 0's home
 
 
 def _proxy_reference(x: np.ndarray, homes: np.ndarray, rep: np.ndarray, model, cluster) -> float:
