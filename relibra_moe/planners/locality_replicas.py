@@ -250,22 +250,31 @@ def _swap_allowed(rep, expert_gpu, a, sa, b, sb):
 
 
 @njit(cache=True)
-def slot_swap_moves(rep, expert_gpu, node):
-    """int64 ``[K, 4]``: every ``(a, sa, b, sb)`` exchange ``_swap_slots`` may try on slots ``rep [G, r]`` (GPUs
-    ``a < b`` of one node, ``node [G]``; homes ``expert_gpu [E]``), in its order."""
-    G, r = rep.shape
+def _slot_pairs(node, r):
+    """int64 ``[K, 4]``: every ``(a, sa, b, sb)``, slot ``sa`` of GPU ``a`` and slot ``sb`` of GPU ``b > a`` on the
+    same node (``node [G]``), in the order ``_swap_slots`` tries them."""
+    G = node.shape[0]
     out = np.empty((G * G * r * r, 4), np.int64)
     k = 0
     for a in range(G):
         for b in range(a + 1, G):
-            if node[a] != node[b]:
-                continue
-            for sa in range(r):
-                for sb in range(r):
-                    if _swap_allowed(rep, expert_gpu, a, sa, b, sb):
+            if node[a] == node[b]:
+                for sa in range(r):
+                    for sb in range(r):
                         out[k, 0], out[k, 1], out[k, 2], out[k, 3] = a, sa, b, sb
                         k += 1
     return out[:k]
+
+
+@njit(cache=True)
+def slot_swap_moves(rep, expert_gpu, node):
+    """int64 ``[K, 4]``: every ``(a, sa, b, sb)`` exchange ``_swap_slots`` may take on slots ``rep [G, r]`` now
+    (``_slot_pairs`` that ``_swap_allowed``; homes ``expert_gpu [E]``), in its order."""
+    pairs = _slot_pairs(node, rep.shape[1])
+    keep = np.zeros(pairs.shape[0], np.bool_)
+    for i in range(pairs.shape[0]):
+        keep[i] = _swap_allowed(rep, expert_gpu, pairs[i, 0], pairs[i, 1], pairs[i, 2], pairs[i, 3])
+    return pairs[keep]
 
 
 @njit(cache=True)
@@ -288,36 +297,33 @@ def _swap_slots(x, expert_gpu, rep, node, cls, w_nv, w_rdma, beta, max_passes):
             _route_expert(agg[c], x[c], e, hold, nh, node, cls, 1.0)
     cur = _slots_objective(agg, w_nv, w_rdma, beta)
     trial = np.empty_like(agg)
+    pairs = _slot_pairs(node, r)
     for _ in range(max_passes):
         improved = False
-        for a in range(G):
-            for b in range(a + 1, G):
-                if node[a] != node[b]:
-                    continue
-                for sa in range(r):
-                    for sb in range(r):
-                        if not _swap_allowed(rep, expert_gpu, a, sa, b, sb):
-                            continue
-                        ea, eb = rep[a, sa], rep[b, sb]
-                        trial[:] = agg
-                        for e in (ea, eb):
-                            if e >= 0:
-                                nh = _expert_holders(e, expert_gpu, rep, hold)
-                                for c in range(C):
-                                    _route_expert(trial[c], x[c], e, hold, nh, node, cls, -1.0)
-                        rep[a, sa], rep[b, sb] = eb, ea
-                        for e in (ea, eb):
-                            if e >= 0:
-                                nh = _expert_holders(e, expert_gpu, rep, hold)
-                                for c in range(C):
-                                    _route_expert(trial[c], x[c], e, hold, nh, node, cls, 1.0)
-                        val = _slots_objective(trial, w_nv, w_rdma, beta)
-                        if val < cur - 1e-12 * abs(cur):
-                            cur = val
-                            agg[:] = trial
-                            improved = True
-                        else:
-                            rep[a, sa], rep[b, sb] = ea, eb
+        for i in range(pairs.shape[0]):
+            a, sa, b, sb = pairs[i, 0], pairs[i, 1], pairs[i, 2], pairs[i, 3]
+            if not _swap_allowed(rep, expert_gpu, a, sa, b, sb):
+                continue
+            ea, eb = rep[a, sa], rep[b, sb]
+            trial[:] = agg
+            for e in (ea, eb):
+                if e >= 0:
+                    nh = _expert_holders(e, expert_gpu, rep, hold)
+                    for c in range(C):
+                        _route_expert(trial[c], x[c], e, hold, nh, node, cls, -1.0)
+            rep[a, sa], rep[b, sb] = eb, ea
+            for e in (ea, eb):
+                if e >= 0:
+                    nh = _expert_holders(e, expert_gpu, rep, hold)
+                    for c in range(C):
+                        _route_expert(trial[c], x[c], e, hold, nh, node, cls, 1.0)
+            val = _slots_objective(trial, w_nv, w_rdma, beta)
+            if val < cur - 1e-12 * abs(cur):
+                cur = val
+                agg[:] = trial
+                improved = True
+            else:
+                rep[a, sa], rep[b, sb] = ea, eb
         if not improved:
             break
 
