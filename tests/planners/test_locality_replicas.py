@@ -67,6 +67,21 @@ def test_slot_swaps_put_a_copy_beside_the_samples_that_use_it():
     assert locality_split(x, HOMES, greedy, MODEL, CLUSTER).t_moe > 12 * w.sec_per_token
 
 
+def test_per_micro_batch_slots_are_swapped_and_resident_ones_keep_the_greedy():
+    """The by-hand cell of the swaps in two identical micro-batches: per micro-batch each cell gets the swapped
+    slots (each copy beside its tokens), the resident slot set keeps the greedy's (docs/method.md, "Locality
+    replicas": the proxy misjudges a set shared by many cells)."""
+    x = np.zeros((2, 1, 4, 4))
+    x[:, 0, 1, 2], x[:, 0, 0, 3] = 10, 6
+    homes = HOMES[None]
+    per = locality_replicas(x, homes, MODEL, CLUSTER, 1, resident=False).replica_expert
+    res = locality_replicas(x, homes, MODEL, CLUSTER, 1, resident=True).replica_expert
+    greedy = locality_slots(x[:, 0], HOMES, MODEL, CLUSTER, 1, max_passes=0)
+    np.testing.assert_array_equal(per[:, 0, :2], [[[3], [2]], [[3], [2]]])
+    np.testing.assert_array_equal(res[:, 0], np.stack([greedy, greedy]))
+    np.testing.assert_array_equal(greedy[:2], [[2], [3]])
+
+
 def test_slot_swap_moves_by_hand():
     """2 x 2 GPUs, r = 1, homes e -> GPU e. Slots 3, 2 | 0, 1: both nodes' two slots may exchange. Slots 1, 0 in node
     0: the exchange would give each GPU its own home's expert, so none; an empty slot may take the other's expert
