@@ -329,6 +329,11 @@ class Planner:
                 p.kill()
         for p in procs:
             p.join(WORKER_JOIN_S)
+            # join can return while the pool's manager thread is reaping the same child (its waitpid wins, ours
+            # sees ECHILD): wait, within the same limit, until the process object says it is gone
+            end = time.monotonic() + WORKER_JOIN_S
+            while p.is_alive() and time.monotonic() < end:
+                time.sleep(0.005)
 
     def _run_process(self, tasks, keys, deadline) -> list[Any]:
         pool = self._get_pool()
