@@ -43,6 +43,7 @@ from numba import njit
 from ..cost import DEFAULT_BETA
 from ..plan import ReplicaPlan
 from ..specs import ClusterSpec, ModelSpec
+from ..validate import check_int
 from .executor import TaskExecutor, TaskFailed, default_executor
 from .split import SplitSolution, add_flow, cell_weights, check_loads_homes, lp_split_for_holders, smooth_units
 
@@ -156,7 +157,8 @@ def locality_slots(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
                    replica_slots: int, max_passes: int = SLOT_SWAP_PASSES) -> np.ndarray:
     """int32 ``[G, r]``: one layer's slots from the loads ``x [C, G, E]`` (tokens) of the C cells that share them,
     homes ``expert_gpu [E]`` (module docstring, step 1: the greedy, then ``max_passes`` passes of in-node slot
-    swaps, ``_swap_slots``); -1 where a slot stays empty."""
+    swaps, ``_swap_slots``); -1 where a slot stays empty. PlanError unless ``max_passes`` is an int >= 0."""
+    max_passes = check_int("max_passes", max_passes, 0)
     x = np.asarray(x, dtype=np.float64)
     expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
     G, P, r = cluster.num_gpus, cluster.gpus_per_node, int(replica_slots)
@@ -185,7 +187,7 @@ def locality_slots(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     if max_passes > 0:
         w8 = cell_weights(model, cluster)
         _swap_slots(x, expert_gpu, rep, node, cluster.link_classes.astype(np.int64), w8.w_nv, w8.w_rdma,
-                    DEFAULT_BETA, int(max_passes))
+                    DEFAULT_BETA, max_passes)
     return rep
 
 
@@ -224,6 +226,17 @@ def _route_expert(agg, xc, e, hold, nh, node, cls, sign):
                     add_flow(agg, cls, j, hold[k], sign * a / near)
         else:
             add_flow(agg, cls, j, hold[0], sign * a)
+
+
+@njit(cache=True)
+def _route_experts(agg, x, experts, expert_gpu, rep, hold, node, cls, sign):
+    """``_route_expert`` of every expert of ``experts`` (-1: none) in every cell of ``x [C, G, E]`` into ``agg [C, 5,
+    G]``, with the holders ``rep`` gives it now (``hold``: scratch of ``G r + 1``)."""
+    for e in experts:
+        if e >= 0:
+            nh = _expert_holders(e, expert_gpu, rep, hold)
+            for c in range(x.shape[0]):
+                _route_expert(agg[c], x[c], e, hold, nh, node, cls, sign)
 
 
 @njit(cache=True)
@@ -291,10 +304,7 @@ def _swap_slots(x, expert_gpu, rep, node, cls, w_nv, w_rdma, beta, max_passes):
     r = rep.shape[1]
     agg = np.zeros((C, 5, G))
     hold = np.empty(G * r + 1, np.int64)
-    for e in range(E):
-        nh = _expert_holders(e, expert_gpu, rep, hold)
-        for c in range(C):
-            _route_expert(agg[c], x[c], e, hold, nh, node, cls, 1.0)
+    _route_experts(agg, x, np.arange(E), expert_gpu, rep, hold, node, cls, 1.0)
     cur = _slots_objective(agg, w_nv, w_rdma, beta)
     trial = np.empty_like(agg)
     pairs = _slot_pairs(node, r)
@@ -305,18 +315,11 @@ def _swap_slots(x, expert_gpu, rep, node, cls, w_nv, w_rdma, beta, max_passes):
             if not _swap_allowed(rep, expert_gpu, a, sa, b, sb):
                 continue
             ea, eb = rep[a, sa], rep[b, sb]
+            moved = np.array([ea, eb])
             trial[:] = agg
-            for e in (ea, eb):
-                if e >= 0:
-                    nh = _expert_holders(e, expert_gpu, rep, hold)
-                    for c in range(C):
-                        _route_expert(trial[c], x[c], e, hold, nh, node, cls, -1.0)
+            _route_experts(trial, x, moved, expert_gpu, rep, hold, node, cls, -1.0)
             rep[a, sa], rep[b, sb] = eb, ea
-            for e in (ea, eb):
-                if e >= 0:
-                    nh = _expert_holders(e, expert_gpu, rep, hold)
-                    for c in range(C):
-                        _route_expert(trial[c], x[c], e, hold, nh, node, cls, 1.0)
+            _route_experts(trial, x, moved, expert_gpu, rep, hold, node, cls, 1.0)
             val = _slots_objective(trial, w_nv, w_rdma, beta)
             if val < cur - 1e-12 * abs(cur):
                 cur = val

@@ -328,10 +328,10 @@ class Planner:
             if p.is_alive():
                 p.kill()
         for p in procs:
+            end = time.monotonic() + WORKER_JOIN_S
             p.join(WORKER_JOIN_S)
             # join can return while the pool's manager thread is reaping the same child (its waitpid wins, ours
             # sees ECHILD): wait, within the same limit, until the process object says it is gone
-            end = time.monotonic() + WORKER_JOIN_S
             while p.is_alive() and time.monotonic() < end:
                 time.sleep(0.005)
 

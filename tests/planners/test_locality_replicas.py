@@ -10,6 +10,7 @@ import pytest
 
 from relibra_moe.cost import DEFAULT_BETA, smooth_max
 from relibra_moe.cost_terms import link_masks
+from relibra_moe.errors import PlanError
 from relibra_moe.plan import BatchPlan, Placement, SamplePlacement
 from relibra_moe.planners.locality_replicas import (
     global_holders,
@@ -80,6 +81,12 @@ def test_per_micro_batch_slots_are_swapped_and_resident_ones_keep_the_greedy():
     np.testing.assert_array_equal(per[:, 0, :2], [[[3], [2]], [[3], [2]]])
     np.testing.assert_array_equal(res[:, 0], np.stack([greedy, greedy]))
     np.testing.assert_array_equal(greedy[:2], [[2], [3]])
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_slot_swap_passes_must_be_an_int_at_least_zero(bad):
+    with pytest.raises(PlanError, match=f"max_passes={bad!r} must be an int >= 0"):
+        locality_slots(CROSS[None], HOMES, MODEL, CLUSTER, 1, max_passes=bad)
 
 
 def test_slot_swap_moves_by_hand():
