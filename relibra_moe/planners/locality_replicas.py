@@ -95,7 +95,7 @@ def _pick_remote(x: np.ndarray, expert_gpu: np.ndarray, node: np.ndarray, capaci
         after = np.maximum((tx[:, :, None] - d_tx).max(axis=1), (rx[:, :, None] - d_rx).max(axis=1)).sum(axis=0)
         gain = np.round(now - after, 9)  # ties within float noise go to the tokens kept
         order = np.lexsort((ce, cn, -kept, -gain))
-        k = int(next(i for i in order if alive[i]))
+        k = int(order[alive[order]][0])
         tx -= d_tx[:, :, k]
         rx -= d_rx[:, :, k]
         alive[k] = False
@@ -111,11 +111,13 @@ def _exchange(taken: list[int], cn: np.ndarray, tx: np.ndarray, rx: np.ndarray, 
     what each candidate takes off them. Returns the ``(node, expert)`` pairs."""
     taken = list(taken)
     for _ in range(2 * len(taken)):
-        rest = np.setdiff1d(np.arange(len(cn)), taken)
-        pairs = [(a, b) for a in taken for b in rest if cn[a] == cn[b]]
-        if not pairs:
+        held = np.asarray(taken, dtype=np.int64)
+        rest = np.setdiff1d(np.arange(len(cn)), held)
+        # every (taken, untaken) pair of one node, taken-major in the order of ``taken`` (argmin's ties below)
+        ia, ib = np.nonzero(cn[held][:, None] == cn[rest][None, :])
+        if not len(ia):
             break
-        a, b = np.array(pairs, dtype=np.int64).T
+        a, b = held[ia], rest[ib]
         val = _exchange_values(tx, rx, d_tx, d_rx, a, b)
         now = float(np.maximum(tx.max(axis=1), rx.max(axis=1)).sum())
         i = int(np.argmin(val))
