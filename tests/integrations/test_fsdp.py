@@ -23,7 +23,10 @@ from relibra_moe.layers.testing import hot_replica_plan, run_group  # noqa: E402
 
 LENGTHS = (7, 5, 6, 4)  # tokens of the 4 samples (inputs of the shifted causal-LM forward)
 LR = 0.01
-ADAMW_PARAM_ATOL = 1e-2 * LR  # AdamW turns fp32 rounding of near-zero gradients into up to ~1% of a step
+# AdamW turns fp32 rounding of near-zero gradients into a few % of a step on single weights (1.06% measured on
+# mixtral, 2026-12-07, 3 weights of 8192); per tensor the parameters agree to ADAMW_PARAM_NORM_RTOL (7e-5 there)
+ADAMW_PARAM_ATOL = 3e-2 * LR
+ADAMW_PARAM_NORM_RTOL = 1e-3
 
 
 def two_micro_batch_plan(num_layers: int, num_experts: int, hot: np.ndarray, seed: int):
@@ -96,11 +99,16 @@ def _hot(batch, rows: list[list[int]]) -> np.ndarray:
     return np.array(out)
 
 
-def _compare(name: str, got: dict, ref: dict, rtol: float, atol: float) -> None:
+def _compare(name: str, got: dict, ref: dict, rtol: float, atol: float, norm_rtol: float | None = None) -> None:
+    """Every tensor of ``got`` equals ``ref``'s elementwise (``rtol`` / ``atol``) and, with ``norm_rtol``, in norm:
+    ``||got - ref|| <= norm_rtol ||ref||``."""
     assert set(got) == set(ref), (name, sorted(set(got) ^ set(ref)))
     for k, r in ref.items():
         err = float((got[k] - r).abs().max())
         assert torch.allclose(got[k], r, rtol=rtol, atol=atol), f"{name} {k}: max abs err {err:.3g}"
+        if norm_rtol is not None:
+            rel = float((got[k] - r).norm() / r.norm().clamp_min(1e-30))
+            assert rel <= norm_rtol, f"{name} {k}: relative norm error {rel:.3g}"
 
 
 def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduction: str, steps: int,
@@ -197,7 +205,8 @@ def _train_worker(rank: int, world: int, family: str, checkpointing: bool, reduc
         else:  # after an AdamW step the models differ by amplified rounding: normwise per tensor
             for k, r in ref_grads.items():
                 assert float((grads[k] - r).abs().max()) <= 1e-3 * float(r.abs().max()) + 1e-6, k
-        _compare("param", state, reference.state_dict(), rtol=1e-4, atol=ADAMW_PARAM_ATOL)
+        _compare("param", state, reference.state_dict(), rtol=1e-4, atol=ADAMW_PARAM_ATOL,
+                 norm_rtol=ADAMW_PARAM_NORM_RTOL)
 
 
 def model_init_embed(family: str) -> torch.Tensor:
