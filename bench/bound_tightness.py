@@ -41,9 +41,9 @@ from pathlib import Path
 import cvxpy as cp
 import numpy as np
 from common import JsonReport, environment
+from slot_swaps import cell_cost
 
 from relibra_moe.cost import cost_from_flow
-from relibra_moe.cost_terms import link_masks
 from relibra_moe.datasets import gpt_oss_batch
 from relibra_moe.evaluate import _link_seconds, bound_micro_batch, bound_terms, plan_flow, plan_loads
 from relibra_moe.planners.locality_replicas import _rdma_proxy, locality_split
@@ -60,22 +60,15 @@ def _left(a: np.ndarray, remote: np.ndarray | None, keep: int) -> np.ndarray:
 
 def _lp_relaxation(model, cluster, r: int) -> tuple[cp.Problem, cp.Parameter]:
     """The cell LP of the module docstring (``lp_relaxation``), its loads a parameter ``[G * E]`` (row ``j E + e``);
-    its value is in token units (seconds over ``rates.sec_per_pair``: HiGHS' tolerances are absolute)."""
+    its value is in token units (``slot_swaps.cell_cost``, the MILP's objective)."""
     G, E = cluster.num_gpus, model.num_experts
-    rates = cluster.rates(model)
-    nvm, rdm = link_masks(cluster.link_classes)
     xp = cp.Parameter(G * E, nonneg=True)
     y = cp.Variable((G * E, G), nonneg=True)  # row j * E + e: x[j, e]'s pairs served on each GPU
     z = cp.Variable((G, E), nonneg=True)
     cons = [cp.sum(y, axis=1) == xp, cp.sum(z, axis=1) <= E // G + r, z <= 1,
             y <= cp.multiply(cp.reshape(xp, (G * E, 1), order="C") @ np.ones((1, G)), cp.vstack([z.T] * G))]
-    flow = cp.vstack([cp.sum(y[j * E:(j + 1) * E, :], axis=0) for j in range(G)])
-    c, d = cp.Variable(), cp.Variable()
-    cons += [cp.sum(flow, axis=0) <= c]
-    for mask, sec in ((nvm, rates.nvlink_sec_per_pair), (rdm, rates.rdma_sec_per_pair)):
-        w = sec / rates.sec_per_pair
-        cons += [cp.sum(cp.multiply(flow, mask), axis=1) * w <= d, cp.sum(cp.multiply(flow, mask), axis=0) * w <= d]
-    return cp.Problem(cp.Minimize(c + 2 * d), cons), xp
+    objective, terms = cell_cost(y, G, E, model, cluster)
+    return cp.Problem(cp.Minimize(objective), cons + terms), xp
 
 
 def main() -> None:

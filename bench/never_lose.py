@@ -272,7 +272,7 @@ def run_random_cell(i: int, seed: int = 1000) -> dict[str, Any]:
     bound = min(v for s, v in steps.items() if s.startswith("balanced"))
     lowest = min((v, s) for s, v in steps.items() if not s.startswith("balanced"))
     chosen = [row.get("portfolio") for row in res["strategies"]["relibra"]["per_step"]]
-    return {"cell": f"{i:03d}", "seed": seed + i, "desc": desc, "steps": steps,
+    return {"cell": random_cell_name(i), "seed": seed + i, "desc": desc, "steps": steps,
             "best": {"strategy": best, "step_s": rivals[best]}, "relibra_over_best": steps["relibra"] / rivals[best],
             "relibra_never_slower": steps["relibra"] <= rivals[best] * (1 + 1e-12),
             "least_over_balanced": lowest[0] / bound, "balanced_bounds": lowest[0] >= bound * (1 - 1e-12),

@@ -40,11 +40,26 @@ def swaps(rep: np.ndarray, home: np.ndarray, node: np.ndarray):
         yield out
 
 
+def cell_cost(y: cp.Variable, G: int, E: int, model, cluster) -> tuple[cp.Expression, list]:
+    """``(objective, constraints)``: one cell's ``max_g comp + 2 max_g dispatch`` (``t_moe_seconds`` of
+    ``comm_seconds``) of the flows ``y [G * E, G]`` (row ``j E + e``: source j's pairs of expert e served on each
+    GPU), in token units (seconds over ``rates.sec_per_pair``: HiGHS' tolerances are absolute), with the epigraph
+    constraints of its two maxima."""
+    rates = cluster.rates(model)
+    nvm, rdm = link_masks(cluster.link_classes)
+    flow = cp.vstack([cp.sum(y[j * E:(j + 1) * E, :], axis=0) for j in range(G)])
+    c, d = cp.Variable(), cp.Variable()
+    cons = [cp.sum(flow, axis=0) <= c]
+    for mask, sec in ((nvm, rates.nvlink_sec_per_pair), (rdm, rates.rdma_sec_per_pair)):
+        w = sec / rates.sec_per_pair
+        cons += [cp.sum(cp.multiply(flow, mask), axis=1) * w <= d, cp.sum(cp.multiply(flow, mask), axis=0) * w <= d]
+    return c + 2 * d, cons
+
+
 def milp(xc: np.ndarray, home: np.ndarray, r: int, model, cluster, seconds: float) -> tuple[float, str]:
     """``(T_MoE seconds, status)``: copies (any r experts per GPU, not its homes) and split of one cell together."""
     G, E = xc.shape
     rates = cluster.rates(model)
-    nvm, rdm = link_masks(cluster.link_classes)
     y = cp.Variable((G * E, G), nonneg=True)  # row j * E + e: x[j, e]'s tokens served on each GPU
     z = cp.Variable((G, E), boolean=True)
     held = np.zeros((G, E))
@@ -52,13 +67,8 @@ def milp(xc: np.ndarray, home: np.ndarray, r: int, model, cluster, seconds: floa
     cap = np.repeat(xc.reshape(-1, 1), G, axis=1)
     cons = [cp.sum(y, axis=1) == xc.reshape(-1), cp.sum(z, axis=1) <= r, z <= 1 - held,
             y <= cp.multiply(cap, np.tile(held.T, (G, 1))) + cp.multiply(cap, cp.vstack([z.T] * G))]
-    flow = cp.vstack([cp.sum(y[j * E:(j + 1) * E, :], axis=0) for j in range(G)])
-    c, d = cp.Variable(), cp.Variable()  # in token units (seconds / sec_per_pair): HiGHS' tolerances are absolute
-    cons += [cp.sum(flow, axis=0) <= c]
-    for mask, sec in ((nvm, rates.nvlink_sec_per_pair), (rdm, rates.rdma_sec_per_pair)):
-        w = sec / rates.sec_per_pair
-        cons += [cp.sum(cp.multiply(flow, mask), axis=1) * w <= d, cp.sum(cp.multiply(flow, mask), axis=0) * w <= d]
-    prob = cp.Problem(cp.Minimize(c + 2 * d), cons)  # t_moe_seconds(max comp, comm_seconds(max dispatch))
+    objective, terms = cell_cost(y, G, E, model, cluster)
+    prob = cp.Problem(cp.Minimize(objective), cons + terms)
     prob.solve(solver="HIGHS", time_limit=seconds)
     return float(prob.value) * rates.sec_per_pair, str(prob.status)
 

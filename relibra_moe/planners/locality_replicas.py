@@ -309,6 +309,7 @@ def _swap_slots(x, expert_gpu, rep, node, cls, w_nv, w_rdma, beta, max_passes):
     _route_experts(agg, x, np.arange(E), expert_gpu, rep, hold, node, cls, 1.0)
     cur = _slots_objective(agg, w_nv, w_rdma, beta)
     trial = np.empty_like(agg)
+    moved = np.empty(2, np.int64)  # the two experts of the exchange tried
     pairs = _slot_pairs(node, r)
     for _ in range(max_passes):
         improved = False
@@ -317,7 +318,7 @@ def _swap_slots(x, expert_gpu, rep, node, cls, w_nv, w_rdma, beta, max_passes):
             if not _swap_allowed(rep, expert_gpu, a, sa, b, sb):
                 continue
             ea, eb = rep[a, sa], rep[b, sb]
-            moved = np.array([ea, eb])
+            moved[0], moved[1] = ea, eb
             trial[:] = agg
             _route_experts(trial, x, moved, expert_gpu, rep, hold, node, cls, -1.0)
             rep[a, sa], rep[b, sb] = eb, ea
