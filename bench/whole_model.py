@@ -10,6 +10,7 @@ time with ``workers`` processes.
 
     python bench/whole_model.py                          # ~5 min on 2 cores; bench/results/whole_model.json
     python bench/whole_model.py --overlap none --workers 8
+    python bench/whole_model.py --layers 16 --workers 1 --out /tmp/whole_model_16.json   # the planning-time A/B
 """
 
 from __future__ import annotations
@@ -30,10 +31,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--overlap", default="megatron", help="overlap rule (none, megatron, dualpipe)")
     ap.add_argument("--workers", type=int, default=2, help="planner processes")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="plan only the first N MoE layers of the same batch (default: all 94)")
     ap.add_argument("--out", default="bench/results/whole_model.json")
     args = ap.parse_args()
     model = model_preset("qwen3-235b-a22b")
     batch = rl_batch(model, "mixed", 256, 4, seed=0, micro_batch_size=32)
+    if args.layers is not None:  # synthesized at full depth, then cut: the first layers of the same batch
+        batch, model = batch.restrict_layers(args.layers), model.with_(num_layers=args.layers)
     cluster = cluster_preset("h100", nodes=4, gpus_per_node=8, overlap=args.overlap).with_(flops=413e12)
     rep = JsonReport(Path(args.out), environment=environment(), model=model.name, layers=model.num_layers,
                      samples=batch.num_sequences, ep="4x8", replica_slots=2, overlap=args.overlap,
