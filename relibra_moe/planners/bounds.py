@@ -11,6 +11,7 @@ from ..plan import Placement
 from ..specs import ClusterSpec, ModelSpec
 from ..timing import attention_backward, attention_forward, layer_step_seconds, moe_forward_seconds, moe_step_seconds
 from .context import PlanContext
+from .locality_replicas import node_left
 from .split import cell_weights, lower_bound_terms
 
 __all__ = ["replicated_step_lower_bound", "global_replica_step_lower_bound", "fixed_copy_terms", "ring_arcs"]
@@ -46,16 +47,33 @@ def global_replica_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, mi
     ``comp_lb`` is the cell's pairs over G; a pair of source j stays on j only for an expert j homes or holds in
     one of its r slots, so at least ``out_j`` = its other pairs less its r largest leave j, each over NVLink or
     RDMA (or both: cross-rail): ``max(w_nv nv_tx, w_rdma rdma_tx) >= out_j w_nv w_rdma / (w_nv + w_rdma)`` in
-    the token units of ``split.cell_weights``, so ``comm_lb = max_j`` of that."""
+    the token units of ``split.cell_weights``, so ``comm_lb = max_j`` of that. On several nodes a node holds, besides
+    its homes, at most ``P r`` experts homed elsewhere (its GPUs' slots), so the pairs its sources route to the
+    other remote experts are served on another node and leave over RDMA from their source: at least
+    ``locality_replicas.node_left`` (its remote pairs less its ``P r`` largest remote experts') over its P GPUs, and
+    at least source j's remote pairs less its own ``P r`` largest; ``comm_lb`` is also at least ``w_rdma`` times
+    the larger of the two (the RDMA send of the worst GPU)."""
     x = np.asarray(x, dtype=np.float64)
-    G, r = ctx.cluster.num_gpus, int(ctx.replica_slots)
-    w = cell_weights(ctx.model, ctx.cluster)
+    expert_gpu = np.asarray(expert_gpu, dtype=np.int64)
+    cluster = ctx.cluster
+    G, P, r = cluster.num_gpus, cluster.gpus_per_node, int(ctx.replica_slots)
+    w = cell_weights(ctx.model, cluster)
     comp = x.sum(axis=(-2, -1)) / G * w.sec_per_token  # [M, L]
-    at_home = np.asarray(expert_gpu)[None, :, None, :] == np.arange(G)[None, None, :, None]  # [1, L, G, E]
+    at_home = expert_gpu[None, :, None, :] == np.arange(G)[None, None, :, None]  # [1, L, G, E]
     away = np.sort(np.where(at_home, 0.0, x), axis=-1)  # [M, L, G, E] ascending
     out = away[..., :away.shape[-1] - r].sum(axis=-1) if r else away.sum(axis=-1)  # [M, L, G]
     harmonic = w.w_nv * w.w_rdma / (w.w_nv + w.w_rdma) if w.w_nv + w.w_rdma > 0 else 0.0
-    comm = out.max(axis=-1) * harmonic * w.sec_per_token
+    comm_tokens = out.max(axis=-1) * harmonic  # [M, L]
+    if cluster.nodes > 1:
+        M, L, _, E = x.shape
+        remote_of_source = cluster.node_of(expert_gpu)[None, :, None, :] != cluster.node_of(np.arange(G))[
+            None, None, :, None]  # [1, L, G, E]: expert e is homed off source j's node
+        per_source = node_left(x, remote_of_source, P * r).max(axis=-1)  # [M, L]
+        xn = x.reshape(M, L, cluster.nodes, P, E).sum(axis=3)  # [M, L, nodes, E]
+        remote = cluster.node_of(expert_gpu)[None, :, None, :] != np.arange(cluster.nodes)[None, None, :, None]
+        per_node = node_left(xn, remote, P * r).max(axis=-1) / P  # [M, L]
+        comm_tokens = np.maximum(comm_tokens, np.maximum(per_source, per_node) * w.w_rdma)
+    comm = comm_tokens * w.sec_per_token
     return _step_bound(ctx, comp, comm, expert_gpu, micro_batch, sample_gpu, previous, optimizer_bytes_per_param)
 
 

@@ -37,7 +37,7 @@ from ..errors import PlanError
 from ..plan import Placement
 from ..specs import ClusterSpec, ModelSpec
 from ..validate import check_int, check_token_counts
-from .locality_replicas import RELOCATE_MAX_GPUS, node_copies, relocate_cells
+from .locality_replicas import RELOCATE_MAX_GPUS, node_copies, node_left, relocate_cells
 from .split import cell_weights
 
 __all__ = ["colocate", "colocation_work", "COLOCATE_MAX_WORK"]
@@ -409,11 +409,8 @@ def _node_loads(x: np.ndarray, where: np.ndarray, P: int, nodes: int) -> np.ndar
 
 def _node_objective(xn: np.ndarray, hn: np.ndarray, K: int) -> float:
     """Step 1's objective ``sum_{m, l} max_n left`` of node loads ``xn [M, L, nodes, E]``, home nodes ``hn [L, E]``."""
-    nodes = xn.shape[2]
-    remote = hn[None, :, None, :] != np.arange(nodes)[None, None, :, None]
-    v = np.where(remote, xn, 0.0)
-    left = v.sum(-1) - np.sort(v, axis=-1)[..., max(v.shape[-1] - K, 0):].sum(-1) if K else v.sum(-1)
-    return float(left.max(axis=-1).sum())
+    remote = hn[None, :, None, :] != np.arange(xn.shape[2])[None, None, :, None]
+    return float(node_left(xn, remote, K).max(axis=-1).sum())
 
 
 def _gpu_homes(x: np.ndarray, hn: np.ndarray, model: ModelSpec, cluster: ClusterSpec, K: int, max_sweeps: int

@@ -48,7 +48,7 @@ from .executor import TaskExecutor, TaskFailed, default_executor
 from .split import SplitSolution, add_flow, cell_weights, check_loads_homes, lp_split_for_holders, smooth_units
 
 __all__ = ["locality_slots", "global_holders", "locality_split", "locality_replicas", "locality_layers_task",
-           "relocate_cells", "node_copies", "slot_swap_moves", "SLOT_SWAP_PASSES",
+           "relocate_cells", "node_copies", "node_left", "slot_swap_moves", "SLOT_SWAP_PASSES",
            "MAX_LOADS_ENTRIES", "RESIDENT_MAX_LOADS_ENTRIES", "RELOCATE_MAX_GPUS"]
 
 MAX_LOADS_ENTRIES = 4_000_000
@@ -380,6 +380,14 @@ def node_copies(xn: np.ndarray, remote: np.ndarray, capacity: int) -> np.ndarray
     copied = np.zeros(xn.shape, bool)
     np.put_along_axis(copied, order, True, axis=-1)
     return copied & remote & (xn > 0)
+
+
+def node_left(xn: np.ndarray, remote: np.ndarray, capacity: int) -> np.ndarray:
+    """float64 ``[..., nodes]``: each node's tokens of remote experts outside the ``capacity`` remote experts it
+    routes most to (node tokens ``xn [..., nodes, E]``, ``remote`` bool, broadcast together): what still crosses
+    nodes when the node copies those (``node_copies``), and at least what crosses under any ``capacity`` copies."""
+    v = np.where(remote, xn, 0.0)
+    return v.sum(-1) - np.sort(v, axis=-1)[..., max(v.shape[-1] - capacity, 0):].sum(-1) if capacity else v.sum(-1)
 
 
 def relocate_cells(x: np.ndarray, expert_gpu: np.ndarray, cluster: ClusterSpec, replica_slots: int,

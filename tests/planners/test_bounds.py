@@ -3,6 +3,7 @@ homes with and without replicas), its re-layout term is the judge's, and it drop
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -111,6 +112,67 @@ def test_the_global_bound_counts_what_must_leave_each_source_by_hand():
     got = global_replica_step_lower_bound(ctx, np.arange(4)[None], np.zeros(1, np.int64), np.zeros(1, np.int64), x,
                                           Placement(np.arange(4)[None]), 12.0)
     assert got == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("sources, rdma", [
+    # source 0 routes 5, 4, 3, 2 tokens to experts 4..7 (node 1's), source 1 routes 1, 1, 6, 0: node 0 may hold 2
+    # of them (2 GPUs x r = 1), so source 0 alone sends at least 2 + 3 over RDMA whichever 2 its node copies
+    ([[5, 4, 3, 2], [1, 1, 6, 0]], 5.0),
+    # complementary sources: each keeps its two experts in its node's 2 copies, but the node cannot keep all 4:
+    # 8 of the node's 16 remote tokens cross, 4 per GPU at best
+    ([[4, 0, 4, 0], [0, 4, 0, 4]], 4.0),
+])
+def test_the_global_bound_counts_what_must_cross_nodes_by_hand(sources, rdma):
+    """2 nodes x 2 GPUs, 8 experts (two per GPU: 4..7 on node 1), r = 1, step_objective off. Besides its homes a node
+    holds at most P r = 2 other experts, so its sources' other remote tokens leave over RDMA: comm is at least
+    ``rdma`` (the worse of the worst source's and the node's over its P GPUs) times ``w_rdma``, above what must
+    leave each source at NVLink-or-RDMA rates (source 0's tokens beyond its r largest)."""
+    from relibra_moe.planners.bounds import global_replica_step_lower_bound
+    from relibra_moe.planners.split import cell_weights
+
+    model = MODEL.with_(num_layers=1)
+    batch = rl_batch(model, "mixed", 1, responses_per_prompt=1, seed=1, micro_batch_size=1, max_len=16)
+    ctx = make_context(batch, model, CLUSTER, "relibra", PlanOptions(replica_slots=1, step_objective=False),
+                       default_executor(1))
+    x = np.zeros((1, 1, 4, 8))
+    x[0, 0, :2, 4:] = sources
+    homes = static_placement(1, 8, 4)
+    assert homes.tolist() == [[0, 0, 1, 1, 2, 2, 3, 3]]
+    w = cell_weights(model, CLUSTER)
+    leave = max(sum(sorted(s)[:-1]) for s in sources) * w.w_nv * w.w_rdma / (w.w_nv + w.w_rdma)
+    assert rdma * w.w_rdma > leave  # the node term is the one that binds
+    want = (x.sum() / 4 + rdma * w.w_rdma) * w.sec_per_token
+    got = global_replica_step_lower_bound(ctx, homes, np.zeros(1, np.int64), np.zeros(1, np.int64), x,
+                                          Placement(homes), 12.0)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_global_bound_is_below_the_exact_split_of_random_copies(seed):
+    """One random cell on 2 x 2 GPUs (8 experts, r = 1, any homes, E / G a GPU): the best exact LP split
+    (``locality_split``) over every choice of each GPU's copy, anywhere, is at least the bound's comp + comm
+    (step_objective off: the bound is the sum of T_MoE)."""
+    from relibra_moe.planners.bounds import global_replica_step_lower_bound
+    from relibra_moe.planners.locality_replicas import locality_split
+
+    rng = np.random.default_rng(seed)
+    r = 1
+    model = MODEL.with_(num_layers=1)
+    batch = rl_batch(model, "mixed", 1, responses_per_prompt=1, seed=1, micro_batch_size=1, max_len=16)
+    ctx = make_context(batch, model, CLUSTER, "relibra", PlanOptions(replica_slots=r, step_objective=False),
+                       default_executor(1))
+    x = rng.integers(0, 12, size=(1, 1, 4, 8)).astype(float) * (rng.random((1, 1, 4, 8)) < 0.7)
+    if seed % 2:
+        x[0, 0, 2:] = 0  # only node 0's sources route: what crosses nodes binds
+    homes = rng.permutation(np.repeat(np.arange(4), 2))[None]
+    bound = global_replica_step_lower_bound(ctx, homes, np.zeros(1, np.int64), np.zeros(1, np.int64), x,
+                                            Placement(homes), 12.0)
+    best = np.inf
+    for g0, g1, g2, g3 in itertools.product(*[itertools.combinations(np.flatnonzero(homes[0] != g), r)
+                                               for g in range(4)]):
+        copies = np.array([g0, g1, g2, g3])
+        best = min(best, locality_split(x[0, 0], homes[0], copies, model, CLUSTER).t_moe)
+    assert bound <= best * (1 + 1e-9)
 
 
 def test_fixed_copy_terms_by_hand():
