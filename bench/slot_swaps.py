@@ -8,10 +8,14 @@ alone (``max_passes=0``) and with the swaps (the default), and each is split by 
 
 - an exact-LP hill climb over the same in-node swaps (first improvement, every candidate scored by the LP);
 - a MILP over the copies and the split together (cvxpy + HiGHS, ``--milp-seconds`` per cell; its incumbent is
-  a plan, so the per-cell optimum is at most that; ``status`` says whether HiGHS proved it optimal).
+  a plan, so the per-cell optimum is at most that; ``status`` says whether HiGHS proved it optimal);
+- with ``--free-samples K``, on the first K of those cells a MILP with everything free per cell: the micro-batch's
+  samples on any GPUs, any ``E/G + r`` experts a GPU (homes too), any split (``milp_free_samples``), beside the
+  bound's terms of that cell and HiGHS' dual bound.
 
     python bench/slot_swaps.py                      # ~3 min on 2 cores with the MILP on 8 cells
     python bench/slot_swaps.py --sample 24 --milp-seconds 60
+    python bench/slot_swaps.py --free-samples 5 --out bench/results/slot_swaps_free.json   # ~9 min
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from common import JsonReport, environment
 
 from relibra_moe.cost_terms import link_masks
 from relibra_moe.datasets import gpt_oss_batch
-from relibra_moe.evaluate import plan_loads
+from relibra_moe.evaluate import bound_terms, plan_loads
 from relibra_moe.planners.locality_replicas import locality_slots, locality_split, slot_swap_moves
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.specs import cluster_preset, model_preset
@@ -73,10 +77,36 @@ def milp(xc: np.ndarray, home: np.ndarray, r: int, model, cluster, seconds: floa
     return float(prob.value) * rates.sec_per_pair, str(prob.status)
 
 
+def milp_free_samples(xs: np.ndarray, r: int, model, cluster, seconds: float) -> tuple[float, float | None, str]:
+    """``(T_MoE seconds, HiGHS' dual bound in seconds or None, status)`` of one cell with everything free: the
+    micro-batch's samples (counts ``xs [n, E]``) on any GPUs (several may share one), any ``E/G + r`` experts on each
+    GPU (homes free per cell), any split. The first (longest) sample sits on GPU 0: node and rail relabellings
+    (the same permutation of rails in every node) keep every link class, so that loses no plan. The incumbent is a
+    plan of the cell's samples, so every plan of them costs at least the optimum, which is at most the incumbent."""
+    G, E = cluster.num_gpus, model.num_experts
+    rates = cluster.rates(model)
+    xs = xs[np.argsort(-xs.sum(axis=1), kind="stable")]
+    a = cp.Variable((xs.shape[0], G), boolean=True)  # sample s runs on GPU g
+    z = cp.Variable((G, E), boolean=True)  # GPU g holds expert e
+    y = cp.Variable((G * E, G), nonneg=True)  # row j * E + e: source j's pairs of expert e served on each GPU
+    cap = np.tile(xs.sum(axis=0), G)[:, None] * np.ones((1, G))  # expert e's pairs in the cell
+    cons = [cp.sum(a, axis=1) == 1, a[0, 0] == 1, cp.sum(z, axis=1) <= E // G + r,
+            cp.sum(y, axis=1) == cp.reshape(a.T @ xs, (G * E,), order="C"),
+            y <= cp.multiply(cap, cp.vstack([z.T] * G))]
+    objective, terms = cell_cost(y, G, E, model, cluster)
+    prob = cp.Problem(cp.Minimize(objective), cons + terms)
+    prob.solve(solver="HIGHS", time_limit=seconds)
+    dual = getattr(prob.solver_stats.extra_stats, "mip_dual_bound", None)
+    return (float(prob.value) * rates.sec_per_pair, None if dual is None else float(dual) * rates.sec_per_pair,
+            str(prob.status))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sample", type=int, default=8, help="cells for the exact-LP hill climb and the MILP")
     ap.add_argument("--milp-seconds", type=float, default=60.0)
+    ap.add_argument("--free-samples", type=int, default=0,
+                    help="cells for the MILP with the samples' GPUs and the homes free too (--milp-seconds each)")
     ap.add_argument("--out", default="bench/results/slot_swaps.json")
     args = ap.parse_args()
     model = model_preset("gpt-oss-20b")
@@ -133,6 +163,23 @@ def main() -> None:
     rep_json.set("sample", {"cells": rows, "totals": tot, **{f"{k}_over_greedy": v / tot["greedy"]
                                                            for k, v in tot.items()}})
     print("sample: " + ", ".join(f"{k} {v / tot['greedy']:.4f}x" for k, v in tot.items()))
+    if not args.free_samples:
+        return
+    counts = np.asarray(batch.sample_expert_counts(), dtype=np.float64)  # [N, L, E]
+    bound = bound_terms(batch, model, cluster, r, micro_batch=plan.samples.micro_batch)
+    free = []
+    for m, layer in cells[: args.free_samples]:
+        idx = np.flatnonzero(plan.samples.micro_batch == m)
+        opt, dual, status = milp_free_samples(counts[idx, layer], r, model, cluster, args.milp_seconds)
+        cell = bound_terms(batch.subset(idx), model, cluster, r, micro_batch=np.zeros(len(idx), np.int64))
+        cell_bound = float(cell.comp[layer] + cell.comm[layer])
+        free.append({"cell": [m, layer], "relibra": t[1, m, layer], "milp": opt, "milp_dual_bound": dual,
+                     "bound_cell_terms": cell_bound, "status": status})
+        print(f"cell ({m}, {layer}), samples free: relibra {t[1, m, layer] * 1e3:.4f} ms, MILP {opt * 1e3:.4f} "
+              f"({status}; dual bound {dual * 1e3 if dual is not None else float('nan'):.4f}), the bound's cell terms "
+              f"{cell_bound * 1e3:.4f}", flush=True)
+    rep_json.set("free_samples", {"cells": free, "bound_t_moe_s": float(bound.t_moe_s),
+                                  "milp_over_relibra": sum(f["milp"] for f in free) / sum(f["relibra"] for f in free)})
 
 
 if __name__ == "__main__":
