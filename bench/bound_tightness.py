@@ -50,16 +50,9 @@ from slot_swaps import cell_cost
 from relibra_moe.cost import cost_from_flow
 from relibra_moe.datasets import gpt_oss_batch
 from relibra_moe.evaluate import _link_seconds, bound_micro_batch, bound_terms, plan_flow, plan_loads
-from relibra_moe.planners.locality_replicas import _rdma_proxy, locality_split
+from relibra_moe.planners.locality_replicas import _rdma_proxy, locality_split, node_left
 from relibra_moe.planners.strategies import plan_batch
 from relibra_moe.specs import cluster_preset, model_preset
-
-
-def _left(a: np.ndarray, remote: np.ndarray | None, keep: int) -> np.ndarray:
-    """float64 ``[...]``: pairs of counts ``a [..., E]`` (only the ``remote`` experts where given) outside the
-    ``keep`` largest."""
-    v = a if remote is None else np.where(remote, a, 0.0)
-    return v.sum(-1) - np.sort(v, -1)[..., -keep:].sum(-1)
 
 
 def _homes_aware(counts: np.ndarray, mb: np.ndarray, homes: np.ndarray, model, cluster, r: int) -> float:
@@ -76,8 +69,8 @@ def _homes_aware(counts: np.ndarray, mb: np.ndarray, homes: np.ndarray, model, c
         idx = np.flatnonzero(mb == m)
         for layer in range(counts.shape[1]):
             xs = counts[idx, layer]  # [n, E]
-            off_gpu = np.stack([_left(xs, homes[layer] != g, r) for g in range(G)], axis=1)  # [n, G]
-            off_node = np.stack([_left(xs, node[homes[layer]] != node[g], P * r) for g in range(G)], axis=1)
+            off_gpu = np.stack([node_left(xs, homes[layer] != g, r) for g in range(G)], axis=1)  # [n, G]
+            off_node = np.stack([node_left(xs, node[homes[layer]] != node[g], P * r) for g in range(G)], axis=1)
             link = _link_seconds(off_gpu, off_node, cluster, model)
             rows, cols = linear_sum_assignment(link)
             spread = _link_seconds(off_gpu[rows, cols].sum(), off_node[rows, cols].sum(), cluster, model) / G
@@ -124,13 +117,13 @@ def main() -> None:
         for bits in range(2 ** len(idx)):
             side = (bits >> np.arange(len(idx))) & 1
             a, b = counts[idx[side == 0]].sum(0), counts[idx[side == 1]].sum(0)  # [L, E]
-            b_any = np.minimum(b_any, np.maximum(_left(a, None, per_node), _left(b, None, per_node)))
-            la, lb = _left(a, hn != 0, per_node - homed), _left(b, hn != 1, per_node - homed)
+            b_any = np.minimum(b_any, np.maximum(node_left(a, True, per_node), node_left(b, True, per_node)))
+            la, lb = node_left(a, hn != 0, per_node - homed), node_left(b, hn != 1, per_node - homed)
             b_mean, b_max = np.minimum(b_mean, (la + lb) / 2), np.minimum(b_max, np.maximum(la, lb))
         any24, own_mean, own_max = any24 + b_any.sum(), own_mean + b_mean.sum(), own_max + b_max.sum()
     terms.update(node_any_24=sec * any24 / P, node_own_homes_mean=sec * own_mean / P,
                  node_own_homes_max=sec * own_max / P)
-    f = np.stack([_left(counts, (hn != n)[None], per_node - homed) for n in range(cluster.nodes)], -1).min(-1)
+    f = np.stack([node_left(counts, (hn != n)[None], per_node - homed) for n in range(cluster.nodes)], -1).min(-1)
     terms["worst_sample_own_homes"] = sec * sum(f[mb == m].max(0).sum() for m in range(int(mb.max()) + 1))
     x = plan_loads(plan, batch, cluster.num_gpus).astype(float)  # [M, L, G, E]
     node = np.arange(cluster.num_gpus) // P
@@ -185,7 +178,7 @@ def main() -> None:
     prob, xp = _lp_relaxation(model, cluster, r)
     cost = cost_from_flow(plan_flow(plan, x), model, cluster)
     rates = cluster.rates(model)
-    off_gpu, off_node = (_left(counts, None, k) for k in (per_node // P, per_node))  # [N, L]
+    off_gpu, off_node = (node_left(counts, True, k) for k in (per_node // P, per_node))  # [N, L]
     worst = _link_seconds(off_gpu, off_node, cluster, model)
     lp = {"cells": 64, "relibra_t_moe_s": 0.0, "bound_t_moe_s": 0.0, "lp_relaxation_t_moe_s": 0.0}
     for m, layer in itertools.product(range(0, x.shape[0], 4), range(0, x.shape[1], 3)):
