@@ -66,11 +66,10 @@ def global_replica_step_lower_bound(ctx: PlanContext, expert_gpu: np.ndarray, mi
     comm_tokens = out.max(axis=-1) * harmonic  # [M, L]
     if cluster.nodes > 1:
         M, L, _, E = x.shape
-        remote_of_source = cluster.node_of(expert_gpu)[None, :, None, :] != cluster.node_of(np.arange(G))[
-            None, None, :, None]  # [1, L, G, E]: expert e is homed off source j's node
-        per_source = node_left(x, remote_of_source, P * r).max(axis=-1)  # [M, L]
-        xn = x.reshape(M, L, cluster.nodes, P, E).sum(axis=3)  # [M, L, nodes, E]
+        # [1, L, nodes, E]: expert e is homed off node n; indexed by each source's node: off source j's node
         remote = cluster.node_of(expert_gpu)[None, :, None, :] != np.arange(cluster.nodes)[None, None, :, None]
+        per_source = node_left(x, remote[:, :, cluster.node_of(np.arange(G))], P * r).max(axis=-1)  # [M, L]
+        xn = x.reshape(M, L, cluster.nodes, P, E).sum(axis=3)  # [M, L, nodes, E]
         per_node = node_left(xn, remote, P * r).max(axis=-1) / P  # [M, L]
         comm_tokens = np.maximum(comm_tokens, np.maximum(per_source, per_node) * w.w_rdma)
     comm = comm_tokens * w.sec_per_token

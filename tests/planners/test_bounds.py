@@ -140,7 +140,7 @@ def test_the_global_bound_counts_what_must_cross_nodes_by_hand(sources, rdma):
     assert homes.tolist() == [[0, 0, 1, 1, 2, 2, 3, 3]]
     w = cell_weights(model, CLUSTER)
     leave = max(sum(sorted(s)[:-1]) for s in sources) * w.w_nv * w.w_rdma / (w.w_nv + w.w_rdma)
-    assert rdma * w.w_rdma > leave  # the node term is the one that binds
+    assert rdma * w.w_rdma > leave  # the RDMA term (worst source's or node's) is the one that binds
     want = (x.sum() / 4 + rdma * w.w_rdma) * w.sec_per_token
     got = global_replica_step_lower_bound(ctx, homes, np.zeros(1, np.int64), np.zeros(1, np.int64), x,
                                           Placement(homes), 12.0)
