@@ -256,10 +256,14 @@ def random_cell(i: int, seed: int = 1000):
 
 
 def random_cell_name(i: int) -> str:
+    """Random cell ``i``'s name, its result file's stem in ``RANDOM_OUT``."""
     return f"{i:03d}"
 
 
 def run_random_cell(i: int, seed: int = 1000) -> dict[str, Any]:
+    """Random cell ``i`` (``random_cell``) run steady with every strategy of ``RANDOM_STRATEGIES`` on every sample
+    placement: its steps (seconds), relibra over the best baseline, the least step over balanced's, the candidates
+    relibra's portfolio chose, and the wall seconds (JSON-ready)."""
     from relibra_moe.sample_placements import SAMPLE_PLACEMENTS
 
     batches, model, cluster, desc = random_cell(i, seed)
