@@ -245,11 +245,18 @@ def replica_push_overlap(attn_fwd: np.ndarray | float, comm: np.ndarray | float,
     raise PlanError(f"replica fetch {fetch!r} is not one of {REPLICA_FETCHES}")
 
 
-def cell_step_seconds(comp: float, comm: float, push: float, attn_fwd: float, fetch: str = "per-layer") -> float:
-    """Forward + backward seconds of one (micro-batch, layer) cell as the simulator charges them:
-    ``moe_step_seconds`` plus the replica push not hidden behind ``replica_push_overlap(attn_fwd, comm, fetch)``
-    and the gradient pull (same time) not hidden behind the backward ``attention_backward(attn_fwd)``."""
-    return float(moe_step_seconds(comp, comm) + exposed_seconds(push, replica_push_overlap(attn_fwd, comm, fetch))
+def cell_step_seconds(comp: float, comm: float, push: float, attn_fwd: float, fetch: str = "per-layer",
+                      overlap: str = "none") -> float:
+    """Forward + backward seconds of one (micro-batch, layer) cell beyond its local stage, as the simulator charges
+    them: ``moe_step_seconds`` (under the trainer's ``overlap``: ``layer_step_seconds`` less the local stage
+    ``A_fwd + A_bwd``, which the overlap rule may hide MoE work behind) plus the replica push not hidden behind
+    ``replica_push_overlap(attn_fwd, comm, fetch)`` and the gradient pull (same time) not hidden behind the
+    backward ``attention_backward(attn_fwd)``."""
+    if overlap == "none":
+        moe = moe_step_seconds(comp, comm)
+    else:
+        moe = layer_step_seconds(attn_fwd, comp, comm, overlap) - attn_fwd - attention_backward(attn_fwd)
+    return float(moe + exposed_seconds(push, replica_push_overlap(attn_fwd, comm, fetch))
                  + exposed_seconds(push, attention_backward(attn_fwd)))
 
 

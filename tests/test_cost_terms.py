@@ -305,8 +305,9 @@ def test_cost_terms_by_hand():
 # ---- the step-level terms of timing.py: each composition equals its parts ----
 
 @settings(max_examples=60, deadline=None)
-@given(st.floats(0, 10), st.floats(0, 10), st.floats(0, 10), st.floats(0, 10), st.sampled_from(timing.REPLICA_FETCHES))
-def test_timing_compositions_agree(a, c, m, push, fetch):
+@given(st.floats(0, 10), st.floats(0, 10), st.floats(0, 10), st.floats(0, 10), st.sampled_from(timing.REPLICA_FETCHES),
+       st.sampled_from(timing.OVERLAPS))
+def test_timing_compositions_agree(a, c, m, push, fetch, overlap):
     fwd, bwd = timing.moe_forward_seconds(c, m), timing.moe_backward_seconds(c, m)
     assert fwd == cost_terms.t_moe_seconds(c, m)
     assert timing.moe_step_seconds(c, m) == pytest.approx(fwd + bwd, rel=RTOL, abs=1e-300)
@@ -315,4 +316,10 @@ def test_timing_compositions_agree(a, c, m, push, fetch):
     want = (fwd + bwd + max(0.0, push - timing.replica_push_overlap(a, m, fetch))
             + max(0.0, push - timing.attention_backward(a)))
     assert timing.cell_step_seconds(c, m, push, a, fetch) == pytest.approx(want, rel=RTOL, abs=1e-300)
+    # under the trainer's overlap: the simulator's cell (layer_step_seconds, local stage included) plus the same
+    # exposed transfers, less the local stage
+    exposed = want - fwd - bwd
+    local = a + timing.attention_backward(a)
+    assert timing.cell_step_seconds(c, m, push, a, fetch, overlap) + local == pytest.approx(
+        timing.layer_step_seconds(a, c, m, overlap) + exposed, rel=RTOL, abs=1e-9)
     assert timing.STEP_COMP_WEIGHT == timing.moe_step_seconds(1.0, 0.0) / timing.moe_step_seconds(0.0, 1.0)

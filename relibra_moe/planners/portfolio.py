@@ -12,8 +12,8 @@ Candidates, in order: relibra's own plan; ``relibra-inter`` (the annealed homes 
 replication-aware migration pricing, no replicas); then, on every placement of ``portfolio_placements``
 (round-robin, verl's length-balanced, longest-first; the trainer's only when it owns the samples; the name
 suffix says which), the baselines' plans on the same batch and options: eplb-history (with option ``history``),
-static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with replica slots and a
-previous placement other than static, where "previous" already dominates it); then (option
+static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with replica slots, unless
+``previous`` provably dominates it: ``_previous_dominates_online``); then (option
 ``portfolio_balancers``, ``_add_balancers``) EPLB+ (``eplb``) and, with replica slots, LPLB+ (``lplb``), exactly as
 those strategies plan them; each of these built only when its lower bound
 (``bounds.replicated_step_lower_bound``; EPLB+'s and LPLB+'s with their own copies) is below the best
@@ -61,7 +61,7 @@ from .locality_replicas import (
     relocate_cells,
 )
 from .lplb import lplb_batch_copies, lplb_homes, lplb_parts
-from .options import PlanOptions
+from .options import PlanOptions, ReplicateOptions
 
 __all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
 
@@ -207,17 +207,30 @@ def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray
     for suffix, (mb, sg) in pf.places.items():
         for base, homes in (("previous", prev), ("online", static)):
             name = base + suffix
-            if base == "online" and (not ctx.replica_slots or (np.array_equal(prev, static) and not ctx.repack and (
+            if base == "online" and (not ctx.replica_slots or (_previous_dominates_online(ctx, prev, static) and (
                     "previous" + suffix in pf.pruned or pf.modes.get("previous" + suffix) == "per-layer"))):
-                # without slots online is the static plan; with the static homes as previous, "previous" is
-                # online's homes and samples with relibra's priced replicas: per cell the same greedy with 0 .. r
-                # slots, chosen by a window never shorter than online's and charged per layer, so never slower
+                # without slots online is the static plan; where "previous" has online's homes and samples and
+                # dominates it cell by cell, online cannot win (its bound is "previous"'s: pruned with it)
                 continue
             bound = replicated_step_lower_bound(ctx, homes, mb, sg, pf.loads_of(mb, sg), pf.previous, pf.opb)
             _add_unless_pruned(pf, name, None if base == "online" and ctx.repack else bound,  # repack: its samples
                                (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots
                                                     else None))
                                if base == "previous" else (lambda s=suffix: pf.baseline("online", s)))
+
+
+def _previous_dominates_online(ctx: PlanContext, previous_homes: np.ndarray, static_homes: np.ndarray) -> bool:
+    """Whether the ``previous`` candidate is never charged more than online's plan on the same placement, so that
+    online need not be built: with the static homes as previous, "previous" is online's homes and samples with
+    relibra's replicas, whose per-cell choice (``replicate.replicate_cell``: the same greedy per slot count as
+    ``online.online_cell``, chosen by the simulator's charge of the cell with a window never shorter) is never
+    charged more than online's. That holds where the judge charges what ``replicate_cell`` minimises: replicas
+    priced (``price_replicas``), the step scored (``step_objective``), the cost model's single GEMM rate (no
+    ``gemm_curve``), the default ``ReplicateOptions`` (online's greedy), and no repacking (online keeps the
+    placement's micro-batches)."""
+    return (np.array_equal(previous_homes, static_homes) and not ctx.repack and ctx.options.price_replicas
+            and ctx.options.step_objective and not ctx.cluster.gemm_curve
+            and ctx.options.replicate == ReplicateOptions())
 
 
 def _add_locality(pf: _Candidates) -> None:

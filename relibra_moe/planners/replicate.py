@@ -363,23 +363,25 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
 
     Without ``attn_fwd`` this is ``replicate_cell_greedy``. With ``attn_fwd`` (seconds of the micro-batch's
     attention forward; the per-layer replica push overlaps ``timing.replica_push_overlap(attn_fwd, comm)`` =
-    ``max(attn_fwd, comm / 2)``, the gradient pull the backward), a replica set whose transfers are not hidden
-    is accepted only where it pays: the greedy is
-    re-run with 0 .. r replica slots per GPU and the result with the lowest ``timing.cell_step_seconds`` (forward +
-    backward MoE time + exposed transfers) wins; ties keep more replicas.
+    ``max(attn_fwd, comm / 2)``, the gradient pull the backward), the greedy is also run with r - 1 .. 0 replica
+    slots per GPU and the result with the lowest ``timing.cell_step_seconds`` under the cluster's overlap (the
+    simulator's charge of the cell) wins; ties keep more replicas. A replica set whose transfers are not hidden
+    is so kept only where it pays, and fewer slots can also end lower because the greedy is not monotone in them
+    (a full GPU turns it to other moves). The smaller counts are skipped only where the full set's push and pull
+    hide behind the dispatch alone (the ``after-router`` window, the shortest) and the attention backward: then
+    ``online.online_cell`` keeps the full set too. So with the default ``ReplicateOptions`` the result is never
+    charged more than ``online_cell``'s on the same homes and cell (the same greedy per count, judged by the
+    simulator's charge with a window never shorter), which lets the portfolio skip that baseline.
     """
     res = replicate_cell_greedy(x, expert_gpu, model, cluster, replica_slots, **kw)
     if attn_fwd is None or replica_slots == 0 or not (res.replica_expert >= 0).any():
         return res
     x = np.ascontiguousarray(x, dtype=np.float64)
     eg = np.ascontiguousarray(expert_gpu, dtype=np.int64)
-    push = replica_push_seconds(eg, res.replica_expert, model, cluster)
-    if push <= attn_fwd and push <= attention_backward(attn_fwd):
-        return res  # hidden whatever comm is: the window replica_push_overlap is at least attn_fwd
     comp, comm, push = cell_step_terms(x, eg, res, model, cluster)
-    if push <= replica_push_overlap(attn_fwd, comm) and push <= attention_backward(attn_fwd):
-        return res  # push and gradient pull fully hidden: nothing to trade
-    best, best_t = res, cell_step_seconds(comp, comm, push, attn_fwd)
+    if push <= replica_push_overlap(attn_fwd, comm, "after-router") and push <= attention_backward(attn_fwd):
+        return res  # push and gradient pull hidden even behind the shortest window: nothing to trade
+    best, best_t = res, cell_step_seconds(comp, comm, push, attn_fwd, overlap=cluster.overlap)
     for c in range(replica_slots - 1, -1, -1):
         if c == 0:
             cand = CellResult(np.full((cluster.num_gpus, replica_slots), -1, np.int32), np.zeros((0, 3), np.int32),
@@ -390,7 +392,7 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
             pad[:, :c] = r.replica_expert
             cand = CellResult(pad, r.rows, r.share, r.t_moe)
         cc_, cm_, cp_ = cell_step_terms(x, eg, cand, model, cluster)
-        t = cell_step_seconds(cc_, cm_, cp_, attn_fwd)
+        t = cell_step_seconds(cc_, cm_, cp_, attn_fwd, overlap=cluster.overlap)
         if t < best_t * (1 - 1e-12):
             best, best_t = cand, t
     if best is not res and not len(best.rows) and not (best.replica_expert >= 0).any():
