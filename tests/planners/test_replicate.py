@@ -138,8 +138,9 @@ def test_replicate_batch_options_equal_keywords_and_a_typo_is_a_plan_error():
         replicate_batch(placement, samples, batch, MODEL, CLUSTER, 2, options=ReplicateOptions(), passes=1)
 
 
-def _step_reference(x, eg, res, model, cluster, attn):
-    """Independent reference of a cell's priced step: dense shares through moe_cost, transfers by hand."""
+def _dense_cost_and_push(x, eg, res, model, cluster):
+    """``(moe_cost of the cell's dense shares, push seconds)``, by hand: every (source, expert) pair at the home
+    unless split by ``res``; the push is NVLink, one expert's bytes at the home's tx and the holder's rx."""
     G = cluster.num_gpus
     E = x.shape[1]
     sh = np.zeros((G, E, G))
@@ -148,15 +149,19 @@ def _step_reference(x, eg, res, model, cluster, attn):
         sh[j, e, eg[e]] = 0.0
     for (j, e, g), s in zip(res.rows, res.share):
         sh[j, e, g] += s
-    c = moe_cost(x, None, model, cluster, shares=sh)
     tx = np.zeros(G)
     rx = np.zeros(G)
     for g in range(G):
         for e in res.replica_expert[g]:
-            if e >= 0:  # intra-node replicas: NVLink, one expert's bytes at the home's tx and g's rx
+            if e >= 0:
                 tx[eg[e]] += model.expert_bytes
                 rx[g] += model.expert_bytes
-    push = max(tx.max(), rx.max()) / cluster.nvlink_bw
+    return moe_cost(x, None, model, cluster, shares=sh), max(tx.max(), rx.max()) / cluster.nvlink_bw
+
+
+def _step_reference(x, eg, res, model, cluster, attn):
+    """Independent reference of a cell's priced step: dense shares through moe_cost, transfers by hand."""
+    c, push = _dense_cost_and_push(x, eg, res, model, cluster)
     return 3 * c.comp.max() + 2 * c.comm.max() + max(0, push - attn) + max(0, push - 2 * attn)
 
 
@@ -180,27 +185,12 @@ def test_priced_replication_never_worse_than_unpriced_or_none(attn_scale):
 
 
 def _charged(x, eg, res, model, cluster, attn, fetch, overlap):
-    """Independent reference of the simulator's charge of one priced cell beyond its local stage: dense shares
-    through moe_cost; the push by hand (NVLink, one expert's bytes at the home's tx and the holder's rx) hidden
-    behind the fetch window (``per-layer``: max(A_fwd, comm / 2); ``after-router``: comm / 2), the gradient pull
-    behind the attention backward (2 A_fwd); the MoE back to back (3 comp + 2 comm) or under DualPipe's overlap
-    (max(3 A_fwd + 3 comp, 2 comm) - 3 A_fwd)."""
-    G, E = x.shape
-    sh = np.zeros((G, E, G))
-    sh[:, np.arange(E), eg] = 1.0
-    for j, e, _g in res.rows:
-        sh[j, e, eg[e]] = 0.0
-    for (j, e, g), s in zip(res.rows, res.share):
-        sh[j, e, g] += s
-    c = moe_cost(x, None, model, cluster, shares=sh)
+    """Independent reference of the simulator's charge of one priced cell beyond its local stage
+    (``_dense_cost_and_push``): the push hidden behind the fetch window (``per-layer``: max(A_fwd, comm / 2);
+    ``after-router``: comm / 2), the gradient pull behind the attention backward (2 A_fwd); the MoE back to back
+    (3 comp + 2 comm) or under DualPipe's overlap (max(3 A_fwd + 3 comp, 2 comm) - 3 A_fwd)."""
+    c, push = _dense_cost_and_push(x, eg, res, model, cluster)
     comp, comm = c.comp.max(), c.comm.max()
-    tx, rx = np.zeros(G), np.zeros(G)
-    for g in range(G):
-        for e in res.replica_expert[g]:
-            if e >= 0:
-                tx[eg[e]] += model.expert_bytes
-                rx[g] += model.expert_bytes
-    push = max(tx.max(), rx.max()) / cluster.nvlink_bw
     window = max(attn, comm / 2) if fetch == "per-layer" else comm / 2
     moe = 3 * comp + 2 * comm if overlap == "none" else max(3 * attn + 3 * comp, 2 * comm) - 3 * attn
     return moe + max(0.0, push - window) + max(0.0, push - 2 * attn)
