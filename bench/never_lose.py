@@ -52,6 +52,15 @@ over balanced's (never below 1: balanced bounds). Results in ``results/never_los
 
     python bench/never_lose.py --random 80                      # ~30 min on 2 cores (cells are resumable)
     python bench/never_lose.py --random 80 --table
+
+``--wide N`` draws N cells from a wider space (``wide_cell``, seeds ``--wide-seed + i``, default 7000): every model
+preset (OLMoE-1B-7B and GPT-OSS-20B synthesized too; OLMoE semi-synthetic), every cluster preset (h100, h200, h800,
+hopper-rail), EP 1x4, 1x8, 2x4, 4x2, 2x8, 4x4, 8x2 and 4x8, r = 1 to 4, K = 1 to 3 consecutive batches, a rebalance
+every 1 or 2 steps and a history window of 1 or 2, and in about 3 cells of 10 trainer-owned samples: then every
+placement is the trainer's and relibra on it is compared with the baselines on it. Results in
+``results/never_lose_wide/``.
+
+    python bench/never_lose.py --wide 120                       # ~25 min on 2 cores (two processes: --cells)
 """
 
 from __future__ import annotations
@@ -219,6 +228,32 @@ RANDOM_MODELS = ("qwen3-30b-a3b", "glm4.5-106b-a12b", "qwen3-235b-a22b")
 RANDOM_DOMAINS = ("mixed", "math", "code", "instruction")
 
 
+def gptoss_cell(n: int, draw: int, mb: int, layers: int, k: int):
+    """``(batches, model, desc)``: ``n`` real GPT-OSS-20B requests drawn with the seed ``draw``, micro-batches of
+    ``mb``, the first ``layers`` MoE layers, cut into ``k`` consecutive batches (one when ``k`` is 1)."""
+    from relibra_moe.datasets import gpt_oss_batch
+
+    batch = gpt_oss_batch(num_requests=n, seed=draw).restrict_layers(layers).with_micro_batch_size(mb)
+    batches = consecutive_batches(batch, k) if k > 1 else [batch]
+    desc = {"data": GPTOSS, "requests": n, "draw_seed": draw, "micro_batch_size": mb, "layers": layers,
+            "batches": k}
+    return batches, model_preset(GPTOSS).with_(num_layers=layers), desc
+
+
+def synthetic_cell(name: str, domain: str, n: int, mb: int, layers: int, draw: int, k: int):
+    """``(batches, model, desc)``: ``k`` synthetic batches of model preset ``name`` (``n`` prompts x 4 of
+    ``domain``, micro-batches of ``mb``, seeds ``draw`` .. ``draw + k - 1``), synthesized at full depth as `relibra
+    trace synth` does, then cut to the first ``layers``."""
+    from relibra_moe.synthetic import rl_batch
+
+    full = model_preset(name)
+    batches = [rl_batch(full, domain, n, 4, seed=draw + j, micro_batch_size=mb).restrict_layers(layers)
+               for j in range(k)]
+    desc = {"data": f"synthetic {name} {domain}", "prompts": n, "draw_seed": draw, "micro_batch_size": mb,
+            "layers": layers, "batches": k}
+    return batches, full.with_(num_layers=layers), desc
+
+
 def random_cell(i: int, seed: int = 1000):
     """``(batches, model, cluster, desc)`` of random cell ``i`` (module docstring, ``--random``), drawn from the
     seed ``seed + i``; ``desc`` names what was drawn (JSON-ready)."""
@@ -230,27 +265,15 @@ def random_cell(i: int, seed: int = 1000):
     r = int((1, 2, 2, 4)[rng.integers(4)])
     cluster = cluster_preset(DEFAULT_CLUSTER, nodes=nodes, gpus_per_node=gpn, overlap=overlap)
     if rng.random() < 0.5:
-        from relibra_moe.datasets import gpt_oss_batch
-
         n, draw = int(rng.integers(128, 704)), int(rng.integers(1000))
         mb, layers, k = int((8, 16, 22, 32, 44)[rng.integers(5)]), int((4, 8, 24)[rng.integers(3)]), \
             int((1, 2, 4)[rng.integers(3)])
-        batch = gpt_oss_batch(num_requests=n, seed=draw).restrict_layers(layers).with_micro_batch_size(mb)
-        batches = consecutive_batches(batch, k) if k > 1 else [batch]
-        model = model_preset(GPTOSS).with_(num_layers=layers)
-        desc = {"data": GPTOSS, "requests": n, "draw_seed": draw, "micro_batch_size": mb, "layers": layers,
-                "batches": k}
+        batches, model, desc = gptoss_cell(n, draw, mb, layers, k)
     else:
-        from relibra_moe.synthetic import rl_batch
-
         name, domain = RANDOM_MODELS[rng.integers(3)], RANDOM_DOMAINS[rng.integers(4)]
         n, mb = int((32, 48, 64, 128)[rng.integers(4)]), int((16, 32)[rng.integers(2)])
         layers, draw = int(rng.integers(2, 5)), int(rng.integers(1000))
-        full = model_preset(name)  # synthesized at full depth, as `relibra trace synth` does, then cut
-        batches = [rl_batch(full, domain, n, 4, seed=draw, micro_batch_size=mb).restrict_layers(layers)]
-        model = full.with_(num_layers=layers)
-        desc = {"data": f"synthetic {name} {domain}", "prompts": n, "draw_seed": draw, "micro_batch_size": mb,
-                "layers": layers, "batches": 1}
+        batches, model, desc = synthetic_cell(name, domain, n, mb, layers, draw, 1)
     desc.update(ep=f"{nodes}x{gpn}", overlap=overlap, replica_slots=r)
     return batches, model, cluster, desc
 
@@ -284,29 +307,124 @@ def run_random_cell(i: int, seed: int = 1000) -> dict[str, Any]:
             "t_moe_s": {s: float(v["steady"]["t_moe_s"]) for s, v in res["strategies"].items()}}
 
 
-def random_table() -> str:
-    lines = ["| cell | drawn | EP | overlap | r | best baseline | relibra / best | least step / balanced | "
-             "portfolio chose |", "|---|---|---|---|---:|---|---:|---:|---|"]
-    for f in sorted(RANDOM_OUT.glob("*.json")):
+GRID_COLUMNS = {"ep": "EP", "preset": "preset", "overlap": "overlap", "replica_slots": "r", "sample_owner": "samples"}
+
+
+def grid_table(out: Path, columns: tuple[str, ...]) -> str:
+    """The markdown table of a random grid's files in ``out`` (``--random``, ``--wide``): per cell what was drawn,
+    the ``desc`` fields ``columns`` (keys of ``GRID_COLUMNS``), the best baseline, relibra over it, the least step
+    over balanced's and the portfolio's choices."""
+    lines = ["| cell | drawn | " + " | ".join(GRID_COLUMNS[c] for c in columns)
+             + " | best baseline | relibra / best | least step / balanced | portfolio chose |",
+             "|---|---|" + "---|" * len(columns) + "---|---:|---:|---|"]
+    for f in sorted(out.glob("*.json")):
         d = json.loads(f.read_text())
         de = d["desc"]
         size = f"{de['requests']} requests" if "requests" in de else f"{de['prompts']} prompts"
-        drawn = (f"{de['data']}, {size}, mb {de['micro_batch_size']}, {de['layers']} layers, K = {de['batches']}")
+        drawn = (f"{de['data']}, {size}, mb {de['micro_batch_size']}, {de['layers']} layers, K = {de['batches']}"
+                 + (f", rebalance every {de['rebalance_every']}" if de.get("rebalance_every", 1) > 1 else "")
+                 + (f", window {de['window']}" if de.get("window", 1) > 1 else ""))
         chosen = ", ".join(sorted({c for c in d["portfolio"] if c}))
-        lines.append(f"| {d['cell']} | {drawn} | {de['ep']} | {de['overlap']} | {de['replica_slots']} | "
-                     f"{d['best']['strategy']} | **{d['relibra_over_best']:.4f}** | {d['least_over_balanced']:.4f} | "
-                     f"{chosen} |")
+        lines.append(f"| {d['cell']} | {drawn} | " + " | ".join(str(de[c]) for c in columns)
+                     + f" | {d['best']['strategy']} | **{d['relibra_over_best']:.4f}** | "
+                     f"{d['least_over_balanced']:.4f} | {chosen} |")
     return "\n".join(lines)
 
 
+def random_table() -> str:
+    return grid_table(RANDOM_OUT, ("ep", "overlap", "replica_slots"))
+
+
 def main_random(args: argparse.Namespace) -> None:
-    if not args.table:
-        run_missing(RANDOM_OUT, args.cells or list(range(args.random)), random_cell_name,
-                    lambda i: run_random_cell(i, args.random_seed),
+    main_grid(RANDOM_OUT, lambda i: run_random_cell(i, args.random_seed), args.cells or list(range(args.random)),
+              args.table, random_table)
+
+
+WIDE_OUT = RESULTS / "never_lose_wide"
+WIDE_MODELS = RANDOM_MODELS + ("olmoe-1b-7b", GPTOSS)
+WIDE_EPS = ((1, 4), (1, 8), (2, 4), (4, 2), (2, 8), (4, 4), (8, 2), (4, 8))
+
+
+def wide_cell(i: int, seed: int = 7000):
+    """``(batches, model, cluster, desc)`` of wide cell ``i`` (module docstring, ``--wide``), drawn from the seed
+    ``seed + i``: what ``random_cell`` never draws as well. Every model preset (OLMoE and GPT-OSS-20B synthesized
+    too), every cluster preset, EP 1x4 to 4x8 and 8x2, r = 1 to 4, K = 1 to 3 consecutive batches, a rebalance
+    every 1 or 2 steps and a history window of 1 or 2, and trainer-owned samples in about 3 cells of 10."""
+    from relibra_moe.specs import CLUSTER_PRESETS
+
+    rng = np.random.default_rng(seed + i)
+    nodes, gpn = WIDE_EPS[rng.integers(len(WIDE_EPS))]
+    overlap = OVERLAPS[rng.integers(len(OVERLAPS))]
+    r = int(rng.integers(1, 5))
+    preset = sorted(CLUSTER_PRESETS)[rng.integers(len(CLUSTER_PRESETS))]
+    cluster = cluster_preset(preset, nodes=nodes, gpus_per_node=gpn, overlap=overlap)
+    owner = "trainer" if rng.random() < 0.3 else "planner"
+    if rng.random() < 0.35:
+        n, draw = int(rng.integers(96, 704)), int(rng.integers(1000))
+        mb, layers, k = int((8, 12, 16, 24, 40)[rng.integers(5)]), int((2, 6, 12)[rng.integers(3)]), \
+            int(rng.integers(1, 4))
+        batches, model, desc = gptoss_cell(n, draw, mb, layers, k)
+    else:
+        name, domain = WIDE_MODELS[rng.integers(len(WIDE_MODELS))], RANDOM_DOMAINS[rng.integers(4)]
+        n, mb = int((16, 32, 48, 96)[rng.integers(4)]), int((8, 16, 32)[rng.integers(3)])
+        layers, draw, k = int(rng.integers(2, 4)), int(rng.integers(1000)), int(rng.integers(1, 4))
+        batches, model, desc = synthetic_cell(name, domain, n, mb, layers, draw, k)
+    desc.update(ep=f"{nodes}x{gpn}", preset=preset, overlap=overlap, replica_slots=r, sample_owner=owner,
+                rebalance_every=int((1, 1, 2)[rng.integers(3)]), window=int((1, 1, 2)[rng.integers(3)]))
+    return batches, model, cluster, desc
+
+
+def run_wide_cell(i: int, seed: int = 7000) -> dict[str, Any]:
+    """Wide cell ``i`` (``wide_cell``) run steady with every strategy of ``RANDOM_STRATEGIES`` on every sample
+    placement. Planner-owned, relibra plans from its own start and must beat every baseline on every placement;
+    trainer-owned, each placement is the trainer's, and relibra on it must beat every baseline on it. Returns the
+    steps (seconds), relibra over the best baseline (the worst placement's when the trainer owns the samples), the
+    least step over balanced's, the portfolio's choices and the wall seconds (JSON-ready)."""
+    from relibra_moe.sample_placements import SAMPLE_PLACEMENTS
+
+    batches, model, cluster, desc = wide_cell(i, seed)
+    t0 = time.perf_counter()
+    res = run_steady(batches, model, cluster, RANDOM_STRATEGIES, replica_slots=desc["replica_slots"], seed=0,
+                     workers=1, placements=SAMPLE_PLACEMENTS, sample_owner=desc["sample_owner"],
+                     rebalance_every=desc["rebalance_every"], window=desc["window"])
+    steps = {s: step_of(res, s) for s in res["strategies"]}
+    if desc["sample_owner"] == "planner":
+        groups = {"relibra": [s for s in steps if not s.startswith(("relibra", "balanced"))]}
+    else:  # the rows of placement p are "name@p", the first placement's plain
+        groups = {"relibra" + ("" if p == SAMPLE_PLACEMENTS[0] else f"@{p}"):
+                  [s for s in steps if not s.startswith(("relibra", "balanced"))
+                   and s.partition("@")[2] == ("" if p == SAMPLE_PLACEMENTS[0] else p)] for p in SAMPLE_PLACEMENTS}
+    over = {}
+    for own, rivals in groups.items():
+        best = min(rivals, key=lambda s: (steps[s], s))
+        over[own] = {"best": best, "step_s": steps[best], "relibra_over_best": steps[own] / steps[best]}
+    worst = max(over.values(), key=lambda d: d["relibra_over_best"])
+    bound = min(v for s, v in steps.items() if s.startswith("balanced"))
+    lowest = min(v for s, v in steps.items() if not s.startswith("balanced"))
+    chosen = [row.get("portfolio") for s, v in res["strategies"].items() if s.startswith("relibra")
+              for row in v["per_step"]]
+    return {"cell": random_cell_name(i), "seed": seed + i, "desc": desc, "steps": steps, "per_placement": over,
+            "best": {"strategy": worst["best"], "step_s": worst["step_s"]},
+            "relibra_over_best": worst["relibra_over_best"],
+            "relibra_never_slower": worst["relibra_over_best"] <= 1 + 1e-12,
+            "least_over_balanced": lowest / bound, "balanced_bounds": lowest >= bound * (1 - 1e-12),
+            "portfolio": chosen, "seconds": time.perf_counter() - t0, "machine": platform.machine()}
+
+
+def wide_table() -> str:
+    return grid_table(WIDE_OUT, ("ep", "preset", "overlap", "replica_slots", "sample_owner"))
+
+
+def main_grid(out: Path, run: Callable[[int], dict[str, Any]], cells: list[int], table_only: bool,
+              table_of: Callable[[], str]) -> None:
+    """Run the missing ``cells`` of a random grid (``--random``, ``--wide``) into ``out``, then print its table and
+    the two claims over every file there."""
+    if not table_only:
+        run_missing(out, cells, random_cell_name, run,
                     lambda d: f"best baseline {d['best']['strategy']}, relibra / best {d['relibra_over_best']:.4f}, "
                     f"least / balanced {d['least_over_balanced']:.4f}")
-    print(random_table())
-    done = [json.loads(f.read_text()) for f in sorted(RANDOM_OUT.glob("*.json"))]
+    print(table_of())
+    done = [json.loads(f.read_text()) for f in sorted(out.glob("*.json"))]
     print(f"\nrelibra never slower than any baseline on any placement in "
           f"{sum(d['relibra_never_slower'] for d in done)} of {len(done)} cells (worst relibra / best "
           f"{max((d['relibra_over_best'] for d in done), default=float('nan')):.4f}); no strategy below balanced in "
@@ -392,7 +510,14 @@ def main() -> None:
     ap.add_argument("--random", type=int, default=0, metavar="N",
                     help="N random cells (random_cell) against every baseline on every sample placement")
     ap.add_argument("--random-seed", type=int, default=1000, help="with --random: cell i is drawn from this + i")
+    ap.add_argument("--wide", type=int, default=0, metavar="N",
+                    help="N wide cells (wide_cell: every model and cluster preset, trainer-owned samples, rebalancing)")
+    ap.add_argument("--wide-seed", type=int, default=7000, help="with --wide: cell i is drawn from this + i")
     args = ap.parse_args()
+    if args.wide:
+        main_grid(WIDE_OUT, lambda i: run_wide_cell(i, args.wide_seed), args.cells or list(range(args.wide)),
+                  args.table, wide_table)
+        return
     if args.random:
         main_random(args)
         return
