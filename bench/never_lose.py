@@ -61,6 +61,7 @@ placement is the trainer's and relibra on it is compared with the baselines on i
 ``results/never_lose_wide/``.
 
     python bench/never_lose.py --wide 120                       # ~25 min on 2 cores (two processes: --cells)
+    python bench/never_lose.py --wide 80 --wide-seed 9000       # other cells: results/never_lose_wide_s9000/
 """
 
 from __future__ import annotations
@@ -331,13 +332,20 @@ def grid_table(out: Path, columns: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-def random_table() -> str:
-    return grid_table(RANDOM_OUT, ("ep", "overlap", "replica_slots"))
+def seeded_out(out: Path, seed: int, default: int) -> Path:
+    """A random grid's results folder for the seed ``seed``: ``out`` for its ``default`` seed, else
+    ``out`` + ``_s<seed>`` (the files are named by cell index, so two seeds must not share a folder)."""
+    return out if seed == default else out.with_name(f"{out.name}_s{seed}")
+
+
+def random_table(out: Path = RANDOM_OUT) -> str:
+    return grid_table(out, ("ep", "overlap", "replica_slots"))
 
 
 def main_random(args: argparse.Namespace) -> None:
-    main_grid(RANDOM_OUT, lambda i: run_random_cell(i, args.random_seed), args.cells or list(range(args.random)),
-              args.table, random_table)
+    out = seeded_out(RANDOM_OUT, args.random_seed, 1000)
+    main_grid(out, lambda i: run_random_cell(i, args.random_seed), args.cells or list(range(args.random)),
+              args.table, lambda: random_table(out))
 
 
 WIDE_OUT = RESULTS / "never_lose_wide"
@@ -411,8 +419,8 @@ def run_wide_cell(i: int, seed: int = 7000) -> dict[str, Any]:
             "portfolio": chosen, "seconds": time.perf_counter() - t0, "machine": platform.machine()}
 
 
-def wide_table() -> str:
-    return grid_table(WIDE_OUT, ("ep", "preset", "overlap", "replica_slots", "sample_owner"))
+def wide_table(out: Path = WIDE_OUT) -> str:
+    return grid_table(out, ("ep", "preset", "overlap", "replica_slots", "sample_owner"))
 
 
 def main_grid(out: Path, run: Callable[[int], dict[str, Any]], cells: list[int], table_only: bool,
@@ -509,14 +517,17 @@ def main() -> None:
                          "default none); not none writes results/never_lose_placements_<overlap>/")
     ap.add_argument("--random", type=int, default=0, metavar="N",
                     help="N random cells (random_cell) against every baseline on every sample placement")
-    ap.add_argument("--random-seed", type=int, default=1000, help="with --random: cell i is drawn from this + i")
+    ap.add_argument("--random-seed", type=int, default=1000,
+                    help="with --random: cell i is drawn from this + i (else: results/never_lose_random_s<seed>/)")
     ap.add_argument("--wide", type=int, default=0, metavar="N",
                     help="N wide cells (wide_cell: every model and cluster preset, trainer-owned samples, rebalancing)")
-    ap.add_argument("--wide-seed", type=int, default=7000, help="with --wide: cell i is drawn from this + i")
+    ap.add_argument("--wide-seed", type=int, default=7000,
+                    help="with --wide: cell i is drawn from this + i (another seed: results/never_lose_wide_s<seed>/)")
     args = ap.parse_args()
     if args.wide:
-        main_grid(WIDE_OUT, lambda i: run_wide_cell(i, args.wide_seed), args.cells or list(range(args.wide)),
-                  args.table, wide_table)
+        out = seeded_out(WIDE_OUT, args.wide_seed, 7000)
+        main_grid(out, lambda i: run_wide_cell(i, args.wide_seed), args.cells or list(range(args.wide)),
+                  args.table, lambda: wide_table(out))
         return
     if args.random:
         main_random(args)
