@@ -224,6 +224,8 @@ def main_placements(args: argparse.Namespace) -> None:
 
 
 RANDOM_OUT = RESULTS / "never_lose_random"
+RANDOM_SEED = 1000
+"""``--random``'s default seed: cell i is drawn from ``RANDOM_SEED + i``."""
 RANDOM_STRATEGIES = LB_STRATEGIES + ("balanced",)
 RANDOM_MODELS = ("qwen3-30b-a3b", "glm4.5-106b-a12b", "qwen3-235b-a22b")
 RANDOM_DOMAINS = ("mixed", "math", "code", "instruction")
@@ -255,7 +257,7 @@ def synthetic_cell(name: str, domain: str, n: int, mb: int, layers: int, draw: i
     return batches, full.with_(num_layers=layers), desc
 
 
-def random_cell(i: int, seed: int = 1000):
+def random_cell(i: int, seed: int = RANDOM_SEED):
     """``(batches, model, cluster, desc)`` of random cell ``i`` (module docstring, ``--random``), drawn from the
     seed ``seed + i``; ``desc`` names what was drawn (JSON-ready)."""
     from relibra_moe.specs import DEFAULT_CLUSTER
@@ -284,26 +286,50 @@ def random_cell_name(i: int) -> str:
     return f"{i:03d}"
 
 
-def run_random_cell(i: int, seed: int = 1000) -> dict[str, Any]:
+def run_random_cell(i: int, seed: int = RANDOM_SEED) -> dict[str, Any]:
     """Random cell ``i`` (``random_cell``) run steady with every strategy of ``RANDOM_STRATEGIES`` on every sample
-    placement: its steps (seconds), relibra over the best baseline, the least step over balanced's, the candidates
-    relibra's portfolio chose, and the wall seconds (JSON-ready)."""
+    placement, planner-owned: ``grid_cell_result``."""
     from relibra_moe.sample_placements import SAMPLE_PLACEMENTS
 
     batches, model, cluster, desc = random_cell(i, seed)
     t0 = time.perf_counter()
     res = run_steady(batches, model, cluster, RANDOM_STRATEGIES, replica_slots=desc["replica_slots"], seed=0,
                      workers=1, placements=SAMPLE_PLACEMENTS)
+    return grid_cell_result(i, seed, desc, res, t0, "planner")
+
+
+def grid_cell_result(i: int, seed: int, desc: dict[str, Any], res: dict[str, Any], t0: float,
+                     sample_owner: str) -> dict[str, Any]:
+    """A random grid's cell ``i`` (``--random``, ``--wide``) from its ``run_steady`` result ``res`` (JSON-ready):
+    the steps (seconds); relibra over the best baseline, per placement (``per_placement``) and the worst of them.
+    Planner-owned, relibra plans from its own start and is compared with every baseline on every placement;
+    trainer-owned, each placement is the trainer's, and relibra on it is compared with every baseline on it. Also
+    the least step over balanced's, the candidates relibra's portfolio chose, the steady T_MoE and the wall seconds
+    since ``t0``."""
+    from relibra_moe.sample_placements import SAMPLE_PLACEMENTS
+
     steps = {s: step_of(res, s) for s in res["strategies"]}
-    rivals = {s: v for s, v in steps.items() if s != "relibra" and not s.startswith("balanced")}
-    best = min(rivals, key=lambda s: (rivals[s], s))
+    baselines = [s for s in steps if not s.startswith(("relibra", "balanced"))]
+    if sample_owner == "planner":
+        groups = {"relibra": baselines}
+    else:  # the rows of placement p are "name@p", the first placement's plain
+        groups = {"relibra" + suffix: [s for s in baselines if s.partition("@")[2] == suffix.lstrip("@")]
+                  for suffix in ("" if p == SAMPLE_PLACEMENTS[0] else f"@{p}" for p in SAMPLE_PLACEMENTS)}
+    over = {}
+    for own, rivals in groups.items():
+        best = min(rivals, key=lambda s: (steps[s], s))
+        over[own] = {"best": best, "step_s": steps[best], "relibra_over_best": steps[own] / steps[best],
+                     "never_slower": steps[own] <= steps[best] * (1 + 1e-12)}
+    worst = max(over.values(), key=lambda d: d["relibra_over_best"])
     bound = min(v for s, v in steps.items() if s.startswith("balanced"))
-    lowest = min((v, s) for s, v in steps.items() if not s.startswith("balanced"))
-    chosen = [row.get("portfolio") for row in res["strategies"]["relibra"]["per_step"]]
-    return {"cell": random_cell_name(i), "seed": seed + i, "desc": desc, "steps": steps,
-            "best": {"strategy": best, "step_s": rivals[best]}, "relibra_over_best": steps["relibra"] / rivals[best],
-            "relibra_never_slower": steps["relibra"] <= rivals[best] * (1 + 1e-12),
-            "least_over_balanced": lowest[0] / bound, "balanced_bounds": lowest[0] >= bound * (1 - 1e-12),
+    lowest = min(v for s, v in steps.items() if not s.startswith("balanced"))
+    chosen = [row.get("portfolio") for s, v in res["strategies"].items() if s.startswith("relibra")
+              for row in v["per_step"]]
+    return {"cell": random_cell_name(i), "seed": seed + i, "desc": desc, "steps": steps, "per_placement": over,
+            "best": {"strategy": worst["best"], "step_s": worst["step_s"]},
+            "relibra_over_best": worst["relibra_over_best"],
+            "relibra_never_slower": all(d["never_slower"] for d in over.values()),
+            "least_over_balanced": lowest / bound, "balanced_bounds": lowest >= bound * (1 - 1e-12),
             "portfolio": chosen, "seconds": time.perf_counter() - t0, "machine": platform.machine(),
             "t_moe_s": {s: float(v["steady"]["t_moe_s"]) for s, v in res["strategies"].items()}}
 
@@ -343,17 +369,19 @@ def random_table(out: Path = RANDOM_OUT) -> str:
 
 
 def main_random(args: argparse.Namespace) -> None:
-    out = seeded_out(RANDOM_OUT, args.random_seed, 1000)
+    out = seeded_out(RANDOM_OUT, args.random_seed, RANDOM_SEED)
     main_grid(out, lambda i: run_random_cell(i, args.random_seed), args.cells or list(range(args.random)),
               args.table, lambda: random_table(out))
 
 
 WIDE_OUT = RESULTS / "never_lose_wide"
+WIDE_SEED = 7000
+"""``--wide``'s default seed."""
 WIDE_MODELS = RANDOM_MODELS + ("olmoe-1b-7b", GPTOSS)
 WIDE_EPS = ((1, 4), (1, 8), (2, 4), (4, 2), (2, 8), (4, 4), (8, 2), (4, 8))
 
 
-def wide_cell(i: int, seed: int = 7000):
+def wide_cell(i: int, seed: int = WIDE_SEED):
     """``(batches, model, cluster, desc)`` of wide cell ``i`` (module docstring, ``--wide``), drawn from the seed
     ``seed + i``: what ``random_cell`` never draws as well. Every model preset (OLMoE and GPT-OSS-20B synthesized
     too), every cluster preset, EP 1x4 to 4x8 and 8x2, r = 1 to 4, K = 1 to 3 consecutive batches, a rebalance
@@ -382,12 +410,9 @@ def wide_cell(i: int, seed: int = 7000):
     return batches, model, cluster, desc
 
 
-def run_wide_cell(i: int, seed: int = 7000) -> dict[str, Any]:
+def run_wide_cell(i: int, seed: int = WIDE_SEED) -> dict[str, Any]:
     """Wide cell ``i`` (``wide_cell``) run steady with every strategy of ``RANDOM_STRATEGIES`` on every sample
-    placement. Planner-owned, relibra plans from its own start and must beat every baseline on every placement;
-    trainer-owned, each placement is the trainer's, and relibra on it must beat every baseline on it. Returns the
-    steps (seconds), relibra over the best baseline (the worst placement's when the trainer owns the samples), the
-    least step over balanced's, the portfolio's choices and the wall seconds (JSON-ready)."""
+    placement, with its owner, rebalancing and window: ``grid_cell_result``."""
     from relibra_moe.sample_placements import SAMPLE_PLACEMENTS
 
     batches, model, cluster, desc = wide_cell(i, seed)
@@ -395,28 +420,7 @@ def run_wide_cell(i: int, seed: int = 7000) -> dict[str, Any]:
     res = run_steady(batches, model, cluster, RANDOM_STRATEGIES, replica_slots=desc["replica_slots"], seed=0,
                      workers=1, placements=SAMPLE_PLACEMENTS, sample_owner=desc["sample_owner"],
                      rebalance_every=desc["rebalance_every"], window=desc["window"])
-    steps = {s: step_of(res, s) for s in res["strategies"]}
-    if desc["sample_owner"] == "planner":
-        groups = {"relibra": [s for s in steps if not s.startswith(("relibra", "balanced"))]}
-    else:  # the rows of placement p are "name@p", the first placement's plain
-        groups = {"relibra" + ("" if p == SAMPLE_PLACEMENTS[0] else f"@{p}"):
-                  [s for s in steps if not s.startswith(("relibra", "balanced"))
-                   and s.partition("@")[2] == ("" if p == SAMPLE_PLACEMENTS[0] else p)] for p in SAMPLE_PLACEMENTS}
-    over = {}
-    for own, rivals in groups.items():
-        best = min(rivals, key=lambda s: (steps[s], s))
-        over[own] = {"best": best, "step_s": steps[best], "relibra_over_best": steps[own] / steps[best]}
-    worst = max(over.values(), key=lambda d: d["relibra_over_best"])
-    bound = min(v for s, v in steps.items() if s.startswith("balanced"))
-    lowest = min(v for s, v in steps.items() if not s.startswith("balanced"))
-    chosen = [row.get("portfolio") for s, v in res["strategies"].items() if s.startswith("relibra")
-              for row in v["per_step"]]
-    return {"cell": random_cell_name(i), "seed": seed + i, "desc": desc, "steps": steps, "per_placement": over,
-            "best": {"strategy": worst["best"], "step_s": worst["step_s"]},
-            "relibra_over_best": worst["relibra_over_best"],
-            "relibra_never_slower": worst["relibra_over_best"] <= 1 + 1e-12,
-            "least_over_balanced": lowest / bound, "balanced_bounds": lowest >= bound * (1 - 1e-12),
-            "portfolio": chosen, "seconds": time.perf_counter() - t0, "machine": platform.machine()}
+    return grid_cell_result(i, seed, desc, res, t0, desc["sample_owner"])
 
 
 def wide_table(out: Path = WIDE_OUT) -> str:
@@ -517,15 +521,15 @@ def main() -> None:
                          "default none); not none writes results/never_lose_placements_<overlap>/")
     ap.add_argument("--random", type=int, default=0, metavar="N",
                     help="N random cells (random_cell) against every baseline on every sample placement")
-    ap.add_argument("--random-seed", type=int, default=1000,
+    ap.add_argument("--random-seed", type=int, default=RANDOM_SEED,
                     help="with --random: cell i is drawn from this + i (else: results/never_lose_random_s<seed>/)")
     ap.add_argument("--wide", type=int, default=0, metavar="N",
                     help="N wide cells (wide_cell: every model and cluster preset, trainer-owned samples, rebalancing)")
-    ap.add_argument("--wide-seed", type=int, default=7000,
+    ap.add_argument("--wide-seed", type=int, default=WIDE_SEED,
                     help="with --wide: cell i is drawn from this + i (another seed: results/never_lose_wide_s<seed>/)")
     args = ap.parse_args()
     if args.wide:
-        out = seeded_out(WIDE_OUT, args.wide_seed, 7000)
+        out = seeded_out(WIDE_OUT, args.wide_seed, WIDE_SEED)
         main_grid(out, lambda i: run_wide_cell(i, args.wide_seed), args.cells or list(range(args.wide)),
                   args.table, lambda: wide_table(out))
         return

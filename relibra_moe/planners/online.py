@@ -40,7 +40,7 @@ from ..validate import check_int
 from .baselines import static_placement
 from .context import PlanContext, baseline_samples, make_plan
 from .executor import FallbackLog, TaskExecutor, default_executor
-from .replicate import CellResult, cell_step_terms, map_cells, replicate_cell_greedy
+from .replicate import CellResult, map_cells, slot_count_variants
 
 REPLICA_FETCH = "after-router"
 """``BatchPlan.stats.replica_fetch`` of an online plan: the simulator's replica mode for it (and the
@@ -66,18 +66,9 @@ def online_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster
     """
     x = np.ascontiguousarray(x, dtype=np.float64)
     eg = np.ascontiguousarray(expert_gpu, dtype=np.int64)
-    G = cluster.num_gpus
     best, best_t = None, np.inf
-    for c in range(replica_slots, -1, -1):
-        if c == 0:
-            cand = CellResult(np.full((G, replica_slots), -1, np.int32), np.zeros((0, 3), np.int32), np.zeros(0),
-                              0.0)
-        else:
-            r = replicate_cell_greedy(x, eg, model, cluster, c)
-            pad = np.full((G, replica_slots), -1, np.int32)
-            pad[:, :c] = r.replica_expert
-            cand = CellResult(pad, r.rows, r.share, r.t_moe)
-        comp, comm, push = cell_step_terms(x, eg, cand, model, cluster)
+    for c, cand, comp, comm, push in slot_count_variants(x, eg, model, cluster, replica_slots,
+                                                         range(replica_slots, -1, -1)):
         t = online_step_seconds(comp, comm, push, attn_fwd)
         if c == 0:
             cand = cand._replace(t_moe=comp + comm)

@@ -24,7 +24,7 @@ the better wins, so the result is never worse than the paper's loop with the sam
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import numba as nb
@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from ..trace import TraceBatch
 
 __all__ = ["CellResult", "replicate_cell", "replicate_cell_greedy", "replicate_cell_lp", "replicate_batch",
-           "DEFAULT_CANDIDATES"]
+           "slot_count_variants", "DEFAULT_CANDIDATES"]
 
 _BETA = 20.0
 _EPS = 1e-12
@@ -357,6 +357,26 @@ def replica_push_seconds(expert_gpu: np.ndarray, replica_expert: np.ndarray, mod
     return float(transfer_seconds(src, tg, model.expert_bytes, None, 1, cluster)[0])
 
 
+def slot_count_variants(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
+                        replica_slots: int, counts: Iterable[int], **kw
+                        ) -> Iterator[tuple[int, CellResult, float, float, float]]:
+    """``(c, result, comp, comm, push)`` for each count ``c`` of ``counts``: the greedy with ``c`` slots per GPU
+    (``replicate_cell_greedy`` with ``kw``; 0: no replicas, ``t_moe`` 0), padded to ``replica_slots`` slots, and
+    its ``cell_step_terms`` seconds, one count at a time (lazily: a caller may stop early). The variants that
+    ``replicate_cell`` and ``online.online_cell`` choose from: one definition, so that they compare like with
+    like. ``x [G, E]`` tokens, ``expert_gpu [E]`` int64 homes."""
+    G = cluster.num_gpus
+    for c in counts:
+        if c == 0:
+            cand = CellResult(np.full((G, replica_slots), -1, np.int32), np.zeros((0, 3), np.int32), np.zeros(0), 0.0)
+        else:
+            r = replicate_cell_greedy(x, expert_gpu, model, cluster, c, **kw)
+            pad = np.full((G, replica_slots), -1, np.int32)
+            pad[:, :c] = r.replica_expert
+            cand = CellResult(pad, r.rows, r.share, r.t_moe)
+        yield (c, cand, *cell_step_terms(x, expert_gpu, cand, model, cluster))
+
+
 def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, cluster: ClusterSpec,
                    replica_slots: int, *, attn_fwd: float | None = None, **kw) -> CellResult:
     """Greedy replication + token split of one cell (Algorithm 2), priced for its replica traffic.
@@ -382,16 +402,8 @@ def replicate_cell(x: np.ndarray, expert_gpu: np.ndarray, model: ModelSpec, clus
     if push <= replica_push_overlap(attn_fwd, comm, "after-router") and push <= attention_backward(attn_fwd):
         return res  # push and gradient pull hidden even behind the shortest window: nothing to trade
     best, best_t = res, cell_step_seconds(comp, comm, push, attn_fwd, overlap=cluster.overlap)
-    for c in range(replica_slots - 1, -1, -1):
-        if c == 0:
-            cand = CellResult(np.full((cluster.num_gpus, replica_slots), -1, np.int32), np.zeros((0, 3), np.int32),
-                              np.zeros(0), 0.0)
-        else:
-            r = replicate_cell_greedy(x, eg, model, cluster, c, **kw)
-            pad = np.full((cluster.num_gpus, replica_slots), -1, np.int32)
-            pad[:, :c] = r.replica_expert
-            cand = CellResult(pad, r.rows, r.share, r.t_moe)
-        cc_, cm_, cp_ = cell_step_terms(x, eg, cand, model, cluster)
+    for _, cand, cc_, cm_, cp_ in slot_count_variants(x, eg, model, cluster, replica_slots,
+                                                   range(replica_slots - 1, -1, -1), **kw):
         t = cell_step_seconds(cc_, cm_, cp_, attn_fwd, overlap=cluster.overlap)
         if t < best_t * (1 - 1e-12):
             best, best_t = cand, t
