@@ -114,6 +114,8 @@ class MigrationStats(_Record):
         gain_s: float ``[L]`` modelled step seconds the new homes of each layer save.
         move_s: float ``[L]`` modelled seconds of moving each layer's experts on their own.
         relayout_s: modelled seconds of the taken moves together.
+        credit_s: float ``[L]``, with option ``move_horizon`` > 1 and ``previous_loads`` where some layer got one:
+            the seconds of later savings credited to each taken layer's move (``migration.horizon_gains``).
         samples_fixed: True when the trainer owns the samples (the relabelling was priced, not free).
     """
 
@@ -125,6 +127,7 @@ class MigrationStats(_Record):
     gain_s: list[float] | None = None
     move_s: list[float] | None = None
     relayout_s: float | None = None
+    credit_s: list[float] | None = None
     samples_fixed: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -137,11 +140,15 @@ class PortfolioStats(_Record):
         chosen: the chosen candidate's name (``"relibra"``, ``"static@length-balanced"``, ...).
         step_s: every judged candidate's score (modelled seconds, ``portfolio.portfolio_score``), by name.
         pruned: candidates not built, by name: their lower bound (modelled seconds) already reached the best score.
+        credit_s: with option ``move_horizon`` > 1 and ``previous_loads``, the credit (seconds of expected later
+            savings, ``migration.horizon_gains``) already taken off the score of each judged candidate that moves
+            experts, by name.
     """
 
     chosen: str
     step_s: dict[str, float]
     pruned: dict[str, float] | None = None
+    credit_s: dict[str, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PlanError, TraceError
+from .evaluate import plan_loads
 from .plan import BatchPlan
 from .planners.history import EplbSchedule
 from .planners.options import HISTORY_STRATEGIES, RELIBRA_STRATEGIES, REPLICA_STRATEGIES
@@ -186,7 +187,8 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
     eplb-history relabels towards it), and the simulator charges the moves against that same placement
     (static before batch 0). eplb-history sees the loads of the last ``window`` batches every
     ``rebalance_every`` batches (``EplbSchedule``). ``replica_slots`` applies to the strategies that place
-    replicas (``REPLICA_STRATEGIES``), 0 elsewhere. ``options`` go to ``plan_batch``.
+    replicas (``REPLICA_STRATEGIES``), 0 elsewhere. ``options`` go to ``plan_batch``; with ``move_horizon`` > 1,
+    batch k's ``previous_loads`` are batch k - 1's loads under its plan's samples (``evaluate.plan_loads``).
     ``sample_owner="trainer"``: every batch keeps the trainer's samples (``PlanOptions.sample_owner``), batch k's
     ranks ``sample_gpu[k]`` (int ``[N_k]``; None: round-robin in every batch).
 
@@ -216,6 +218,8 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
                 opts["sample_gpu"] = sample_gpu[k]
         if prev is not None and strategy in PRICED_STRATEGIES + HISTORY_STRATEGIES:
             opts["previous"] = prev.placement
+        if prev is not None and opts.get("move_horizon", 1) != 1:  # the last batch as it ran
+            opts["previous_loads"] = plan_loads(prev, batches[k - 1], cluster.num_gpus)
         if strategy in HISTORY_STRATEGIES:
             opts["history"] = schedule.history_for(k)
         t0 = time.perf_counter()
@@ -252,7 +256,7 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
                workers: int = 1, rebalance_every: int = 1, window: int = 1, reference: str = "relibra",
                progress: Callable[[str, int], None] | None = None, sample_owner: str = "planner",
                sample_gpu: Sequence[Any] | None = None,
-               placements: Sequence[str] = ("round-robin",)) -> dict[str, Any]:
+               placements: Sequence[str] = ("round-robin",), move_horizon: int = 1) -> dict[str, Any]:
     """The steady-state comparison (JSON-ready): every strategy through ``plan_steady`` on the same batches.
 
     ``sample_owner``: "planner" (the strategies place the samples), "trainer" (every strategy keeps the trainer's
@@ -264,6 +268,9 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
     placement (option ``sample_placement``), relibra* once from its own start; trainer-owned without
     ``sample_gpu``, every strategy runs once per placement as the trainer's.
 
+    ``move_horizon``: ``PlanOptions.move_horizon`` of ``PRICED_STRATEGIES`` (``plan_steady``); every move is
+    still charged in full to its step.
+
     Returns:
         ``{"num_batches", "tokens_per_batch", "replica_slots", "rebalance_every", "window", "sample_owner",
         "strategies": {name: {"per_step": [...StepResult rows], "first": {...}, "steady": {...}}}, "speedup":
@@ -274,6 +281,7 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
         planner-owned ones (> 1: what the trainer's placement costs).
     """
     check_choice("sample_owner", sample_owner, ("planner", "trainer", "both"))
+    move_horizon = check_int("move_horizon", move_horizon, 1)
     if not placements:
         raise PlanError("placements names no sample placement; give at least one of "
                         f"{SAMPLE_PLACEMENTS}")
@@ -285,7 +293,7 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
         "model": model.name, "layers": model.num_layers,
         "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         "replica_slots": int(replica_slots), "rebalance_every": int(rebalance_every), "window": int(window),
-        "seed": int(seed), "sample_owner": sample_owner, "placements": list(placements), "strategies": {},
+        "move_horizon": move_horizon, "seed": int(seed), "sample_owner": sample_owner, "placements": list(placements), "strategies": {},
         "metrics": {"t_moe_s": "sum of the forward T_MoE over micro-batches and layers, moves free (the paper's "
                                "metric)",
                     "step_s": "simulated training step: attention + MoE forward/backward, replica traffic and the "
@@ -301,6 +309,8 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
                 if i and (ranks is not None or own):
                     continue
                 opts = {"sample_placement": p} if ranks is None and not own and p != "round-robin" else {}
+                if move_horizon != 1 and s in PRICED_STRATEGIES:
+                    opts["move_horizon"] = move_horizon
                 _, rows = plan_steady(batches, model, cluster, s, replica_slots=replica_slots, seed=seed,
                                       workers=workers, rebalance_every=rebalance_every, window=window,
                                       progress=progress, sample_owner=mode, sample_gpu=ranks, **opts)

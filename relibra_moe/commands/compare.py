@@ -86,6 +86,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "history and keeps the static layout")
     p.add_argument("--window", type=int, default=1,
                    help="eplb-history: batches of load history EPLB sees (default %(default)s: the previous batch)")
+    p.add_argument("--move-horizon", type=int, default=1,
+                   help="with --batches > 1, relibra: the batches a re-layout of its experts is expected to serve; "
+                        "from the second batch on, a move is credited H - 1 times what its homes save on the batch "
+                        "before (default %(default)s: a move pays for itself on its own step; the table charges "
+                        "every move in full either way)")
     add_sample_owner_flags(p, both=True)
     p.add_argument("--rate-band", nargs="?", const="default", default=None, metavar="LO,HI",
                    help="also run at the ends of the expert-GEMM rate band, TFLOP/s (default "
@@ -132,7 +137,7 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
                  sample_owner: str = "planner", sample_gpu_path: str | None = None,
                  cluster_profile: str | None = None, dispatcher: str | None = None,
                  overlap: str | None = None, rate_band: tuple[float, float] | None = None,
-                 placements: str = DEFAULT_PLACEMENTS) -> dict[str, Any]:
+                 placements: str = DEFAULT_PLACEMENTS, move_horizon: int = 1) -> dict[str, Any]:
     """Load the trace, run the comparison, return the JSON-ready result (what ``--json OUT`` writes).
 
     ``sample_owner``: "planner", "trainer" or "both" (``steady.run_steady``); ``sample_gpu_path``: the trainer's
@@ -141,6 +146,7 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     result: ``{"flops": [low, high], "speedup": {"low": {...}, "high": {...}}}``, the reference's steady
     speedups; a cluster profile's GEMM curve is dropped there: the band replaces the rate).
     ``placements``: the baselines' sample placements, ``a,b`` (``parse_placements``; ``steady.run_steady``).
+    ``move_horizon``: relibra*'s ``PlanOptions.move_horizon`` (``steady.run_steady``).
 
     Raises:
         PlanError / TraceError: a bad argument (named with its value), a trace for another model, a trace
@@ -156,7 +162,8 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     check_choice("--sample-owner", sample_owner, ("planner", "trainer", "both"))
     for flag, v, lo in (("--replica-slots", replica_slots, 0), ("--batches", batches, 1),
                         ("--rebalance-every", rebalance_every, 1), ("--window", window, 1), ("--seed", seed, 0),
-                        ("--workers", workers, 1), ("--nodes", nodes, 1), ("--gpus-per-node", gpus_per_node, 1)):
+                        ("--workers", workers, 1), ("--nodes", nodes, 1), ("--gpus-per-node", gpus_per_node, 1),
+                        ("--move-horizon", move_horizon, 1)):
         if v < lo:
             raise PlanError(f"{flag}={v} must be >= {lo}")
     if layers is not None and layers < 1:
@@ -180,12 +187,12 @@ def compare_file(trace_path: str, model_name: Any, nodes: int, gpus_per_node: in
     res = run_steady(seq, model, cluster, names, replica_slots=replica_slots, seed=seed, workers=workers,
                      rebalance_every=rebalance_every, window=window,
                      reference="relibra" if "relibra" in names else names[0], sample_owner=sample_owner,
-                     sample_gpu=per_batch, placements=places)
+                     sample_gpu=per_batch, placements=places, move_horizon=move_horizon)
     if rate_band is not None:
         res["rate_band"] = _rate_band(rate_band, seq, model, cluster, names, replica_slots=replica_slots, seed=seed,
                                       workers=workers, rebalance_every=rebalance_every, window=window,
                                       reference=res.get("reference", names[0]), sample_owner=sample_owner,
-                                      sample_gpu=per_batch, placements=places)
+                                      sample_gpu=per_batch, placements=places, move_horizon=move_horizon)
     if sample_owner != "planner":
         res["sample_gpu"] = "round-robin" if sample_gpu_path is None else str(sample_gpu_path)
     res.update({"trace": str(trace_path), "mode": "steady" if batches > 1 else "single",
@@ -238,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
                        rebalance_every=args.rebalance_every, window=args.window, seed=args.seed,
                        workers=args.workers, sample_owner=args.sample_owner, sample_gpu_path=args.sample_gpu,
                        cluster_profile=args.cluster_profile, dispatcher=args.dispatcher, overlap=args.overlap,
-                       rate_band=parse_rate_band(args.rate_band), placements=args.placements)
+                       rate_band=parse_rate_band(args.rate_band), placements=args.placements,
+                       move_horizon=args.move_horizon)
     console = Console()
     if not console.is_terminal:  # a pipe or a file: keep the table's rows and title unwrapped
         console = Console(width=max(console.width, 200))

@@ -42,6 +42,10 @@ _OPTION_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--token-cap", "token_cap", int, "with --repack: micro-batches may change sample counts, tokens at most this"),
     ("--num-groups", "num_groups", int, "EPLB expert groups (eplb, lplb; default: no hierarchy)"),
     ("--final-iters", "final_iters", int, "proposals of --final-reorder (default {final_iters_factor} x a round's)"),
+    ("--move-horizon", "move_horizon", int,
+     "relibra*: the batches a re-layout of the experts is expected to serve; with --previous and --previous-trace a "
+     "move is credited H - 1 times what its homes save on the previous batch, which they were not planned for (at "
+     "most what they save on this one). Default {default}: a move pays for itself on the step that makes it"),
     ("--optimizer-bytes", "optimizer_bytes_per_param", float,
      "optimizer-state bytes per parameter that move with a re-laid-out expert (default {default})"),
     ("--skew-cap", "skew_cap", float,
@@ -138,6 +142,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--previous", default=None, metavar="PLAN.npz",
                    help="plan file whose placement precedes this batch: moves are priced against it "
                         "(default: the static placement)")
+    p.add_argument("--previous-trace", default=None, metavar="TRACE.npz",
+                   help="with --move-horizon > 1 and --previous: the trace of the batch the previous plan was made "
+                        "for (checked against it); its loads under that plan judge the new homes")
     p.add_argument("--history", action="append", default=None, metavar="TRACE.npz",
                    help="eplb-history: a past batch's trace whose expert loads EPLB re-balances on (repeat for a "
                         "window, oldest first; default: none, the trivial layout); relibra: its portfolio then "
@@ -350,11 +357,12 @@ def load_previous(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str =
 
 
 def plan_options(args: argparse.Namespace, *, previous: Placement | None = None, history: np.ndarray | None = None,
-                 sample_gpu: np.ndarray | None = None) -> PlanOptions:
+                 sample_gpu: np.ndarray | None = None, previous_loads: np.ndarray | None = None) -> PlanOptions:
     """The ``PlanOptions`` of a ``relibra plan`` command line (flags left unset keep their defaults), with what
     ``plan_file`` loaded from the files the flags name: ``previous`` (``--previous``), ``history`` int64
-    ``[W, L, E]`` (``--history``), ``sample_gpu`` int ``[N]`` (``--sample-gpu``). ``args`` is only read; the
-    options check themselves (``PlanOptions``), once."""
+    ``[W, L, E]`` (``--history``), ``sample_gpu`` int ``[N]`` (``--sample-gpu``), ``previous_loads`` int64
+    ``[M, L, G, E]`` (``--previous-trace``). ``args`` is only read; the options check themselves (``PlanOptions``),
+    once."""
     from ..planners.options import PlanOptions
 
     kw: dict[str, Any] = {"replica_slots": args.replica_slots, "seed": args.seed, "workers": args.workers,
@@ -370,7 +378,8 @@ def plan_options(args: argparse.Namespace, *, previous: Placement | None = None,
             kw[name] = getattr(args, name)
     if args.objective is not None:
         kw["objective"] = args.objective
-    for name, value in (("previous", previous), ("history", history), ("sample_gpu", sample_gpu)):
+    for name, value in (("previous", previous), ("history", history), ("sample_gpu", sample_gpu),
+                        ("previous_loads", previous_loads)):
         if value is not None:
             kw[name] = value
     if getattr(args, "sample_owner", "planner") != "planner":
@@ -395,6 +404,41 @@ def load_history(paths: list[str], model: ModelSpec) -> np.ndarray:
         check_batch_model(past, model, f"--history {path}: trace")
         loads.append(past.sample_expert_counts().sum(axis=0))
     return np.stack(loads).astype(np.int64)
+
+
+def load_previous_loads(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray | None:
+    """``--previous-trace``'s loads, int64 ``[M, L, G, E]``: that trace under the sample placement of the
+    ``--previous`` plan, which must have been made for it (``evaluate.check_plan_batch``). None without
+    ``--move-horizon`` > 1 or without ``--previous`` (the first batch of a run: nothing to credit a move against).
+
+    Raises:
+        PlanError: ``--previous-trace`` without ``--move-horizon`` > 1 and ``--previous``; ``--previous`` with
+            ``--move-horizon`` > 1 but no ``--previous-trace``; a trace the previous plan was not made for.
+    """
+    from ..evaluate import check_plan_batch, plan_loads
+    from ..plan import BatchPlan
+    from ..trace import TraceBatch
+
+    horizon = getattr(args, "move_horizon", None) or 1
+    path = getattr(args, "previous_trace", None)
+    if path is None:
+        if horizon > 1 and args.previous is not None:
+            raise PlanError(f"--move-horizon={horizon} with --previous {args.previous} needs --previous-trace: the "
+                            "trace that plan was made for, on which the new homes' savings are judged")
+        return None
+    if horizon == 1 or args.previous is None:
+        raise PlanError(f"--previous-trace {path} only applies with --move-horizon > 1 and --previous PLAN.npz "
+                        f"(got --move-horizon={horizon}, --previous={args.previous})")
+    batch = TraceBatch.load(path)
+    prev = BatchPlan.load(args.previous)
+    try:
+        check_plan_batch(prev, batch, model)
+    except PlanError as exc:
+        raise PlanError(f"--previous-trace {path} against --previous {args.previous}: {exc}") from None
+    if prev.num_gpus != cluster.num_gpus:
+        raise PlanError(f"--previous {args.previous} places samples on {prev.num_gpus} GPUs, the cluster has "
+                        f"{cluster.num_gpus}")
+    return plan_loads(prev, batch, cluster.num_gpus)
 
 
 def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str,
@@ -454,7 +498,8 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
                         f"not --strategy {args.strategy}")
     check_micro_batches(batch, args.trace, args.micro_batch_size)
     previous = None if args.previous is None else load_previous(args.previous, model, cluster)
-    options = plan_options(args, previous=previous,
+    previous_loads = load_previous_loads(args, model, cluster)
+    options = plan_options(args, previous=previous, previous_loads=previous_loads,
                            history=load_history(args.history, model) if args.history else None,
                            sample_gpu=load_sample_gpu(args.sample_gpu, args.sample_owner, batch.num_sequences))
     plan = plan_with_options(batch, model, cluster, args.strategy, options, micro_batch_size=args.micro_batch_size)

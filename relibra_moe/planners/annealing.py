@@ -47,7 +47,7 @@ def relibra_inter(ctx: PlanContext, replicated: bool = False) -> tuple[np.ndarra
     pricing, with ``node_comp`` or ``replicated``, and locality for the final homes). Returns (homes [L, E],
     micro_batch [N], gpu [N]), int64."""
     eg, mb, sg = anneal_inter(ctx)
-    return finish_inter(ctx, eg, mb, sg, ctx.options.rank_balance[0] or replicated, ctx.stats)
+    return finish_inter(ctx, eg, mb, sg, ctx.options.rank_balance[0] or replicated, ctx.stats, credit=True)
 
 
 def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,17 +114,17 @@ def anneal_inter(ctx: PlanContext) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def finish_inter(ctx: PlanContext, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray,
-                 node_comp: bool, stats: PlanStats) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The end of relibra-inter for annealed homes ``[L, E]`` and samples ``[N]``: ``migrate``, then, where the
-    migration pricing put some layers back on their previous homes, the sample placement re-annealed for the
-    homes actually used (``relocate``). Writes ``stats.migration`` (and ``stats.relocate``); returns
-    (homes [L, E], micro_batch [N], gpu [N]), int64."""
+                 node_comp: bool, stats: PlanStats, credit: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The end of relibra-inter for annealed homes ``[L, E]`` and samples ``[N]``: ``migrate`` (``credit``: with
+    option ``move_horizon``'s credit), then, where the migration pricing put some layers back on their previous
+    homes, the sample placement re-annealed for the homes actually used (``relocate``). Writes ``stats.migration``
+    (and ``stats.relocate``); returns (homes [L, E], micro_batch [N], gpu [N]), int64."""
     o = ctx.options
     timing = ctx.stats.timings()
     t0 = time.perf_counter()
     mo = o.replace(migration=False) if ctx.executor.expired else o  # past the deadline: the fallbacks stand
     eg, sg, info = migrate(expert_gpu, micro_batch, sample_gpu, ctx.batch, ctx.num_micro_batches, ctx.model,
-                           ctx.cluster, mo, node_comp, samples_fixed=ctx.trainer_owned)
+                           ctx.cluster, mo, node_comp, samples_fixed=ctx.trainer_owned, credit=credit)
     stats.migration = info
     timing["migration_s"] = timing.get("migration_s", 0.0) + time.perf_counter() - t0
     mb = np.asarray(micro_batch, dtype=np.int64)

@@ -82,6 +82,13 @@ class PlanContext:
         return self.options.sample_owner == "trainer"
 
     @property
+    def migration_node_comp(self) -> bool:
+        """Whether relibra's migration pricing and its ``move_horizon`` credit judge homes by the replication-aware
+        step estimate (compute levelled inside each node, ``migration.step_moe_seconds``): in rank-balance mode,
+        or where replicas follow (r > 0)."""
+        return self.options.rank_balance[0] or self.replica_slots > 0
+
+    @property
     def comp_weight(self) -> float:
         """Compute weight of relibra*'s objectives: ``options.comp_weight`` without overlap (or without
         ``step_objective``); with the cluster's overlap, ``timing.step_comp_weight`` at this batch's operating

@@ -17,6 +17,10 @@ per batch, not overlapped. Two steps lower that traffic after the reorder:
 
 ``migrate`` runs both for relibra-inter (``annealing.finish_inter``), the relabelling not free when the trainer
 owns the samples.
+
+Option ``move_horizon`` H > 1 with ``previous_loads`` (docs/method.md, "Moves that pay over several batches"):
+step 2 values a layer's move at its gain plus ``(H - 1) x horizon_gains``, the lesser of what the new homes save
+on this batch and on the previous one; ``carry_over`` is the same evidence as a share, for the portfolio's credit.
 """
 
 from __future__ import annotations
@@ -120,25 +124,80 @@ def step_moe_seconds(x_layer: np.ndarray, expert_gpu: np.ndarray, model: ModelSp
     return float(moe_step_seconds(comp.max(axis=-1), c.comm.max(axis=-1)).sum())
 
 
+def homes_savings(loads: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarray, model: ModelSpec,
+                  cluster: ClusterSpec, node_comp: bool = False) -> np.ndarray:
+    """float64 ``[L]``: per layer, the step seconds that the homes ``expert_gpu [L, E]`` save over ``previous [L, E]``
+    on the loads ``loads [M, L, G, E]`` (``step_moe_seconds``: ``sum_m 3 max comp + 2 max comm``; negative where they
+    cost more, 0 where a layer's homes did not move).
+
+    Raises:
+        PlanError: ``loads`` whose layers, GPUs or experts are not the model's and cluster's.
+    """
+    eg, prev = np.asarray(expert_gpu), np.asarray(previous)
+    L, E = eg.shape
+    x = np.asarray(loads)
+    if x.ndim != 4 or x.shape[1:] != (L, cluster.num_gpus, E):
+        raise PlanError(f"loads of shape {x.shape}: expected [M, L={L}, G={cluster.num_gpus}, E={E}] on this model "
+                        "and cluster")
+    out = np.zeros(L)
+    for l in range(L):
+        if not np.array_equal(eg[l], prev[l]):
+            out[l] = (step_moe_seconds(x[:, l], prev[l], model, cluster, node_comp)
+                      - step_moe_seconds(x[:, l], eg[l], model, cluster, node_comp))
+    return out
+
+
+def horizon_gains(x: np.ndarray, previous_loads: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarray,
+                  model: ModelSpec, cluster: ClusterSpec, node_comp: bool = False) -> np.ndarray:
+    """float64 ``[L]``: step seconds per later batch that the homes ``expert_gpu`` are expected to save over
+    ``previous`` (option ``move_horizon``): per layer, the lesser of ``homes_savings`` on this batch (loads ``x
+    [M, L, G, E]``) and on the previous one (``previous_loads [M', L, G, E]``, which the homes were not planned for),
+    and at least 0.
+
+    Homes planned for one batch always save something on it; what they save on a batch they did not see is what
+    carries over, and taking the lesser of the two keeps the credit from chasing either batch's noise (a move
+    whose saving does not carry over gets none, so relibra does not re-lay its experts out batch after batch).
+    """
+    now = homes_savings(x, expert_gpu, previous, model, cluster, node_comp)
+    before = homes_savings(previous_loads, expert_gpu, previous, model, cluster, node_comp)
+    return np.maximum(0.0, np.minimum(now, before))
+
+
+def carry_over(x: np.ndarray, previous_loads: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarray,
+               model: ModelSpec, cluster: ClusterSpec, node_comp: bool = False) -> float:
+    """The share of what the homes ``expert_gpu`` save over ``previous`` on this batch (loads ``x``) that they are
+    expected to save on a later one, in [0, 1]: ``sum_l horizon_gains / sum_l homes_savings(x)`` (0 where they save
+    nothing on this batch). The portfolio scales a candidate's simulated saving by it (``PlanOptions.move_horizon``).
+    """
+    now = homes_savings(x, expert_gpu, previous, model, cluster, node_comp)
+    total = float(now.sum())
+    if total <= 0.0:
+        return 0.0
+    gains = horizon_gains(x, previous_loads, expert_gpu, previous, model, cluster, node_comp)
+    return float(min(1.0, max(0.0, gains.sum() / total)))
+
+
 def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarray, model: ModelSpec,
                          cluster: ClusterSpec, node_comp: bool = False,
-                         optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM
-                         ) -> tuple[np.ndarray, dict]:
+                         optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM,
+                         move_horizon: int = 1, previous_loads: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
     """Per layer, keep the previous homes unless the new ones save more step time than their move costs.
 
-    Greedy on the joint re-layout: layers in decreasing order of ``gain / standalone move time``; a layer's
-    new homes are taken when its gain exceeds the increase of the re-layout time of all taken moves
+    Greedy on the joint re-layout: layers in decreasing order of ``value / standalone move time``; a layer's
+    new homes are taken when its value exceeds the increase of the re-layout time of all taken moves
     (``timing.transfer_seconds``: the moves run concurrently, so a layer whose moves load other links costs
-    less than on its own).
+    less than on its own). A layer's value is its gain on this batch plus, with ``move_horizon`` H > 1 and
+    ``previous_loads``, ``(H - 1) x horizon_gains`` (its expected saving on each later batch).
 
     Args:
         x: ``[M, L, G, E]`` loads under the final sample placement.
         expert_gpu, previous: ``[L, E]`` new and previous homes.
+        move_horizon, previous_loads: the options of that name (``PlanOptions``).
 
     Returns:
         (int64 ``[L, E]`` homes, info with ``layers_kept`` (sorted list), per-layer ``gain_s`` (step seconds
-        saved by the new homes) and ``move_s`` (standalone move seconds), and ``relayout_s`` (the taken
-        moves together)).
+        saved by the new homes) and ``move_s`` (standalone move seconds), ``relayout_s`` (the taken
+        moves together) and, with a credit, per-layer ``credit_s`` (``(H - 1) x horizon_gains``)).
     """
     x = np.asarray(x)
     eg = np.asarray(expert_gpu, dtype=np.int64).copy()
@@ -154,8 +213,12 @@ def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.nda
         if moves[l] > 0.0:
             gains[l] = (step_moe_seconds(x[:, l], prev[l], model, cluster, node_comp)
                         - step_moe_seconds(x[:, l], eg[l], model, cluster, node_comp))
+    credit = np.zeros(L)
+    if move_horizon > 1 and previous_loads is not None:
+        credit = (move_horizon - 1) * horizon_gains(x, previous_loads, eg, prev, model, cluster, node_comp)
+    value = gains + credit
     cand = [l for l in range(L) if moves[l] > 0.0 and gains[l] > 0.0]
-    cand.sort(key=lambda l: (-gains[l] / moves[l], l))
+    cand.sort(key=lambda l: (-value[l] / moves[l], l))
     src: list[np.ndarray] = []
     dst: list[np.ndarray] = []
     taken: set[int] = set()
@@ -164,19 +227,22 @@ def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.nda
         m = prev[l] != eg[l]
         s2, d2 = np.concatenate(src + [prev[l][m]]), np.concatenate(dst + [eg[l][m]])
         t = float(transfer_seconds(s2, d2, nbytes, None, 1, cluster)[0])
-        if gains[l] > t - cur:
+        if value[l] > t - cur:
             src.append(prev[l][m])
             dst.append(eg[l][m])
             taken.add(l)
             cur = t
     kept = [l for l in range(L) if moves[l] > 0.0 and l not in taken]
     eg[kept] = prev[kept]
-    return eg, {"layers_kept": kept, "gain_s": gains.tolist(), "move_s": moves.tolist(), "relayout_s": cur}
+    info = {"layers_kept": kept, "gain_s": gains.tolist(), "move_s": moves.tolist(), "relayout_s": cur}
+    if credit.any():
+        info["credit_s"] = [float(credit[l]) if l in taken else 0.0 for l in range(L)]
+    return eg, info
 
 
 def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray, batch: TraceBatch,
             num_micro_batches: int, model: ModelSpec, cluster: ClusterSpec, options: PlanOptions, node_comp: bool,
-            samples_fixed: bool = False) -> tuple[np.ndarray, np.ndarray, MigrationStats]:
+            samples_fixed: bool = False, credit: bool = False) -> tuple[np.ndarray, np.ndarray, MigrationStats]:
     """Migration-aware finish of relibra-inter (this module): relabel GPUs by the fabric's
     symmetries to keep the most experts at their previous homes (cost unchanged), then keep a layer's
     previous homes where the new ones do not pay for their move. Option ``migration=False`` skips both.
@@ -184,7 +250,12 @@ def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndar
     ``samples_fixed`` (the trainer owns the samples): the relabelling may not move samples, so it is no longer
     free. Both the identity and the relabelling of the experts alone go through ``keep_previous_layers``; the
     one with the lower ``sum_l step_moe_seconds + relayout_s`` (forward + backward MoE seconds of the kept
-    homes plus the re-layout) wins, the identity on ties. ``sample_gpu`` is returned unchanged.
+    homes plus the re-layout, less the ``move_horizon`` credit of the layers moved) wins, the identity on ties.
+    ``sample_gpu`` is returned unchanged.
+
+    ``credit``: value each layer's move with option ``move_horizon``'s credit (``keep_previous_layers``; relibra's
+    portfolio candidate ``relibra-horizon`` and the strategy relibra-inter); False prices every move against this
+    batch alone.
 
     Returns (expert_gpu [L, E], sample_gpu [N], ``MigrationStats``).
     """
@@ -193,6 +264,7 @@ def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndar
     prev = previous_expert_gpu(options, model, cluster)
     perm = relabel_to_previous(expert_gpu, prev, cluster)
     obpp = float(options.optimizer_bytes_per_param)
+    horizon = {"move_horizon": options.move_horizon, "previous_loads": options.previous_loads} if credit else {}
     if samples_fixed:
         sg = np.asarray(sample_gpu, dtype=np.int64)
         x = placement_loads(batch, micro_batch, sg, num_micro_batches, cluster.num_gpus)
@@ -200,9 +272,9 @@ def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndar
         for p in (np.arange(cluster.num_gpus), perm):
             eg_p = p[expert_gpu]
             kept, inf = keep_previous_layers(x, eg_p, prev, model, cluster, node_comp=node_comp,
-                                             optimizer_bytes_per_param=obpp)
+                                             optimizer_bytes_per_param=obpp, **horizon)
             total = sum(step_moe_seconds(x[:, l], kept[l], model, cluster, node_comp) for l in range(x.shape[1]))
-            total += inf["relayout_s"]
+            total += inf["relayout_s"] - sum(inf.get("credit_s", ()))
             if best is None or total < best[0] * (1 - 1e-12):
                 best = (total, p, eg_p, kept, inf)
         _, perm, eg_p, eg, info = best
@@ -213,7 +285,7 @@ def migrate(expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndar
         x = placement_loads(batch, micro_batch, sg, num_micro_batches, cluster.num_gpus)
         moved_before = int((eg != prev).sum())
         eg, info = keep_previous_layers(x, eg, prev, model, cluster, node_comp=node_comp,
-                                        optimizer_bytes_per_param=obpp)
+                                        optimizer_bytes_per_param=obpp, **horizon)
     return eg, sg, MigrationStats(enabled=True, relabel=perm.tolist(), moved_after_relabel=moved_before,
                                   moved=int((eg != prev).sum()), **info)
 

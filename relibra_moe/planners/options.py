@@ -142,6 +142,20 @@ class PlanOptions:
         num_groups: EPLB expert groups, int >= 1 (None: no hierarchy).
         migration: price expert moves against ``previous`` (relibra*): relabel by the fabric's symmetries and
             keep a layer's previous homes where the new ones do not pay for their move.
+        move_horizon: the batches a re-layout of the experts is expected to serve, int >= 1 (relibra*; with
+            ``migration`` and ``step_objective``). With more than 1 and ``previous_loads``, a move is credited
+            ``move_horizon - 1`` times what its homes are expected to save on each later batch, judged on the
+            previous batch, which they were not planned for: in the migration pricing per layer
+            (``migration.horizon_gains``), in relibra's portfolio per candidate (its simulated saving over the
+            best plan that keeps the homes, scaled by ``migration.carry_over``; candidate ``relibra-horizon``).
+            The simulator still charges the whole re-layout to the step that moves, which may be slower than
+            staying by up to the credit. 1 (default), or no ``previous_loads`` (the first batch of a run): no
+            credit, a move pays for itself on its own step (docs/method.md, "Moves that pay over several
+            batches").
+        previous_loads: with ``move_horizon > 1``, the previous batch's loads as it ran: tokens ``[M', L, G, E]``
+            per (micro-batch, layer, source GPU, expert) under its plan's sample placement
+            (``evaluate.plan_loads``; finite, >= 0; the shape against the model and cluster is checked when
+            planning). None: no earlier batch.
         previous: placement before this batch (a ``Placement`` or int ``[L, E]``; None: the static one).
         history: eplb-history's past loads, tokens per (layer, expert): ``[L, E]`` of one batch or ``[W, L, E]``
             of a window of W >= 1 batches (finite, >= 0; None: no batch seen yet, the trivial layout). The
@@ -207,6 +221,8 @@ class PlanOptions:
     token_cap: int | None = None
     num_groups: int | None = None
     migration: bool = True
+    move_horizon: int = 1
+    previous_loads: Any = None
     previous: Any = None
     history: Any = None
     optimizer_bytes_per_param: float = DEFAULT_OPTIMIZER_BYTES_PER_PARAM
@@ -234,6 +250,7 @@ class PlanOptions:
                          ("num_groups", 1), ("token_cap", 1), ("cell_chunk", 1)):
             check_optional_int(name, getattr(self, name), lo)
         check_int("rounds", self.rounds, 1)
+        check_int("move_horizon", self.move_horizon, 1)
         check_choice("objective", self.objective, OBJECTIVES)
         for name in _BOOLS:
             check_bool(name, getattr(self, name))
@@ -251,6 +268,22 @@ class PlanOptions:
         if self.keep_cell_sizes and self.token_cap is not None:
             raise PlanError(f"token_cap={self.token_cap!r} lets micro-batches change their sample counts; "
                             "keep_cell_sizes=True keeps every (micro-batch, GPU) cell's count: drop one of them")
+        if self.move_horizon != 1 and not self.migration:
+            raise PlanError(f"move_horizon={self.move_horizon!r} credits expert moves with their later savings; "
+                            "migration=False (--migration free) plans them free: drop one of them")
+        if self.move_horizon != 1 and not self.step_objective:
+            raise PlanError(f"move_horizon={self.move_horizon!r} credits expert moves against the step they are "
+                            "charged to; step_objective=False ranks plans by the sum of T_MoE, which charges no "
+                            "move: drop one of them")
+        if self.previous_loads is not None:
+            if self.move_horizon == 1:
+                raise PlanError(f"previous_loads (shape {np.shape(self.previous_loads)}) only informs "
+                                "move_horizon > 1; with move_horizon=1 a move pays for itself on its own step")
+            pl = np.asarray(self.previous_loads)
+            if pl.ndim != 4 or pl.size == 0 or pl.dtype.kind not in "iuf":
+                raise PlanError(f"previous_loads must be [M, L, G, E] token counts (numbers), got shape {pl.shape} "
+                                f"of dtype {pl.dtype}")
+            check_token_counts("previous_loads", pl)
         if self.token_cap is not None and not self.repack:
             raise PlanError(f"token_cap={self.token_cap!r} only applies with repack=True (--repack)")
         object.__setattr__(self, "replicate", ReplicateOptions.of(self.replicate))
@@ -332,14 +365,17 @@ class PlanOptions:
             if getattr(self, name) is not None and strategy not in RELIBRA_STRATEGIES:
                 raise PlanError(f"{name}={getattr(self, name)!r} only applies to {' and '.join(RELIBRA_STRATEGIES)}, "
                                 f"not strategy {strategy!r}")
+        if self.move_horizon != 1 and strategy not in RELIBRA_STRATEGIES:
+            raise PlanError(f"move_horizon={self.move_horizon!r} only applies to {' and '.join(RELIBRA_STRATEGIES)} "
+                            f"(they price their moves), not strategy {strategy!r}")
         if self.history is not None and strategy not in HISTORY_STRATEGIES:
             raise PlanError(f"history= (past loads of shape {np.shape(self.history)}) only applies to strategy "
                             f"{' and '.join(map(repr, HISTORY_STRATEGIES))}, not {strategy!r}")
 
     def strategy_options(self) -> dict[str, Any]:
         """The strategy options that differ from their defaults (``stats.options`` of a plan): JSON-ready,
-        ``previous`` recorded as the SHA-1 of its int64 ``[L, E]`` homes, ``history`` as the SHA-1 of its float64
-        loads and their shape."""
+        ``previous`` recorded as the SHA-1 of its int64 ``[L, E]`` homes, ``history`` and ``previous_loads`` as the
+        SHA-1 of their float64 loads and their shape."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name in ("replica_slots", "seed", "workers", "repack", "cell_chunk", "replicate"):
@@ -355,7 +391,7 @@ class PlanOptions:
             elif f.name == "sample_gpu":
                 sg = np.ascontiguousarray(v, dtype=np.int64)
                 v = f"sha1:{hashlib.sha1(sg.data).hexdigest()} shape {list(sg.shape)}"
-            elif f.name == "history":
+            elif f.name in ("history", "previous_loads"):
                 h = np.ascontiguousarray(v, dtype=np.float64)
                 v = f"sha1:{hashlib.sha1(h.data).hexdigest()} shape {list(h.shape)}"
             out[f.name] = v

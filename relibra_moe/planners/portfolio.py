@@ -6,30 +6,32 @@ Every candidate is judged by ``ctx.evaluator`` (default ``evaluation.SimulatedSt
 ``steady.evaluate_plan`` run it, moves charged against ``previous``, replica traffic by the one fetch rule of
 ``timing.replica_push_overlap``; replicas known from the replay, fetched per layer, or once per batch when the
 same in every micro-batch)
-and scored under the caller's options (``portfolio_score``: moves and replicas free when the options say so).
+and scored under the caller's options (``portfolio_score``: moves and replicas free when the options say so; with
+``move_horizon`` > 1 and ``previous_loads``, a candidate that moves experts less its expected savings on later
+batches, ``_Candidates.credit``, in ``stats.portfolio.credit_s``).
 
 Candidates, in order: relibra's own plan; ``relibra-inter`` (the annealed homes finished without the
-replication-aware migration pricing, no replicas); then, on every placement of ``portfolio_placements``
-(round-robin, verl's length-balanced, longest-first; the trainer's only when it owns the samples; the name
-suffix says which), the baselines' plans on the same batch and options: eplb-history (with option ``history``),
-static; then ``previous`` (the previous homes, relibra's priced replicas) and online (with replica slots, unless
-``previous`` provably dominates it: ``_previous_dominates_online``); then (option
+replication-aware migration pricing, no replicas); with option ``move_horizon`` > 1 and ``previous_loads``,
+``relibra-horizon`` (``_add_horizon``: the annealed homes priced with the horizon's credit); then, on every
+placement of ``portfolio_placements`` (round-robin, verl's length-balanced, longest-first; the trainer's only when
+it owns the samples; the name suffix says which), the baselines' plans on the same batch and options: eplb-history
+(with option ``history``), static; then ``previous`` (the previous homes, relibra's priced replicas) and online
+(with replica slots, unless ``previous`` provably dominates it: ``_previous_dominates_online``); then (option
 ``portfolio_balancers``, ``_add_balancers``) EPLB+ (``eplb``) and, with replica slots, LPLB+ (``lplb``), exactly as
-those strategies plan them; each of these built only when its lower bound
-(``bounds.replicated_step_lower_bound``; EPLB+'s and LPLB+'s with their own copies) is below the best
-score so far (else ``stats.portfolio.pruned`` holds the bound). LPLB+ comes after EPLB+: its exact LP split per
-cell is the costly candidate (its water-filling split is cheap but measurably slower, so it would not keep the
-guarantee; docs/method.md, "The portfolio"). Last, on two nodes or more, relibra's homes and samples with
-cross-node locality replicas (``locality_replicas``): ``locality-resident`` (resident for the whole batch, charged
-``persistent``; option ``resident_replicas``, which also drops every other resident candidate when off) and
-``locality-per-micro-batch`` (charged ``per-layer``), each pruned by ``bounds.global_replica_step_lower_bound``;
-and resident locality replicas on the previous homes (``previous-locality``) and on relibra's homes with every
-placement's samples, all resident ones in the order of the same bounds, before the per-micro-batch one
-(``_add_locality``).
-The replay shows relibra the routing these baselines see, so each is a plan relibra may choose; relibra's and
-online's replicas are charged as relibra's (per layer), never more than the baseline's own after-router fetch;
-those that are the same in every micro-batch (EPLB+'s, LPLB+'s, eplb-history's, ``locality-resident``) once per
-batch (``ReplicaPlan.resident``: the layer runs them resident).
+those strategies plan them; each of these built only when its lower bound (``bounds.replicated_step_lower_bound``;
+EPLB+'s and LPLB+'s with their own copies) is below the best score so far (else ``stats.portfolio.pruned`` holds the
+bound). LPLB+ comes after EPLB+: its exact LP split per cell is the costly candidate (its water-filling split is
+cheap but measurably slower, so it would not keep the guarantee; docs/method.md, "The portfolio"). Last, on two
+nodes or more, relibra's homes and samples with cross-node locality replicas (``locality_replicas``):
+``locality-resident`` (resident for the whole batch, charged ``persistent``; option ``resident_replicas``, which
+also drops every other resident candidate when off) and ``locality-per-micro-batch`` (charged ``per-layer``), each
+pruned by ``bounds.global_replica_step_lower_bound``; and resident locality replicas on the previous homes
+(``previous-locality``) and on relibra's homes with every placement's samples, all resident ones in the order of the
+same bounds, before the per-micro-batch one (``_add_locality``). The replay shows relibra the routing these
+baselines see, so each is a plan relibra may choose; relibra's and online's replicas are charged as relibra's (per
+layer), never more than the baseline's own after-router fetch; those that are the same in every micro-batch
+(EPLB+'s, LPLB+'s, eplb-history's, ``locality-resident``) once per batch (``ReplicaPlan.resident``: the layer runs
+them resident).
 
 The chosen candidate (``least_moving_best``): the lowest score; among those within ``1e-9`` of it, the one that
 moves the fewest experts, then samples: a move must buy step time (on one node, where locality saves no RDMA
@@ -61,6 +63,7 @@ from .locality_replicas import (
     relocate_cells,
 )
 from .lplb import lplb_batch_copies, lplb_homes, lplb_parts
+from .migration import carry_over
 from .options import PlanOptions, ReplicateOptions
 
 __all__ = ["Candidate", "portfolio", "portfolio_placements", "portfolio_score", "least_moving_best", "padded"]
@@ -121,6 +124,8 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     L, G, M = ctx.model.num_layers, ctx.cluster.num_gpus, ctx.num_micro_batches
     pf = _Candidates(ctx, own, portfolio_placements(ctx), strategies)
     pf.add("relibra-inter", lambda: (*finish_inter(ctx, *annealed, PlanStats()), None))
+    if pf.crediting:
+        _add_horizon(pf, annealed, replicas)
     for suffix in pf.places:
         if ctx.options.history is not None:
             pf.add("eplb-history" + suffix, lambda s=suffix: pf.baseline("eplb-history", s))
@@ -130,8 +135,10 @@ def portfolio(ctx: PlanContext, own: dict[str, Candidate],
     _add_replicated(pf, replicas)
     _add_balancers(pf)
     _add_locality(pf)
+    pf.credit()
     chosen = least_moving_best(ctx, pf.cands, pf.steps, pf.previous_homes)
-    ctx.stats.portfolio = PortfolioStats(chosen=chosen, step_s=pf.steps, pruned=pf.pruned or None)
+    ctx.stats.portfolio = PortfolioStats(chosen=chosen, step_s=pf.steps, pruned=pf.pruned or None,
+                                         credit_s=pf.credits or None)
     eg, mb, sg, reps = pf.cands[chosen]
     return make_plan(ctx, eg, mb, sg, padded(reps, M, L, G, ctx.replica_slots))
 
@@ -151,8 +158,62 @@ class _Candidates:
         self.steps: dict[str, float] = {}
         self.modes: dict[str, str] = {}
         self.pruned: dict[str, float] = {}
+        self.relayout: dict[str, float] = {}  # the re-layout seconds each judged candidate's step charges
+        self.credits: dict[str, float] = {}  # option move_horizon: seconds taken off a moving candidate's score
+        o = ctx.options
+        self.crediting = o.move_horizon > 1 and o.previous_loads is not None  # (options: with migration, step)
         self.timing = ctx.stats.timings()
         self._loads: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (micro_batch, gpu, x)
+
+    def stays(self, name: str) -> bool:
+        """Whether candidate ``name`` keeps the previous homes (it moves no expert)."""
+        return bool(np.array_equal(self.cands[name][0], self.previous_homes))
+
+    def stay_score(self) -> float | None:
+        """The least score of the judged candidates that keep the previous homes (None before one is judged, or
+        when every one was pruned: then no credit is given)."""
+        judged = [v for k, v in self.steps.items() if self.stays(k)]
+        if judged:
+            return min(judged)
+        return None
+
+    def credited_bound(self, bound: float, homes: np.ndarray) -> float:
+        """A lower bound of the credited score (``credit``) of any candidate with homes ``homes [L, E]`` whose
+        score is at least ``bound``: the credit is at most ``(H - 1) max(0, U - step + R)`` (U the least score that
+        keeps the homes so far, R the homes' re-layout), and ``step - that`` is non-decreasing in the step; -inf
+        while no candidate that keeps the homes has been judged."""
+        if np.array_equal(homes, self.previous_homes):
+            return bound
+        u = self.stay_score()
+        if u is None:
+            return -np.inf
+        ctx = self.ctx
+        r = ctx.evaluator.relayout_seconds(self.previous, Placement(homes), ctx.model, ctx.cluster, self.opb)
+        h = ctx.options.move_horizon
+        return bound if bound >= u + r else h * bound - (h - 1) * (u + r)
+
+    def credit(self) -> None:
+        """Option ``move_horizon`` H > 1 with ``previous_loads``: take off the score of every judged candidate that
+        moves experts ``(H - 1) x carry_over x max(0, S - (step - R))``, its expected saving on each later batch:
+        S the least score that keeps the previous homes, ``step - R`` the candidate's score without its re-layout
+        (what it would cost on a batch that moves nothing), ``migration.carry_over`` the share of its homes'
+        saving that they keep on the previous batch, which they were not planned for. ``credits`` records them."""
+        if not self.crediting:
+            return
+        ctx, s = self.ctx, self.stay_score()
+        if s is None:
+            return
+        for name in list(self.steps):
+            gain = s - (self.steps[name] - self.relayout[name])
+            if self.stays(name) or gain <= 0.0:
+                continue
+            eg, mb, sg, _ = self.cands[name]
+            share = carry_over(self.loads_of(mb, sg), ctx.options.previous_loads, eg, self.previous_homes, ctx.model,
+                               ctx.cluster, ctx.migration_node_comp)
+            credit = (ctx.options.move_horizon - 1) * share * gain
+            if credit > 0.0:
+                self.steps[name] -= credit
+                self.credits[name] = credit
 
     def add(self, name: str, make: Callable[[], Candidate]) -> None:
         """Build candidate ``name`` (its wall seconds to ``timing["portfolio_<name>_s"]``)."""
@@ -194,7 +255,22 @@ class _Candidates:
         st = ctx.evaluator.step(plan, ctx.lengths, self.loads_of(mb, sg), ctx.model, ctx.cluster, self.previous,
                                 self.opb)
         self.steps[name], self.modes[name] = portfolio_score(st, ctx.options), st.replica_mode
+        self.relayout[name] = float(st.reorder_s)
         self.timing["portfolio_simulate_s"] = self.timing.get("portfolio_simulate_s", 0.0) + time.perf_counter() - t0
+
+
+def _add_horizon(pf: _Candidates, annealed: tuple[np.ndarray, np.ndarray, np.ndarray, bool],
+                 replicas: Callable[[PlanContext, np.ndarray, np.ndarray, np.ndarray], ReplicaPlan]) -> None:
+    """``relibra-horizon`` (option ``move_horizon`` > 1 with ``previous_loads``): the annealed homes finished by the
+    migration pricing with the horizon's credit (``finish_inter(credit=True)``: a layer moves where its saving on
+    this batch and the ones after pays for it), with relibra's replicas; not built where it equals relibra's own
+    plan. relibra's own plan prices its moves against this batch alone, so the candidates that keep the homes, the
+    reference of every credit (``_Candidates.credit``), are the ones relibra would choose without a horizon."""
+    ctx = pf.ctx
+    eg, mb, sg = finish_inter(ctx, *annealed[:3], ctx.migration_node_comp, PlanStats(), credit=True)
+    if all(np.array_equal(a, b) for a, b in zip((eg, mb, sg), pf.own[:3])):
+        return
+    pf.add("relibra-horizon", lambda: (eg, mb, sg, replicas(ctx, eg, mb, sg)))
 
 
 def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray, np.ndarray, np.ndarray],
@@ -216,7 +292,7 @@ def _add_replicated(pf: _Candidates, replicas: Callable[[PlanContext, np.ndarray
             _add_unless_pruned(pf, name, None if base == "online" and ctx.repack else bound,  # repack: its samples
                                (lambda m=mb, g=sg: (prev, m, g, replicas(ctx, prev, m, g) if ctx.replica_slots
                                                     else None))
-                               if base == "previous" else (lambda s=suffix: pf.baseline("online", s)))
+                               if base == "previous" else (lambda s=suffix: pf.baseline("online", s)), homes)
 
 
 def _previous_dominates_online(ctx: PlanContext, previous_homes: np.ndarray, static_homes: np.ndarray) -> bool:
@@ -276,14 +352,14 @@ def _add_locality(pf: _Candidates) -> None:
             if ctx.executor.expired:
                 return
             _add_unless_pruned(pf, name, bound, lambda h=homes, m=pmb, g=psg: (h, m, g, locality_replicas(
-                pf.loads_of(m, g), h, ctx.model, ctx.cluster, r, True, ctx.executor)))
+                pf.loads_of(m, g), h, ctx.model, ctx.cluster, r, True, ctx.executor)), homes)
     if entries > MAX_LOADS_ENTRIES or ctx.executor.expired:
         return
     sg_c = sg if ctx.trainer_owned or G > RELOCATE_MAX_GPUS else _relocated(pf, eg, mb, sg)
     x = pf.loads_of(mb, sg_c)
     bound = global_replica_step_lower_bound(ctx, eg, mb, sg_c, x, pf.previous, pf.opb)
     _add_unless_pruned(pf, "locality-per-micro-batch", bound, lambda: (eg, mb, sg_c, locality_replicas(
-        x, eg, ctx.model, ctx.cluster, r, False, ctx.executor)))
+        x, eg, ctx.model, ctx.cluster, r, False, ctx.executor)), eg)
     _add_colocated(pf)
 
 
@@ -311,7 +387,7 @@ def _add_colocated(pf: _Candidates) -> None:
             return
         name = "colocated-" + ("resident" if resident else "per-micro-batch")
         _add_unless_pruned(pf, name, bound, lambda res=resident: (homes, mb, sg_c, locality_replicas(
-            x, homes, ctx.model, ctx.cluster, r, res, ctx.executor)))
+            x, homes, ctx.model, ctx.cluster, r, res, ctx.executor)), homes)
 
 
 def _relocated(pf: _Candidates, expert_gpu: np.ndarray, micro_batch: np.ndarray, sample_gpu: np.ndarray
@@ -369,12 +445,17 @@ def _add_bounded(pf: _Candidates, name: str, homes: np.ndarray, mb: np.ndarray, 
     ctx = pf.ctx
     bound = None if ctx.repack else replicated_step_lower_bound(ctx, homes, mb, sg, pf.loads_of(mb, sg), pf.previous,
                                                                  pf.opb, replica_expert)
-    _add_unless_pruned(pf, name, bound, make)
+    _add_unless_pruned(pf, name, bound, make, homes)
 
 
-def _add_unless_pruned(pf: _Candidates, name: str, bound: float | None, make: Callable[[], Candidate]) -> None:
-    """Build (``make``) and judge candidate ``name`` unless its lower bound ``bound`` (seconds; None: no bound)
-    already reaches the best score so far: then it cannot win, and ``pf.pruned[name]`` keeps the bound."""
+def _add_unless_pruned(pf: _Candidates, name: str, bound: float | None, make: Callable[[], Candidate],
+                       homes: np.ndarray) -> None:
+    """Build (``make``) and judge candidate ``name`` (homes ``[L, E]``) unless its lower bound ``bound`` (seconds;
+    None: no bound) already reaches the best score so far: then it cannot win, and ``pf.pruned[name]`` keeps the
+    bound. With option ``move_horizon``'s credit the bound is ``pf.credited_bound`` of it, against the best score
+    before credits (no candidate's credited score is above it)."""
+    if bound is not None and pf.crediting:
+        bound = pf.credited_bound(bound, homes)
     if bound is not None and bound >= min(pf.steps.values()):
         pf.pruned[name] = bound
         return

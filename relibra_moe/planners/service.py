@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlanError
+from ..evaluate import plan_loads
 from ..plan import BatchPlan, Placement, check_replica_slots
 from ..plan_stats import DeadlineStats
 from ..specs import ClusterSpec, ModelSpec
@@ -170,6 +171,7 @@ class Planner:
         self.executor_fallback: str | None = None  # why "ray" became "process" (on_ray_failure="process")
         self.task_hook = task_hook
         self.previous: Placement | None = None
+        self._previous_loads: np.ndarray | None = None  # option move_horizon > 1: the last batch as it ran
         self._pool: ProcessPoolExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
         self._ray_fn = None
@@ -210,7 +212,9 @@ class Planner:
         default ``sample_owner="planner"`` it must be None (PlanError).
 
         Moves are priced against the option ``previous`` if given, else this planner's last placement (the
-        first call: the static one); a reorder layer whose tasks all fail keeps that placement.
+        first call: the static one); a reorder layer whose tasks all fail keeps that placement. With option
+        ``move_horizon`` > 1 and no option ``previous``, the last batch's loads under its plan are this call's
+        ``previous_loads`` (``PlanOptions``; none on the first call).
         """
         check_batch_fits(batch, self.model, self.cluster)
         deadline = None if self.deadline_s is None else time.monotonic() + float(self.deadline_s)
@@ -221,7 +225,8 @@ class Planner:
             self.previous.expert_gpu.shape == (L, E) else None
         opts = base = self.options if sample_gpu is None else self.options.replace(sample_gpu=sample_gpu)
         if last is not None and opts.previous is None:
-            opts = opts.replace(previous=last)
+            opts = opts.replace(previous=last, **({} if self._previous_loads is None or opts.previous_loads is not None
+                                                  else {"previous_loads": self._previous_loads}))
         fallback = last if opts.previous is None else np.asarray(getattr(opts.previous, "expert_gpu", opts.previous),
                                                                  dtype=np.int64)
         ctx = make_context(batch, self.model, self.cluster, self.strategy, opts, _PlannerExecutor(self, deadline),
@@ -240,6 +245,8 @@ class Planner:
         if deadline is not None:
             plan.stats.timings()["deadline_overrun_s"] = max(0.0, time.monotonic() - deadline)
         self.previous = plan.placement
+        if self.options.move_horizon > 1:
+            self._previous_loads = plan_loads(plan, batch, self.cluster.num_gpus)
         return plan
 
     def _connect_ray(self, deadline: float | None) -> None:

@@ -125,7 +125,7 @@ def strategy_relibra(ctx: PlanContext) -> BatchPlan:
     rank-level balance instead."""
     eg0, mb0, sg0 = anneal_inter(ctx)
     node_comp = ctx.options.rank_balance[0]
-    eg, mb, sg = finish_inter(ctx, eg0, mb0, sg0, node_comp or ctx.replica_slots > 0, ctx.stats)
+    eg, mb, sg = finish_inter(ctx, eg0, mb0, sg0, ctx.migration_node_comp, ctx.stats)
     t0 = time.perf_counter()
     replicas = relibra_replicas(ctx, eg, mb, sg)
     ctx.stats.timings()["replicate_s"] = time.perf_counter() - t0

@@ -87,6 +87,7 @@ def test_compare_steady_mode_chains_plans(trace_file, tmp_path, capsys):
     (["--layers", "30"], "--layers=30 exceeds the 24 MoE layers"),
     (["--replica-slots", "-1"], "--replica-slots=-1 must be >= 0"),
     (["--rebalance-every", "0"], "--rebalance-every=0 must be >= 1"),
+    (["--move-horizon", "0"], "--move-horizon=0 must be >= 1"),
 ])
 def test_compare_bad_arguments(trace_file, capsys, args, message):
     path, _ = trace_file
@@ -140,6 +141,39 @@ def test_compare_agrees_with_plan_previous_and_simulate(trace_file, tmp_path, ca
             assert got["t_moe_s"] == pytest.approx(row["t_moe_s"], rel=1e-12)
             prev = plan
     assert res["strategies"]["online"]["per_step"][0]["replica_mode"] == "after-router"
+
+
+@pytest.mark.timeout(600)
+def test_compare_move_horizon_plans_relibra_from_the_batch_before(trace_file, tmp_path, capsys):
+    """`relibra compare --batches 2 --move-horizon 4`: relibra's second plan is the library's with the first
+    batch's loads under its first plan as ``previous_loads`` (and the steady runner's history); the simulator
+    charges its moves in full."""
+    from relibra_moe.evaluate import plan_loads
+    from relibra_moe.planners.strategies import plan_batch
+    from relibra_moe.sim import simulate_step
+    from relibra_moe.specs import cluster_preset, model_preset
+    from relibra_moe.steady import consecutive_batches
+
+    path, _ = trace_file
+    out = tmp_path / "horizon.json"
+    rc, _, _ = _run(["compare", str(path), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "2",
+                     "--strategies", "static,relibra", "--replica-slots", "1", "--layers", "2", "--batches", "2",
+                     "--move-horizon", "4", "--json", str(out)], capsys)
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["move_horizon"] == 4
+    b0, b1 = consecutive_batches(TraceBatch.load(path).restrict_layers(2), 2)
+    model = model_preset("gpt-oss-20b").with_(num_layers=2)
+    cluster = cluster_preset(nodes=2, gpus_per_node=2)
+    p0 = plan_batch(b0, model, cluster, "relibra", replica_slots=1, move_horizon=4)
+    p1 = plan_batch(b1, model, cluster, "relibra", replica_slots=1, previous=p0.placement, move_horizon=4,
+                    previous_loads=plan_loads(p0, b0, cluster.num_gpus),
+                    history=b0.sample_expert_counts().sum(axis=0)[None])
+    rows = res["strategies"]["relibra"]["per_step"]
+    for k, (plan, batch, prev) in enumerate(((p0, b0, None), (p1, b1, p0.placement))):
+        step = simulate_step(plan, batch, model, cluster, previous=prev)
+        assert rows[k]["step_s"] == pytest.approx(step.step_s, rel=1e-12)
+        assert rows[k]["experts_moved"] == step.experts_moved
 
 
 def test_compare_rate_band_and_overlap(trace_file, tmp_path, capsys):

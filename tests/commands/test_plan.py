@@ -699,3 +699,45 @@ def test_cli_overlap_and_bound(trace_file, tmp_path, capsys):
     assert res["step_s"] == pytest.approx(simulate_step(plan, batch, MODEL, cluster).step_s, rel=1e-12)
     scored = _run(["score", str(trace_file), str(out), "--model", "gpt-oss-20b", "--json"], capsys)
     assert scored["cluster"]["overlap"] == "none" and scored["step_s"] > res["step_s"]
+
+
+@pytest.mark.timeout(300)
+def test_move_horizon_judges_the_new_homes_on_the_previous_trace(trace_file, tmp_path, capsys):
+    first, second, prev_trace = tmp_path / "first.npz", tmp_path / "second.npz", tmp_path / "prev.npz"
+    _batch(seed=5).save(prev_trace)
+    _run(["plan", str(prev_trace), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "4", "--strategy",
+          "relibra-inter", "--micro-batch-size", "4", "--out", str(first), "--json", *FAST], capsys)
+    _run(_plan_args(trace_file, second, "relibra-inter", "--previous", str(first), "--move-horizon", "4",
+                    "--previous-trace", str(prev_trace)), capsys)
+    a, b = BatchPlan.load(first), BatchPlan.load(second)
+    assert b.stats.options["move_horizon"] == 4 and b.stats.options["previous_loads"].startswith("sha1:")
+    from relibra_moe.evaluate import plan_loads
+
+    ref = plan_batch(_batch().with_micro_batch_size(4), MODEL, CLUSTER, "relibra-inter", iters=300,
+                     locality_iters=300, previous=a.placement, move_horizon=4,
+                     previous_loads=plan_loads(a, _batch(seed=5).with_micro_batch_size(4), CLUSTER.num_gpus))
+    np.testing.assert_array_equal(b.placement.expert_gpu, ref.placement.expert_gpu)
+    assert b.stats.options == ref.stats.options
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--move-horizon", "4", "--previous", "{first}"], "--move-horizon=4 with --previous {first} needs "
+                                                       "--previous-trace"),
+    (["--previous-trace", "{trace}"], "--previous-trace {trace} only applies with --move-horizon > 1 and "
+                                      "--previous PLAN.npz"),
+    (["--move-horizon", "2", "--previous-trace", "{trace}"], "--previous-trace {trace} only applies with"),
+    (["--move-horizon", "2", "--previous", "{first}", "--previous-trace", "{trace}"],
+     "--previous-trace {trace} against --previous {first}: plan was made for another batch"),
+    (["--move-horizon", "0"], "move_horizon=0 must be an int >= 1"),
+])
+def test_move_horizon_flags_that_do_not_fit_name_the_flag(trace_file, tmp_path, capsys, extra, match):
+    first = tmp_path / "first.npz"
+    other = tmp_path / "other.npz"
+    _batch(seed=5).save(other)
+    _run(["plan", str(other), "--model", "gpt-oss-20b", "--nodes", "2", "--gpus-per-node", "4", "--strategy",
+          "static", "--micro-batch-size", "4", "--out", str(first), "--json"], capsys)
+    subs = {"first": str(first), "trace": str(trace_file)}
+    rc = main(_plan_args(trace_file, tmp_path / "out.npz", "relibra-inter", *[e.format(**subs) for e in extra]))
+    assert rc == 1
+    assert match.format(**subs) in capsys.readouterr().err
+    assert not (tmp_path / "out.npz").exists()

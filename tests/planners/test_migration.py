@@ -11,6 +11,9 @@ import pytest
 from relibra_moe.cost import moe_cost
 from relibra_moe.errors import PlanError
 from relibra_moe.planners.migration import (
+    carry_over,
+    homes_savings,
+    horizon_gains,
     is_symmetry,
     keep_previous_layers,
     migrate,
@@ -156,3 +159,67 @@ def test_migrate_relabels_samples_with_homes_unless_the_trainer_owns_them():
         totals.append(sum(step_moe_seconds(x[:, l], kept[l], MODEL, CLUSTER) for l in range(3)) + inf["relayout_s"])
     want = perm.argsort() if totals[1] < totals[0] * (1 - 1e-12) else np.arange(CLUSTER.num_gpus)  # ties: identity
     assert np.array_equal(np.asarray(fixed.relabel), want)
+
+
+# ------------------------------------------------------------------ option move_horizon (the credit)
+def _step_seconds(x_layer, homes):
+    """Independent reference: sum over micro-batches of 3 max comp + 2 max comm of one layer (moe_cost)."""
+    c = moe_cost(x_layer, homes, MODEL, CLUSTER)
+    return float((3 * c.comp.max(-1) + 2 * c.comm.max(-1)).sum())
+
+
+def _homes(rng, L):
+    G, E = CLUSTER.num_gpus, MODEL.num_experts
+    return np.stack([rng.permutation(np.repeat(np.arange(G), E // G)) for _ in range(L)])
+
+
+def test_horizon_gains_take_the_lesser_saving_and_nothing_where_the_homes_stay():
+    rng = np.random.default_rng(0)
+    L, G, E = MODEL.num_layers, CLUSTER.num_gpus, MODEL.num_experts
+    x = rng.gamma(0.5, 2e4, size=(2, L, G, E))
+    before = rng.gamma(0.5, 2e4, size=(3, L, G, E))
+    prev, eg = _homes(rng, L), _homes(rng, L)
+    eg[1] = prev[1]  # layer 1 keeps its homes
+    now_ref = np.array([_step_seconds(x[:, l], prev[l]) - _step_seconds(x[:, l], eg[l]) for l in range(L)])
+    before_ref = np.array([_step_seconds(before[:, l], prev[l]) - _step_seconds(before[:, l], eg[l])
+                           for l in range(L)])
+    now_ref[1] = before_ref[1] = 0.0
+    np.testing.assert_allclose(homes_savings(x, eg, prev, MODEL, CLUSTER), now_ref, rtol=1e-9, atol=1e-15)
+    want = np.maximum(0.0, np.minimum(now_ref, before_ref))
+    np.testing.assert_allclose(horizon_gains(x, before, eg, prev, MODEL, CLUSTER), want, rtol=1e-9,
+                               atol=1e-15)
+    share = carry_over(x, before, eg, prev, MODEL, CLUSTER)
+    assert share == pytest.approx(min(1.0, want.sum() / now_ref.sum()) if now_ref.sum() > 0 else 0.0, rel=1e-9)
+    assert 0.0 <= share <= 1.0
+    # the same batch twice carries everything over; homes that save nothing here carry nothing
+    assert carry_over(x, x, eg, prev, MODEL, CLUSTER) == pytest.approx(1.0) or now_ref.sum() <= 0
+    assert carry_over(x, before, prev, prev, MODEL, CLUSTER) == 0.0
+    with pytest.raises(PlanError, match=r"loads of shape \(3, 3, 4, 12\): expected \[M, L=3, G=6, E=12\]"):
+        horizon_gains(x, before[:, :, :4], eg, prev, MODEL, CLUSTER)
+
+
+def test_the_credit_buys_moves_whose_saving_carries_over_and_none_that_do_not():
+    rng = np.random.default_rng(2)
+    M, L, G, E = 2, MODEL.num_layers, CLUSTER.num_gpus, MODEL.num_experts
+    x = rng.gamma(0.5, 20.0, size=(M, L, G, E))  # light loads: each layer saves 12-25% of its move
+    prev = np.stack([np.repeat(np.arange(G), E // G)] * L)
+    eg = np.stack([rng.permutation(prev[0]) for _ in range(L)])
+    alone, info = keep_previous_layers(x, eg, prev, MODEL, CLUSTER)
+    gains, moves = np.array(info["gain_s"]), np.array(info["move_s"])
+    assert "credit_s" not in info
+    unpaid = [l for l in range(L) if 0 < gains[l] < moves[l]]
+    assert unpaid == [0, 1, 2] and info["layers_kept"] == [0, 1, 2]  # no move pays on this batch alone
+    # the previous batch was this one: every saving carries over, so a long enough horizon pays every move
+    h = int(np.ceil(max(moves[l] / gains[l] for l in unpaid))) + 1
+    out, inf = keep_previous_layers(x, eg, prev, MODEL, CLUSTER, move_horizon=h, previous_loads=x)
+    for l in range(L):
+        if gains[l] > 0:
+            np.testing.assert_array_equal(out[l], eg[l])
+            assert inf["credit_s"][l] == pytest.approx((h - 1) * gains[l], rel=1e-9)
+        else:
+            np.testing.assert_array_equal(out[l], prev[l])
+    # a previous batch on which the new homes save nothing (no tokens) earns no credit at any horizon
+    none, inf0 = keep_previous_layers(x, eg, prev, MODEL, CLUSTER, move_horizon=10**6,
+                                      previous_loads=np.zeros_like(x))
+    np.testing.assert_array_equal(none, alone)
+    assert "credit_s" not in inf0

@@ -130,3 +130,30 @@ def test_replicate_options_are_replicate_cells_keywords_with_its_defaults():
               if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert params == ReplicateOptions().kwargs()
     assert params == {"candidates": None, "comm_candidates": True, "passes": 0, "polish": None, "polish_tol": 0.005}
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"move_horizon": 0}, "move_horizon=0 must be an int >= 1"),
+    ({"move_horizon": True}, "move_horizon=True must be an int"),
+    ({"move_horizon": 4, "migration": False}, "move_horizon=4 credits expert moves .* migration=False"),
+    ({"move_horizon": 4, "step_objective": False}, "move_horizon=4 credits .* step_objective=False"),
+    ({"previous_loads": np.zeros((1, 2, 2, 4))}, r"previous_loads \(shape \(1, 2, 2, 4\)\) only informs "
+                                                  "move_horizon > 1"),
+    ({"move_horizon": 2, "previous_loads": np.zeros((2, 2, 4))}, r"previous_loads must be \[M, L, G, E\]"),
+    ({"move_horizon": 2, "previous_loads": np.full((1, 1, 2, 2), -1.0)},
+     r"previous_loads\[0, 0, 0, 0\] = -1.0: token counts must be finite and >= 0"),
+])
+def test_bad_horizon_options_name_the_option(kw, match):
+    with pytest.raises(PlanError, match=match):
+        PlanOptions(**kw)
+
+
+def test_horizon_options_apply_to_relibra_only_and_are_recorded():
+    PlanOptions(move_horizon=4).check_for("relibra-inter")
+    with pytest.raises(PlanError, match="move_horizon=4 only applies to relibra and relibra-inter .* not strategy "
+                                        "'eplb-history'"):
+        PlanOptions(move_horizon=4).check_for("eplb-history")
+    rec = PlanOptions(move_horizon=4, previous_loads=np.ones((1, 2, 2, 4))).strategy_options()
+    assert rec["move_horizon"] == 4 and rec["previous_loads"].startswith("sha1:")
+    assert rec["previous_loads"].endswith("shape [1, 2, 2, 4]")
+    assert "move_horizon" not in PlanOptions().strategy_options()

@@ -10,14 +10,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from relibra_moe.errors import PlanError
 from relibra_moe.evaluate import plan_loads
 from relibra_moe.plan import Placement, ReplicaPlan
+from relibra_moe.planners import portfolio as portfolio_module
 from relibra_moe.planners.evaluation import SIMULATED_STEP
 from relibra_moe.planners.executor import default_executor
 from relibra_moe.planners.locality_replicas import locality_replicas
 from relibra_moe.planners.options import PlanOptions
 from relibra_moe.planners.portfolio import least_moving_best, padded, portfolio_placements, portfolio_score
-from relibra_moe.planners.strategies import make_context, plan_with_options
+from relibra_moe.planners.strategies import make_context, plan_batch, plan_with_options
+from relibra_moe.sim import simulate_step
 from relibra_moe.specs import ClusterSpec, ModelSpec
 from relibra_moe.synthetic import rl_batch
 
@@ -288,3 +291,105 @@ def test_the_balancers_option_and_r_0():
     assert off.stats.options["portfolio_balancers"] is False
     zero = plan_with_options(batch, MODEL, CLUSTER, "relibra", PlanOptions(**FAST))
     assert "eplb" in names(zero.stats.portfolio) and "lplb" not in names(zero.stats.portfolio)
+
+
+# ------------------------------------------------------------------ option move_horizon (the credit)
+# a one-node cell where relibra without a horizon keeps the static homes, and with one moves 10 experts
+HMODEL = ModelSpec("t", hidden=2048, ffn=768, num_experts=16, top_k=2, num_layers=2)
+HCLUSTER = ClusterSpec(nodes=1, gpus_per_node=4)
+HFAST = {"iters": 300, "locality_iters": 200, "optimizer_bytes_per_param": 30.0}
+
+
+@pytest.fixture(scope="module")
+def horizon_cell():
+    """Two consecutive synthetic batches and relibra's plan of the first (no horizon: it keeps the static homes)."""
+    b0 = rl_batch(HMODEL, "code", 4, responses_per_prompt=4, seed=1, micro_batch_size=8, max_len=1024)
+    b1 = rl_batch(HMODEL, "code", 4, responses_per_prompt=4, seed=2, micro_batch_size=8, max_len=1024)
+    p0 = plan_batch(b0, HMODEL, HCLUSTER, "relibra", replica_slots=0, **HFAST)
+    assert int((p0.placement.expert_gpu != _static()).sum()) == 0
+    return b0, b1, p0
+
+
+def _static():
+    return np.repeat(np.arange(HCLUSTER.num_gpus), HMODEL.num_experts // HCLUSTER.num_gpus)[None].repeat(
+        HMODEL.num_layers, axis=0)
+
+
+def test_relibra_with_a_horizon_moves_where_it_pays_and_says_what_it_credited(horizon_cell):
+    b0, b1, p0 = horizon_cell
+    kw = dict(replica_slots=0, previous=p0.placement, **HFAST)
+    stay = plan_batch(b1, HMODEL, HCLUSTER, "relibra", **kw)
+    prev_loads = plan_loads(p0, b0, HCLUSTER.num_gpus)
+    move = plan_batch(b1, HMODEL, HCLUSTER, "relibra", move_horizon=4, previous_loads=prev_loads, **kw)
+    assert int((stay.placement.expert_gpu != p0.placement.expert_gpu).sum()) == 0
+    assert int((move.placement.expert_gpu != p0.placement.expert_gpu).sum()) > 0
+    pf = move.stats.portfolio
+    assert pf.chosen == "relibra-horizon" and pf.credit_s[pf.chosen] > 0
+    assert move.stats.options["move_horizon"] == 4
+    # the simulator charges the whole move to this step; it may exceed staying by at most the credit, and the
+    # homes are faster than staying on every batch that does not move them again
+    first = simulate_step(move, b1, HMODEL, HCLUSTER, previous=p0.placement)
+    base = simulate_step(stay, b1, HMODEL, HCLUSTER, previous=p0.placement).step_s
+    assert first.reorder_s > 0 and first.step_s <= base + pf.credit_s[pf.chosen] + 1e-12
+    assert first.step_s - first.reorder_s < base
+    # no earlier batch, or one on which the new homes save nothing: the plan without a horizon
+    for loads in (None, np.zeros_like(prev_loads)):
+        same = plan_batch(b1, HMODEL, HCLUSTER, "relibra", move_horizon=4, previous_loads=loads, **kw)
+        np.testing.assert_array_equal(same.placement.expert_gpu, stay.placement.expert_gpu)
+        np.testing.assert_array_equal(same.samples.gpu, stay.samples.gpu)
+        assert same.stats.portfolio.credit_s is None
+
+
+def test_the_credited_pruning_bound_is_below_every_credited_score(horizon_cell, monkeypatch):
+    """With pruning off, every candidate that would have been bounded is built: its credited bound
+    (``_Candidates.credited_bound``, what ``_add_unless_pruned`` compares) must not exceed its final score."""
+    b0, b1, p0 = horizon_cell
+    seen: dict[str, float] = {}
+    lowered: list[str] = []
+    real = portfolio_module._add_unless_pruned
+
+    def record(pf, name, bound, make, homes):
+        if bound is not None:
+            seen[name] = pf.credited_bound(bound, homes)
+            if -np.inf < seen[name] < bound:
+                lowered.append(name)
+        real(pf, name, None, make, homes)
+
+    monkeypatch.setattr(portfolio_module, "_add_unless_pruned", record)
+    for cl in (HCLUSTER, ClusterSpec(nodes=2, gpus_per_node=2)):
+        seen.clear()
+        plan = plan_batch(b1, HMODEL, cl, "relibra", replica_slots=1, previous=p0.placement.expert_gpu,
+                          move_horizon=8, previous_loads=plan_loads(p0, b0, cl.num_gpus), **HFAST)
+        steps = plan.stats.portfolio.step_s
+        assert seen and set(seen) <= set(steps)
+        for name, bound in seen.items():
+            assert bound <= steps[name] + 1e-12, (cl.nodes, name)
+    assert lowered  # some bound was lowered by a credit, not only left at -inf or as it was
+
+
+def test_the_steady_runner_and_the_planner_pass_the_last_batch(horizon_cell):
+    from relibra_moe.planners.service import Planner
+    from relibra_moe.steady import plan_steady, run_steady
+
+    b0, b1, _ = horizon_cell
+    plans, rows = plan_steady([b0, b1], HMODEL, HCLUSTER, "relibra", replica_slots=0, move_horizon=4, **HFAST)
+    kw = dict(replica_slots=0, previous=plans[0].placement, move_horizon=4,
+              previous_loads=plan_loads(plans[0], b0, HCLUSTER.num_gpus), **HFAST)
+    # the steady runner also hands relibra the last batch's expert loads (its eplb-history candidates)
+    direct = plan_batch(b1, HMODEL, HCLUSTER, "relibra", history=b0.sample_expert_counts().sum(axis=0)[None], **kw)
+    assert plans[1].stats.options == direct.stats.options
+    np.testing.assert_array_equal(plans[1].placement.expert_gpu, direct.placement.expert_gpu)
+    assert plans[1].stats.portfolio.credit_s == direct.stats.portfolio.credit_s
+    assert rows[1]["experts_moved"] > 0
+    with Planner(HMODEL, HCLUSTER, replica_slots=0, workers=1, executor="inline", move_horizon=4, **HFAST) as p:
+        first = p.plan(b0)
+        second = p.plan(b1)
+    np.testing.assert_array_equal(first.placement.expert_gpu, plans[0].placement.expert_gpu)
+    alone = plan_batch(b1, HMODEL, HCLUSTER, "relibra", **kw)
+    np.testing.assert_array_equal(second.placement.expert_gpu, alone.placement.expert_gpu)
+    assert second.stats.portfolio.credit_s == alone.stats.portfolio.credit_s
+    assert alone.stats.portfolio.chosen == "relibra-horizon"
+    res = run_steady([b0, b1], HMODEL, HCLUSTER, ("static", "relibra"), replica_slots=0, move_horizon=4)
+    assert res["move_horizon"] == 4
+    with pytest.raises(PlanError, match="move_horizon=0 must be an int >= 1"):
+        run_steady([b0], HMODEL, HCLUSTER, ("relibra",), move_horizon=0)
