@@ -293,7 +293,8 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
         "model": model.name, "layers": model.num_layers,
         "cluster": {"name": cluster.name, "nodes": cluster.nodes, "gpus_per_node": cluster.gpus_per_node},
         "replica_slots": int(replica_slots), "rebalance_every": int(rebalance_every), "window": int(window),
-        "move_horizon": move_horizon, "seed": int(seed), "sample_owner": sample_owner, "placements": list(placements), "strategies": {},
+        "move_horizon": move_horizon, "seed": int(seed), "sample_owner": sample_owner, "placements": list(placements),
+        "strategies": {},
         "metrics": {"t_moe_s": "sum of the forward T_MoE over micro-batches and layers, moves free (the paper's "
                                "metric)",
                     "step_s": "simulated training step: attention + MoE forward/backward, replica traffic and the "

@@ -48,6 +48,7 @@ from .plan import (
     load_sample_gpu,
     model_by_name,
     model_from_args,
+    option_default,
 )
 
 DEFAULT_COMPARE = "static,eplb,eplb-history,online,relibra"
@@ -86,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "history and keeps the static layout")
     p.add_argument("--window", type=int, default=1,
                    help="eplb-history: batches of load history EPLB sees (default %(default)s: the previous batch)")
-    p.add_argument("--move-horizon", type=int, default=1,
+    p.add_argument("--move-horizon", type=int, default=option_default("move_horizon"),
                    help="with --batches > 1, relibra: the batches a re-layout of its experts is expected to serve; "
                         "from the second batch on, a move is credited H - 1 times what its homes save on the batch "
                         "before (default %(default)s: a move pays for itself on its own step; the table charges "

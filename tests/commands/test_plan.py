@@ -395,7 +395,8 @@ def _field_default(name: str):
 
 # the option flags' help names the PlanOptions default (hand-written once here: a drift of either side fails)
 HELP_DEFAULTS = {"rounds": "2", "tol": "0.05", "beta": "20", "optimizer_bytes_per_param": "12", "objective": "batch",
-                 "replica_slots": "0", "seed": "0", "workers": "1", "sample_owner": "planner", "final_iters": "8"}
+                 "replica_slots": "0", "seed": "0", "workers": "1", "sample_owner": "planner", "final_iters": "8",
+                 "move_horizon": "1"}
 
 
 @pytest.mark.parametrize("command", ["plan", "compare", "demo"])
