@@ -283,8 +283,7 @@ def run_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluster
     check_choice("sample_owner", sample_owner, ("planner", "trainer", "both"))
     move_horizon = check_int("move_horizon", move_horizon, 1)
     if not placements:
-        raise PlanError("placements names no sample placement; give at least one of "
-                        f"{SAMPLE_PLACEMENTS}")
+        raise PlanError(f"placements names no sample placement; give at least one of {SAMPLE_PLACEMENTS}")
     for p in placements:
         check_choice("placements", p, SAMPLE_PLACEMENTS)
     out: dict[str, Any] = {
