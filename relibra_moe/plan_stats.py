@@ -265,6 +265,17 @@ class PlanStats(_Record):
             self.timing = {}
         return self.timing
 
+    @property
+    def move_credited(self) -> bool:
+        """Whether the plan's moves were taken on option ``move_horizon``'s credit: the portfolio's chosen candidate
+        was credited, or (relibra-inter, no portfolio) some layer's move was. A runner then gives the next
+        ``move_horizon - 1`` batches no ``previous_loads`` (``steady.plan_steady``, the ``Planner``): a credited
+        re-layout serves the batches it was credited for before another one can be."""
+        pf, mig = self.portfolio, self.migration
+        if pf is not None:
+            return bool(pf.credit_s and pf.credit_s.get(pf.chosen, 0.0) > 0.0)
+        return bool(mig is not None and mig.credit_s and any(c > 0.0 for c in mig.credit_s))
+
     def saved(self, include_timing: bool = False) -> dict[str, Any]:
         """The JSON object a plan file holds: ``to_dict`` without ``TIMING_FIELDS`` unless ``include_timing``."""
         out = self.to_dict()

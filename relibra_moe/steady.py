@@ -187,8 +187,9 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
     eplb-history relabels towards it), and the simulator charges the moves against that same placement
     (static before batch 0). eplb-history sees the loads of the last ``window`` batches every
     ``rebalance_every`` batches (``EplbSchedule``). ``replica_slots`` applies to the strategies that place
-    replicas (``REPLICA_STRATEGIES``), 0 elsewhere. ``options`` go to ``plan_batch``; with ``move_horizon`` > 1,
-    batch k's ``previous_loads`` are batch k - 1's loads under its plan's samples (``evaluate.plan_loads``).
+    replicas (``REPLICA_STRATEGIES``), 0 elsewhere. ``options`` go to ``plan_batch``; with ``move_horizon`` H > 1,
+    batch k's ``previous_loads`` are batch k - 1's loads under its plan's samples (``evaluate.plan_loads``), except
+    in the H - 1 batches after a plan whose move was credited (``PlanStats.move_credited``).
     ``sample_owner="trainer"``: every batch keeps the trainer's samples (``PlanOptions.sample_owner``), batch k's
     ranks ``sample_gpu[k]`` (int ``[N_k]``; None: round-robin in every batch).
 
@@ -208,6 +209,7 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
     plans: list[BatchPlan] = []
     rows: list[dict[str, Any]] = []
     prev: BatchPlan | None = None
+    settled = 0  # option move_horizon: the first batch given previous_loads again after a credited move
     for k, batch in enumerate(batches):
         if progress is not None:
             progress(strategy, k)
@@ -218,7 +220,7 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
                 opts["sample_gpu"] = sample_gpu[k]
         if prev is not None and strategy in PRICED_STRATEGIES + HISTORY_STRATEGIES:
             opts["previous"] = prev.placement
-        if prev is not None and opts.get("move_horizon", 1) != 1:  # the last batch as it ran
+        if prev is not None and opts.get("move_horizon", 1) != 1 and k >= settled:  # the last batch as it ran
             opts["previous_loads"] = plan_loads(prev, batches[k - 1], cluster.num_gpus)
         if strategy in HISTORY_STRATEGIES:
             opts["history"] = schedule.history_for(k)
@@ -232,6 +234,8 @@ def plan_steady(batches: Sequence[TraceBatch], model: ModelSpec, cluster: Cluste
         plans.append(plan)
         rows.append(row)
         prev = plan
+        if plan.stats.move_credited:  # its homes serve the batches they were credited for (PlanStats)
+            settled = k + int(options["move_horizon"])
     return plans, rows
 
 

@@ -172,6 +172,7 @@ class Planner:
         self.task_hook = task_hook
         self.previous: Placement | None = None
         self._previous_loads: np.ndarray | None = None  # option move_horizon > 1: the last batch as it ran
+        self._settled = 0  # batches left that a credited move's homes serve without another credit
         self._pool: ProcessPoolExecutor | None = None
         self._thread: ThreadPoolExecutor | None = None
         self._ray_fn = None
@@ -213,8 +214,9 @@ class Planner:
 
         Moves are priced against the option ``previous`` if given, else this planner's last placement (the
         first call: the static one); a reorder layer whose tasks all fail keeps that placement. With option
-        ``move_horizon`` > 1 and no option ``previous``, the last batch's loads under its plan are this call's
-        ``previous_loads`` (``PlanOptions``; none on the first call).
+        ``move_horizon`` H > 1 and no option ``previous``, the last batch's loads under its plan are this call's
+        ``previous_loads`` (``PlanOptions``; none on the first call, nor in the H - 1 calls after a plan whose move
+        was credited, ``PlanStats.move_credited``).
         """
         check_batch_fits(batch, self.model, self.cluster)
         deadline = None if self.deadline_s is None else time.monotonic() + float(self.deadline_s)
@@ -246,7 +248,8 @@ class Planner:
             plan.stats.timings()["deadline_overrun_s"] = max(0.0, time.monotonic() - deadline)
         self.previous = plan.placement
         if self.options.move_horizon > 1:
-            self._previous_loads = plan_loads(plan, batch, self.cluster.num_gpus)
+            self._settled = self.options.move_horizon - 1 if plan.stats.move_credited else max(self._settled - 1, 0)
+            self._previous_loads = None if self._settled else plan_loads(plan, batch, self.cluster.num_gpus)
         return plan
 
     def _connect_ray(self, deadline: float | None) -> None:

@@ -372,7 +372,9 @@ def test_the_steady_runner_and_the_planner_pass_the_last_batch(horizon_cell):
     from relibra_moe.steady import plan_steady, run_steady
 
     b0, b1, _ = horizon_cell
-    plans, rows = plan_steady([b0, b1], HMODEL, HCLUSTER, "relibra", replica_slots=0, move_horizon=4, **HFAST)
+    b2 = rl_batch(HMODEL, "code", 4, responses_per_prompt=4, seed=3, micro_batch_size=8, max_len=1024)
+    plans, rows = plan_steady([b0, b1, b2, b0, b1, b2], HMODEL, HCLUSTER, "relibra", replica_slots=0, move_horizon=4,
+                              **HFAST)
     kw = dict(replica_slots=0, previous=plans[0].placement, move_horizon=4,
               previous_loads=plan_loads(plans[0], b0, HCLUSTER.num_gpus), **HFAST)
     # the steady runner also hands relibra the last batch's expert loads (its eplb-history candidates)
@@ -380,10 +382,15 @@ def test_the_steady_runner_and_the_planner_pass_the_last_batch(horizon_cell):
     assert plans[1].stats.options == direct.stats.options
     np.testing.assert_array_equal(plans[1].placement.expert_gpu, direct.placement.expert_gpu)
     assert plans[1].stats.portfolio.credit_s == direct.stats.portfolio.credit_s
-    assert rows[1]["experts_moved"] > 0
+    assert rows[1]["experts_moved"] > 0 and plans[1].stats.move_credited
+    # the credited homes serve the 3 batches they were credited for: no previous_loads, so no credit, until then
+    assert ["previous_loads" in p.stats.options for p in plans] == [False, True, False, False, False, True]
     with Planner(HMODEL, HCLUSTER, replica_slots=0, workers=1, executor="inline", move_horizon=4, **HFAST) as p:
         first = p.plan(b0)
         second = p.plan(b1)
+        assert second.stats.move_credited
+        later = [p.plan(b) for b in (b2, b0)]
+    assert [a.stats.portfolio.credit_s for a in later] == [None, None]  # no evidence passed: no credit
     np.testing.assert_array_equal(first.placement.expert_gpu, plans[0].placement.expert_gpu)
     alone = plan_batch(b1, HMODEL, HCLUSTER, "relibra", **kw)
     np.testing.assert_array_equal(second.placement.expert_gpu, alone.placement.expert_gpu)
