@@ -31,6 +31,7 @@ DualPipe's.
 
     python bench/move_horizon.py --long --cells 0 1 2   # and 3 4 5 in a second process
     python bench/move_horizon.py --long --table
+    python bench/move_horizon.py --long --seed 1 --cells 0 1 2 3   # another draw: move_horizon_long_s1/
 """
 
 from __future__ import annotations
@@ -59,12 +60,13 @@ LONG_BATCHES = 8
 LONG_CELLS = tuple((ep, overlap) for ep in ((1, 8), (2, 4)) for overlap in ("none", "megatron", "dualpipe"))
 
 
-def long_cell(i: int):
-    """``(batches, model, cluster, desc)`` of ``LONG_CELLS[i]`` (module docstring, ``--long``)."""
+def long_cell(i: int, draw: int = 0):
+    """``(batches, model, cluster, desc)`` of ``LONG_CELLS[i]`` (module docstring, ``--long``), the requests in the
+    order of a draw with seed ``draw``."""
     from relibra_moe.specs import cluster_preset
 
     (nodes, gpn), overlap = LONG_CELLS[i]
-    seq, model, desc = gptoss_cell(703, 0, 8, 6, LONG_BATCHES)
+    seq, model, desc = gptoss_cell(703, draw, 8, 6, LONG_BATCHES)
     desc = dict(desc, ep=f"{nodes}x{gpn}", preset="h100", overlap=overlap, replica_slots=2, sample_owner="planner",
                 rebalance_every=1, window=1)
     return seq, model, cluster_preset("h100", nodes=nodes, gpus_per_node=gpn, overlap=overlap), desc
@@ -101,7 +103,7 @@ def run_cell(i: int, seed: int, batches: int, horizons: tuple[int, ...], long: b
     from relibra_moe.sample_placements import SAMPLE_PLACEMENTS
     from relibra_moe.steady import run_steady
 
-    seq, model, cluster, desc = long_cell(i) if long else cell_batches(i, seed, batches)
+    seq, model, cluster, desc = long_cell(i, seed) if long else cell_batches(i, seed, batches)
     kw = dict(replica_slots=desc["replica_slots"], seed=0, workers=1, placements=SAMPLE_PLACEMENTS,
               sample_owner=desc["sample_owner"], rebalance_every=desc["rebalance_every"], window=desc["window"])
     t0 = time.perf_counter()
@@ -128,7 +130,7 @@ def run_cell(i: int, seed: int, batches: int, horizons: tuple[int, ...], long: b
     first = str(horizons[0])
     gain = {h: {k: float(np.mean([figures(relibra[h][s])[k] / figures(relibra[first][s])[k] for s in relibra[h]]))
                 for k in ("run", "steady")} for h in relibra}
-    return {"cell": f"{i:03d}", "seed": None if long else seed + i, "desc": desc, "baselines": steps,
+    return {"cell": f"{i:03d}", "seed": seed if long else seed + i, "desc": desc, "baselines": steps,
             "relibra": relibra,
             "experts_moved": moved, "over_best": over, "over_first_horizon": gain,
             "seconds": time.perf_counter() - t0, "machine": platform.machine()}
@@ -165,14 +167,17 @@ def table(out: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", type=int, nargs="*", default=[], help="wide cell indices to run")
-    ap.add_argument("--seed", type=int, default=WIDE_SEED, help="the wide draw's seed (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help=f"the wide draw's seed (default {WIDE_SEED}); with --long, the requests' draw (default 0)")
     ap.add_argument("--batches", type=int, default=BATCHES, help="consecutive batches K (default %(default)s)")
     ap.add_argument("--horizons", default=",".join(map(str, HORIZONS)),
                     help="comma-separated move horizons, the first the reference (default %(default)s)")
     ap.add_argument("--long", action="store_true", help="the long real-trace chains (LONG_CELLS) instead")
     ap.add_argument("--table", action="store_true", help="print the table from the files and exit")
     args = ap.parse_args()
-    out = LONG_OUT if args.long else out_dir(args.seed, args.batches)
+    seed = (0 if args.long else WIDE_SEED) if args.seed is None else args.seed
+    out = (LONG_OUT if not seed else LONG_OUT.with_name(f"{LONG_OUT.name}_s{seed}")) if args.long \
+        else out_dir(seed, args.batches)
     if not args.table:
         horizons = tuple(int(h) for h in args.horizons.split(","))
         out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +185,7 @@ def main() -> None:
             f = out / f"{i:03d}.json"
             if f.exists():
                 continue
-            d = run_cell(i, args.seed, args.batches, horizons, args.long)
+            d = run_cell(i, seed, args.batches, horizons, args.long)
             write_text(f, json.dumps(d, indent=1, default=json_default))
             print(f"cell {i:03d}: " + ", ".join(f"H={h} {v['run']:.4f}/{v['steady']:.4f}"
                                                 for h, v in d["over_best"].items())

@@ -206,13 +206,9 @@ def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.nda
         raise PlanError(f"x {x.shape}, expert_gpu {eg.shape} and previous {prev.shape} do not match")
     L = eg.shape[0]
     nbytes = move_bytes(model, optimizer_bytes_per_param)
-    gains = np.zeros(L)
-    moves = np.zeros(L)
-    for l in range(L):
-        moves[l] = layer_move_seconds(prev[l], eg[l], model, cluster, optimizer_bytes_per_param)
-        if moves[l] > 0.0:
-            gains[l] = (step_moe_seconds(x[:, l], prev[l], model, cluster, node_comp)
-                        - step_moe_seconds(x[:, l], eg[l], model, cluster, node_comp))
+    moves = np.array([layer_move_seconds(prev[l], eg[l], model, cluster, optimizer_bytes_per_param)
+                      for l in range(L)])
+    gains = homes_savings(x, eg, prev, model, cluster, node_comp)
     credit = np.zeros(L)
     if move_horizon > 1 and previous_loads is not None:
         credit = (move_horizon - 1) * horizon_gains(x, previous_loads, eg, prev, model, cluster, node_comp)
