@@ -339,8 +339,13 @@ def cluster_of_plan(plan: BatchPlan, plan_path: str, cluster_name: str, profile:
 
 
 def load_previous(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str = "--previous") -> Placement:
-    """The placement of plan file ``path`` (for ``--previous``); PlanError naming the file and the field when it
-    is not a plan for this model (``num_layers``, ``num_experts``) and cluster (``num_gpus``, ``gpus_per_node``)."""
+    """The placement of plan file ``path`` (for ``--previous``): ``load_previous_plan``'s."""
+    return load_previous_plan(path, model, cluster, flag).placement
+
+
+def load_previous_plan(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str = "--previous") -> BatchPlan:
+    """Plan file ``path`` (for ``--previous``); PlanError naming the file and the field when it is not a plan for
+    this model (``num_layers``, ``num_experts``) and cluster (``num_gpus``, ``gpus_per_node``)."""
     from ..plan import BatchPlan
 
     try:
@@ -353,7 +358,7 @@ def load_previous(path: str, model: ModelSpec, cluster: ClusterSpec, flag: str =
                                   ("gpus_per_node", prev.gpus_per_node, cluster.gpus_per_node, "the cluster")):
         if have != want:
             raise PlanError(f"{flag} {path}: {field}={have}, but {of} has {field}={want}")
-    return prev.placement
+    return prev
 
 
 def plan_options(args: argparse.Namespace, *, previous: Placement | None = None, history: np.ndarray | None = None,
@@ -406,39 +411,36 @@ def load_history(paths: list[str], model: ModelSpec) -> np.ndarray:
     return np.stack(loads).astype(np.int64)
 
 
-def load_previous_loads(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec) -> np.ndarray | None:
+def load_previous_loads(args: argparse.Namespace, previous: BatchPlan | None, model: ModelSpec,
+                        cluster: ClusterSpec) -> np.ndarray | None:
     """``--previous-trace``'s loads, int64 ``[M, L, G, E]``: that trace under the sample placement of the
-    ``--previous`` plan, which must have been made for it (``evaluate.check_plan_batch``). None without
-    ``--move-horizon`` > 1 or without ``--previous`` (the first batch of a run: nothing to credit a move against).
+    ``--previous`` plan ``previous`` (``load_previous_plan``: checked against the model and cluster), which must
+    have been made for it (``evaluate.check_plan_batch``). None without ``--move-horizon`` > 1 or without
+    ``--previous`` (the first batch of a run: nothing to credit a move against).
 
     Raises:
         PlanError: ``--previous-trace`` without ``--move-horizon`` > 1 and ``--previous``; ``--previous`` with
             ``--move-horizon`` > 1 but no ``--previous-trace``; a trace the previous plan was not made for.
     """
     from ..evaluate import check_plan_batch, plan_loads
-    from ..plan import BatchPlan
     from ..trace import TraceBatch
 
     horizon = getattr(args, "move_horizon", None) or 1
     path = getattr(args, "previous_trace", None)
     if path is None:
-        if horizon > 1 and args.previous is not None:
+        if horizon > 1 and previous is not None:
             raise PlanError(f"--move-horizon={horizon} with --previous {args.previous} needs --previous-trace: the "
                             "trace that plan was made for, on which the new homes' savings are judged")
         return None
-    if horizon == 1 or args.previous is None:
+    if horizon == 1 or previous is None:
         raise PlanError(f"--previous-trace {path} only applies with --move-horizon > 1 and --previous PLAN.npz "
                         f"(got --move-horizon={horizon}, --previous={args.previous})")
     batch = TraceBatch.load(path)
-    prev = BatchPlan.load(args.previous)
     try:
-        check_plan_batch(prev, batch, model)
+        check_plan_batch(previous, batch, model)
     except PlanError as exc:
         raise PlanError(f"--previous-trace {path} against --previous {args.previous}: {exc}") from None
-    if prev.num_gpus != cluster.num_gpus:
-        raise PlanError(f"--previous {args.previous} places samples on {prev.num_gpus} GPUs, the cluster has "
-                        f"{cluster.num_gpus}")
-    return plan_loads(prev, batch, cluster.num_gpus)
+    return plan_loads(previous, batch, cluster.num_gpus)
 
 
 def load_inputs(trace_path: str, plan_path: str, model_name: str | ModelSpec, cluster_name: str,
@@ -497,8 +499,9 @@ def plan_file(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError(f"--replica-slots={args.replica_slots} only applies to {', '.join(REPLICA_STRATEGIES)}, "
                         f"not --strategy {args.strategy}")
     check_micro_batches(batch, args.trace, args.micro_batch_size)
-    previous = None if args.previous is None else load_previous(args.previous, model, cluster)
-    previous_loads = load_previous_loads(args, model, cluster)
+    prev_plan = None if args.previous is None else load_previous_plan(args.previous, model, cluster)
+    previous = None if prev_plan is None else prev_plan.placement
+    previous_loads = load_previous_loads(args, prev_plan, model, cluster)
     options = plan_options(args, previous=previous, previous_loads=previous_loads,
                            history=load_history(args.history, model) if args.history else None,
                            sample_gpu=load_sample_gpu(args.sample_gpu, args.sample_owner, batch.num_sequences))

@@ -147,33 +147,33 @@ def homes_savings(loads: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarra
     return out
 
 
-def horizon_gains(x: np.ndarray, previous_loads: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarray,
+def horizon_gains(now: np.ndarray, previous_loads: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarray,
                   model: ModelSpec, cluster: ClusterSpec, node_comp: bool = False) -> np.ndarray:
     """float64 ``[L]``: step seconds per later batch that the homes ``expert_gpu`` are expected to save over
-    ``previous`` (option ``move_horizon``): per layer, the lesser of ``homes_savings`` on this batch (loads ``x
-    [M, L, G, E]``) and on the previous one (``previous_loads [M', L, G, E]``, which the homes were not planned for),
-    and at least 0.
+    ``previous`` (option ``move_horizon``): per layer, the lesser of ``now`` (float ``[L]``, their
+    ``homes_savings`` on this batch) and their ``homes_savings`` on the previous batch (``previous_loads
+    [M', L, G, E]``, which the homes were not planned for), and at least 0.
 
     Homes planned for one batch always save something on it; what they save on a batch they did not see is what
     carries over, and taking the lesser of the two keeps the credit from chasing either batch's noise (a move
     whose saving does not carry over gets none, so relibra does not re-lay its experts out batch after batch).
     """
-    now = homes_savings(x, expert_gpu, previous, model, cluster, node_comp)
     before = homes_savings(previous_loads, expert_gpu, previous, model, cluster, node_comp)
     return np.maximum(0.0, np.minimum(now, before))
 
 
 def carry_over(x: np.ndarray, previous_loads: np.ndarray, expert_gpu: np.ndarray, previous: np.ndarray,
                model: ModelSpec, cluster: ClusterSpec, node_comp: bool = False) -> float:
-    """The share of what the homes ``expert_gpu`` save over ``previous`` on this batch (loads ``x``) that they are
-    expected to save on a later one, in [0, 1]: ``sum_l horizon_gains / sum_l homes_savings(x)`` (0 where they save
-    nothing on this batch). The portfolio scales a candidate's simulated saving by it (``PlanOptions.move_horizon``).
+    """The share of what the homes ``expert_gpu`` save over ``previous`` on this batch (loads ``x [M, L, G, E]``)
+    that they are expected to save on a later one, in [0, 1]: ``sum_l horizon_gains / sum_l homes_savings(x)`` (0
+    where they save nothing on this batch). The portfolio scales a candidate's simulated saving by it
+    (``PlanOptions.move_horizon``).
     """
     now = homes_savings(x, expert_gpu, previous, model, cluster, node_comp)
     total = float(now.sum())
     if total <= 0.0:
         return 0.0
-    gains = horizon_gains(x, previous_loads, expert_gpu, previous, model, cluster, node_comp)
+    gains = horizon_gains(now, previous_loads, expert_gpu, previous, model, cluster, node_comp)
     return float(min(1.0, max(0.0, gains.sum() / total)))
 
 
@@ -211,7 +211,7 @@ def keep_previous_layers(x: np.ndarray, expert_gpu: np.ndarray, previous: np.nda
     gains = homes_savings(x, eg, prev, model, cluster, node_comp)
     credit = np.zeros(L)
     if move_horizon > 1 and previous_loads is not None:
-        credit = (move_horizon - 1) * horizon_gains(x, previous_loads, eg, prev, model, cluster, node_comp)
+        credit = (move_horizon - 1) * horizon_gains(gains, previous_loads, eg, prev, model, cluster, node_comp)
     value = gains + credit
     cand = [l for l in range(L) if moves[l] > 0.0 and gains[l] > 0.0]
     cand.sort(key=lambda l: (-value[l] / moves[l], l))

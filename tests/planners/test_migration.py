@@ -186,7 +186,8 @@ def test_horizon_gains_take_the_lesser_saving_and_nothing_where_the_homes_stay()
     now_ref[1] = before_ref[1] = 0.0
     np.testing.assert_allclose(homes_savings(x, eg, prev, MODEL, CLUSTER), now_ref, rtol=1e-9, atol=1e-15)
     want = np.maximum(0.0, np.minimum(now_ref, before_ref))
-    np.testing.assert_allclose(horizon_gains(x, before, eg, prev, MODEL, CLUSTER), want, rtol=1e-9,
+    now = homes_savings(x, eg, prev, MODEL, CLUSTER)
+    np.testing.assert_allclose(horizon_gains(now, before, eg, prev, MODEL, CLUSTER), want, rtol=1e-9,
                                atol=1e-15)
     share = carry_over(x, before, eg, prev, MODEL, CLUSTER)
     assert share == pytest.approx(min(1.0, want.sum() / now_ref.sum()) if now_ref.sum() > 0 else 0.0, rel=1e-9)
@@ -195,7 +196,7 @@ def test_horizon_gains_take_the_lesser_saving_and_nothing_where_the_homes_stay()
     assert carry_over(x, x, eg, prev, MODEL, CLUSTER) == pytest.approx(1.0) or now_ref.sum() <= 0
     assert carry_over(x, before, prev, prev, MODEL, CLUSTER) == 0.0
     with pytest.raises(PlanError, match=r"loads of shape \(3, 3, 4, 12\): expected \[M, L=3, G=6, E=12\]"):
-        horizon_gains(x, before[:, :, :4], eg, prev, MODEL, CLUSTER)
+        horizon_gains(now, before[:, :, :4], eg, prev, MODEL, CLUSTER)
 
 
 def test_the_credit_buys_moves_whose_saving_carries_over_and_none_that_do_not():
